@@ -1,0 +1,53 @@
+# stead: every target creates/uses .venv itself.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+RUNSTAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck proto bench bench-quick etcd clean
+
+# torch and numpy are installed in one pip command (torch==2.13.0 is the CPU wheel on this machine)
+$(RUNSTAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+	$(BIN)/pip install -q "torch==2.13.0" "numpy==2.4.6"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(STAMP): $(RUNSTAMP) pyproject.toml
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+etcd:
+	@command -v etcd >/dev/null 2>&1 || { \
+	  echo "etcd not found: installing etcd-server with apt-get"; \
+	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server >/dev/null; }
+	@command -v etcd >/dev/null 2>&1 || { echo "etcd-server could not be installed"; exit 1; }
+
+demo: $(RUNSTAMP)
+	$(BIN)/python examples/demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check stead tests bench examples
+	$(BIN)/lint-imports
+
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict stead
+
+test: $(STAMP) etcd lint typecheck
+	$(BIN)/pytest -q
+
+proto: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/gen_proto.sh
+
+bench: $(STAMP) etcd
+	$(BIN)/python bench/master_events.py
+	-$(BIN)/python bench/recovery.py
+
+bench-quick: $(STAMP) etcd
+	$(BIN)/python bench/master_events.py --quick
+
+clean:
+	rm -rf $(VENV) .stead .pytest_cache .mypy_cache .ruff_cache

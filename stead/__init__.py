@@ -1,0 +1,40 @@
+"""stead: distributed PyTorch training jobs that keep going when things break.
+
+Worker-side API (cheap to import inside a training script)::
+
+    import stead
+    stead.report_step(step)          # microseconds: no RPC, read by the node's agent
+
+Embedding the control plane::
+
+    from stead import Master, MasterConfig
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["Master", "MasterConfig", "Settings", "report_step"]
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from stead.core.agent.progress import report_step
+    from stead.core.config import Settings
+    from stead.core.master import Master, MasterConfig
+
+
+def __getattr__(name: str) -> Any:
+    # lazy: a training script importing stead must not pay for grpc, etcd or the master
+    if name == "report_step":
+        from stead.core.agent.progress import report_step
+
+        return report_step
+    if name in ("Master", "MasterConfig"):
+        from stead.core import master
+
+        return getattr(master, name)
+    if name == "Settings":
+        from stead.core.config import Settings
+
+        return Settings
+    raise AttributeError(f"module 'stead' has no attribute {name!r}")

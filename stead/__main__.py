@@ -1,0 +1,7 @@
+"""``python -m stead`` is the ``stead`` command."""
+
+import sys
+
+from stead.cli import main
+
+sys.exit(main())

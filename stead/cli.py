@@ -1,0 +1,199 @@
+"""The ``stead`` command line: run, master, agent, status, events.
+
+The CLI is the only place that configures logging and the tracing SDK; it turns
+stead's errors into one clear line on stderr and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from stead.core.config import Settings
+from stead.core.errors import ConfigError, PermanentError, SteadError
+
+__all__ = ["main"]
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", choices=("console", "json"), default="console", help="log line format (stderr)")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error (default: info)")
+    p.add_argument("--trace", choices=("none", "console", "otlp"), default="none",
+                   help="export OpenTelemetry traces: console, otlp (needs the OTLP exporter and "
+                   "OTEL_EXPORTER_OTLP_ENDPOINT), or none")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a stead setting (repeatable), e.g. --set heartbeat_timeout_s=10")
+
+
+def _store_arg(p: argparse.ArgumentParser, *, required: bool) -> None:
+    p.add_argument("--store", required=required, default=None, metavar="URL",
+                   help="state store: memory://, sqlite:///path.db or etcd://host:port[,host:port]"
+                   + ("" if required else " (default: sqlite:///.stead/<job>.db)"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stead",
+        description="Run distributed PyTorch training jobs that keep going when things break.",
+        epilog="`stead run --help` lists the torchrun-compatible flags.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    sub.add_parser("run", help="run a training script like torchrun, with fast recovery", add_help=False)
+
+    m = sub.add_parser("master", help="run a job's master (control plane) until the job ends",
+                       description="Start (or resume) the master of a job. Prints its RPC address and the file "
+                       "holding the job token; agents started with `stead agent` connect to it.")
+    _store_arg(m, required=True)
+    m.add_argument("--job", required=True, help="job name")
+    m.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    m.add_argument("--port", type=int, default=0, help="RPC port (default: a free port)")
+    m.add_argument("--token-file", default=None, help="where to write the job token (default: .stead/<job>.token)")
+    _add_common(m)
+
+    a = sub.add_parser("agent", help="run one node's agent (normally started by the platform)")
+    a.add_argument("--master", required=True, metavar="HOST:PORT", help="the master's RPC address")
+    a.add_argument("--token-file", required=True, help="file holding the job token")
+    a.add_argument("--node-id", required=True, help="this node's id, as the master requested it")
+    a.add_argument("--incarnation", type=int, default=1, help="launch count of this node (default 1)")
+    _add_common(a)
+
+    e = sub.add_parser("events", help="print a job's event log, one line per event")
+    _store_arg(e, required=False)
+    e.add_argument("--job", required=True, help="job name")
+    e.add_argument("--follow", "-f", action="store_true", help="keep printing new events as they are appended")
+    e.add_argument("--from-seq", type=int, default=1, help="start at this sequence number")
+    _add_common(e)
+
+    s = sub.add_parser("status", help="show a job's phase, nodes, round, step and restarts")
+    _store_arg(s, required=False)
+    s.add_argument("--job", required=True, help="job name")
+    _add_common(s)
+    return parser
+
+
+def _settings(overrides: Sequence[str]) -> Settings:
+    values = {}
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r} must look like NAME=VALUE, e.g. --set heartbeat_timeout_s=10")
+        values[name.strip()] = value.strip()
+    return Settings.from_mapping(values, base=Settings.from_env())
+
+
+def _default_store(job: str) -> str:
+    return f"sqlite:///.stead/{job}.db"
+
+
+def _configure(args: argparse.Namespace) -> None:
+    from stead.core.logging import configure_logging
+    from stead.core.tracing import configure_tracing
+
+    configure_logging(args.log_format, level=args.log_level)
+    configure_tracing(args.trace)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":
+        from stead.core.runner import main as run_main
+
+        return run_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        _configure(args)
+        settings = _settings(args.overrides)
+        return asyncio.run(_dispatch(args, settings))
+    except KeyboardInterrupt:
+        print("stead: interrupted", file=sys.stderr)
+        return 130
+    except SteadError as exc:
+        print(f"stead {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILED
+
+
+async def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
+    if args.command == "master":
+        return await _master(args, settings)
+    if args.command == "agent":
+        from stead.core.agent.main import run_agent
+
+        return await run_agent(master=args.master, token_file=args.token_file, node_id=args.node_id,
+                               incarnation=args.incarnation, settings=settings)
+    if args.command == "events":
+        return await _events(args, settings)
+    if args.command == "status":
+        return await _status(args, settings)
+    raise ConfigError(f"unknown command {args.command!r}; see `stead --help`")
+
+
+async def _master(args: argparse.Namespace, settings: Settings) -> int:
+    from stead.core.master import Master, MasterConfig
+
+    config = MasterConfig(job=args.job, store_url=args.store, settings=settings, host=args.host, port=args.port,
+                          token_file=args.token_file)
+    async with Master(config) as master:
+        print(f"stead master for job {args.job!r} listening on {master.address}", flush=True)
+        print(f"job token written to {master.token_file}", flush=True)
+        print(f"agents: stead agent --master {master.address} --token-file {master.token_file} --node-id node-0",
+              flush=True)
+        state = await master.wait()
+        print(f"job {args.job!r} {state.phase.value}: {state.reason}", flush=True)
+        return 0 if state.phase.value == "succeeded" else EXIT_FAILED
+
+
+async def _events(args: argparse.Namespace, settings: Settings) -> int:
+    from stead.core.display import format_record
+    from stead.core.events.log import EventLog
+    from stead.core.master import open_store_retrying
+
+    store = await open_store_retrying(args.store or _default_store(args.job), settings)
+    try:
+        event_log = EventLog(store, args.job)
+        if args.follow:
+            async for item in event_log.follow(args.from_seq):
+                print(format_record(item), flush=True)
+        else:
+            items = await event_log.scan(args.from_seq)
+            if not items:
+                print(f"no events for job {args.job!r} in {store.url}", file=sys.stderr)
+                return EXIT_FAILED
+            for item in items:
+                print(format_record(item))
+    finally:
+        await store.close()
+    return 0
+
+
+async def _status(args: argparse.Namespace, settings: Settings) -> int:
+    from stead.core.display import format_status
+    from stead.core.events.log import EventLog
+    from stead.core.master import open_store_retrying
+    from stead.core.statemachine import JobState, transition
+
+    store = await open_store_retrying(args.store or _default_store(args.job), settings)
+    try:
+        records = await EventLog(store, args.job).read()
+    finally:
+        await store.close()
+    if not records:
+        raise PermanentError(f"no job {args.job!r} in {args.store or _default_store(args.job)}; "
+                             "check --job and --store (stead run uses sqlite:///.stead/<job>.db by default)")
+    state = JobState()
+    for record in records:
+        result = transition(state, record.event, now=record.at, seq=record.seq)
+        state = result.state
+    print(format_status(args.job, state))
+    return 0
+
+

@@ -1,0 +1,261 @@
+"""The node agent: registers with the master, heartbeats, runs the rounds it is told to run.
+
+One agent per node. It owns the node's worker processes (through a
+:class:`WorkerGroup` fed by a warm :class:`Zygote`), reports each worker failure
+at once with its exit code, signal and stderr tail, and obeys the master's
+command stream: start workers for round R, stop them, stop the node. When the
+master cannot be reached it keeps the workers running and retries with backoff:
+a master restart must not stop training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import anyio
+import structlog
+
+from stead.core.agent._zygote_main import _STARTUP_ENV as STARTUP_ENV
+from stead.core.agent.progress import ProgressFiles, ProgressReader
+from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
+from stead.core.agent.zygote import Zygote
+from stead.core.config import Settings
+from stead.core.errors import ConfigError, InvalidRequest, RetryableError, RpcUnavailable
+from stead.core.launch import RunConfig, Streams, parse_run_args, worker_env
+from stead.core.rpc import (
+    FailureInfo,
+    HeartbeatInfo,
+    MasterClient,
+    RegisterInfo,
+    StartWorkersCmd,
+    StopNodeCmd,
+    StopWorkersCmd,
+    read_token_file,
+    retrying,
+)
+
+__all__ = ["RUN_ARGV_ENV", "Agent", "run_agent"]
+
+log = structlog.get_logger("stead.agent")
+
+#: the `stead run` arguments of the job, as JSON, so every agent builds the same RunConfig
+RUN_ARGV_ENV = "STEAD_RUN_ARGV"
+#: what the zygote imports before forking workers: torch, and torch._dynamo, which DDP imports
+#: lazily on construction (about 2 s on a small CPU); neither runs a torch op or starts a thread
+ZYGOTE_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+#: poll the progress files this often between a round's start and its first step (fast "first step" report)
+_FIRST_STEP_POLL_S = 0.01
+
+
+class Agent:
+    def __init__(self, *, client: MasterClient, config: RunConfig, node_id: str, incarnation: int,
+                 settings: Settings) -> None:
+        self.client = client
+        self.config = config
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.settings = settings
+        self.nproc = config.nproc_per_node
+        self.round = 0
+        self.node_rank = 0
+        self._reported_failure = False
+        self._stopping = False
+        self._first_step_pending = False
+        self._group: WorkerGroup | None = None
+        self._progress: ProgressFiles | None = None
+        self._reader: ProgressReader | None = None
+        self._lock = anyio.Lock()
+        self._log = log.bind(node=node_id, incarnation=incarnation)
+
+    async def run(self) -> int:
+        preload = ZYGOTE_PRELOAD if not self.config.no_python else ()
+        with ProgressFiles(range(self.nproc)) as progress:
+            self._progress = progress
+            self._reader = ProgressReader(progress.paths)
+            try:
+                async with Zygote(self.settings, preload=preload, env=self._zygote_env()) as zygote, \
+                        WorkerGroup(self.settings, zygote=zygote) as group:
+                    self._group = group
+                    await self._register()
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._heartbeats)
+                        await self._obey(tg)
+                        tg.cancel_scope.cancel()
+            finally:
+                self._reader.close()
+        self._log.info("agent_exiting")
+        return 0
+
+    def _zygote_env(self) -> dict[str, str]:
+        """The agent's environment plus the start-up variables workers get (so they can be forked)."""
+        sample = worker_env(self.config, local_rank=0, node_rank=0, nnodes=1, restart_count=0,
+                            master_addr="127.0.0.1", master_port=1, world_size=self.nproc, run_id="")
+        env = dict(os.environ)
+        env.pop(RUN_ARGV_ENV, None)
+        env.update({k: v for k, v in sample.items() if k in STARTUP_ENV})
+        return env
+
+    # -- master ------------------------------------------------------------------
+
+    async def _register(self) -> None:
+        info = RegisterInfo(node_id=self.node_id, incarnation=self.incarnation, host=socket.gethostname(),
+                            pid=os.getpid(), nproc=self.nproc)
+        reply = await retrying(lambda: self.client.register(info), self.settings, what="register")
+        self._log.info("agent_registered", master=self.client.address, job=reply.job)
+
+    async def _obey(self, tg: anyio.abc.TaskGroup) -> None:
+        """Follow the command stream until told to stop the node; reconnect when it breaks."""
+        while True:
+            try:
+                async for command in self.client.commands(self.node_id, self.incarnation):
+                    match command:
+                        case StartWorkersCmd():
+                            await self._start_round(command, tg)
+                        case StopWorkersCmd():
+                            if command.round == self.round:
+                                await self._stop_workers(f"told to stop: {command.reason}")
+                        case StopNodeCmd():
+                            self._log.info("agent_stop", reason=command.reason)
+                            await self._stop_workers(command.reason)
+                            return
+            except RetryableError as exc:
+                self._log.warning("master_unreachable", error=str(exc), action="workers keep running; retrying")
+            await anyio.sleep(self.settings.retry_initial_s)
+            await self._register()
+
+    async def _heartbeats(self) -> None:
+        elapsed = 0.0
+        while True:
+            fast = self._first_step_pending
+            await anyio.sleep(_FIRST_STEP_POLL_S if fast else self.settings.heartbeat_interval_s)
+            elapsed += _FIRST_STEP_POLL_S if fast else self.settings.heartbeat_interval_s
+            step = self._step()
+            if fast and step is None and elapsed < self.settings.heartbeat_interval_s:
+                continue
+            if step is not None:
+                self._first_step_pending = False
+            elapsed = 0.0
+            assert self._group is not None
+            beat = HeartbeatInfo(node_id=self.node_id, incarnation=self.incarnation, round=self.round, step=step,
+                                 workers_alive=self._group.alive, rss_bytes=0, cpu_percent=0.0)
+            try:
+                if not await self.client.heartbeat(beat):
+                    self._log.warning("master_forgot_node", action="registering again")
+                    await self._register()
+            except RpcUnavailable as exc:
+                self._log.warning("heartbeat_failed", error=str(exc))
+
+    def _step(self) -> int | None:
+        """The step every local worker has reached (None until all of them reported one)."""
+        assert self._reader is not None
+        steps = self._reader.read()
+        if len(steps) < self.nproc:
+            return None
+        return min(s.step for s in steps.values())
+
+    # -- workers ---------------------------------------------------------------------
+
+    async def _start_round(self, command: StartWorkersCmd, tg: anyio.abc.TaskGroup) -> None:
+        async with self._lock:
+            assert self._group is not None and self._progress is not None
+            if command.round == self.round and self._group.alive:
+                return  # the same command again after a reconnect
+            await self._stop_workers(f"round {command.round} starts")
+            self._progress.reset()
+            self.round, self.node_rank = command.round, command.node_rank
+            self._reported_failure = False
+            self._stopping = False
+            specs = [self._spec(command, local_rank) for local_rank in range(self.nproc)]
+            await self._group.start(specs)
+            self._first_step_pending = True
+            tg.start_soon(self._watch_round, command.round)
+            self._log.info("round_started", round=command.round, node_rank=command.node_rank,
+                           world_size=command.world_size)
+        await self.client.report_workers(self.node_id, self.incarnation, command.round, "started")
+
+    def _spec(self, command: StartWorkersCmd, local_rank: int) -> WorkerSpec:
+        assert self._progress is not None
+        cfg = self.config
+        env = dict(os.environ)
+        env.update(worker_env(
+            cfg, local_rank=local_rank, node_rank=command.node_rank, nnodes=command.nnodes,
+            restart_count=command.restart_count, master_addr=command.master_addr, master_port=command.master_port,
+            world_size=command.world_size, run_id=cfg.rdzv_id,
+        ))
+        env.update(self._progress.env(local_rank))
+        env.pop(RUN_ARGV_ENV, None)
+        redirect = cfg.redirects[local_rank] if local_rank < len(cfg.redirects) else Streams.NONE
+        tee = cfg.tee[local_rank] if local_rank < len(cfg.tee) else Streams.NONE
+        stdout_path = stderr_path = None
+        if cfg.log_dir and (redirect | tee):
+            folder = Path(cfg.log_dir) / cfg.job_name / f"attempt_{command.round - 1}" / str(local_rank)
+            folder.mkdir(parents=True, exist_ok=True)
+            stdout_path = folder / "stdout.log" if (redirect | tee) & Streams.OUT else None
+            stderr_path = folder / "stderr.log" if (redirect | tee) & Streams.ERR else None
+        return WorkerSpec(argv=cfg.entrypoint, env=env, cwd=os.getcwd(), local_rank=local_rank,
+                          stdout_path=stdout_path, stderr_path=stderr_path, tee=bool(tee))
+
+    async def _stop_workers(self, reason: str) -> None:
+        assert self._group is not None
+        if self._group.alive:
+            self._stopping = True
+            self._log.info("workers_stop", reason=reason, round=self.round)
+            await self._group.stop()
+
+    async def _watch_round(self, round_: int) -> None:
+        assert self._group is not None
+        succeeded = 0
+        async for worker_exit in self._group.exits():
+            if round_ != self.round or self._stopping:
+                continue
+            if worker_exit.ok:
+                succeeded += 1
+                if succeeded == self.nproc:
+                    await self._report(lambda: self.client.report_workers(
+                        self.node_id, self.incarnation, round_, "succeeded"))
+            elif not self._reported_failure:
+                self._reported_failure = True
+                await self._report_failure(round_, worker_exit)
+
+    async def _report_failure(self, round_: int, worker_exit: WorkerExit) -> None:
+        assert self._reader is not None
+        progress = self._reader.read().get(worker_exit.local_rank)
+        info = FailureInfo(
+            node_id=self.node_id, incarnation=self.incarnation, round=round_, local_rank=worker_exit.local_rank,
+            rank=self.node_rank * self.nproc + worker_exit.local_rank, exit_code=worker_exit.exit_code,
+            signal=worker_exit.signal, step=progress.step if progress else None, error_tail=worker_exit.error_tail,
+        )
+        self._log.warning("worker_failed", round=round_, local_rank=info.local_rank, exit_code=info.exit_code,
+                          signal=info.signal)
+        await self._report(lambda: self.client.report_failure(info))
+
+    async def _report(self, call: object) -> None:
+        try:
+            await retrying(call, self.settings, what="report")  # type: ignore[arg-type]
+        except InvalidRequest as exc:
+            self._log.warning("report_refused", error=str(exc))
+
+
+def load_run_config() -> RunConfig:
+    raw = os.environ.get(RUN_ARGV_ENV)
+    if not raw:
+        raise ConfigError(f"{RUN_ARGV_ENV} is not set: `stead agent` is started by `stead run` or a platform, "
+                          "which passes the job's run arguments in it")
+    try:
+        argv = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{RUN_ARGV_ENV} is not a JSON list of arguments: {exc}") from exc
+    return parse_run_args(argv)
+
+
+async def run_agent(*, master: str, token_file: str, node_id: str, incarnation: int, settings: Settings) -> int:
+    config = load_run_config()
+    token = read_token_file(token_file)
+    structlog.contextvars.bind_contextvars(node=node_id)
+    async with MasterClient(master, token, call_timeout_s=settings.rpc_timeout_s) as client:
+        agent = Agent(client=client, config=config, node_id=node_id, incarnation=incarnation,
+                      settings=config.settings)
+        return await agent.run()

@@ -1,0 +1,167 @@
+"""Step progress from workers to their agent through a shared page: no RPC, no syscall per step.
+
+The agent creates one small file per local rank in a temporary directory it owns and
+passes its path in ``STEAD_PROGRESS_FILE``; the worker maps it and ``report_step``
+writes the step, the ``time.monotonic()`` clock (system-wide on Linux, so the agent can
+compare it with its own) and the pid. A sequence counter around the write (odd while
+writing) lets the reader discard a torn read. Without the variable (a script run by
+plain python or torchrun) ``report_step`` does nothing.
+
+Record layout, little endian, at offset 0: ``seq u64 | step i64 | time f64 | pid i64``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import NamedTuple
+
+__all__ = ["PROGRESS_ENV", "ProgressFiles", "ProgressReader", "StepProgress", "report_step"]
+
+PROGRESS_ENV = "STEAD_PROGRESS_FILE"
+
+_SEQ = struct.Struct("<Q")
+_BODY = struct.Struct("<qdq")
+_FILE_BYTES = 64
+#: attempts at a consistent read before keeping the previous value (a writer mid-update)
+_READ_ATTEMPTS = 8
+
+
+class StepProgress(NamedTuple):
+    """The last step a worker reported, when (``time.monotonic()`` seconds) and by which pid."""
+
+    step: int
+    time: float
+    pid: int
+
+
+# -- worker side ----------------------------------------------------------------------------
+
+
+class _Writer:
+    def __init__(self, view: mmap.mmap) -> None:
+        self.view = view
+        self.seq = _SEQ.unpack_from(view, 0)[0] & ~1  # carry on after a previous incarnation
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+
+
+_writer: _Writer | None = None
+_unusable: str | None = None  # a configured path that could not be mapped: not retried on every step
+
+
+def _open_writer() -> _Writer | None:
+    global _writer, _unusable
+    path = os.environ.get(PROGRESS_ENV)
+    if not path or path == _unusable:
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            _writer = _Writer(mmap.mmap(fd, _FILE_BYTES))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        _unusable = path  # progress is best effort: the agent removed the file or never made it
+    return _writer
+
+
+def _forget_after_fork() -> None:
+    global _writer, _unusable
+    _writer, _unusable = None, None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def report_step(step: int) -> None:
+    """Tell the agent this worker finished ``step``; a no-op outside a stead agent."""
+    writer = _writer or _open_writer()
+    if writer is None:
+        return
+    with writer.lock:
+        seq = writer.seq + 1
+        _SEQ.pack_into(writer.view, 0, seq)
+        _BODY.pack_into(writer.view, 8, step, time.monotonic(), writer.pid)
+        writer.seq = seq + 1
+        _SEQ.pack_into(writer.view, 0, seq + 1)
+
+
+# -- agent side -----------------------------------------------------------------------------
+
+
+class ProgressFiles:
+    """The agent's progress files, one per local rank, in a temporary directory removed on close."""
+
+    def __init__(self, local_ranks: Iterable[int], *, directory: str | Path | None = None) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="stead-progress-", dir=directory))
+        self.paths: dict[int, Path] = {}
+        for rank in local_ranks:
+            path = self.dir / f"rank{rank}"
+            path.write_bytes(bytes(_FILE_BYTES))
+            self.paths[rank] = path
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """The variable to add to the worker's environment."""
+        return {PROGRESS_ENV: str(self.paths[local_rank])}
+
+    def reset(self) -> None:
+        """Forget every reported step (before a new round's workers start)."""
+        for path in self.paths.values():
+            with open(path, "r+b") as handle:
+                handle.write(bytes(_FILE_BYTES))
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> ProgressFiles:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class ProgressReader:
+    """Reads the latest step of each local rank from the shared files."""
+
+    def __init__(self, paths: Mapping[int, str | Path]) -> None:
+        self._views: dict[int, mmap.mmap] = {}
+        self._last: dict[int, StepProgress] = {}
+        for rank, path in paths.items():
+            with open(path, "rb") as handle:
+                self._views[rank] = mmap.mmap(handle.fileno(), _FILE_BYTES, access=mmap.ACCESS_READ)
+
+    def read(self) -> dict[int, StepProgress]:
+        """local rank -> last reported step; ranks that have not reported yet are left out."""
+        for rank, view in self._views.items():
+            for _ in range(_READ_ATTEMPTS):
+                before = _SEQ.unpack_from(view, 0)[0]
+                step, when, pid = _BODY.unpack_from(view, 8)
+                if before & 1 == 0 and _SEQ.unpack_from(view, 0)[0] == before:
+                    if before == 0:
+                        self._last.pop(rank, None)
+                    else:
+                        self._last[rank] = StepProgress(step, when, pid)
+                    break
+        return dict(self._last)
+
+    def close(self) -> None:
+        for view in self._views.values():
+            view.close()
+        self._views.clear()
+
+    def __enter__(self) -> ProgressReader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,96 @@
+"""One error hierarchy for stead.
+
+Every message says what was wrong and what to do about it. Errors are split into
+*retryable* (the same call may succeed later: a store that is down, a lost
+connection) and *permanent* (bad input, corrupt data: retrying will not help)::
+
+    SteadError
+    ├── RetryableError
+    │   ├── StoreUnavailable        the state store cannot be reached
+    │   └── RpcUnavailable          the master cannot be reached over RPC
+    └── PermanentError
+        ├── ConfigError             bad configuration or command-line input
+        ├── CodecError              a stored or received record cannot be decoded
+        ├── LogCorrupt              the event log has a gap, duplicate or bad record
+        ├── LogConflict             another writer appended the same seq first
+        ├── StoreError              the store refused an operation
+        ├── PluginError             a plugin failed to load or validate
+        ├── PlatformError           the platform could not launch or kill a node
+        ├── Unauthenticated         an RPC carried a missing or wrong job token
+        └── InvalidRequest          an RPC or API call carried bad arguments
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CodecError",
+    "ConfigError",
+    "InvalidRequest",
+    "LogConflict",
+    "LogCorrupt",
+    "PermanentError",
+    "PlatformError",
+    "PluginError",
+    "RetryableError",
+    "RpcUnavailable",
+    "SteadError",
+    "StoreError",
+    "StoreUnavailable",
+    "Unauthenticated",
+]
+
+
+class SteadError(Exception):
+    """Base of every error stead raises on purpose."""
+
+
+class RetryableError(SteadError):
+    """The same operation may succeed if tried again later."""
+
+
+class PermanentError(SteadError):
+    """Retrying the same operation will not help; the input or data must change."""
+
+
+class StoreUnavailable(RetryableError):
+    """The state store could not be reached or timed out."""
+
+
+class RpcUnavailable(RetryableError):
+    """The master's RPC endpoint could not be reached."""
+
+
+class ConfigError(PermanentError):
+    """Configuration or command-line input is invalid."""
+
+
+class CodecError(PermanentError):
+    """A record could not be encoded or decoded."""
+
+
+class LogCorrupt(PermanentError):
+    """The event log is not a gap-free sequence of valid records."""
+
+
+class LogConflict(PermanentError):
+    """Another writer appended the sequence number this writer wanted."""
+
+
+class StoreError(PermanentError):
+    """The store rejected an operation (bad key, unknown lease, ...)."""
+
+
+class PluginError(PermanentError):
+    """A plugin could not be loaded or does not satisfy the plugin protocol."""
+
+
+class PlatformError(PermanentError):
+    """The platform could not carry out a launch or kill."""
+
+
+class Unauthenticated(PermanentError):
+    """An RPC carried no job token or the wrong one."""
+
+
+class InvalidRequest(PermanentError):
+    """A request carried arguments that cannot be honoured."""

@@ -1,0 +1,113 @@
+"""The event base class, the registry of event kinds and the JSON codec.
+
+Every event kind is a frozen dataclass registered under a dotted type name
+(``node.joined``) and a schema version. The codec writes
+``{"type": ..., "v": ..., "seq": ..., "at": ..., "data": {...}}`` and refuses
+unknown types and malformed records with an error that names the record.
+Plugins add their own kinds under their own namespace (``ckpt.persisted``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+from stead.core.errors import CodecError
+from stead.core.serde import from_json, to_json
+
+__all__ = ["Event", "Record", "decode_record", "encode_record", "event_kind", "event_types"]
+
+_REGISTRY: dict[str, type[Event]] = {}
+
+E = TypeVar("E", bound="Event")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Event:
+    """Base of every event kind. Subclasses are registered with :func:`event_kind`."""
+
+    type_name: ClassVar[str] = ""
+    version: ClassVar[int] = 1
+
+    @property
+    def entity(self) -> str:
+        """Which entity's queue the event belongs to (``job`` unless overridden)."""
+        return "job"
+
+
+def event_kind(name: str, *, version: int = 1) -> Callable[[type[E]], type[E]]:
+    """Register an event class under ``name`` (dotted, namespaced by owner)."""
+
+    def register(cls: type[E]) -> type[E]:
+        if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            raise TypeError(f"event {cls.__name__} must be a frozen dataclass")
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing is not cls:
+            raise TypeError(f"event type {name!r} is already registered by {existing.__qualname__}")
+        cls.type_name = name
+        cls.version = version
+        _REGISTRY[name] = cls
+        return cls
+
+    return register
+
+
+def event_types() -> dict[str, type[Event]]:
+    """All registered event kinds by type name."""
+    return dict(_REGISTRY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """An event as stored in the log: its sequence number and append time."""
+
+    seq: int
+    at: float
+    event: Event
+
+
+def encode_event(event: Event) -> dict[str, Any]:
+    cls = type(event)
+    if not cls.type_name:
+        raise CodecError(f"{cls.__qualname__} is not a registered event kind; decorate it with @event_kind")
+    return {"type": cls.type_name, "v": cls.version, "data": to_json(event)}
+
+
+def decode_event(obj: Any, *, where: str) -> Event:
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str) or "data" not in obj:
+        raise CodecError(f"{where}: not an event record (needs 'type' and 'data'): {str(obj)[:200]}")
+    name = obj["type"]
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise CodecError(f"{where}: unknown event type {name!r}; is the plugin that defines it installed?")
+    version = obj.get("v", 1)
+    if version != cls.version:
+        raise CodecError(f"{where}: event {name!r} has schema version {version!r}, this stead reads {cls.version}; "
+                         "upgrade stead to read this log")
+    try:
+        return from_json(cls, obj["data"], path=f"{where} {name}")
+    except TypeError as exc:
+        raise CodecError(f"{where}: {name}: {exc}") from exc
+
+
+def encode_record(record: Record) -> bytes:
+    body = encode_event(record.event)
+    body["seq"] = record.seq
+    body["at"] = record.at
+    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode_record(raw: bytes, *, where: str) -> Record:
+    """Decode one stored record; ``where`` names it (the store key) in errors."""
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CodecError(f"{where}: corrupt event record, not JSON ({exc}); "
+                         "restore the key from a backup or delete the job's log") from exc
+    event = decode_event(obj, where=where)
+    seq, at = obj.get("seq"), obj.get("at")
+    if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(at, (int, float)):
+        raise CodecError(f"{where}: event record lacks an integer 'seq' or numeric 'at'")
+    return Record(seq=seq, at=float(at), event=event)

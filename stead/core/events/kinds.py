@@ -1,0 +1,269 @@
+"""The core event kinds: job, node, worker, rendezvous, progress, plugins.
+
+Field names are part of the stored schema: add fields with defaults, never
+rename; bump the version for an incompatible change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from stead.core.events.base import Event, event_kind
+
+__all__ = [
+    "CheckpointCommitted",
+    "JobFailed",
+    "JobStopped",
+    "JobSubmitted",
+    "JobSucceeded",
+    "NodeExited",
+    "NodeJoined",
+    "NodeLost",
+    "NodeRequested",
+    "NodeStarted",
+    "PluginFailed",
+    "RecoveryAction",
+    "RecoveryDecided",
+    "RoundCompleted",
+    "RoundStarted",
+    "StepProgress",
+    "TimerFired",
+    "TransitionRejected",
+    "WorkerFailed",
+    "WorkersStarted",
+    "WorkersSucceeded",
+]
+
+
+
+# -- job ---------------------------------------------------------------------
+
+
+@event_kind("job.submitted")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobSubmitted(Event):
+    """A job was submitted: its shape, its restart budget and its entrypoint."""
+
+    job: str
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    max_restarts: int = 3
+    entrypoint: tuple[str, ...] = ()
+    last_call_timeout_s: float = 1.0
+    join_timeout_s: float = 600.0
+    max_node_relaunches: int = 3
+
+
+@event_kind("job.succeeded")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobSucceeded(Event):
+    reason: str = "all workers exited 0"
+
+
+@event_kind("job.failed")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobFailed(Event):
+    reason: str
+    message: str = ""
+    node_id: str | None = None
+    rank: int | None = None
+
+
+@event_kind("job.stopped")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobStopped(Event):
+    reason: str = "stopped by user"
+
+
+# -- nodes -------------------------------------------------------------------
+
+
+@event_kind("node.requested")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeRequested(Event):
+    """The master wants a node (first launch or relaunch, ``incarnation`` counts them)."""
+
+    node_id: str
+    incarnation: int
+
+    @property
+    def entity(self) -> str:
+        return f"node/{self.node_id}"
+
+
+@event_kind("node.started")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeStarted(Event):
+    """The platform reports the node's agent process or pod running."""
+
+    node_id: str
+    incarnation: int
+    host: str = ""
+    pid: int | None = None
+
+    @property
+    def entity(self) -> str:
+        return f"node/{self.node_id}"
+
+
+@event_kind("node.joined")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeJoined(Event):
+    """The node's agent registered with the master and can take a round."""
+
+    node_id: str
+    incarnation: int
+    host: str = ""
+    nproc: int = 1
+
+    @property
+    def entity(self) -> str:
+        return f"node/{self.node_id}"
+
+
+@event_kind("node.lost")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeLost(Event):
+    """The node stopped answering (heartbeat timeout) or its pod vanished."""
+
+    node_id: str
+    incarnation: int
+    reason: str = "heartbeat timeout"
+
+    @property
+    def entity(self) -> str:
+        return f"node/{self.node_id}"
+
+
+@event_kind("node.exited")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeExited(Event):
+    """The platform reports the node's agent gone, with its exit code or signal."""
+
+    node_id: str
+    incarnation: int
+    exit_code: int | None = None
+    signal: int | None = None
+
+    @property
+    def entity(self) -> str:
+        return f"node/{self.node_id}"
+
+
+# -- workers and rounds --------------------------------------------------------
+
+
+@event_kind("worker.failed")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerFailed(Event):
+    """A worker process exited non-zero or by a signal."""
+
+    node_id: str
+    round: int
+    local_rank: int
+    rank: int
+    exit_code: int | None = None
+    signal: int | None = None
+    step: int | None = None
+    error_tail: str = ""
+
+
+@event_kind("workers.started")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkersStarted(Event):
+    """A node's agent started all its workers for ``round``."""
+
+    node_id: str
+    round: int
+
+
+@event_kind("workers.succeeded")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkersSucceeded(Event):
+    """All of a node's workers for ``round`` exited 0."""
+
+    node_id: str
+    round: int
+
+
+class RecoveryAction(enum.Enum):
+    RESTART = "restart"
+    FAIL = "fail"
+
+
+@event_kind("recovery.decided")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecoveryDecided(Event):
+    """The diagnosis decided what a failure in ``round`` leads to."""
+
+    round: int
+    action: RecoveryAction
+    reason: str
+    message: str = ""
+    node_id: str | None = None
+    rank: int | None = None
+
+
+@event_kind("round.started")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoundStarted(Event):
+    """The master fixed a round's membership; node rank = index in ``members``."""
+
+    round: int
+    members: tuple[str, ...]
+    nproc_per_node: int
+    restart_count: int = 0
+
+
+@event_kind("round.completed")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoundCompleted(Event):
+    """Every member of the round has its workers running."""
+
+    round: int
+
+
+@event_kind("progress.step")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepProgress(Event):
+    """The slowest rank of ``round`` has finished ``step``."""
+
+    round: int
+    step: int
+
+
+@event_kind("timer.fired")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TimerFired(Event):
+    name: str
+
+
+# -- checkpoints, plugins, errors ----------------------------------------------
+
+
+@event_kind("checkpoint.committed")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointCommitted(Event):
+    step: int
+    tier: str = "memory"
+
+
+@event_kind("plugin.failed")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PluginFailed(Event):
+    plugin: str
+    event_type: str
+    error: str
+    disabled: bool = False
+
+
+@event_kind("transition.rejected")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransitionRejected(Event):
+    """An event was illegal in the state it arrived in; the state was not changed."""
+
+    event_type: str
+    seq: int
+    reason: str

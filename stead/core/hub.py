@@ -1,0 +1,221 @@
+"""The master's side of the agent protocol: registration, heartbeats, commands.
+
+The hub turns agent calls into events (NodeJoined, WorkerFailed, ...), keeps one
+ordered command queue per node incarnation, watches heartbeats to declare silent
+nodes lost, and aggregates step progress into StepProgress events. Heartbeats
+themselves are not events: only what they change is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import structlog
+
+from stead.core.config import Settings
+from stead.core.errors import InvalidRequest
+from stead.core.events import (
+    Event,
+    NodeJoined,
+    NodeLost,
+    Record,
+    StepProgress,
+    WorkerFailed,
+    WorkersStarted,
+    WorkersSucceeded,
+)
+from stead.core.rpc.backend import (
+    AgentCommand,
+    FailureInfo,
+    HeartbeatInfo,
+    RegisterInfo,
+    RegisterResult,
+    StartWorkersCmd,
+    StopNodeCmd,
+    StopWorkersCmd,
+    WorkersState,
+)
+from stead.core.statemachine import JobState, NodePhase, StartWorkers, StopNode, StopWorkers
+
+__all__ = ["AgentHub"]
+
+log = structlog.get_logger("stead.hub")
+
+
+@dataclasses.dataclass
+class _Node:
+    incarnation: int
+    queue: asyncio.Queue[AgentCommand]
+    seen: float
+    last: AgentCommand | None = None
+    round: int = 0
+    step: int | None = None
+
+
+class AgentHub:
+    def __init__(
+        self,
+        *,
+        job: str,
+        settings: Settings,
+        submit: Callable[[Event], Awaitable[Record]],
+        get_state: Callable[[], JobState],
+        store_addr: Callable[[], tuple[str, int]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.job = job
+        self.settings = settings
+        self._submit = submit
+        self._state = get_state
+        self._store_addr = store_addr
+        self._clock = clock
+        self._nodes: dict[str, _Node] = {}
+        self._progress_round = 0
+        self._progress_step: int | None = None
+        self._progress_at = 0.0
+
+    def _node(self, node_id: str, incarnation: int) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is None or node.incarnation != incarnation:
+            node = _Node(incarnation=incarnation, queue=asyncio.Queue(), seen=self._clock())
+            self._nodes[node_id] = node
+        return node
+
+    def _check(self, node_id: str, incarnation: int) -> bool:
+        node = self._state().nodes.get(node_id)
+        return node is not None and node.incarnation == incarnation and node.phase.alive
+
+    # -- AgentBackend ---------------------------------------------------------------
+
+    async def register(self, info: RegisterInfo) -> RegisterResult:
+        if not self._check(info.node_id, info.incarnation):
+            known = self._state().nodes.get(info.node_id)
+            current = f"current incarnation {known.incarnation} is {known.phase.value}" if known else "unknown node"
+            raise InvalidRequest(
+                f"node {info.node_id} incarnation {info.incarnation} is not a live node of job {self.job!r} "
+                f"({current}); this agent is stale and should exit"
+            )
+        self._node(info.node_id, info.incarnation).seen = self._clock()
+        if self._state().nodes[info.node_id].phase is not NodePhase.JOINED:
+            await self._submit(NodeJoined(node_id=info.node_id, incarnation=info.incarnation, host=info.host,
+                                          nproc=info.nproc))
+        host, port = self._store_addr()
+        return RegisterResult(
+            job=self.job,
+            heartbeat_interval_s=self.settings.heartbeat_interval_s,
+            heartbeat_timeout_s=self.settings.heartbeat_timeout_s,
+            store_host=host,
+            store_port=port,
+            progress_interval_s=self.settings.progress_interval_s,
+        )
+
+    async def heartbeat(self, info: HeartbeatInfo) -> bool:
+        if not self._check(info.node_id, info.incarnation):
+            return False
+        node = self._node(info.node_id, info.incarnation)
+        node.seen = self._clock()
+        node.round, node.step = info.round, info.step
+        await self._maybe_progress()
+        return True
+
+    async def commands(self, node_id: str, incarnation: int) -> AsyncIterator[AgentCommand]:
+        if not self._check(node_id, incarnation):
+            raise InvalidRequest(f"node {node_id} incarnation {incarnation} is not a live node of job {self.job!r}")
+        node = self._node(node_id, incarnation)
+        if node.last is not None and node.queue.empty():  # a reconnecting agent gets the command in force again
+            yield node.last
+        while True:
+            command = await node.queue.get()
+            yield command
+            if isinstance(command, StopNodeCmd):
+                return
+
+    async def report_failure(self, info: FailureInfo) -> None:
+        if not self._check(info.node_id, info.incarnation):
+            raise InvalidRequest(f"node {info.node_id} incarnation {info.incarnation} is not a live node")
+        log.warning("worker_failed", node=info.node_id, rank=info.rank, local_rank=info.local_rank,
+                    exit_code=info.exit_code, signal=info.signal, round=info.round)
+        await self._submit(WorkerFailed(
+            node_id=info.node_id, round=info.round, local_rank=info.local_rank, rank=info.rank,
+            exit_code=info.exit_code, signal=info.signal, step=info.step, error_tail=info.error_tail,
+        ))
+
+    async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None:
+        if not self._check(node_id, incarnation):
+            raise InvalidRequest(f"node {node_id} incarnation {incarnation} is not a live node")
+        node = self._node(node_id, incarnation)
+        if state == "started":
+            node.round, node.step = round, None
+            await self._submit(WorkersStarted(node_id=node_id, round=round))
+        else:
+            await self._submit(WorkersSucceeded(node_id=node_id, round=round))
+
+    # -- effects -----------------------------------------------------------------
+
+    def send(self, effect: StartWorkers | StopWorkers | StopNode, *, store_addr: tuple[str, int] | None = None) -> None:
+        """Queue the command an effect stands for on its node's stream.
+
+        ``store_addr`` is the TCPStore the round's workers rendezvous in (default: the latest).
+        """
+        node = self._node(effect.node_id, effect.incarnation)
+        command: AgentCommand
+        match effect:
+            case StartWorkers():
+                host, port = store_addr or self._store_addr()
+                command = StartWorkersCmd(
+                    id=effect.id, round=effect.round, node_rank=effect.node_rank, nnodes=effect.nnodes,
+                    nproc_per_node=effect.nproc_per_node, world_size=effect.world_size,
+                    restart_count=effect.restart_count, master_addr=host, master_port=port,
+                )
+            case StopWorkers():
+                command = StopWorkersCmd(id=effect.id, round=effect.round, reason=effect.reason)
+            case StopNode():
+                command = StopNodeCmd(id=effect.id, reason=effect.reason)
+        node.last = command
+        node.queue.put_nowait(command)
+
+    # -- monitoring ----------------------------------------------------------------
+
+    async def watch_heartbeats(self) -> None:
+        """Declare a joined node lost when it has been silent for ``heartbeat_timeout_s``."""
+        for node_id, state in self._state().nodes.items():  # after a master restart: everyone gets a full timeout
+            self._node(node_id, state.incarnation).seen = self._clock()
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            now = self._clock()
+            for node_id, state in list(self._state().nodes.items()):
+                if state.phase is not NodePhase.JOINED:
+                    continue
+                node = self._node(node_id, state.incarnation)
+                silent = now - node.seen
+                if silent > self.settings.heartbeat_timeout_s:
+                    node.seen = now  # report once per timeout
+                    log.warning("node_silent", node=node_id, incarnation=state.incarnation, silent_s=round(silent, 1))
+                    await self._submit(NodeLost(
+                        node_id=node_id, incarnation=state.incarnation,
+                        reason=f"no heartbeat for {self.settings.heartbeat_timeout_s:g} s",
+                    ))
+
+    async def _maybe_progress(self) -> None:
+        state = self._state()
+        rdzv = state.rdzv
+        if not rdzv.active or not rdzv.members:
+            return
+        steps = []
+        for member in rdzv.members:
+            node = self._nodes.get(member)
+            if node is None or node.round != rdzv.round or node.step is None:
+                return
+            steps.append(node.step)
+        step = min(steps)
+        first = self._progress_round != rdzv.round
+        now = self._clock()
+        if not first and (self._progress_step is not None and step <= self._progress_step):
+            return
+        if not first and now - self._progress_at < self.settings.progress_interval_s:
+            return
+        self._progress_round, self._progress_step, self._progress_at = rdzv.round, step, now
+        await self._submit(StepProgress(round=rdzv.round, step=step))

@@ -1,0 +1,56 @@
+"""The Platform protocol: how the master launches and kills nodes.
+
+A node is one agent (an OS process on the local platform, a pod on Kubernetes).
+Launch and kill are idempotent by ``(node_id, incarnation)``: doing one twice is
+harmless, so the reactor can re-run an effect after a master restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol, runtime_checkable
+
+from stead.core.events import NodeExited, NodeStarted
+
+__all__ = ["NodeSpec", "Platform", "PlatformEvent"]
+
+PlatformEvent = NodeStarted | NodeExited
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeSpec:
+    """What a platform needs to start one node's agent."""
+
+    job: str
+    node_id: str
+    incarnation: int
+    #: argv of the agent process (``python -m stead agent ...``)
+    command: tuple[str, ...]
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cwd: str | None = None
+    nproc: int = 1
+    #: a platform-specific resource request (memory, cpu, gpu); free-form strings
+    resources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@runtime_checkable
+class Platform(Protocol):
+    """Launches and kills nodes and reports their lifecycle.
+
+    Used as an async context manager: entering starts whatever the platform
+    watches with; exiting kills every node it launched and waits for them.
+    """
+
+    name: str
+
+    async def launch(self, spec: NodeSpec) -> None:
+        """Start the node; a second call with the same (node_id, incarnation) does nothing."""
+
+    async def kill(self, node_id: str, incarnation: int) -> None:
+        """Stop the node (SIGKILL on local); unknown or finished nodes are ignored."""
+
+    def events(self) -> AsyncIterator[PlatformEvent]:
+        """NodeStarted / NodeExited as they happen, for every launched node."""
+
+

@@ -1,0 +1,67 @@
+"""RPC between the master, the agents and the workers (grpclib, betterproto2).
+
+The wire schema is ``proto/stead/v1/*.proto``; ``_proto/`` is generated from it
+by ``make proto`` (scripts/gen_proto.sh) and never edited by hand. Protobuf
+types stay inside this package: the master implements :class:`AgentBackend`
+with plain dataclasses, agents and workers use :class:`MasterClient` and
+:class:`KvClient`. Every call carries the job token (see :mod:`.auth`).
+"""
+
+from stead.core.rpc.address import format_address, parse_address
+from stead.core.rpc.agent_service import AgentServicer
+from stead.core.rpc.auth import (
+    AUTH_METADATA_KEY,
+    attach_token,
+    check_token,
+    new_token,
+    read_token_file,
+    require_token,
+    write_token_file,
+)
+from stead.core.rpc.backend import (
+    AgentBackend,
+    AgentCommand,
+    FailureInfo,
+    HeartbeatInfo,
+    RegisterInfo,
+    RegisterResult,
+    StartWorkersCmd,
+    StopNodeCmd,
+    StopWorkersCmd,
+    WorkersState,
+)
+from stead.core.rpc.client import KvClient, MasterClient, retrying
+from stead.core.rpc.kv_service import KvServicer
+from stead.core.rpc.placeholders import CheckpointServicer, ShardServicer
+from stead.core.rpc.server import RpcServer, Servicer
+
+__all__ = [
+    "AUTH_METADATA_KEY",
+    "AgentBackend",
+    "AgentCommand",
+    "AgentServicer",
+    "CheckpointServicer",
+    "FailureInfo",
+    "HeartbeatInfo",
+    "KvClient",
+    "KvServicer",
+    "MasterClient",
+    "RegisterInfo",
+    "RegisterResult",
+    "RpcServer",
+    "Servicer",
+    "ShardServicer",
+    "StartWorkersCmd",
+    "StopNodeCmd",
+    "StopWorkersCmd",
+    "WorkersState",
+    "attach_token",
+    "check_token",
+    "format_address",
+    "new_token",
+    "parse_address",
+    "read_token_file",
+    "require_token",
+    "retrying",
+    "write_token_file",
+]

@@ -1,0 +1,159 @@
+"""The AgentService servicer: validates each request, then delegates to an AgentBackend.
+
+A request with a bad field is answered INVALID_ARGUMENT with a message that
+names the field and says what to send; the backend only sees valid requests,
+as plain dataclasses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncGenerator
+
+import grpclib.const
+from grpclib.server import Stream
+
+from stead.core.rpc._convert import (
+    NO_STEP,
+    command_to_proto,
+    failure_from_proto,
+    heartbeat_from_proto,
+    register_from_proto,
+    register_reply_to_proto,
+    workers_state_from_proto,
+)
+from stead.core.rpc._proto.stead.v1 import (
+    Ack,
+    AgentServiceBase,
+    Command,
+    CommandsRequest,
+    FailureReport,
+    HeartbeatReply,
+    HeartbeatRequest,
+    RegisterReply,
+    RegisterRequest,
+    WorkersReport,
+)
+from stead.core.rpc._status import backend_errors, invalid
+from stead.core.rpc.backend import AgentBackend
+
+__all__ = ["AgentServicer", "check_node_id"]
+
+_COMMANDS_ROUTE = "/stead.v1.AgentService/Commands"
+_MAX_NODE_ID = 253  # the longest DNS name, so that a Kubernetes pod name always fits
+_BAD_NODE_ID_CHARS = frozenset(" /\\")
+
+
+def check_node_id(where: str, node_id: str) -> None:
+    """INVALID_ARGUMENT unless ``node_id`` is 1-253 printable ASCII characters without spaces or slashes."""
+    if not node_id:
+        invalid(f"{where}.node_id is empty: pass the node's id (the one the agent was started with)")
+    if (len(node_id) > _MAX_NODE_ID or not node_id.isascii() or not node_id.isprintable()
+            or _BAD_NODE_ID_CHARS & set(node_id)):
+        invalid(f"{where}.node_id {node_id[:_MAX_NODE_ID]!r} is not a valid node id: use 1-{_MAX_NODE_ID} "
+                "printable ASCII characters without spaces or slashes")
+
+
+def _check_node(where: str, node_id: str, incarnation: int) -> None:
+    check_node_id(where, node_id)
+    if incarnation < 1:
+        invalid(f"{where}.incarnation is {incarnation}: incarnations start at 1; pass the node's launch count")
+
+
+def _at_least(where: str, field: str, value: int, minimum: int, meaning: str) -> None:
+    if value < minimum:
+        invalid(f"{where}.{field} is {value}: it must be at least {minimum} ({meaning})")
+
+
+class AgentServicer(AgentServiceBase):
+    """Serves AgentService on behalf of ``backend``."""
+
+    def __init__(self, backend: AgentBackend) -> None:
+        self._backend = backend
+
+    async def register(self, message: RegisterRequest) -> RegisterReply:
+        where = "RegisterRequest"
+        _check_node(where, message.node_id, message.incarnation)
+        if not message.host:
+            invalid(f"{where}.host is empty: pass the host name or address the agent runs on")
+        _at_least(where, "pid", message.pid, 1, "the agent's process id")
+        _at_least(where, "nproc", message.nproc, 1, "the number of worker processes on the node")
+        with backend_errors("AgentService.Register"):
+            result = await self._backend.register(register_from_proto(message))
+        return register_reply_to_proto(result)
+
+    async def heartbeat(self, message: HeartbeatRequest) -> HeartbeatReply:
+        where = "HeartbeatRequest"
+        _check_node(where, message.node_id, message.incarnation)
+        _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
+        _at_least(where, "step", message.step, NO_STEP, f"a training step, or {NO_STEP} before the first one")
+        _at_least(where, "workers_alive", message.workers_alive, 0, "a count of processes")
+        _at_least(where, "rss_bytes", message.rss_bytes, 0, "a memory size")
+        if not (math.isfinite(message.cpu_percent) and message.cpu_percent >= 0):
+            invalid(f"{where}.cpu_percent is {message.cpu_percent}: send a finite percentage >= 0")
+        with backend_errors("AgentService.Heartbeat"):
+            known = await self._backend.heartbeat(heartbeat_from_proto(message))
+        return HeartbeatReply(known=known)
+
+    async def commands(self, message: CommandsRequest) -> AsyncGenerator[Command, None]:
+        _check_node("CommandsRequest", message.node_id, message.incarnation)
+        with backend_errors("AgentService.Commands"):
+            commands = self._backend.commands(message.node_id, message.incarnation)
+        try:
+            with backend_errors("AgentService.Commands"):
+                async for command in commands:
+                    yield command_to_proto(command)
+        finally:
+            # The backend may hold a subscription for this node: release it now, not when collected.
+            aclose = getattr(commands, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def report_failure(self, message: FailureReport) -> Ack:
+        where = "FailureReport"
+        _check_node(where, message.node_id, message.incarnation)
+        _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
+        _at_least(where, "local_rank", message.local_rank, 0, "ranks count from 0")
+        _at_least(where, "rank", message.rank, 0, "ranks count from 0")
+        if message.signal is not None:
+            _at_least(where, "signal", message.signal, 1, "a signal number; leave it unset when none")
+        if message.step is not None:
+            _at_least(where, "step", message.step, 0, "a training step; leave it unset when none")
+        with backend_errors("AgentService.ReportFailure"):
+            await self._backend.report_failure(failure_from_proto(message))
+        return Ack()
+
+    async def report_workers(self, message: WorkersReport) -> Ack:
+        where = "WorkersReport"
+        _check_node(where, message.node_id, message.incarnation)
+        _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
+        state = workers_state_from_proto(message.state)
+        if state is None:
+            invalid(f"{where}.state is {message.state!r}: send WORKERS_STATE_STARTED or WORKERS_STATE_SUCCEEDED")
+        with backend_errors("AgentService.ReportWorkers"):
+            await self._backend.report_workers(message.node_id, message.incarnation, message.round, state)
+        return Ack()
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        mapping = super().__mapping__()
+        generated = mapping[_COMMANDS_ROUTE]
+        mapping[_COMMANDS_ROUTE] = grpclib.const.Handler(
+            self._serve_commands, generated.cardinality, generated.request_type, generated.reply_type)
+        return mapping
+
+    async def _serve_commands(self, stream: Stream[CommandsRequest, Command]) -> None:
+        # Unlike the generated handler, close the command generator (and so the backend's
+        # iterator) as soon as the stream ends, even when it ends while sending.
+        request = await stream.recv_message()
+        if request is None:
+            invalid("CommandsRequest is missing: send one CommandsRequest message")
+        commands = self.commands(request)
+        try:
+            async for command in commands:
+                await stream.send_message(command)
+        finally:
+            await commands.aclose()
+
+    def __repr__(self) -> str:
+        return f"AgentServicer({self._backend!r})"
+

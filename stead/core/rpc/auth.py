@@ -1,0 +1,135 @@
+"""The job token: every RPC carries ``authorization: Bearer <token>``.
+
+The master generates one token per job and writes it to a file only its user
+can read; agents and workers read that file. The server checks the token of
+every call through a grpclib event listener, so no service can forget to; the
+client adds it the same way.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import re
+import secrets
+import stat
+from pathlib import Path
+from typing import NoReturn
+
+import structlog
+from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.events import RecvRequest, SendRequest, listen
+from grpclib.exceptions import GRPCError
+from grpclib.server import Server
+
+from stead.core.errors import ConfigError
+
+__all__ = [
+    "AUTH_METADATA_KEY",
+    "attach_token",
+    "check_token",
+    "new_token",
+    "read_token_file",
+    "require_token",
+    "write_token_file",
+]
+
+log = structlog.get_logger()
+
+#: the metadata key that carries ``Bearer <token>``
+AUTH_METADATA_KEY = "authorization"
+_BEARER = "Bearer "
+# RFC 6750 b64token: what may follow "Bearer " in a header value
+_TOKEN_CHARS = re.compile(r"[A-Za-z0-9._~+/-]+=*")
+_TOKEN_BYTES = 32
+
+
+def new_token() -> str:
+    """A fresh random job token (URL-safe text, 256 bits of entropy)."""
+    return secrets.token_urlsafe(_TOKEN_BYTES)
+
+
+def check_token(token: str) -> str:
+    """``token`` itself if it can travel in a header; ConfigError otherwise."""
+    if not _TOKEN_CHARS.fullmatch(token):
+        raise ConfigError("the job token is empty or has characters other than letters, digits and '._~+/-=': "
+                          "use the token file the job's master wrote, unchanged")
+    return token
+
+
+def write_token_file(path: str | os.PathLike[str], token: str) -> Path:
+    """Write ``token`` to ``path`` atomically, readable by this user only (mode 0600)."""
+    target = Path(path)
+    check_token(token)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(token + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The token stored in ``path``; ConfigError naming the file when it is missing or malformed."""
+    source = Path(path)
+    try:
+        text = source.read_text(encoding="ascii")
+        mode = source.stat().st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"job token file {source} does not exist: pass the token file the job's master "
+                          "wrote when it started (or start the master first)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read job token file {source}: {exc}; check its path and permissions") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("token_file_not_private", path=str(source), mode=oct(stat.S_IMODE(mode)),
+                    hint="chmod 600 the file: anyone who reads it can control the job")
+    token = text.strip()
+    try:
+        return check_token(token)
+    except ConfigError:
+        raise ConfigError(f"job token file {source} does not hold a valid token: "
+                          "pass the token file the job's master wrote, unchanged") from None
+
+
+def require_token(server: Server, token: str, *, token_file: str | os.PathLike[str] | None = None) -> None:
+    """Make ``server`` answer UNAUTHENTICATED to every call without ``Bearer <token>``."""
+    expected = (_BEARER + check_token(token)).encode("ascii")
+    where = f"stead writes it to {token_file}" if token_file is not None else \
+        "the job's master writes it to a file (mode 0600) when it starts"
+    missing = (f"missing job token: send metadata '{AUTH_METADATA_KEY}: Bearer <token>'; "
+               f"pass the job's token file: {where}")
+    wrong = f"wrong job token: this server belongs to another job or was restarted; pass the job's token file: {where}"
+
+    async def authenticate(event: RecvRequest) -> None:
+        values = event.metadata.getall(AUTH_METADATA_KEY, [])
+        if not values:
+            _reject(event, "missing", missing)
+        presented = values[0]
+        raw = presented.encode("utf-8", "surrogateescape") if isinstance(presented, str) else presented
+        if len(values) != 1 or not hmac.compare_digest(raw, expected):
+            _reject(event, "wrong", wrong)
+
+    listen(server, RecvRequest, authenticate)
+
+
+def _reject(event: RecvRequest, reason: str, message: str) -> NoReturn:
+    log.warning("rpc_unauthenticated", method=event.method_name, peer=str(event.peer.addr()), reason=reason)
+    raise GRPCError(Status.UNAUTHENTICATED, message)
+
+
+def attach_token(channel: Channel, token: str) -> None:
+    """Make every call on ``channel`` carry ``Bearer <token>``."""
+    value = _BEARER + check_token(token)
+
+    async def add_token(event: SendRequest) -> None:
+        event.metadata[AUTH_METADATA_KEY] = value
+
+    listen(channel, SendRequest, add_token)

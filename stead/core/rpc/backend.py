@@ -1,0 +1,144 @@
+"""What the master must provide behind the agent RPC service, in plain Python types.
+
+The master implements :class:`AgentBackend`; the RPC layer validates requests,
+converts protobuf messages to the frozen dataclasses below and back, and maps
+errors to gRPC statuses. Protobuf types never leave ``stead.core.rpc``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Literal, Protocol
+
+__all__ = [
+    "AgentBackend",
+    "AgentCommand",
+    "FailureInfo",
+    "HeartbeatInfo",
+    "RegisterInfo",
+    "RegisterResult",
+    "StartWorkersCmd",
+    "StopNodeCmd",
+    "StopWorkersCmd",
+    "WorkersState",
+]
+
+#: what a node's workers did: all of a round's workers started, or all of them finished with success
+WorkersState = Literal["started", "succeeded"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RegisterInfo:
+    """An agent announcing itself to the master."""
+
+    node_id: str
+    #: bumped each time the platform (re)launches the node; starts at 1
+    incarnation: int
+    host: str
+    pid: int
+    #: worker processes this node runs
+    nproc: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RegisterResult:
+    """What an agent needs to know about the job once registered."""
+
+    job: str
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    #: the torch TCPStore the master hosts for the workers
+    store_host: str
+    store_port: int
+    progress_interval_s: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeartbeatInfo:
+    """Liveness and progress of one node incarnation."""
+
+    node_id: str
+    incarnation: int
+    round: int
+    #: latest training step the workers reported; None before the first one
+    step: int | None
+    workers_alive: int
+    rss_bytes: int
+    cpu_percent: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StartWorkersCmd:
+    """Start the workers of a rendezvous round with this topology."""
+
+    id: str
+    round: int
+    node_rank: int
+    nnodes: int
+    nproc_per_node: int
+    world_size: int
+    restart_count: int
+    master_addr: str
+    master_port: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StopWorkersCmd:
+    """Stop the workers of a round (they are restarted by a later StartWorkers)."""
+
+    id: str
+    round: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StopNodeCmd:
+    """Stop the workers and exit the agent."""
+
+    id: str
+    reason: str
+
+
+#: a command from the master to one agent; ``id`` is deterministic, so a repeated command can be recognised
+AgentCommand = StartWorkersCmd | StopWorkersCmd | StopNodeCmd
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FailureInfo:
+    """A worker process that exited with an error."""
+
+    node_id: str
+    incarnation: int
+    round: int
+    local_rank: int
+    rank: int
+    exit_code: int | None
+    signal: int | None
+    step: int | None
+    #: the last lines of the worker's stderr
+    error_tail: str
+
+
+class AgentBackend(Protocol):
+    """The master side of the agent protocol.
+
+    Methods may raise :class:`~stead.core.errors.InvalidRequest` (answered as
+    INVALID_ARGUMENT), :class:`~stead.core.errors.Unauthenticated`
+    (UNAUTHENTICATED) or a :class:`~stead.core.errors.RetryableError`
+    (UNAVAILABLE: the agent retries); anything else is answered as INTERNAL.
+    """
+
+    async def register(self, info: RegisterInfo) -> RegisterResult: ...
+
+    async def heartbeat(self, info: HeartbeatInfo) -> bool:
+        """False when the node incarnation is unknown: the agent must register again."""
+        ...
+
+    def commands(self, node_id: str, incarnation: int) -> AsyncIterator[AgentCommand]:
+        """The commands for one node incarnation, in order; ends when the node must stop listening."""
+        ...
+
+    async def report_failure(self, info: FailureInfo) -> None: ...
+
+    async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None: ...

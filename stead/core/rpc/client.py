@@ -1,0 +1,301 @@
+"""Clients of the master's RPC services, with grpclib's errors mapped to stead's.
+
+:class:`MasterClient` mirrors :class:`~stead.core.rpc.backend.AgentBackend` (the
+same dataclasses in and out), :class:`KvClient` the key-value store. A master
+that cannot be reached raises :class:`~stead.core.errors.RpcUnavailable`, which
+:func:`retrying` retries with exponential backoff; a refused token raises
+:class:`~stead.core.errors.Unauthenticated` and a rejected request
+:class:`~stead.core.errors.InvalidRequest`, which are not retried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from types import TracebackType
+from typing import Self, TypeVar, cast
+
+import anyio
+import structlog
+from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+
+from stead.core.config import Settings
+from stead.core.errors import (
+    ConfigError,
+    InvalidRequest,
+    PermanentError,
+    RetryableError,
+    RpcUnavailable,
+    SteadError,
+    Unauthenticated,
+)
+from stead.core.rpc._convert import (
+    command_from_proto,
+    failure_to_proto,
+    heartbeat_to_proto,
+    register_reply_from_proto,
+    register_to_proto,
+    workers_state_to_proto,
+)
+from stead.core.rpc._proto.stead.v1 import (
+    AgentServiceStub,
+    Command,
+    CommandsRequest,
+    KvAddRequest,
+    KvDeleteRequest,
+    KvGetRequest,
+    KvServiceStub,
+    KvSetRequest,
+    WorkersReport,
+)
+from stead.core.rpc.address import parse_address
+from stead.core.rpc.auth import attach_token, check_token
+from stead.core.rpc.backend import (
+    AgentCommand,
+    FailureInfo,
+    HeartbeatInfo,
+    RegisterInfo,
+    RegisterResult,
+    WorkersState,
+)
+
+__all__ = ["KvClient", "MasterClient", "retrying"]
+
+log = structlog.get_logger()
+
+T = TypeVar("T")
+
+# Statuses after which the same call may succeed later: the master is restarting, overloaded or failing.
+_RETRYABLE = frozenset({
+    Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED, Status.RESOURCE_EXHAUSTED, Status.ABORTED,
+    Status.CANCELLED, Status.UNKNOWN, Status.INTERNAL,
+})
+
+
+class _Connection:
+    """One grpclib channel to ``address``: adds the job token, applies timeouts, maps errors."""
+
+    def __init__(self, address: str, token: str, call_timeout_s: float) -> None:
+        self.host, self.port = parse_address(address)
+        self.address = address
+        self._token = check_token(token)
+        if not call_timeout_s > 0:
+            raise ConfigError(f"call_timeout_s={call_timeout_s} must be > 0: pass the RPC timeout setting")
+        self.call_timeout_s = call_timeout_s
+        self._channel: Channel | None = None
+
+    @property
+    def channel(self) -> Channel:
+        if self._channel is None:
+            raise RuntimeError("use the client inside `async with`: its connection is not open")
+        return self._channel
+
+    def open(self) -> None:
+        if self._channel is not None:
+            raise RuntimeError("the client is already open; use one `async with` per instance")
+        channel = Channel(self.host, self.port)
+        attach_token(channel, self._token)
+        self._channel = channel
+
+    def close(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+
+    @contextlib.contextmanager
+    def errors(self, method: str) -> Iterator[None]:
+        """Turn what grpclib raises inside the block into stead's errors."""
+        try:
+            yield
+        except GRPCError as exc:
+            raise self._from_status(method, exc) from exc
+        except StreamTerminatedError as exc:
+            raise RpcUnavailable(f"{method}: the connection to the master at {self.address} was lost ({exc}); "
+                                 "the master may be restarting: retry") from exc
+        except TimeoutError as exc:
+            raise RpcUnavailable(f"{method}: the master at {self.address} did not answer within "
+                                 f"{self.call_timeout_s}s; check that it is running and not overloaded") from exc
+        except OSError as exc:
+            raise RpcUnavailable(f"{method}: cannot reach the master at {self.address} ({exc}); "
+                                 "check that it is running and that the address is right") from exc
+        except ProtocolError as exc:
+            raise RpcUnavailable(f"{method}: the server at {self.address} did not answer as a stead master "
+                                 f"({exc}); check the address") from exc
+
+    def _from_status(self, method: str, exc: GRPCError) -> SteadError:
+        detail = exc.message or exc.status.name
+        if exc.status in (Status.UNAUTHENTICATED, Status.PERMISSION_DENIED):
+            return Unauthenticated(f"{method}: the master at {self.address} refused the job token: {detail}")
+        if exc.status == Status.INVALID_ARGUMENT:
+            return InvalidRequest(f"{method}: {detail}")
+        if exc.status in _RETRYABLE:
+            return RpcUnavailable(f"{method}: the master at {self.address} answered {exc.status.name}: {detail}; "
+                                  "retry later")
+        return PermanentError(f"{method}: the master at {self.address} answered {exc.status.name}: {detail}; "
+                              "run the master and the agents with the same stead version")
+
+
+class MasterClient:
+    """The agent's side of AgentService: ``async with MasterClient("host:port", token, call_timeout_s=5)``."""
+
+    def __init__(self, address: str, token: str, *, call_timeout_s: float) -> None:
+        self._conn = _Connection(address, token, call_timeout_s)
+
+    @property
+    def address(self) -> str:
+        return self._conn.address
+
+    @property
+    def _stub(self) -> AgentServiceStub:
+        return AgentServiceStub(self._conn.channel)
+
+    async def __aenter__(self) -> Self:
+        self._conn.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._conn.close()
+
+    async def register(self, info: RegisterInfo) -> RegisterResult:
+        with self._conn.errors("AgentService.Register"):
+            reply = await self._stub.register(register_to_proto(info), timeout=self._conn.call_timeout_s)
+        return register_reply_from_proto(reply)
+
+    async def heartbeat(self, info: HeartbeatInfo) -> bool:
+        """False when the master does not know this node incarnation: register again."""
+        with self._conn.errors("AgentService.Heartbeat"):
+            reply = await self._stub.heartbeat(heartbeat_to_proto(info), timeout=self._conn.call_timeout_s)
+        return reply.known
+
+    async def commands(self, node_id: str, incarnation: int) -> AsyncGenerator[AgentCommand, None]:
+        """The master's commands for this node incarnation, in order, until the master ends the stream.
+
+        No timeout applies: the stream stays open while the node lives. A lost
+        master raises RpcUnavailable; leaving the loop early closes the stream.
+        """
+        method = "AgentService.Commands"
+        request = CommandsRequest(node_id=node_id, incarnation=incarnation)
+        # The generated stub is an async generator, typed as a plain iterator.
+        stream = cast(AsyncGenerator[Command, None], self._stub.commands(request))
+        try:
+            while True:
+                with self._conn.errors(method):
+                    try:
+                        message = await anext(stream)
+                    except StopAsyncIteration:
+                        return
+                command = command_from_proto(message)
+                if command is None:
+                    log.warning("rpc_unknown_command", id=message.id, node=node_id,
+                                hint="the master is newer than this agent: run both with the same stead version")
+                    continue
+                yield command
+        finally:
+            with self._conn.errors(method):
+                await stream.aclose()
+
+    async def report_failure(self, info: FailureInfo) -> None:
+        with self._conn.errors("AgentService.ReportFailure"):
+            await self._stub.report_failure(failure_to_proto(info), timeout=self._conn.call_timeout_s)
+
+    async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None:
+        report = WorkersReport(node_id=node_id, incarnation=incarnation, round=round,
+                               state=workers_state_to_proto(state))
+        with self._conn.errors("AgentService.ReportWorkers"):
+            await self._stub.report_workers(report, timeout=self._conn.call_timeout_s)
+
+    def __repr__(self) -> str:
+        return f"MasterClient({self._conn.address})"
+
+
+class KvClient:
+    """The workers' side of KvService: ``async with KvClient("host:port", token, call_timeout_s=5)``."""
+
+    def __init__(self, address: str, token: str, *, call_timeout_s: float) -> None:
+        self._conn = _Connection(address, token, call_timeout_s)
+
+    @property
+    def _stub(self) -> KvServiceStub:
+        return KvServiceStub(self._conn.channel)
+
+    async def __aenter__(self) -> Self:
+        self._conn.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._conn.close()
+
+    async def set(self, key: str, value: bytes) -> None:
+        with self._conn.errors("KvService.Set"):
+            await self._stub.set(KvSetRequest(key=key, value=value), timeout=self._conn.call_timeout_s)
+
+    async def get(self, key: str, *, wait_s: float = 0.0) -> bytes | None:
+        """The value under ``key``, waiting up to ``wait_s`` for it to appear; None when absent."""
+        # The server answers within wait_s; a bad wait_s is left for the server to reject.
+        waiting = wait_s if math.isfinite(wait_s) and wait_s > 0 else 0.0
+        with self._conn.errors("KvService.Get"):
+            reply = await self._stub.get(KvGetRequest(key=key, wait_timeout_s=wait_s),
+                                         timeout=waiting + self._conn.call_timeout_s)
+        return reply.value if reply.found else None
+
+    async def add(self, key: str, delta: int = 1) -> int:
+        """Add ``delta`` to the counter under ``key`` (missing: 0) and return the new value."""
+        with self._conn.errors("KvService.Add"):
+            reply = await self._stub.add(KvAddRequest(key=key, delta=delta), timeout=self._conn.call_timeout_s)
+        return reply.value
+
+    async def delete(self, key: str) -> bool:
+        """False when ``key`` did not exist."""
+        with self._conn.errors("KvService.Delete"):
+            reply = await self._stub.delete(KvDeleteRequest(key=key), timeout=self._conn.call_timeout_s)
+        return reply.deleted
+
+    def __repr__(self) -> str:
+        return f"KvClient({self._conn.address})"
+
+
+async def retrying(
+    call: Callable[[], Awaitable[T]],
+    settings: Settings,
+    *,
+    what: str = "rpc",
+    sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """``await call()``, retrying a RetryableError with exponential backoff.
+
+    The delay starts at ``settings.retry_initial_s`` and doubles up to
+    ``settings.retry_max_s``; after ``settings.retry_deadline_s`` the last error
+    is raised. Other errors are raised at once.
+    """
+    deadline = clock() + settings.retry_deadline_s
+    delay = settings.retry_initial_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await call()
+        except RetryableError as exc:
+            remaining = deadline - clock()
+            if remaining <= 0:
+                log.error("retry_gave_up", what=what, attempts=attempt, error=str(exc))
+                exc.add_note(f"gave up after {attempt} attempts over retry_deadline_s={settings.retry_deadline_s}")
+                raise
+            pause = min(delay, settings.retry_max_s, remaining)
+            log.warning("retrying", what=what, attempt=attempt, delay_s=round(pause, 3), error=str(exc))
+            await sleep(pause)
+            delay = min(delay * 2, settings.retry_max_s)

@@ -1,0 +1,128 @@
+"""``stead run``: torchrun's command line, stead's control plane.
+
+Parses the torchrun-compatible flags, starts an embedded master on the chosen
+store, lets the platform (found through the ``stead.platforms`` entry points)
+launch one agent per node, waits for the job to end and prints what happened.
+Bad input is one clear line on stderr and exit code 2, before anything starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+from typing import Any
+
+import structlog
+
+from stead.core.agent.main import RUN_ARGV_ENV
+from stead.core.config import Settings
+from stead.core.display import format_status
+from stead.core.errors import ConfigError, SteadError
+from stead.core.events import JobSubmitted
+from stead.core.launch import RunConfig, parse_run_args
+from stead.core.master import Master, MasterConfig, open_store_retrying
+from stead.core.platform import NodeSpec, Platform
+from stead.core.statemachine import JobPhase, JobState
+
+__all__ = ["load_platform", "main", "run_job"]
+
+log = structlog.get_logger("stead.run")
+
+
+async def load_platform(name: str, settings: Settings) -> Platform:
+    """The platform registered under ``name`` in the ``stead.platforms`` entry-point group."""
+    eps = {ep.name: ep for ep in entry_points(group="stead.platforms")}
+    if name not in eps:
+        raise ConfigError(f"platform {name!r} is not installed (installed: {', '.join(sorted(eps)) or 'none'}); "
+                          "pick one with --platform")
+    factory = eps[name].load()
+    platform = factory(settings=settings)
+    if inspect.isawaitable(platform):
+        platform = await platform
+    return platform  # type: ignore[no-any-return]
+
+
+def _pinned_argv(argv: Sequence[str], config: RunConfig) -> list[str]:
+    """The run arguments every agent re-parses: the job name and store fixed to this run's."""
+    return ["--job-name", config.job_name, "--store", config.store_url, *argv]
+
+
+def _node_spec(config: RunConfig, argv: list[str]) -> Any:
+    def spec(node_id: str, incarnation: int, address: str, token_file: str) -> NodeSpec:
+        command = (sys.executable, "-m", "stead", "agent", "--master", address, "--token-file", token_file,
+                   "--node-id", node_id, "--incarnation", str(incarnation), "--log-format", config.log_format)
+        return NodeSpec(job=config.job_name, node_id=node_id, incarnation=incarnation, command=command,
+                        env={RUN_ARGV_ENV: json.dumps(argv)}, cwd=os.getcwd(), nproc=config.nproc_per_node)
+
+    return spec
+
+
+async def run_job(config: RunConfig, argv: Sequence[str]) -> JobState:
+    settings = config.settings
+    store = await open_store_retrying(config.store_url, settings)  # fail early and clearly when it is down
+    await store.close()
+    platform = await load_platform(config.platform, settings)
+    master_config = MasterConfig(
+        job=config.job_name, store_url=config.store_url, settings=settings, platform=platform,
+        node_spec=_node_spec(config, _pinned_argv(argv, config)),
+    )
+    async with Master(master_config) as master:
+        if master.state.phase.terminal:
+            raise ConfigError(f"job {config.job_name!r} already ran in {config.store_url} and "
+                              f"{master.state.phase.value}; choose another --job-name")
+        await master.submit_job(JobSubmitted(
+            job=config.job_name, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+            nproc_per_node=config.nproc_per_node, max_restarts=config.max_restarts, entrypoint=config.entrypoint,
+            last_call_timeout_s=config.last_call_timeout_s, join_timeout_s=config.join_timeout_s,
+        ))
+        log.info("job_submitted", job=config.job_name, nodes=f"{config.min_nodes}:{config.max_nodes}",
+                 nproc_per_node=config.nproc_per_node, store=config.store_url)
+        await master.wait()
+        try:
+            async with asyncio.timeout(settings.shutdown_grace_s):
+                await master.reactor.wait_until(lambda s: not any(n.phase.alive for n in s.nodes.values()))
+        except TimeoutError:
+            log.warning("nodes_still_running", action="killing them")
+        return master.state
+
+
+def _summary(config: RunConfig, state: JobState) -> str:
+    if state.phase is JobPhase.SUCCEEDED:
+        return (f"stead: job {config.job_name} succeeded after {state.restarts} restart(s); "
+                f"`stead events --job {config.job_name}` shows what happened")
+    head = f"stead: job {config.job_name} {state.phase.value}: {state.reason}"
+    if state.message.strip():
+        rank = f"rank {state.last_failure.rank}" if state.last_failure else "the failing worker"
+        tail = "\n".join("    " + line for line in state.message.strip().splitlines()[-15:])
+        head += f"\n  last lines of {rank}'s stderr:\n{tail}"
+    return head
+
+
+def main(argv: Sequence[str]) -> int:
+    from stead.core.logging import configure_logging
+    from stead.core.tracing import configure_tracing
+
+    try:
+        config = parse_run_args(argv)
+    except ConfigError as exc:
+        print(f"stead run: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_format)  # type: ignore[arg-type]
+    configure_tracing(config.trace)
+    try:
+        state = asyncio.run(run_job(config, argv))
+    except KeyboardInterrupt:
+        print(f"stead: job {config.job_name} interrupted; its nodes were stopped", file=sys.stderr)
+        return 130
+    except SteadError as exc:
+        print(f"stead run: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    print(_summary(config, state), file=sys.stderr)
+    if state.phase is not JobPhase.SUCCEEDED:
+        print(format_status(config.job_name, state), file=sys.stderr)
+    return 0 if state.phase is JobPhase.SUCCEEDED else 1

@@ -1,0 +1,34 @@
+"""Pure state machines: job, node and rendezvous. No IO, no clock, no logging."""
+
+from stead.core.statemachine.base import Transition
+from stead.core.statemachine.effects import (
+    Effect,
+    Emit,
+    KillNode,
+    LaunchNode,
+    StartTimer,
+    StartWorkers,
+    StopNode,
+    StopWorkers,
+)
+from stead.core.statemachine.job import JobPhase, JobState, transition
+from stead.core.statemachine.node import NodePhase, NodeState
+from stead.core.statemachine.rendezvous import RendezvousState
+
+__all__ = [
+    "Effect",
+    "Emit",
+    "JobPhase",
+    "JobState",
+    "KillNode",
+    "LaunchNode",
+    "NodePhase",
+    "NodeState",
+    "RendezvousState",
+    "StartTimer",
+    "StartWorkers",
+    "StopNode",
+    "StopWorkers",
+    "Transition",
+    "transition",
+]

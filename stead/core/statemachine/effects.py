@@ -1,0 +1,107 @@
+"""Effects: what a transition asks the world to do, as data.
+
+Each effect has a deterministic ``id`` derived from what it does, so the reactor
+can record which ids ran and never run one twice, even across master restarts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stead.core.events import Event
+
+__all__ = ["Effect", "Emit", "KillNode", "LaunchNode", "StartTimer", "StartWorkers", "StopNode", "StopWorkers"]
+
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchNode:
+    node_id: str
+    incarnation: int
+
+    @property
+    def id(self) -> str:
+        return f"launch/{self.node_id}/{self.incarnation}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KillNode:
+    node_id: str
+    incarnation: int
+
+    @property
+    def id(self) -> str:
+        return f"kill/{self.node_id}/{self.incarnation}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StartWorkers:
+    """Tell a node's agent to (re)start its workers for ``round`` with these ranks."""
+
+    node_id: str
+    incarnation: int
+    round: int
+    node_rank: int
+    nnodes: int
+    nproc_per_node: int
+    restart_count: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def id(self) -> str:
+        return f"start-workers/{self.round}/{self.node_id}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StopWorkers:
+    node_id: str
+    incarnation: int
+    round: int
+    reason: str
+
+    @property
+    def id(self) -> str:
+        return f"stop-workers/{self.round}/{self.node_id}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StopNode:
+    """Ask a node's agent to stop its workers and exit (the job has ended)."""
+
+    node_id: str
+    incarnation: int
+    reason: str
+
+    @property
+    def id(self) -> str:
+        return f"stop-node/{self.node_id}/{self.incarnation}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StartTimer:
+    """Deliver ``TimerFired(name)`` at wall-clock time ``at``."""
+
+    name: str
+    at: float
+
+    @property
+    def id(self) -> str:
+        return f"timer/{self.name}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Emit:
+    """Append a follow-up event (``key`` makes the id deterministic)."""
+
+    key: str
+    event: Event
+
+    @property
+    def id(self) -> str:
+        return f"emit/{self.key}"
+
+
+Effect = LaunchNode | KillNode | StartWorkers | StopWorkers | StopNode | StartTimer | Emit

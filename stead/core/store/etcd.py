@@ -1,0 +1,398 @@
+"""StateStore on etcd v3 (``etcd://host:port[,host:port]``), the backend for clusters.
+
+The only module that imports the etcd client. It speaks etcd's gRPC API through
+aetcd's generated stubs on one ``grpc.aio`` channel (aetcd's high-level
+``Client`` drops range limits and runs watches in a task nobody owns, so it is
+not used). Every grpc failure is mapped here to
+:class:`~stead.core.errors.StoreUnavailable` (retry later) or
+:class:`~stead.core.errors.StoreError` (the request itself is wrong). Each call
+is bounded by ``store_timeout_s``; a lost connection is retried by the channel
+with ``retry_initial_s`` doubling to ``retry_max_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import ipaddress
+import math
+import socket
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import anyio
+import grpc  # type: ignore[import-untyped]
+import grpc.aio  # type: ignore[import-untyped]
+import structlog
+from aetcd import rpc
+
+from stead.core.config import Settings
+from stead.core.errors import ConfigError, StoreError, StoreUnavailable
+from stead.core.store._common import (
+    StoreLease,
+    check_items,
+    check_key,
+    check_limit,
+    check_prefix,
+    check_revision,
+    check_ttl,
+    check_value,
+    hold_lease,
+    prefix_end,
+)
+from stead.core.store.base import KeyValue, Lease, StateStore, WatchEvent, WatchKind
+
+__all__ = ["EtcdStore", "open_store", "parse_etcd_url"]
+
+log = structlog.get_logger()
+
+_DEFAULT_PORT = 2379
+_URL_PREFIX = "etcd://"
+_PERMANENT = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNIMPLEMENTED,
+})
+
+
+def parse_etcd_url(url: str) -> list[tuple[str, int]]:
+    """The ``(host, port)`` endpoints of an ``etcd://`` URL; the port defaults to 2379."""
+    example = "etcd://127.0.0.1:2379 or etcd://host1:2379,host2:2379"
+    if not url.startswith(_URL_PREFIX) or not url[len(_URL_PREFIX):].strip("/"):
+        raise ConfigError(f"bad etcd store URL {url!r}; use {example}")
+    endpoints: list[tuple[str, int]] = []
+    for part in url[len(_URL_PREFIX):].strip("/").split(","):
+        part = part.strip()
+        if part.startswith("["):  # [ipv6]:port
+            host, _, rest = part[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ""
+        else:
+            host, _, port_text = part.partition(":")
+        try:
+            port = int(port_text) if port_text else _DEFAULT_PORT
+        except ValueError:
+            port = -1
+        if not host or not 0 < port < 65536:
+            raise ConfigError(f"bad endpoint {part!r} in etcd store URL {url!r}; use {example}")
+        endpoints.append((host, port))
+    return endpoints
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _grpc_target(url: str, endpoints: list[tuple[str, int]]) -> str:
+    """One endpoint: let grpc resolve it. Several: resolve them now into one address list grpc fails over on."""
+    if len(endpoints) == 1:
+        return _host_port(*endpoints[0])
+    v4: list[str] = []
+    v6: list[str] = []
+    for host, port in endpoints:
+        try:
+            infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot resolve etcd host {host!r} of {url}: {exc}; check the name or "
+                                   "pass --store with reachable addresses") from exc
+        addresses = {ipaddress.ip_address(info[4][0]) for info in infos}
+        v4 += [_host_port(str(a), port) for a in sorted(a for a in addresses if a.version == 4)]
+        v6 += [_host_port(str(a), port) for a in sorted(a for a in addresses if a.version == 6)]
+    if v4:
+        return "ipv4:" + ",".join(v4)
+    return "ipv6:" + ",".join(v6)
+
+
+class EtcdStore:
+    """A StateStore client of one etcd cluster over a single gRPC channel."""
+
+    def __init__(self, url: str, target: str, settings: Settings) -> None:
+        self._url = url
+        self._timeout = settings.store_timeout_s
+        self._settings = settings
+        self._channel: Any = grpc.aio.insecure_channel(target, options=[
+            ("grpc.initial_reconnect_backoff_ms", max(1, int(settings.retry_initial_s * 1000))),
+            ("grpc.min_reconnect_backoff_ms", max(1, int(settings.retry_initial_s * 1000))),
+            ("grpc.max_reconnect_backoff_ms", max(1, int(settings.retry_max_s * 1000))),
+            ("grpc.max_receive_message_length", -1),
+        ])
+        self._kv: Any = rpc.KVStub(self._channel)
+        self._leases: Any = rpc.LeaseStub(self._channel)
+        self._watches: Any = rpc.WatchStub(self._channel)
+        self._known_revision = 0
+        self._closed = False
+        self._streams: set[Any] = set()
+
+    @classmethod
+    async def open(cls, url: str, settings: Settings | None = None) -> EtcdStore:
+        """Connect to the cluster of ``url``; StoreUnavailable if it does not answer."""
+        settings = settings or Settings()
+        store = cls(url, await _grpc_target(url, parse_etcd_url(url)), settings)
+        try:
+            await store.revision()
+        except BaseException:
+            await store.close()
+            raise
+        log.info("store_opened", url=url, backend="etcd", revision=store._known_revision)
+        return store
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    # -- the gRPC boundary ----------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"store {self._url} is closed; open a new one with open_store()")
+
+    def _error(self, op: str, exc: BaseException) -> StoreError | StoreUnavailable:
+        """Map a grpc failure of ``op`` to stead's errors, with advice."""
+        if self._closed:
+            return StoreError(f"store {self._url} was closed during {op}; open a new one with open_store()")
+        if isinstance(exc, TimeoutError):
+            code, details = "DEADLINE_EXCEEDED", f"no answer within store_timeout_s={self._timeout}"
+        elif isinstance(exc, grpc.aio.AioRpcError):
+            code, details = exc.code().name, exc.details()
+            if exc.code() in _PERMANENT:
+                if "lease not found" in details:
+                    return StoreError(f"etcd at {self._url} refused {op}: the lease expired or was revoked; "
+                                      "take a new lease with store.lease()")
+                if "compacted" in details:
+                    return StoreError(f"etcd at {self._url} refused {op}: {details}; re-read with range() and "
+                                      "watch from revision()+1")
+                return StoreError(f"etcd at {self._url} refused {op}: {details} ({code}); fix the request")
+            if "space exceeded" in (details or ""):
+                return StoreError(f"etcd at {self._url} is out of space ({details}); compact and defragment etcd "
+                                  "and disarm its NOSPACE alarm (etcdctl compact / defrag / alarm disarm)")
+        else:
+            code, details = type(exc).__name__, str(exc)
+        return StoreUnavailable(f"etcd at {self._url} is unavailable during {op} ({code}: {details}); "
+                                f"is etcd running at {self._url.removeprefix(_URL_PREFIX)}? "
+                                "start it or pass --store with a reachable URL")
+
+    def _open_stream(self, method: Any) -> Any:
+        self._check_open()
+        call = method()
+        self._streams.add(call)
+        return call
+
+    async def _end_stream(self, call: Any) -> None:
+        self._streams.discard(call)
+        await self._settle(call)
+
+    async def _settle(self, call: Any) -> None:
+        """Cancel a call and wait until grpc has delivered its end on this event loop.
+
+        grpc.aio completes calls through one process-wide poller, and a cancelled
+        stream's status arrives a moment after ``code()`` returns; if this loop
+        closed first, grpc would schedule it on a dead loop and the next loop
+        (the next test) reports "Event loop is closed".
+        """
+        status_task = _status_task(call)
+        call.cancel()
+        with anyio.CancelScope(shield=True) as scope:
+            scope.deadline = anyio.current_time() + self._timeout
+            await call.code()
+            if status_task is not None:
+                await asyncio.wait([status_task])
+
+    async def _call(self, op: str, method: Any, request: Any) -> Any:
+        self._check_open()
+        call = method(request, timeout=self._timeout)
+        try:
+            response = await call
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            raise self._error(op, exc) from exc
+        except BaseException:  # cancelled by the caller: let grpc finish the call while this loop runs
+            await self._settle(call)
+            raise
+        self._known_revision = max(self._known_revision, response.header.revision)
+        return response
+
+    # -- StateStore ---------------------------------------------------------------------------------------------
+
+    async def get(self, key: str) -> KeyValue | None:
+        response = await self._call("get", self._kv.Range, rpc.RangeRequest(key=check_key(key)))
+        return _key_value(response.kvs[0]) if response.kvs else None
+
+    async def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
+        request = rpc.PutRequest(key=check_key(key), value=check_value(key, value), lease=_lease_id(lease))
+        response = await self._call("put", self._kv.Put, request)
+        return int(response.header.revision)
+
+    async def compare_and_put(
+        self, key: str, value: bytes, *, expected_mod_revision: int, lease: Lease | None = None
+    ) -> bool:
+        raw, data = check_key(key), check_value(key, value)
+        check_revision("expected_mod_revision", expected_mod_revision)
+        if expected_mod_revision == 0:
+            compare = rpc.Compare(key=raw, result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE, create_revision=0)
+        else:
+            compare = rpc.Compare(key=raw, result=rpc.Compare.EQUAL, target=rpc.Compare.MOD,
+                                  mod_revision=expected_mod_revision)
+        put = rpc.RequestOp(request_put=rpc.PutRequest(key=raw, value=data, lease=_lease_id(lease)))
+        response = await self._call("compare_and_put", self._kv.Txn, rpc.TxnRequest(compare=[compare], success=[put]))
+        return bool(response.succeeded)
+
+    async def create_all(self, items: Sequence[tuple[str, bytes]]) -> bool:
+        checked = check_items(items)
+        if not checked:
+            return True
+        request = rpc.TxnRequest(
+            compare=[rpc.Compare(key=raw, result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE, create_revision=0)
+                     for _, raw, _ in checked],
+            success=[rpc.RequestOp(request_put=rpc.PutRequest(key=raw, value=value)) for _, raw, value in checked])
+        response = await self._call("create_all", self._kv.Txn, request)
+        return bool(response.succeeded)
+
+    async def delete(self, key: str) -> bool:
+        response = await self._call("delete", self._kv.DeleteRange, rpc.DeleteRangeRequest(key=check_key(key)))
+        return int(response.deleted) > 0
+
+    async def delete_prefix(self, prefix: str) -> int:
+        low = check_prefix(prefix)
+        request = rpc.DeleteRangeRequest(key=low, range_end=prefix_end(low))
+        response = await self._call("delete_prefix", self._kv.DeleteRange, request)
+        return int(response.deleted)
+
+    async def range(self, prefix: str, *, start: str | None = None, limit: int | None = None) -> list[KeyValue]:
+        low = check_prefix(prefix)
+        high = prefix_end(low)
+        if start is not None:
+            low = max(low, check_key(start))
+        check_limit(limit)
+        self._check_open()
+        if limit == 0 or low >= high:
+            return []
+        request = rpc.RangeRequest(key=low, range_end=high, limit=limit or 0)
+        response = await self._call("range", self._kv.Range, request)
+        return [_key_value(kv) for kv in response.kvs]
+
+    def watch(self, prefix: str, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
+        low = check_prefix(prefix)
+        if start_revision is not None:
+            check_revision("start_revision", start_revision)
+        start = self._known_revision + 1 if start_revision is None else start_revision
+        return self._watch(low, prefix_end(low), start)
+
+    async def _watch(self, low: bytes, high: bytes, start: int) -> AsyncIterator[WatchEvent]:
+        create = rpc.WatchCreateRequest(key=low, range_end=high, start_revision=max(start, 1))
+        call = self._open_stream(self._watches.Watch)
+        try:
+            try:
+                with anyio.fail_after(self._timeout):
+                    await call.write(rpc.WatchRequest(create_request=create))
+                    response = await call.read()
+            except TimeoutError as exc:
+                raise self._error("watch", exc) from exc
+            while True:
+                if response is grpc.aio.EOF:
+                    raise self._error("watch", ConnectionError("the watch stream ended"))
+                if response.compact_revision:
+                    raise StoreError(f"watch of {self._url} from revision {start} is impossible: history before "
+                                     f"{response.compact_revision} was compacted; re-read with range() and watch "
+                                     "from revision()+1")
+                if response.canceled:
+                    raise StoreUnavailable(f"etcd at {self._url} cancelled the watch ({response.cancel_reason}); "
+                                           "watch again from the last revision seen + 1")
+                for event in response.events:
+                    revision = int(event.kv.mod_revision)
+                    self._known_revision = max(self._known_revision, revision)
+                    yield WatchEvent(kind=WatchKind.PUT if event.type == rpc.Event.PUT else WatchKind.DELETE,
+                                     key=event.kv.key.decode(), value=bytes(event.kv.value), revision=revision)
+                response = await call.read()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            raise self._error("watch", exc) from exc
+        finally:
+            await self._end_stream(call)
+
+    def lease(self, ttl_s: float) -> AbstractAsyncContextManager[Lease]:
+        check_ttl(ttl_s)
+        return hold_lease(url=self._url, grant=lambda: self.grant_lease(ttl_s), refresh=self.refresh_lease,
+                          revoke=self.revoke_lease, revoke_timeout_s=self._timeout)
+
+    async def revision(self) -> int:
+        await self._call("revision", self._kv.Range, rpc.RangeRequest(key=b"/", count_only=True))
+        return self._known_revision
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for call in list(self._streams):
+                await self._end_stream(call)
+            await self._channel.close()
+            log.info("store_closed", url=self._url, backend="etcd")
+
+    # -- beyond the protocol: raw leases (no keep-alive) and history compaction --------------------------------
+
+    async def grant_lease(self, ttl_s: float) -> Lease:
+        """A lease nobody keeps alive; etcd rounds ``ttl_s`` up to whole seconds (and to its minimum TTL)."""
+        check_ttl(ttl_s)
+        response = await self._call("grant_lease", self._leases.LeaseGrant, rpc.LeaseGrantRequest(TTL=math.ceil(ttl_s)))
+        if response.error:
+            raise StoreError(f"etcd at {self._url} refused a lease of {ttl_s}s: {response.error}")
+        return StoreLease(id=int(response.ID), ttl_s=float(response.TTL))
+
+    async def refresh_lease(self, lease: Lease) -> None:
+        """Push the lease's expiry ``ttl_s`` into the future; StoreError if it is already gone."""
+        call = self._open_stream(self._leases.LeaseKeepAlive)
+        try:
+            with anyio.fail_after(self._timeout):
+                await call.write(rpc.LeaseKeepAliveRequest(ID=lease.id))
+                response = await call.read()
+                await call.done_writing()  # etcd then ends the stream cleanly
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, TimeoutError) as exc:
+            raise self._error("refresh_lease", exc) from exc
+        finally:
+            await self._end_stream(call)
+        if response is grpc.aio.EOF:
+            raise self._error("refresh_lease", ConnectionError("the keep-alive stream ended"))
+        if response.TTL <= 0:
+            raise StoreError(f"lease {lease.id} on {self._url} expired or was revoked; take a new lease")
+
+    async def revoke_lease(self, lease: Lease) -> None:
+        """Delete the lease and its keys now; a lease already gone is not an error."""
+        try:
+            await self._call("revoke_lease", self._leases.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease.id))
+        except StoreError as exc:
+            if "lease expired or was revoked" not in str(exc):
+                raise
+
+    async def compact(self, revision: int) -> None:
+        """Forget the change history before ``revision``; watches cannot start before it any more."""
+        check_revision("revision", revision)
+        current = await self.revision()
+        if min(revision, current) > 0:
+            await self._call("compact", self._kv.Compact, rpc.CompactionRequest(revision=min(revision, current)))
+
+
+def _status_task(call: Any) -> asyncio.Task[Any] | None:
+    """grpc's internal task that receives a stream's status, found by its coroutine's reference to the call.
+
+    Relies on grpc.aio internals; if they change, nothing is found and _settle only waits for ``code()``.
+    """
+    cython_call = getattr(call, "_cython_call", None)
+    for task in asyncio.all_tasks():
+        coro = task.get_coro()
+        if getattr(coro, "__qualname__", "") != "_AioCall._handle_status_once_received" or task.done():
+            continue
+        if any(ref is cython_call for scope in gc.get_referents(coro) for ref in gc.get_referents(scope)):
+            return task
+    return None
+
+
+def _lease_id(lease: Lease | None) -> int:
+    return 0 if lease is None else lease.id
+
+
+def _key_value(kv: Any) -> KeyValue:
+    return KeyValue(key=kv.key.decode(), value=bytes(kv.value), create_revision=int(kv.create_revision),
+                    mod_revision=int(kv.mod_revision), lease=int(kv.lease) or None)
+
+
+async def open_store(url: str, settings: Settings) -> StateStore:
+    """Entry point of the ``etcd`` scheme: connects and checks the cluster answers."""
+    return await EtcdStore.open(url, settings)

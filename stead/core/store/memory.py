@@ -1,0 +1,286 @@
+"""In-process StateStore for tests and single-process experiments (``memory://``).
+
+Nothing is persisted; every ``open_store("memory://")`` is a fresh, empty store.
+Leases expire by a monotonic clock (injectable for tests), checked lazily on
+every call and by waiting watchers at the next lease deadline.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+
+import anyio
+
+from stead.core.config import Settings
+from stead.core.errors import StoreError
+from stead.core.store._common import (
+    StoreLease,
+    check_items,
+    check_key,
+    check_limit,
+    check_prefix,
+    check_revision,
+    check_ttl,
+    check_value,
+    hold_lease,
+)
+from stead.core.store.base import KeyValue, Lease, StateStore, WatchEvent, WatchKind
+
+__all__ = ["MemoryStore", "open_store"]
+
+
+@dataclasses.dataclass
+class _LeaseState:
+    ttl_s: float
+    expires_at: float
+    keys: set[str]
+
+
+class MemoryStore:
+    """A dict with revisions, a change history for watches, and leases."""
+
+    def __init__(self, url: str = "memory://", *, clock: Callable[[], float] = time.monotonic,
+                 settings: Settings | None = None) -> None:
+        self._url = url
+        self._clock = clock
+        self._settings = settings or Settings()
+        self._data: dict[str, KeyValue] = {}
+        self._sorted_keys: list[str] = []
+        self._history: list[WatchEvent] = []
+        self._history_revisions: list[int] = []
+        self._compacted = 0
+        self._revision = 0
+        self._leases: dict[int, _LeaseState] = {}
+        self._next_lease_id = 1
+        self._changed = anyio.Event()
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    # -- internals ----------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"store {self._url} is closed; open a new one with open_store()")
+        self._expire_leases()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _record(self, kind: WatchKind, key: str, value: bytes, revision: int) -> None:
+        self._history.append(WatchEvent(kind=kind, key=key, value=value, revision=revision))
+        self._history_revisions.append(revision)
+
+    def _write(self, key: str, value: bytes, lease: Lease | None, revision: int) -> None:
+        lease_id = self._live_lease(lease)
+        old = self._data.get(key)
+        if old is None:
+            bisect.insort(self._sorted_keys, key)
+        elif old.lease is not None and old.lease in self._leases:
+            self._leases[old.lease].keys.discard(key)
+        if lease_id is not None:
+            self._leases[lease_id].keys.add(key)
+        create = old.create_revision if old is not None else revision
+        self._data[key] = KeyValue(key=key, value=value, create_revision=create, mod_revision=revision, lease=lease_id)
+        self._record(WatchKind.PUT, key, value, revision)
+
+    def _remove(self, key: str, revision: int) -> None:
+        old = self._data.pop(key)
+        del self._sorted_keys[bisect.bisect_left(self._sorted_keys, key)]
+        if old.lease is not None and old.lease in self._leases:
+            self._leases[old.lease].keys.discard(key)
+        self._record(WatchKind.DELETE, key, b"", revision)
+
+    def _live_lease(self, lease: Lease | None) -> int | None:
+        if lease is None:
+            return None
+        if lease.id not in self._leases:
+            raise StoreError(f"lease {lease.id} expired or was revoked; take a new lease with store.lease()")
+        return lease.id
+
+    def _drop_lease(self, lease_id: int) -> None:
+        state = self._leases.pop(lease_id)
+        if state.keys:
+            self._revision += 1
+            for key in sorted(state.keys):
+                self._remove(key, self._revision)
+            self._notify()
+
+    def _expire_leases(self) -> None:
+        now = self._clock()
+        for lease_id in [i for i, s in self._leases.items() if s.expires_at <= now]:
+            self._drop_lease(lease_id)
+
+    def _next_expiry(self) -> float:
+        return min((s.expires_at for s in self._leases.values()), default=math.inf)
+
+    def _keys_under(self, prefix: str, start: str | None) -> list[str]:
+        low = prefix if start is None or start < prefix else start
+        keys: list[str] = []
+        for key in self._sorted_keys[bisect.bisect_left(self._sorted_keys, low):]:
+            if not key.startswith(prefix):
+                break
+            keys.append(key)
+        return keys
+
+    # -- StateStore ---------------------------------------------------------------------------------------------
+
+    async def get(self, key: str) -> KeyValue | None:
+        check_key(key)
+        self._check_open()
+        return self._data.get(key)
+
+    async def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
+        check_key(key)
+        data = check_value(key, value)
+        self._check_open()
+        self._live_lease(lease)
+        self._revision += 1
+        self._write(key, data, lease, self._revision)
+        self._notify()
+        return self._revision
+
+    async def compare_and_put(
+        self, key: str, value: bytes, *, expected_mod_revision: int, lease: Lease | None = None
+    ) -> bool:
+        check_key(key)
+        data = check_value(key, value)
+        check_revision("expected_mod_revision", expected_mod_revision)
+        self._check_open()
+        self._live_lease(lease)
+        current = self._data.get(key)
+        if (current.mod_revision if current is not None else 0) != expected_mod_revision:
+            return False
+        self._revision += 1
+        self._write(key, data, lease, self._revision)
+        self._notify()
+        return True
+
+    async def create_all(self, items: Sequence[tuple[str, bytes]]) -> bool:
+        checked = check_items(items)
+        self._check_open()
+        if any(key in self._data for key, _, _ in checked):
+            return False
+        if not checked:
+            return True
+        self._revision += 1
+        for key, _, value in checked:
+            self._write(key, value, None, self._revision)
+        self._notify()
+        return True
+
+    async def delete(self, key: str) -> bool:
+        check_key(key)
+        self._check_open()
+        if key not in self._data:
+            return False
+        self._revision += 1
+        self._remove(key, self._revision)
+        self._notify()
+        return True
+
+    async def delete_prefix(self, prefix: str) -> int:
+        check_prefix(prefix)
+        self._check_open()
+        keys = self._keys_under(prefix, None)
+        if keys:
+            self._revision += 1
+            for key in keys:
+                self._remove(key, self._revision)
+            self._notify()
+        return len(keys)
+
+    async def range(self, prefix: str, *, start: str | None = None, limit: int | None = None) -> list[KeyValue]:
+        check_prefix(prefix)
+        if start is not None:
+            check_key(start)
+        check_limit(limit)
+        self._check_open()
+        keys = self._keys_under(prefix, start)
+        if limit is not None:
+            keys = keys[:limit]
+        return [self._data[k] for k in keys]
+
+    def watch(self, prefix: str, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
+        check_prefix(prefix)
+        if start_revision is not None:
+            check_revision("start_revision", start_revision)
+        return self._watch(prefix, self._revision + 1 if start_revision is None else start_revision)
+
+    async def _watch(self, prefix: str, next_revision: int) -> AsyncIterator[WatchEvent]:
+        while True:
+            self._check_open()
+            if next_revision < self._compacted:
+                raise StoreError(f"watch start revision {next_revision} of {self._url} was compacted (history "
+                                 f"starts at {self._compacted}); re-read with range() and watch from revision()+1")
+            changed = self._changed
+            first = bisect.bisect_left(self._history_revisions, next_revision)
+            batch = [e for e in self._history[first:] if e.key.startswith(prefix)]
+            next_revision = max(next_revision, self._revision + 1)
+            for event in batch:
+                yield event
+            if batch:
+                continue
+            with anyio.move_on_after(self._next_expiry() - self._clock()):
+                await changed.wait()
+
+    def lease(self, ttl_s: float) -> AbstractAsyncContextManager[Lease]:
+        check_ttl(ttl_s)
+        return hold_lease(url=self._url, grant=lambda: self.grant_lease(ttl_s), refresh=self.refresh_lease,
+                          revoke=self.revoke_lease, revoke_timeout_s=self._settings.store_timeout_s)
+
+    async def revision(self) -> int:
+        self._check_open()
+        return self._revision
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._notify()
+
+    # -- beyond the protocol: raw leases (no keep-alive) and history compaction --------------------------------
+
+    async def grant_lease(self, ttl_s: float) -> Lease:
+        """A lease nobody keeps alive: it expires ``ttl_s`` from now unless refreshed."""
+        check_ttl(ttl_s)
+        self._check_open()
+        lease_id = self._next_lease_id
+        self._next_lease_id += 1
+        self._leases[lease_id] = _LeaseState(ttl_s=ttl_s, expires_at=self._clock() + ttl_s, keys=set())
+        return StoreLease(id=lease_id, ttl_s=ttl_s)
+
+    async def refresh_lease(self, lease: Lease) -> None:
+        """Push the lease's expiry ``ttl_s`` into the future; StoreError if it is already gone."""
+        self._check_open()
+        state = self._leases.get(lease.id)
+        if state is None:
+            raise StoreError(f"lease {lease.id} on {self._url} expired or was revoked; take a new lease")
+        state.expires_at = self._clock() + state.ttl_s
+
+    async def revoke_lease(self, lease: Lease) -> None:
+        """Delete the lease and its keys now; a lease already gone is not an error."""
+        self._check_open()
+        if lease.id in self._leases:
+            self._drop_lease(lease.id)
+
+    async def compact(self, revision: int) -> None:
+        """Forget the change history before ``revision``; watches cannot start before it any more."""
+        check_revision("revision", revision)
+        self._check_open()
+        revision = min(revision, self._revision)
+        cut = bisect.bisect_left(self._history_revisions, revision)
+        del self._history[:cut], self._history_revisions[:cut]
+        self._compacted = max(self._compacted, revision)
+
+
+async def open_store(url: str, settings: Settings) -> StateStore:
+    """Entry point of the ``memory`` scheme: a fresh, empty in-process store."""
+    return MemoryStore(url, settings=settings)

@@ -1,0 +1,111 @@
+"""Find what a test or job left behind: child processes, listening sockets, shared memory.
+
+Linux only (reads /proc). Used by the test suite's autouse fixture and by the
+demo to prove that nothing outlives a job.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+__all__ = ["LONG_LIVED", "Leaks", "descendants", "listening_ports", "snapshot", "wait_clean"]
+
+#: processes that session-wide fixtures own on purpose (a shared etcd server); never reported
+LONG_LIVED: set[int] = set()
+
+
+def descendants(pid: int | None = None) -> set[int]:
+    """Every live (non-zombie) process below ``pid`` (default: this process)."""
+    root = os.getpid() if pid is None else pid
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        state, ppid = fields[0], int(fields[1])
+        if state != "Z":
+            children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def listening_ports() -> set[int]:
+    """TCP ports this process is listening on."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if parts[3] == "0A" and parts[9] in inodes:  # 0A = LISTEN
+                ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def shm_segments() -> set[str]:
+    try:
+        return {p.name for p in Path("/dev/shm").iterdir() if "stead" in p.name.lower()}
+    except OSError:
+        return set()
+
+
+class Leaks:
+    def __init__(self, processes: set[int], ports: set[int], shm: set[str]) -> None:
+        self.processes, self.ports, self.shm = processes, ports, shm
+
+    def __bool__(self) -> bool:
+        return bool(self.processes or self.ports or self.shm)
+
+    def __str__(self) -> str:
+        parts = []
+        if self.processes:
+            cmds = []
+            for pid in sorted(self.processes):
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    cmds.append(f"{pid}: {cmdline[:120]}")
+                except OSError:
+                    cmds.append(str(pid))
+            parts.append("processes " + "; ".join(cmds))
+        if self.ports:
+            parts.append(f"listening ports {sorted(self.ports)}")
+        if self.shm:
+            parts.append(f"shared memory {sorted(self.shm)}")
+        return ", ".join(parts)
+
+
+def snapshot() -> tuple[set[int], set[int], set[str]]:
+    return descendants(), listening_ports(), shm_segments()
+
+
+def wait_clean(before: tuple[set[int], set[int], set[str]], *, timeout_s: float = 10.0) -> Leaks:
+    """What is still there after ``timeout_s`` that was not there ``before``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        procs, ports, shm = snapshot()
+        leaks = Leaks(procs - before[0] - LONG_LIVED, ports - before[1], shm - before[2])
+        if not leaks or time.monotonic() > deadline:
+            return leaks
+        time.sleep(0.05)

@@ -1,0 +1,23 @@
+"""Suite-wide fixtures: the anyio backend and the leak check every test passes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from stead.testing import leaks
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers() -> Iterator[None]:
+    """After every test: no new child process, listening port or stead shared-memory segment."""
+    before = leaks.snapshot()
+    yield
+    left = leaks.wait_clean(before)
+    assert not left, f"the test left behind: {left}"

@@ -1,0 +1,91 @@
+"""report_step writes into a shared page; ProgressReader sees it; without the variable it is a no-op."""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _agent_helpers import py, spec, write
+
+from stead.core.agent import progress
+from stead.core.agent.progress import PROGRESS_ENV, ProgressFiles, ProgressReader, report_step
+from stead.core.agent.workers import WorkerGroup
+from stead.core.agent.zygote import Zygote
+
+
+@pytest.fixture
+def fresh_writer(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """report_step as a new process would see it (nothing mapped yet)."""
+    progress._forget_after_fork()
+    yield
+    monkeypatch.delenv(PROGRESS_ENV, raising=False)
+    progress._forget_after_fork()
+
+
+def test_report_step_round_trips_to_the_reader(fresh_writer: None, monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    with ProgressFiles([0, 1], directory=tmp_path) as files, ProgressReader(files.paths) as reader:
+        assert reader.read() == {}
+        monkeypatch.setenv(PROGRESS_ENV, files.env(1)[PROGRESS_ENV])
+        before = time.monotonic()
+        report_step(41)
+        report_step(42)
+        seen = reader.read()
+        assert list(seen) == [1]
+        assert (seen[1].step, seen[1].pid) == (42, os.getpid())
+        assert before <= seen[1].time <= time.monotonic()
+        files.reset()
+        assert reader.read() == {}
+        report_step(43)
+        assert reader.read()[1].step == 43
+
+
+def test_report_step_is_a_no_op_outside_an_agent(fresh_writer: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PROGRESS_ENV, raising=False)
+    report_step(1)
+    monkeypatch.setenv(PROGRESS_ENV, "/nonexistent/stead-progress")
+    report_step(2)
+    report_step(3)
+
+
+def test_a_torn_write_keeps_the_previous_value(fresh_writer: None, monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    with ProgressFiles([0], directory=tmp_path) as files, ProgressReader(files.paths) as reader:
+        monkeypatch.setenv(PROGRESS_ENV, str(files.paths[0]))
+        report_step(7)
+        assert reader.read()[0].step == 7
+        with open(files.paths[0], "r+b") as handle:  # a writer stopped half way: odd sequence number
+            seq = struct.unpack("<Q", handle.read(8))[0]
+            handle.seek(0)
+            handle.write(struct.pack("<Qq", seq + 1, 999))
+        assert reader.read()[0].step == 7
+
+
+def test_files_live_in_a_directory_removed_on_close(tmp_path: Path) -> None:
+    files = ProgressFiles([0, 3], directory=tmp_path)
+    assert set(files.paths) == {0, 3}
+    assert all(p.parent == files.dir for p in files.paths.values())
+    files.close()
+    assert not files.dir.exists()
+
+
+@pytest.mark.anyio
+async def test_workers_report_steps_to_the_agent(tmp_path: Path, zygote: Zygote | None) -> None:
+    script = write(tmp_path, "steps.py", """
+        import sys
+        from stead.core.agent.progress import report_step
+        for step in range(1, int(sys.argv[1]) + 1):
+            report_step(step)
+    """)
+    with ProgressFiles([0, 1], directory=tmp_path) as files, ProgressReader(files.paths) as reader:
+        async with WorkerGroup(zygote=zygote) as group:
+            await group.start([spec(py(script, str(100 + r)), tmp_path, rank=r, env=files.env(r)) for r in (0, 1)])
+            results = [e async for e in group.exits()]
+            assert all(e.exit_code == 0 for e in results), [e.error_tail for e in results]
+        seen = reader.read()
+        assert {rank: p.step for rank, p in seen.items()} == {0: 100, 1: 101}
+        assert {rank: p.pid for rank, p in seen.items()} == group.pids

@@ -1,0 +1,182 @@
+"""AgentService end to end over grpclib on loopback, with a fake backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from stead.core.errors import InvalidRequest, RpcUnavailable, StoreUnavailable, Unauthenticated
+from stead.core.rpc import (
+    FailureInfo,
+    HeartbeatInfo,
+    MasterClient,
+    RegisterInfo,
+    RpcServer,
+    StartWorkersCmd,
+    StopNodeCmd,
+    StopWorkersCmd,
+    attach_token,
+)
+from stead.core.rpc._proto.stead.v1 import (
+    AgentServiceStub,
+    LeaseShardsRequest,
+    ShardServiceStub,
+    WorkersReport,
+    WorkersState,
+)
+
+pytestmark = pytest.mark.anyio
+
+REGISTER = RegisterInfo(node_id="node-0", incarnation=1, host="host-a", pid=4242, nproc=2)
+HEARTBEAT = HeartbeatInfo(node_id="node-0", incarnation=1, round=0, step=None, workers_alive=2, rss_bytes=1 << 30,
+                          cpu_percent=12.5)
+FAILURE = FailureInfo(node_id="node-0", incarnation=1, round=2, local_rank=1, rank=3, exit_code=1, signal=None,
+                      step=None, error_tail="Traceback ...\nRuntimeError: boom\n")
+COMMANDS = [
+    StartWorkersCmd(id="start-1", round=1, node_rank=0, nnodes=2, nproc_per_node=2, world_size=4, restart_count=0,
+                    master_addr="10.0.0.1", master_port=29500),
+    StopWorkersCmd(id="stop-1", round=1, reason="worker failed"),
+    StartWorkersCmd(id="start-2", round=2, node_rank=1, nnodes=2, nproc_per_node=2, world_size=4, restart_count=1,
+                    master_addr="10.0.0.1", master_port=29501),
+    StopNodeCmd(id="stop-node", reason="job finished"),
+]
+
+
+async def test_register_and_heartbeat_reach_the_backend_and_return_its_answers(client: MasterClient,
+                                                                            backend: Any) -> None:
+    assert await client.register(REGISTER) == backend.result
+    assert await client.heartbeat(HEARTBEAT) is True
+    stepped = HeartbeatInfo(**{**HEARTBEAT.__dict__, "round": 3, "step": 1234})
+    assert await client.heartbeat(stepped) is True
+    backend.known = False
+    assert await client.heartbeat(HEARTBEAT) is False
+
+    assert backend.registered == [REGISTER]
+    assert backend.heartbeats == [HEARTBEAT, stepped, HEARTBEAT]  # step None travels as -1 and comes back None
+
+
+async def test_command_stream_delivers_the_backends_commands_in_order(client: MasterClient, backend: Any) -> None:
+    backend.to_send = COMMANDS
+    received = [command async for command in client.commands("node-0", 1)]
+    assert received == COMMANDS
+    assert backend.subscribed == [("node-0", 1)]
+    with anyio.fail_after(10):
+        await backend.stream_closed.wait()
+
+
+async def test_leaving_the_command_stream_early_closes_the_backends_iterator(client: MasterClient,
+                                                                             backend: Any) -> None:
+    backend.to_send = COMMANDS[:1]
+    backend.hold_open = True
+    commands = client.commands("node-0", 1)
+    assert await anext(commands) == COMMANDS[0]
+    await commands.aclose()
+    with anyio.fail_after(10):
+        await backend.stream_closed.wait()
+    assert await client.heartbeat(HEARTBEAT) is True  # the connection is still usable
+
+
+async def test_failure_and_workers_reports_reach_the_backend(client: MasterClient, backend: Any) -> None:
+    signalled = FailureInfo(**{**FAILURE.__dict__, "exit_code": None, "signal": 9, "step": 77})
+    await client.report_failure(FAILURE)
+    await client.report_failure(signalled)
+    await client.report_workers("node-0", 1, 2, "started")
+    await client.report_workers("node-0", 1, 2, "succeeded")
+    assert backend.failures == [FAILURE, signalled]
+    assert backend.workers == [("node-0", 1, 2, "started"), ("node-0", 1, 2, "succeeded")]
+
+
+@pytest.mark.parametrize(("call", "field"), [
+    (lambda c: c.register(RegisterInfo(**{**REGISTER.__dict__, "node_id": ""})), "RegisterRequest.node_id"),
+    (lambda c: c.register(RegisterInfo(**{**REGISTER.__dict__, "node_id": "a/b"})), "RegisterRequest.node_id"),
+    (lambda c: c.register(RegisterInfo(**{**REGISTER.__dict__, "incarnation": 0})), "RegisterRequest.incarnation"),
+    (lambda c: c.register(RegisterInfo(**{**REGISTER.__dict__, "host": ""})), "RegisterRequest.host"),
+    (lambda c: c.register(RegisterInfo(**{**REGISTER.__dict__, "nproc": 0})), "RegisterRequest.nproc"),
+    (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "incarnation": -1})),
+     "HeartbeatRequest.incarnation"),
+    (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "step": -5})), "HeartbeatRequest.step"),
+    (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "workers_alive": -1})),
+     "HeartbeatRequest.workers_alive"),
+    (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "cpu_percent": float("nan")})),
+     "HeartbeatRequest.cpu_percent"),
+    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "rank": -1})), "FailureReport.rank"),
+    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "local_rank": -2})), "FailureReport.local_rank"),
+    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "round": -1})), "FailureReport.round"),
+    (lambda c: c.report_workers("", 1, 0, "started"), "WorkersReport.node_id"),
+    (lambda c: c.report_workers("node-0", 1, -1, "started"), "WorkersReport.round"),
+])
+async def test_malformed_requests_are_rejected_with_the_field_named(client: MasterClient, backend: Any, call: Any,
+                                                                    field: str) -> None:
+    with pytest.raises(InvalidRequest, match=field.replace(".", r"\.")):
+        await call(client)
+    assert backend.calls == 0
+
+
+async def test_a_command_stream_for_a_bad_node_is_rejected(client: MasterClient, backend: Any) -> None:
+    with pytest.raises(InvalidRequest, match=r"CommandsRequest\.incarnation"):
+        [command async for command in client.commands("node-0", 0)]
+    assert backend.subscribed == []
+
+
+async def test_an_unknown_workers_state_is_rejected(server: RpcServer, token: str, backend: Any) -> None:
+    channel = Channel(server.host, server.port)
+    attach_token(channel, token)
+    try:
+        for state in (WorkersState.UNSPECIFIED, WorkersState(7)):
+            report = WorkersReport(node_id="node-0", incarnation=1, round=0, state=state)
+            with pytest.raises(GRPCError) as caught:
+                await AgentServiceStub(channel).report_workers(report, timeout=10)
+            assert caught.value.status == Status.INVALID_ARGUMENT
+            assert "WorkersReport.state" in (caught.value.message or "")
+    finally:
+        channel.close()
+    assert backend.workers == []
+
+
+@pytest.mark.parametrize(("error", "expected", "text"), [
+    (InvalidRequest("node node-0 incarnation 1 is not a live node"), InvalidRequest, "not a live node"),
+    (Unauthenticated("token revoked"), Unauthenticated, "token revoked"),
+    (StoreUnavailable("etcd is down"), RpcUnavailable, "etcd is down"),
+    (RuntimeError("boom"), RpcUnavailable, "RuntimeError: boom"),
+])
+async def test_backend_errors_reach_the_client_as_steads_errors(client: MasterClient, backend: Any,
+                                                                error: Exception, expected: type[Exception],
+                                                                text: str) -> None:
+    backend.error = error
+    with pytest.raises(expected, match=text):
+        await client.register(REGISTER)
+    with pytest.raises(expected, match=text):
+        [command async for command in client.commands("node-0", 1)]
+
+
+async def test_an_unexpected_backend_error_is_answered_internal(server: RpcServer, token: str,
+                                                                backend: Any) -> None:
+    backend.error = RuntimeError("boom")
+    channel = Channel(server.host, server.port)
+    attach_token(channel, token)
+    try:
+        with pytest.raises(GRPCError) as caught:
+            await AgentServiceStub(channel).report_workers(
+                WorkersReport(node_id="node-0", incarnation=1, round=0, state=WorkersState.STARTED), timeout=10)
+    finally:
+        channel.close()
+    assert caught.value.status == Status.INTERNAL
+    assert "boom" in (caught.value.message or "")
+
+
+async def test_placeholder_services_answer_unimplemented_with_an_explanation(server: RpcServer, token: str) -> None:
+    channel = Channel(server.host, server.port)
+    attach_token(channel, token)
+    try:
+        with pytest.raises(GRPCError) as caught:
+            await ShardServiceStub(channel).lease_shards(LeaseShardsRequest(dataset="d", node_id="n", count=1),
+                                                         timeout=10)
+    finally:
+        channel.close()
+    assert caught.value.status == Status.UNIMPLEMENTED
+    assert "not available in this stead version" in (caught.value.message or "")

@@ -1,0 +1,171 @@
+"""The master end to end over real grpclib on loopback, and its resume from a store."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from stead.core.config import Settings
+from stead.core.errors import InvalidRequest, StoreUnavailable
+from stead.core.events import JobSubmitted, PluginFailed, Record, RoundStarted, WorkerFailed
+from stead.core.events.log import EventLog
+from stead.core.master import Master, MasterConfig
+from stead.core.platform import NodeSpec
+from stead.core.rpc import HeartbeatInfo, MasterClient, RegisterInfo, StartWorkersCmd, StopNodeCmd
+from stead.core.statemachine import JobPhase, NodePhase
+from stead.core.store import open_store
+from stead.testing.platforms import RecordingPlatform
+
+pytestmark = pytest.mark.anyio
+
+FAST = Settings(heartbeat_interval_s=0.05, heartbeat_timeout_s=30.0, retry_deadline_s=1.0)
+
+
+def _spec(node_id: str, incarnation: int, address: str, token_file: str) -> NodeSpec:
+    return NodeSpec(job="t", node_id=node_id, incarnation=incarnation,
+                    command=("stead", "agent", "--master", address, "--token-file", token_file))
+
+
+def _config(tmp_path: Path, store_url: str, platform: RecordingPlatform, job: str, **kw: object) -> MasterConfig:
+    return MasterConfig(job=job, store_url=store_url, settings=FAST, platform=platform, node_spec=_spec,
+                        token_file=str(tmp_path / f"{job}.token"), tcp_store=False, plugins=[], **kw)  # type: ignore[arg-type]
+
+
+def _job(nodes: int, **kw: object) -> JobSubmitted:
+    return JobSubmitted(job="t", min_nodes=nodes, max_nodes=nodes, nproc_per_node=2, **kw)  # type: ignore[arg-type]
+
+
+def _register(node: str, incarnation: int = 1) -> RegisterInfo:
+    return RegisterInfo(node_id=node, incarnation=incarnation, host="localhost", pid=1, nproc=2)
+
+
+async def _next(commands: AsyncIterator[object]) -> object:
+    with anyio.fail_after(10):
+        return await commands.__anext__()
+
+
+async def test_registration_heartbeat_and_commands_work_end_to_end(tmp_path: Path) -> None:
+    platform = RecordingPlatform()
+    async with Master(_config(tmp_path, "memory://", platform, "e2e")) as master:
+        await master.submit_job(_job(1))
+        assert platform.launches == [("node-0", 1)]
+        async with MasterClient(master.address, master.token, call_timeout_s=5) as client:
+            reply = await client.register(_register("node-0"))
+            assert reply.job == "e2e" and reply.heartbeat_interval_s == FAST.heartbeat_interval_s
+            commands = client.commands("node-0", 1)
+            start = await _next(commands)
+            assert isinstance(start, StartWorkersCmd)
+            assert (start.round, start.node_rank, start.world_size) == (1, 0, 2)
+            beat = HeartbeatInfo(node_id="node-0", incarnation=1, round=1, step=None, workers_alive=2,
+                                 rss_bytes=0, cpu_percent=0.0)
+            assert await client.heartbeat(beat) is True
+            assert await client.heartbeat(HeartbeatInfo(**{**beat.__dict__, "incarnation": 7})) is False
+            with pytest.raises(InvalidRequest, match="node-9 incarnation 1 is not a live node"):
+                await client.register(_register("node-9"))
+            await client.report_workers("node-0", 1, 1, "started")
+            await client.heartbeat(HeartbeatInfo(**{**beat.__dict__, "step": 0}))
+            await client.report_workers("node-0", 1, 1, "succeeded")
+            state = await master.wait()
+            assert state.phase is JobPhase.SUCCEEDED and state.step == 0
+            assert isinstance(await _next(commands), StopNodeCmd)
+            await commands.aclose()
+
+
+async def test_a_restarted_master_resumes_with_the_same_state_and_no_repeated_effect(
+    tmp_path: Path, store_url: str
+) -> None:
+    if store_url == "memory://":
+        pytest.skip("a memory store does not outlive its master; resume needs sqlite or etcd")
+    job = f"resume-{uuid.uuid4().hex[:6]}"
+    first_platform, second_platform = RecordingPlatform(), RecordingPlatform()
+    started = asyncio.Event()
+    stop = asyncio.Event()
+    state_before = None
+
+    async def first_master() -> None:
+        nonlocal state_before
+        async with Master(_config(tmp_path, store_url, first_platform, job)) as master:
+            await master.submit_job(_job(2))
+            async with MasterClient(master.address, master.token, call_timeout_s=5) as client:
+                await client.register(_register("node-0"))
+            state_before = await master.reactor.wait_until(
+                lambda s: s.nodes["node-1"].phase is NodePhase.STARTED and s.nodes["node-0"].phase is NodePhase.JOINED
+            )
+            started.set()
+            await stop.wait()  # "mid-job": cancelled here
+
+    task = asyncio.create_task(first_master())
+    with anyio.fail_after(20):
+        await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    async with Master(_config(tmp_path, store_url, second_platform, job)) as master:
+        assert master.state == state_before
+        assert master.state.nodes["node-0"].phase is NodePhase.JOINED
+        await master.submit_job(_job(2))  # the same job again: resumed, not re-submitted
+        async with MasterClient(master.address, master.token, call_timeout_s=5) as client:
+            await client.register(_register("node-1"))
+            state = await master.reactor.wait_until(lambda s: s.rdzv.round == 1)
+    assert state.rdzv.members == ("node-0", "node-1")
+    launches = first_platform.launches + second_platform.launches
+    assert sorted(launches) == [("node-0", 1), ("node-1", 1)]
+    store = await open_store(store_url)
+    try:
+        records = await EventLog(store, job).read()
+    finally:
+        await store.close()
+    assert sum(isinstance(r.event, JobSubmitted) for r in records) == 1
+    assert sum(isinstance(r.event, RoundStarted) for r in records) == 1
+
+
+class _Exploding:
+    name = "exploding"
+    subscriptions = (WorkerFailed, JobSubmitted)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def handle(self, *, record: Record, ctx: object) -> None:
+        self.calls += 1
+        raise RuntimeError("plugin bug")
+
+
+async def test_a_failing_plugin_is_recorded_then_disabled_and_the_master_lives_on(tmp_path: Path) -> None:
+    plugin = _Exploding()
+    settings = Settings(plugin_max_failures=2, heartbeat_interval_s=0.05)
+    config = MasterConfig(job="plug", settings=settings, token_file=str(tmp_path / "t"), tcp_store=False,
+                          plugins=[], plugin_objects=[plugin])
+    async with Master(config) as master:
+        await master.submit_job(_job(1))
+        for i in range(3):
+            await master.submit(WorkerFailed(node_id="node-0", round=9, local_rank=0, rank=i))
+        assert master.plugin_host is not None
+        await master.plugin_host.drain()
+        records = await master.reactor.log.read()
+    failures = [r.event for r in records if isinstance(r.event, PluginFailed)]
+    assert [f.disabled for f in failures] == [False, True]
+    assert plugin.calls == 2
+    assert "plugin bug" in failures[0].error
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_store_that_is_down_at_start_gives_a_clear_error_after_retrying(tmp_path: Path) -> None:
+    settings = Settings(retry_initial_s=0.05, retry_deadline_s=0.3, store_timeout_s=0.5)
+    config = MasterConfig(job="down", store_url=f"etcd://127.0.0.1:{_free_port()}", settings=settings,
+                          token_file=str(tmp_path / "t"), tcp_store=False)
+    with pytest.raises(StoreUnavailable, match="still unavailable after"):
+        async with Master(config):
+            pass

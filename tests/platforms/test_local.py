@@ -1,0 +1,135 @@
+"""What the local platform does beyond the shared contract."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+from _platform_helpers import SLEEP, SPAWN_CHILD, agent, next_event, read_pid, remaining_events, wait_dead, wait_exists
+
+from stead.core.config import Settings
+from stead.core.errors import ConfigError, PlatformError
+from stead.core.events import NodeExited, NodeStarted
+from stead.core.platform import NodeSpec
+from stead.platforms.local import LocalPlatform, create, platform_factory
+from stead.platforms.local._spawn import PDEATHSIG_SUPPORTED
+
+pytestmark = pytest.mark.anyio
+
+
+async def exit_of(spec: NodeSpec, settings: Settings | None = None) -> NodeExited:
+    """Run one agent to its end and return its NodeExited."""
+    async with LocalPlatform(settings) as platform, contextlib.aclosing(platform.events()) as events:
+        await platform.launch(spec)
+        started = await next_event(events)
+        assert isinstance(started, NodeStarted) and started.host == "localhost"
+        exited = await next_event(events)
+        assert isinstance(exited, NodeExited)
+        return exited
+
+
+async def test_agent_gets_spec_env_over_the_master_env_and_runs_in_spec_cwd(scratch: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEAD_TEST_INHERITED", "from-master")
+    monkeypatch.setenv("STEAD_TEST_OVERRIDDEN", "from-master")
+    code = ("import os, sys\n"
+            "ok = (os.environ['STEAD_TEST_INHERITED'] == 'from-master'"
+            " and os.environ['STEAD_TEST_OVERRIDDEN'] == 'from-spec'"
+            " and os.path.samefile(os.getcwd(), sys.argv[1]))\n"
+            "sys.exit(0 if ok else 5)")
+    spec = agent(code, str(scratch), env={"STEAD_TEST_OVERRIDDEN": "from-spec"}, cwd=str(scratch))
+    assert (await exit_of(spec)).exit_code == 0
+
+
+async def test_agent_leads_its_own_session() -> None:
+    code = "import os, sys; sys.exit(0 if os.getsid(0) == os.getpid() == os.getpgid(0) else 4)"
+    assert (await exit_of(agent(code))).exit_code == 0
+
+
+@pytest.mark.skipif(not PDEATHSIG_SUPPORTED, reason="PR_SET_PDEATHSIG is Linux only")
+async def test_agent_has_sigkill_as_its_parent_death_signal() -> None:
+    # PR_GET_PDEATHSIG is 2; the agent exits with the signal number it found
+    code = ("import ctypes, sys\n"
+            "sig = ctypes.c_int(-1)\n"
+            "ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)\n"
+            "sys.exit(sig.value)")
+    assert (await exit_of(agent(code))).exit_code == signal.SIGKILL
+
+
+async def test_processes_left_by_an_exited_agent_are_killed(scratch: Path, strays: list[int]) -> None:
+    pid_file = scratch / "child.pid"
+    code = SPAWN_CHILD.replace("time.sleep(300)\n", "sys.exit(0)\n")
+    assert code != SPAWN_CHILD
+    assert (await exit_of(agent(code, str(pid_file)))).exit_code == 0
+    child = await read_pid(pid_file)
+    strays.append(child)
+    await wait_dead(child)
+
+
+async def test_agent_ignoring_sigterm_is_killed_after_the_grace(scratch: Path, strays: list[int]) -> None:
+    ready = scratch / "ready"
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "open(sys.argv[1], 'w').close()\n"
+            "time.sleep(300)")
+    async with LocalPlatform(Settings(shutdown_grace_s=0.2)) as platform:
+        events = platform.events()
+        await platform.launch(agent(code, str(ready)))
+        started = await next_event(events)
+        assert isinstance(started, NodeStarted) and started.pid is not None
+        strays.append(started.pid)
+        await wait_exists(ready)
+    assert await remaining_events(events) == [NodeExited(node_id="n1", incarnation=1, signal=signal.SIGKILL)]
+
+
+async def test_agents_are_stopped_when_the_owner_is_cancelled(strays: list[int]) -> None:
+    with anyio.CancelScope() as scope:
+        async with LocalPlatform() as platform:
+            events = platform.events()
+            await platform.launch(agent(SLEEP))
+            started = await next_event(events)
+            assert isinstance(started, NodeStarted) and started.pid is not None
+            pid = started.pid
+            strays.append(pid)
+            scope.cancel()
+            await anyio.sleep_forever()
+    await wait_dead(pid)
+    assert await remaining_events(events) == [NodeExited(node_id="n1", incarnation=1, signal=signal.SIGTERM)]
+
+
+@pytest.mark.parametrize(("command", "cwd", "message"), [
+    ((), None, "command is empty"),
+    (("stead-no-such-program",), None, "not found on PATH"),
+    (("./no-such-file",), None, "not an executable file"),
+    ((sys.executable, "-c", "pass"), "/nonexistent/stead/dir", "working directory"),
+])
+async def test_a_node_that_cannot_start_is_a_platform_error(command: tuple[str, ...], cwd: str | None,
+                                                            message: str) -> None:
+    async with LocalPlatform() as platform:
+        spec = NodeSpec(job="j", node_id="n1", incarnation=1, command=command, cwd=cwd)
+        with pytest.raises(PlatformError, match=message):
+            await platform.launch(spec)
+
+
+async def test_launch_outside_the_context_is_a_platform_error() -> None:
+    platform = LocalPlatform()
+    with pytest.raises(PlatformError, match="not running"):
+        await platform.launch(agent(SLEEP))
+    async with platform:
+        pass
+    with pytest.raises(PlatformError, match="not running"):
+        await platform.launch(agent(SLEEP))
+    with pytest.raises(PlatformError, match="already started"):
+        await platform.__aenter__()
+
+
+async def test_factory_builds_a_local_platform_and_rejects_options() -> None:
+    assert platform_factory is create
+    platform = await platform_factory(Settings(shutdown_grace_s=1.0))
+    assert isinstance(platform, LocalPlatform) and platform.name == "local"
+    with pytest.raises(ConfigError, match="takes no options"):
+        await platform_factory(Settings(), namespace="x")
