@@ -195,8 +195,8 @@ def _add_stead_flags(group: argparse._ArgumentGroup) -> None:
         help="override a stead setting, e.g. --set heartbeat_timeout_s=10 (repeatable)")
     add("--log-format", default="console", choices=("console", "json"),
         help="format of stead's own logs (default console)")
-    add("--trace", default="console", choices=("console", "none"),
-        help="where recovery traces go (default console)")
+    add("--trace", default="none", choices=("console", "none"),
+        help="print recovery traces (OpenTelemetry spans) to the console (default none)")
 
 
 def _apply_env_defaults(parser: argparse.ArgumentParser, dests: set[str], environ: Mapping[str, str]) -> None:

@@ -195,6 +195,7 @@ class Reactor:
 
     async def _fire(self, name: str, at: float) -> None:
         await asyncio.sleep(max(0.0, at - self._clock()))
+        self._scheduled.discard(name)  # the machine may arm a timer of the same name again later
         if name in self._timers:
             await self.submit(TimerFired(name=name))
 

@@ -29,7 +29,7 @@ from stead.core.master import Master, MasterConfig, open_store_retrying
 from stead.core.platform import NodeSpec, Platform
 from stead.core.statemachine import JobPhase, JobState
 
-__all__ = ["load_platform", "main", "run_job"]
+__all__ = ["agent_spec_factory", "job_submitted", "load_platform", "main", "run_job"]
 
 log = structlog.get_logger("stead.run")
 
@@ -52,7 +52,10 @@ def _pinned_argv(argv: Sequence[str], config: RunConfig) -> list[str]:
     return ["--job-name", config.job_name, "--store", config.store_url, *argv]
 
 
-def _node_spec(config: RunConfig, argv: list[str]) -> Any:
+def agent_spec_factory(config: RunConfig, argv: Sequence[str]) -> Any:
+    """How the master starts a node's agent for a job parsed from ``stead run`` arguments ``argv``."""
+    argv = _pinned_argv(argv, config)
+
     def spec(node_id: str, incarnation: int, address: str, token_file: str) -> NodeSpec:
         command = (sys.executable, "-m", "stead", "agent", "--master", address, "--token-file", token_file,
                    "--node-id", node_id, "--incarnation", str(incarnation), "--log-format", config.log_format)
@@ -62,6 +65,15 @@ def _node_spec(config: RunConfig, argv: list[str]) -> Any:
     return spec
 
 
+def job_submitted(config: RunConfig) -> JobSubmitted:
+    """The event that submits the job ``config`` describes."""
+    return JobSubmitted(
+        job=config.job_name, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+        nproc_per_node=config.nproc_per_node, max_restarts=config.max_restarts, entrypoint=config.entrypoint,
+        last_call_timeout_s=config.last_call_timeout_s, join_timeout_s=config.join_timeout_s,
+    )
+
+
 async def run_job(config: RunConfig, argv: Sequence[str]) -> JobState:
     settings = config.settings
     store = await open_store_retrying(config.store_url, settings)  # fail early and clearly when it is down
@@ -69,17 +81,13 @@ async def run_job(config: RunConfig, argv: Sequence[str]) -> JobState:
     platform = await load_platform(config.platform, settings)
     master_config = MasterConfig(
         job=config.job_name, store_url=config.store_url, settings=settings, platform=platform,
-        node_spec=_node_spec(config, _pinned_argv(argv, config)),
+        node_spec=agent_spec_factory(config, argv),
     )
     async with Master(master_config) as master:
         if master.state.phase.terminal:
             raise ConfigError(f"job {config.job_name!r} already ran in {config.store_url} and "
                               f"{master.state.phase.value}; choose another --job-name")
-        await master.submit_job(JobSubmitted(
-            job=config.job_name, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
-            nproc_per_node=config.nproc_per_node, max_restarts=config.max_restarts, entrypoint=config.entrypoint,
-            last_call_timeout_s=config.last_call_timeout_s, join_timeout_s=config.join_timeout_s,
-        ))
+        await master.submit_job(job_submitted(config))
         log.info("job_submitted", job=config.job_name, nodes=f"{config.min_nodes}:{config.max_nodes}",
                  nproc_per_node=config.nproc_per_node, store=config.store_url)
         await master.wait()
@@ -88,6 +96,9 @@ async def run_job(config: RunConfig, argv: Sequence[str]) -> JobState:
                 await master.reactor.wait_until(lambda s: not any(n.phase.alive for n in s.nodes.values()))
         except TimeoutError:
             log.warning("nodes_still_running", action="killing them")
+        for recovery in master.tracer.completed:
+            log.info("recovery", **{k: round(v * 1000, 1) if isinstance(v, float) else v for k, v in recovery.items()},
+                     unit="ms")
         return master.state
 
 

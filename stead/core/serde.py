@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import types
 import typing
 from collections.abc import Mapping
@@ -36,8 +37,8 @@ def to_json(value: Any) -> JsonValue:
         return value.value
     if isinstance(value, (tuple, list)):
         return [to_json(v) for v in value]
-    if isinstance(value, frozenset):
-        return sorted(to_json(v) for v in value)
+    if isinstance(value, frozenset):  # sorted by their JSON text, so any item type has a stable order
+        return sorted((to_json(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
     if isinstance(value, Mapping):
         return {str(k): to_json(v) for k, v in value.items()}
     if value is None or isinstance(value, (str, int, float, bool)):

@@ -42,6 +42,7 @@ class _Recovery:
     start: float
     phase: str = "decide"
     round: int | None = None
+    durations: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class RecoveryTracer:
@@ -51,7 +52,8 @@ class RecoveryTracer:
         self._tracer = tracer or trace.get_tracer("stead")
         self._job = job
         self._current: _Recovery | None = None
-        self.completed: list[dict[str, float]] = []
+        #: one entry per finished recovery: its cause, outcome and each phase's duration in seconds
+        self.completed: list[dict[str, str | float]] = []
 
     def __call__(self, record: Record, state: JobState) -> None:
         event = record.event
@@ -67,9 +69,7 @@ class RecoveryTracer:
             return
         if state.phase.terminal:
             self._child(rec, rec.phase, record.at)
-            rec.root.set_attribute("stead.outcome", state.phase.value)
-            rec.root.end(end_time=_ns(record.at))
-            self._current = None
+            self._finish(rec, state.phase.value, record.at)
             return
         if isinstance(event, RecoveryDecided) and rec.phase == "decide":
             self._child(rec, "decide", record.at, action=event.action.value)
@@ -82,10 +82,7 @@ class RecoveryTracer:
             rec.phase = "first_step"
         elif isinstance(event, StepProgress) and rec.phase == "first_step" and event.round == rec.round:
             self._child(rec, "first_step", record.at, step=event.step)
-            rec.root.set_attribute("stead.outcome", "recovered")
-            rec.root.end(end_time=_ns(record.at))
-            self.completed.append({"duration_s": record.at - rec.start})
-            self._current = None
+            self._finish(rec, "recovered", record.at)
 
     def _begin(self, record: Record, *, cause: str, attrs: dict[str, str | int]) -> None:
         root = self._tracer.start_span(
@@ -97,12 +94,19 @@ class RecoveryTracer:
         detect.end(end_time=_ns(record.at))
         self._current = rec
 
+    def _finish(self, rec: _Recovery, outcome: str, at: float) -> None:
+        rec.root.set_attribute("stead.outcome", outcome)
+        rec.root.end(end_time=_ns(at))
+        self.completed.append({"cause": rec.cause, "outcome": outcome, **rec.durations, "total": at - rec.start})
+        self._current = None
+
     def _child(self, rec: _Recovery, name: str, end: float, **attrs: str | int) -> None:
         span = self._tracer.start_span(
             name, context=trace.set_span_in_context(rec.root), start_time=_ns(rec.mark),
             attributes={f"stead.{k}": v for k, v in attrs.items()},
         )
         span.end(end_time=_ns(end))
+        rec.durations[name] = end - rec.mark
         rec.mark = end
 
 

@@ -183,9 +183,6 @@ def test_unsupported_value_cannot_be_encoded(value: object) -> None:
         to_json(value)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="BUG: to_json sorts a frozenset's encoded items, which fails with TypeError (not "
-                          "CodecError) for dataclass items or mixed types; sort by their JSON text instead")
 def test_a_frozenset_of_dataclasses_is_encoded() -> None:
     @dataclasses.dataclass(frozen=True)
     class Corners:

@@ -272,6 +272,8 @@ class _Zygote:
             code = 70  # EX_SOFTWARE: the child must never return into the zygote's loop
             try:
                 code = self.become_worker(plan, argv, env, cwd, fds)
+            except BaseException:
+                traceback.print_exc()
             finally:
                 os._exit(code)
         for fd in fds:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import structlog
 
 from stead.core.agent._zygote_main import _STARTUP_ENV as STARTUP_ENV
+from stead.core.agent.extensions import AgentContext, Extensions, RoundInfo, load_extensions
 from stead.core.agent.progress import ProgressFiles, ProgressReader
 from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote
@@ -52,8 +54,11 @@ _FIRST_STEP_POLL_S = 0.01
 
 class Agent:
     def __init__(self, *, client: MasterClient, config: RunConfig, node_id: str, incarnation: int,
-                 settings: Settings) -> None:
+                 settings: Settings, token_file: str = "", extensions: Extensions | None = None) -> None:
         self.client = client
+        self.token_file = token_file
+        self.extensions = extensions or Extensions([])
+        self._job_ended = False
         self.config = config
         self.node_id = node_id
         self.incarnation = incarnation
@@ -79,13 +84,20 @@ class Agent:
                 async with Zygote(self.settings, preload=preload, env=self._zygote_env()) as zygote, \
                         WorkerGroup(self.settings, zygote=zygote) as group:
                     self._group = group
-                    await self._register()
+                    job = await self._register()
+                    await self.extensions.call("start", ctx=AgentContext(
+                        job=job, node_id=self.node_id, incarnation=self.incarnation, nproc=self.nproc,
+                        settings=self.settings, client=self.client, master_address=self.client.address,
+                        token_file=self.token_file, workdir=progress.dir,
+                    ))
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._heartbeats)
                         await self._obey(tg)
                         tg.cancel_scope.cancel()
             finally:
                 self._reader.close()
+                with anyio.CancelScope(shield=True):
+                    await self.extensions.call("stop", job_ended=self._job_ended)
         self._log.info("agent_exiting")
         return 0
 
@@ -100,11 +112,12 @@ class Agent:
 
     # -- master ------------------------------------------------------------------
 
-    async def _register(self) -> None:
+    async def _register(self) -> str:
         info = RegisterInfo(node_id=self.node_id, incarnation=self.incarnation, host=socket.gethostname(),
                             pid=os.getpid(), nproc=self.nproc)
         reply = await retrying(lambda: self.client.register(info), self.settings, what="register")
         self._log.info("agent_registered", master=self.client.address, job=reply.job)
+        return reply.job
 
     async def _obey(self, tg: anyio.abc.TaskGroup) -> None:
         """Follow the command stream until told to stop the node; reconnect when it breaks."""
@@ -119,6 +132,7 @@ class Agent:
                                 await self._stop_workers(f"told to stop: {command.reason}")
                         case StopNodeCmd():
                             self._log.info("agent_stop", reason=command.reason)
+                            self._job_ended = True
                             await self._stop_workers(command.reason)
                             return
             except RetryableError as exc:
@@ -168,15 +182,21 @@ class Agent:
             self.round, self.node_rank = command.round, command.node_rank
             self._reported_failure = False
             self._stopping = False
-            specs = [self._spec(command, local_rank) for local_rank in range(self.nproc)]
+            await self.extensions.call("before_round", round=RoundInfo(
+                round=command.round, node_rank=command.node_rank, nnodes=command.nnodes,
+                nproc_per_node=command.nproc_per_node, world_size=command.world_size,
+                restart_count=command.restart_count,
+            ))
+            specs = [self._spec(command, local_rank, await self.extensions.worker_env(
+                round=command.round, local_rank=local_rank)) for local_rank in range(self.nproc)]
             await self._group.start(specs)
             self._first_step_pending = True
-            tg.start_soon(self._watch_round, command.round)
+            tg.start_soon(self._watch_round, command.round, self._group.exits())
             self._log.info("round_started", round=command.round, node_rank=command.node_rank,
                            world_size=command.world_size)
         await self.client.report_workers(self.node_id, self.incarnation, command.round, "started")
 
-    def _spec(self, command: StartWorkersCmd, local_rank: int) -> WorkerSpec:
+    def _spec(self, command: StartWorkersCmd, local_rank: int, extra_env: dict[str, str]) -> WorkerSpec:
         assert self._progress is not None
         cfg = self.config
         env = dict(os.environ)
@@ -186,6 +206,9 @@ class Agent:
             world_size=command.world_size, run_id=cfg.rdzv_id,
         ))
         env.update(self._progress.env(local_rank))
+        env.update(extra_env)
+        env.update({"STEAD_JOB": cfg.job_name, "STEAD_NODE_ID": self.node_id, "STEAD_ROUND": str(command.round),
+                    "STEAD_MASTER_ADDR": self.client.address, "STEAD_TOKEN_FILE": self.token_file})
         env.pop(RUN_ARGV_ENV, None)
         redirect = cfg.redirects[local_rank] if local_rank < len(cfg.redirects) else Streams.NONE
         tee = cfg.tee[local_rank] if local_rank < len(cfg.tee) else Streams.NONE
@@ -205,10 +228,9 @@ class Agent:
             self._log.info("workers_stop", reason=reason, round=self.round)
             await self._group.stop()
 
-    async def _watch_round(self, round_: int) -> None:
-        assert self._group is not None
+    async def _watch_round(self, round_: int, exits: AsyncIterator[WorkerExit]) -> None:
         succeeded = 0
-        async for worker_exit in self._group.exits():
+        async for worker_exit in exits:
             if round_ != self.round or self._stopping:
                 continue
             if worker_exit.ok:
@@ -219,6 +241,8 @@ class Agent:
             elif not self._reported_failure:
                 self._reported_failure = True
                 await self._report_failure(round_, worker_exit)
+                await self.extensions.call("after_failure", round=round_, local_rank=worker_exit.local_rank,
+                                           exit_code=worker_exit.exit_code, signal=worker_exit.signal)
 
     async def _report_failure(self, round_: int, worker_exit: WorkerExit) -> None:
         assert self._reader is not None
@@ -257,5 +281,6 @@ async def run_agent(*, master: str, token_file: str, node_id: str, incarnation: 
     structlog.contextvars.bind_contextvars(node=node_id)
     async with MasterClient(master, token, call_timeout_s=settings.rpc_timeout_s) as client:
         agent = Agent(client=client, config=config, node_id=node_id, incarnation=incarnation,
-                      settings=config.settings)
+                      settings=config.settings, token_file=token_file,
+                      extensions=Extensions(load_extensions(config.settings)))
         return await agent.run()

@@ -231,6 +231,7 @@ class WorkerGroup:
         self._results: dict[int, WorkerExit] = {}
         self._exits_in: MemoryObjectSendStream[WorkerExit] | None = None
         self._exits_out: MemoryObjectReceiveStream[WorkerExit] | None = None
+        self._lock = anyio.Lock()  # start and stop never interleave
 
     async def __aenter__(self) -> WorkerGroup:
         self._tg = anyio.create_task_group()
@@ -271,6 +272,15 @@ class WorkerGroup:
 
     async def start(self, specs: Sequence[WorkerSpec]) -> None:
         """Start one worker per spec (a new round); forks from the zygote when it is ready."""
+        async with self._lock:
+            await self._start(specs)
+
+    async def stop(self, grace_s: float | None = None) -> list[WorkerExit]:
+        """SIGTERM every running worker's process group, SIGKILL after ``grace_s``; wait for all."""
+        async with self._lock:
+            return await self._stop(grace_s)
+
+    async def _start(self, specs: Sequence[WorkerSpec]) -> None:
         if self._tg is None:
             raise InvalidRequest("WorkerGroup.start() called outside `async with WorkerGroup(...)`; "
                                  "enter the group first")
@@ -302,7 +312,7 @@ class WorkerGroup:
                 log.info("worker_started", local_rank=spec.local_rank, pid=worker.pid, via=worker.via)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self.stop(0)
+                await self._stop(0)
             raise
         finally:
             self._exits_in.close()
@@ -319,8 +329,7 @@ class WorkerGroup:
             raise InvalidRequest("WorkerGroup.exits() called before start(); start workers first")
         return _drain_exits(stream)
 
-    async def stop(self, grace_s: float | None = None) -> list[WorkerExit]:
-        """SIGTERM every running worker's process group, SIGKILL after ``grace_s``; wait for all."""
+    async def _stop(self, grace_s: float | None) -> list[WorkerExit]:
         grace = self._settings.worker_stop_grace_s if grace_s is None else grace_s
         running = [w for w in self._workers.values() if w.result is None]
         if running:

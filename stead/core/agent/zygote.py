@@ -29,11 +29,12 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup
 
-from stead.core.agent._zygote_main import MAX_MESSAGE_BYTES, decode, encode
+from stead.core.agent._zygote_main import MAX_MESSAGE_BYTES, STARTUP_ENV, decode, encode
 from stead.core.config import Settings
 from stead.core.errors import RetryableError
 
-__all__ = ["Forked", "Zygote", "ZygoteUnavailable"]
+#: re-exported: the variables an agent gives its zygote so that its workers can be forked, not exec'd
+__all__ = ["STARTUP_ENV", "Forked", "Zygote", "ZygoteUnavailable"]
 
 log = structlog.get_logger()
 
@@ -96,6 +97,7 @@ class Zygote:
         self._tg: TaskGroup | None = None
         self._ids = itertools.count(1)
         self._replies: dict[int, _Reply] = {}
+        self._abandoned: set[int] = set()
         self._exits: dict[int, _ExitSlot] = {}
         self._send_lock = anyio.Lock()
         self._settled = anyio.Event()
@@ -151,6 +153,8 @@ class Zygote:
         proc = self._proc
         if proc is None:
             return
+        if proc.poll() is None and self._ready_info is None:
+            proc.kill()  # still importing, so it has forked no worker yet and has nothing to clean up
         if proc.poll() is None:
             with anyio.move_on_after(self._settings.worker_stop_grace_s):
                 await anyio.wait_readable(self._pidfd)
@@ -227,6 +231,8 @@ class Zygote:
             await reply.event.wait()
         finally:
             self._replies.pop(request_id, None)
+            if reply.message is None:  # cancelled: a worker forked for it anyway is killed on arrival
+                self._abandoned.add(request_id)
         if reply.message is None:
             raise ZygoteUnavailable(f"the zygote stopped before answering ({self._dead}); "
                                     "workers are spawned instead")
@@ -271,7 +277,14 @@ class Zygote:
                 if not data:
                     self._mark_dead("closed its socket")
                     return
-                self._dispatch(decode(data))
+                try:
+                    self._dispatch(decode(data))
+                except (ValueError, KeyError, TypeError) as exc:  # a protocol bug: stop trusting this zygote
+                    log.error("zygote_bad_message", error=str(exc), message=data[:200])
+                    self._mark_dead("sent a bad message")
+                    if self._proc is not None and self._proc.poll() is None:
+                        self._proc.kill()  # its workers die with it (parent-death signal)
+                    return
         finally:
             self._mark_dead("closed")
 
@@ -300,10 +313,15 @@ class Zygote:
         elif op == "error":
             log.warning("zygote_error", error=message.get("error"))
         else:
-            reply = self._replies.get(int(message.get("id") or 0))
+            request_id = int(message.get("id") or 0)
+            reply = self._replies.get(request_id)
             if reply is not None:
                 reply.message = message
                 reply.event.set()
+            elif request_id in self._abandoned:
+                self._abandoned.discard(request_id)
+                if op == "forked":
+                    _kill_group(int(message["pid"]))
 
     def _exit_slot(self, pid: int) -> _ExitSlot:
         slot = self._exits.get(pid)
@@ -325,3 +343,14 @@ class Zygote:
             if not slot.event.is_set():
                 slot.status = (None, signal.SIGKILL)
                 slot.event.set()
+
+
+def _kill_group(pid: int) -> None:
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            return

@@ -41,8 +41,10 @@ def event_kind(name: str, *, version: int = 1) -> Callable[[type[E]], type[E]]:
     """Register an event class under ``name`` (dotted, namespaced by owner)."""
 
     def register(cls: type[E]) -> type[E]:
-        if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
-            raise TypeError(f"event {cls.__name__} must be a frozen dataclass")
+        params = cls.__dict__.get("__dataclass_params__")  # the class itself, not only a base, is a dataclass
+        if params is None or not params.frozen:
+            raise TypeError(f"event {cls.__name__} must be a frozen dataclass: decorate it with "
+                            "@dataclasses.dataclass(frozen=True, kw_only=True)")
         existing = _REGISTRY.get(name)
         if existing is not None and existing is not cls:
             raise TypeError(f"event type {name!r} is already registered by {existing.__qualname__}")

@@ -93,10 +93,10 @@ def node_ids(count: int) -> tuple[str, ...]:
 
 def transition(state: JobState, event: Event, *, now: float, seq: int = 0) -> Transition[JobState]:
     """Fold ``event`` (the log's record ``seq``) into ``state``: pure, no IO, no clock."""
-    result = _transition(state, event, now=now)
+    result = _transition(dataclasses.replace(state, seq=max(seq, state.seq)), event, now=now)
     if result.rejected is not None:
-        return result
-    return Transition(dataclasses.replace(result.state, seq=max(seq, state.seq)), result.effects)
+        return Transition(state, (), result.rejected)
+    return result
 
 
 def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobState]:
@@ -146,7 +146,7 @@ def _absorb(state: JobState, event: Event, *, now: float) -> Transition[JobState
     if isinstance(event, (NodeExited, NodeLost)):
         result = node_machine.transition(state.nodes.get(event.node_id), event, now=now)
         if result.rejected is None and result.state is not None:
-            return Transition(_with_node(state, result.state))
+            return Transition(_with_node(state, result.state), result.effects)  # a lost node is still killed
     return Transition(state)
 
 
@@ -209,11 +209,10 @@ def _node_gone(state: JobState, node: NodeState, *, now: float) -> tuple[JobStat
             for m in state.rdzv.members
             if m != node.node_id and state.nodes[m].phase is NodePhase.JOINED
         ]
-        state = dataclasses.replace(
+        state = dataclasses.replace(  # a decision still pending for a failure stays pending
             state,
             phase=JobPhase.RECOVERING,
             rdzv=dataclasses.replace(state.rdzv, active=False),
-            awaiting_decision=False,
         )
     if node.incarnation <= spec.max_node_relaunches:
         relaunch = NodeRequested(node_id=node.node_id, incarnation=node.incarnation + 1)

@@ -6,6 +6,11 @@ match as plain string prefixes (``/a`` matches ``/a``, ``/ab`` and ``/a/x``),
 which is etcd's meaning. Keys sort by their UTF-8 bytes, which is also their
 code-point order. ``create_all`` takes at most :data:`MAX_TXN_ITEMS` items in
 every backend, so that code tested against ``memory://`` also runs on etcd.
+A write gets one revision, shared by every key of a ``create_all`` or
+``delete_prefix``. ``watch`` without ``start_revision`` starts right after the
+newest revision this client has seen when ``watch()`` is called, so nothing
+written after the call is missed. A closed store raises StoreError, also from
+its open watches.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ with ``retry_initial_s`` doubling to ``retry_max_s``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import ipaddress
 import math
@@ -22,8 +23,8 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
-import grpc  # type: ignore[import-untyped]
-import grpc.aio  # type: ignore[import-untyped]
+import grpc
+import grpc.aio
 import structlog
 from aetcd import rpc
 
@@ -103,13 +104,20 @@ async def _grpc_target(url: str, endpoints: list[tuple[str, int]]) -> str:
     return "ipv6:" + ",".join(v6)
 
 
+class _LeaseGone(StoreError):
+    """etcd does not know the lease (it expired or was revoked)."""
+
+
+class _Compacted(StoreError):
+    """The requested revision is older than etcd's compacted history."""
+
+
 class EtcdStore:
     """A StateStore client of one etcd cluster over a single gRPC channel."""
 
     def __init__(self, url: str, target: str, settings: Settings) -> None:
         self._url = url
         self._timeout = settings.store_timeout_s
-        self._settings = settings
         self._channel: Any = grpc.aio.insecure_channel(target, options=[
             ("grpc.initial_reconnect_backoff_ms", max(1, int(settings.retry_initial_s * 1000))),
             ("grpc.min_reconnect_backoff_ms", max(1, int(settings.retry_initial_s * 1000))),
@@ -156,10 +164,10 @@ class EtcdStore:
             code, details = exc.code().name, exc.details()
             if exc.code() in _PERMANENT:
                 if "lease not found" in details:
-                    return StoreError(f"etcd at {self._url} refused {op}: the lease expired or was revoked; "
+                    return _LeaseGone(f"etcd at {self._url} refused {op}: the lease expired or was revoked; "
                                       "take a new lease with store.lease()")
                 if "compacted" in details:
-                    return StoreError(f"etcd at {self._url} refused {op}: {details}; re-read with range() and "
+                    return _Compacted(f"etcd at {self._url} refused {op}: {details}; re-read with range() and "
                                       "watch from revision()+1")
                 return StoreError(f"etcd at {self._url} refused {op}: {details} ({code}); fix the request")
             if "space exceeded" in (details or ""):
@@ -204,8 +212,10 @@ class EtcdStore:
             response = await call
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             raise self._error(op, exc) from exc
-        except BaseException:  # cancelled by the caller: let grpc finish the call while this loop runs
+        except BaseException:  # cancelled: let grpc finish the call while this loop runs
             await self._settle(call)
+            if self._closed and _not_cancelled_by_caller():  # grpc.aio's way of reporting a closed channel
+                raise self._error(op, ConnectionError("closed")) from None
             raise
         self._known_revision = max(self._known_revision, response.header.revision)
         return response
@@ -304,6 +314,10 @@ class EtcdStore:
                 response = await call.read()
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             raise self._error("watch", exc) from exc
+        except asyncio.CancelledError:
+            if self._closed and _not_cancelled_by_caller():  # grpc.aio's way of reporting a call close() ended
+                raise self._error("watch", ConnectionError("closed")) from None
+            raise
         finally:
             await self._end_stream(call)
 
@@ -355,18 +369,21 @@ class EtcdStore:
 
     async def revoke_lease(self, lease: Lease) -> None:
         """Delete the lease and its keys now; a lease already gone is not an error."""
-        try:
+        with contextlib.suppress(_LeaseGone):
             await self._call("revoke_lease", self._leases.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease.id))
-        except StoreError as exc:
-            if "lease expired or was revoked" not in str(exc):
-                raise
 
     async def compact(self, revision: int) -> None:
         """Forget the change history before ``revision``; watches cannot start before it any more."""
         check_revision("revision", revision)
-        current = await self.revision()
-        if min(revision, current) > 0:
-            await self._call("compact", self._kv.Compact, rpc.CompactionRequest(revision=min(revision, current)))
+        upto = min(revision, await self.revision())
+        if upto > 0:
+            with contextlib.suppress(_Compacted):  # already compacted that far: nothing to do
+                await self._call("compact", self._kv.Compact, rpc.CompactionRequest(revision=upto))
+
+
+def _not_cancelled_by_caller() -> bool:
+    task = asyncio.current_task()
+    return task is not None and not task.cancelling()
 
 
 def _status_task(call: Any) -> asyncio.Task[Any] | None:

@@ -153,7 +153,11 @@ class SqliteStore:
         path = parse_sqlite_url(url)
         conn = await anyio.to_thread.run_sync(_connect, url, path, settings.store_timeout_s)
         store = cls(url, conn, settings)
-        store._known_revision = await store.revision()
+        try:
+            store._known_revision = await store.revision()
+        except BaseException:
+            await store.close()
+            raise
         log.info("store_opened", url=url, backend="sqlite", path=str(path))
         return store
 

@@ -32,13 +32,15 @@ log = structlog.get_logger("stead.plugins.diagnosis")
 #: errors that a restart reproduces: the program is wrong, not the world
 DETERMINISTIC = frozenset({"SyntaxError", "IndentationError", "TabError", "NameError", "ImportError",
                            "ModuleNotFoundError", "UnboundLocalError"})
+#: torch prefixes a worker's stderr lines with its rank ("[rank3]: NameError: ...")
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d*\]:\s*")
 _EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))(?::\s*(?P<msg>.*))?$")
 
 
 def last_exception(error_tail: str) -> tuple[str, str] | None:
     """(exception type, message) of the last traceback in a stderr tail, if any."""
     for line in reversed(error_tail.strip().splitlines()):
-        match = _EXC_LINE.match(line.strip())
+        match = _EXC_LINE.match(_RANK_PREFIX.sub("", line.strip()))
         if match:
             return match["type"].rsplit(".", 1)[-1], (match["msg"] or "").strip()
     return None

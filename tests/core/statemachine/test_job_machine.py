@@ -200,7 +200,7 @@ ALLOWED: list[tuple[str, JobState, Event, JobPhase, dict[str, object], EffectIds
                            "nodes.node-1.exit_code": 137},
      [(StopWorkers, "stop-workers/1/node-0"), (Emit, "emit/request/node-1/2")]),
     ("member lost while a failure awaits its decision", AWAITING, NodeLost(node_id="node-0", incarnation=1),
-     JobPhase.RECOVERING, {"rdzv.active": False, "awaiting_decision": False},
+     JobPhase.RECOVERING, {"rdzv.active": False, "awaiting_decision": True},
      [(KillNode, "kill/node-0/1"), (StopWorkers, "stop-workers/1/node-1"), (Emit, "emit/request/node-0/2")]),
     ("relaunch request launches incarnation 2", LOST_NO_FOLLOW, NodeRequested(node_id="node-1", incarnation=2),
      JobPhase.RECOVERING, {"nodes.node-1.phase": NodePhase.REQUESTED, "nodes.node-1.incarnation": 2},
@@ -254,8 +254,8 @@ ALLOWED: list[tuple[str, JobState, Event, JobPhase, dict[str, object], EffectIds
      [(StopNode, "stop-node/node-0/1"), (StopNode, "stop-node/node-1/2")]),
     ("a succeeded job records a node exit", SUCCEEDED, NodeExited(node_id="node-0", incarnation=1, exit_code=0),
      JobPhase.SUCCEEDED, {"nodes.node-0.phase": NodePhase.EXITED, "nodes.node-0.exit_code": 0}, []),
-    ("a stopped job records a node loss, without effects", STOPPED, NodeLost(node_id="node-0", incarnation=1),
-     JobPhase.STOPPED, {"nodes.node-0.phase": NodePhase.LOST}, []),
+    ("a stopped job records a node loss and still kills it", STOPPED, NodeLost(node_id="node-0", incarnation=1),
+     JobPhase.STOPPED, {"nodes.node-0.phase": NodePhase.LOST}, [(KillNode, "kill/node-0/1")]),
 ]
 
 

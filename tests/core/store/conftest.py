@@ -2,27 +2,51 @@
 
 from __future__ import annotations
 
-import shutil
+import dataclasses
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from store_backends import SETTINGS, Backend
 
+from stead.core.config import Settings
 from stead.core.store import StateStore, open_store
-from stead.testing.etcd import EtcdServer, etcd_binary
+
+#: short polling and reconnect intervals keep the suite fast; nothing asserts on durations
+SETTINGS = Settings(sqlite_watch_poll_s=0.02, retry_initial_s=0.05, retry_max_s=0.2, store_timeout_s=5.0)
 
 
-@pytest.fixture(scope="session")
-def etcd_server() -> Iterator[EtcdServer | None]:
-    """One etcd for the whole session (tests use fresh key prefixes); None when the binary is missing."""
-    if shutil.which("etcd") is None:
-        yield None
-        return
-    with EtcdServer() as server:
-        yield server
+@dataclasses.dataclass
+class Backend:
+    """One backend under test: a store, a fresh key namespace and a way to open more clients on the same data."""
+
+    name: str
+    url: str
+    store: StateStore
+    ns: str
+    open_another: Callable[[], Awaitable[StateStore]]
+    #: a lease TTL the backend honours exactly (etcd rounds up to whole seconds)
+    short_ttl_s: float
+
+    def key(self, name: str) -> str:
+        return self.ns + name
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return SETTINGS
+
+
+@pytest.fixture
+def etcd(request: pytest.FixtureRequest) -> str:
+    """The URL of the session's etcd (``etcd_url`` of tests/core/conftest.py; tests use fresh key prefixes).
+
+    Started only when an etcd test asks for it; without the binary the test is
+    skipped, or fails when CI is set.
+    """
+    url: str = request.getfixturevalue("etcd_url")
+    return url
 
 
 @pytest.fixture
@@ -32,18 +56,14 @@ def sqlite_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(params=["memory", "sqlite", "etcd"])
-async def backend(request: pytest.FixtureRequest, etcd_server: EtcdServer | None,
-                  sqlite_dir: Path) -> AsyncIterator[Backend]:
+async def backend(request: pytest.FixtureRequest, sqlite_dir: Path) -> AsyncIterator[Backend]:
     name: str = request.param
     if name == "memory":
         url, ttl = "memory://", 0.3
     elif name == "sqlite":
         url, ttl = f"sqlite:///{sqlite_dir}/state.db", 0.3
     else:
-        if etcd_server is None:
-            etcd_binary()  # skips, or fails when CI is set
-            raise AssertionError("unreachable")
-        url, ttl = etcd_server.url, 1.0
+        url, ttl = request.getfixturevalue("etcd"), 1.0
     store = await open_store(url, settings=SETTINGS)
     others: list[StateStore] = []
 

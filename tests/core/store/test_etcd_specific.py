@@ -9,8 +9,8 @@ from contextlib import aclosing
 import anyio
 import anyio.to_thread
 import pytest
-from store_backends import SETTINGS
 
+from stead.core.config import Settings
 from stead.core.errors import ConfigError, StoreError, StoreUnavailable
 from stead.core.store import open_store
 from stead.core.store.etcd import EtcdStore, parse_etcd_url
@@ -32,21 +32,23 @@ def dead_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def eventually_works(store: EtcdStore, key: str) -> bytes:
+async def eventually_works(store: EtcdStore, key: str, settings: Settings) -> bytes:
     """Retry a get the way callers do (with backoff) until the restarted etcd answers."""
     with anyio.fail_after(20):
         while True:
             try:
                 kv = await store.get(key)
             except StoreUnavailable:
-                await anyio.sleep(SETTINGS.retry_initial_s)
+                await anyio.sleep(settings.retry_initial_s)
                 continue
             assert kv is not None
             return kv.value
 
 
-async def test_store_down_is_store_unavailable_and_the_store_works_again_after_restart(own_etcd: EtcdServer) -> None:
-    store = await open_store(own_etcd.url, settings=SETTINGS)
+async def test_store_down_is_store_unavailable_and_the_store_works_again_after_restart(
+    own_etcd: EtcdServer, settings: Settings
+) -> None:
+    store = await open_store(own_etcd.url, settings=settings)
     assert isinstance(store, EtcdStore)
     try:
         await store.put("/k", b"before")
@@ -58,14 +60,14 @@ async def test_store_down_is_store_unavailable_and_the_store_works_again_after_r
         with pytest.raises(StoreUnavailable):
             await store.create_all([("/a", b"1")])
         await anyio.to_thread.run_sync(own_etcd.start)
-        assert await eventually_works(store, "/k") == b"before"
+        assert await eventually_works(store, "/k", settings) == b"before"
         assert await store.compare_and_put("/k", b"after", expected_mod_revision=(await store.get("/k")).mod_revision)  # type: ignore[union-attr]
     finally:
         await store.close()
 
 
-async def test_a_watch_raises_store_unavailable_when_etcd_stops(own_etcd: EtcdServer) -> None:
-    store = await open_store(own_etcd.url, settings=SETTINGS)
+async def test_a_watch_raises_store_unavailable_when_etcd_stops(own_etcd: EtcdServer, settings: Settings) -> None:
+    store = await open_store(own_etcd.url, settings=settings)
     try:
         async with aclosing(store.watch("/w/")) as events:
             await store.put("/w/1", b"v")
@@ -78,16 +80,14 @@ async def test_a_watch_raises_store_unavailable_when_etcd_stops(own_etcd: EtcdSe
         await store.close()
 
 
-async def test_opening_an_etcd_that_is_not_running_is_store_unavailable() -> None:
+async def test_opening_an_etcd_that_is_not_running_is_store_unavailable(settings: Settings) -> None:
     url = f"etcd://127.0.0.1:{dead_port()}"
     with pytest.raises(StoreUnavailable, match=r"is etcd running at .*start it or pass --store"):
-        await open_store(url, settings=SETTINGS)
+        await open_store(url, settings=settings)
 
 
-async def test_a_url_with_several_endpoints_uses_the_one_that_answers(etcd_server: EtcdServer | None) -> None:
-    if etcd_server is None:
-        pytest.skip("etcd not installed")
-    store = await open_store(f"etcd://127.0.0.1:{dead_port()},{etcd_server.endpoint}", settings=SETTINGS)
+async def test_a_url_with_several_endpoints_uses_the_one_that_answers(etcd: str, settings: Settings) -> None:
+    store = await open_store(f"etcd://127.0.0.1:{dead_port()},{etcd.removeprefix('etcd://')}", settings=settings)
     try:
         rev = await store.put("/multi/k", b"v")
         kv = await store.get("/multi/k")
@@ -97,10 +97,8 @@ async def test_a_url_with_several_endpoints_uses_the_one_that_answers(etcd_serve
         await store.close()
 
 
-async def test_lease_ttl_is_rounded_up_to_whole_seconds(etcd_server: EtcdServer | None) -> None:
-    if etcd_server is None:
-        pytest.skip("etcd not installed")
-    store = await open_store(etcd_server.url, settings=SETTINGS)
+async def test_lease_ttl_is_rounded_up_to_whole_seconds(etcd: str, settings: Settings) -> None:
+    store = await open_store(etcd, settings=settings)
     try:
         async with store.lease(0.2) as lease:
             assert lease.ttl_s >= 1.0
@@ -108,10 +106,8 @@ async def test_lease_ttl_is_rounded_up_to_whole_seconds(etcd_server: EtcdServer 
         await store.close()
 
 
-async def test_an_unknown_lease_is_a_store_error_with_advice(etcd_server: EtcdServer | None) -> None:
-    if etcd_server is None:
-        pytest.skip("etcd not installed")
-    store = await open_store(etcd_server.url, settings=SETTINGS)
+async def test_an_unknown_lease_is_a_store_error_with_advice(etcd: str, settings: Settings) -> None:
+    store = await open_store(etcd, settings=settings)
     try:
         lease = await store.grant_lease(1)  # type: ignore[attr-defined]
         await store.revoke_lease(lease)  # type: ignore[attr-defined]

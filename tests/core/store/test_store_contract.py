@@ -5,14 +5,18 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 import anyio
 import pytest
-from store_backends import SETTINGS, Backend
 
+from stead.core.config import Settings
 from stead.core.errors import ConfigError, StoreError
 from stead.core.store import KeyValue, StateStore, WatchEvent, WatchKind, open_store
 from stead.core.store._common import MAX_TXN_ITEMS
+
+if TYPE_CHECKING:
+    from conftest import Backend
 
 pytestmark = pytest.mark.anyio
 
@@ -290,6 +294,35 @@ class TestStoreContract:
         async with aclosing(store.watch(backend.key("c/"), start_revision=new)) as events:
             assert [e.value for e in await take(events, 1)] == [b"3"]
 
+    async def test_compacting_twice_or_beyond_the_current_revision_is_harmless(self, backend: Backend) -> None:
+        store = backend.store
+        rev = await store.put(backend.key("c/a"), b"1")
+        await store.compact(rev)  # type: ignore[attr-defined]
+        await store.compact(rev)  # type: ignore[attr-defined]
+        await store.compact(rev - 1)  # type: ignore[attr-defined]
+        await store.compact(rev + 1000)  # type: ignore[attr-defined]
+        assert (await store.get(backend.key("c/a"))) is not None
+
+    async def test_closing_the_store_ends_its_watches_with_a_store_error(self, backend: Backend) -> None:
+        store = await backend.open_another() if backend.name != "memory" else await open_store("memory://")
+        ended: list[StoreError] = []
+        async with aclosing(store.watch(backend.key("w/"))) as events:
+            await store.put(backend.key("w/a"), b"1")
+            await take(events, 1)
+
+            async def consume() -> None:
+                try:
+                    await anext(events)
+                except StoreError as exc:
+                    ended.append(exc)
+
+            with anyio.fail_after(WAIT_S):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(consume)
+                    await anyio.sleep(0.05)  # let the consumer block on the watch
+                    await store.close()
+        assert len(ended) == 1 and "closed" in str(ended[0])
+
     async def test_lease_keys_vanish_when_the_lease_is_revoked(self, backend: Backend) -> None:
         store = backend.store
         async with aclosing(store.watch(backend.key("l/"))) as events:
@@ -395,15 +428,15 @@ class TestStoreContract:
             await store.get(backend.key("c"))
 
 
-async def test_unknown_scheme_is_a_config_error_naming_the_known_ones() -> None:
+async def test_unknown_scheme_is_a_config_error_naming_the_known_ones(settings: Settings) -> None:
     with pytest.raises(ConfigError, match=r"etcd.*memory.*sqlite.*etcd://127\.0\.0\.1:2379"):
-        await open_store("redis://localhost:6379", settings=SETTINGS)
+        await open_store("redis://localhost:6379", settings=settings)
     with pytest.raises(ConfigError, match="scheme"):
         await open_store("/just/a/path.db")
 
 
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///", "sqlite:/x.db", "etcd://", "etcd://host:notaport",
                                  "etcd://host:99999", "etcd://:2379"])
-async def test_malformed_urls_are_config_errors(url: str) -> None:
+async def test_malformed_urls_are_config_errors(url: str, settings: Settings) -> None:
     with pytest.raises(ConfigError, match="URL"):
-        await open_store(url, settings=SETTINGS)
+        await open_store(url, settings=settings)

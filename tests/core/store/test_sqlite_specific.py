@@ -1,0 +1,153 @@
+"""sqlite-only behaviour: durability across reopen, other processes, file handling and locking."""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+import sys
+import textwrap
+from contextlib import aclosing
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+
+from stead.core.config import Settings
+from stead.core.errors import ConfigError, StoreError, StoreUnavailable
+from stead.core.store import WatchKind, open_store
+from stead.core.store.sqlite import SqliteStore, parse_sqlite_url
+
+pytestmark = pytest.mark.anyio
+
+
+def url_of(path: Path) -> str:
+    return f"sqlite:///{path}"
+
+
+async def test_data_revisions_and_history_survive_close_and_reopen(sqlite_dir: Path, settings: Settings) -> None:
+    url = url_of(sqlite_dir / "state.db")
+    store = await open_store(url, settings=settings)
+    first = await store.put("/job/a", b"1")
+    assert await store.create_all([("/job/e/1", b"x"), ("/job/e/2", b"y")])
+    last = await store.put("/job/a", b"2")
+    await store.close()
+
+    store = await open_store(url, settings=settings)
+    try:
+        kv = await store.get("/job/a")
+        assert kv is not None and (kv.value, kv.create_revision, kv.mod_revision) == (b"2", first, last)
+        assert [k.key for k in await store.range("/job/e/")] == ["/job/e/1", "/job/e/2"]
+        assert await store.revision() == last
+        assert await store.put("/job/b", b"3") == last + 1
+        async with aclosing(store.watch("/job/", start_revision=first)) as events:
+            with anyio.fail_after(10):
+                replay = [await anext(events) for _ in range(5)]
+        assert [e.key for e in replay] == ["/job/a", "/job/e/1", "/job/e/2", "/job/a", "/job/b"]
+    finally:
+        await store.close()
+
+
+async def test_the_database_uses_wal_and_parent_directories_are_created(sqlite_dir: Path, settings: Settings) -> None:
+    path = sqlite_dir / "deep" / "er" / "state.db"
+    store = await open_store(url_of(path), settings=settings)
+    try:
+        await store.put("/k", b"v")
+        assert isinstance(store, SqliteStore)
+        conn = sqlite3.connect(path)
+        try:
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        finally:
+            conn.close()
+    finally:
+        await store.close()
+
+
+async def test_another_process_watching_the_file_sees_the_writes(sqlite_dir: Path, settings: Settings) -> None:
+    # `stead events --follow` in another terminal while the master writes.
+    url = url_of(sqlite_dir / "state.db")
+    store = await open_store(url, settings=settings)
+    try:
+        start = await store.revision() + 1
+        follower = textwrap.dedent(f"""
+            import anyio
+            from stead.core.config import Settings
+            from stead.core.store import open_store
+
+            async def main():
+                store = await open_store({url!r}, settings=Settings(sqlite_watch_poll_s=0.02))
+                events = store.watch("/events/", start_revision={start})
+                for _ in range(3):
+                    event = await anext(events)
+                    print(event.key, event.value.decode(), flush=True)
+                await events.aclose()
+                await store.close()
+
+            anyio.run(main)
+        """)
+        async with await anyio.open_process([sys.executable, "-c", follower]) as proc:
+            try:
+                await store.put("/events/1", b"one")
+                await store.put("/other", b"ignored")
+                await anyio.sleep(0.3)  # let the follower start polling before the rest arrives
+                assert await store.create_all([("/events/2", b"two"), ("/events/3", b"three")])
+                with anyio.fail_after(30):
+                    assert proc.stdout is not None
+                    out = b"".join([chunk async for chunk in proc.stdout]).decode()
+                    await proc.wait()
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+        assert proc.returncode == 0
+        seen = [line for line in out.splitlines() if line.startswith("/")]  # skip the follower's log lines
+        assert seen == ["/events/1 one", "/events/2 two", "/events/3 three"]
+    finally:
+        await store.close()
+
+
+async def test_an_expired_lease_is_swept_by_another_instance_polling(sqlite_dir: Path, settings: Settings) -> None:
+    url = url_of(sqlite_dir / "state.db")
+    holder, watcher = await open_store(url, settings=settings), await open_store(url, settings=settings)
+    try:
+        assert isinstance(holder, SqliteStore)
+        lease = await holder.grant_lease(0.2)
+        async with aclosing(watcher.watch("/members/")) as events:
+            await holder.put("/members/a", b"alive", lease=lease)
+            with anyio.fail_after(10):
+                assert (await anext(events)).kind is WatchKind.PUT
+                gone = await anext(events)  # the holder is silent: the watcher's poll deletes the key
+        assert (gone.kind, gone.key) == (WatchKind.DELETE, "/members/a")
+    finally:
+        await watcher.close()
+        await holder.close()
+
+
+async def test_a_file_that_is_not_a_database_is_a_store_error(sqlite_dir: Path, settings: Settings) -> None:
+    path = sqlite_dir / "junk.db"
+    path.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StoreError, match="not a database"):
+        await open_store(url_of(path), settings=settings)
+
+
+async def test_a_database_locked_too_long_is_store_unavailable(sqlite_dir: Path, settings: Settings) -> None:
+    path = sqlite_dir / "state.db"
+    store = await open_store(url_of(path), settings=dataclasses.replace(settings, store_timeout_s=0.1))
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        with pytest.raises(StoreUnavailable, match="locked"):
+            await store.put("/k", b"v")
+        blocker.execute("ROLLBACK")
+        await store.put("/k", b"v")
+    finally:
+        blocker.close()
+        await store.close()
+
+
+def test_sqlite_urls_follow_the_three_and_four_slash_convention() -> None:
+    assert parse_sqlite_url("sqlite:///state.db") == Path("state.db")
+    assert parse_sqlite_url("sqlite:///.stead/run/state.db") == Path(".stead/run/state.db")
+    assert parse_sqlite_url("sqlite:////var/lib/stead.db") == Path("/var/lib/stead.db")
+    assert parse_sqlite_url("sqlite:///~/stead.db") == Path("~/stead.db").expanduser()
+    with pytest.raises(ConfigError, match=r"sqlite:///relative/path\.db"):
+        parse_sqlite_url("sqlite://state.db")

@@ -1,0 +1,92 @@
+"""The diagnosis plugin's basic recovery rules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from stead.core.config import Settings
+from stead.core.events import Event, Record, RecoveryAction, RecoveryDecided, WorkerFailed
+from stead.core.plugins import PluginContext
+from stead.core.statemachine import JobPhase, JobState
+from stead.core.store import open_store
+from stead.plugins.diagnosis import DiagnosisPlugin, classify, last_exception
+
+TRACEBACK = "Traceback (most recent call last):\n  File \"train.py\", line 3\n{line}\n"
+
+
+def _failure(tail: str = "", *, exit_code: int | None = 1, signal: int | None = None, step: int | None = 3,
+             round: int = 1) -> WorkerFailed:
+    return WorkerFailed(node_id="node-0", round=round, local_rank=0, rank=2, exit_code=exit_code, signal=signal,
+                        step=step, error_tail=tail)
+
+
+@pytest.mark.parametrize(
+    ("failure", "action"),
+    [
+        (_failure(TRACEBACK.format(line="NameError: name 'x' is not defined")), RecoveryAction.FAIL),
+        (_failure(TRACEBACK.format(line="[rank2]: ModuleNotFoundError: No module named 'y'")), RecoveryAction.FAIL),
+        (_failure(TRACEBACK.format(line="SyntaxError: invalid syntax")), RecoveryAction.FAIL),
+        (_failure(TRACEBACK.format(line="RuntimeError: [gloo] Connection reset by peer")), RecoveryAction.RESTART),
+        (_failure("", exit_code=None, signal=9), RecoveryAction.RESTART),
+        (_failure("", exit_code=137), RecoveryAction.RESTART),
+        (_failure("some text without a traceback"), RecoveryAction.RESTART),
+    ],
+)
+def test_classify_fails_fast_only_on_errors_a_restart_would_repeat(failure: WorkerFailed,
+                                                                   action: RecoveryAction) -> None:
+    assert classify(failure)[0] is action
+
+
+def test_last_exception_reads_the_last_traceback_line() -> None:
+    tail = TRACEBACK.format(line="ValueError: first") + TRACEBACK.format(line="KeyError: 'k'")
+    assert last_exception(tail) == ("KeyError", "'k'")
+    assert last_exception("no error here") is None
+
+
+@pytest.mark.anyio
+async def test_the_same_error_at_the_same_step_twice_fails_fast() -> None:
+    store = await open_store("memory://")
+    emitted: list[Event] = []
+    plugin = DiagnosisPlugin(settings=Settings())
+    state = JobState(phase=JobPhase.RECOVERING, awaiting_decision=True)
+
+    async def emit(event: Event) -> Record | None:
+        emitted.append(event)
+        return None
+
+    ctx = PluginContext(job="j", settings=Settings(), store=store, get_state=lambda: state, emit=emit,
+                        add_rpc_handler=lambda handler: None)
+    tail = TRACEBACK.format(line="RuntimeError: CUDA error: an illegal memory access")
+    for round_ in (1, 2):
+        failure = _failure(tail, round=round_)
+        state = dataclasses.replace(state, last_failure=failure)
+        await plugin.handle(record=Record(seq=round_, at=0.0, event=failure), ctx=ctx)
+    first, second = emitted
+    assert isinstance(first, RecoveryDecided) and first.action is RecoveryAction.RESTART
+    assert isinstance(second, RecoveryDecided) and second.action is RecoveryAction.FAIL
+    assert "same error at the same step twice" in second.reason
+    # a restarted master (a new plugin instance) still remembers the signature
+    again = DiagnosisPlugin()
+    await again.handle(record=Record(seq=3, at=0.0, event=state.last_failure), ctx=ctx)  # type: ignore[arg-type]
+    assert isinstance(emitted[-1], RecoveryDecided) and emitted[-1].action is RecoveryAction.FAIL
+    await store.close()
+
+
+@pytest.mark.anyio
+async def test_follow_on_failures_of_a_round_already_handled_are_ignored() -> None:
+    store = await open_store("memory://")
+    emitted: list[Event] = []
+
+    async def emit(event: Event) -> Record | None:
+        emitted.append(event)
+        return None
+
+    handled = _failure("x")
+    state = JobState(phase=JobPhase.RECOVERING, awaiting_decision=True, last_failure=handled)
+    ctx = PluginContext(job="j", settings=Settings(), store=store, get_state=lambda: state, emit=emit,
+                        add_rpc_handler=lambda handler: None)
+    await DiagnosisPlugin().handle(record=Record(seq=1, at=0.0, event=_failure("other")), ctx=ctx)
+    assert emitted == []
+    await store.close()

@@ -1,0 +1,113 @@
+"""`stead master`, `stead events` and `stead status` against sqlite and a real etcd."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from stead.core.events import JobSubmitted
+from stead.core.events.log import EventLog
+from stead.core.rpc import MasterClient, RegisterInfo, read_token_file
+from stead.core.store import open_store
+from stead.testing import leaks
+from stead.testing.etcd import EtcdServer
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[str]:
+    before = leaks.descendants()
+    with EtcdServer() as server:
+        owned = leaks.descendants() - before
+        leaks.LONG_LIVED.update(owned)
+        yield server.url
+    leaks.LONG_LIVED.difference_update(owned)
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'cli.db'}"
+    value: str = request.getfixturevalue("etcd")
+    return value
+
+
+def _stead(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stead", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=60)
+
+
+async def _seed(url: str, job: str) -> None:
+    store = await open_store(url)
+    try:
+        await EventLog(store, job).append(JobSubmitted(job=job, min_nodes=1, max_nodes=1, nproc_per_node=1))
+    finally:
+        await store.close()
+
+
+async def _play_agent(address: str, token: str) -> None:
+    async with MasterClient(address, token, call_timeout_s=5) as client:
+        await client.register(RegisterInfo(node_id="node-0", incarnation=1, host="h", pid=1, nproc=1))
+        commands = client.commands("node-0", 1)
+        with anyio.fail_after(20):
+            start = await commands.__anext__()
+        await client.report_workers("node-0", 1, start.round, "started")  # type: ignore[union-attr]
+        await client.report_workers("node-0", 1, start.round, "succeeded")  # type: ignore[union-attr]
+        await commands.aclose()
+
+
+def test_master_resumes_a_stored_job_and_events_and_status_show_it(tmp_path: Path, url: str) -> None:
+    job = "cli-job"
+    anyio.run(_seed, url, job)
+    token_file = tmp_path / "job.token"
+    master = subprocess.Popen(
+        [sys.executable, "-m", "stead", "master", "--store", url, "--job", job, "--token-file", str(token_file),
+         "--log-format", "json"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert master.stdout is not None
+        first = master.stdout.readline()
+        assert "listening on 127.0.0.1:" in first, first + (master.stderr.read() if master.stderr else "")
+        assert str(token_file) in master.stdout.readline()
+        address = first.rsplit(" ", 1)[1].strip()
+        anyio.run(_play_agent, address, read_token_file(token_file))
+        out, err = master.communicate(timeout=60)
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait()
+    assert master.returncode == 0, err
+    assert f"job {job!r} succeeded" in out
+    events = _stead("events", "--store", url, "--job", job, cwd=tmp_path)
+    assert events.returncode == 0, events.stderr
+    lines = events.stdout.splitlines()
+    assert "job.submitted" in lines[0] and "node.joined" in events.stdout and "job.succeeded" in lines[-1]
+    status = _stead("status", "--store", url, "--job", job, cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    assert "phase      succeeded" in status.stdout and "node-0" in status.stdout
+
+
+def test_events_for_an_unknown_job_is_a_clear_error(tmp_path: Path) -> None:
+    result = _stead("status", "--store", f"sqlite:///{tmp_path / 'x.db'}", "--job", "nope", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "no job 'nope'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_bad_setting_is_a_clear_error(tmp_path: Path) -> None:
+    result = _stead("events", "--job", "x", "--set", "nonsense=1", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "unknown setting 'nonsense'" in result.stderr
+
+
+def test_help_explains_the_commands(tmp_path: Path) -> None:
+    result = _stead("--help", cwd=tmp_path)
+    assert result.returncode == 0
+    for command in ("run", "master", "agent", "events", "status"):
+        assert command in result.stdout
+    run_help = _stead("run", "--help", cwd=tmp_path)
+    assert run_help.returncode == 0 and "--nproc-per-node" in run_help.stdout and "--max-restarts" in run_help.stdout
