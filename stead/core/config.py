@@ -53,6 +53,16 @@ class Settings:
     #: how long `stead run` waits for nodes to exit after the job ended
     shutdown_grace_s: float = 5.0
 
+    # -- flash checkpoint (stead.plugins.ckpt) --------------------------------------------------
+    #: where checkpoints are persisted (a job's go under <ckpt_dir>/<job>); relative to the working directory
+    ckpt_dir: str = ".stead/checkpoints"
+    #: how many persisted checkpoints are kept per job
+    ckpt_keep_last: int = 2
+
+    # -- data sharding (stead.plugins.sharding) -------------------------------------------------
+    #: a shard leased to a worker that neither completes nor renews it within this time returns to the queue
+    shard_lease_timeout_s: float = 60.0
+
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, base: Settings | None = None) -> Settings:
         """Settings with ``values`` (strings or typed) applied over ``base``."""
@@ -62,12 +72,12 @@ class Settings:
             field = known.get(name)
             if field is None:
                 raise ConfigError(f"unknown setting {name!r}; known settings: {', '.join(sorted(known))}")
-            kind = float if field.type in ("float", float) else int
+            kind: type = {"float": float, "int": int, "str": str}.get(str(field.type), str)
             try:
                 value = kind(raw)
             except (TypeError, ValueError):
                 raise ConfigError(f"setting {name}={raw!r} is not a valid {kind.__name__}") from None
-            if value < 0:
+            if kind is not str and value < 0:
                 raise ConfigError(f"setting {name}={raw!r} must not be negative")
             changes[name] = value
         return dataclasses.replace(base or cls(), **changes)

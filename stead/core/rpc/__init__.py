@@ -30,7 +30,7 @@ from stead.core.rpc.backend import (
     StopWorkersCmd,
     WorkersState,
 )
-from stead.core.rpc.client import KvClient, MasterClient, retrying
+from stead.core.rpc.client import KvClient, MasterClient, RpcConnection, retrying
 from stead.core.rpc.kv_service import KvServicer
 from stead.core.rpc.placeholders import CheckpointServicer, ShardServicer
 from stead.core.rpc.server import RpcServer, Servicer
@@ -48,6 +48,7 @@ __all__ = [
     "MasterClient",
     "RegisterInfo",
     "RegisterResult",
+    "RpcConnection",
     "RpcServer",
     "Servicer",
     "ShardServicer",

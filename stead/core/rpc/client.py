@@ -63,7 +63,7 @@ from stead.core.rpc.backend import (
     WorkersState,
 )
 
-__all__ = ["KvClient", "MasterClient", "retrying"]
+__all__ = ["KvClient", "MasterClient", "RpcConnection", "retrying"]
 
 log = structlog.get_logger()
 
@@ -76,7 +76,7 @@ _RETRYABLE = frozenset({
 })
 
 
-class _Connection:
+class RpcConnection:
     """One grpclib channel to ``address``: adds the job token, applies timeouts, maps errors."""
 
     def __init__(self, address: str, token: str, call_timeout_s: float) -> None:
@@ -143,7 +143,7 @@ class MasterClient:
     """The agent's side of AgentService: ``async with MasterClient("host:port", token, call_timeout_s=5)``."""
 
     def __init__(self, address: str, token: str, *, call_timeout_s: float) -> None:
-        self._conn = _Connection(address, token, call_timeout_s)
+        self._conn = RpcConnection(address, token, call_timeout_s)
 
     @property
     def address(self) -> str:
@@ -221,7 +221,7 @@ class KvClient:
     """The workers' side of KvService: ``async with KvClient("host:port", token, call_timeout_s=5)``."""
 
     def __init__(self, address: str, token: str, *, call_timeout_s: float) -> None:
-        self._conn = _Connection(address, token, call_timeout_s)
+        self._conn = RpcConnection(address, token, call_timeout_s)
 
     @property
     def _stub(self) -> KvServiceStub:
