@@ -7,11 +7,23 @@ from collections.abc import Iterator
 import pytest
 
 from stead.testing import leaks
+from stead.testing.etcd import EtcdServer
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def etcd_url() -> Iterator[str]:
+    """One real etcd server for the whole session, on free loopback ports (never skipped in CI)."""
+    before = leaks.descendants()
+    with EtcdServer() as server:
+        owned = leaks.descendants() - before
+        leaks.LONG_LIVED.update(owned)
+        yield server.url
+    leaks.LONG_LIVED.difference_update(owned)
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -14,25 +13,13 @@ from stead.core.events import JobSubmitted
 from stead.core.events.log import EventLog
 from stead.core.rpc import MasterClient, RegisterInfo, read_token_file
 from stead.core.store import open_store
-from stead.testing import leaks
-from stead.testing.etcd import EtcdServer
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[str]:
-    before = leaks.descendants()
-    with EtcdServer() as server:
-        owned = leaks.descendants() - before
-        leaks.LONG_LIVED.update(owned)
-        yield server.url
-    leaks.LONG_LIVED.difference_update(owned)
 
 
 @pytest.fixture(params=["sqlite", "etcd"])
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'cli.db'}"
-    value: str = request.getfixturevalue("etcd")
+    value: str = request.getfixturevalue("etcd_url")
     return value
 
 

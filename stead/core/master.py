@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from stead.core.hub import AgentHub
 from stead.core.platform import NodeSpec, Platform
 from stead.core.plugins import Plugin, PluginContext, PluginHost, load_plugins
 from stead.core.reactor import Reactor
+from stead.core.retry import retrying
 from stead.core.rpc import AgentServicer, KvServicer, RpcServer, Servicer, new_token, write_token_file
 from stead.core.statemachine import (
     Effect,
@@ -75,19 +75,13 @@ class MasterConfig:
 
 async def open_store_retrying(url: str, settings: Settings) -> StateStore:
     """Open the store, retrying with exponential backoff while it is unavailable."""
-    delay, deadline = settings.retry_initial_s, time.monotonic() + settings.retry_deadline_s
-    while True:
-        try:
-            return await open_store(url, settings=settings)
-        except RetryableError as exc:
-            if time.monotonic() + delay > deadline:
-                raise StoreUnavailable(
-                    f"state store {url} still unavailable after {settings.retry_deadline_s:g} s ({exc}); "
-                    "start it, check the URL, or raise retry_deadline_s"
-                ) from exc
-            log.warning("store_unavailable", url=url, retry_in_s=round(delay, 2), error=str(exc))
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, settings.retry_max_s)
+    try:
+        return await retrying(lambda: open_store(url, settings=settings), settings, what=f"state store {url}")
+    except RetryableError as exc:
+        raise StoreUnavailable(
+            f"state store {url} still unavailable after {settings.retry_deadline_s:g} s ({exc}); "
+            "start it, check the URL, or raise retry_deadline_s"
+        ) from exc
 
 
 class Master:

@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
@@ -23,7 +24,7 @@ from stead.core.agent.main import RUN_ARGV_ENV
 from stead.core.config import Settings
 from stead.core.display import format_status
 from stead.core.errors import ConfigError, SteadError
-from stead.core.events import JobSubmitted
+from stead.core.events import JobStopped, JobSubmitted
 from stead.core.launch import RunConfig, parse_run_args
 from stead.core.master import Master, MasterConfig, open_store_retrying
 from stead.core.platform import NodeSpec, Platform
@@ -90,7 +91,11 @@ async def run_job(config: RunConfig, argv: Sequence[str]) -> JobState:
         await master.submit_job(job_submitted(config))
         log.info("job_submitted", job=config.job_name, nodes=f"{config.min_nodes}:{config.max_nodes}",
                  nproc_per_node=config.nproc_per_node, store=config.store_url)
-        await master.wait()
+        async with asyncio.TaskGroup() as tasks:
+            helpers = [tasks.create_task(_report_waiting(master)), tasks.create_task(_stop_on_signal(master))]
+            await master.wait()
+            for helper in helpers:
+                helper.cancel()
         try:
             async with asyncio.timeout(settings.shutdown_grace_s):
                 await master.reactor.wait_until(lambda s: not any(n.phase.alive for n in s.nodes.values()))
@@ -100,6 +105,42 @@ async def run_job(config: RunConfig, argv: Sequence[str]) -> JobState:
             log.info("recovery", **{k: round(v * 1000, 1) if isinstance(v, float) else v for k, v in recovery.items()},
                      unit="ms")
         return master.state
+
+
+#: how often `stead run` says what it is waiting for while nodes have not joined
+WAITING_REPORT_S = 10.0
+
+
+async def _report_waiting(master: Master) -> None:
+    """A progress line while the job waits for nodes, so a long wait never looks like a hang."""
+    while True:
+        await asyncio.sleep(WAITING_REPORT_S)
+        state = master.state
+        if state.phase in (JobPhase.STARTING, JobPhase.RECOVERING) and state.spec is not None:
+            pending = [n for n, s in state.nodes.items() if s.phase.alive and n not in state.joined]
+            log.info("waiting_for_nodes", phase=state.phase.value, joined=len(state.joined),
+                     min_nodes=state.spec.min_nodes, max_nodes=state.spec.max_nodes, pending=pending)
+
+
+async def _stop_on_signal(master: Master) -> None:
+    """SIGINT/SIGTERM stop the job cleanly (workers told to stop, event recorded); a second one kills."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[int] = loop.create_future()
+
+    def on_signal(signum: int) -> None:
+        if not received.done():
+            received.set_result(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        signum = await received
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    name = signal.Signals(signum).name
+    print(f"stead: {name}: stopping job {master.config.job}; press Ctrl-C again to kill it", file=sys.stderr)
+    await master.submit(JobStopped(reason=f"stopped by {name}"))
 
 
 def _summary(config: RunConfig, state: JobState) -> str:
@@ -134,6 +175,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"stead run: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     print(_summary(config, state), file=sys.stderr)
+    if state.phase is JobPhase.STOPPED:
+        return 130
     if state.phase is not JobPhase.SUCCEEDED:
         print(format_status(config.job_name, state), file=sys.stderr)
     return 0 if state.phase is JobPhase.SUCCEEDED else 1

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from stead.core.store import StateStore, open_store
-from stead.testing import leaks
-from stead.testing.etcd import EtcdServer
-
-
-@pytest.fixture(scope="session")
-def etcd_url() -> Iterator[str]:
-    before = leaks.descendants()
-    with EtcdServer() as server:
-        owned = leaks.descendants() - before
-        leaks.LONG_LIVED.update(owned)
-        yield server.url
-    leaks.LONG_LIVED.difference_update(owned)
 
 
 @pytest.fixture(params=["memory", "sqlite", "etcd"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,32 @@ def test_the_readme_embedding_example_runs(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "job running: round 1 with node-0" in proc.stdout
     assert "job succeeded" in proc.stdout
+
+
+def test_sigint_stops_the_job_cleanly(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(
+        "import time, stead\nfor step in range(100000):\n    stead.report_step(step)\n    time.sleep(0.05)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "stead", "run", "--job-name", "sig", "--nproc-per-node", "2",
+                             "--log-format", "json", "train.py"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = 120.0
+        while deadline > 0:  # wait until the workers run (the job has a round)
+            status = subprocess.run([sys.executable, "-m", "stead", "status", "--job", "sig"], cwd=tmp_path,
+                                    capture_output=True, text=True, timeout=60)
+            if "phase      running" in status.stdout:
+                break
+            time.sleep(0.5)
+            deadline -= 0.5
+        proc.send_signal(2)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-2000:]
+    assert "stopped by SIGINT" in err
+    events = subprocess.run([sys.executable, "-m", "stead", "events", "--job", "sig"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60).stdout
+    assert "job.stopped" in events and "reason='stopped by SIGINT'" in events

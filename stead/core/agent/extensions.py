@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import structlog
 
 from stead.core.config import Settings
-from stead.core.rpc import MasterClient
+from stead.core.rpc import MasterClient, StartWorkersCmd
 
 __all__ = ["AgentContext", "AgentExtension", "Extensions", "RoundInfo", "load_extensions"]
 
@@ -40,14 +40,8 @@ class AgentContext:
     workdir: Path
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RoundInfo:
-    round: int
-    node_rank: int
-    nnodes: int
-    nproc_per_node: int
-    world_size: int
-    restart_count: int
+#: what a round is for this node (round, node_rank, nnodes, nproc_per_node, world_size, restart_count, ...)
+RoundInfo = StartWorkersCmd
 
 
 @runtime_checkable

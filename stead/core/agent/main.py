@@ -20,7 +20,7 @@ import anyio
 import structlog
 
 from stead.core.agent._zygote_main import _STARTUP_ENV as STARTUP_ENV
-from stead.core.agent.extensions import AgentContext, Extensions, RoundInfo, load_extensions
+from stead.core.agent.extensions import AgentContext, Extensions, load_extensions
 from stead.core.agent.progress import ProgressFiles, ProgressReader
 from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote
@@ -182,11 +182,7 @@ class Agent:
             self.round, self.node_rank = command.round, command.node_rank
             self._reported_failure = False
             self._stopping = False
-            await self.extensions.call("before_round", round=RoundInfo(
-                round=command.round, node_rank=command.node_rank, nnodes=command.nnodes,
-                nproc_per_node=command.nproc_per_node, world_size=command.world_size,
-                restart_count=command.restart_count,
-            ))
+            await self.extensions.call("before_round", round=command)
             specs = [self._spec(command, local_rank, await self.extensions.worker_env(
                 round=command.round, local_rank=local_rank)) for local_rank in range(self.nproc)]
             await self._group.start(specs)

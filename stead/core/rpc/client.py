@@ -12,27 +12,24 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from types import TracebackType
 from typing import Self, TypeVar, cast
 
-import anyio
 import structlog
 from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
-from stead.core.config import Settings
 from stead.core.errors import (
     ConfigError,
     InvalidRequest,
     PermanentError,
-    RetryableError,
     RpcUnavailable,
     SteadError,
     Unauthenticated,
 )
+from stead.core.retry import retrying
 from stead.core.rpc._convert import (
     command_from_proto,
     failure_to_proto,
@@ -266,36 +263,3 @@ class KvClient:
 
     def __repr__(self) -> str:
         return f"KvClient({self._conn.address})"
-
-
-async def retrying(
-    call: Callable[[], Awaitable[T]],
-    settings: Settings,
-    *,
-    what: str = "rpc",
-    sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
-    clock: Callable[[], float] = time.monotonic,
-) -> T:
-    """``await call()``, retrying a RetryableError with exponential backoff.
-
-    The delay starts at ``settings.retry_initial_s`` and doubles up to
-    ``settings.retry_max_s``; after ``settings.retry_deadline_s`` the last error
-    is raised. Other errors are raised at once.
-    """
-    deadline = clock() + settings.retry_deadline_s
-    delay = settings.retry_initial_s
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return await call()
-        except RetryableError as exc:
-            remaining = deadline - clock()
-            if remaining <= 0:
-                log.error("retry_gave_up", what=what, attempts=attempt, error=str(exc))
-                exc.add_note(f"gave up after {attempt} attempts over retry_deadline_s={settings.retry_deadline_s}")
-                raise
-            pause = min(delay, settings.retry_max_s, remaining)
-            log.warning("retrying", what=what, attempt=attempt, delay_s=round(pause, 3), error=str(exc))
-            await sleep(pause)
-            delay = min(delay * 2, settings.retry_max_s)

@@ -1,0 +1,56 @@
+"""Retrying a call that failed with a retryable error: exponential backoff up to a deadline.
+
+Used wherever stead talks to something that may be briefly away: the state store
+at start, the master from an agent. Only :class:`RetryableError` is retried.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+import structlog
+
+from stead.core.config import Settings
+from stead.core.errors import RetryableError
+
+__all__ = ["retrying"]
+
+log = structlog.get_logger("stead.retry")
+
+T = TypeVar("T")
+
+
+async def retrying(
+    call: Callable[[], Awaitable[T]],
+    settings: Settings,
+    *,
+    what: str = "rpc",
+    sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """``await call()``, retrying a RetryableError with exponential backoff.
+
+    The delay starts at ``settings.retry_initial_s`` and doubles up to
+    ``settings.retry_max_s``; after ``settings.retry_deadline_s`` the last error
+    is raised. Other errors are raised at once.
+    """
+    deadline = clock() + settings.retry_deadline_s
+    delay = settings.retry_initial_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await call()
+        except RetryableError as exc:
+            remaining = deadline - clock()
+            if remaining <= 0:
+                log.error("retry_gave_up", what=what, attempts=attempt, error=str(exc))
+                exc.add_note(f"gave up after {attempt} attempts over retry_deadline_s={settings.retry_deadline_s}")
+                raise
+            pause = min(delay, settings.retry_max_s, remaining)
+            log.warning("retrying", what=what, attempt=attempt, delay_s=round(pause, 3), error=str(exc))
+            await sleep(pause)
+            delay = min(delay * 2, settings.retry_max_s)
