@@ -203,6 +203,8 @@ class _Zygote:
         self.base_path = [p for p in base_path if os.path.abspath(p) not in own_pythonpath]
         self.children: set[int] = set()
         self.wake_r, self.wake_w = os.pipe()
+        #: threads after the start-up imports; a preload that starts more makes forking unsafe
+        self.baseline_threads: int | None = None
 
     def send(self, message: Mapping[str, Any]) -> None:
         self.sock.sendall(encode(message))
@@ -220,6 +222,9 @@ class _Zygote:
         target = parse_python_argv(argv, env, sys.executable)
         if target is None:
             return _Plan(None, (), "not a plain python script or -m module command")
+        threads = _thread_count()
+        if self.baseline_threads is not None and threads > self.baseline_threads:
+            return _Plan(None, (), f"a preloaded module started threads ({threads}): forking could deadlock")
         mismatch = startup_env_mismatch(env, self.env)
         if mismatch:
             return _Plan(None, (), "start-up variables differ from the zygote's: " + ",".join(mismatch))
@@ -545,7 +550,8 @@ def main(base_path: Sequence[str], args: Sequence[str]) -> None:
         os._exit(1)
     try:
         failed = zygote.import_modules(preload)
-        zygote.send({"op": "ready", "pid": zygote.pid, "failed": failed, "threads": _thread_count(),
+        zygote.baseline_threads = _thread_count()
+        zygote.send({"op": "ready", "pid": zygote.pid, "failed": failed, "threads": zygote.baseline_threads,
                      "seconds": round(time.monotonic() - started, 4)})
         zygote.serve()
     except (BrokenPipeError, ConnectionResetError):

@@ -70,6 +70,8 @@ class Agent:
         self._stopping = False
         self._first_step_pending = False
         self._group: WorkerGroup | None = None
+        self._zygote: Zygote | None = None
+        self._preloaded: set[str] = set(ZYGOTE_PRELOAD)
         self._progress: ProgressFiles | None = None
         self._reader: ProgressReader | None = None
         self._lock = anyio.Lock()
@@ -83,7 +85,7 @@ class Agent:
             try:
                 async with Zygote(self.settings, preload=preload, env=self._zygote_env()) as zygote, \
                         WorkerGroup(self.settings, zygote=zygote) as group:
-                    self._group = group
+                    self._group, self._zygote = group, zygote
                     job = await self._register()
                     await self.extensions.call("start", ctx=AgentContext(
                         job=job, node_id=self.node_id, incarnation=self.incarnation, nproc=self.nproc,
@@ -149,8 +151,9 @@ class Agent:
             step = self._step()
             if fast and step is None and elapsed < self.settings.heartbeat_interval_s:
                 continue
-            if step is not None:
+            if step is not None and self._first_step_pending:
                 self._first_step_pending = False
+                await self._preload_imports()
             elapsed = 0.0
             assert self._group is not None
             beat = HeartbeatInfo(node_id=self.node_id, incarnation=self.incarnation, round=self.round, step=step,
@@ -161,6 +164,16 @@ class Agent:
                     await self._register()
             except RpcUnavailable as exc:
                 self._log.warning("heartbeat_failed", error=str(exc))
+
+    async def _preload_imports(self) -> None:
+        """Have the zygote import what the workers imported, so the next restart skips it too."""
+        assert self._progress is not None
+        wanted = [m for m in self._progress.imported(0) if m not in self._preloaded]
+        if not wanted or self._zygote is None or not self._zygote.ready:
+            return
+        self._preloaded.update(wanted)
+        failed = await self._zygote.preload(wanted)
+        self._log.info("zygote_preloaded", modules=len(wanted), failed=sorted(failed))
 
     def _step(self) -> int | None:
         """The step every local worker has reached (None until all of them reported one)."""

@@ -8,6 +8,10 @@ writing) lets the reader discard a torn read. Without the variable (a script run
 plain python or torchrun) ``report_step`` does nothing.
 
 Record layout, little endian, at offset 0: ``seq u64 | step i64 | time f64 | pid i64``.
+
+On its first report a worker also writes, next to the file (``<path>.modules``), the
+installed top-level packages it has imported; the agent has its zygote import them
+too, so the next restart does not pay for them either.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import NamedTuple
 
-__all__ = ["PROGRESS_ENV", "ProgressFiles", "ProgressReader", "StepProgress", "report_step"]
+__all__ = ["PROGRESS_ENV", "ProgressFiles", "ProgressReader", "StepProgress", "imported_packages", "report_step"]
 
 PROGRESS_ENV = "STEAD_PROGRESS_FILE"
 
@@ -82,11 +86,35 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def imported_packages() -> list[str]:
+    """Top-level packages this process imported from site-packages (third-party libraries, not user code)."""
+    import sys
+
+    names = set()
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None) or ""
+        if "." not in name and not name.startswith("_") and ("site-packages" in path or "dist-packages" in path):
+            names.add(name)
+    return sorted(names)
+
+
+def _write_modules(path: str) -> None:
+    try:
+        tmp = f"{path}.modules.{os.getpid()}"
+        Path(tmp).write_text("\n".join(imported_packages()))
+        os.replace(tmp, f"{path}.modules")
+    except OSError:
+        pass  # a hint for the agent, never worth failing a training step
+
+
 def report_step(step: int) -> None:
     """Tell the agent this worker finished ``step``; a no-op outside a stead agent."""
-    writer = _writer or _open_writer()
+    writer = _writer
     if writer is None:
-        return
+        writer = _open_writer()
+        if writer is None:
+            return
+        _write_modules(os.environ[PROGRESS_ENV])
     with writer.lock:
         seq = writer.seq + 1
         _SEQ.pack_into(writer.view, 0, seq)
@@ -108,6 +136,13 @@ class ProgressFiles:
             path = self.dir / f"rank{rank}"
             path.write_bytes(bytes(_FILE_BYTES))
             self.paths[rank] = path
+
+    def imported(self, local_rank: int) -> list[str]:
+        """The packages that local rank's worker reported importing (empty before its first step)."""
+        try:
+            return Path(f"{self.paths[local_rank]}.modules").read_text().split()
+        except OSError:
+            return []
 
     def env(self, local_rank: int) -> dict[str, str]:
         """The variable to add to the worker's environment."""
