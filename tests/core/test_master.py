@@ -169,3 +169,26 @@ async def test_a_store_that_is_down_at_start_gives_a_clear_error_after_retrying(
     with pytest.raises(StoreUnavailable, match="still unavailable after"):
         async with Master(config):
             pass
+
+
+async def test_a_node_whose_heartbeats_stop_is_lost_killed_and_relaunched(tmp_path: Path) -> None:
+    platform = RecordingPlatform()
+    settings = Settings(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
+    config = MasterConfig(job="hb", settings=settings, platform=platform, node_spec=_spec, plugins=[],
+                          token_file=str(tmp_path / "t"), tcp_store=False)
+    async with Master(config) as master:
+        await master.submit_job(_job(2))
+        async with MasterClient(master.address, master.token, call_timeout_s=5) as client:
+            await client.register(_register("node-0"))
+            await client.register(_register("node-1"))
+            await master.reactor.wait_until(lambda s: s.phase is JobPhase.RUNNING)
+            beat = HeartbeatInfo(node_id="node-0", incarnation=1, round=1, step=None, workers_alive=2,
+                                 rss_bytes=0, cpu_percent=0.0)
+            with anyio.fail_after(20):
+                while master.state.nodes["node-1"].incarnation == 1:  # node-0 keeps beating, node-1 is silent
+                    await client.heartbeat(beat)
+                    await anyio.sleep(0.05)
+        state = master.state
+    assert state.nodes["node-0"].phase is NodePhase.JOINED
+    assert state.phase is JobPhase.RECOVERING and state.rdzv.active is False
+    assert ("node-1", 1) in platform.kills and ("node-1", 2) in platform.launches
