@@ -33,6 +33,8 @@ class Settings:
     plugin_max_failures: int = 3
     #: write a snapshot of the folded state every this many events
     snapshot_every: int = 500
+    #: after a snapshot, the store's change history older than this many revisions is compacted (0: never)
+    store_history_keep: int = 100_000
     #: first delay when retrying an unavailable store or master; doubled up to the max
     retry_initial_s: float = 0.2
     retry_max_s: float = 5.0
@@ -58,10 +60,25 @@ class Settings:
     ckpt_dir: str = ".stead/checkpoints"
     #: how many persisted checkpoints are kept per job
     ckpt_keep_last: int = 2
+    #: how long save() waits for the previous save to be committed by every rank before it skips this one
+    ckpt_commit_wait_s: float = 5.0
+    #: how long an agent's long poll for a commit may stay open at the master
+    ckpt_commit_poll_s: float = 10.0
+    #: how long a worker waits for its agent to answer (allocating and pre-faulting shared memory included)
+    ckpt_agent_timeout_s: float = 60.0
+    #: how long load() waits for the agent to verify the checksums of the slot it restores
+    ckpt_verify_wait_s: float = 30.0
+    #: how long an exiting agent waits for persists still running before it frees the shared memory
+    ckpt_persist_grace_s: float = 60.0
 
     # -- data sharding (stead.plugins.sharding) -------------------------------------------------
     #: a shard leased to a worker that neither completes nor renews it within this time returns to the queue
     shard_lease_timeout_s: float = 60.0
+    #: how often a worker's sampler reports its progress to the master (which renews its leases)
+    shard_report_interval_s: float = 1.0
+    #: how long the master holds a lease call that finds nothing yet (a round waiting for its ranks,
+    #: a streaming source waiting for records) before the worker asks again
+    shard_wait_s: float = 1.0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, base: Settings | None = None) -> Settings:

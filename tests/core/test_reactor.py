@@ -1,11 +1,14 @@
-"""The reactor's timers: a timer name armed again after it fired fires again."""
+"""The reactor: timers armed again fire again; snapshots bound both replay and the store history."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from stead.core.config import Settings
-from stead.core.events import JobSubmitted, NodeJoined, NodeLost, RoundStarted
+from stead.core.errors import StoreError
+from stead.core.events import JobSubmitted, NodeJoined, NodeLost, RoundStarted, StepProgress
 from stead.core.events.log import EventLog
 from stead.core.reactor import Reactor
 from stead.core.statemachine import Effect
@@ -35,3 +38,23 @@ async def test_a_last_call_timer_armed_again_after_firing_starts_the_round() -> 
     await store.close()
     assert state.rdzv.members == ("node-0", "node-1")
     assert sum(isinstance(r.event, RoundStarted) for r in records) == 1
+
+
+async def test_snapshots_bound_the_replay_and_compact_the_store_history(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    settings = Settings(snapshot_every=10, store_history_keep=5)
+    store = await open_store(url)
+    async with Reactor(EventLog(store, "t"), _Nothing(), settings=settings) as reactor:
+        await reactor.resume()
+        await reactor.submit(JobSubmitted(job="t", min_nodes=1, max_nodes=1, nproc_per_node=1))
+        for step in range(30):
+            await reactor.submit(StepProgress(round=1, step=step))
+        before = reactor.state
+    with pytest.raises(StoreError, match="history before"):
+        async for _ in store.watch("/stead/", start_revision=1):
+            break
+    snapshot = await EventLog(store, "t").load_snapshot()
+    assert snapshot is not None and snapshot.seq >= 20
+    async with Reactor(EventLog(store, "t"), _Nothing(), settings=settings) as again:
+        assert await again.resume() == before
+    await store.close()
