@@ -207,8 +207,13 @@ class Reactor:
         await self.snapshot()
 
     async def snapshot(self) -> None:
+        """Save the folded state so a restarted master replays only what follows; bound the store's history."""
         body = {"state": to_json(self._state), "timers": dict(self._timers)}
         await self.log.save_snapshot(self._state.seq, body)
+        keep = self.settings.store_history_keep
+        revision = await self.log.store.revision()
+        if keep and revision > keep:
+            await self.log.store.compact(revision - keep)
 
     async def wait_until(self, predicate: Callable[[JobState], bool]) -> JobState:
         """Return the state as soon as ``predicate`` holds for it."""

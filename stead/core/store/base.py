@@ -97,5 +97,8 @@ class StateStore(Protocol):
     async def revision(self) -> int:
         """The store's current revision."""
 
+    async def compact(self, revision: int) -> None:
+        """Forget the change history before ``revision`` (watches cannot start earlier any more)."""
+
     async def close(self) -> None:
         """Release connections and threads; idempotent."""
