@@ -141,7 +141,7 @@ class Reactor:
             if result.rejected is not None:
                 self._state = _with_seq(self._state, record.seq)
                 log.warning("transition_rejected", job=self.log.job, seq=record.seq,
-                            event=record.event.type_name, reason=result.rejected)
+                            kind=record.event.type_name, reason=result.rejected)
                 if not isinstance(record.event, TransitionRejected):
                     rejected = TransitionRejected(event_type=record.event.type_name, seq=record.seq,
                                                   reason=result.rejected)

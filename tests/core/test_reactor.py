@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from stead.core.config import Settings
 from stead.core.errors import StoreError
-from stead.core.events import JobSubmitted, NodeJoined, NodeLost, RoundStarted, StepProgress
+from stead.core.events import JobSubmitted, NodeJoined, NodeLost, RoundStarted, StepProgress, TransitionRejected
 from stead.core.events.log import EventLog
 from stead.core.reactor import Reactor
 from stead.core.statemachine import Effect
@@ -58,3 +59,19 @@ async def test_snapshots_bound_the_replay_and_compact_the_store_history(tmp_path
     async with Reactor(EventLog(store, "t"), _Nothing(), settings=settings) as again:
         assert await again.resume() == before
     await store.close()
+
+
+async def test_an_illegal_event_is_recorded_as_rejected_and_changes_nothing() -> None:
+    store = await open_store("memory://")
+    async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as reactor:
+        await reactor.resume()
+        await reactor.submit(JobSubmitted(job="t", min_nodes=1, max_nodes=1, nproc_per_node=1))
+        before = reactor.state
+        record = await reactor.submit(NodeJoined(node_id="node-7", incarnation=1))  # never requested
+        records = await reactor.log.read()
+        after = reactor.state
+    await store.close()
+    rejected = records[-1].event
+    assert isinstance(rejected, TransitionRejected) and rejected.seq == record.seq
+    assert "node-7 was never requested" in rejected.reason
+    assert dataclasses.replace(after, seq=before.seq) == before
