@@ -70,6 +70,8 @@ class Settings:
     ckpt_verify_wait_s: float = 30.0
     #: how long an exiting agent waits for persists still running before it frees the shared memory
     ckpt_persist_grace_s: float = 60.0
+    #: 1: when a worker fails, the agent writes the newest committed step to disk (if not there yet); 0: never
+    ckpt_persist_on_failure: int = 1
 
     # -- data sharding (stead.plugins.sharding) -------------------------------------------------
     #: a shard leased to a worker that neither completes nor renews it within this time returns to the queue

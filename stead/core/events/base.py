@@ -82,6 +82,8 @@ def decode_event(obj: Any, *, where: str) -> Event:
         raise CodecError(f"{where}: not an event record (needs 'type' and 'data'): {str(obj)[:200]}")
     name = obj["type"]
     cls = _REGISTRY.get(name)
+    if cls is None and _load_plugin_kinds():
+        cls = _REGISTRY.get(name)
     if cls is None:
         raise CodecError(f"{where}: unknown event type {name!r}; is the plugin that defines it installed?")
     version = obj.get("v", 1)
@@ -92,6 +94,29 @@ def decode_event(obj: Any, *, where: str) -> Event:
         return from_json(cls, obj["data"], path=f"{where} {name}")
     except TypeError as exc:
         raise CodecError(f"{where}: {name}: {exc}") from exc
+
+
+_plugins_imported = False
+
+
+def _load_plugin_kinds() -> bool:
+    """Import the installed plugins (``stead.plugins`` entry points) once, registering their event kinds.
+
+    A reader of the log (``stead events``, ``stead status``) meets ``ckpt.persisted`` and the
+    like without having loaded the plugins the master ran. True when this call imported them.
+    """
+    global _plugins_imported
+    if _plugins_imported:
+        return False
+    _plugins_imported = True
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group="stead.plugins"):
+        try:
+            entry.load()
+        except Exception:  # a broken plugin: its events stay unknown, and the error above says so
+            continue
+    return True
 
 
 def encode_record(record: Record) -> bytes:

@@ -20,6 +20,9 @@ from stead.core.rpc._proto.stead.v1 import (
     LeaseShardsReply,
     LeaseShardsRequest,
     RegisterDatasetRequest,
+    ReportCorruptRequest,
+    ReportRestoredRequest,
+    ReportSavedReply,
     ReportSavedRequest,
     ShardServiceBase,
 )
@@ -48,8 +51,14 @@ class ShardServicer(ShardServiceBase):
 class CheckpointServicer(CheckpointServiceBase):
     """CheckpointService placeholder: checkpoint coordination is provided by a later version."""
 
-    async def report_saved(self, message: ReportSavedRequest) -> Ack:
+    async def report_saved(self, message: ReportSavedRequest) -> ReportSavedReply:
         _unimplemented("CheckpointService.ReportSaved")
 
     async def get_committed(self, message: GetCommittedRequest) -> GetCommittedReply:
         _unimplemented("CheckpointService.GetCommitted")
+
+    async def report_restored(self, message: ReportRestoredRequest) -> Ack:
+        _unimplemented("CheckpointService.ReportRestored")
+
+    async def report_corrupt(self, message: ReportCorruptRequest) -> Ack:
+        _unimplemented("CheckpointService.ReportCorrupt")

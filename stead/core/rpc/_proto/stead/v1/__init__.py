@@ -12,6 +12,7 @@ __all__ = (
     "Command",
     "CommandsRequest",
     "CompleteShardsRequest",
+    "Cursor",
     "FailureReport",
     "GetCommittedReply",
     "GetCommittedRequest",
@@ -28,10 +29,19 @@ __all__ = (
     "KvSetRequest",
     "LeaseShardsReply",
     "LeaseShardsRequest",
+    "Partition",
+    "RankSaved",
+    "RankStep",
     "RegisterDatasetRequest",
     "RegisterReply",
     "RegisterRequest",
+    "ReportCorruptRequest",
+    "ReportRestoredRequest",
+    "ReportSavedReply",
     "ReportSavedRequest",
+    "RestoreCursorRequest",
+    "SaveCursorReply",
+    "SaveCursorRequest",
     "Shard",
     "ShardServiceBase",
     "ShardServiceStub",
@@ -133,10 +143,44 @@ default_message_pool.register_message("stead.v1", "CommandsRequest", CommandsReq
 
 @dataclass(eq=False, repr=False)
 class CompleteShardsRequest(betterproto2.Message):
-    lease_ids: "list[str]" = betterproto2.field(1, betterproto2.TYPE_STRING, repeated=True)
+    dataset: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    node_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    rank: "int" = betterproto2.field(3, betterproto2.TYPE_INT32)
+
+    round: "int" = betterproto2.field(4, betterproto2.TYPE_INT32)
+
+    world_size: "int" = betterproto2.field(5, betterproto2.TYPE_INT32)
+
+    nonce: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+
+    epoch: "int" = betterproto2.field(7, betterproto2.TYPE_INT32)
+
+    consumed: "int" = betterproto2.field(8, betterproto2.TYPE_INT64)
+
+    release_rest: "bool" = betterproto2.field(9, betterproto2.TYPE_BOOL)
+    """
+    Give back every leased sample beyond `consumed` (the worker will not read them).
+    """
 
 
 default_message_pool.register_message("stead.v1", "CompleteShardsRequest", CompleteShardsRequest)
+
+
+@dataclass(eq=False, repr=False)
+class Cursor(betterproto2.Message):
+    fingerprint: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    epoch: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+
+    remaining: "list[Shard]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Every slot not consumed by the training steps the checkpoint holds.
+    """
+
+
+default_message_pool.register_message("stead.v1", "Cursor", Cursor)
 
 
 @dataclass(eq=False, repr=False)
@@ -170,8 +214,22 @@ default_message_pool.register_message("stead.v1", "FailureReport", FailureReport
 class GetCommittedReply(betterproto2.Message):
     step: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
     """
-    The latest committed step; -1 when none.
+    The latest committed step (-1 when none) and the round that committed it.
     """
+
+    round: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+
+    round_step: "int" = betterproto2.field(3, betterproto2.TYPE_INT64)
+    """
+    The committed step of the caller's round; -1 when none.
+    """
+
+    persisted_step: "int" = betterproto2.field(4, betterproto2.TYPE_INT64)
+    """
+    The newest step every rank wrote to disk; -1 when none.
+    """
+
+    released: "list[RankStep]" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, repeated=True)
 
 
 default_message_pool.register_message("stead.v1", "GetCommittedReply", GetCommittedReply)
@@ -179,7 +237,21 @@ default_message_pool.register_message("stead.v1", "GetCommittedReply", GetCommit
 
 @dataclass(eq=False, repr=False)
 class GetCommittedRequest(betterproto2.Message):
-    pass
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    round: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+    """
+    The caller's round (0 when it has none yet).
+    """
+
+    after_step: "int" = betterproto2.field(3, betterproto2.TYPE_INT64)
+
+    wait_s: "float" = betterproto2.field(4, betterproto2.TYPE_DOUBLE)
+
+    ranks: "list[int]" = betterproto2.field(5, betterproto2.TYPE_INT32, repeated=True)
+    """
+    Ranks whose released steps the caller wants to hear about.
+    """
 
 
 default_message_pool.register_message("stead.v1", "GetCommittedRequest", GetCommittedRequest)
@@ -289,6 +361,24 @@ default_message_pool.register_message("stead.v1", "KvSetRequest", KvSetRequest)
 @dataclass(eq=False, repr=False)
 class LeaseShardsReply(betterproto2.Message):
     shards: "list[Shard]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The stream's ranges from position `have` on.
+    """
+
+    exhausted: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
+    """
+    Nothing is left to lease in the epoch (a closed streaming source: at all).
+    """
+
+    waiting_for: "list[int]" = betterproto2.field(3, betterproto2.TYPE_INT32, repeated=True)
+    """
+    The round starts when these ranks have iterated or restored.
+    """
+
+    lease_timeout_s: "float" = betterproto2.field(4, betterproto2.TYPE_DOUBLE)
+    """
+    A stream that neither leases nor reports for this long loses its leases.
+    """
 
 
 default_message_pool.register_message("stead.v1", "LeaseShardsReply", LeaseShardsReply)
@@ -304,8 +394,81 @@ class LeaseShardsRequest(betterproto2.Message):
 
     count: "int" = betterproto2.field(4, betterproto2.TYPE_INT32)
 
+    round: "int" = betterproto2.field(5, betterproto2.TYPE_INT32)
+
+    world_size: "int" = betterproto2.field(6, betterproto2.TYPE_INT32)
+
+    nonce: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
+
+    epoch: "int" = betterproto2.field(8, betterproto2.TYPE_INT32)
+    """
+    The epoch to read (datasets).
+    """
+
+    have: "int" = betterproto2.field(9, betterproto2.TYPE_INT64)
+    """
+    How many ranges of its stream the worker holds already.
+    """
+
+    consumed: "int" = betterproto2.field(10, betterproto2.TYPE_INT64)
+    """
+    Samples of its stream the worker has consumed.
+    """
+
+    wait_s: "float" = betterproto2.field(11, betterproto2.TYPE_DOUBLE)
+    """
+    Hold the call up to this long while nothing can be leased yet.
+    """
+
 
 default_message_pool.register_message("stead.v1", "LeaseShardsRequest", LeaseShardsRequest)
+
+
+@dataclass(eq=False, repr=False)
+class Partition(betterproto2.Message):
+    id: "int" = betterproto2.field(1, betterproto2.TYPE_INT32)
+
+    start: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+    """
+    First offset to read.
+    """
+
+    end: "int" = betterproto2.field(3, betterproto2.TYPE_INT64)
+    """
+    One past the last offset that exists now; only grows.
+    """
+
+
+default_message_pool.register_message("stead.v1", "Partition", Partition)
+
+
+@dataclass(eq=False, repr=False)
+class RankSaved(betterproto2.Message):
+    rank: "int" = betterproto2.field(1, betterproto2.TYPE_INT32)
+
+    step: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+    """
+    memory: the newest step the rank passed through save() (saved or skipped);
+    disk: the step whose files the rank wrote.
+    """
+
+    held_steps: "list[int]" = betterproto2.field(3, betterproto2.TYPE_INT64, repeated=True)
+    """
+    memory: every complete step the rank holds now, written in this round.
+    """
+
+
+default_message_pool.register_message("stead.v1", "RankSaved", RankSaved)
+
+
+@dataclass(eq=False, repr=False)
+class RankStep(betterproto2.Message):
+    rank: "int" = betterproto2.field(1, betterproto2.TYPE_INT32)
+
+    step: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+
+
+default_message_pool.register_message("stead.v1", "RankStep", RankStep)
 
 
 @dataclass(eq=False, repr=False)
@@ -319,6 +482,23 @@ class RegisterDatasetRequest(betterproto2.Message):
     seed: "int" = betterproto2.field(4, betterproto2.TYPE_INT64)
 
     epochs: "int" = betterproto2.field(5, betterproto2.TYPE_INT32)
+
+    ordered: "bool" = betterproto2.field(6, betterproto2.TYPE_BOOL)
+    """
+    Keep the dataset's order (no shuffling of shards or within shards).
+    """
+
+    streaming: "bool" = betterproto2.field(7, betterproto2.TYPE_BOOL)
+    """
+    A streaming source: `partitions` instead of size, seed and epochs.
+    """
+
+    partitions: "list[Partition]" = betterproto2.field(8, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    closed: "bool" = betterproto2.field(9, betterproto2.TYPE_BOOL)
+    """
+    Streaming: no record will be appended any more.
+    """
 
 
 default_message_pool.register_message("stead.v1", "RegisterDatasetRequest", RegisterDatasetRequest)
@@ -368,7 +548,7 @@ default_message_pool.register_message("stead.v1", "RegisterRequest", RegisterReq
 
 
 @dataclass(eq=False, repr=False)
-class ReportSavedRequest(betterproto2.Message):
+class ReportCorruptRequest(betterproto2.Message):
     node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
     rank: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
@@ -377,7 +557,75 @@ class ReportSavedRequest(betterproto2.Message):
 
     tier: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
     """
-    Where the step was saved ("memory", "disk", ...).
+    "memory" or "disk".
+    """
+
+    detail: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("stead.v1", "ReportCorruptRequest", ReportCorruptRequest)
+
+
+@dataclass(eq=False, repr=False)
+class ReportRestoredRequest(betterproto2.Message):
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    round: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+
+    world_size: "int" = betterproto2.field(3, betterproto2.TYPE_INT32)
+
+    rank: "int" = betterproto2.field(4, betterproto2.TYPE_INT32)
+
+    step: "int" = betterproto2.field(5, betterproto2.TYPE_INT64)
+    """
+    -1: nothing was restored (a fresh start).
+    """
+
+    tier: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    """
+    "memory", "disk" or "none".
+    """
+
+
+default_message_pool.register_message("stead.v1", "ReportRestoredRequest", ReportRestoredRequest)
+
+
+@dataclass(eq=False, repr=False)
+class ReportSavedReply(betterproto2.Message):
+    committed_step: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+    """
+    The latest committed step of the reporting round; -1 when none.
+    """
+
+    released: "list[RankStep]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Pending steps of the reporting ranks that can never be committed.
+    """
+
+
+default_message_pool.register_message("stead.v1", "ReportSavedReply", ReportSavedReply)
+
+
+@dataclass(eq=False, repr=False)
+class ReportSavedRequest(betterproto2.Message):
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    incarnation: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+
+    round: "int" = betterproto2.field(3, betterproto2.TYPE_INT32)
+
+    world_size: "int" = betterproto2.field(4, betterproto2.TYPE_INT32)
+
+    tier: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+    """
+    "memory" or "disk".
+    """
+
+    ranks: "list[RankSaved]" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    path: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
+    """
+    disk: the step's directory.
     """
 
 
@@ -385,21 +633,78 @@ default_message_pool.register_message("stead.v1", "ReportSavedRequest", ReportSa
 
 
 @dataclass(eq=False, repr=False)
-class Shard(betterproto2.Message):
+class RestoreCursorRequest(betterproto2.Message):
     dataset: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
-    epoch: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+    node_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
-    index: "int" = betterproto2.field(3, betterproto2.TYPE_INT64)
+    rank: "int" = betterproto2.field(3, betterproto2.TYPE_INT32)
 
-    start: "int" = betterproto2.field(4, betterproto2.TYPE_INT64)
+    round: "int" = betterproto2.field(4, betterproto2.TYPE_INT32)
+
+    world_size: "int" = betterproto2.field(5, betterproto2.TYPE_INT32)
+
+    nonce: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+
+    cursor: "Cursor | None" = betterproto2.field(7, betterproto2.TYPE_MESSAGE, optional=True)
+
+
+default_message_pool.register_message("stead.v1", "RestoreCursorRequest", RestoreCursorRequest)
+
+
+@dataclass(eq=False, repr=False)
+class SaveCursorReply(betterproto2.Message):
+    ready: "bool" = betterproto2.field(1, betterproto2.TYPE_BOOL)
     """
-    Sample range [start, end).
+    False while the round waits for ranks that have not iterated or restored yet: ask again.
     """
 
-    end: "int" = betterproto2.field(5, betterproto2.TYPE_INT64)
+    cursor: "Cursor | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True)
 
-    lease_id: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    waiting_for: "list[int]" = betterproto2.field(3, betterproto2.TYPE_INT32, repeated=True)
+
+
+default_message_pool.register_message("stead.v1", "SaveCursorReply", SaveCursorReply)
+
+
+@dataclass(eq=False, repr=False)
+class SaveCursorRequest(betterproto2.Message):
+    dataset: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    node_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    rank: "int" = betterproto2.field(3, betterproto2.TYPE_INT32)
+
+    round: "int" = betterproto2.field(4, betterproto2.TYPE_INT32)
+
+    world_size: "int" = betterproto2.field(5, betterproto2.TYPE_INT32)
+
+    nonce: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+
+    consumed: "list[int]" = betterproto2.field(7, betterproto2.TYPE_INT64, repeated=True)
+    """
+    Every rank's consumed count and epoch, indexed by rank.
+    """
+
+    epochs: "list[int]" = betterproto2.field(8, betterproto2.TYPE_INT32, repeated=True)
+
+    wait_s: "float" = betterproto2.field(9, betterproto2.TYPE_DOUBLE)
+
+
+default_message_pool.register_message("stead.v1", "SaveCursorRequest", SaveCursorRequest)
+
+
+@dataclass(eq=False, repr=False)
+class Shard(betterproto2.Message):
+    """
+    Slots [start, end) of one part: an epoch of a dataset, or a partition of a streaming source.
+    """
+
+    part: "int" = betterproto2.field(1, betterproto2.TYPE_INT32)
+
+    start: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+
+    end: "int" = betterproto2.field(3, betterproto2.TYPE_INT64)
 
 
 default_message_pool.register_message("stead.v1", "Shard", Shard)
@@ -575,12 +880,15 @@ class CheckpointServiceStub(betterproto2_grpclib.ServiceStub):
         timeout: "float | None" = None,
         deadline: "Deadline | None" = None,
         metadata: "MetadataLike | None" = None,
-    ) -> "Ack":
+    ) -> "ReportSavedReply":
+        """
+        What one node's ranks hold in memory ("memory") or wrote to disk ("disk").
+        """
 
         return await self._unary_unary(
             "/stead.v1.CheckpointService/ReportSaved",
             message,
-            Ack,
+            ReportSavedReply,
             timeout=timeout,
             deadline=deadline,
             metadata=metadata,
@@ -588,20 +896,63 @@ class CheckpointServiceStub(betterproto2_grpclib.ServiceStub):
 
     async def get_committed(
         self,
-        message: "GetCommittedRequest | None" = None,
+        message: "GetCommittedRequest",
         *,
         timeout: "float | None" = None,
         deadline: "Deadline | None" = None,
         metadata: "MetadataLike | None" = None,
     ) -> "GetCommittedReply":
-
-        if message is None:
-            message = GetCommittedRequest()
+        """
+        The latest committed step; with wait_s > 0, waits until it moves past after_step
+        or one of the given ranks has a pending step released.
+        """
 
         return await self._unary_unary(
             "/stead.v1.CheckpointService/GetCommitted",
             message,
             GetCommittedReply,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
+    async def report_restored(
+        self,
+        message: "ReportRestoredRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "Ack":
+        """
+        Which step the workers of a round restored, and from where.
+        """
+
+        return await self._unary_unary(
+            "/stead.v1.CheckpointService/ReportRestored",
+            message,
+            Ack,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
+    async def report_corrupt(
+        self,
+        message: "ReportCorruptRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "Ack":
+        """
+        A checkpoint copy failed its checksums (or could not be read).
+        """
+
+        return await self._unary_unary(
+            "/stead.v1.CheckpointService/ReportCorrupt",
+            message,
+            Ack,
             timeout=timeout,
             deadline=deadline,
             metadata=metadata,
@@ -697,6 +1048,9 @@ class ShardServiceStub(betterproto2_grpclib.ServiceStub):
         deadline: "Deadline | None" = None,
         metadata: "MetadataLike | None" = None,
     ) -> "Ack":
+        """
+        Declare a dataset or a streaming source (or a source's new end offsets); idempotent.
+        """
 
         return await self._unary_unary(
             "/stead.v1.ShardService/RegisterDataset",
@@ -715,6 +1069,9 @@ class ShardServiceStub(betterproto2_grpclib.ServiceStub):
         deadline: "Deadline | None" = None,
         metadata: "MetadataLike | None" = None,
     ) -> "LeaseShardsReply":
+        """
+        Up to `count` shards for the caller's stream; also records its progress and renews its leases.
+        """
 
         return await self._unary_unary(
             "/stead.v1.ShardService/LeaseShards",
@@ -733,9 +1090,54 @@ class ShardServiceStub(betterproto2_grpclib.ServiceStub):
         deadline: "Deadline | None" = None,
         metadata: "MetadataLike | None" = None,
     ) -> "Ack":
+        """
+        Progress of the caller's stream (renews its leases); can give back what it holds beyond it.
+        """
 
         return await self._unary_unary(
             "/stead.v1.ShardService/CompleteShards",
+            message,
+            Ack,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
+    async def save_cursor(
+        self,
+        message: "SaveCursorRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "SaveCursorReply":
+        """
+        The cursor of a checkpoint, from every rank's progress at that checkpoint.
+        """
+
+        return await self._unary_unary(
+            "/stead.v1.ShardService/SaveCursor",
+            message,
+            SaveCursorReply,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
+    async def restore_cursor(
+        self,
+        message: "RestoreCursorRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "Ack":
+        """
+        The caller's rank starts its round from a checkpoint's cursor.
+        """
+
+        return await self._unary_unary(
+            "/stead.v1.ShardService/RestoreCursor",
             message,
             Ack,
             timeout=timeout,
@@ -850,15 +1252,36 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
 
 
 class CheckpointServiceBase(betterproto2_grpclib.ServiceBase):
-    async def report_saved(self, message: "ReportSavedRequest") -> "Ack":
+    async def report_saved(self, message: "ReportSavedRequest") -> "ReportSavedReply":
+        """
+        What one node's ranks hold in memory ("memory") or wrote to disk ("disk").
+        """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
     async def get_committed(self, message: "GetCommittedRequest") -> "GetCommittedReply":
+        """
+        The latest committed step; with wait_s > 0, waits until it moves past after_step
+        or one of the given ranks has a pending step released.
+        """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
-    async def __rpc_report_saved(self, stream: "grpclib.server.Stream[ReportSavedRequest, Ack]") -> None:
+    async def report_restored(self, message: "ReportRestoredRequest") -> "Ack":
+        """
+        Which step the workers of a round restored, and from where.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
+    async def report_corrupt(self, message: "ReportCorruptRequest") -> "Ack":
+        """
+        A checkpoint copy failed its checksums (or could not be read).
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
+    async def __rpc_report_saved(self, stream: "grpclib.server.Stream[ReportSavedRequest, ReportSavedReply]") -> None:
         request = await stream.recv_message()
         assert request is not None
         response = await self.report_saved(request)
@@ -872,19 +1295,43 @@ class CheckpointServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.get_committed(request)
         await stream.send_message(response)
 
+    async def __rpc_report_restored(self, stream: "grpclib.server.Stream[ReportRestoredRequest, Ack]") -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.report_restored(request)
+        await stream.send_message(response)
+
+    async def __rpc_report_corrupt(self, stream: "grpclib.server.Stream[ReportCorruptRequest, Ack]") -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.report_corrupt(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/stead.v1.CheckpointService/ReportSaved": grpclib.const.Handler(
                 self.__rpc_report_saved,
                 grpclib.const.Cardinality.UNARY_UNARY,
                 ReportSavedRequest,
-                Ack,
+                ReportSavedReply,
             ),
             "/stead.v1.CheckpointService/GetCommitted": grpclib.const.Handler(
                 self.__rpc_get_committed,
                 grpclib.const.Cardinality.UNARY_UNARY,
                 GetCommittedRequest,
                 GetCommittedReply,
+            ),
+            "/stead.v1.CheckpointService/ReportRestored": grpclib.const.Handler(
+                self.__rpc_report_restored,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                ReportRestoredRequest,
+                Ack,
+            ),
+            "/stead.v1.CheckpointService/ReportCorrupt": grpclib.const.Handler(
+                self.__rpc_report_corrupt,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                ReportCorruptRequest,
+                Ack,
             ),
         }
 
@@ -967,14 +1414,37 @@ class KvServiceBase(betterproto2_grpclib.ServiceBase):
 
 class ShardServiceBase(betterproto2_grpclib.ServiceBase):
     async def register_dataset(self, message: "RegisterDatasetRequest") -> "Ack":
+        """
+        Declare a dataset or a streaming source (or a source's new end offsets); idempotent.
+        """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
     async def lease_shards(self, message: "LeaseShardsRequest") -> "LeaseShardsReply":
+        """
+        Up to `count` shards for the caller's stream; also records its progress and renews its leases.
+        """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
     async def complete_shards(self, message: "CompleteShardsRequest") -> "Ack":
+        """
+        Progress of the caller's stream (renews its leases); can give back what it holds beyond it.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
+    async def save_cursor(self, message: "SaveCursorRequest") -> "SaveCursorReply":
+        """
+        The cursor of a checkpoint, from every rank's progress at that checkpoint.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
+    async def restore_cursor(self, message: "RestoreCursorRequest") -> "Ack":
+        """
+        The caller's rank starts its round from a checkpoint's cursor.
+        """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
@@ -996,6 +1466,18 @@ class ShardServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.complete_shards(request)
         await stream.send_message(response)
 
+    async def __rpc_save_cursor(self, stream: "grpclib.server.Stream[SaveCursorRequest, SaveCursorReply]") -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.save_cursor(request)
+        await stream.send_message(response)
+
+    async def __rpc_restore_cursor(self, stream: "grpclib.server.Stream[RestoreCursorRequest, Ack]") -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.restore_cursor(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/stead.v1.ShardService/RegisterDataset": grpclib.const.Handler(
@@ -1014,6 +1496,18 @@ class ShardServiceBase(betterproto2_grpclib.ServiceBase):
                 self.__rpc_complete_shards,
                 grpclib.const.Cardinality.UNARY_UNARY,
                 CompleteShardsRequest,
+                Ack,
+            ),
+            "/stead.v1.ShardService/SaveCursor": grpclib.const.Handler(
+                self.__rpc_save_cursor,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                SaveCursorRequest,
+                SaveCursorReply,
+            ),
+            "/stead.v1.ShardService/RestoreCursor": grpclib.const.Handler(
+                self.__rpc_restore_cursor,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                RestoreCursorRequest,
                 Ack,
             ),
         }

@@ -1,0 +1,158 @@
+"""The worker's side of ShardService: over RPC to the master, or in process when there is none.
+
+:class:`ShardClient` maps grpclib's errors to stead's through
+:class:`~stead.core.rpc.RpcConnection` (an unreachable master is RpcUnavailable, a
+refused request InvalidRequest). :class:`LocalBackend` runs the master's
+:class:`~.service.ShardService` on an in-memory store inside the worker, so that a
+script run by plain ``python`` (one process, no stead) reads the same shards in the
+same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Protocol, Self
+
+from stead.core.config import Settings
+from stead.core.rpc import RpcConnection
+from stead.core.rpc._proto.stead.v1 import (
+    CompleteShardsRequest,
+    LeaseShardsRequest,
+    Partition,
+    RegisterDatasetRequest,
+    RestoreCursorRequest,
+    SaveCursorRequest,
+    ShardServiceStub,
+)
+from stead.core.store.base import StateStore
+from stead.plugins.sharding.ledger import CursorState, DatasetSpec, Range
+from stead.plugins.sharding.service import ShardService, StreamId
+from stead.plugins.sharding.servicer import cursor_from_proto, cursor_to_proto
+
+__all__ = ["LeaseReply", "LocalBackend", "SaveReply", "ShardBackend", "ShardClient"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseReply:
+    ranges: tuple[Range, ...]
+    exhausted: bool
+    waiting_for: tuple[int, ...]
+    lease_timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveReply:
+    cursor: CursorState | None
+    waiting_for: tuple[int, ...] = ()
+
+
+class ShardBackend(Protocol):
+    async def register(self, spec: DatasetSpec, partitions: Mapping[int, tuple[int, int]], closed: bool) -> None: ...
+
+    async def lease(self, who: StreamId, *, epoch: int, have: int, count: int, consumed: int,
+                    wait_s: float) -> LeaseReply: ...
+
+    async def report(self, who: StreamId, *, consumed: int, epoch: int, release_rest: bool) -> None: ...
+
+    async def save(self, who: StreamId, *, consumed: Sequence[int], epochs: Sequence[int],
+                   wait_s: float) -> SaveReply: ...
+
+    async def restore(self, who: StreamId, cursor: CursorState) -> None: ...
+
+
+class ShardClient:
+    """``async with ShardClient("host:port", token, call_timeout_s=5) as client``."""
+
+    def __init__(self, address: str, token: str, *, call_timeout_s: float) -> None:
+        self._conn = RpcConnection(address, token, call_timeout_s)
+
+    @property
+    def _stub(self) -> ShardServiceStub:
+        return ShardServiceStub(self._conn.channel)
+
+    def _timeout(self, wait_s: float = 0.0) -> float:
+        return wait_s + self._conn.call_timeout_s
+
+    async def __aenter__(self) -> Self:
+        self._conn.open()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self._conn.close()
+
+    async def register(self, spec: DatasetSpec, partitions: Mapping[int, tuple[int, int]], closed: bool) -> None:
+        request = RegisterDatasetRequest(
+            name=spec.name, size=spec.size, shard_size=spec.shard_size, seed=spec.seed,
+            epochs=0 if spec.streaming else spec.epochs, ordered=not spec.shuffle, streaming=spec.streaming,
+            partitions=[Partition(id=p, start=s, end=e) for p, (s, e) in sorted(partitions.items())], closed=closed)
+        with self._conn.errors("ShardService.RegisterDataset"):
+            await self._stub.register_dataset(request, timeout=self._timeout())
+
+    async def lease(self, who: StreamId, *, epoch: int, have: int, count: int, consumed: int,
+                    wait_s: float) -> LeaseReply:
+        request = LeaseShardsRequest(
+            dataset=who.dataset, node_id=who.node_id, rank=who.rank, count=count, round=who.round,
+            world_size=who.world_size, nonce=who.nonce, epoch=epoch, have=have, consumed=consumed, wait_s=wait_s)
+        with self._conn.errors("ShardService.LeaseShards"):
+            reply = await self._stub.lease_shards(request, timeout=self._timeout(wait_s))
+        return LeaseReply(tuple((s.part, s.start, s.end) for s in reply.shards), reply.exhausted,
+                          tuple(reply.waiting_for), reply.lease_timeout_s)
+
+    async def report(self, who: StreamId, *, consumed: int, epoch: int, release_rest: bool) -> None:
+        request = CompleteShardsRequest(
+            dataset=who.dataset, node_id=who.node_id, rank=who.rank, round=who.round, world_size=who.world_size,
+            nonce=who.nonce, epoch=epoch, consumed=consumed, release_rest=release_rest)
+        with self._conn.errors("ShardService.CompleteShards"):
+            await self._stub.complete_shards(request, timeout=self._timeout())
+
+    async def save(self, who: StreamId, *, consumed: Sequence[int], epochs: Sequence[int],
+                   wait_s: float) -> SaveReply:
+        request = SaveCursorRequest(
+            dataset=who.dataset, node_id=who.node_id, rank=who.rank, round=who.round, world_size=who.world_size,
+            nonce=who.nonce, consumed=list(consumed), epochs=list(epochs), wait_s=wait_s)
+        with self._conn.errors("ShardService.SaveCursor"):
+            reply = await self._stub.save_cursor(request, timeout=self._timeout(wait_s))
+        if not reply.ready:
+            return SaveReply(None, tuple(reply.waiting_for))
+        return SaveReply(cursor_from_proto(reply.cursor))
+
+    async def restore(self, who: StreamId, cursor: CursorState) -> None:
+        request = RestoreCursorRequest(
+            dataset=who.dataset, node_id=who.node_id, rank=who.rank, round=who.round, world_size=who.world_size,
+            nonce=who.nonce, cursor=cursor_to_proto(cursor))
+        with self._conn.errors("ShardService.RestoreCursor"):
+            await self._stub.restore_cursor(request, timeout=self._timeout())
+
+    def __repr__(self) -> str:
+        return f"ShardClient({self._conn.address})"
+
+
+class LocalBackend:
+    """The master's service in this process, on ``store`` (an in-memory one for a script run without stead)."""
+
+    def __init__(self, store: StateStore, settings: Settings) -> None:
+        self.service = ShardService(store, prefix="/stead/local/plugins/sharding/v1", settings=settings)
+
+    async def register(self, spec: DatasetSpec, partitions: Mapping[int, tuple[int, int]], closed: bool) -> None:
+        await self.service.register(spec, partitions=partitions, closed=closed)
+
+    async def lease(self, who: StreamId, *, epoch: int, have: int, count: int, consumed: int,
+                    wait_s: float) -> LeaseReply:
+        answer = await self.service.lease(who, epoch=epoch, have=have, count=count, consumed=consumed,
+                                          wait_s=wait_s)
+        return LeaseReply(answer.ranges, answer.exhausted, answer.waiting_for,
+                          self.service.settings.shard_lease_timeout_s)
+
+    async def report(self, who: StreamId, *, consumed: int, epoch: int, release_rest: bool) -> None:
+        await self.service.report(who, consumed=consumed, epoch=epoch, release_rest=release_rest)
+
+    async def save(self, who: StreamId, *, consumed: Sequence[int], epochs: Sequence[int],
+                   wait_s: float) -> SaveReply:
+        cursor = await self.service.save(who, consumed=consumed, epochs=epochs, wait_s=wait_s)
+        return SaveReply(cursor, () if cursor else self.service.waiting_for(who))
+
+    async def restore(self, who: StreamId, cursor: CursorState) -> None:
+        await self.service.restore(who, cursor)

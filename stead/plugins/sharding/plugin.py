@@ -1,0 +1,44 @@
+"""The master-side plugin: serves ShardService and returns failed workers' leases to the queue."""
+
+from __future__ import annotations
+
+import structlog
+
+from stead.core.config import Settings
+from stead.core.events import NodeExited, NodeLost, Record, WorkerFailed
+from stead.core.plugins import PluginContext
+from stead.plugins.sharding.service import ShardService
+from stead.plugins.sharding.servicer import ShardServicer
+
+__all__ = ["ShardingPlugin"]
+
+log = structlog.get_logger("stead.plugins.sharding")
+
+
+class ShardingPlugin:
+    name = "sharding"
+    subscriptions = (WorkerFailed, NodeLost, NodeExited)
+
+    def __init__(self, *, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+        self.service: ShardService | None = None
+
+    async def start(self, *, ctx: PluginContext) -> None:
+        self.service = ShardService(ctx.store, prefix=ctx.key(self.name, "v1"), settings=ctx.settings,
+                                    emit=ctx.emit)
+        ctx.add_rpc_handler(ShardServicer(self.service))
+
+    async def handle(self, *, record: Record, ctx: PluginContext) -> None:
+        service = self.service
+        if service is None or ctx.state.phase.terminal:
+            return  # a finished job's nodes exit: nothing is read any more
+        match record.event:
+            case WorkerFailed() as failure:
+                why = (f"killed by signal {failure.signal}" if failure.signal is not None
+                       else f"exit code {failure.exit_code}")
+                await service.failed(node_id=failure.node_id, round_=failure.round, rank=failure.rank,
+                                     reason=f"rank {failure.rank} failed ({why})")
+            case NodeLost() as lost:
+                await service.failed(node_id=lost.node_id, reason=f"node {lost.node_id} lost ({lost.reason})")
+            case NodeExited() as exited:
+                await service.failed(node_id=exited.node_id, reason=f"node {exited.node_id} exited")

@@ -1,0 +1,173 @@
+"""The master-side service on real stores: durable leases, group commit, waiting, failures, events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from stead.core.config import Settings
+from stead.core.errors import InvalidRequest
+from stead.core.events import Event, NodeExited, NodeLost, Record
+from stead.core.plugins import PluginContext
+from stead.core.statemachine import JobPhase, JobState
+from stead.core.store import StateStore, open_store
+from stead.plugins.sharding.events import LeasesReleased, ShardRoundStarted
+from stead.plugins.sharding.ledger import DatasetSpec, Range
+from stead.plugins.sharding.plugin import ShardingPlugin
+from stead.plugins.sharding.service import ShardService, StreamId
+
+pytestmark = pytest.mark.anyio
+
+SPEC = DatasetSpec(name="ids", shard_size=5, size=100, seed=9, epochs=2)
+PREFIX = "/stead/jobs/t/plugins/sharding/v1"
+
+
+@pytest.fixture(params=["memory", "sqlite", "etcd"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[StateStore]:
+    if request.param == "etcd":
+        url = request.getfixturevalue("etcd_url")
+    else:
+        url = "memory://" if request.param == "memory" else f"sqlite:///{tmp_path / 'state.db'}"
+    s = await open_store(url)
+    await s.delete_prefix(PREFIX)  # the etcd server is shared by the session
+    try:
+        yield s
+    finally:
+        await s.delete_prefix(PREFIX)
+        await s.close()
+
+
+def _who(rank: int, round_: int = 1, world: int = 2) -> StreamId:
+    return StreamId("ids", round_, rank, world, f"node-{rank}", f"nonce-{round_}-{rank}")
+
+
+def _service(store: StateStore, **settings: float) -> ShardService:
+    return ShardService(store, prefix=PREFIX, settings=Settings(snapshot_every=3, **settings))  # type: ignore[arg-type]
+
+
+def _slots(ranges: tuple[Range, ...] | list[Range]) -> list[tuple[int, int]]:
+    return [(p, i) for p, s, e in ranges for i in range(s, e)]
+
+
+async def test_a_restarted_master_on_the_same_store_loses_no_lease_mid_epoch(store: StateStore) -> None:
+    first = _service(store)
+    await first.register(SPEC)
+    await asyncio.gather(first.lease(_who(0), epoch=0, have=0, count=1, consumed=0, wait_s=5),
+                         first.lease(_who(1), epoch=0, have=0, count=1, consumed=0, wait_s=5))
+    held: dict[int, list[Range]] = {0: [], 1: []}
+    for step in range(7):  # 7 records with snapshot_every=3: snapshots, deleted segments and a journal tail
+        for rank in (0, 1):
+            answer = await first.lease(_who(rank), epoch=0, have=len(held[rank]), count=1, consumed=0)
+            held[rank] += answer.ranges
+        if step == 3:
+            cursor = await first.save(_who(0), consumed=[7, 3], epochs=[0, 0])
+    again = _service(store)  # the first master is gone; a new one reads the store
+    for rank in (0, 1):  # a worker whose reply was lost asks again: the same ranges, nothing new
+        replay = await again.lease(_who(rank), epoch=0, have=len(held[rank]) - 1, count=1, consumed=0)
+        assert replay.ranges == (held[rank][-1],)
+    rest: list[Range] = []
+    while not (answer := await again.lease(_who(0), epoch=0, have=len(held[0]) + len(rest), count=3,
+                                           consumed=0)).exhausted:
+        rest += answer.ranges
+    assert sorted(_slots(held[0] + held[1] + rest)) == [(0, i) for i in range(100)]
+    assert await again.save(_who(1), consumed=[7, 3], epochs=[0, 0]) == cursor
+    assert await store.get(f"{PREFIX}/datasets/ids/snapshot") is not None  # replayed from snapshot + journal
+
+
+async def test_concurrent_leases_share_store_writes_and_never_overlap(store: StateStore) -> None:
+    service = _service(store)
+    await service.register(SPEC)
+    world = 8
+    answers = await asyncio.gather(*(service.lease(_who(r, world=world), epoch=0, have=0, count=2, consumed=0,
+                                                   wait_s=5) for r in range(world)))
+    slots = [s for a in answers for s in _slots(a.ranges)]
+    assert len(slots) == len(set(slots)) == world * 2 * 5
+    records = await store.range(f"{PREFIX}/datasets/ids/journal/")
+    snapshot = await store.get(f"{PREFIX}/datasets/ids/snapshot")
+    assert len(records) + (snapshot is not None) * 3 < world * 2  # fewer writes than calls: group commit
+
+
+async def test_a_lease_waits_for_the_other_ranks_and_wakes_when_they_come(store: StateStore) -> None:
+    service = _service(store)
+    await service.register(SPEC)
+    early = await service.lease(_who(0), epoch=0, have=0, count=1, consumed=0, wait_s=0)
+    assert early.waiting_for == (1,) and not early.ranges
+    waiting = asyncio.ensure_future(service.lease(_who(0), epoch=0, have=0, count=1, consumed=0, wait_s=30))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    late = await service.lease(_who(1), epoch=0, have=0, count=1, consumed=0)
+    assert (await waiting).ranges and late.ranges and (await waiting).ranges != late.ranges
+
+
+async def test_failed_workers_and_silent_workers_leases_return_to_the_queue_with_an_event(store: StateStore) -> None:
+    events: list[Event] = []
+
+    async def emit(event: Event) -> Record | None:
+        events.append(event)
+        return None
+
+    now = [0.0]
+    service = ShardService(store, prefix=PREFIX, settings=Settings(shard_lease_timeout_s=10), emit=emit,
+                           clock=lambda: now[0])
+    await service.register(SPEC)
+    world = 3
+    first = await asyncio.gather(*(service.lease(_who(r, world=world), epoch=0, have=0, count=1, consumed=0,
+                                                 wait_s=5) for r in range(world)))
+    await service.report(_who(1, world=world), consumed=2, epoch=0)
+    await service.failed(node_id="node-1", reason="node node-1 lost")
+    released = [e for e in events if isinstance(e, LeasesReleased)]
+    assert [(e.rank, e.samples) for e in released] == [(1, 3)]
+    assert any(isinstance(e, ShardRoundStarted) and e.remaining == 200 for e in events)
+    now[0] = 9.0
+    await service.report(_who(0, world=world), consumed=0, epoch=0)
+    now[0] = 12.0  # rank 2 silent for 12 s > 10 s; rank 0 reported at 9 s
+    answer = await service.lease(_who(0, world=world), epoch=0, have=1, count=3, consumed=5)
+    given_back = set(_slots(first[1].ranges)[2:] + _slots(first[2].ranges))  # rank 1 read 2 of its 5
+    assert given_back < set(_slots(answer.ranges)) and len(_slots(answer.ranges)) == 3 + 5 + 5
+    with pytest.raises(InvalidRequest, match=r"lost its leases of dataset 'ids' \(no report for 10 s"):
+        await service.lease(_who(2, world=world), epoch=0, have=1, count=1, consumed=0)
+
+
+async def test_requests_for_unknown_datasets_and_bad_names_are_refused(store: StateStore) -> None:
+    service = _service(store)
+    with pytest.raises(InvalidRequest, match="dataset 'nope' is not registered; create the sampler"):
+        await service.lease(StreamId("nope", 1, 0, 1, "n", "x"), epoch=0, have=0, count=1, consumed=0)
+    with pytest.raises(InvalidRequest, match="dataset name 'a/b' is not valid"):
+        await service.register(DatasetSpec(name="a/b", shard_size=1, size=1))
+    with pytest.raises(InvalidRequest, match="shard_size=0 must be at least 1"):
+        await service.register(DatasetSpec(name="z", shard_size=0, size=1))
+    assert await store.range(PREFIX) == []
+
+
+async def test_the_plugin_returns_the_leases_of_lost_and_exited_nodes_but_not_after_the_job_ended() -> None:
+    store = await open_store("memory://")
+    handlers: list[object] = []
+    phase = [JobPhase.RUNNING]
+    ctx = PluginContext(job="t", settings=Settings(), store=store, get_state=lambda: JobState(phase=phase[0]),
+                        emit=_no_emit, add_rpc_handler=handlers.append)
+    plugin = ShardingPlugin(settings=Settings())
+    await plugin.start(ctx=ctx)
+    assert len(handlers) == 1 and plugin.service is not None
+    service = plugin.service
+    await service.register(SPEC)
+    world = 4
+    answers = await asyncio.gather(*(service.lease(_who(r, world=world), epoch=0, have=0, count=1, consumed=0,
+                                                   wait_s=5) for r in range(world)))
+    ledger = service._datasets["ids"].ledger
+    events = [NodeLost(node_id="node-1", incarnation=1), NodeExited(node_id="node-2", incarnation=1, signal=9)]
+    for seq, event in enumerate(events, start=1):
+        await plugin.handle(record=Record(seq=seq, at=0.0, event=event), ctx=ctx)
+    assert ledger.gen is not None and [r for r, s in ledger.gen.streams.items() if s.dead] == [1, 2]
+    back = set(_slots(answers[1].ranges + answers[2].ranges))
+    assert back <= {(p, i) for p, s, e in ledger.remaining.ranges() for i in range(s, e)}
+    phase[0] = JobPhase.SUCCEEDED  # a finished job's nodes exit: nothing to give back
+    await plugin.handle(record=Record(seq=3, at=0.0, event=NodeExited(node_id="node-3", incarnation=1)), ctx=ctx)
+    assert not ledger.gen.streams[3].dead
+    await store.close()
+
+
+async def _no_emit(event: Event) -> Record | None:
+    return None
