@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
@@ -121,7 +120,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 s per measurement instead of 6 (under a minute)")
     parser.add_argument("--count", type=int, default=32, help="shards asked for per lease call (default 32)")
     args = parser.parse_args()
-    os.environ.setdefault("STEAD_LOG_LEVEL", "warning")
+    from stead.core.logging import configure_logging
+
+    configure_logging(level="warning")
     asyncio.run(_main(args))
 
 

@@ -3,6 +3,8 @@
 Runs examples/train.py (a small DDP model on gloo, written for torchrun) under
 `stead run` with an injected crash of rank 1, then tells what happened from the
 job's event log and its recovery trace, and checks that nothing was left behind.
+The script flash-checkpoints every step, so the restarted workers resume from
+the last step saved before the crash, restored from the agents' shared memory.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from stead.core.events import (  # noqa: E402
 )
 from stead.core.events.log import EventLog  # noqa: E402
 from stead.core.store import open_store  # noqa: E402
+from stead.plugins.ckpt.events import CheckpointRestored  # noqa: E402
 from stead.testing import leaks  # noqa: E402
 
 
@@ -47,7 +50,8 @@ def main() -> int:
     log_path = work / "stead.log"
     command = [sys.executable, "-m", "stead", "run", "--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "2",
                "--job-name", job, "--store", store_url, "--log-format", "json",
-               str(ROOT / "examples" / "train.py"), "--steps", "60", "--crash-at-step", "40", "--step-time", "0.05"]
+               str(ROOT / "examples" / "train.py"), "--steps", "60", "--crash-at-step", "40", "--step-time", "0.05",
+               "--save-every", "1"]
     print("stead demo: 2 nodes x 2 workers train a small DDP model (gloo, CPU); rank 1 will crash at step 40")
     print(f"  running `stead run --nnodes 2 --nproc-per-node 2 --max-restarts 2 examples/train.py ...` "
           f"(log: {log_path})", flush=True)
@@ -79,6 +83,9 @@ def main() -> int:
                           "zygote")
                 case RoundCompleted(round=n):
                     print(f"  {ms:+8.0f} ms  round {n}: every node's workers are running")
+                case CheckpointRestored(round=n, step=step, memory_ranks=memory, disk_ranks=disk) if n > 1:
+                    where = "out of memory" if not disk else f"({memory} ranks from memory, {disk} from disk)"
+                    print(f"  {ms:+8.0f} ms  round {n} resumed from step {step} {where}: no completed step lost")
                 case StepProgress(round=n, step=step) if n > 1:
                     print(f"  {ms:+8.0f} ms  first training step of round {n} done (step {step}): recovered")
                     break

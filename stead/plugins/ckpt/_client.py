@@ -1,0 +1,79 @@
+"""The agent's client of the master's CheckpointService (protobuf stays in this module)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from stead.core.rpc import RpcConnection
+from stead.core.rpc._proto.stead.v1 import (
+    CheckpointServiceStub,
+    GetCommittedRequest,
+    RankSaved,
+    ReportCorruptRequest,
+    ReportRestoredRequest,
+    ReportSavedRequest,
+)
+
+__all__ = ["CheckpointClient", "Committed", "Saved"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """A rank's state for a report: the newest step it passed and the steps it holds."""
+
+    step: int
+    held: frozenset[int] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Committed:
+    step: int = -1
+    round: int = 0
+    round_step: int = -1
+    persisted_step: int = -1
+    released: Mapping[int, int] = dataclasses.field(default_factory=dict)
+
+
+class CheckpointClient:
+    """Calls CheckpointService over an open :class:`RpcConnection` (token and error mapping included)."""
+
+    def __init__(self, conn: RpcConnection, *, node_id: str, incarnation: int) -> None:
+        self._conn = conn
+        self.node_id = node_id
+        self.incarnation = incarnation
+
+    @property
+    def _stub(self) -> CheckpointServiceStub:
+        return CheckpointServiceStub(self._conn.channel)
+
+    async def report_saved(self, *, round_: int, world_size: int, tier: str, ranks: Mapping[int, Saved],
+                           path: str = "") -> Committed:
+        request = ReportSavedRequest(
+            node_id=self.node_id, incarnation=self.incarnation, round=round_, world_size=world_size, tier=tier,
+            ranks=[RankSaved(rank=r, step=s.step, held_steps=sorted(s.held)) for r, s in sorted(ranks.items())],
+            path=path)
+        with self._conn.errors("CheckpointService.ReportSaved"):
+            reply = await self._stub.report_saved(request, timeout=self._conn.call_timeout_s)
+        return Committed(round=round_, round_step=reply.committed_step,
+                         released={r.rank: r.step for r in reply.released})
+
+    async def get_committed(self, *, round_: int, after_step: int = -1, wait_s: float = 0.0,
+                            ranks: Sequence[int] = ()) -> Committed:
+        request = GetCommittedRequest(node_id=self.node_id, round=round_, after_step=after_step, wait_s=wait_s,
+                                      ranks=list(ranks))
+        with self._conn.errors("CheckpointService.GetCommitted"):
+            reply = await self._stub.get_committed(request, timeout=wait_s + self._conn.call_timeout_s)
+        return Committed(step=reply.step, round=reply.round, round_step=reply.round_step,
+                         persisted_step=reply.persisted_step, released={r.rank: r.step for r in reply.released})
+
+    async def report_restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str) -> None:
+        request = ReportRestoredRequest(node_id=self.node_id, round=round_, world_size=world_size, rank=rank,
+                                        step=step, tier=tier)
+        with self._conn.errors("CheckpointService.ReportRestored"):
+            await self._stub.report_restored(request, timeout=self._conn.call_timeout_s)
+
+    async def report_corrupt(self, *, rank: int, step: int, tier: str, detail: str) -> None:
+        request = ReportCorruptRequest(node_id=self.node_id, rank=rank, step=step, tier=tier, detail=detail[:2000])
+        with self._conn.errors("CheckpointService.ReportCorrupt"):
+            await self._stub.report_corrupt(request, timeout=self._conn.call_timeout_s)

@@ -1,0 +1,396 @@
+"""Persisted checkpoints: a torch.distributed.checkpoint layout plus stead's own JSON manifests.
+
+``<ckpt_dir>/<job>/step_<N>/`` holds, per rank, ``__<rank>_0.distcp`` (each tensor
+and each non-tensor value as torch.distributed.checkpoint's FileSystemWriter
+writes them) and ``rank_<rank>.json`` (stead's manifest: the state dict's tree,
+each tensor's dtype, shape, byte offset in the data file and checksum). Once every
+rank's manifest is there, whoever wrote the last one adds ``.metadata`` (what
+``torch.distributed.checkpoint.load`` reads; it is a pickle, written by us from
+the manifests and never read back by stead) and moves the tracker
+``<ckpt_dir>/<job>/latest`` to the step (temp file, fsync, rename, under a lock),
+then keeps only the newest ``ckpt_keep_last`` complete steps.
+
+stead restores from the manifests only: JSON, then raw bytes read straight into
+the destination tensors and checked against the checksums. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import fcntl
+import io
+import json
+import os
+import re
+import shutil
+import struct
+import uuid
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from stead.plugins.ckpt._checksum import sum64
+from stead.plugins.ckpt.errors import CheckpointError
+
+__all__ = [
+    "Manifest",
+    "candidates",
+    "finish_step",
+    "is_complete",
+    "read_manifest",
+    "read_tensor_into",
+    "read_tracker",
+    "step_dir",
+    "write_rank",
+]
+
+log = structlog.get_logger("stead.plugins.ckpt")
+
+TRACKER = "latest"
+METADATA = ".metadata"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_MANIFEST = re.compile(r"^rank_(\d+)\.json$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step}"
+
+
+def _manifest_path(root: Path, step: int, rank: int) -> Path:
+    return step_dir(root, step) / f"rank_{rank}.json"
+
+
+def _data_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def tensor_bytes(tensor: Any) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _owning(tensor: Any) -> Any:
+    """``tensor`` itself when it owns exactly its bytes (torch.save writes whole storages), else a copy."""
+    import torch
+
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        return tensor.cpu()
+    nbytes = tensor.numel() * tensor.element_size()
+    if (tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == nbytes):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+class _Window(io.RawIOBase):
+    """A read-only view of ``[start, start + length)`` of an open file (for zipfile)."""
+
+    def __init__(self, handle: Any, start: int, length: int) -> None:
+        self._handle, self._start, self._length, self._pos = handle, start, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = max(0, min(self._length, base + offset))
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        size = self._length - self._pos if size is None or size < 0 else min(size, self._length - self._pos)
+        self._handle.seek(self._start + self._pos)
+        data: bytes = self._handle.read(size)
+        self._pos += len(data)
+        return data
+
+
+def _record_offset(handle: Any, start: int, end: int, nbytes: int) -> int:
+    """File offset of the raw tensor bytes inside the torch.save archive at ``[start, end)``."""
+    with zipfile.ZipFile(_Window(handle, start, end - start)) as archive:
+        infos = [i for i in archive.infolist() if i.filename.endswith("/data/0")]
+    if len(infos) != 1 or infos[0].compress_type != zipfile.ZIP_STORED or infos[0].file_size != nbytes:
+        raise CheckpointError("torch.save wrote a tensor archive stead cannot index; "
+                              "use the torch version stead was released with")
+    handle.seek(start + infos[0].header_offset)
+    header = handle.read(30)
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    handle.seek(end)
+    return int(start + infos[0].header_offset + 30 + name_len + extra_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """One rank's part of a persisted step, as read back from ``rank_<rank>.json``."""
+
+    root: Path
+    step: int
+    round: int
+    rank: int
+    world: int
+    data_file: str
+    tree: Any
+    tensors: list[dict[str, Any]]
+
+    @property
+    def dir(self) -> Path:
+        return step_dir(self.root, self.step)
+
+
+def write_rank(root: Path, *, step: int, round_: int, rank: int, world: int, tree: Any,
+               metas: list[dict[str, Any]], tensors: list[Any], expected: list[int] | None = None) -> None:
+    """Write one rank's shard of ``step`` (tensors: contiguous CPU tensors owning exactly their bytes).
+
+    ``expected`` are checksums the tensors must match (the agent computed them after the
+    save); a mismatch raises :class:`CheckpointError` and nothing is written.
+    """
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from stead.plugins.ckpt._codec import decode
+
+    tensors = [_owning(t) for t in tensors]
+    sums = [sum64(tensor_bytes(t)) for t in tensors]
+    if expected is not None:
+        bad = [i for i, (a, b) in enumerate(zip(sums, expected, strict=True)) if a != b]
+        if bad:
+            raise CheckpointError(f"step {step} of rank {rank}: {len(bad)} tensors fail their checksums in shared "
+                                  "memory; not persisting a corrupt copy")
+    folder = step_dir(root, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = decode(tree, lambda i, _path: tensors[i], where=f"step {step} rank {rank}")
+    flat, mappings = flatten_state_dict(state)
+    index_of = {id(t): i for i, t in enumerate(tensors)}
+    raw: dict[int, int] = {}
+    items: list[dict[str, Any]] = []
+    data = folder / _data_name(rank)
+    tmp = folder / f".{data.name}.tmp-{os.getpid()}"
+    with open(tmp, "w+b") as handle:
+        for fqn, value in flat.items():
+            start = handle.tell()
+            torch.save(value, handle)
+            end = handle.tell()
+            item: dict[str, Any] = {"fqn": fqn, "path": list(mappings[fqn]), "offset": start, "length": end - start}
+            index = index_of.get(id(value)) if isinstance(value, torch.Tensor) else None
+            if index is not None and index not in raw:
+                raw[index] = _record_offset(handle, start, end, int(metas[index]["nbytes"]))
+                item["tensor"] = index
+            items.append(item)
+        for index, tensor in enumerate(tensors):  # tensors DCP stores inside a value (a tuple): raw copy for stead
+            if index not in raw:
+                raw[index] = handle.tell()
+                handle.write(tensor_bytes(tensor))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, data)
+    entries = [{**meta, "file_offset": raw[i], "checksum": sums[i]} for i, meta in enumerate(metas)]
+    manifest = {"format": FORMAT, "step": step, "round": round_, "rank": rank, "world": world,
+                "file": data.name, "tensors": entries, "tree": tree, "dcp": items}
+    _write_atomic(_manifest_path(root, step, rank), json.dumps(manifest, separators=(",", ":")).encode())
+
+
+def read_manifest(root: Path, step: int, rank: int) -> Manifest:
+    """Read and check one rank's manifest; FileNotFoundError when the rank never wrote the step."""
+    path = _manifest_path(root, step, rank)
+    raw = path.read_bytes()
+    try:
+        obj = json.loads(raw)
+        if obj.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: format {obj.get('format')!r} is not {FORMAT}")
+        manifest = Manifest(root=root, step=int(obj["step"]), round=int(obj["round"]), rank=int(obj["rank"]),
+                            world=int(obj["world"]), data_file=str(obj["file"]), tree=obj["tree"],
+                            tensors=list(obj["tensors"]))
+        for t in manifest.tensors:
+            if int(t["file_offset"]) < 0 or int(t["nbytes"]) < 0 or not isinstance(t["checksum"], int):
+                raise ValueError("bad tensor entry")
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{path} is not a readable stead manifest ({exc!r})") from exc
+    if manifest.step != step or manifest.rank != rank or "/" in manifest.data_file:
+        raise CheckpointError(f"{path} describes step {manifest.step} of rank {manifest.rank}, not step {step} "
+                              f"of rank {rank}")
+    return manifest
+
+
+def read_tensor_into(manifest: Manifest, handle: Any, index: int, target: memoryview) -> None:
+    """Read tensor ``index`` of ``manifest`` into ``target`` (its exact bytes) and check its checksum."""
+    entry = manifest.tensors[index]
+    nbytes = int(entry["nbytes"])
+    if len(target) != nbytes:
+        raise CheckpointError(f"step {manifest.step} rank {manifest.rank}: tensor {index} has {nbytes} bytes, "
+                              f"the destination {len(target)}")
+    handle.seek(int(entry["file_offset"]))
+    done = 0
+    while done < nbytes:
+        got = handle.readinto(target[done:])
+        if not got:
+            raise CheckpointError(f"{manifest.dir / manifest.data_file} is truncated (tensor {index})")
+        done += got
+    if sum64(target) != int(entry["checksum"]):
+        raise CheckpointError(f"{manifest.dir / manifest.data_file}: tensor {index} fails its checksum (corrupt)")
+
+
+def candidates(root: Path, rank: int) -> list[int]:
+    """Steps for which ``rank`` wrote its manifest, newest first."""
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    steps = []
+    for entry in entries:
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / f"rank_{rank}.json").is_file():
+            steps.append(int(match[1]))
+    return sorted(steps, reverse=True)
+
+
+def is_complete(root: Path, step: int) -> bool:
+    return (step_dir(root, step) / METADATA).is_file()
+
+
+def read_tracker(root: Path) -> int | None:
+    try:
+        obj = json.loads((root / TRACKER).read_bytes())
+        return int(obj["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@contextlib.contextmanager
+def _job_lock(root: Path) -> Iterator[None]:
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def finish_step(root: Path, step: int, world: int, *, keep_last: int) -> bool:
+    """Complete ``step`` if every rank wrote it: .metadata, tracker, retention. True when complete."""
+    folder = step_dir(root, step)
+    if is_complete(root, step):
+        return True
+    manifests: list[dict[str, Any]] = []
+    for rank in range(world):
+        try:
+            manifests.append(json.loads(_manifest_path(root, step, rank).read_bytes()))
+        except (OSError, ValueError):
+            return False
+    if {(m.get("round"), m.get("world")) for m in manifests} != {(manifests[0].get("round"), world)}:
+        return False  # ranks of different rounds (a step re-saved after a rollback): not one checkpoint yet
+    with _job_lock(root):
+        if not is_complete(root, step):
+            _write_atomic(folder / METADATA, _dcp_metadata(folder, manifests))
+        newest = read_tracker(root)
+        if newest is None or newest <= step or not is_complete(root, newest):
+            _write_atomic(root / TRACKER, json.dumps({"step": step, "path": folder.name, "world": world}).encode())
+        _retain(root, keep_last)
+    return True
+
+
+def _retain(root: Path, keep_last: int) -> None:
+    steps = sorted((int(m[1]) for e in root.iterdir() if (m := _STEP_DIR.match(e.name))), reverse=True)
+    complete = [s for s in steps if is_complete(root, s)]
+    if keep_last <= 0 or len(complete) <= keep_last:
+        return
+    oldest_kept = complete[keep_last - 1]
+    for step in steps:
+        if step < oldest_kept:
+            shutil.rmtree(step_dir(root, step), ignore_errors=True)
+            log.debug("ckpt_step_removed", step=step, keep_last=keep_last)
+
+
+def _dcp_metadata(folder: Path, manifests: list[dict[str, Any]]) -> bytes:
+    """The pickled torch.distributed.checkpoint Metadata describing every rank's files."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from stead.plugins.ckpt._codec import dtype_from_name
+
+    sd_meta: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[str, tuple[Any, ...]] = {}
+    chunk_offsets: dict[str, set[tuple[int, ...]]] = {}
+    for manifest in sorted(manifests, key=lambda m: int(m["rank"])):
+        file = str(manifest["file"])
+        for item in manifest["dcp"]:
+            fqn = str(item["fqn"])
+            info = _StorageInfo(relative_path=file, offset=int(item["offset"]), length=int(item["length"]))
+            if "tensor" not in item:
+                if fqn not in sd_meta:
+                    sd_meta[fqn] = BytesStorageMetadata()
+                    storage[MetadataIndex(fqn)] = info
+                    planner[fqn] = tuple(item["path"])
+                continue
+            meta = manifest["tensors"][int(item["tensor"])]
+            shape = tuple(int(d) for d in meta["shape"])
+            global_shape = tuple(int(d) for d in meta.get("global_shape", shape))
+            offsets = tuple(int(d) for d in meta.get("offsets", (0,) * len(shape)))
+            seen = chunk_offsets.setdefault(fqn, set())
+            if offsets in seen:  # replicated (DDP) or already described by a lower rank
+                continue
+            seen.add(offsets)
+            entry = sd_meta.get(fqn)
+            if entry is None:
+                dtype = dtype_from_name(str(meta["dtype"]), where=str(folder))
+                entry = sd_meta[fqn] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=dtype), size=torch.Size(global_shape), chunks=[])
+                planner[fqn] = tuple(item["path"])
+            entry.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
+            storage[MetadataIndex(fqn, offsets, len(entry.chunks) - 1)] = info
+    metadata = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
+                        storage_meta=StorageMeta(checkpoint_id=str(folder), save_id=uuid.uuid4().hex),
+                        version="1.0.0")
+    return pickle.dumps(metadata)
+
+
+def open_data(manifest: Manifest) -> Any:
+    return open(manifest.dir / manifest.data_file, "rb", buffering=0)
+

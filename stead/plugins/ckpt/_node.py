@@ -1,0 +1,586 @@
+"""One node's flash checkpoints, run by the agent on an event loop thread of its own.
+
+It owns the node's shared memory (control blocks and slot segments, per local
+rank), serves the workers' checkpoint socket, reports saves to the master and
+writes commits, releases and pins into the control blocks, checksums each saved
+slot in the background, verifies the slot a restarting worker will restore, and
+persists steps to disk (asked by a worker, or after a failure) without blocking
+anything else: blocking work runs in worker threads.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import structlog
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from stead.core.agent.extensions import RoundInfo
+from stead.core.config import Settings
+from stead.core.errors import PermanentError, RetryableError, SteadError
+from stead.core.rpc import RpcConnection, retrying
+from stead.plugins.ckpt import _disk
+from stead.plugins.ckpt._client import CheckpointClient, Committed, Saved
+from stead.plugins.ckpt._link import SOCKET_ENV
+from stead.plugins.ckpt._rankmem import PersistJob, RankMemory, close_map
+from stead.plugins.ckpt._shm import (
+    Control,
+    SegmentNames,
+    SlotInfo,
+    VerifyState,
+    create_segment,
+    round_capacity,
+    unlink_quietly,
+)
+from stead.plugins.ckpt.errors import CheckpointError, SharedMemoryTooSmall
+
+__all__ = ["NodeCheckpoints"]
+
+log = structlog.get_logger("stead.plugins.ckpt")
+
+_MAX_LINE = 1 << 20
+_U64 = struct.Struct("<Q")
+
+
+def _create(name: str, capacity: int, total: int) -> None:
+    create_segment(name, capacity, reserve=total)
+
+
+def _finish(root: Path, step: int, world: int, keep_last: int) -> bool:
+    return _disk.finish_step(root, step, world, keep_last=keep_last)
+
+
+async def _import_torch() -> None:
+    """Import torch (seconds) in a thread now, not when the first persist after a failure needs it."""
+
+    def load() -> None:
+        import torch.distributed.checkpoint  # noqa: F401
+
+    await anyio.to_thread.run_sync(load)
+
+
+class NodeCheckpoints:
+    """The agent side of flash checkpoints for one node (lives on the extension's own event loop)."""
+
+    def __init__(self, *, settings: Settings, names: SegmentNames, node_id: str, incarnation: int,
+                 master_address: str, token: str, root: Path, socket_path: Path) -> None:
+        self.settings = settings
+        self.names = names
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.root = root
+        self.socket_path = socket_path
+        self._conn = RpcConnection(master_address, token, settings.rpc_timeout_s)
+        self._client = CheckpointClient(self._conn, node_id=node_id, incarnation=incarnation)
+        self._ranks: dict[int, RankMemory] = {}
+        self._round = 0
+        #: (step, round) of the newest commit the master told us of, and of the one restarting workers restore
+        self._committed: tuple[int, int] = (-1, -1)
+        self.hint: tuple[int, int] = (-1, 0)
+        self._gen = 0
+        self._dirty = anyio.Event()
+        self._pending_changed = anyio.Event()
+        self._stopping = anyio.Event()
+        self._persists: list[RankMemory] = []
+        self._persist_wakeup = anyio.Event()
+        self._persisting = False
+        self._idle = anyio.Event()
+        self._checksummer = anyio.Lock()
+        self._master_refused = False
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # -- lifecycle (on the node's loop) ---------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self._conn.open()
+        try:
+            async with await anyio.create_unix_listener(self.socket_path) as listener, \
+                    anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(listener.serve, self._serve_worker, tg)
+                tg.start_soon(self._report_loop)
+                tg.start_soon(self._poll_loop)
+                tg.start_soon(self._persist_loop)
+                task_status.started()
+                await self._stopping.wait()
+                with anyio.move_on_after(self.settings.ckpt_persist_grace_s):
+                    while self._persists or self._persisting:
+                        self._idle = anyio.Event()
+                        await self._idle.wait()
+                if self._persists or self._persisting:
+                    log.warning("ckpt_persist_abandoned", grace_s=self.settings.ckpt_persist_grace_s)
+                tg.cancel_scope.cancel()
+        finally:
+            self._tg = None
+            self._conn.close()
+            for state in self._ranks.values():
+                state.close()
+            self._ranks.clear()  # the extension unlinks the segments
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        return {SOCKET_ENV: str(self.socket_path), "STEAD_CKPT_STEP": str(self.hint[0]),
+                "STEAD_CKPT_ROUND": str(self.hint[1]), "STEAD_CKPT_PATH": str(self.root)}
+
+    # -- agent hooks ---------------------------------------------------------------------------------
+
+    async def before_round(self, info: RoundInfo) -> None:
+        """Learn the committed step to restore; verify it in the background; persist it after a failure."""
+        await self._report_now()  # what the stopped workers saved last, read from the control blocks
+        try:
+            reply = await retrying(lambda: self._client.get_committed(round_=info.round), self.settings,
+                                   what="ckpt committed step")
+        except SteadError as exc:
+            log.warning("ckpt_committed_unknown", error=str(exc), effect="workers restore from disk")
+            reply = Committed(step=-1)
+        self._round = info.round
+        self.hint = (reply.step, reply.round)
+        if reply.step > self._committed[0] or reply.round > self._committed[1]:
+            self._committed = (reply.step, reply.round)
+        for state in self._ranks.values():
+            state.passed = -1
+            slot = state.slot_holding(*self.hint) if self.hint[0] >= 0 else None
+            if slot is not None:
+                state.control.set_verify(slot.index, slot.seq, VerifyState.RUNNING)
+                self._spawn(self._verify, state, slot)
+        if info.restart_count > 0 or info.round > 1:
+            self._persist_committed("restart")
+        log.debug("ckpt_round", round=info.round, restore_step=self.hint[0], restore_round=self.hint[1])
+
+    async def after_failure(self) -> None:
+        """A worker failed: persist the newest committed step, if it is not on disk yet."""
+        self._persist_committed("worker failure")
+
+    # -- the workers' socket -------------------------------------------------------------------------
+
+    async def _serve_worker(self, stream: anyio.abc.SocketStream) -> None:
+        reader = BufferedByteReceiveStream(stream)
+        state: RankMemory | None = None
+        async with stream:
+            while True:
+                try:
+                    line = await reader.receive_until(b"\n", _MAX_LINE)
+                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                        anyio.DelimiterNotFound):
+                    return
+                try:
+                    message = json.loads(line)
+                    if not isinstance(message, dict):
+                        raise TypeError("not an object")
+                    state, reply = await self._handle(state, message)
+                except (ValueError, TypeError, KeyError, SteadError, OSError) as exc:
+                    reply = {"ok": False, "error": str(exc) if isinstance(exc, SteadError) else
+                             f"bad checkpoint request ({exc!r}); run the workers and the agent with the same stead"}
+                    if isinstance(exc, SharedMemoryTooSmall):
+                        reply["kind"] = "shm_too_small"
+                    log.warning("ckpt_request_failed", error=reply["error"])
+                if reply is not None and isinstance(message, dict) and "id" in message:
+                    reply["id"] = message["id"]
+                    try:
+                        await stream.send((json.dumps(reply) + "\n").encode())
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        return
+
+    async def _handle(self, state: RankMemory | None,
+                      message: dict[str, Any]) -> tuple[RankMemory | None, dict[str, Any] | None]:
+        op = message.get("op")
+        if op == "hello":
+            state = self._hello(message)
+            return state, {"ok": True, "control": state.control.name,
+                           "data_prefix": f"{self.names.prefix}i{self.incarnation}-r{state.local_rank}-"}
+        if state is None:
+            raise CheckpointError(f"{op!r} before 'hello': run the workers and the agent with the same stead")
+        match op:
+            case "reserve":
+                await self._reserve(state, int(message["bytes"]), [int(i) for i in message["slots"]])
+                return state, {"ok": True}
+            case "saved":
+                self._saved(state, int(message["slot"]), int(message["step"]), int(message["seq"]),
+                            bool(message.get("persist")))
+            case "skipped":
+                state.passed = max(state.passed, int(message["step"]))
+                self._dirty.set()
+            case "restored":
+                self._spawn(self._report_restored, state, int(message["step"]), str(message["tier"]))
+            case "corrupt":
+                self._spawn(self._report_corrupt, state, int(message["step"]), str(message["tier"]),
+                            str(message.get("detail", "")))
+            case "persisted":
+                step = int(message["step"])
+                with anyio.move_on_after(max(0.0, float(message.get("wait_s", 0.0)))):
+                    while state.persisted < step and state.persist_failed < step:
+                        await state.changed.wait()
+                return state, {"ok": True, "step": state.persisted}
+            case _:
+                raise CheckpointError(f"unknown checkpoint request {op!r}; run the workers and the agent with the "
+                                      "same stead version")
+        return state, None
+
+    def _hello(self, message: dict[str, Any]) -> RankMemory:
+        local_rank = int(message["local_rank"])
+        state = self._ranks.get(local_rank)
+        if not self._ranks:
+            self._spawn(_import_torch)  # the job uses flash checkpoints: a persist will need torch soon
+        if state is None:
+            control = Control(self.names.control(local_rank), create=True, local_rank=local_rank)
+            state = self._ranks[local_rank] = RankMemory(local_rank=local_rank, control=control)
+        state.rank, state.world, state.round = int(message["rank"]), int(message["world"]), int(message["round"])
+        state.passed = -1
+        state.newest_saved = (-1, -1)
+        return state
+
+    async def _reserve(self, state: RankMemory, nbytes: int, slots: list[int]) -> None:
+        """Give ``slots`` at least ``nbytes`` each: a new segment (allocated, every page) for a smaller one."""
+        control = state.control
+        grow = []
+        for index in slots:
+            info = control.slot(index)
+            if info.capacity >= nbytes:
+                continue
+            if len(slots) > 1 and info.complete:
+                continue  # a size hint does not touch a slot that holds a step (a restore may need it)
+            grow.append(index)
+        capacity = round_capacity(nbytes)
+        total = capacity * len(grow)
+        for index in grow:
+            self._gen += 1
+            gen = self._gen
+            name = self.names.data(state.local_rank, index, gen)
+            await anyio.to_thread.run_sync(_create, name, capacity, total)
+            total = 0
+            old = control.slot(index)
+            with control.locked():
+                control.set_segment(index, gen, capacity)
+            cached = state.maps.pop(index, None)
+            if cached is not None:
+                close_map(cached[1])
+            if old.gen:
+                unlink_quietly(self.names.data(state.local_rank, index, old.gen))
+            log.debug("ckpt_slot_allocated", local_rank=state.local_rank, slot=index, bytes=capacity)
+
+    def _saved(self, state: RankMemory, index: int, step: int, seq: int, persist: bool) -> None:
+        state.passed = max(state.passed, step)
+        state.newest_saved = (index, seq)
+        if persist:
+            self._want_persist(state, PersistJob(step=step, round=state.round, reason="requested"))
+        self._spawn(self._checksum, state, index, seq)
+        self._dirty.set()
+        self._pending_changed.set()
+
+    # -- commits ---------------------------------------------------------------------------------------
+
+    def _current(self) -> list[RankMemory]:
+        return [s for s in self._ranks.values() if s.rank >= 0 and s.world > 0 and s.round == self._round_of()]
+
+    def _round_of(self) -> int:
+        rounds = [s.round for s in self._ranks.values() if s.rank >= 0]
+        return max(rounds, default=self._round)
+
+    async def _report_now(self) -> None:
+        """Report the current holdings of this node's ranks once (no retry)."""
+        ranks = self._current()
+        if not ranks or self._master_refused:
+            return
+        try:
+            await self._send_report(ranks)
+        except SteadError as exc:
+            log.warning("ckpt_report_failed", error=str(exc))
+
+    async def _send_report(self, ranks: list[RankMemory]) -> None:
+        for state in ranks:
+            state.passed = max(state.passed, *state.held(), -1)
+        report = {s.rank: Saved(step=s.passed, held=s.held()) for s in ranks}
+        round_ = ranks[0].round
+        reply = await self._client.report_saved(round_=round_, world_size=ranks[0].world, tier="memory",
+                                                ranks=report)
+        self._apply(reply, round_)
+
+    async def _report_loop(self) -> None:
+        backoff = self.settings.retry_initial_s
+        while True:
+            await self._dirty.wait()
+            self._dirty = anyio.Event()
+            ranks = self._current()
+            if not ranks or self._master_refused:
+                continue
+            try:
+                await self._send_report(ranks)
+            except RetryableError as exc:
+                log.warning("ckpt_report_failed", error=str(exc), action=f"retrying in {backoff:g} s")
+                self._dirty.set()
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, self.settings.retry_max_s)
+                continue
+            except PermanentError as exc:
+                self._refused(exc)
+                continue
+            backoff = self.settings.retry_initial_s
+
+    async def _poll_loop(self) -> None:
+        """While a local rank waits for its newest save to be committed, long-poll the master."""
+        backoff = self.settings.retry_initial_s
+        while True:
+            ranks = self._current()
+            pending = [s for s in ranks if self._pending(s)]
+            if not pending or self._master_refused:
+                self._pending_changed = anyio.Event()
+                await self._pending_changed.wait()
+                continue
+            round_ = pending[0].round
+            after = self._committed[0] if self._committed[1] == round_ else -1
+            try:
+                reply = await self._client.get_committed(round_=round_, after_step=after,
+                                                         wait_s=self.settings.ckpt_commit_poll_s,
+                                                         ranks=[s.rank for s in pending])
+            except RetryableError as exc:
+                log.warning("ckpt_poll_failed", error=str(exc), action=f"retrying in {backoff:g} s")
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, self.settings.retry_max_s)
+                continue
+            except PermanentError as exc:
+                self._refused(exc)
+                continue
+            backoff = self.settings.retry_initial_s
+            self._apply(reply, round_)
+
+    def _pending(self, state: RankMemory) -> bool:
+        held = state.held()
+        if not held:
+            return False
+        newest = max(held)
+        committed, committed_round = self._committed
+        if committed_round == state.round and committed >= newest:
+            return False
+        released, released_round = state.control.released
+        return not (released_round == state.round and released == newest)
+
+    def _refused(self, exc: PermanentError) -> None:
+        if not self._master_refused:
+            log.error("ckpt_master_refused", error=str(exc),
+                      effect="no step is committed: saves are skipped; enable the master's ckpt plugin")
+        self._master_refused = True
+
+    def _apply(self, reply: Committed, round_: int) -> None:
+        if reply.round_step >= 0 and (round_ > self._committed[1] or reply.round_step > self._committed[0]):
+            self._committed = (reply.round_step, round_)
+            for state in self._ranks.values():
+                if state.round == round_:
+                    state.control.set_committed(reply.round_step, round_)
+        for state in self._ranks.values():
+            if state.round == round_ and state.rank in reply.released:
+                state.control.set_released(reply.released[state.rank], round_)
+        self._check_persists()
+
+    # -- checksums and verification ------------------------------------------------------------------
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` in the node's task group; a failure is logged, never fatal to the node."""
+
+        async def guarded() -> None:
+            try:
+                await fn(*args)
+            except Exception:
+                log.exception("ckpt_task_failed", task=getattr(fn, "__name__", repr(fn)))
+
+        if self._tg is not None:
+            self._tg.start_soon(guarded)
+
+    async def _checksum(self, state: RankMemory, index: int, seq: int) -> None:
+        """Compute the slot's per-tensor checksums off the training thread and publish them."""
+        done = state.checksumming.setdefault((index, seq), anyio.Event())
+        try:
+            async with self._checksummer:  # one at a time: they read gigabytes
+                info = state.control.slot(index)
+                if info.seq != seq or not info.complete or state.newest_saved != (index, seq):
+                    return  # rewritten, or a newer save is waiting for its checksums
+                _, sums = await anyio.to_thread.run_sync(state.sums, info, self.names)
+            view = state.mapping(info, self.names)
+            with state.control.locked():
+                if state.control.slot(index).seq != seq:
+                    return  # rewritten meanwhile: these sums describe nothing
+                for i, value in enumerate(sums):
+                    _U64.pack_into(view, info.checks_off + 8 * i, value)
+                state.control.set_checks_seq(index, seq)
+        except (CheckpointError, OSError, ValueError) as exc:
+            log.warning("ckpt_checksum_failed", local_rank=state.local_rank, error=str(exc))
+        finally:
+            done.set()
+            state.checksumming.pop((index, seq), None)
+
+    async def _verify(self, state: RankMemory, info: SlotInfo) -> None:
+        """Check the slot a restarting worker will restore against its checksums; tell the worker the result."""
+        running = state.checksumming.get((info.index, info.seq))
+        if running is not None:
+            await running.wait()
+        result = VerifyState.UNCHECKED
+        detail = ""
+        try:
+            current = state.control.slot(info.index)
+            if current.checks_seq == info.seq:
+                _, sums = await anyio.to_thread.run_sync(state.sums, current, self.names)
+                view = state.mapping(current, self.names)
+                stored = [_U64.unpack_from(view, current.checks_off + 8 * i)[0] for i in range(len(sums))]
+                bad = sum(1 for a, b in zip(sums, stored, strict=True) if a != b)
+                result = VerifyState.OK if not bad else VerifyState.CORRUPT
+                detail = f"{bad} of {len(sums)} tensors fail their checksums"
+        except CheckpointError as exc:
+            result, detail = VerifyState.CORRUPT, str(exc)
+        except (OSError, ValueError) as exc:
+            result, detail = VerifyState.CORRUPT, f"cannot read the slot: {exc}"
+        state.control.set_verify(info.index, info.seq, result)
+        if result is VerifyState.CORRUPT:
+            log.warning("ckpt_memory_corrupt", local_rank=state.local_rank, step=info.step, detail=detail)
+            await self._report_corrupt(state, info.step, "memory", detail, rank=info.rank)
+
+    # -- persistence ---------------------------------------------------------------------------------
+
+    def _persist_committed(self, reason: str) -> None:
+        step, round_ = self._committed if self._committed[0] >= 0 else self.hint
+        if step < 0 or not self.settings.ckpt_persist_on_failure:
+            return
+        for state in self._ranks.values():
+            slot = state.slot_holding(step, round_)
+            if slot is None or self._on_disk(step, slot.rank):
+                continue
+            if state.persist is not None and state.persist.step >= step:
+                continue  # a newer step is about to be written anyway
+            self._want_persist(state, PersistJob(step=step, round=round_, reason=reason))
+
+    def _on_disk(self, step: int, rank: int) -> bool:
+        return _disk.is_complete(self.root, step) or (_disk.step_dir(self.root, step) / f"rank_{rank}.json").exists()
+
+    def _want_persist(self, state: RankMemory, job: PersistJob) -> None:
+        """Pin the slot holding the step (no save overwrites it); it is written once committed."""
+        if state.writing:
+            state.deferred = job  # one slot is pinned at a time: this one once the write in progress ends
+            return
+        control = state.control
+        with control.locked():
+            slot = state.slot_holding(job.step, job.round)
+            if slot is None:
+                log.warning("ckpt_persist_missed", step=job.step, local_rank=state.local_rank,
+                            reason="the slot was overwritten before it could be pinned")
+                state.persist_failed = max(state.persist_failed, job.step)
+                state.notify()
+                return
+            control.set_pinned(job.step, job.round)
+        state.persist = job
+        self._check_persists()
+
+    def _check_persists(self) -> None:
+        for state in self._ranks.values():
+            job = state.persist
+            if job is None or state.queued:
+                continue
+            committed, committed_round = self._committed
+            released, released_round = state.control.released
+            if committed_round == job.round and committed >= job.step:
+                state.queued = True
+                self._persists.append(state)
+                self._persist_wakeup.set()
+            elif released_round == job.round and released == job.step:
+                state.persist = None
+                state.control.set_pinned(-1, -1)
+                state.persist_failed = max(state.persist_failed, job.step)
+                state.notify()
+
+    async def _persist_loop(self) -> None:
+        while True:
+            if not self._persists:
+                self._persist_wakeup = anyio.Event()
+                await self._persist_wakeup.wait()
+                continue
+            batch, self._persists = self._persists, []
+            self._persisting = True
+            written: dict[int, list[RankMemory]] = {}
+            try:
+                for state in batch:
+                    state.writing = True
+                for state in batch:
+                    job = state.persist
+                    if job is not None and await self._persist_one(state, job):
+                        written.setdefault(job.step, []).append(state)
+                for step, states in written.items():
+                    world = states[0].world
+                    complete = await anyio.to_thread.run_sync(_finish, self.root, step, world,
+                                                              self.settings.ckpt_keep_last)
+                    if complete:
+                        log.info("ckpt_step_on_disk", step=step, path=str(_disk.step_dir(self.root, step)))
+                    for state in states:
+                        state.persisted = max(state.persisted, step)
+                        state.notify()
+                    await self._report_disk(step, [s.rank for s in states], world)
+            finally:
+                for state in batch:
+                    state.writing = state.queued = False
+                    deferred, state.deferred = state.deferred, None
+                    if deferred is not None:
+                        self._want_persist(state, deferred)
+                self._persisting = False
+                self._idle.set()
+
+    async def _persist_one(self, state: RankMemory, job: PersistJob) -> bool:
+        control = state.control
+        try:
+            info = state.slot_holding(job.step, job.round)
+            if info is None:
+                raise CheckpointError(f"step {job.step} is no longer in memory")
+            if not self._on_disk(job.step, info.rank):
+                await anyio.to_thread.run_sync(state.write_to_disk, info, self.names, self.root)
+            if control.slot(info.index).seq != info.seq:
+                raise CheckpointError("the slot changed while it was being written (it was not pinned)")
+            log.info("ckpt_persisted_rank", step=job.step, rank=info.rank, reason=job.reason)
+            return True
+        except CheckpointError as exc:
+            state.persist_failed = max(state.persist_failed, job.step)
+            log.warning("ckpt_persist_failed", step=job.step, local_rank=state.local_rank, error=str(exc))
+            if "checksum" in str(exc):
+                await self._report_corrupt(state, job.step, "memory", str(exc))
+            return False
+        except OSError as exc:
+            state.persist_failed = max(state.persist_failed, job.step)
+            log.error("ckpt_persist_failed", step=job.step, local_rank=state.local_rank, error=str(exc),
+                      hint=f"check that {self.root} is writable and has room")
+            return False
+        except Exception:
+            state.persist_failed = max(state.persist_failed, job.step)
+            log.exception("ckpt_persist_failed", step=job.step, local_rank=state.local_rank)
+            return False
+        finally:
+            if state.persist is job:
+                state.persist = None
+            if control.pinned == (job.step, job.round):
+                control.set_pinned(-1, -1)
+            state.notify()
+
+    # -- reports to the master -----------------------------------------------------------------------
+
+    async def _report_disk(self, step: int, ranks: list[int], world: int) -> None:
+        try:
+            await self._client.report_saved(round_=self._round_of(), world_size=world, tier="disk",
+                                            ranks={r: Saved(step=step) for r in ranks},
+                                            path=str(_disk.step_dir(self.root, step)))
+        except SteadError as exc:
+            log.warning("ckpt_report_failed", what="disk", step=step, error=str(exc))
+
+    async def _report_restored(self, state: RankMemory, step: int, tier: str) -> None:
+        try:
+            await self._client.report_restored(round_=state.round, world_size=state.world, rank=state.rank,
+                                               step=step, tier=tier)
+        except SteadError as exc:
+            log.warning("ckpt_report_failed", what="restored", error=str(exc))
+
+    async def _report_corrupt(self, state: RankMemory, step: int, tier: str, detail: str, *, rank: int = -1) -> None:
+        try:
+            await self._client.report_corrupt(rank=rank if rank >= 0 else state.rank, step=step, tier=tier,
+                                              detail=detail)
+        except SteadError as exc:
+            log.warning("ckpt_report_failed", what="corrupt", error=str(exc))
+

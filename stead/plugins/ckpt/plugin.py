@@ -1,0 +1,208 @@
+"""The master side of flash checkpoints: commits, persisted steps and restores, served as CheckpointService.
+
+Agents report after each save what their ranks hold; the plugin folds the reports
+into its :class:`~stead.plugins.ckpt._book.Book` and records ``CheckpointCommitted``
+(durably, before answering) when every rank of the round holds a step. Agents that
+wait for a commit long-poll ``GetCommitted``. The newest commit and persisted step
+are kept under the plugin's own store key, so a restarted master still tells a
+restarting round which step to restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import structlog
+
+from stead.core.config import Settings
+from stead.core.events import CheckpointCommitted, Event, Record
+from stead.core.plugins import PluginContext
+from stead.core.rpc._proto.stead.v1 import (
+    Ack,
+    CheckpointServiceBase,
+    GetCommittedReply,
+    GetCommittedRequest,
+    RankStep,
+    ReportCorruptRequest,
+    ReportRestoredRequest,
+    ReportSavedReply,
+    ReportSavedRequest,
+)
+from stead.core.rpc._status import backend_errors, invalid
+from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, released
+from stead.plugins.ckpt.events import CheckpointCorrupt, CheckpointPersisted, CheckpointRestored
+
+__all__ = ["CheckpointPlugin", "CheckpointServicer"]
+
+log = structlog.get_logger("stead.plugins.ckpt")
+
+TIERS = ("memory", "disk")
+#: ranks beyond this are refused as bad input (a typo, not a world)
+_MAX_WORLD = 1 << 20
+
+
+class CheckpointPlugin:
+    """Master-side flash checkpoint coordination (entry point ``stead.plugins: ckpt``)."""
+
+    name = "ckpt"
+    subscriptions: tuple[type[Event], ...] = ()
+
+    def __init__(self, *, settings: Settings) -> None:
+        self.settings = settings
+        self.book = Book()
+        self._ctx: PluginContext | None = None
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Condition()
+        #: round -> rank -> (step, tier) of the restores reported so far
+        self._restored: dict[int, dict[int, tuple[int, str]]] = {}
+
+    async def start(self, *, ctx: PluginContext) -> None:
+        self._ctx = ctx
+        raw = await ctx.store.get(ctx.key(self.name, "book"))
+        if raw is not None:
+            try:
+                saved = json.loads(raw.value)
+                self.book = Book(step=int(saved["step"]), step_round=int(saved["step_round"]),
+                                 persisted=int(saved["persisted"]))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ckpt_book_unreadable", error=repr(exc), action="starting with no committed step")
+        ctx.add_rpc_handler(CheckpointServicer(self))
+
+    async def handle(self, *, record: Record, ctx: PluginContext) -> None:
+        return None
+
+    # -- called by the servicer -----------------------------------------------------------------
+
+    @property
+    def ctx(self) -> PluginContext:
+        if self._ctx is None:
+            raise RuntimeError("the ckpt plugin was not started")
+        return self._ctx
+
+    async def memory_report(self, *, round_: int, world_size: int,
+                            ranks: dict[int, Holding]) -> tuple[int, dict[int, int]]:
+        async with self._lock:
+            book, step = memory_report(self.book, round_=round_, world_size=world_size, ranks=ranks)
+            if step is not None:
+                await self.ctx.emit(CheckpointCommitted(step=step, tier="memory"))
+                await self._save(book)
+                log.debug("ckpt_committed", step=step, round=round_)
+            self.book = book
+            answer = (book.round_step if book.round == round_ else -1), released(book, ranks)
+        await self._notify()
+        return answer
+
+    async def disk_report(self, *, step: int, world_size: int, ranks: list[int], path: str) -> None:
+        async with self._lock:
+            book, complete = disk_report(self.book, step=step, world_size=world_size, ranks=ranks)
+            if complete:
+                await self.ctx.emit(CheckpointPersisted(step=step, path=path, world_size=world_size))
+                await self._save(book)
+                log.info("ckpt_persisted", step=step, path=path)
+            self.book = book
+        await self._notify()
+
+    async def committed(self, *, round_: int, after_step: int, wait_s: float,
+                        ranks: list[int]) -> tuple[Book, dict[int, int]]:
+        def ready() -> bool:
+            book = self.book
+            return (book.round == round_ and book.round_step > after_step) or bool(released(book, ranks))
+
+        wait = min(max(wait_s, 0.0), self.settings.ckpt_commit_poll_s)
+        if wait > 0 and not ready():
+            async with self._changed:
+                try:
+                    async with asyncio.timeout(wait):
+                        await self._changed.wait_for(ready)
+                except TimeoutError:
+                    pass
+        return self.book, released(self.book, ranks)
+
+    async def restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str) -> None:
+        reports = self._restored.setdefault(round_, {})
+        reports[rank] = (step, tier)
+        for old in [r for r in self._restored if r < round_ - 1]:
+            del self._restored[old]
+        if len(reports) == world_size and all(r in reports for r in range(world_size)):
+            del self._restored[round_]
+            steps = {s for s, _ in reports.values()}
+            await self.ctx.emit(CheckpointRestored(
+                round=round_, step=min(steps), memory_ranks=sum(t == "memory" for _, t in reports.values()),
+                disk_ranks=sum(t == "disk" for _, t in reports.values())))
+            if len(steps) > 1:
+                log.error("ckpt_ranks_restored_different_steps", round=round_, steps=sorted(steps))
+
+    async def corrupt(self, *, node_id: str, rank: int, step: int, tier: str, detail: str) -> None:
+        log.warning("ckpt_corrupt", node=node_id, rank=rank, step=step, tier=tier, detail=detail)
+        await self.ctx.emit(CheckpointCorrupt(step=step, tier=tier, rank=rank, node_id=node_id, detail=detail))
+
+    async def _save(self, book: Book) -> None:
+        value = json.dumps({"step": book.step, "step_round": book.step_round, "persisted": book.persisted})
+        await self.ctx.store.put(self.ctx.key(self.name, "book"), value.encode())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+
+def _check_world(world_size: int, ranks: list[int]) -> None:
+    if not 1 <= world_size <= _MAX_WORLD:
+        invalid(f"world_size={world_size} must be between 1 and {_MAX_WORLD}")
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        invalid(f"ranks {bad} are outside the world of {world_size}; report ranks 0..{world_size - 1}")
+
+
+class CheckpointServicer(CheckpointServiceBase):
+    """CheckpointService backed by the plugin (every call authenticated by the RpcServer)."""
+
+    def __init__(self, plugin: CheckpointPlugin) -> None:
+        self._plugin = plugin
+
+    async def report_saved(self, message: ReportSavedRequest) -> ReportSavedReply:
+        ranks = [r.rank for r in message.ranks]
+        _check_world(message.world_size, ranks)
+        if message.tier not in TIERS:
+            invalid(f"tier={message.tier!r} must be one of {TIERS}")
+        if message.round < 0:
+            invalid(f"round={message.round} must not be negative")
+        with backend_errors("CheckpointService.ReportSaved"):
+            if message.tier == "disk":
+                steps = {r.step for r in message.ranks}
+                for step in steps:
+                    await self._plugin.disk_report(step=step, world_size=message.world_size, path=message.path,
+                                                   ranks=[r.rank for r in message.ranks if r.step == step])
+                return ReportSavedReply(committed_step=-1)
+            holdings = {r.rank: Holding(passed=r.step, steps=frozenset(r.held_steps)) for r in message.ranks}
+            step, freed = await self._plugin.memory_report(round_=message.round, world_size=message.world_size,
+                                                           ranks=holdings)
+        return ReportSavedReply(committed_step=step, released=[RankStep(rank=r, step=s) for r, s in freed.items()])
+
+    async def get_committed(self, message: GetCommittedRequest) -> GetCommittedReply:
+        if message.wait_s < 0 or message.wait_s != message.wait_s:
+            invalid(f"wait_s={message.wait_s} must be a non-negative number of seconds")
+        with backend_errors("CheckpointService.GetCommitted"):
+            book, freed = await self._plugin.committed(round_=message.round, after_step=message.after_step,
+                                                       wait_s=message.wait_s, ranks=list(message.ranks))
+        return GetCommittedReply(step=book.step, round=book.step_round,
+                                 round_step=book.round_step if book.round == message.round else -1,
+                                 persisted_step=book.persisted,
+                                 released=[RankStep(rank=r, step=s) for r, s in freed.items()])
+
+    async def report_restored(self, message: ReportRestoredRequest) -> Ack:
+        _check_world(message.world_size, [message.rank])
+        if message.tier not in (*TIERS, "none"):
+            invalid(f"tier={message.tier!r} must be memory, disk or none")
+        with backend_errors("CheckpointService.ReportRestored"):
+            await self._plugin.restored(round_=message.round, world_size=message.world_size, rank=message.rank,
+                                        step=message.step, tier=message.tier)
+        return Ack()
+
+    async def report_corrupt(self, message: ReportCorruptRequest) -> Ack:
+        if message.tier not in TIERS:
+            invalid(f"tier={message.tier!r} must be one of {TIERS}")
+        with backend_errors("CheckpointService.ReportCorrupt"):
+            await self._plugin.corrupt(node_id=message.node_id, rank=message.rank, step=message.step,
+                                       tier=message.tier, detail=message.detail)
+        return Ack()

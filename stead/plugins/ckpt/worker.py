@@ -1,0 +1,617 @@
+"""FlashCheckpointer: save a state dict into the agent's shared memory in the time of a memory copy.
+
+Under ``stead run`` every worker has two slots of shared memory owned by its agent
+(they outlive the worker). ``save`` copies the state dict into the slot that does
+not hold the newest committed step, publishes it in the control block and tells
+the agent with one non-blocking socket write: no RPC on the training thread. The
+agent reports the save to the master, which commits the step once every rank holds
+it; the agent computes checksums and, when asked (``persist=True``) or when a
+worker failed, writes the step to disk in the background.
+
+A save first makes sure the previous save was committed (normally long done: a
+commit takes milliseconds). If it is not within ``ckpt_commit_wait_s`` (the master
+is restarting) the save is skipped, and later saves are skipped without waiting
+until the commit arrives: training never stops for checkpoints.
+
+``load`` restores the committed step from shared memory (no disk read) when every
+rank can, else the newest step every rank can read from disk, else returns None.
+Ranks agree through a tiny all-reduce on the process group, so call ``load`` after
+``init_process_group`` (on a gloo group created for it when the default backend is
+not gloo). Nothing read back is unpickled: the tree is JSON, tensors are raw bytes.
+
+Without a stead agent (plain ``torchrun`` or ``python``), FlashCheckpointer is
+disk-only: ``save(..., persist=True)`` writes the step to disk before returning,
+other saves keep nothing, and ``load`` reads from disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import structlog
+import torch
+
+from stead.core.config import Settings
+from stead.plugins.ckpt import _disk
+from stead.plugins.ckpt._checksum import sum64
+from stead.plugins.ckpt._codec import Encoded, TensorMeta, decode, encode, find
+from stead.plugins.ckpt._layout import LayoutDoc, SlotLayout, parse_document, plan
+from stead.plugins.ckpt._link import SOCKET_ENV, AgentLink
+from stead.plugins.ckpt._mapped import MappedSlot
+from stead.plugins.ckpt._restore import Unusable, as_dict, destination
+from stead.plugins.ckpt._shm import Control, SlotInfo, VerifyState
+from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
+
+__all__ = ["FlashCheckpointer", "STEP_ENV"]
+
+log = structlog.get_logger("stead.ckpt")
+
+STEP_ENV = "STEAD_CKPT_STEP"
+ROUND_ENV = "STEAD_CKPT_ROUND"
+PATH_ENV = "STEAD_CKPT_PATH"
+#: how the sleep between two looks at the control block grows while a save waits for a commit
+_POLL_FIRST_S, _POLL_MAX_S = 0.0001, 0.002
+#: slack added to a slot when it has to grow, so that a slightly bigger state does not regrow it
+_GROWTH = 1.25
+#: a (round, step) pair packed into one int64 for an all-reduce: steps below 2**40
+_STEP_BITS = 40
+
+
+@dataclasses.dataclass
+class _Cached:
+    """The slot layout of the last state-dict structure saved."""
+
+    signature: tuple[Any, ...]
+    layout: SlotLayout
+
+
+class FlashCheckpointer:
+    """Save and restore a rank's state dict through its agent's shared memory (see the module docstring).
+
+    ``size_hint`` (bytes, or a state dict to measure) lets the agent allocate and
+    pre-fault both slots while training starts, so the first save costs no more than
+    the later ones. ``copy_mode="overlap"`` returns from ``save`` as soon as CUDA
+    copies are queued (the current stream waits for them before touching the
+    tensors again); CPU tensors are always copied before ``save`` returns.
+    """
+
+    def __init__(self, *, size_hint: int | Mapping[str, Any] | None = None,
+                 copy_mode: Literal["sync", "overlap"] = "sync", settings: Settings | None = None,
+                 rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
+                 job: str | None = None) -> None:
+        env = os.environ
+        if copy_mode not in ("sync", "overlap"):
+            raise ValueError(f"copy_mode={copy_mode!r} must be 'sync' or 'overlap'")
+        self.settings = settings if settings is not None else Settings.from_env()
+        self.rank = int(env.get("RANK", "0")) if rank is None else rank
+        self.world_size = int(env.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        self.local_rank = int(env.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+        self.round = int(env.get("STEAD_ROUND", "0"))
+        self.copy_mode = copy_mode
+        job_name = job or env.get("STEAD_JOB") or env.get("TORCHELASTIC_RUN_ID") or "default"
+        self.path = Path(env.get(PATH_ENV) or Path(self.settings.ckpt_dir).resolve() / job_name)
+        self._hint = (int(env.get(STEP_ENV, "-1")), int(env.get(ROUND_ENV, "0")))
+        self._slots: dict[int, MappedSlot] = {}
+        self._cache: _Cached | None = None
+        self._pending: int | None = None  # the last step saved and not yet known to be committed
+        self._degraded = False
+        self._restored: tuple[int, int] | None = None  # (step, round) of the slot load() restored from
+        self._persist_requested = -1
+        self._cpu_group: Any = None
+        self._warned_no_group = False
+        self._copy_stream: Any = None
+        self._finishing: threading.Thread | None = None
+        self._reserved = threading.Event()
+        self._reserving: threading.Thread | None = None
+        self._reserve_error: BaseException | None = None
+        self._link: AgentLink | None = None
+        self._control: Control | None = None
+        self._data_prefix = ""
+        self._map_lock = threading.Lock()
+        socket_path = env.get(SOCKET_ENV)
+        if socket_path:
+            self._link = AgentLink(socket_path, timeout_s=self.settings.ckpt_agent_timeout_s)
+            reply = self._link.request({"op": "hello", "local_rank": self.local_rank, "rank": self.rank,
+                                        "world": self.world_size, "round": self.round, "pid": os.getpid()})
+            self._control = Control(str(reply["control"]))
+            self._data_prefix = str(reply["data_prefix"])
+            self._prefault_restore()
+        if size_hint is not None:
+            self.reserve(size_hint)
+        else:
+            self._reserved.set()
+
+    # -- public API -------------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> Literal["agent", "disk"]:
+        """``agent``: shared memory through a stead agent; ``disk``: no agent, persisted saves only."""
+        return "agent" if self._link is not None else "disk"
+
+    def reserve(self, size: int | Mapping[str, Any]) -> None:
+        """Have both slots allocated and pre-faulted for ``size`` bytes (or this state dict), in the background."""
+        if self._link is None:
+            self._reserved.set()
+            return
+        if isinstance(size, int):
+            nbytes = size
+        else:
+            encoded = encode(size)
+            layout = self._plan(encoded)
+            nbytes = layout.needed(layout.document(tree=encoded.tree, step=1 << 40, round_=self.round,
+                                                   rank=self.rank, world=self.world_size))
+        if self._reserving is not None:
+            self._reserving.join()
+        self._reserved.clear()
+        slack = nbytes // 100 + (1 << 20)  # the layout document and the checksums, if ``size`` counted tensors only
+        self._reserving = threading.Thread(target=self._reserve_slots, args=(nbytes + slack, (0, 1), True),
+                                           name="stead-ckpt-reserve", daemon=True)
+        self._reserving.start()
+
+    def save(self, step: int, state_dict: Mapping[str, Any], *, persist: bool = False) -> bool:
+        """Copy ``state_dict`` as ``step``; True when saved, False when skipped (see the module docstring).
+
+        Returns as soon as the in-memory copy is done. ``persist=True`` asks the agent to
+        write the step to disk once every rank holds it (``wait_persisted`` waits for it).
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be a non-negative int")
+        if self._link is None:
+            if persist:
+                self._save_to_disk(step, state_dict)
+            return persist
+        self._finish_previous()
+        encoded = encode(state_dict)
+        layout = self._plan(encoded)
+        document = layout.document(tree=encoded.tree, step=step, round_=self.round, rank=self.rank,
+                                   world=self.world_size)
+        self._wait_reserved()
+        if not self._previous_resolved():
+            self._link.notify({"op": "skipped", "step": step})
+            return False
+        control = self._ctl
+        with control.locked():
+            target = self._target(control)
+            seq = -1 if target is None else control.begin_write(target)
+        if target is None:
+            log.debug("ckpt_save_skipped", step=step, reason="both slots are in use (a persist reads one)")
+            self._link.notify({"op": "skipped", "step": step})
+            return False
+        try:
+            mapped = self._ensure_capacity(target, layout.needed(document))
+            with torch.no_grad():
+                pending_cuda = self._copy(encoded, layout, mapped)
+            mapped.mm[layout.layout_off:layout.layout_off + len(document)] = document
+        except BaseException:
+            control.abandon_write(target)
+            raise
+        finish = dict(index=target, seq=seq, step=step, layout=layout, document=document, persist=persist)
+        if pending_cuda is not None and self.copy_mode == "overlap":
+            self._finishing = threading.Thread(target=self._finish_after, args=(pending_cuda, finish),
+                                               name="stead-ckpt-finish", daemon=True)
+            self._finishing.start()
+        else:
+            if pending_cuda is not None:
+                pending_cuda.synchronize()
+            self._publish(**finish)  # type: ignore[arg-type]
+        return True
+
+    def load(self, state_dict: Mapping[str, Any] | None = None) -> tuple[int, dict[Any, Any]] | None:
+        """The newest committed ``(step, state_dict)``: from memory, else from disk, else None.
+
+        With ``state_dict`` (e.g. ``{"model": model.state_dict(), "optim": opt.state_dict()}``)
+        tensors are copied in place into its tensors where the structure matches (the fast
+        path: parameters are restored without a new allocation); DTensor shards need it.
+        """
+        self._finish_previous()
+        self._hint = self._newest_hint()
+        candidate = self._memory_candidate()
+        use_memory = self._all_agree(candidate is not None)
+        result: tuple[int, dict[Any, Any]] | None = None
+        tier = "none"
+        if use_memory and candidate is not None:
+            slot, doc = candidate
+            result = doc.step, self._restore_memory(slot, doc, state_dict)
+            self._restored = (doc.step, doc.round)
+            tier = "memory"
+        else:
+            result, tier = self._restore_from_disk(state_dict, candidate)
+        if self._link is not None:
+            self._link.notify({"op": "restored", "step": result[0] if result else -1, "tier": tier})
+        if result is not None:
+            log.info("ckpt_restored", step=result[0], tier=tier, rank=self.rank)
+        return result
+
+    def wait_persisted(self, timeout: float | None = None) -> int | None:
+        """Wait until the newest ``persist=True`` save is on disk; its step, or None (none, failed or timed out)."""
+        self._finish_previous()
+        if self._link is None:
+            return self._persist_requested if self._persist_requested >= 0 else None
+        if self._persist_requested < 0:
+            return None
+        wait = self.settings.ckpt_persist_grace_s if timeout is None else timeout
+        reply = self._link.request({"op": "persisted", "step": self._persist_requested, "wait_s": wait},
+                                   timeout_s=wait + self.settings.ckpt_agent_timeout_s)
+        step = int(reply.get("step", -1))
+        return step if step >= self._persist_requested else None
+
+    def close(self) -> None:
+        """Unmap the slots and hang up on the agent (the agent keeps the memory)."""
+        self._finish_previous()
+        for mapped in list(self._slots.values()):
+            mapped.stop_populating()
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+        for mapped in self._slots.values():
+            mapped.close()
+        self._slots.clear()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+    def __enter__(self) -> FlashCheckpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- saving ------------------------------------------------------------------------------------
+
+    @property
+    def _ctl(self) -> Control:
+        if self._control is None:
+            raise CheckpointError("this FlashCheckpointer was closed; create a new one")
+        return self._control
+
+    def _plan(self, encoded: Encoded) -> SlotLayout:
+        signature = tuple((m.dtype, m.shape, m.device, m.global_shape, m.offsets) for m in encoded.metas)
+        if self._cache is None or self._cache.signature != signature:
+            if self._cache is not None:
+                log.debug("ckpt_relayout", tensors=len(signature), reason="the state dict's structure changed")
+            self._cache = _Cached(signature, plan([m.to_json() for m in encoded.metas]))
+        return self._cache.layout
+
+    def _wait_reserved(self) -> None:
+        if not self._reserved.wait(self.settings.ckpt_agent_timeout_s):
+            raise CheckpointError("the agent did not allocate the checkpoint's shared memory in time; raise "
+                                  "ckpt_agent_timeout_s")
+        if self._reserve_error is not None:
+            error, self._reserve_error = self._reserve_error, None
+            raise error
+
+    def _previous_resolved(self) -> bool:
+        """Whether the previous save is committed or released; waits ckpt_commit_wait_s at most (once)."""
+        if self._pending is None or self._resolved(self._pending):
+            self._pending, self._degraded = None, False
+            return True
+        if self._degraded:
+            return False
+        deadline = time.monotonic() + self.settings.ckpt_commit_wait_s
+        pause = _POLL_FIRST_S
+        while time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+            if self._resolved(self._pending):
+                self._pending = None
+                return True
+        self._degraded = True
+        log.warning("ckpt_commit_late", step=self._pending, waited_s=self.settings.ckpt_commit_wait_s,
+                    effect="saves are skipped until it is committed (is the master reachable?)")
+        return False
+
+    def _resolved(self, step: int) -> bool:
+        control = self._ctl
+        committed, committed_round = control.committed
+        if committed_round == self.round and committed >= step:
+            return True
+        released, released_round = control.released
+        return released_round == self.round and released == step
+
+    def _protected(self, control: Control) -> tuple[int, int] | None:
+        committed, committed_round = control.committed
+        if committed_round == self.round and committed >= 0:
+            return committed, committed_round
+        return self._restored
+
+    def _target(self, control: Control) -> int | None:
+        """The slot to write: neither the newest committed step's nor the one a persist reads."""
+        protected = self._protected(control)
+        pinned = control.pinned
+        free = []
+        for slot in control.slots():
+            if protected is not None and slot.holds(*protected):
+                continue
+            if pinned[0] >= 0 and slot.holds(*pinned):
+                continue
+            free.append(slot)
+        if not free:
+            return None
+        free.sort(key=lambda s: (s.complete, s.round, s.step))  # an empty or older slot first
+        return free[0].index
+
+    def _ensure_capacity(self, index: int, needed: int) -> MappedSlot:
+        mapped = self._mapped(index)
+        if mapped is None or mapped.capacity < needed:
+            self._reserve_slots(int(needed * _GROWTH), (index,), False)
+            mapped = self._mapped(index)
+        if mapped is None or mapped.capacity < needed:
+            raise CheckpointError(f"the agent did not grow slot {index} to {needed} bytes")
+        return mapped
+
+    def _prefault_restore(self) -> None:
+        """Map the slot load() will restore and fault its pages in now, while the script builds its model."""
+        if self._hint[0] < 0:
+            return
+        slot = next((s for s in self._ctl.slots() if s.holds(*self._hint)), None)
+        mapped = self._mapped(slot.index) if slot is not None else None
+        if mapped is not None:
+            mapped.populate_in_background()
+
+    def _mapped(self, index: int) -> MappedSlot | None:
+        """The mapping of slot ``index``, following the agent if it reallocated the segment."""
+        with self._map_lock:
+            return self._mapped_locked(index)
+
+    def _mapped_locked(self, index: int) -> MappedSlot | None:
+        info = self._ctl.slot(index)
+        mapped = self._slots.get(index)
+        if mapped is not None and mapped.gen == info.gen:
+            return mapped
+        if mapped is not None:
+            mapped.close()
+            del self._slots[index]
+        if info.gen == 0 or info.capacity == 0:
+            return None
+        mapped = MappedSlot(self._data_name(index, info.gen), info.gen, info.capacity)
+        self._slots[index] = mapped
+        return mapped
+
+    def _data_name(self, index: int, gen: int) -> str:
+        return f"{self._data_prefix}s{index}-g{gen}"
+
+    def _reserve_slots(self, nbytes: int, slots: tuple[int, ...], background: bool) -> None:
+        """Have the agent allocate; in the background, then fault the pages in, slot 0 (the first save's) first."""
+        assert self._link is not None
+        mapped: list[MappedSlot] = []
+        try:
+            self._link.request({"op": "reserve", "bytes": nbytes, "slots": list(slots)})
+            mapped = [m for m in (self._mapped(index) for index in slots) if m is not None]
+        except BaseException as exc:
+            if not background:
+                raise
+            self._reserve_error = exc
+        finally:
+            if background:
+                self._reserved.set()
+        if background:
+            for slot in mapped:  # one after the other: two at once on a busy node only slow each other down
+                slot.populate()
+
+    def _copy(self, encoded: Encoded, layout: SlotLayout, mapped: MappedSlot) -> Any:
+        """Copy every tensor; returns a CUDA event to wait for when device copies are in flight."""
+        stream = None
+        for tensor, offset, nbytes in zip(encoded.tensors, layout.offsets, layout.nbytes, strict=True):
+            if tensor.device.type == "cuda" and stream is None:
+                mapped.pin_for_cuda()
+                if self._copy_stream is None:
+                    self._copy_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+                stream = self._copy_stream
+                stream.wait_stream(torch.cuda.current_stream())
+            mapped.copy_in(tensor, offset, nbytes, stream if tensor.device.type == "cuda" else None)
+        if stream is None:
+            return None
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(stream)
+        torch.cuda.current_stream().wait_event(done)  # nothing queued later may change a tensor being copied
+        return done
+
+    def _finish_after(self, event: Any, finish: dict[str, Any]) -> None:
+        event.synchronize()
+        self._publish(**finish)
+
+    def _finish_previous(self) -> None:
+        if self._finishing is not None:
+            self._finishing.join()
+            self._finishing = None
+
+    def _publish(self, *, index: int, seq: int, step: int, layout: SlotLayout, document: bytes,
+                 persist: bool) -> None:
+        self._ctl.end_write(index, seq=seq, step=step, round_=self.round, rank=self.rank, world=self.world_size,
+                            data_bytes=layout.data_bytes, n_tensors=layout.n_tensors, checks_off=layout.checks_off,
+                            layout_off=layout.layout_off, layout_len=len(document), layout_sum=sum64(document))
+        self._pending = step
+        if persist:
+            self._persist_requested = step
+        assert self._link is not None
+        self._link.notify({"op": "saved", "slot": index, "step": step, "seq": seq + 1, "persist": persist})
+
+    def _save_to_disk(self, step: int, state_dict: Mapping[str, Any]) -> None:
+        encoded = encode(state_dict)
+        metas = [m.to_json() for m in encoded.metas]
+        _disk.write_rank(self.path, step=step, round_=self.round, rank=self.rank, world=self.world_size,
+                         tree=encoded.tree, metas=metas, tensors=list(encoded.tensors))
+        _disk.finish_step(self.path, step, self.world_size, keep_last=self.settings.ckpt_keep_last)
+        self._persist_requested = step
+
+    # -- restoring ------------------------------------------------------------------------------------
+
+    def _memory_candidate(self) -> tuple[SlotInfo, LayoutDoc] | None:
+        """The slot holding the committed step the agent handed over, checked; None when unusable."""
+        step, round_ = self._hint
+        if self._control is None or step < 0:
+            return None
+        slot = next((s for s in self._ctl.slots() if s.holds(step, round_)), None)
+        if slot is None:
+            log.info("ckpt_not_in_memory", step=step, round=round_, rank=self.rank)
+            return None
+        if slot.rank != self.rank or slot.world != self.world_size:
+            log.info("ckpt_memory_of_another_rank", step=step, saved_by=slot.rank, saved_world=slot.world,
+                     rank=self.rank, world=self.world_size)
+            return None
+        mapped = self._mapped(slot.index)
+        if mapped is None or mapped.capacity < slot.layout_off + slot.layout_len:
+            return None
+        try:
+            doc = parse_document(bytes(mapped.memory(slot.layout_off, slot.layout_len)),
+                                 expected_sum=slot.layout_sum, where=f"slot {slot.index} of rank {self.rank}")
+            doc.check_fits(mapped.capacity, where=f"slot {slot.index} of rank {self.rank}")
+        except CheckpointError as exc:
+            self._report_corrupt(step, "memory", str(exc))
+            return None
+        if not self._verified(slot, doc, mapped):
+            return None
+        return slot, doc
+
+    def _verified(self, slot: SlotInfo, doc: LayoutDoc, mapped: MappedSlot) -> bool:
+        deadline = time.monotonic() + self.settings.ckpt_verify_wait_s
+        info = slot
+        while info.verify_seq == slot.seq and info.verify_state is VerifyState.RUNNING:
+            if time.monotonic() > deadline:
+                log.warning("ckpt_verify_late", step=slot.step, effect="verifying in the worker")
+                break
+            time.sleep(0.001)
+            info = self._ctl.slot(slot.index)
+        if info.seq != slot.seq:
+            return False
+        if info.verify_seq == slot.seq and info.verify_state is VerifyState.OK:
+            return True
+        if info.verify_seq == slot.seq and info.verify_state is VerifyState.CORRUPT:
+            return False  # the agent reported it
+        if info.checks_seq != slot.seq:
+            log.warning("ckpt_restore_unverified", step=slot.step, rank=self.rank,
+                        reason="the previous worker died before the agent checksummed the step")
+            return True
+        expected = memoryview(mapped.mm)[slot.checks_off:slot.checks_off + 8 * len(doc.tensors)].cast("Q")
+        try:
+            bad = [i for i, (offset, nbytes) in enumerate(doc.regions())
+                   if sum64(mapped.memory(offset, nbytes)) != expected[i]]
+        finally:
+            expected.release()
+        if bad:
+            self._report_corrupt(slot.step, "memory", f"{len(bad)} tensors fail their checksums")
+            return False
+        return True
+
+    def _restore_memory(self, slot: SlotInfo, doc: LayoutDoc, template: Mapping[str, Any] | None) -> dict[Any, Any]:
+        mapped = self._slots[slot.index]
+        metas = [TensorMeta.from_json(t, where=f"slot {slot.index}") for t in doc.tensors]
+        if any(m.device == "cuda" for m in metas):
+            mapped.pin_for_cuda()  # host-to-device copies from pinned memory run at full speed
+        offsets = [int(t["offset"]) for t in doc.tensors]
+        cuda = []
+
+        def leaf(index: int, path: tuple[object, ...]) -> Any:
+            meta = metas[index]
+            value, target = destination(meta, find(template, path) if template is not None else None, path)
+            mapped.copy_out(target, offsets[index], meta.nbytes)
+            if target.device.type == "cuda":
+                cuda.append(target)
+            return value
+
+        with torch.no_grad():
+            result = decode(doc.tree, leaf, where=f"slot {slot.index}")
+        if cuda:
+            torch.cuda.synchronize()
+        return as_dict(result)
+
+    def _restore_from_disk(self, template: Mapping[str, Any] | None,
+                           memory: tuple[SlotInfo, LayoutDoc] | None) -> tuple[tuple[int, dict[Any, Any]] | None, str]:
+        bound = 1 << 62
+        while True:
+            mine = next((s for s in _disk.candidates(self.path, self.rank) if s <= bound), -1)
+            agreed = self._all_min(mine)
+            if agreed < 0:
+                return None, "none"
+            state: dict[Any, Any] | None = None
+            tier = "disk"
+            try:
+                manifest = _disk.read_manifest(self.path, agreed, self.rank)
+                if manifest.world != self.world_size:
+                    raise Unusable(f"step {agreed} was saved by {manifest.world} ranks, this job has "
+                                   f"{self.world_size}: load it with torch.distributed.checkpoint.load")
+                if memory is not None and (memory[1].step, memory[1].round) == (manifest.step, manifest.round):
+                    state, tier = self._restore_memory(memory[0], memory[1], template), "memory"
+                    self._restored = (memory[1].step, memory[1].round)
+                else:
+                    state = self._read_disk(manifest, template)
+            except FileNotFoundError:
+                pass  # this rank never wrote the step: the ranks try an older one together
+            except Unusable as exc:
+                log.warning("ckpt_disk_unusable", step=agreed, rank=self.rank, reason=str(exc))
+            except StateMismatch:
+                raise  # the caller's state dict, not the checkpoint, is wrong
+            except CheckpointError as exc:
+                self._report_corrupt(agreed, "disk", str(exc))
+            if self._all_agree(state is not None) and state is not None:
+                return (agreed, state), tier
+            bound = agreed - 1
+
+    def _read_disk(self, manifest: _disk.Manifest, template: Mapping[str, Any] | None) -> dict[Any, Any]:
+        metas = [TensorMeta.from_json(t, where=str(manifest.dir)) for t in manifest.tensors]
+        with _disk.open_data(manifest) as handle:
+
+            def leaf(index: int, path: tuple[object, ...]) -> Any:
+                meta = metas[index]
+                value, target = destination(meta, find(template, path) if template is not None else None, path)
+                if target.device.type == "cpu" and target.is_contiguous():
+                    _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(target))
+                else:
+                    staging = torch.empty(meta.shape, dtype=target.dtype)
+                    _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(staging))
+                    target.copy_(staging)
+                return value
+
+            with torch.no_grad():
+                return as_dict(decode(manifest.tree, leaf, where=str(manifest.dir)))
+
+    def _report_corrupt(self, step: int, tier: str, detail: str) -> None:
+        log.warning("ckpt_corrupt", step=step, tier=tier, rank=self.rank, detail=detail,
+                    action="falling back to an older copy")
+        if self._link is not None:
+            self._link.notify({"op": "corrupt", "step": step, "tier": tier, "detail": detail})
+
+    # -- agreement between ranks ------------------------------------------------------------------------
+
+    def _newest_hint(self) -> tuple[int, int]:
+        """The newest committed step any rank's agent heard of (agents may ask the master a moment apart).
+
+        Every committed step is held by every rank until a newer one is committed, so the
+        newest is in every rank's memory.
+        """
+        step, round_ = self._hint
+        key = (round_ << _STEP_BITS) | step if step >= 0 else -1
+        newest = -self._all_min(-key)
+        if newest < 0:
+            return -1, 0
+        return newest & ((1 << _STEP_BITS) - 1), newest >> _STEP_BITS
+
+    def _all_agree(self, flag: bool) -> bool:
+        return self._all_min(1 if flag else 0) == 1
+
+    def _all_min(self, value: int) -> int:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            if self.world_size > 1 and not self._warned_no_group:
+                self._warned_no_group = True
+                log.warning("ckpt_load_without_process_group", rank=self.rank,
+                            effect="ranks cannot agree on the step to restore; call load() after "
+                                   "init_process_group")
+            return value
+        if self._cpu_group is None:
+            self._cpu_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._cpu_group)
+        return int(tensor.item())
