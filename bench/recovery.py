@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,10 @@ BIN = Path(sys.executable).parent
 #: late enough that the first incarnation is warm (stead's zygote has imported torch)
 CRASH_STEP = 150
 STEPS = 170
+#: a whole run takes 10-20 s; this only ends a hung one
+RUN_TIMEOUT_S = 300
+#: tries per measurement before giving up
+ATTEMPTS = 3
 
 
 def _recovery_s(timestamps: Path, nproc: int) -> float:
@@ -38,8 +43,8 @@ def _recovery_s(timestamps: Path, nproc: int) -> float:
         rank, restart, step, when = line.split()
         if step == "crash":
             crash = float(when)
-        elif int(restart) >= 1 and int(step) == 0:
-            firsts[int(rank)] = float(when)
+        elif int(restart) >= 1:  # the first step the new incarnation finished, whatever its number
+            firsts.setdefault(int(rank), float(when))
     if crash is None or len(firsts) < nproc:
         raise RuntimeError(f"incomplete timestamps in {timestamps}: crash={crash} first steps={firsts}")
     return max(firsts.values()) - crash
@@ -56,10 +61,29 @@ def _run(launcher: str, workdir: Path, nproc: int) -> float:
         command = [sys.executable, "-m", "stead", "run", "--standalone", "--nproc-per-node", str(nproc),
                    "--max-restarts", "1", "--log-format", "json", str(TRAIN), *script_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every worker it left
+        proc.communicate()
+        raise RuntimeError(f"{launcher} did not finish within {RUN_TIMEOUT_S} s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"{launcher} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{launcher} failed ({proc.returncode}):\n{err[-3000:]}")
     return _recovery_s(stamps, nproc)
+
+
+def _measure(launcher: str, workdir: Path, nproc: int, failures: dict[str, int]) -> float:
+    """One successful run's recovery time; a failed run is retried (torchrun's restart is flaky here)."""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return _run(launcher, workdir, nproc)
+        except RuntimeError as exc:
+            failures[launcher] += 1
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            print(f"{launcher:<9} run failed (attempt {attempt} of {ATTEMPTS}): {last}", flush=True)
+    raise SystemExit(f"{launcher} failed {ATTEMPTS} times in a row; see the errors above")
 
 
 def main() -> None:
@@ -72,9 +96,10 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="stead-bench-recovery-"))
     try:
         results: dict[str, list[float]] = {"torchrun": [], "stead": []}
+        failures = dict.fromkeys(results, 0)
         for _ in range(runs):
             for launcher in results:
-                results[launcher].append(_run(launcher, workdir, args.nproc))
+                results[launcher].append(_measure(launcher, workdir, args.nproc, failures))
                 print(f"{launcher:<9} crash -> first step {results[launcher][-1]:7.3f} s", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -83,6 +108,7 @@ def main() -> None:
           f"stead is {torchrun_s / stead_s:.1f}x faster")
     print(json.dumps({"bench": "recovery", "stead_s": round(stead_s, 3), "torchrun_s": round(torchrun_s, 3),
                       "ratio": round(torchrun_s / stead_s, 1), "runs": runs, "nproc": args.nproc,
+                      "torchrun_failed_runs": failures["torchrun"], "stead_failed_runs": failures["stead"],
                       "goal_met": stead_s <= 0.5 and torchrun_s / stead_s >= 8}))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _history import surviving_history
 
 from stead.core.events.log import EventLog
 from stead.core.store import open_store
@@ -120,23 +121,6 @@ def _faults(seed: int) -> list[dict[str, Any]]:
     return [{"step": s, "rank": r, "kind": k} for s, r, k in zip(steps, ranks, kinds, strict=True)]
 
 
-def _surviving_history(logs: Path) -> tuple[list[tuple[int, int, int, list[int]]], list[int]]:
-    """The (rank, step, epoch, ids) of the final training history, and the world size of each round."""
-    rounds: dict[int, dict[str, Any]] = {}
-    for path in sorted(logs.glob("*.jsonl")):
-        round_, rank = (int(x) for x in path.stem.split("-"))
-        header, *lines = path.read_text().splitlines()
-        info = rounds.setdefault(round_, {**json.loads(header), "steps": []})
-        info["steps"] += [(rank, *json.loads(line)) for line in lines]
-    history: list[tuple[int, int, int, list[int]]] = []
-    round_, upto = max(rounds), None
-    while round_ is not None:
-        info = rounds[round_]
-        history += [(r, s, e, ids) for r, s, e, ids in info["steps"] if upto is None or s <= upto]
-        round_, upto = info["restored_round"], info["restored_step"]
-    return history, [rounds[r]["world"] for r in sorted(rounds)]
-
-
 def test_every_id_is_consumed_exactly_once_per_epoch_across_crashes_a_node_loss_and_a_growing_world(
         run_job: RunJob, tmp_path: Path) -> None:
     faults = _faults(seed=2024)
@@ -147,7 +131,7 @@ def test_every_id_is_consumed_exactly_once_per_epoch_across_crashes_a_node_loss_
                          "--rdzv-conf", "last_call_timeout=0.001"))
     assert job.returncode == 0, job.stderr[-4000:]
     assert all((tmp_path / f"fault-{i}").exists() for i in range(len(faults)))
-    history, worlds = _surviving_history(tmp_path / "logs")
+    history, worlds = surviving_history(tmp_path / "logs")
     steps = [(r, s) for r, s, _, _ in history]
     assert len(steps) == len(set(steps))  # each rank's step of the final history once, from one round
     for epoch in range(EPOCHS):

@@ -1,0 +1,122 @@
+"""The join of flash checkpoint and data sharding: the sampler's cursor is saved in each flash checkpoint.
+
+A `stead run` job (2 nodes x 2 gloo workers) reads a dataset of ids through
+``ShardedSampler`` and saves ``{model, step, round, sampler cursor}`` with
+``FlashCheckpointer`` every few steps. Two workers crash (the restarted rounds resume
+from the checkpoint in the agents' memory) and one agent is SIGKILLed (its node is
+relaunched). In the surviving history every id is read exactly once per epoch.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _history import surviving_history
+
+RunJob = Callable[..., Any]  # the run_job fixture of conftest.py
+
+pytestmark = pytest.mark.e2e
+
+N, EPOCHS, EVERY = 192, 2, 3
+
+TRAIN = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+import stead
+from stead.ckpt import FlashCheckpointer
+from stead.data import ShardedSampler
+
+N, EPOCHS, EVERY = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+FAULTS = json.load(open("faults.json"))
+dist.init_process_group("gloo")
+rank, world, round_ = dist.get_rank(), dist.get_world_size(), int(os.environ["STEAD_ROUND"])
+model = torch.nn.Linear(1, 1)
+sampler = ShardedSampler("ids", size=N, shard_size=6, seed=11, epochs=EPOCHS, prefetch=2)
+ckpt = FlashCheckpointer()
+step, restored_round = 0, None
+restored = ckpt.load()
+if restored is not None:
+    _, saved = restored
+    step, restored_round = saved["step"], saved["round"]
+    model.load_state_dict(saved["model"])
+    sampler.load_state_dict(saved["cursor"])
+ddp = DistributedDataParallel(model)
+opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
+log = open(f"logs/{round_}-{rank}.jsonl", "w")
+log.write(json.dumps({"restored_step": step, "restored_round": restored_round, "world": world}) + "\\n")
+log.flush()
+loader = DataLoader(list(range(N)), batch_size=4, sampler=sampler)
+
+
+def fault(kind):
+    if kind == "crash":
+        os._exit(17)
+    pid = os.getpid()  # kill this node's agent: the node is lost, its shared memory with it
+    while pid > 1:
+        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        if b"stead agent" in open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" "):
+            os.kill(pid, 9)
+            time.sleep(60)
+
+
+while sampler.epoch < EPOCHS:
+    epoch = sampler.epoch
+    batches = iter(loader)
+    while True:
+        batch = next(batches, None)
+        more = torch.tensor([0 if batch is None else 1])
+        dist.all_reduce(more)
+        if more.item() == 0:
+            break
+        ids = [] if batch is None else batch.tolist()
+        loss = ddp(torch.tensor(ids, dtype=torch.float32).reshape(-1, 1)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        log.write(json.dumps([step, epoch, ids]) + "\\n")
+        log.flush()
+        stead.report_step(step)
+        for i, f in enumerate(FAULTS):
+            if f["step"] == step and f["rank"] == rank and not os.path.exists(f"fault-{i}"):
+                open(f"fault-{i}", "w").close()
+                fault(f["kind"])
+        if step % EVERY == 0:
+            cursor = sampler.state_dict()  # every rank together, in the same checkpoint as the model
+            state = {"model": model.state_dict(), "step": step, "round": round_, "cursor": cursor}
+            ckpt.save(step, state, persist=True)
+ckpt.wait_persisted()
+if rank == 0:
+    print(f"finished round={round_} world={world} step={step}", flush=True)
+dist.destroy_process_group()
+"""
+
+FAULTS = [{"step": 5, "rank": 1, "kind": "crash"}, {"step": 11, "rank": 3, "kind": "kill-agent"},
+          {"step": 17, "rank": 2, "kind": "crash"}]
+
+
+def test_flash_checkpoints_carry_the_sampler_cursor_so_every_id_is_read_exactly_once(
+        run_job: RunJob, tmp_path: Path) -> None:
+    (tmp_path / "faults.json").write_text(json.dumps(FAULTS))
+    (tmp_path / "logs").mkdir()
+    job = run_job(TRAIN, str(N), str(EPOCHS), str(EVERY), job="joined",
+                  flags=("--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "5"))
+    assert job.returncode == 0, job.stderr[-4000:]
+    assert all((tmp_path / f"fault-{i}").exists() for i in range(len(FAULTS)))
+    history, worlds = surviving_history(tmp_path / "logs")
+    assert set(worlds) == {4} and len(worlds) == 1 + len(FAULTS)
+    steps = [(r, s) for r, s, _, _ in history]
+    assert len(steps) == len(set(steps))
+    for epoch in range(EPOCHS):
+        ids = collections.Counter(i for _, _, e, batch in history if e == epoch for i in batch)
+        assert ids == collections.Counter(range(N)), f"epoch {epoch}: {sorted(ids.items())[:20]}"
+    for i, fault in enumerate(FAULTS):  # the round after a worker crash resumed from a checkpoint in memory
+        header = json.loads((tmp_path / "logs" / f"{i + 2}-0.jsonl").read_text().splitlines()[0])
+        assert fault["kind"] != "crash" or header["restored_step"] > 0, header
