@@ -81,7 +81,8 @@ def _measure(launcher: str, workdir: Path, nproc: int, failures: dict[str, int])
             return _run(launcher, workdir, nproc)
         except RuntimeError as exc:
             failures[launcher] += 1
-            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            lines = [ln.strip() for ln in str(exc).splitlines() if "rror" in ln] or [repr(exc)]
+            last = lines[-1][:200]
             print(f"{launcher:<9} run failed (attempt {attempt} of {ATTEMPTS}): {last}", flush=True)
     raise SystemExit(f"{launcher} failed {ATTEMPTS} times in a row; see the errors above")
 

@@ -44,6 +44,9 @@ async def _records(store_url: str, job: str) -> list:  # type: ignore[type-arg]
 
 
 def main() -> int:
+    from stead.core.logging import configure_logging
+
+    configure_logging(level="warning")
     work = Path(tempfile.mkdtemp(prefix="stead-demo-"))
     job = f"demo-{time.strftime('%H%M%S')}"
     store_url = f"sqlite:///{work / 'demo.db'}"
@@ -59,10 +62,16 @@ def main() -> int:
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=work, stdout=log, stderr=subprocess.STDOUT)
+        tty = sys.stdout.isatty()
         while proc.poll() is None:
             time.sleep(1)
-            print(f"\r  ... {time.monotonic() - started:4.0f} s", end="", flush=True)
-    print()
+            elapsed = time.monotonic() - started
+            if tty:
+                print(f"\r  ... {elapsed:4.0f} s", end="", flush=True)
+            elif round(elapsed) % 10 == 0:
+                print(f"  ... {elapsed:4.0f} s", flush=True)
+    if tty:
+        print()
     records = asyncio.run(_records(store_url, job))
     t0 = records[0].at
     crash = next((r for r in records if isinstance(r.event, WorkerFailed)), None)
