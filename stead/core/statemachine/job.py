@@ -134,7 +134,8 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
         case StepProgress():
             return Transition(dataclasses.replace(state, step=max(event.step, state.step or 0)))
         case CheckpointCommitted():
-            return Transition(dataclasses.replace(state, checkpoint_step=max(event.step, state.checkpoint_step or 0)))
+            # the latest commit, not the highest: after a rollback to an older step, that step is in force
+            return Transition(dataclasses.replace(state, checkpoint_step=event.step))
         case JobSucceeded() | JobFailed() | JobStopped():
             return _end(state, event)
         case _:
