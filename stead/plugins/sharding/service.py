@@ -25,17 +25,8 @@ from stead.core.events import Event, Record
 from stead.core.store.base import StateStore
 from stead.plugins.sharding.events import DatasetRegistered, LeasesReleased, ShardRoundRefused, ShardRoundStarted
 from stead.plugins.sharding.journal import Journal, load_ledger
-from stead.plugins.sharding.ledger import (
-    UNBOUNDED,
-    CursorState,
-    DatasetSpec,
-    LeaseAnswer,
-    Ledger,
-    Op,
-    Released,
-    RoundRefused,
-    Started,
-)
+from stead.plugins.sharding.ledger import LeaseAnswer, Ledger
+from stead.plugins.sharding.ops import UNBOUNDED, CursorState, DatasetSpec, Op, Released, RoundRefused, Started
 
 __all__ = ["ShardService", "StreamId"]
 
