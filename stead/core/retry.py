@@ -16,7 +16,7 @@ import structlog
 from stead.core.config import Settings
 from stead.core.errors import RetryableError
 
-__all__ = ["retrying"]
+__all__ = ["Backoff", "retrying"]
 
 log = structlog.get_logger("stead.retry")
 
@@ -54,3 +54,19 @@ async def retrying(
             log.warning("retrying", what=what, attempt=attempt, delay_s=round(pause, 3), error=str(exc))
             await sleep(pause)
             delay = min(delay * 2, settings.retry_max_s)
+
+
+class Backoff:
+    """Delays for a loop that retries for as long as it runs: ``await wait()`` after a failure, ``reset()`` after a
+    success. Starts at ``retry_initial_s`` and doubles up to ``retry_max_s``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self.delay = settings.retry_initial_s
+
+    async def wait(self) -> None:
+        await anyio.sleep(self.delay)
+        self.delay = min(self.delay * 2, self._settings.retry_max_s)
+
+    def reset(self) -> None:
+        self.delay = self._settings.retry_initial_s

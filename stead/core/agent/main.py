@@ -27,6 +27,7 @@ from stead.core.agent.zygote import Zygote
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, InvalidRequest, RetryableError, RpcUnavailable
 from stead.core.launch import RunConfig, Streams, parse_run_args, worker_env
+from stead.core.retry import Backoff
 from stead.core.rpc import (
     FailureInfo,
     HeartbeatInfo,
@@ -123,9 +124,11 @@ class Agent:
 
     async def _obey(self, tg: anyio.abc.TaskGroup) -> None:
         """Follow the command stream until told to stop the node; reconnect when it breaks."""
+        backoff = Backoff(self.settings)
         while True:
             try:
                 async for command in self.client.commands(self.node_id, self.incarnation):
+                    backoff.reset()
                     match command:
                         case StartWorkersCmd():
                             await self._start_round(command, tg)
@@ -139,7 +142,7 @@ class Agent:
                             return
             except RetryableError as exc:
                 self._log.warning("master_unreachable", error=str(exc), action="workers keep running; retrying")
-            await anyio.sleep(self.settings.retry_initial_s)
+            await backoff.wait()
             await self._register()
 
     async def _heartbeats(self) -> None:

@@ -23,6 +23,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from stead.core.agent.extensions import RoundInfo
 from stead.core.config import Settings
 from stead.core.errors import PermanentError, RetryableError, SteadError
+from stead.core.retry import Backoff
 from stead.core.rpc import RpcConnection, retrying
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._client import CheckpointClient, Committed, Saved
@@ -303,7 +304,7 @@ class NodeCheckpoints:
         self._apply(reply, round_)
 
     async def _report_loop(self) -> None:
-        backoff = self.settings.retry_initial_s
+        backoff = Backoff(self.settings)
         while True:
             await self._dirty.wait()
             self._dirty = anyio.Event()
@@ -313,19 +314,18 @@ class NodeCheckpoints:
             try:
                 await self._send_report(ranks)
             except RetryableError as exc:
-                log.warning("ckpt_report_failed", error=str(exc), action=f"retrying in {backoff:g} s")
+                log.warning("ckpt_report_failed", error=str(exc), action=f"retrying in {backoff.delay:g} s")
                 self._dirty.set()
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, self.settings.retry_max_s)
+                await backoff.wait()
                 continue
             except PermanentError as exc:
                 self._refused(exc)
                 continue
-            backoff = self.settings.retry_initial_s
+            backoff.reset()
 
     async def _poll_loop(self) -> None:
         """While a local rank waits for its newest save to be committed, long-poll the master."""
-        backoff = self.settings.retry_initial_s
+        backoff = Backoff(self.settings)
         while True:
             ranks = self._current()
             pending = [s for s in ranks if self._pending(s)]
@@ -340,14 +340,13 @@ class NodeCheckpoints:
                                                          wait_s=self.settings.ckpt_commit_poll_s,
                                                          ranks=[s.rank for s in pending])
             except RetryableError as exc:
-                log.warning("ckpt_poll_failed", error=str(exc), action=f"retrying in {backoff:g} s")
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, self.settings.retry_max_s)
+                log.warning("ckpt_poll_failed", error=str(exc), action=f"retrying in {backoff.delay:g} s")
+                await backoff.wait()
                 continue
             except PermanentError as exc:
                 self._refused(exc)
                 continue
-            backoff = self.settings.retry_initial_s
+            backoff.reset()
             self._apply(reply, round_)
 
     def _pending(self, state: RankMemory) -> bool:
