@@ -43,7 +43,7 @@ import torch.distributed.checkpoint as dcp
 
 from stead.core.config import Settings
 from stead.plugins.ckpt._shm import VerifyState
-from stead.plugins.ckpt.testing import LocalCluster
+from stead.plugins.ckpt.testing import LocalCluster, environ_set
 from stead.plugins.ckpt.worker import FlashCheckpointer
 
 GIB = 1 << 30
@@ -124,16 +124,8 @@ class NodeProcess:
 
 def make_worker(env: dict[str, str], settings: Settings, **kwargs: Any) -> FlashCheckpointer:
     """A FlashCheckpointer as a worker started with ``env`` creates it."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environ_set(env):
         return FlashCheckpointer(rank=0, world_size=1, local_rank=0, settings=settings, **kwargs)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def serve_node(work: Path, job: str) -> None:

@@ -32,7 +32,7 @@ from stead.plugins.ckpt.agent import CheckpointAgentExtension
 from stead.plugins.ckpt.plugin import CheckpointPlugin
 from stead.plugins.ckpt.worker import FlashCheckpointer
 
-__all__ = ["LocalCluster"]
+__all__ = ["LocalCluster", "environ_set"]
 
 
 class LocalCluster:
@@ -128,7 +128,7 @@ class LocalCluster:
         ext = self.agents[node_id]
         lr = rank if local_rank is None else local_rank
         env = {**ext.worker_env(round=round_, local_rank=lr), "STEAD_ROUND": str(round_), "STEAD_JOB": self.job}
-        with _environ(env):
+        with environ_set(env):
             return FlashCheckpointer(rank=rank, world_size=world, local_rank=lr, settings=self.settings, **kwargs)
 
     def event_types(self) -> list[str]:
@@ -140,7 +140,8 @@ class LocalCluster:
 
 
 @contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
+def environ_set(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in os.environ for the block (how a worker's environment looks), then restore it."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
