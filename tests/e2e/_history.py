@@ -1,4 +1,6 @@
-"""The surviving training history of a job whose rounds restored checkpoints (for exactly-once checks).
+"""Shared pieces of the e2e jobs: fault injection in training scripts, and the surviving history.
+
+The surviving training history is that of a job whose rounds restored checkpoints (for exactly-once checks).
 
 Each round's ranks log ``{"restored_step", "restored_round", "world"}`` then one
 ``[step, epoch, ids]`` line per step to ``logs/<round>-<rank>.jsonl``. The surviving
@@ -12,7 +14,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["surviving_history"]
+__all__ = ["FAULT_FUNCTION", "surviving_history"]
+
+#: source of ``fault(kind)`` for a training script: "crash" exits 17, anything else SIGKILLs this node's agent
+FAULT_FUNCTION = """
+def fault(kind):
+    if kind == "crash":
+        os._exit(17)
+    pid = os.getpid()  # kill this node's agent: the node is lost, its shared memory with it
+    while pid > 1:
+        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        if b"stead agent" in open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" "):
+            os.kill(pid, 9)
+            time.sleep(60)
+"""
 
 
 def surviving_history(logs: Path) -> tuple[list[tuple[int, int, int, list[int]]], list[int]]:

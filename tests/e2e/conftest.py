@@ -38,7 +38,12 @@ def run_job(tmp_path: Path) -> RunJob:
         (tmp_path / "train.py").write_text(textwrap.dedent(script))
         command = [sys.executable, "-m", "stead", "run", "--job-name", job, "--log-format", "json", *flags,
                    "train.py", *args]
-        proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        try:
+            proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:  # say where the job was stuck, not just that it was
+            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+            raise AssertionError(f"job {job} did not end within {JOB_TIMEOUT_S} s; its last log lines:\n"
+                                 f"{err[-6000:]}") from None
         return Job(proc.returncode, proc.stdout, proc.stderr, tmp_path)
 
     return run

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _history import surviving_history
+from _history import FAULT_FUNCTION, surviving_history
 
 RunJob = Callable[..., Any]  # the run_job fixture of conftest.py
 
@@ -55,16 +55,7 @@ log.flush()
 loader = DataLoader(list(range(N)), batch_size=4, sampler=sampler)
 
 
-def fault(kind):
-    if kind == "crash":
-        os._exit(17)
-    pid = os.getpid()  # kill this node's agent: the node is lost, its shared memory with it
-    while pid > 1:
-        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        if b"stead agent" in open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" "):
-            os.kill(pid, 9)
-            time.sleep(60)
-
+{FAULT}
 
 while sampler.epoch < EPOCHS:
     epoch = sampler.epoch
@@ -96,7 +87,7 @@ ckpt.wait_persisted()
 if rank == 0:
     print(f"finished round={round_} world={world} step={step}", flush=True)
 dist.destroy_process_group()
-"""
+""".replace("{FAULT}", FAULT_FUNCTION)
 
 FAULTS = [{"step": 5, "rank": 1, "kind": "crash"}, {"step": 11, "rank": 3, "kind": "kill-agent"},
           {"step": 17, "rank": 2, "kind": "crash"}]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _history import surviving_history
+from _history import FAULT_FUNCTION, surviving_history
 
 from stead.core.events.log import EventLog
 from stead.core.store import open_store
@@ -62,16 +62,7 @@ log.flush()
 loader = DataLoader(list(range(N)), batch_size=4, sampler=sampler)
 
 
-def fault(kind):
-    if kind == "crash":
-        os._exit(17)
-    pid = os.getpid()  # kill this node's agent: the node is lost
-    while pid > 1:
-        pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        if b"stead agent" in open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" "):
-            os.kill(pid, 9)
-            time.sleep(60)
-
+{FAULT}
 
 while sampler.epoch < EPOCHS:
     epoch = sampler.epoch
@@ -106,7 +97,7 @@ while sampler.epoch < EPOCHS:
 if rank == 0:
     print(f"finished round={round_} world={world} step={step}", flush=True)
 dist.destroy_process_group()
-"""
+""".replace("{FAULT}", FAULT_FUNCTION)
 
 
 def _faults(seed: int) -> list[dict[str, Any]]:
