@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 RUNSTAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck proto bench bench-quick etcd clean
+.PHONY: demo test stress lint typecheck proto bench bench-quick etcd clean
 
 # torch and numpy are installed in one pip command (torch==2.13.0 is the CPU wheel on this machine)
 $(RUNSTAMP): pyproject.toml
@@ -38,6 +38,13 @@ typecheck: $(STAMP)
 
 test: $(STAMP) etcd lint typecheck
 	$(BIN)/pytest -q
+
+# concurrency stress: the store stress test (short bursts) and the sampler's master-restart test, hundreds of times
+STRESS_COUNT ?= 200
+stress: $(STAMP) etcd
+	STEAD_STRESS_S=0.5 $(BIN)/pytest -q --count=$(STRESS_COUNT) -x \
+	  tests/core/store/test_store_stress.py \
+	  "tests/plugins/sharding/test_sharding_sampler.py::test_the_sampler_rides_out_a_master_restart"
 
 proto: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/gen_proto.sh

@@ -11,15 +11,29 @@ A write gets one revision, shared by every key of a ``create_all`` or
 newest revision this client has seen when ``watch()`` is called, so nothing
 written after the call is missed. A closed store raises StoreError, also from
 its open watches.
+
+Threads and event loops: a store may be used from any thread and any event loop
+at once, and a caller may be cancelled at any point, natively (``task.cancel()``,
+``asyncio.timeout``, grpclib tearing a handler down) or by anyio. Native
+cancellation is not stopped by anyio's shields, so no backend may rely on a
+caller waiting for work it handed to a thread: work that touches a client runs
+where the client lives (sqlite: the store's own thread; etcd: the event loop
+that opened it, see :class:`LoopAffinity`) and is never abandoned half-done.
+:class:`Notifier` wakes watchers on whatever loop they wait on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import math
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import anyio
 import structlog
@@ -29,6 +43,8 @@ from stead.core.store.base import Lease
 
 __all__ = [
     "MAX_TXN_ITEMS",
+    "LoopAffinity",
+    "Notifier",
     "StoreLease",
     "check_items",
     "check_key",
@@ -42,6 +58,8 @@ __all__ = [
 ]
 
 log = structlog.get_logger()
+
+T = TypeVar("T")
 
 #: etcd's default ``--max-txn-ops``; ``create_all`` is one transaction, so it is capped here in every backend
 MAX_TXN_ITEMS = 128
@@ -182,3 +200,110 @@ async def hold_lease(
                 log.warning("store_lease_revoke_failed", url=url, lease=lease.id, error=str(exc))
         if scope.cancelled_caught:
             log.warning("store_lease_revoke_timed_out", url=url, lease=lease.id, timeout_s=revoke_timeout_s)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class Notifier:
+    """A change counter whose waiters may sit on any event loop, woken from any thread.
+
+    A waiter reads :attr:`count` before it looks at the data, then waits with
+    :meth:`wait_past`, which returns at once if anything changed meanwhile, so no
+    change is missed between looking and waiting.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def notify(self) -> None:
+        with self._lock:
+            self._count += 1
+            waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # that loop has closed: nobody waits there any more
+                loop.call_soon_threadsafe(_wake, future)
+
+    async def wait_past(self, seen: int, timeout_s: float = math.inf) -> None:
+        """Return when the count differs from ``seen``, or after ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        waiter = (loop, future)
+        with self._lock:
+            if self._count != seen:
+                return
+            self._waiters.append(waiter)
+        try:
+            with anyio.move_on_after(max(0.0, timeout_s)):
+                await future
+        finally:
+            with self._lock, contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+
+
+class LoopAffinity:
+    """Runs a client's coroutines on the event loop that created the client, whichever loop calls.
+
+    Clients such as ``grpc.aio`` channels belong to one event loop. A call from
+    another loop (another thread) is handed to the owner loop and awaited from the
+    caller's; cancelling the caller cancels the call there. If the owner loop has
+    stopped, the call fails with :class:`StoreError` instead of hanging.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.loop = asyncio.get_running_loop()
+
+    def here(self) -> bool:
+        return asyncio.get_running_loop() is self.loop
+
+    def _gone(self, op: str) -> StoreError:
+        return StoreError(f"store {self.url} belongs to an event loop that has stopped (during {op}); "
+                          "open the store again on a running loop")
+
+    async def call(self, op: str, make: Callable[[], Awaitable[T]]) -> T:
+        if self.here():
+            return await make()
+        if self.loop.is_closed() or not self.loop.is_running():
+            raise self._gone(op)
+
+        async def run() -> T:
+            return await make()
+
+        try:
+            handed = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        except RuntimeError:  # closed between the check and the hand-over
+            raise self._gone(op) from None
+        try:
+            return await asyncio.wrap_future(handed)
+        except (asyncio.CancelledError, concurrent.futures.CancelledError):
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our caller was cancelled (and the call on the owner loop with it)
+            raise self._gone(op) from None  # the owner loop cancelled it on its way out
+
+    async def iterate(self, op: str, source: AsyncGenerator[T, None]) -> AsyncIterator[T]:
+        """``source`` (an async generator of the owner loop) advanced step by step on the owner loop."""
+        if self.here():
+            async with contextlib.aclosing(source) as events:
+                async for item in events:
+                    yield item
+            return
+        try:
+            while True:
+                try:
+                    item = await self.call(op, source.__anext__)
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(StoreError):
+                await self.call(op, source.aclose)

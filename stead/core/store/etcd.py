@@ -7,7 +7,9 @@ not used). Every grpc failure is mapped here to
 :class:`~stead.core.errors.StoreUnavailable` (retry later) or
 :class:`~stead.core.errors.StoreError` (the request itself is wrong). Each call
 is bounded by ``store_timeout_s``; a lost connection is retried by the channel
-with ``retry_initial_s`` doubling to ``retry_max_s``.
+with ``retry_initial_s`` doubling to ``retry_max_s``. The channel belongs to the
+event loop that opened the store; calls from other loops or threads are run
+there (:class:`~stead.core.store._common.LoopAffinity`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import gc
 import ipaddress
 import math
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -31,6 +33,7 @@ from aetcd import rpc
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, StoreError, StoreUnavailable
 from stead.core.store._common import (
+    LoopAffinity,
     StoreLease,
     check_items,
     check_key,
@@ -130,6 +133,7 @@ class EtcdStore:
         self._known_revision = 0
         self._closed = False
         self._streams: set[Any] = set()
+        self._affinity = LoopAffinity(url)
 
     @classmethod
     async def open(cls, url: str, settings: Settings | None = None) -> EtcdStore:
@@ -206,6 +210,10 @@ class EtcdStore:
                 await asyncio.wait([status_task])
 
     async def _call(self, op: str, method: Any, request: Any) -> Any:
+        self._check_open()
+        return await self._affinity.call(op, lambda: self._call_here(op, method, request))
+
+    async def _call_here(self, op: str, method: Any, request: Any) -> Any:
         self._check_open()
         call = method(request, timeout=self._timeout)
         try:
@@ -284,9 +292,9 @@ class EtcdStore:
         if start_revision is not None:
             check_revision("start_revision", start_revision)
         start = self._known_revision + 1 if start_revision is None else start_revision
-        return self._watch(low, prefix_end(low), start)
+        return self._affinity.iterate("watch", self._watch(low, prefix_end(low), start))
 
-    async def _watch(self, low: bytes, high: bytes, start: int) -> AsyncIterator[WatchEvent]:
+    async def _watch(self, low: bytes, high: bytes, start: int) -> AsyncGenerator[WatchEvent, None]:
         create = rpc.WatchCreateRequest(key=low, range_end=high, start_revision=max(start, 1))
         call = self._open_stream(self._watches.Watch)
         try:
@@ -331,6 +339,12 @@ class EtcdStore:
         return self._known_revision
 
     async def close(self) -> None:
+        try:
+            await self._affinity.call("close", self._close)
+        except StoreError:  # its loop has stopped, and took the channel's calls with it
+            self._closed = True
+
+    async def _close(self) -> None:
         if not self._closed:
             self._closed = True
             for call in list(self._streams):
@@ -350,6 +364,10 @@ class EtcdStore:
 
     async def refresh_lease(self, lease: Lease) -> None:
         """Push the lease's expiry ``ttl_s`` into the future; StoreError if it is already gone."""
+        self._check_open()
+        await self._affinity.call("refresh_lease", lambda: self._refresh_lease(lease))
+
+    async def _refresh_lease(self, lease: Lease) -> None:
         call = self._open_stream(self._leases.LeaseKeepAlive)
         try:
             with anyio.fail_after(self._timeout):

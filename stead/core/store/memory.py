@@ -2,7 +2,11 @@
 
 Nothing is persisted; every ``open_store("memory://")`` is a fresh, empty store.
 Leases expire by a monotonic clock (injectable for tests), checked lazily on
-every call and by waiting watchers at the next lease deadline.
+every call and by waiting watchers at the next lease deadline. Any thread and
+any event loop may use one instance at once: every call runs under one lock
+and watchers are woken through a :class:`~stead.core.store._common.Notifier`.
+Every call is a checkpoint (it yields to the event loop first), as a real store's
+round trip would be, so a task that calls it in a loop cannot starve its loop.
 """
 
 from __future__ import annotations
@@ -10,15 +14,17 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 
-import anyio
+import anyio.lowlevel
 
 from stead.core.config import Settings
 from stead.core.errors import StoreError
 from stead.core.store._common import (
+    Notifier,
     StoreLease,
     check_items,
     check_key,
@@ -57,8 +63,9 @@ class MemoryStore:
         self._revision = 0
         self._leases: dict[int, _LeaseState] = {}
         self._next_lease_id = 1
-        self._changed = anyio.Event()
+        self._changed = Notifier()
         self._closed = False
+        self._lock = threading.RLock()
 
     @property
     def url(self) -> str:
@@ -72,8 +79,7 @@ class MemoryStore:
         self._expire_leases()
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        self._changed.notify()
 
     def _record(self, kind: WatchKind, key: str, value: bytes, revision: int) -> None:
         self._history.append(WatchEvent(kind=kind, key=key, value=value, revision=revision))
@@ -135,18 +141,22 @@ class MemoryStore:
 
     async def get(self, key: str) -> KeyValue | None:
         check_key(key)
-        self._check_open()
-        return self._data.get(key)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            return self._data.get(key)
 
     async def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
         check_key(key)
         data = check_value(key, value)
-        self._check_open()
-        self._live_lease(lease)
-        self._revision += 1
-        self._write(key, data, lease, self._revision)
-        self._notify()
-        return self._revision
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            self._live_lease(lease)
+            self._revision += 1
+            self._write(key, data, lease, self._revision)
+            self._notify()
+            return self._revision
 
     async def compare_and_put(
         self, key: str, value: bytes, *, expected_mod_revision: int, lease: Lease | None = None
@@ -154,60 +164,70 @@ class MemoryStore:
         check_key(key)
         data = check_value(key, value)
         check_revision("expected_mod_revision", expected_mod_revision)
-        self._check_open()
-        self._live_lease(lease)
-        current = self._data.get(key)
-        if (current.mod_revision if current is not None else 0) != expected_mod_revision:
-            return False
-        self._revision += 1
-        self._write(key, data, lease, self._revision)
-        self._notify()
-        return True
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            self._live_lease(lease)
+            current = self._data.get(key)
+            if (current.mod_revision if current is not None else 0) != expected_mod_revision:
+                return False
+            self._revision += 1
+            self._write(key, data, lease, self._revision)
+            self._notify()
+            return True
 
     async def create_all(self, items: Sequence[tuple[str, bytes]]) -> bool:
         checked = check_items(items)
-        self._check_open()
-        if any(key in self._data for key, _, _ in checked):
-            return False
-        if not checked:
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            if any(key in self._data for key, _, _ in checked):
+                return False
+            if not checked:
+                return True
+            self._revision += 1
+            for key, _, value in checked:
+                self._write(key, value, None, self._revision)
+            self._notify()
             return True
-        self._revision += 1
-        for key, _, value in checked:
-            self._write(key, value, None, self._revision)
-        self._notify()
-        return True
 
     async def delete(self, key: str) -> bool:
         check_key(key)
-        self._check_open()
-        if key not in self._data:
-            return False
-        self._revision += 1
-        self._remove(key, self._revision)
-        self._notify()
-        return True
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            if key not in self._data:
+                return False
+            self._revision += 1
+            self._remove(key, self._revision)
+            self._notify()
+            return True
 
     async def delete_prefix(self, prefix: str) -> int:
         check_prefix(prefix)
-        self._check_open()
-        keys = self._keys_under(prefix, None)
-        if keys:
-            self._revision += 1
-            for key in keys:
-                self._remove(key, self._revision)
-            self._notify()
-        return len(keys)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            keys = self._keys_under(prefix, None)
+            if keys:
+                self._revision += 1
+                for key in keys:
+                    self._remove(key, self._revision)
+                self._notify()
+            return len(keys)
 
     async def range(self, prefix: str, *, start: str | None = None, limit: int | None = None) -> list[KeyValue]:
         check_prefix(prefix)
         if start is not None:
             check_key(start)
         check_limit(limit)
-        self._check_open()
-        keys = self._keys_under(prefix, start)
-        if limit is not None:
-            keys = keys[:limit]
-        return [self._data[k] for k in keys]
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            keys = self._keys_under(prefix, start)
+            if limit is not None:
+                keys = keys[:limit]
+            return [self._data[k] for k in keys]
 
     def watch(self, prefix: str, *, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
         check_prefix(prefix)
@@ -217,20 +237,21 @@ class MemoryStore:
 
     async def _watch(self, prefix: str, next_revision: int) -> AsyncIterator[WatchEvent]:
         while True:
-            self._check_open()
-            if next_revision < self._compacted:
-                raise StoreError(f"watch start revision {next_revision} of {self._url} was compacted (history "
-                                 f"starts at {self._compacted}); re-read with range() and watch from revision()+1")
-            changed = self._changed
-            first = bisect.bisect_left(self._history_revisions, next_revision)
-            batch = [e for e in self._history[first:] if e.key.startswith(prefix)]
-            next_revision = max(next_revision, self._revision + 1)
+            with self._lock:
+                self._check_open()
+                if next_revision < self._compacted:
+                    raise StoreError(f"watch start revision {next_revision} of {self._url} was compacted (history "
+                                     f"starts at {self._compacted}); re-read with range() and watch from "
+                                     "revision()+1")
+                changed = self._changed.count
+                first = bisect.bisect_left(self._history_revisions, next_revision)
+                batch = [e for e in self._history[first:] if e.key.startswith(prefix)]
+                next_revision = max(next_revision, self._revision + 1)
+                wait_s = self._next_expiry() - self._clock()
             for event in batch:
                 yield event
-            if batch:
-                continue
-            with anyio.move_on_after(self._next_expiry() - self._clock()):
-                await changed.wait()
+            if not batch:
+                await self._changed.wait_past(changed, wait_s)
 
     def lease(self, ttl_s: float) -> AbstractAsyncContextManager[Lease]:
         check_ttl(ttl_s)
@@ -238,47 +259,58 @@ class MemoryStore:
                           revoke=self.revoke_lease, revoke_timeout_s=self._settings.store_timeout_s)
 
     async def revision(self) -> int:
-        self._check_open()
-        return self._revision
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            return self._revision
 
     async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._notify()
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._notify()
 
     # -- beyond the protocol: raw leases (no keep-alive) and history compaction --------------------------------
 
     async def grant_lease(self, ttl_s: float) -> Lease:
         """A lease nobody keeps alive: it expires ``ttl_s`` from now unless refreshed."""
         check_ttl(ttl_s)
-        self._check_open()
-        lease_id = self._next_lease_id
-        self._next_lease_id += 1
-        self._leases[lease_id] = _LeaseState(ttl_s=ttl_s, expires_at=self._clock() + ttl_s, keys=set())
-        return StoreLease(id=lease_id, ttl_s=ttl_s)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            lease_id = self._next_lease_id
+            self._next_lease_id += 1
+            self._leases[lease_id] = _LeaseState(ttl_s=ttl_s, expires_at=self._clock() + ttl_s, keys=set())
+            return StoreLease(id=lease_id, ttl_s=ttl_s)
 
     async def refresh_lease(self, lease: Lease) -> None:
         """Push the lease's expiry ``ttl_s`` into the future; StoreError if it is already gone."""
-        self._check_open()
-        state = self._leases.get(lease.id)
-        if state is None:
-            raise StoreError(f"lease {lease.id} on {self._url} expired or was revoked; take a new lease")
-        state.expires_at = self._clock() + state.ttl_s
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            state = self._leases.get(lease.id)
+            if state is None:
+                raise StoreError(f"lease {lease.id} on {self._url} expired or was revoked; take a new lease")
+            state.expires_at = self._clock() + state.ttl_s
 
     async def revoke_lease(self, lease: Lease) -> None:
         """Delete the lease and its keys now; a lease already gone is not an error."""
-        self._check_open()
-        if lease.id in self._leases:
-            self._drop_lease(lease.id)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            if lease.id in self._leases:
+                self._drop_lease(lease.id)
 
     async def compact(self, revision: int) -> None:
         """Forget the change history before ``revision``; watches cannot start before it any more."""
         check_revision("revision", revision)
-        self._check_open()
-        revision = min(revision, self._revision)
-        cut = bisect.bisect_left(self._history_revisions, revision)
-        del self._history[:cut], self._history_revisions[:cut]
-        self._compacted = max(self._compacted, revision)
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            revision = min(revision, self._revision)
+            cut = bisect.bisect_left(self._history_revisions, revision)
+            del self._history[:cut], self._history_revisions[:cut]
+            self._compacted = max(self._compacted, revision)
 
 
 async def open_store(url: str, settings: Settings) -> StateStore:

@@ -10,8 +10,10 @@ an event the master acted on must never vanish on a crash, and ``NORMAL`` in WAL
 mode may lose the last commits on an OS crash. The cost is one fsync per
 commit, which batched ``create_all`` calls amortise.
 
-All SQL runs on one connection, one call at a time, in a worker thread, so the
-event loop never waits on the disk. Every write gets a revision; changes go to
+All SQL runs on one connection, one call at a time, in a thread the store owns
+(the only thread that ever sees the connection), so the event loop never waits
+on the disk and no caller, cancelled or not, on whatever loop or thread, can use
+the connection concurrently or after it was closed. Every write gets a revision; changes go to
 a ``history`` table that ``watch`` replays from any revision. Watchers of this
 instance are woken at once; writes of other processes on the same file are
 seen by polling every ``sqlite_watch_poll_s``. Leases live in a table with a
@@ -21,20 +23,25 @@ are deleted lazily by every call and by polling watchers.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import queue
 import sqlite3
+import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
-import anyio.to_thread
 import structlog
 
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, StoreError, StoreUnavailable
 from stead.core.store._common import (
+    Notifier,
     StoreLease,
     check_items,
     check_key,
@@ -134,27 +141,143 @@ class _Tx:
             self.conn.execute("UPDATE meta SET value = ? WHERE name = 'revision'", (self.base + 1,))
 
 
-class SqliteStore:
-    """A StateStore on one SQLite file; several instances and processes may share it."""
+class _Job:
+    """One call handed to the connection's thread, answered on the caller's event loop."""
 
-    def __init__(self, url: str, conn: sqlite3.Connection, settings: Settings) -> None:
+    __slots__ = ("args", "fn", "future", "loop", "state")
+
+    QUEUED, RUNNING, CANCELLED = 0, 1, 2
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], loop: asyncio.AbstractEventLoop) -> None:
+        self.fn, self.args, self.loop = fn, args, loop
+        self.future: asyncio.Future[Any] = loop.create_future()
+        self.state = _Job.QUEUED
+
+
+class _Connection:
+    """The thread that owns the SQLite connection: it opens it, runs every call on it in order, and closes it.
+
+    No other thread ever sees the connection object, so nothing can use it
+    concurrently or after it was closed, whatever happens to the callers: a caller
+    cancelled before its call starts takes it back (it never runs); one cancelled
+    while it runs leaves it to finish (a transaction commits or rolls back whole).
+    ``stop`` lets every call queued before it finish, then closes the connection.
+    """
+
+    def __init__(self, url: str, path: Path, timeout_s: float, changed: Notifier) -> None:
+        self.url = url
+        self.changed = changed
+        #: the newest store revision this client has seen (written by the thread only)
+        self.known_revision = 0
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders submissions against stop() and a job's start against its cancel
+        self._stopping = False
+        self.stopped = Notifier()
+        self._thread = threading.Thread(target=self._main, args=(path, timeout_s), name="stead-sqlite",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], args: tuple[Any, ...]) -> _Job:
+        job = _Job(fn, args, asyncio.get_running_loop())
+        with self._lock:
+            if self._stopping:
+                raise StoreError(f"store {self.url} is closed; open a new one with open_store()")
+            self._queue.put(job)
+        return job
+
+    def cancel(self, job: _Job) -> None:
+        with self._lock:
+            if job.state == _Job.QUEUED:
+                job.state = _Job.CANCELLED
+
+    def stop(self) -> int:
+        """Refuse new calls and have the thread close the connection after the queued ones; the stopped count."""
+        with self._lock:
+            seen = self.stopped.count
+            if not self._stopping:
+                self._stopping = True
+                self._queue.put(None)
+        return seen
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _main(self, path: Path, timeout_s: float) -> None:
+        conn: sqlite3.Connection | BaseException
+        try:
+            conn = _connect(self.url, path, timeout_s)
+        except BaseException as exc:
+            conn = exc  # every call gets this error until the store is closed
+        try:
+            while (job := self._queue.get()) is not None:
+                self._serve(conn, job)
+                del job  # a finished call must not keep its store alive while this thread waits
+        finally:
+            if isinstance(conn, sqlite3.Connection):
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+            self.stopped.notify()
+            self.changed.notify()  # open watches wake up and find the store closed
+
+    def _serve(self, conn: sqlite3.Connection | BaseException, job: _Job) -> None:
+        with self._lock:
+            if job.state == _Job.CANCELLED:
+                return
+            job.state = _Job.RUNNING
+        if not isinstance(conn, sqlite3.Connection):
+            self._answer(job, None, conn)
+            return
+        before = self.known_revision
+        try:
+            result = job.fn(conn, *job.args)
+        except sqlite3.Error as exc:
+            error = _map_error(self.url, exc)
+            error.__cause__ = exc
+            self._answer(job, None, error)
+        except BaseException as exc:
+            self._answer(job, None, exc)
+        else:
+            self._answer(job, result, None)
+        if self.known_revision != before:
+            self.changed.notify()
+
+    @staticmethod
+    def _answer(job: _Job, result: object, error: BaseException | None) -> None:
+        def settle() -> None:
+            if job.future.done():
+                return  # the caller was cancelled and went away
+            if error is not None:
+                job.future.set_exception(error)
+            else:
+                job.future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # the caller's loop has closed: nobody is waiting
+            job.loop.call_soon_threadsafe(settle)
+
+
+class SqliteStore:
+    """A StateStore on one SQLite file; several instances and processes may share it.
+
+    Any thread and any event loop may call it at once (see :class:`_Connection`).
+    """
+
+    def __init__(self, url: str, path: Path, settings: Settings) -> None:
         self._url = url
-        self._conn = conn
         self._settings = settings
-        self._lock = anyio.Lock()
-        self._changed = anyio.Event()
-        self._known_revision = 0
-        self._closed = False
+        self._changed = Notifier()
+        self._conn = _Connection(url, path, settings.store_timeout_s, self._changed)
+        # a store dropped without close() still stops its thread and closes the file
+        self._finalizer = weakref.finalize(self, self._conn.stop)
 
     @classmethod
     async def open(cls, url: str, settings: Settings | None = None) -> SqliteStore:
         """Open (creating if needed) the database of ``url``."""
         settings = settings or Settings()
         path = parse_sqlite_url(url)
-        conn = await anyio.to_thread.run_sync(_connect, url, path, settings.store_timeout_s)
-        store = cls(url, conn, settings)
+        store = cls(url, path, settings)
         try:
-            store._known_revision = await store.revision()
+            await store.revision()
         except BaseException:
             await store.close()
             raise
@@ -165,25 +288,23 @@ class SqliteStore:
     def url(self) -> str:
         return self._url
 
-    # -- running SQL in the worker thread -------------------------------------------------------------------------
+    @property
+    def _known_revision(self) -> int:
+        return self._conn.known_revision
+
+    # -- running SQL on the connection's thread --------------------------------------------------------------------
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
-        async with self._lock:
-            if self._closed:
-                raise StoreError(f"store {self._url} is closed; open a new one with open_store()")
-            before = self._known_revision
-            try:
-                result = await anyio.to_thread.run_sync(fn, *args)
-            except sqlite3.Error as exc:
-                raise _map_error(self._url, exc) from exc
-        if self._known_revision != before:
-            self._changed.set()
-            self._changed = anyio.Event()
-        return result
+        """``fn(connection, *args)`` on the connection's thread, after every call submitted before it."""
+        job = self._conn.submit(fn, args)
+        try:
+            return cast(T, await job.future)
+        except asyncio.CancelledError:
+            self._conn.cancel(job)
+            raise
 
-    def _write(self, body: Callable[[_Tx], T]) -> T:
-        """Run ``body`` in one IMMEDIATE transaction, after deleting expired leases (worker thread)."""
-        conn = self._conn
+    def _write(self, conn: sqlite3.Connection, body: Callable[[_Tx], T]) -> T:
+        """Run ``body`` in one IMMEDIATE transaction, after deleting expired leases (connection thread)."""
         conn.execute("BEGIN IMMEDIATE")
         try:
             sweep = _Tx(conn)
@@ -198,17 +319,17 @@ class SqliteStore:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
-        self._known_revision = tx.revision
+        self._conn.known_revision = max(self._conn.known_revision, tx.revision)
         return result
 
-    def _sweep_if_due(self) -> None:
+    def _sweep_if_due(self, conn: sqlite3.Connection) -> None:
         """Delete expired leases before a read, taking the write lock only when there is something to do."""
-        if self._conn.execute("SELECT 1 FROM leases WHERE expires_at <= ? LIMIT 1", (time.time(),)).fetchone():
-            self._write(lambda tx: None)
+        if conn.execute("SELECT 1 FROM leases WHERE expires_at <= ? LIMIT 1", (time.time(),)).fetchone():
+            self._write(conn, lambda tx: None)
 
-    def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
-        self._sweep_if_due()
-        return body(self._conn)
+    def _read(self, conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], T]) -> T:
+        self._sweep_if_due(conn)
+        return body(conn)
 
     # -- StateStore ---------------------------------------------------------------------------------------------
 
@@ -306,20 +427,18 @@ class SqliteStore:
         cursor: int | None = None
         seen = start - 1
         while True:
-            changed = self._changed
+            changed = self._changed.count
             rows, cursor, seen = await self._run(self._read_changes, low, high, start, cursor, seen)
             for _, rev, kind, key, value in rows:
                 yield WatchEvent(kind=WatchKind.PUT if kind == _PUT else WatchKind.DELETE, key=key.decode(),
                                  value=value, revision=rev)
             if len(rows) < _WATCH_BATCH:
-                with anyio.move_on_after(self._settings.sqlite_watch_poll_s):
-                    await changed.wait()
+                await self._changed.wait_past(changed, self._settings.sqlite_watch_poll_s)
 
-    def _read_changes(self, low: bytes, high: bytes, start: int, cursor: int | None,
+    def _read_changes(self, conn: sqlite3.Connection, low: bytes, high: bytes, start: int, cursor: int | None,
                       seen: int) -> tuple[list[tuple[int, int, int, bytes, bytes]], int, int]:
         """History rows under ``[low, high)`` after ``cursor``, the new cursor and the revision fully seen."""
-        self._sweep_if_due()
-        conn = self._conn
+        self._sweep_if_due(conn)
         conn.execute("BEGIN")  # one snapshot for the revision, the cursor and the rows
         try:
             revision, compacted = conn.execute(
@@ -343,7 +462,7 @@ class SqliteStore:
                 cursor, seen = rows[-1][0], rows[-1][1] - 1
         finally:
             conn.execute("COMMIT")
-        self._known_revision = max(self._known_revision, revision)
+        self._conn.known_revision = max(self._conn.known_revision, revision)
         return rows, cursor, seen
 
     def lease(self, ttl_s: float) -> AbstractAsyncContextManager[Lease]:
@@ -354,18 +473,21 @@ class SqliteStore:
     async def revision(self) -> int:
         def body(conn: sqlite3.Connection) -> int:
             revision = int(conn.execute("SELECT value FROM meta WHERE name = 'revision'").fetchone()[0])
-            self._known_revision = max(self._known_revision, revision)
+            self._conn.known_revision = max(self._conn.known_revision, revision)
             return revision
 
         return await self._run(self._read, body)
 
     async def close(self) -> None:
-        async with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            await anyio.to_thread.run_sync(self._conn.close)
-        self._changed.set()
+        """Wait for the calls already submitted, then close the connection; later calls raise StoreError.
+
+        Safe from any thread or event loop, and more than once (the later closes wait too).
+        """
+        stopped = self._conn.stop()
+        self._finalizer.detach()
+        if self._conn.alive:
+            with anyio.CancelScope(shield=True):
+                await self._conn.stopped.wait_past(stopped)
         log.info("store_closed", url=self._url, backend="sqlite")
 
     # -- beyond the protocol: raw leases (no keep-alive) and history compaction --------------------------------
@@ -418,7 +540,7 @@ def _connect(url: str, path: Path, timeout_s: float) -> sqlite3.Connection:
         raise StoreError(f"cannot create directory {path.parent} for store {url}: {exc}; "
                          "pick a writable path or create it") from exc
     try:
-        conn = sqlite3.connect(path, timeout=timeout_s, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(path, timeout=timeout_s, isolation_level=None)  # used by this thread only
     except sqlite3.Error as exc:
         raise _map_error(url, exc) from exc
     try:

@@ -82,10 +82,12 @@ class MappedSlot:
                     return
                 length = min(chunk, self.capacity - start)
                 if _libc.madvise(self.base + start, length, _MADV_POPULATE_WRITE) != 0:
+                    # Older kernels: read one byte per page. Never write: a save may be copying into
+                    # this slot at the same time, and writing a byte back could undo its copy.
                     view = memoryview(self.mm)
                     try:
-                        for page in range(start, start + length, _PAGE):  # older kernels: one write per page
-                            view[page] = view[page]
+                        for page in range(start, start + length, _PAGE):
+                            view[page]  # the read faults the page in
                     finally:
                         view.release()
 

@@ -76,16 +76,32 @@ class Journal:
             created = await self._store.compare_and_put(key, _dumps({"first": first, "ops": batch}),
                                                         expected_mod_revision=0)
         except BaseException:
-            self._pending[:0] = batch  # written by the next flush
+            self._pending[:0] = batch  # written by the next flush (or found written: see _own_record)
             raise
-        if not created:
-            self._pending[:0] = batch
-            raise StoreError(f"{key} was written by another master: only one master may run per job; "
-                             "stop the other one, then restart this one")
+        written = len(batch) if created else await self._own_record(key, first, batch)
+        self._pending[:0] = batch[written:]
         self._seq += 1
-        self._durable = first + len(batch)
+        self._durable = first + written
         if self._seq >= self._snapshot_every:
             await self._snapshot()
+
+    async def _own_record(self, key: str, first: int, batch: list[Any]) -> int:
+        """How many ops of ``batch`` the existing record at ``key`` holds, when an earlier write of ours made it.
+
+        A write whose caller was cancelled may still have reached the store; its ops
+        were queued again, so the retry finds its own record there. Anything else
+        at ``key`` was written by another master.
+        """
+        kv = await self._store.get(key)
+        try:
+            body = json.loads(kv.value) if kv is not None else None
+            ops = body["ops"] if body is not None and int(body["first"]) == first else None
+        except (ValueError, KeyError, TypeError):
+            ops = None
+        if ops is None or ops != batch[:len(ops)]:
+            raise StoreError(f"{key} was written by another master: only one master may run per job; "
+                             "stop the other one, then restart this one")
+        return len(ops)
 
     async def _snapshot(self) -> None:
         body = {"segment": self._segment + 1, "covered": self._added, "ledger": self._state()}

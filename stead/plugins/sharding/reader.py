@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import math
 import threading
@@ -132,9 +133,20 @@ class Reader:
     def call(self, fn: Callable[[ShardBackend], Awaitable[T]], *, what: str) -> T:
         """Run ``fn(backend)`` on the feeder's loop, after any call in flight, retrying while the master is away."""
         loop = self._loop
+        closed = f"the sampler of dataset {self.spec.name!r} is closed"
         if loop is None or not self._thread.is_alive():
-            raise self._error or RuntimeError(f"the sampler of dataset {self.spec.name!r} is closed")
-        return asyncio.run_coroutine_threadsafe(self._locked(fn, what), loop).result()
+            raise self._error or RuntimeError(closed)
+        try:
+            future = asyncio.run_coroutine_threadsafe(self._locked(fn, what), loop)
+        except RuntimeError:  # the loop closed after the check
+            raise self._error or RuntimeError(closed) from None
+        while True:  # a loop that stops before it runs the call never answers: watch the thread meanwhile
+            try:
+                return future.result(timeout=self.settings.shard_report_interval_s)
+            except concurrent.futures.TimeoutError:
+                if not self._thread.is_alive():
+                    future.cancel()
+                    raise self._error or RuntimeError(closed) from None
 
     def close(self) -> None:
         """Give back the unread leases (best effort) and stop the thread."""

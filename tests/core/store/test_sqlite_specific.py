@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import gc
 import sqlite3
 import sys
 import textwrap
+import threading
 from contextlib import aclosing
 from pathlib import Path
 
@@ -151,3 +154,73 @@ def test_sqlite_urls_follow_the_three_and_four_slash_convention() -> None:
     assert parse_sqlite_url("sqlite:///~/stead.db") == Path("~/stead.db").expanduser()
     with pytest.raises(ConfigError, match=r"sqlite:///relative/path\.db"):
         parse_sqlite_url("sqlite://state.db")
+
+
+def _store_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "stead-sqlite"}
+
+
+async def test_close_waits_for_the_write_in_flight_and_keeps_it(sqlite_dir: Path, settings: Settings) -> None:
+    url = url_of(sqlite_dir / "state.db")
+    before = _store_threads()
+    store = await open_store(url, settings=settings)
+    big = b"x" * (8 << 20)  # a write long enough to still be running when close() is called
+    write = asyncio.ensure_future(store.put("/big", big))
+    await asyncio.sleep(0)
+    closer = threading.Thread(target=lambda: asyncio.run(store.close()))  # from another thread and loop
+    closer.start()
+    revision = await write
+    await anyio.to_thread.run_sync(closer.join)
+    with pytest.raises(StoreError, match="is closed; open a new one"):
+        await store.get("/big")
+    await store.close()
+    assert _store_threads() == before  # the store's thread is gone
+    again = await open_store(url, settings=settings)
+    try:
+        kv = await again.get("/big")
+        assert kv is not None and kv.value == big and kv.mod_revision == revision
+    finally:
+        await again.close()
+
+
+async def test_a_caller_cancelled_natively_mid_write_neither_crashes_nor_corrupts(sqlite_dir: Path,
+                                                                                  settings: Settings) -> None:
+    """The old crash: a task.cancel() freed the store for the next call while the first still ran."""
+    store = await open_store(url_of(sqlite_dir / "state.db"), settings=settings)
+    try:
+        for round_ in range(50):
+            tasks = [asyncio.ensure_future(store.put(f"/r{round_}/{i}", b"v" * 4096)) for i in range(4)]
+            await asyncio.sleep(0.0005 * (round_ % 4))
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        keys = [kv.key for kv in await store.range("/r")]
+        assert len(keys) == len(set(keys)) and await store.revision() >= len(keys)
+    finally:
+        await store.close()
+    with pytest.raises(StoreError, match="closed"):
+        await store.put("/late", b"x")
+
+
+async def test_a_store_dropped_without_close_stops_its_thread(sqlite_dir: Path, settings: Settings) -> None:
+    before = _store_threads()
+    store = await open_store(url_of(sqlite_dir / "state.db"), settings=settings)
+    await store.put("/k", b"v")
+    (thread,) = _store_threads() - before
+    del store
+    gc.collect()
+    await anyio.to_thread.run_sync(thread.join, 10)
+    assert not thread.is_alive()
+
+
+def test_a_store_opened_on_one_loop_serves_another_loop(sqlite_dir: Path, settings: Settings) -> None:
+    async def opened() -> SqliteStore:
+        return await SqliteStore.open(url_of(sqlite_dir / "state.db"), settings)
+
+    store = asyncio.run(opened())  # that loop is gone now
+    try:
+        assert asyncio.run(store.put("/k", b"v")) > 0
+        kv = asyncio.run(store.get("/k"))
+        assert kv is not None and kv.value == b"v"
+    finally:
+        asyncio.run(store.close())

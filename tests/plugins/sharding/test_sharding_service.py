@@ -77,6 +77,37 @@ async def test_a_restarted_master_on_the_same_store_loses_no_lease_mid_epoch(sto
     assert await store.get(f"{PREFIX}/datasets/ids/snapshot") is not None  # replayed from snapshot + journal
 
 
+class _CommitsThenCancelled:
+    """A store whose next journal write reaches the store, but whose caller is cancelled before the answer."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store, self.armed = store, True
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+    async def compare_and_put(self, key: str, value: bytes, **kw: int) -> bool:
+        won = await self.store.compare_and_put(key, value, **kw)
+        if self.armed and "/journal/" in key:
+            self.armed = False
+            raise asyncio.CancelledError
+        return won
+
+
+async def test_a_journal_write_whose_caller_was_cancelled_is_recognised_not_blamed_on_another_master(
+        store: StateStore) -> None:
+    flaky = _CommitsThenCancelled(store)
+    service = _service(flaky)  # type: ignore[arg-type]
+    await service.register(SPEC)
+    with pytest.raises(asyncio.CancelledError):
+        await service.lease(_who(0, world=1), epoch=0, have=0, count=1, consumed=0)
+    first = await service.lease(_who(0, world=1), epoch=0, have=0, count=1, consumed=0)  # asks again: same answer
+    second = await service.lease(_who(0, world=1), epoch=0, have=1, count=1, consumed=0)
+    again = _service(store)  # and a restarted master reads one consistent journal
+    replay = await again.lease(_who(0, world=1), epoch=0, have=1, count=1, consumed=0)
+    assert replay.ranges == second.ranges and first.ranges != second.ranges
+
+
 async def test_concurrent_leases_share_store_writes_and_never_overlap(store: StateStore) -> None:
     service = _service(store)
     await service.register(SPEC)
