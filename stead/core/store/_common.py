@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import structlog
@@ -258,12 +258,16 @@ class LoopAffinity:
     stopped, the call fails with :class:`StoreError` instead of hanging.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, close_timeout_s: float) -> None:
         self.url = url
+        self.close_timeout_s = close_timeout_s
         self.loop = asyncio.get_running_loop()
 
     def here(self) -> bool:
-        return asyncio.get_running_loop() is self.loop
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:  # no loop running in this thread
+            return False
 
     def _gone(self, op: str) -> StoreError:
         return StoreError(f"store {self.url} belongs to an event loop that has stopped (during {op}); "
@@ -290,20 +294,68 @@ class LoopAffinity:
                 raise  # our caller was cancelled (and the call on the owner loop with it)
             raise self._gone(op) from None  # the owner loop cancelled it on its way out
 
-    async def iterate(self, op: str, source: AsyncGenerator[T, None]) -> AsyncIterator[T]:
-        """``source`` (an async generator of the owner loop) advanced step by step on the owner loop."""
-        if self.here():
-            async with contextlib.aclosing(source) as events:
-                async for item in events:
-                    yield item
-            return
+    def iterate(self, op: str, source: AsyncGenerator[T, None]) -> AsyncIterator[T]:
+        """``source`` (an async generator of the owner loop) as an iterator for the calling loop.
+
+        On the owner loop that is ``source`` itself.
+        """
+        return source if self.here() else self._pumped(op, source)
+
+    async def _pumped(self, op: str, source: AsyncGenerator[T, None]) -> AsyncIterator[T]:
+        """``source`` read from another loop.
+
+        From another loop, one task on the owner loop owns the generator: it fetches an
+        item each time the reader asks for one (so nothing piles up) and closes the
+        generator itself when the reader leaves, so the generator never runs in two
+        tasks at once.
+        """
+        reader = asyncio.get_running_loop()
+        inbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        wanted = asyncio.Event()  # set on the owner loop, waited on there
+
+        def send(kind: str, value: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the reader's loop has closed: nobody listens
+                reader.call_soon_threadsafe(inbox.put_nowait, (kind, value))
+
+        async def pump() -> None:
+            try:
+                async with contextlib.aclosing(source) as events:
+                    while True:
+                        await wanted.wait()
+                        wanted.clear()
+                        try:
+                            item = await anext(events)
+                        except StopAsyncIteration:
+                            send("end", None)
+                            return
+                        send("item", item)
+            except Exception as exc:
+                send("error", exc)
+            finally:
+                send("closed", None)
+
+        if self.loop.is_closed() or not self.loop.is_running():
+            raise self._gone(op)
+        try:
+            pumping = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        except RuntimeError:
+            raise self._gone(op) from None
+        closed = False
         try:
             while True:
-                try:
-                    item = await self.call(op, source.__anext__)
-                except StopAsyncIteration:
+                self.loop.call_soon_threadsafe(wanted.set)
+                kind, value = await inbox.get()
+                if kind == "item":
+                    yield value
+                elif kind == "end":
                     return
-                yield item
+                elif kind == "error":
+                    raise value
+                else:
+                    closed = True
+                    raise self._gone(op)
         finally:
-            with anyio.CancelScope(shield=True), contextlib.suppress(StoreError):
-                await self.call(op, source.aclose)
+            pumping.cancel()  # the pump closes the generator in its own task
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.close_timeout_s):
+                while not closed:
+                    closed = (await inbox.get())[0] == "closed"

@@ -133,7 +133,7 @@ class EtcdStore:
         self._known_revision = 0
         self._closed = False
         self._streams: set[Any] = set()
-        self._affinity = LoopAffinity(url)
+        self._affinity = LoopAffinity(url, close_timeout_s=self._timeout)
 
     @classmethod
     async def open(cls, url: str, settings: Settings | None = None) -> EtcdStore:
@@ -190,21 +190,33 @@ class EtcdStore:
         return call
 
     async def _end_stream(self, call: Any) -> None:
-        self._streams.discard(call)
         await self._settle(call)
+        self._streams.discard(call)  # only once settled: close() settles what an interrupted end left
 
     async def _settle(self, call: Any) -> None:
-        """Cancel a call and wait until grpc has delivered its end on this event loop.
+        """Cancel a call and wait until grpc has delivered its end on this event loop, even when cancelled.
 
         grpc.aio completes calls through one process-wide poller, and a cancelled
         stream's status arrives a moment after ``code()`` returns; if this loop
         closed first, grpc would schedule it on a dead loop and the next loop
-        (the next test) reports "Event loop is closed".
+        (the next test) reports "Event loop is closed". A native cancellation (a
+        generator finalized while its loop shuts down) is not stopped by anyio's
+        shield, so the settling runs in a task of its own that the caller waits
+        for in any case (bounded by ``store_timeout_s``).
         """
+        settling = asyncio.ensure_future(self._settle_now(call))
+        try:
+            await asyncio.shield(settling)
+        except asyncio.CancelledError:
+            while not settling.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(settling)
+            raise
+
+    async def _settle_now(self, call: Any) -> None:
         status_task = _status_task(call)
         call.cancel()
-        with anyio.CancelScope(shield=True) as scope:
-            scope.deadline = anyio.current_time() + self._timeout
+        with anyio.move_on_after(self._timeout):
             await call.code()
             if status_task is not None:
                 await asyncio.wait([status_task])
