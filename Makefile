@@ -30,7 +30,7 @@ demo: $(RUNSTAMP)
 	$(BIN)/python examples/demo.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check stead tests bench examples
+	$(BIN)/ruff check stead tests bench examples scripts
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP)

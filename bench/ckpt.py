@@ -41,8 +41,8 @@ import structlog
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stead.core.config import Settings
 from stead.plugins.ckpt._shm import VerifyState
+from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.testing import LocalCluster, environ_set
 from stead.plugins.ckpt.worker import FlashCheckpointer
 
@@ -122,7 +122,7 @@ class NodeProcess:
         self.proc.wait(timeout=120)
 
 
-def make_worker(env: dict[str, str], settings: Settings, **kwargs: Any) -> FlashCheckpointer:
+def make_worker(env: dict[str, str], settings: CheckpointSettings, **kwargs: Any) -> FlashCheckpointer:
     """A FlashCheckpointer as a worker started with ``env`` creates it."""
     with environ_set(env):
         return FlashCheckpointer(rank=0, world_size=1, local_rank=0, settings=settings, **kwargs)
@@ -130,7 +130,7 @@ def make_worker(env: dict[str, str], settings: Settings, **kwargs: Any) -> Flash
 
 def serve_node(work: Path, job: str) -> None:
     """``--serve-node``: run the master plugin and an agent; answer ``round R RESTARTS`` with the worker env."""
-    settings = Settings(ckpt_dir=str(work / "stead"), ckpt_persist_on_failure=0)
+    settings = CheckpointSettings(dir=str(work / "stead"), persist_on_failure=False)
     with LocalCluster(work, settings, job=job) as cluster:
         ext = cluster.agent()
         for line in sys.stdin:
@@ -160,8 +160,8 @@ def bench_size(nbytes: int, repeats: int, work: Path) -> dict[str, Any]:
 
     # -- stead (the agent and the master in another process, as in a job), and the floor in stead's own slots,
     # -- measured alternately so that both see the same machine ------------------------------------------
-    settings = Settings(ckpt_dir=str(work / "stead"), ckpt_persist_on_failure=0, ckpt_agent_timeout_s=600,
-                        ckpt_verify_wait_s=600)
+    settings = CheckpointSettings(dir=str(work / "stead"), persist_on_failure=False, agent_timeout_s=600,
+                                  verify_wait_s=600)
     floor_saves: list[float] = []
     floor_restores: list[float] = []
     stead_saves: list[float] = []

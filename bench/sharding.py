@@ -23,13 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stead.core.config import Settings
 from stead.core.rpc import RpcServer, new_token
 from stead.core.store import open_store
 from stead.plugins.sharding.client import ShardClient
 from stead.plugins.sharding.ledger import DatasetSpec
 from stead.plugins.sharding.service import ShardService, StreamId
 from stead.plugins.sharding.servicer import ShardServicer
+from stead.plugins.sharding.settings import ShardingSettings
 
 SHARD = 64
 #: far more samples than any run leases: the dataset never runs out
@@ -71,7 +71,7 @@ async def _clients(address: str, token: str, dataset: str, world: int, count: in
 async def _measure(store_url: str, world: int, count: int, seconds: float) -> dict[str, float]:
     store = await open_store(store_url)
     token = new_token()
-    service = ShardService(store, prefix="/bench/plugins/sharding/v1", settings=Settings())
+    service = ShardService(store, prefix="/bench/plugins/sharding/v1", settings=ShardingSettings())
     dataset = f"bench-{world}"
     await service.register(DatasetSpec(name=dataset, shard_size=SHARD, size=SIZE, epochs=1))
     try:

@@ -5,22 +5,22 @@ Worker-side API (cheap to import inside a training script)::
     import stead
     stead.report_step(step)          # microseconds: no RPC, read by the node's agent
 
-Embedding the control plane::
-
-    from stead import Master, MasterConfig
+Embedding the control plane: :mod:`stead.embed` (``async with stead.embed.run(spec) as job``).
+Writing a plugin: :mod:`stead.plugin`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["Master", "MasterConfig", "Settings", "report_step"]
+__all__ = ["JobPhase", "JobState", "Master", "MasterConfig", "Settings", "report_step"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from stead.core.agent.progress import report_step
     from stead.core.config import Settings
     from stead.core.master import Master, MasterConfig
+    from stead.core.statemachine import JobPhase, JobState
 
 
 def __getattr__(name: str) -> Any:
@@ -33,6 +33,10 @@ def __getattr__(name: str) -> Any:
         from stead.core import master
 
         return getattr(master, name)
+    if name in ("JobPhase", "JobState"):
+        from stead.core import statemachine
+
+        return getattr(statemachine, name)
     if name == "Settings":
         from stead.core.config import Settings
 

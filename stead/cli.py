@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, PermanentError, SteadError
+from stead.core.plugins import check_plugin_settings
+from stead.core.statemachine import JobPhase
 
 __all__ = ["main"]
 
@@ -27,7 +29,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="export OpenTelemetry traces: console, otlp (needs the OTLP exporter and "
                    "OTEL_EXPORTER_OTLP_ENDPOINT), or none")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a stead setting (repeatable), e.g. --set heartbeat_timeout_s=10")
+                   help="override a setting (repeatable), e.g. --set heartbeat_timeout_s=10, or a plugin's: "
+                   "--set ckpt.keep_last=3")
 
 
 def _store_arg(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -54,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     m.add_argument("--port", type=int, default=0, help="RPC port (default: a free port)")
     m.add_argument("--token-file", default=None, help="where to write the job token (default: .stead/<job>.token)")
+    m.add_argument("--plugins", default=None, metavar="NAME,...",
+                   help="run only these plugins (default: every installed one)")
+    m.add_argument("--no-plugin", action="append", default=[], metavar="NAME", dest="no_plugin",
+                   help="do not run this plugin (repeatable)")
     _add_common(m)
 
     a = sub.add_parser("agent", help="run one node's agent (normally started by the platform)")
@@ -84,7 +91,9 @@ def _settings(overrides: Sequence[str]) -> Settings:
         if not sep:
             raise ConfigError(f"--set {item!r} must look like NAME=VALUE, e.g. --set heartbeat_timeout_s=10")
         values[name.strip()] = value.strip()
-    return Settings.from_mapping(values, base=Settings.from_env())
+    settings = Settings.from_mapping(values, base=Settings.from_env())
+    check_plugin_settings(settings)
+    return settings
 
 
 def _default_store(job: str) -> str:
@@ -138,10 +147,12 @@ async def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _master(args: argparse.Namespace, settings: Settings) -> int:
+    from stead.core.launch import parse_plugins
     from stead.core.master import Master, MasterConfig
 
+    plugins, disabled = parse_plugins(args.plugins, args.no_plugin)
     config = MasterConfig(job=args.job, store_url=args.store, settings=settings, host=args.host, port=args.port,
-                          token_file=args.token_file)
+                          token_file=args.token_file, plugins=plugins, disabled_plugins=disabled)
     async with Master(config) as master:
         print(f"stead master for job {args.job!r} listening on {master.address}", flush=True)
         print(f"job token written to {master.token_file}", flush=True)
@@ -149,7 +160,7 @@ async def _master(args: argparse.Namespace, settings: Settings) -> int:
               flush=True)
         state = await master.wait()
         print(f"job {args.job!r} {state.phase.value}: {state.reason}", flush=True)
-        return 0 if state.phase.value == "succeeded" else EXIT_FAILED
+        return 0 if state.phase is JobPhase.SUCCEEDED else EXIT_FAILED
 
 
 async def _events(args: argparse.Namespace, settings: Settings) -> int:
@@ -179,7 +190,7 @@ async def _status(args: argparse.Namespace, settings: Settings) -> int:
     from stead.core.display import format_status
     from stead.core.events.log import EventLog
     from stead.core.master import open_store_retrying
-    from stead.core.statemachine import JobState, transition
+    from stead.core.statemachine import fold_all
 
     store = await open_store_retrying(args.store or _default_store(args.job), settings)
     try:
@@ -189,11 +200,7 @@ async def _status(args: argparse.Namespace, settings: Settings) -> int:
     if not records:
         raise PermanentError(f"no job {args.job!r} in {args.store or _default_store(args.job)}; "
                              "check --job and --store (stead run uses sqlite:///.stead/<job>.db by default)")
-    state = JobState()
-    for record in records:
-        result = transition(state, record.event, now=record.at, seq=record.seq)
-        state = result.state
-    print(format_status(args.job, state))
+    print(format_status(args.job, fold_all(records)))
     return 0
 
 

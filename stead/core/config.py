@@ -1,114 +1,210 @@
-"""One typed configuration object with defaults that work on a laptop.
+"""One typed configuration object with defaults that work on a laptop, and the same rules for plugins'.
 
 Every timeout and interval stead uses is a named, documented setting here, never
 a magic number in the code. Settings can be overridden from the command line
 (``--set name=value``) or the ``STEAD_<NAME>`` environment variables.
+
+Plugins have settings of their own, in their own namespace: a plugin declares a
+frozen dataclass (its ``settings_class``) and users set its fields with
+``--set <plugin>.<name>=value`` or ``STEAD_<PLUGIN>_<NAME>``. The dotted values
+travel inside :class:`Settings` (``plugin_values``) until the plugin's class is
+known; :func:`load_settings` turns them into the typed object with the same
+conversion and checks as stead's own: numbers are finite, not negative, and
+within the bounds a field declares with :func:`setting`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from stead.core.errors import ConfigError
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "env_name", "load_settings", "setting", "settings_env", "settings_help"]
+
+T = TypeVar("T")
+
+#: field metadata keys of :func:`setting`
+_MIN, _MAX, _HELP = "stead.min", "stead.max", "stead.help"
+
+
+def setting(default: Any, *, help: str = "", min: float | None = None, max: float | None = None) -> Any:
+    """A settings field with a default, a one-line description and optional bounds (checked when set)."""
+    return dataclasses.field(default=default, metadata={_HELP: help, _MIN: min, _MAX: max})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings:
     #: seconds between an agent's heartbeats
-    heartbeat_interval_s: float = 0.5
+    heartbeat_interval_s: float = setting(0.5, min=0.001)
     #: a node whose agent sent no heartbeat for this long is declared lost
-    heartbeat_timeout_s: float = 5.0
+    heartbeat_timeout_s: float = setting(5.0, min=0.001)
     #: after MIN nodes joined, wait this long for more (up to MAX) before a round starts
     last_call_timeout_s: float = 1.0
     #: fail the job when fewer than MIN nodes joined within this time
     join_timeout_s: float = 600.0
+    #: a worker failure that no diagnosis plugin decided within this time is decided by the default policy
+    decision_timeout_s: float = 3.0
+    #: an effect (launching or killing a node, starting workers) running longer than this has failed
+    effect_timeout_s: float = setting(60.0, min=0.001)
     #: a plugin handler running longer than this is cancelled and counted as a failure
-    plugin_timeout_s: float = 10.0
+    plugin_timeout_s: float = setting(10.0, min=0.001)
     #: a plugin that failed this many times in a row is disabled
-    plugin_max_failures: int = 3
+    plugin_max_failures: int = setting(3, min=1)
+    #: a background task of the master (heartbeat watcher, platform events) that failed this many times fails the
+    #: master, which stops loudly (its successor replays the log)
+    master_task_max_failures: int = setting(3, min=1)
     #: write a snapshot of the folded state every this many events
-    snapshot_every: int = 500
+    snapshot_every: int = setting(500, min=1)
     #: after a snapshot, the store's change history older than this many revisions is compacted (0: never)
     store_history_keep: int = 100_000
     #: first delay when retrying an unavailable store or master; doubled up to the max
-    retry_initial_s: float = 0.2
-    retry_max_s: float = 5.0
+    retry_initial_s: float = setting(0.2, min=0.001)
+    retry_max_s: float = setting(5.0, min=0.001)
     #: give up retrying an unavailable store or master after this long
     retry_deadline_s: float = 60.0
     #: a store call that takes longer than this counts as "store unavailable"
-    store_timeout_s: float = 5.0
+    store_timeout_s: float = setting(5.0, min=0.001)
     #: an RPC to the master that takes longer than this counts as "master unavailable"
-    rpc_timeout_s: float = 5.0
+    rpc_timeout_s: float = setting(5.0, min=0.001)
     #: polling interval of the sqlite watch (other processes' writes)
-    sqlite_watch_poll_s: float = 0.05
+    sqlite_watch_poll_s: float = setting(0.05, min=0.001)
     #: how long workers get between SIGTERM and SIGKILL when stopped
     worker_stop_grace_s: float = 3.0
     #: how many trailing lines of a failed worker's stderr are reported
     error_tail_lines: int = 40
     #: how often the agent samples step progress, and the master records it as an event
-    progress_interval_s: float = 1.0
+    progress_interval_s: float = setting(1.0, min=0.001)
     #: how long `stead run` waits for nodes to exit after the job ended
     shutdown_grace_s: float = 5.0
-
-    # -- flash checkpoint (stead.plugins.ckpt) --------------------------------------------------
-    #: where checkpoints are persisted (a job's go under <ckpt_dir>/<job>); relative to the working directory
-    ckpt_dir: str = ".stead/checkpoints"
-    #: how many persisted checkpoints are kept per job
-    ckpt_keep_last: int = 2
-    #: how long save() waits for the previous save to be committed by every rank before it skips this one
-    ckpt_commit_wait_s: float = 5.0
-    #: how long an agent's long poll for a commit may stay open at the master
-    ckpt_commit_poll_s: float = 10.0
-    #: how long a worker waits for its agent to answer (allocating and pre-faulting shared memory included)
-    ckpt_agent_timeout_s: float = 60.0
-    #: how long load() waits for the agent to verify the checksums of the slot it restores
-    ckpt_verify_wait_s: float = 30.0
-    #: how long an exiting agent waits for persists still running before it frees the shared memory
-    ckpt_persist_grace_s: float = 60.0
-    #: 1: when a worker fails, the agent writes the newest committed step to disk (if not there yet); 0: never
-    ckpt_persist_on_failure: int = 1
-
-    # -- data sharding (stead.plugins.sharding) -------------------------------------------------
-    #: a shard leased to a worker that neither completes nor renews it within this time returns to the queue
-    shard_lease_timeout_s: float = 60.0
-    #: how often a worker's sampler reports its progress to the master (which renews its leases)
-    shard_report_interval_s: float = 1.0
-    #: how long the master holds a lease call that finds nothing yet (a round waiting for its ranks,
-    #: a streaming source waiting for records) before the worker asks again
-    shard_wait_s: float = 1.0
+    #: settings of plugins, by plugin name (``--set ckpt.keep_last=3``): raw strings until the plugin is loaded
+    plugin_values: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, base: Settings | None = None) -> Settings:
-        """Settings with ``values`` (strings or typed) applied over ``base``."""
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        changes: dict[str, Any] = {}
+        """Settings with ``values`` (strings or typed) applied over ``base``; ``plugin.name`` keys go to plugins."""
+        base = base or cls()
+        own: dict[str, Any] = {}
+        plugins: dict[str, dict[str, str]] = {name: dict(v) for name, v in base.plugin_values.items()}
         for name, raw in values.items():
-            field = known.get(name)
-            if field is None:
-                raise ConfigError(f"unknown setting {name!r}; known settings: {', '.join(sorted(known))}")
-            kind: type = {"float": float, "int": int, "str": str}.get(str(field.type), str)
-            try:
-                value = kind(raw)
-            except (TypeError, ValueError):
-                raise ConfigError(f"setting {name}={raw!r} is not a valid {kind.__name__}") from None
-            if kind is not str and value < 0:
-                raise ConfigError(f"setting {name}={raw!r} must not be negative")
-            changes[name] = value
-        return dataclasses.replace(base or cls(), **changes)
+            plugin, dot, field = name.partition(".")
+            if dot:
+                if not plugin or not field:
+                    raise ConfigError(f"setting {name!r} must be NAME or PLUGIN.NAME, e.g. ckpt.keep_last")
+                plugins.setdefault(plugin, {})[field] = str(raw)
+            else:
+                own[name] = raw
+        changed = _convert_all(cls, own, owner="stead")
+        return dataclasses.replace(base, **changed, plugin_values=plugins)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """``STEAD_<NAME>`` variables of stead's own settings (plugins read theirs in :func:`load_settings`)."""
         env = os.environ if environ is None else environ
-        prefix = "STEAD_"
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k[len(prefix):].lower(): v for k, v in env.items()
-                  if k.startswith(prefix) and k[len(prefix):].lower() in names}
+        values = {name: env[env_name("", name)] for name in _field_names(cls) if env_name("", name) in env}
         return cls.from_mapping(values)
 
     def to_mapping(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def env_name(plugin: str, name: str) -> str:
+    """The environment variable of a setting: ``STEAD_<NAME>``, or ``STEAD_<PLUGIN>_<NAME>`` for a plugin's."""
+    parts = [plugin, name] if plugin else [name]
+    return "STEAD_" + "_".join(p.upper().replace("-", "_").replace(".", "_") for p in parts)
+
+
+def settings_env(overrides: Mapping[str, str]) -> dict[str, str]:
+    """``--set`` values as the ``STEAD_*`` variables a child process (a worker) reads them from."""
+    env = {}
+    for name, value in overrides.items():
+        plugin, dot, field = name.partition(".")
+        env[env_name(plugin, field) if dot else env_name("", name)] = str(value)
+    return env
+
+
+def load_settings(cls: type[T], plugin: str, settings: Settings | None = None,
+                  environ: Mapping[str, str] | None = None) -> T:
+    """``plugin``'s typed settings: defaults, then ``STEAD_<PLUGIN>_<NAME>``, then ``--set plugin.name`` values."""
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise ConfigError(f"plugin {plugin!r}: settings_class must be a dataclass, got {cls!r}")
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {n: env[env_name(plugin, n)] for n in _field_names(cls) if env_name(plugin, n) in env}
+    if settings is not None:
+        values.update(settings.plugin_values.get(plugin, {}))
+    try:
+        return cls(**_convert_all(cls, values, owner=plugin))
+    except TypeError as exc:  # a field without a default that nobody set
+        raise ConfigError(f"plugin {plugin!r} settings: {exc}; set it with --set {plugin}.NAME=VALUE") from None
+
+
+def settings_help(cls: type, plugin: str = "") -> str:
+    """``name=default`` for every field: the list an error shows next to an unknown name."""
+    prefix = f"{plugin}." if plugin else ""
+    return ", ".join(f"{prefix}{f.name}={f.default!r}" if f.default is not dataclasses.MISSING else prefix + f.name
+                     for f in dataclasses.fields(cls) if f.name != "plugin_values")
+
+
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.name != "plugin_values")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _convert_all(cls: type, values: Mapping[str, Any], *, owner: str) -> dict[str, Any]:
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "plugin_values"}
+    prefix = "" if owner == "stead" else f"{owner}."
+    converted: dict[str, Any] = {}
+    for name, raw in values.items():
+        field = fields.get(name)
+        if field is None:
+            whose = "stead" if owner == "stead" else f"the {owner} plugin"
+            known = settings_help(cls, "" if owner == "stead" else owner)
+            raise ConfigError(f"unknown setting {prefix + name!r}; settings of {whose}: {known}")
+        converted[name] = _convert(f"{prefix}{name}", _hints(cls)[name], raw, field)
+    return converted
+
+
+def _convert(name: str, kind: Any, raw: Any, field: dataclasses.Field[Any]) -> Any:
+    unit = " seconds" if name.endswith("_s") else ""
+    if kind is bool:
+        text = str(raw).strip().lower()
+        if isinstance(raw, bool):
+            return raw
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"setting {name}={raw!r} must be true or false (1/0)")
+    if kind in (int, float):
+        try:
+            value = kind(raw) if not isinstance(raw, str) else kind(raw.strip())
+        except (TypeError, ValueError):
+            raise ConfigError(f"setting {name}={raw!r} is not a valid {kind.__name__}"
+                              f"{' (a number of seconds)' if unit else ''}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"setting {name}={raw!r} must be a finite number{' of seconds' if unit else ''}")
+        low, high = field.metadata.get(_MIN), field.metadata.get(_MAX)
+        if value < 0:
+            raise ConfigError(f"setting {name}={raw!r} must not be negative"
+                              f"{' (it is a number of seconds)' if unit else ''}")
+        if low is not None and value < low:
+            raise ConfigError(f"setting {name}={raw!r} must be at least {low:g}{unit}")
+        if high is not None and value > high:
+            raise ConfigError(f"setting {name}={raw!r} must be at most {high:g}{unit}")
+        return value
+    if kind is str:
+        return str(raw)
+    raise ConfigError(f"setting {name} has a type stead cannot set from text ({kind!r}); use str, int, float or bool")

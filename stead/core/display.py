@@ -47,6 +47,9 @@ def format_status(job: str, state: JobState) -> str:
     lines.append(f"restarts   {state.restarts} of {max_restarts}")
     if state.checkpoint_step is not None:
         lines.append(f"checkpoint step {state.checkpoint_step}")
+    if state.deciders is not None:
+        who = ", ".join(sorted(state.deciders)) or "none: stead's default policy decides"
+        lines.append(f"deciders   {who}")
     for node_id, node in state.nodes.items():
         extra = f" exit={node.exit_code}" if node.exit_code is not None else ""
         extra += f" signal={node.signal}" if node.signal is not None else ""

@@ -7,7 +7,9 @@ connection) and *permanent* (bad input, corrupt data: retrying will not help)::
     SteadError
     ├── RetryableError
     │   ├── StoreUnavailable        the state store cannot be reached
-    │   └── RpcUnavailable          the master cannot be reached over RPC
+    │   ├── RpcUnavailable          the master cannot be reached over RPC
+    │   ├── ReactorStopped          the master stopped before it recorded a submitted event
+    │   └── MasterTaskFailed        a background task of the master kept failing: the master stopped
     └── PermanentError
         ├── ConfigError             bad configuration or command-line input
         ├── CodecError              a stored or received record cannot be decoded
@@ -28,9 +30,11 @@ __all__ = [
     "InvalidRequest",
     "LogConflict",
     "LogCorrupt",
+    "MasterTaskFailed",
     "PermanentError",
     "PlatformError",
     "PluginError",
+    "ReactorStopped",
     "RetryableError",
     "RpcUnavailable",
     "SteadError",
@@ -58,6 +62,14 @@ class StoreUnavailable(RetryableError):
 
 class RpcUnavailable(RetryableError):
     """The master's RPC endpoint could not be reached."""
+
+
+class ReactorStopped(RetryableError):
+    """The master stopped before it processed a submitted event; the next master will take it."""
+
+
+class MasterTaskFailed(RetryableError):
+    """A background task of the master kept failing; the master stopped rather than run half-blind."""
 
 
 class ConfigError(PermanentError):

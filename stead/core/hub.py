@@ -53,6 +53,9 @@ class _Node:
     last: AgentCommand | None = None
     round: int = 0
     step: int | None = None
+    #: the workers' resident memory (bytes) and CPU (% of one core) in the last heartbeat; None when unknown
+    rss_bytes: int | None = None
+    cpu_percent: float | None = None
 
 
 class AgentHub:
@@ -118,8 +121,13 @@ class AgentHub:
         node = self._node(info.node_id, info.incarnation)
         node.seen = self._clock()
         node.round, node.step = info.round, info.step
+        node.rss_bytes, node.cpu_percent = info.rss_bytes, info.cpu_percent
         await self._maybe_progress()
         return True
+
+    def resources(self) -> dict[str, tuple[int | None, float | None]]:
+        """node id -> (RSS bytes, CPU percent) of its workers, as the last heartbeat reported them."""
+        return {node_id: (node.rss_bytes, node.cpu_percent) for node_id, node in self._nodes.items()}
 
     async def commands(self, node_id: str, incarnation: int) -> AsyncIterator[AgentCommand]:
         if not self._check(node_id, incarnation):

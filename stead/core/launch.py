@@ -27,9 +27,12 @@ from collections.abc import Mapping, Sequence
 import structlog
 
 from stead.core.config import Settings
+from stead.core.entrypoints import installed
 from stead.core.errors import ConfigError, InvalidRequest
+from stead.core.plugins import GROUP as PLUGIN_GROUP
+from stead.core.plugins import check_plugin_settings
 
-__all__ = ["RunConfig", "Streams", "build_parser", "gpu_count", "parse_run_args", "worker_env"]
+__all__ = ["PLATFORM_GROUP", "RunConfig", "Streams", "build_parser", "gpu_count", "parse_run_args", "worker_env"]
 
 log = structlog.get_logger()
 
@@ -44,7 +47,7 @@ RDZV_CONF_SETTINGS: Mapping[str, str] = {
 RDZV_CONF_IGNORED = frozenset({"close_timeout", "is_host", "keep_alive_max_attempt", "read_timeout",
                                "store_type", "timeout"})
 
-PLATFORMS = ("local", "k8s")
+PLATFORM_GROUP = "stead.platforms"
 _JOB_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _STORE_URL = re.compile(r"[a-z][a-z0-9+.-]*://.*")
 
@@ -97,6 +100,10 @@ class RunConfig:
     local_ranks_filter: frozenset[int]
     store_url: str
     platform: str
+    #: plugins to run: None = every installed one
+    plugins: tuple[str, ...] | None
+    #: plugins not to run
+    disabled_plugins: tuple[str, ...]
     job_name: str
     #: the ``name=value`` overrides given (``--set`` and the mapped ``--rdzv-conf`` keys)
     settings_overrides: Mapping[str, str]
@@ -187,8 +194,14 @@ def _add_stead_flags(group: argparse._ArgumentGroup) -> None:
     add = group.add_argument
     add("--store", default=None, metavar="URL",
         help="state store: sqlite:///PATH (default sqlite:///.stead/<job>.db), etcd://HOST:PORT, or memory://")
-    add("--platform", default="local", choices=PLATFORMS,
-        help="where nodes run: 'local' (processes on this machine) or 'k8s' (pods) (default local)")
+    add("--platform", default="local", metavar="NAME",
+        help="where nodes run: 'local' (processes on this machine); other platforms install their own "
+             "(default local)")
+    add("--plugins", default=None, metavar="NAME,...",
+        help="run only these master plugins, each of which must be installed (default: every installed one); "
+             "e.g. --plugins ckpt,sharding")
+    add("--no-plugin", action="append", default=[], metavar="NAME", dest="no_plugin",
+        help="do not run this plugin (repeatable), e.g. --no-plugin diagnosis")
     add("--job-name", default=None, metavar="NAME",
         help="job name (lowercase letters, digits and '-'; at most 63); default: --rdzv-id or a generated one")
     add("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
@@ -251,6 +264,9 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
     rdzv_conf = _parse_rdzv_conf(ns.rdzv_conf)
     overrides = _settings_overrides(rdzv_conf, ns.settings, ns.shutdown_timeout)
     settings = Settings.from_mapping(overrides, base=Settings.from_env(env))
+    check_plugin_settings(settings)
+    _check_platform(ns.platform)
+    plugins, disabled = parse_plugins(ns.plugins, ns.no_plugin)
 
     job_name = _job_name(ns.job_name, ns.rdzv_id, ns.training_script)
     store_url = ns.store if ns.store is not None else f"sqlite:///.stead/{job_name}.db"
@@ -292,12 +308,38 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
         local_ranks_filter=ranks_filter,
         store_url=store_url,
         platform=ns.platform,
+        plugins=plugins,
+        disabled_plugins=disabled,
         job_name=job_name,
         settings_overrides=overrides,
         settings=settings,
         log_format=ns.log_format,
         trace=ns.trace,
     )
+
+
+def _check_platform(name: str) -> None:
+    platforms = installed(PLATFORM_GROUP)
+    if name in platforms:
+        return
+    if name == "k8s":
+        raise ConfigError("--platform k8s: the Kubernetes platform is not available in this stead version yet; "
+                          "use --platform local")
+    raise ConfigError(f"--platform {name!r} is not installed (installed: {', '.join(platforms) or 'none'}); "
+                      "pick one of them")
+
+
+def parse_plugins(enabled: str | None, disabled: Sequence[str]) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
+    names = installed(PLUGIN_GROUP)
+    off = tuple(n.strip() for item in disabled for n in item.split(",") if n.strip())
+    wanted = None if enabled is None else tuple(n.strip() for n in enabled.split(",") if n.strip())
+    for flag, listed in (("--plugins", wanted or ()), ("--no-plugin", off)):
+        unknown = [n for n in listed if n not in names]
+        if unknown:
+            raise ConfigError(f"{flag}: plugin(s) {', '.join(map(repr, unknown))} not installed (installed: "
+                              f"{', '.join(names) or 'none'}); install the package that provides them or leave "
+                              "them out")
+    return wanted, off
 
 
 def _check_at_least(value: int, minimum: int, flag: str) -> None:

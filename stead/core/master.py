@@ -1,54 +1,54 @@
-"""The master: composition root of one job's control plane.
+"""The master: composition root of one job's control plane. It only wires; the reactor is the loop.
 
 ``async with Master(config) as master`` opens the state store (retrying with
-backoff while it is unavailable), replays the job's event log, starts the RPC
-server, the plugins and the platform, and finishes whatever a previous master
-left undone. It can be embedded in any asyncio program::
+backoff while it is unavailable), builds the reactor with its effect executor
+and the plugin host, starts the plugins, the RPC server, the platform and the
+background tasks, then resumes the job from its log. It can be embedded in any
+asyncio program (:mod:`stead.embed` builds one from a job spec)::
 
     async with stead.Master(MasterConfig(job="demo", store_url="sqlite:///demo.db")) as master:
         await master.submit(JobSubmitted(job="demo", min_nodes=1, max_nodes=1, nproc_per_node=2))
         state = await master.wait()
+
+Background tasks (the heartbeat watcher, the platform's events) run in the
+master's task group under supervision: one that fails is restarted, and one
+that fails ``master_task_max_failures`` times stops the master with
+:class:`MasterTaskFailed` instead of leaving a job that no longer notices lost
+nodes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.abc
 import structlog
 
 from stead.core.config import Settings
-from stead.core.errors import ConfigError, PlatformError, RetryableError, StoreUnavailable
-from stead.core.events import Event, JobSubmitted, Record
+from stead.core.errors import MasterTaskFailed, RetryableError, StoreUnavailable
+from stead.core.events import Event, JobSubmitted, PluginsStarted, Record
 from stead.core.events.log import EventLog
+from stead.core.executor import Executor, NodeSpecFactory
 from stead.core.hub import AgentHub
-from stead.core.platform import NodeSpec, Platform
-from stead.core.plugins import Plugin, PluginContext, PluginHost, load_plugins
+from stead.core.platform import Platform
+from stead.core.plugins import PluginHost, load_plugins
 from stead.core.reactor import Reactor
-from stead.core.retry import retrying
-from stead.core.rpc import AgentServicer, KvServicer, RpcServer, Servicer, new_token, write_token_file
-from stead.core.statemachine import (
-    Effect,
-    JobState,
-    KillNode,
-    LaunchNode,
-    StartWorkers,
-    StopNode,
-    StopWorkers,
-)
+from stead.core.retry import Backoff, retrying
+from stead.core.rpc import AgentServicer, RpcServer, new_token, write_token_file
+from stead.core.statemachine import JobPhase, JobState
 from stead.core.store import StateStore, open_store
+from stead.core.tasks import TaskOwner
+from stead.core.tcpstore import RoundStores
 from stead.core.tracing import RecoveryTracer
 
-__all__ = ["Master", "MasterConfig", "open_store_retrying"]
+__all__ = ["Master", "MasterConfig", "MasterTaskFailed", "NodeSpecFactory", "open_store_retrying"]
 
 log = structlog.get_logger("stead.master")
-
-NodeSpecFactory = Callable[[str, int, str, str], NodeSpec]
-"""(node_id, incarnation, master address, token file) -> NodeSpec"""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,7 +63,7 @@ class MasterConfig:
     #: plugins to load: None = every installed one; ``plugin_objects`` are added as they are
     plugins: Sequence[str] | None = None
     disabled_plugins: Sequence[str] = ()
-    plugin_objects: Sequence[Plugin] = ()
+    plugin_objects: Sequence[Any] = ()
     host: str = "127.0.0.1"
     port: int = 0
     token: str | None = None
@@ -94,21 +94,22 @@ class Master:
         self._store: StateStore | None = None
         self._reactor: Reactor | None = None
         self._rpc: RpcServer | None = None
-        #: one torch TCPStore per round, so no round ever reads a previous round's keys
-        self._tcp_stores: dict[int, Any] = {}
-        self._tcp_addr: tuple[str, int] = (config.host, 0)
+        self.rounds = RoundStores(config.host, enabled=config.tcp_store)
         self.tracer = RecoveryTracer(job=config.job)
         self.plugin_host: PluginHost | None = None
-        self.hub = AgentHub(
-            job=config.job, settings=self.settings, submit=self.submit,
-            get_state=lambda: self.state, store_addr=lambda: self._tcp_addr,
-        )
+        self.hub = AgentHub(job=config.job, settings=self.settings, submit=self.submit, get_state=lambda: self.state,
+                            store_addr=lambda: self.rounds.latest)
 
     # -- public API --------------------------------------------------------------
 
     @property
     def state(self) -> JobState:
+        """The job's state now (a fresh job's before the master started)."""
         return self._reactor.state if self._reactor else JobState()
+
+    @property
+    def phase(self) -> JobPhase:
+        return self.state.phase
 
     @property
     def address(self) -> str:
@@ -136,9 +137,21 @@ class Master:
         elif self.state.spec != spec:
             log.info("job_resumed_with_stored_spec", job=self.config.job)
 
-    async def wait(self) -> JobState:
-        """Wait until the job has ended; return its final state."""
-        return await self.reactor.wait_until(lambda s: s.phase.terminal)
+    async def wait(self, until: JobPhase | Callable[[JobState], bool] | None = None, *,
+                   timeout_s: float | None = None) -> JobState:
+        """Wait until the job is in phase ``until`` (or it ended), ``until(state)`` holds, or (None) it ended.
+
+        Returns the state then; TimeoutError after ``timeout_s``.
+        """
+        predicate: Callable[[JobState], bool]
+        if until is None:
+            predicate = _ended
+        elif isinstance(until, JobPhase):
+            phase = until
+            predicate = lambda s: s.phase is phase or s.phase.terminal  # noqa: E731
+        else:
+            predicate = until
+        return await self.reactor.wait_until(predicate, timeout_s=timeout_s if timeout_s is not None else float("inf"))
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -151,97 +164,66 @@ class Master:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._stack.aclose()
+        try:
+            await self._stack.aclose()
+        except BaseExceptionGroup as group:  # a supervised task or the reactor failed: say which, plainly
+            errors = [e for e in _leaves(group) if not isinstance(e, anyio.get_cancelled_exc_class())]
+            if errors:
+                raise errors[0] from group
+            raise
 
     async def _start(self) -> None:
         cfg = self.config
         structlog.contextvars.bind_contextvars(job=cfg.job)
         self._store = await open_store_retrying(cfg.store_url, self.settings)
         self._stack.push_async_callback(self._store.close)
-        if cfg.tcp_store:
-            await self._start_tcp_store()
-        event_log = EventLog(self._store, cfg.job)
-        self._reactor = await self._stack.enter_async_context(
-            Reactor(event_log, self, settings=self.settings, observers=[self.tracer])
-        )
-        handlers: list[Servicer] = [AgentServicer(self.hub), KvServicer()]
-        ctx = PluginContext(
-            job=cfg.job, settings=self.settings, store=self._store, get_state=lambda: self.state,
-            emit=self.submit, add_rpc_handler=lambda handler: handlers.append(handler),  # type: ignore[arg-type]
-        )
+        self._stack.callback(self.rounds.close)
+        handlers: list[Any] = [AgentServicer(self.hub)]
         plugins = [*load_plugins(settings=self.settings, enabled=cfg.plugins, disabled=cfg.disabled_plugins),
                    *cfg.plugin_objects]
-        self.plugin_host = await self._stack.enter_async_context(PluginHost(plugins, ctx=ctx))
-        self._reactor.add_observer(lambda record, _state: self._deliver(record))
+        self.plugin_host = PluginHost(plugins, job=cfg.job, settings=self.settings, store=self._store,
+                                      state=lambda: self.state, emit=self.submit, add_rpc_handler=handlers.append)
+        executor = Executor(platform=cfg.platform, node_spec=cfg.node_spec, hub=self.hub, rounds=self.rounds,
+                            address=lambda: self.address, token_file=self.token_file)
+        self._reactor = await self._stack.enter_async_context(Reactor(
+            EventLog(self._store, cfg.job), executor, settings=self.settings, plugins=self.plugin_host,
+            observers=[self.tracer]))
+        if cfg.tcp_store:
+            await self.rounds.for_round(1)  # warms torch's import up while nothing waits
+        await self._stack.enter_async_context(self.plugin_host)
         self.token_file.parent.mkdir(parents=True, exist_ok=True)
         write_token_file(self.token_file, self.token)
         self._stack.callback(self.token_file.unlink, missing_ok=True)
         self._rpc = await self._stack.enter_async_context(
-            RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file)
-        )
+            RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file))
         if cfg.platform is not None:
             await self._stack.enter_async_context(_as_context(cfg.platform))
-        tasks = await self._stack.enter_async_context(_TaskGroup())
+        tasks = await self._stack.enter_async_context(_Supervisor(self.settings))
         if cfg.platform is not None:
-            tasks.start(self._pump_platform(cfg.platform), "platform-events")
-        tasks.start(self.hub.watch_heartbeats(), "heartbeats")
-        state = await self._reactor.resume()
-        log.info("master_ready", address=self.address, token_file=str(self.token_file), phase=state.phase.value,
-                 plugins=self.plugin_host.names, store=cfg.store_url)
-
-    def _deliver(self, record: Record) -> None:
-        if self.plugin_host is not None:
-            self.plugin_host.deliver(record)
-
-    async def _start_tcp_store(self) -> None:
-        """Warm up torch's import and host the store of the next round."""
-        await self._round_store(self.state.rdzv.round + 1)
-        self._stack.callback(self._tcp_stores.clear)  # a TCPStore server stops when its last reference goes
-
-    async def _round_store(self, round_: int) -> tuple[str, int]:
-        if not self.config.tcp_store:
-            return self._tcp_addr
-        if round_ not in self._tcp_stores:
-
-            def create() -> Any:
-                from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-                return TCPStore(self.config.host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
-
-            self._tcp_stores[round_] = await asyncio.to_thread(create)
-            for old in sorted(self._tcp_stores)[:-2]:  # keep this round's and the previous one's
-                del self._tcp_stores[old]
-        self._tcp_addr = (self.config.host, int(self._tcp_stores[round_].port))
-        return self._tcp_addr
+            platform = cfg.platform
+            tasks.start("platform-events", lambda: self._pump_platform(platform))
+        tasks.start("heartbeats", self.hub.watch_heartbeats)
+        await self._reactor.resume()
+        host = self.plugin_host
+        await self._reactor.submit_many([*host.start_failures, PluginsStarted(plugins=tuple(host.names),
+                                                                              deciders=tuple(host.deciders))])
+        log.info("master_ready", address=self.address, token_file=str(self.token_file), phase=self.state.phase.value,
+                 plugins=host.names, deciders=host.deciders, store=cfg.store_url)
 
     async def _pump_platform(self, platform: Platform) -> None:
         async for event in platform.events():
             await self.submit(event)
 
-    # -- EffectRunner ----------------------------------------------------------------
 
-    async def run(self, effect: Effect) -> None:
-        match effect:
-            case LaunchNode():
-                platform, factory = self.config.platform, self.config.node_spec
-                if platform is None or factory is None:
-                    log.info("node_wanted", node=effect.node_id, incarnation=effect.incarnation,
-                             hint="start its agent with `stead agent`")
-                    return
-                spec = factory(effect.node_id, effect.incarnation, self.address, str(self.token_file.resolve()))
-                try:
-                    await platform.launch(spec)
-                except OSError as exc:
-                    raise PlatformError(f"could not launch {effect.node_id}: {exc}") from exc
-            case KillNode():
-                if self.config.platform is not None:
-                    await self.config.platform.kill(effect.node_id, effect.incarnation)
-            case StartWorkers():
-                self.hub.send(effect, store_addr=await self._round_store(effect.round))
-            case StopWorkers() | StopNode():
-                self.hub.send(effect)
-            case _:
-                raise ConfigError(f"the master cannot run effect {effect!r}")
+def _ended(state: JobState) -> bool:
+    return state.phase.terminal
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return found
 
 
 @contextlib.asynccontextmanager
@@ -254,26 +236,39 @@ async def _as_context(platform: Platform) -> AsyncIterator[Platform]:
         yield platform
 
 
-class _TaskGroup:
-    """Background tasks owned by the master: cancelled (not awaited to completion) on exit."""
+class _Supervisor:
+    """The master's background tasks in one task group: a failed task is restarted with backoff; one that failed
+    ``master_task_max_failures`` times raises MasterTaskFailed, which stops the master."""
 
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[None]] = set()
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._tasks = TaskOwner()
 
-    async def __aenter__(self) -> _TaskGroup:
+    async def __aenter__(self) -> _Supervisor:
+        await self._tasks.__aenter__()
         return self
 
-    def start(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._report)
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._tasks.__aexit__(*exc)
 
-    @staticmethod
-    def _report(task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("master_task_failed", task=task.get_name(), error=repr(task.exception()))
+    def start(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        self._tasks.start(self._supervise, name, run, name=f"master:{name}")
 
-    async def __aexit__(self, *exc: object) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        failures = 0
+        backoff = Backoff(self._settings)
+        while True:
+            try:
+                await run()
+                return
+            except Exception as exc:
+                failures += 1
+                if failures >= self._settings.master_task_max_failures:
+                    log.error("master_task_failed", task=name, failures=failures, error=repr(exc),
+                              action="stopping the master")
+                    raise MasterTaskFailed(f"the master's {name} task failed {failures} times (last: {exc!r}); "
+                                           "the master stopped so that a new one can take over: restart it "
+                                           "(the job resumes from its log)") from exc
+                log.error("master_task_failed", task=name, failures=failures, error=repr(exc), action="restarting",
+                          exc_info=True)
+            await backoff.wait()

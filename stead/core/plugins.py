@@ -1,71 +1,154 @@
-"""Plugin contract, entry-point loading and guarded delivery.
+"""Plugins of the master: the contract, loading with typed settings, and guarded delivery.
 
-A plugin is any object with a ``name``, a tuple of event classes it
-``subscriptions`` to, and an ``async def handle(self, *, record, ctx)``; it may
-also have ``async def start(self, *, ctx)`` and ``async def stop(self)``. Hooks
-take keyword arguments only so the contract can grow without breaking plugins.
+A plugin has a ``name``, the event classes it ``subscriptions`` to, and async
+hooks that take keyword arguments only (so the contract can grow without
+breaking plugins): ``start(*, ctx)``, ``handle(*, record, ctx)`` and
+``stop(*, ctx)``. :class:`Plugin` gives every hook a default. ``ctx`` is the
+plugin's own :class:`PluginContext`: its settings, its store keys, the job's
+state at the record being handled, and the ways a plugin acts (emit events,
+request a restart or a relaunch, serve RPCs).
 
-Plugins are found through the ``stead.plugins`` entry-point group; the entry
-point names a factory called as ``factory(settings=...)``. A plugin is validated
-when it is loaded, not when first called. Every call is guarded: a timeout, a
-structured log line with the plugin's name, a ``PluginFailed`` event, and the
-plugin disabled after ``plugin_max_failures`` failures in a row. A faulty plugin
-never takes the master down.
+Plugins are found through the ``stead.plugins`` entry-point group (see
+:mod:`stead.core.entrypoints` for the rules); the entry point names a class or
+factory called as ``factory(settings=<the plugin's settings>)``. A plugin is
+validated when it is loaded, not when first called. Every call is guarded: a
+timeout, a structured log line with the plugin's name, a ``PluginFailed``
+event, and the plugin disabled after ``plugin_max_failures`` failures in a row.
+A faulty plugin never takes the master down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from importlib.metadata import EntryPoint, entry_points
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Generic, TypeVar
 
 import structlog
 
-from stead.core.config import Settings
-from stead.core.errors import PluginError
-from stead.core.events import Event, PluginFailed, Record
+from stead.core.config import Settings, load_settings
+from stead.core.entrypoints import installed, load_group, load_named
+from stead.core.errors import ConfigError, PluginError
+from stead.core.events import Event, PluginFailed, Record, RelaunchRequested, RestartRequested
 from stead.core.statemachine import JobState
 from stead.core.store.base import StateStore
 
-__all__ = ["Plugin", "PluginContext", "PluginHost", "load_plugins", "validate_plugin"]
+__all__ = [
+    "GROUP",
+    "NoSettings",
+    "Plugin",
+    "PluginContext",
+    "PluginHost",
+    "check_plugin_settings",
+    "load_plugins",
+    "validate_plugin",
+]
 
 GROUP = "stead.plugins"
 log = structlog.get_logger("stead.plugins")
 
+S = TypeVar("S")
+
 
 @dataclasses.dataclass(frozen=True)
-class PluginContext:
-    """What a plugin may use: the job's state, event emission, its own keys, the settings."""
+class NoSettings:
+    """The settings of a plugin that declares none."""
 
-    job: str
-    settings: Settings
-    store: StateStore
-    get_state: Callable[[], JobState]
-    emit: Callable[[Event], Awaitable[Record | None]]
-    #: plugins that serve RPCs (e.g. data sharding) add grpclib handlers here before the server starts
-    add_rpc_handler: Callable[[object], None]
+
+class PluginContext(Generic[S]):
+    """What one plugin may see and do. Each hook call gets one; in ``handle`` its ``state`` is the record's."""
+
+    def __init__(self, *, plugin: str, job: str, settings: S, stead_settings: Settings, store: StateStore,
+                 state: Callable[[], JobState], emit: Callable[[Event], Awaitable[Record]],
+                 add_rpc_handler: Callable[[object], None] | None,
+                 live: Callable[[], JobState] | None = None) -> None:
+        self.plugin = plugin
+        self.job = job
+        #: the plugin's own typed settings (``--set <plugin>.<name>=value``, ``STEAD_<PLUGIN>_<NAME>``)
+        self.settings = settings
+        #: stead's settings (timeouts, intervals)
+        self.stead_settings = stead_settings
+        #: the job's state store; keep your own data under :meth:`key`
+        self.store = store
+        self.log = structlog.get_logger(f"stead.plugins.{plugin}").bind(plugin=plugin)
+        self._state = state
+        self._live = live or state
+        self._emit = emit
+        self._add_rpc_handler = add_rpc_handler
 
     @property
     def state(self) -> JobState:
-        return self.get_state()
+        """The job's state: in ``handle``, as it was right after the record; elsewhere, as it is now."""
+        return self._state()
 
-    def key(self, plugin: str, name: str) -> str:
-        """A store key private to ``plugin`` within this job."""
-        return f"/stead/jobs/{self.job}/plugins/{plugin}/{name}"
+    def current_state(self) -> JobState:
+        """The job's state now (in ``handle`` it may have moved on since the record)."""
+        return self._live()
+
+    def key(self, name: str) -> str:
+        """A store key private to this plugin within this job."""
+        return f"/stead/jobs/{self.job}/plugins/{self.plugin}/{name}"
+
+    async def emit(self, event: Event) -> Record:
+        """Record ``event`` in the job's log (persisted, folded, delivered to subscribers); its record."""
+        return await self._emit(event)
+
+    async def request_restart(self, *, round: int, reason: str) -> Record:
+        """Ask to restart the workers of the running ``round`` (spends one restart); refused unless it runs."""
+        return await self._emit(RestartRequested(round=round, reason=reason, by=self.plugin))
+
+    async def request_relaunch(self, *, node_id: str, incarnation: int, reason: str) -> Record:
+        """Ask to replace a node: killed and relaunched (within its relaunch budget)."""
+        return await self._emit(RelaunchRequested(node_id=node_id, incarnation=incarnation, reason=reason,
+                                                  by=self.plugin))
+
+    def add_rpc_handler(self, servicer: object) -> None:
+        """Serve a grpclib servicer on the master's RPC server (authenticated with the job token); in start()."""
+        if self._add_rpc_handler is None:
+            raise PluginError(f"plugin {self.plugin!r}: add_rpc_handler() works only in start(), before the "
+                              "master's RPC server starts")
+        self._add_rpc_handler(servicer)
+
+    def at(self, state: JobState) -> PluginContext[S]:
+        """This context with ``state`` fixed (the state at one record)."""
+        return PluginContext(plugin=self.plugin, job=self.job, settings=self.settings,
+                             stead_settings=self.stead_settings, store=self.store, state=lambda: state,
+                             emit=self._emit, add_rpc_handler=None, live=self._live)
 
 
-@runtime_checkable
-class Plugin(Protocol):
-    name: str
-    subscriptions: tuple[type[Event], ...]
+class Plugin(Generic[S]):
+    """Base class of a master plugin; every hook is optional. Subclass with your settings type, e.g.
+    ``class MyPlugin(Plugin[MySettings])`` and ``settings_class = MySettings``."""
 
-    async def handle(self, *, record: Record, ctx: PluginContext) -> None: ...
+    #: the plugin's name: its entry point's name, its settings' namespace, its store keys' folder
+    name: ClassVar[str] = ""
+    #: the event classes whose records ``handle`` receives
+    subscriptions: ClassVar[tuple[type[Event], ...]] = ()
+    #: a frozen dataclass of the plugin's settings (None: it has none)
+    settings_class: ClassVar[type | None] = None
+    #: True when the plugin decides worker failures (emits RecoveryDecided); the job waits for it
+    #: up to ``decision_timeout_s`` before the default policy decides
+    decides_recovery: ClassVar[bool] = False
+
+    def __init__(self, *, settings: S) -> None:
+        self.settings = settings
+
+    async def start(self, *, ctx: PluginContext[S]) -> None:
+        """The master starts: load your state, register RPC handlers."""
+
+    async def handle(self, *, record: Record, ctx: PluginContext[S]) -> None:
+        """One record of a subscribed event kind, in log order."""
+
+    async def stop(self, *, ctx: PluginContext[S]) -> None:
+        """The master stops."""
 
 
-def validate_plugin(plugin: object, *, source: str) -> Plugin:
+_HOOKS = (("handle", ("record", "ctx")), ("start", ("ctx",)), ("stop", ("ctx",)))
+
+
+def validate_plugin(plugin: object, *, source: str) -> Any:
     """Check the plugin contract now, with an error that says what is missing."""
     name = getattr(plugin, "name", None)
     if not isinstance(name, str) or not name:
@@ -75,88 +158,134 @@ def validate_plugin(plugin: object, *, source: str) -> Plugin:
         raise PluginError(
             f"plugin {name!r} ({source}): 'subscriptions' must be a tuple of stead event classes, got {subs!r}"
         )
-    for hook, required in (("handle", True), ("start", False), ("stop", False)):
+    for hook, params in _HOOKS:
         fn = getattr(plugin, hook, None)
-        if fn is None and not required:
+        if fn is None:
             continue
         if not inspect.iscoroutinefunction(fn):
             raise PluginError(f"plugin {name!r} ({source}): {hook}() must be an 'async def' method")
-    params = inspect.signature(plugin.handle).parameters  # type: ignore[attr-defined]
-    if not {"record", "ctx"} <= set(params) or any(p.kind is p.POSITIONAL_ONLY for p in params.values()):
-        raise PluginError(f"plugin {name!r} ({source}): handle() must accept keyword arguments record= and ctx=")
-    return plugin  # type: ignore[return-value]
+        signature = inspect.signature(fn).parameters
+        takes_all = any(p.kind is p.VAR_KEYWORD for p in signature.values())
+        if not takes_all and not set(params) <= set(signature):
+            raise PluginError(f"plugin {name!r} ({source}): {hook}() must accept the keyword arguments "
+                              f"{', '.join(p + '=' for p in params)}")
+        if any(p.kind is p.POSITIONAL_ONLY for p in signature.values()):
+            raise PluginError(f"plugin {name!r} ({source}): {hook}() must take keyword arguments only")
+    if getattr(plugin, "handle", None) is None:
+        raise PluginError(f"plugin {name!r} ({source}) has no handle() method; subclass stead.plugin.Plugin")
+    return plugin
 
 
-def _entry_points() -> list[EntryPoint]:
-    return sorted(entry_points(group=GROUP), key=lambda ep: ep.name)
+def _settings_class(name: str, factory: object) -> type | None:
+    cls = getattr(factory, "settings_class", None)
+    if cls is not None and not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise PluginError(f"plugin {name!r}: settings_class must be a dataclass, got {cls!r}")
+    return cls
 
 
-def load_plugins(
-    *, settings: Settings, enabled: Sequence[str] | None = None, disabled: Iterable[str] = ()
-) -> list[Plugin]:
-    """Instantiate the installed plugins.
+def instantiate(name: str, factory: object, source: str, settings: Settings) -> Any:
+    """Build a plugin (or agent extension) from its entry point with its own typed settings."""
+    cls = _settings_class(name, factory)
+    own = load_settings(cls, name, settings) if cls is not None else NoSettings()
+    if not callable(factory):
+        raise PluginError(f"entry point {source} of {name!r} is not a class or factory")
+    try:
+        return factory(settings=own)
+    except (ConfigError, PluginError):
+        raise
+    except Exception as exc:
+        raise PluginError(f"plugin {name!r} ({source}) failed to start: {exc!r}; fix it or disable it "
+                          f"with --no-plugin {name}") from exc
 
-    ``enabled=None`` loads every installed plugin; an import error in one of those is
-    logged and the plugin skipped. A plugin named in ``enabled`` must load, or this
-    raises :class:`PluginError`.
-    """
-    off = set(disabled)
-    eps = {ep.name: ep for ep in _entry_points()}
-    if enabled is not None:
-        unknown = [n for n in enabled if n not in eps]
-        if unknown:
-            raise PluginError(
-                f"plugin(s) {unknown} are configured but not installed (installed: {sorted(eps) or 'none'}); "
-                "install the package that provides them or remove them from the configuration"
-            )
-    wanted = [n for n in (enabled if enabled is not None else eps) if n not in off]
-    plugins: list[Plugin] = []
-    for name in wanted:
-        ep = eps[name]
-        try:
-            factory = ep.load()
-            plugin = validate_plugin(factory(settings=settings), source=f"entry point {ep.value}")
-        except PluginError:
-            if enabled is not None:
-                raise
-            log.warning("plugin_invalid", plugin=name, entry_point=ep.value, exc_info=True)
-            continue
-        except Exception as exc:
-            if enabled is not None:
-                raise PluginError(
-                    f"plugin {name!r} failed to load from {ep.value}: {exc!r}; fix or disable it"
-                ) from exc
-            log.warning("plugin_import_failed", plugin=name, entry_point=ep.value, error=repr(exc))
-            continue
-        plugins.append(plugin)
-    return plugins
+
+def load_plugins(*, settings: Settings, enabled: Sequence[str] | None = None,
+                 disabled: Iterable[str] = ()) -> list[Any]:
+    """Instantiate the installed plugins (see :mod:`stead.core.entrypoints` for which, and what fails)."""
+
+    def build(name: str, factory: object, source: str) -> Any:
+        plugin = validate_plugin(instantiate(name, factory, source, settings), source=f"entry point {source}")
+        if plugin.name != name:
+            raise PluginError(f"plugin {plugin.name!r} is registered under the entry point name {name!r}; "
+                              "use the same name for both (it is the settings' namespace)")
+        return plugin
+
+    return load_group(GROUP, what="plugin", enabled=enabled, disabled=disabled, validate=build)
+
+
+def check_plugin_settings(settings: Settings, *, group: str = GROUP) -> None:
+    """Every ``--set plugin.name=value`` names an installed plugin and one of its settings, with a valid value."""
+    names = installed(group)
+    for plugin in settings.plugin_values:
+        if plugin not in names:
+            raise ConfigError(f"--set {plugin}.…: no plugin {plugin!r} is installed (installed: "
+                              f"{', '.join(names) or 'none'})")
+        _, factory, _ = load_named(group, plugin, what="plugin")
+        cls = _settings_class(plugin, factory)
+        if cls is None:
+            raise ConfigError(f"--set {plugin}.{next(iter(settings.plugin_values[plugin]))}: the {plugin} plugin "
+                              "has no settings")
+        load_settings(cls, plugin, settings)
+
+
+# -- delivery ------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
 class _Slot:
-    plugin: Plugin
-    queue: asyncio.Queue[Record]
+    plugin: Any
+    ctx: PluginContext[Any]
+    queue: asyncio.Queue[tuple[Record, JobState] | None]
     failures: int = 0
     disabled: bool = False
 
 
 class PluginHost:
-    """Delivers records to subscribed plugins, one ordered queue and task per plugin."""
+    """Starts the plugins, delivers ``(record, state at the record)`` to subscribers, stops them.
 
-    def __init__(self, plugins: Sequence[Plugin], *, ctx: PluginContext) -> None:
-        self.ctx = ctx
-        self._slots = [_Slot(p, asyncio.Queue()) for p in plugins]
+    One ordered queue and task per plugin: a slow plugin delays only itself.
+    """
+
+    def __init__(self, plugins: Sequence[Any], *, job: str, settings: Settings, store: StateStore,
+                 state: Callable[[], JobState], emit: Callable[[Event], Awaitable[Record]],
+                 add_rpc_handler: Callable[[object], None]) -> None:
+        self.settings = settings
+        self._emit = emit
+        self._starting = True
+        #: what went wrong while the plugins started (the log is not open for events yet): record after resume
+        self.start_failures: list[PluginFailed] = []
+
+        def adder(handler: object) -> None:
+            if not self._starting:
+                raise PluginError("add_rpc_handler() works only in start(), before the RPC server starts")
+            add_rpc_handler(handler)
+
+        async def emit_after_start(event: Event) -> Record:
+            if self._starting:
+                raise PluginError("emit() cannot be used in start(): the job's log opens after every plugin "
+                                  "started; emit from handle() or from a task started in start()")
+            return await emit(event)
+
+        self._slots = [
+            _Slot(p, PluginContext(plugin=p.name, job=job, settings=getattr(p, "settings", NoSettings()),
+                                   stead_settings=settings, store=store, state=state, emit=emit_after_start,
+                                   add_rpc_handler=adder), asyncio.Queue())
+            for p in plugins
+        ]
         self._group: asyncio.TaskGroup | None = None
 
     @property
     def names(self) -> list[str]:
         return [s.plugin.name for s in self._slots if not s.disabled]
 
+    @property
+    def deciders(self) -> list[str]:
+        """The running plugins that decide worker failures."""
+        return [s.plugin.name for s in self._slots if not s.disabled and getattr(s.plugin, "decides_recovery", False)]
+
     async def __aenter__(self) -> PluginHost:
         for slot in self._slots:
-            start = getattr(slot.plugin, "start", None)
-            if start is not None:
-                await self._guarded(slot, "start", start(ctx=self.ctx))
+            await self._hook(slot, "start")
+        self._starting = False
         self._group = asyncio.TaskGroup()
         await self._group.__aenter__()
         for slot in self._slots:
@@ -166,18 +295,21 @@ class PluginHost:
     async def __aexit__(self, *exc: object) -> None:
         assert self._group is not None
         for slot in self._slots:
-            slot.disabled = True
-            slot.queue.put_nowait(_STOP)
+            slot.queue.put_nowait(None)
         await self._group.__aexit__(None, None, None)
         for slot in self._slots:
-            stop = getattr(slot.plugin, "stop", None)
-            if stop is not None:
-                await self._guarded(slot, "stop", stop())
+            if not slot.disabled:
+                await self._hook(slot, "stop")
 
-    def deliver(self, record: Record) -> None:
+    async def _hook(self, slot: _Slot, hook: str) -> None:
+        fn = getattr(slot.plugin, hook, None)
+        if fn is not None:
+            await self._guarded(slot, hook, lambda: fn(ctx=slot.ctx), hook=hook)
+
+    def deliver(self, record: Record, state: JobState) -> None:
         for slot in self._slots:
             if not slot.disabled and isinstance(record.event, slot.plugin.subscriptions):
-                slot.queue.put_nowait(record)
+                slot.queue.put_nowait((record, state))
 
     async def drain(self) -> None:
         """Wait until every plugin has handled everything delivered so far."""
@@ -186,35 +318,41 @@ class PluginHost:
 
     async def _run(self, slot: _Slot) -> None:
         while True:
-            record = await slot.queue.get()
+            item = await slot.queue.get()
             try:
-                if record is _STOP:
+                if item is None:
                     return
+                record, state = item
                 if not slot.disabled:
-                    await self._guarded(slot, record.event.type_name, slot.plugin.handle(record=record, ctx=self.ctx))
+                    ctx = slot.ctx.at(state)
+                    await self._guarded(slot, record.event.type_name,
+                                        functools.partial(slot.plugin.handle, record=record, ctx=ctx), hook="handle")
             finally:
                 slot.queue.task_done()
 
-    async def _guarded(self, slot: _Slot, what: str, call: Awaitable[Any]) -> None:
+    async def _guarded(self, slot: _Slot, what: str, call: Callable[[], Awaitable[Any]], *, hook: str) -> None:
         name = slot.plugin.name
+        timeout = self.settings.plugin_timeout_s
         try:
-            async with asyncio.timeout(self.ctx.settings.plugin_timeout_s):
-                await call
+            async with asyncio.timeout(timeout):
+                returned = await call()
+            if returned is not None:
+                raise PluginError(f"{hook}() returned {returned!r:.80}; a plugin hook must return None")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            timeout = self.ctx.settings.plugin_timeout_s
-            error = f"timed out after {timeout:g} s" if isinstance(exc, TimeoutError) else repr(exc)
+            error = f"timed out after {timeout:g} s (plugin_timeout_s)" if isinstance(exc, TimeoutError) else repr(exc)
             slot.failures += 1
-            slot.disabled = slot.failures >= self.ctx.settings.plugin_max_failures
+            slot.disabled = slot.failures >= self.settings.plugin_max_failures
             log.error("plugin_failed", plugin=name, call=what, error=error, failures=slot.failures,
-                      disabled=slot.disabled, exc_info=not isinstance(exc, TimeoutError))
+                      disabled=slot.disabled, exc_info=not isinstance(exc, (TimeoutError, PluginError)))
+            failed = PluginFailed(plugin=name, event_type=what, error=error, disabled=slot.disabled)
+            if self._starting:
+                self.start_failures.append(failed)
+                return
             try:
-                await self.ctx.emit(PluginFailed(plugin=name, event_type=what, error=error, disabled=slot.disabled))
+                await self._emit(failed)
             except Exception:  # the log line above already tells the story
                 log.exception("plugin_failure_not_recorded", plugin=name)
         else:
             slot.failures = 0
-
-
-_STOP: Any = Record(seq=-1, at=0.0, event=PluginFailed(plugin="", event_type="", error=""))

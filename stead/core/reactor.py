@@ -1,15 +1,31 @@
-"""The reactor: persist each event, fold it, run its effects, tell the plugins.
+"""The reactor: a job's whole control loop, one record at a time.
 
-Order for every event: append to the log (durable first) -> fold through the
-pure job machine -> run the effects -> deliver to subscribed plugins. Events are
-applied one at a time in log order (one job is one entity queue here; the
-machines are cheap, the store round trip dominates).
+Every event, whoever submits it (an agent's RPC, the platform, a timer, a
+plugin), goes through the same four steps, in this order::
 
-Effects run at most once across master restarts: before running an effect the
-reactor creates the key ``/stead/jobs/<job>/effects/<effect id>``; an effect
-whose key exists already ran. An ``Emit`` effect's key is created in the same
-atomic step as the event it appends, so a follow-up event is never lost nor
-appended twice. Timers are re-armed from the log on resume.
+    submit(event) ─▶ inbox ─▶ 1. persist  append to the event log: durable before anything acts on it
+                              2. fold     the pure job machine (statemachine.fold): new state + effects
+                              3. act      Emit: its event appended with its effect id, atomically
+                                          StartTimer: armed (the armed timers are part of the state)
+                                          others: claimed in the store, run by the executor, marked done
+                              4. tell     observers and plugins get (record, the state at that record)
+
+Follow-up records (an emitted event, an ``EffectFailed``, a ``TransitionRejected``)
+go through the same steps before the next submission. One task of the reactor's
+own runs the loop, so a caller that is cancelled while it waits does not leave a
+record persisted but not folded: the record is processed anyway, the caller just
+stops waiting. Submissions waiting together are appended in one store write.
+
+Effects run at most once across master restarts and are never lost to one: an
+effect's key ``/stead/jobs/<job>/effects/<id>`` is created (``running``) before it
+runs and marked ``done`` or ``failed`` after. A resumed master re-derives the
+effects of the records after its snapshot; it skips those marked done or failed
+and runs again those left ``running`` by a master that died (effects are
+idempotent by their ids). An effect that raises or outlasts ``effect_timeout_s``
+becomes an ``EffectFailed`` event for the machine to decide on, never a log line
+only. A store that stays unreachable while the loop must write (past
+``retry_deadline_s``) stops the reactor with the error: the master fails loudly
+and its successor replays the log.
 """
 
 from __future__ import annotations
@@ -17,60 +33,86 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
+import anyio
+import anyio.abc
 import structlog
 
 from stead.core.config import Settings
-from stead.core.errors import CodecError, LogCorrupt, SteadError
-from stead.core.events import Event, Record, TimerFired, TransitionRejected
+from stead.core.errors import CodecError, LogConflict, LogCorrupt, ReactorStopped, RetryableError, SteadError
+from stead.core.events import EffectFailed, Event, Record, TimerFired, TransitionRejected
 from stead.core.events.log import EventLog, job_prefix
+from stead.core.retry import retrying
 from stead.core.serde import from_json, to_json
-from stead.core.statemachine import Effect, Emit, JobState, StartTimer, transition
+from stead.core.statemachine import Effect, Emit, JobState, StartTimer, fold
+from stead.core.tasks import TaskOwner
 
-__all__ = ["EffectRunner", "Reactor"]
+__all__ = ["EffectRunner", "PluginSink", "Reactor", "ReactorStopped"]
 
 log = structlog.get_logger("stead.reactor")
 
+_RUNNING, _DONE, _FAILED = b"running", b"done", b"failed"
+#: most events appended in one store write (an emitted event's effect key rides along)
+_MAX_BATCH = 64
+
 
 class EffectRunner(Protocol):
-    """Carries out effects other than Emit and StartTimer. Must not call ``Reactor.submit`` inline."""
+    """Carries out effects other than Emit and StartTimer; raises when it cannot."""
 
     async def run(self, effect: Effect) -> None: ...
 
 
+class PluginSink(Protocol):
+    """Where records go after they are processed (the plugin host): must not block."""
+
+    def deliver(self, record: Record, state: JobState) -> None: ...
+
+
+Observer = Callable[[Record, JobState], None]
+
+
+@dataclasses.dataclass
+class _Submission:
+    events: Sequence[Event]
+    done: asyncio.Future[list[Record]]
+
+
 class Reactor:
+    """``async with Reactor(log, executor, settings=...) as r: await r.resume(); await r.submit(event)``."""
+
     def __init__(
         self,
         event_log: EventLog,
-        runner: EffectRunner,
+        executor: EffectRunner,
         *,
         settings: Settings,
+        plugins: PluginSink | None = None,
+        observers: Sequence[Observer] = (),
         clock: Callable[[], float] = time.time,
-        observers: Sequence[Callable[[Record, JobState], None]] = (),
     ) -> None:
         self.log = event_log
-        self.runner = runner
+        self.executor = executor
         self.settings = settings
-        self._clock = clock
+        self.plugins = plugins
         self._observers = list(observers)
+        self._clock = clock
         self._state = JobState()
-        self._lock = asyncio.Lock()
-        self._changed = asyncio.Condition()
-        self._timers: dict[str, float] = {}
+        self._inbox: collections.deque[_Submission] = collections.deque()
+        self._wake = asyncio.Event()
+        self._changed = asyncio.Event()
         self._scheduled: set[str] = set()
-        self._timer_tasks: set[asyncio.Task[None]] = set()
-        self._group: asyncio.TaskGroup | None = None
+        self._tasks = TaskOwner()
         self._since_snapshot = 0
+        self._stopped: BaseException | None = None
 
     @property
     def state(self) -> JobState:
         return self._state
-
-    def add_observer(self, observer: Callable[[Record, JobState], None]) -> None:
-        self._observers.append(observer)
 
     def _effect_key(self, effect: Effect) -> str:
         return f"{job_prefix(self.log.job)}effects/{effect.id}"
@@ -78,149 +120,273 @@ class Reactor:
     # -- lifecycle ---------------------------------------------------------------
 
     async def __aenter__(self) -> Reactor:
-        self._group = asyncio.TaskGroup()
-        await self._group.__aenter__()
+        await self._tasks.__aenter__()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        assert self._group is not None
-        for task in self._timer_tasks:  # pending timers die with the reactor; resume re-arms them
-            task.cancel()
-        await self._group.__aexit__(None, None, None)
+        try:
+            await self._tasks.__aexit__(*exc)
+        finally:
+            self._fail_waiting(ReactorStopped(f"the master of job {self.log.job!r} stopped before it recorded "
+                                              "this; retry against the next master"))
 
     async def resume(self) -> JobState:
-        """Rebuild the state from snapshot + log, then finish what a previous master left undone."""
-        async with self._lock:
-            state, timers = await self._load_snapshot()
-            pending: list[Effect] = []
-            for record in await self.log.read(state.seq + 1):
-                result = transition(state, record.event, now=record.at, seq=record.seq)
-                state = result.state if result.rejected is None else _with_seq(state, record.seq)
-                self._track_timers(record.event, result.effects, timers)
-                pending.extend(result.effects)
-            self._state, self._timers = state, timers
-            log.info("reactor_resumed", job=self.log.job, seq=state.seq, phase=state.phase.value,
-                     pending_effects=len(pending))
-            for effect in pending:
-                await self._run_effect(effect, resuming=True)
-            for name, at in self._timers.items():
-                self._schedule(name, at)
+        """Rebuild the state from snapshot + log, finish what a previous master left undone, then serve."""
+        assert self._tasks.running, "use the reactor inside `async with`"
+        state = await self._load_snapshot()
+        pending: list[Effect] = []
+        for record in await self.log.read(state.seq + 1):
+            result = fold(state, record)
+            state = result.state
+            pending.extend(result.effects)
+        self._state = state
+        log.info("reactor_resumed", job=self.log.job, seq=state.seq, phase=state.phase.value,
+                 pending_effects=len(pending))
+        queue: collections.deque[Record] = collections.deque()
+        await self._act(pending, queue, resuming=True)
+        await self._process(queue)
+        self._arm_timers()
+        self._tasks.start(self._serve, name=f"reactor:{self.log.job}")
+        self._notify()
         return self._state
 
-    async def _load_snapshot(self) -> tuple[JobState, dict[str, float]]:
+    async def _load_snapshot(self) -> JobState:
         try:
             snapshot = await self.log.load_snapshot()
             if snapshot is None:
-                return JobState(), {}
+                return JobState()
             state = from_json(JobState, snapshot.body["state"])
-            timers = {str(k): float(v) for k, v in snapshot.body.get("timers", {}).items()}
-            return state, timers
-        except (LogCorrupt, CodecError, KeyError, TypeError, ValueError) as exc:
+            older_timers = snapshot.body.get("timers")  # snapshots before timers were part of the state
+            if older_timers and not state.timers:
+                state = dataclasses.replace(state, timers={str(k): float(v) for k, v in older_timers.items()})
+            return state
+        except (LogCorrupt, CodecError, KeyError, TypeError, ValueError, AttributeError) as exc:
             log.warning("snapshot_unusable", job=self.log.job, error=str(exc), action="replaying the whole log")
-            return JobState(), {}
+            return JobState()
 
-    # -- events ----------------------------------------------------------------
+    # -- submissions --------------------------------------------------------------
 
     async def submit(self, event: Event) -> Record:
-        """Persist ``event`` and apply it with everything it causes."""
+        """Persist ``event`` and apply it with everything it causes; returns its record."""
         (record,) = await self.submit_many([event])
         return record
 
     async def submit_many(self, events: Sequence[Event]) -> list[Record]:
-        """Persist ``events`` in one atomic append, then apply them in order."""
-        async with self._lock:
-            records = await self.log.append_many(events)
-            await self._process(records)
-        return records
+        """Persist ``events`` with consecutive seqs, then apply them in order (a cancelled caller's events too)."""
+        if self._stopped is not None:
+            raise ReactorStopped(f"the master of job {self.log.job!r} has stopped: {self._stopped}")
+        submission = _Submission(list(events), asyncio.get_running_loop().create_future())
+        self._inbox.append(submission)
+        self._wake.set()
+        return await asyncio.shield(submission.done)
 
-    async def _process(self, records: Sequence[Record]) -> None:
+    async def _serve(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._inbox:
+                    await self._take_batch()
+        except BaseException as exc:
+            self._stopped = exc
+            self._notify()
+            raise
+
+    async def _take_batch(self) -> None:
+        batch: list[_Submission] = []
+        count = 0
+        while self._inbox and (not batch or count + len(self._inbox[0].events) <= _MAX_BATCH):
+            submission = self._inbox.popleft()
+            batch.append(submission)
+            count += len(submission.events)
+        try:
+            records = await self.log.append_many([e for s in batch for e in s.events])
+        except LogConflict:
+            raise  # another master writes this log: this one must stop
+        except SteadError as exc:  # nothing was persisted: the caller gets the error (and may retry)
+            if len(batch) == 1:
+                _settle(batch[0].done, exc=exc)
+            else:  # one bad event (not encodable, too large for the store) must not fail the others
+                self._inbox.extendleft(reversed(batch))
+                await self._take_one()
+            return
+        await self._apply(batch, records)
+
+    async def _take_one(self) -> None:
+        submission = self._inbox.popleft()
+        try:
+            records = await self.log.append_many(submission.events)
+        except LogConflict:
+            raise
+        except SteadError as exc:
+            _settle(submission.done, exc=exc)
+            return
+        await self._apply([submission], records)
+
+    async def _apply(self, batch: list[_Submission], records: list[Record]) -> None:
         queue = collections.deque(records)
+        try:
+            await self._process(queue)
+        except BaseException as exc:
+            for submission in batch:
+                _settle(submission.done, exc=ReactorStopped(f"the master failed while applying this event: {exc!r}"))
+            raise
+        at = 0
+        for submission in batch:
+            _settle(submission.done, result=records[at:at + len(submission.events)])
+            at += len(submission.events)
+        self._notify()  # after the submitters got their records: a waiter sees the whole submission applied
+
+    def _fail_waiting(self, exc: BaseException) -> None:
+        self._stopped = self._stopped or exc
+        while self._inbox:
+            _settle(self._inbox.popleft().done, exc=exc)
+        self._notify()
+
+    # -- the four steps -------------------------------------------------------------
+
+    async def _process(self, queue: collections.deque[Record]) -> None:
+        """Fold, act and tell for every record in ``queue`` and for the records they cause."""
         while queue:
             record = queue.popleft()
-            result = transition(self._state, record.event, now=record.at, seq=record.seq)
+            result = fold(self._state, record)
+            self._state = result.state
             if result.rejected is not None:
-                self._state = _with_seq(self._state, record.seq)
                 log.warning("transition_rejected", job=self.log.job, seq=record.seq,
                             kind=record.event.type_name, reason=result.rejected)
                 if not isinstance(record.event, TransitionRejected):
                     rejected = TransitionRejected(event_type=record.event.type_name, seq=record.seq,
                                                   reason=result.rejected)
-                    queue.extend(await self.log.append_many([rejected]))
-            else:
-                self._state = result.state
-            self._track_timers(record.event, result.effects, self._timers)
-            for observer in self._observers:
-                observer(record, self._state)
-            for effect in result.effects:
-                if isinstance(effect, Emit):
-                    queue.extend(await self.log.append_many([effect.event], extra=[(self._effect_key(effect), b"")]))
-                else:
-                    await self._run_effect(effect, resuming=False)
+                    queue.extend(await self._write(functools.partial(self.log.append_many, [rejected])))
+            await self._act(result.effects, queue, resuming=False)
+            self._tell(record)
             await self._maybe_snapshot()
-        async with self._changed:
-            self._changed.notify_all()
 
-    async def _run_effect(self, effect: Effect, *, resuming: bool) -> None:
-        if isinstance(effect, StartTimer):
-            self._schedule(effect.name, effect.at)
-            return
-        key = self._effect_key(effect)
-        if isinstance(effect, Emit):  # only reached on resume: append unless a previous master did
-            if await self.log.store.get(key) is None:
-                await self._process(await self.log.append_many([effect.event], extra=[(key, b"")]))
-            return
-        if not await self.log.store.compare_and_put(key, b"", expected_mod_revision=0):
-            if not resuming:
-                log.warning("effect_already_ran", job=self.log.job, effect=effect.id)
-            return
-        try:
-            await self.runner.run(effect)
-        except SteadError as exc:
-            log.error("effect_failed", job=self.log.job, effect=effect.id, error=str(exc))
-
-    def _track_timers(self, event: Event, effects: Sequence[Effect], timers: dict[str, float]) -> None:
+    async def _act(self, effects: Sequence[Effect], queue: collections.deque[Record], *, resuming: bool) -> None:
+        """Emits appended (in order), timers armed, the other effects run concurrently."""
+        others: list[Effect] = []
         for effect in effects:
             if isinstance(effect, StartTimer):
-                timers.setdefault(effect.name, effect.at)
-        if isinstance(event, TimerFired):
-            timers.pop(event.name, None)
-
-    def _schedule(self, name: str, at: float) -> None:
-        if name in self._scheduled or self._group is None:
+                continue  # armed from the state's timers
+            if isinstance(effect, Emit):
+                queue.extend(await self._emit(effect, resuming=resuming))
+            else:
+                others.append(effect)
+        self._arm_timers()
+        if not others:
             return
-        self._scheduled.add(name)
-        task = self._group.create_task(self._fire(name, at), name=f"timer:{name}")
-        self._timer_tasks.add(task)
-        task.add_done_callback(self._timer_tasks.discard)
+        failures: list[EffectFailed] = []
+        async with anyio.create_task_group() as tg:
+            for effect in others:
+                tg.start_soon(self._run_effect, effect, resuming, failures)
+        if failures:
+            queue.extend(await self._write(lambda: self.log.append_many(failures)))
+
+    async def _emit(self, effect: Emit, *, resuming: bool) -> list[Record]:
+        """Append the emitted event together with its effect key (unless a previous master did)."""
+        key = self._effect_key(effect)
+        if resuming and await self._write(lambda: self.log.store.get(key)) is not None:
+            return []
+        records: list[Record] = await self._write(lambda: self.log.append_many([effect.event], extra=[(key, b"")]))
+        return records
+
+    async def _run_effect(self, effect: Effect, resuming: bool, failures: list[EffectFailed]) -> None:
+        key = self._effect_key(effect)
+        if not await self._write(lambda: self.log.store.compare_and_put(key, _RUNNING, expected_mod_revision=0)):
+            claim = await self._write(lambda: self.log.store.get(key))
+            if claim is None or claim.value != _RUNNING or not resuming:
+                if not resuming:
+                    log.warning("effect_already_ran", job=self.log.job, effect=effect.id)
+                return
+            log.info("effect_rerun", job=self.log.job, effect=effect.id,
+                     reason="a previous master died while it ran")
+        try:
+            with anyio.fail_after(self.settings.effect_timeout_s):
+                await self.executor.run(effect)
+        except Exception as exc:
+            error = (f"did not finish within effect_timeout_s={self.settings.effect_timeout_s:g} s"
+                     if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}")
+            log.error("effect_failed", job=self.log.job, effect=effect.id, error=error)
+            failures.append(EffectFailed(effect_id=effect.id, kind=effect.kind, error=error,
+                                         node_id=getattr(effect, "node_id", None),
+                                         incarnation=getattr(effect, "incarnation", None),
+                                         round=getattr(effect, "round", None)))
+            outcome = _FAILED
+        else:
+            outcome = _DONE
+        await self._write(lambda: self.log.store.put(key, outcome))
+
+    def _tell(self, record: Record) -> None:
+        for observer in self._observers:
+            try:
+                observer(record, self._state)
+            except Exception:  # an observer (tracing) must never stop the job
+                log.exception("observer_failed", job=self.log.job, seq=record.seq)
+        if self.plugins is not None:
+            self.plugins.deliver(record, self._state)
+
+    async def _write(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """A store call the loop cannot skip: retried while the store is away, fatal past the deadline."""
+        return await retrying(call, self.settings, what=f"event log of job {self.log.job}")
+
+    # -- timers ------------------------------------------------------------------------
+
+    def _arm_timers(self) -> None:
+        if not self._tasks.running:
+            return
+        for name, at in self._state.timers.items():
+            if name not in self._scheduled:
+                self._scheduled.add(name)
+                self._tasks.start(self._fire, name, at, name=f"timer:{name}")
 
     async def _fire(self, name: str, at: float) -> None:
-        await asyncio.sleep(max(0.0, at - self._clock()))
+        await anyio.sleep(max(0.0, at - self._clock()))
         self._scheduled.discard(name)  # the machine may arm a timer of the same name again later
-        if name in self._timers:
-            await self.submit(TimerFired(name=name))
+        if name in self._state.timers:
+            try:
+                await self.submit(TimerFired(name=name))
+            except RetryableError as exc:  # the store is away: fire again once it is back
+                log.warning("timer_not_recorded", job=self.log.job, timer=name, error=str(exc))
+                self._arm_timers()
+
+    # -- snapshots and waiting ------------------------------------------------------------
 
     async def _maybe_snapshot(self) -> None:
         self._since_snapshot += 1
         if self._since_snapshot < self.settings.snapshot_every:
             return
         self._since_snapshot = 0
-        await self.snapshot()
+        await self._write(self.snapshot)
 
     async def snapshot(self) -> None:
         """Save the folded state so a restarted master replays only what follows; bound the store's history."""
-        body = {"state": to_json(self._state), "timers": dict(self._timers)}
-        await self.log.save_snapshot(self._state.seq, body)
+        await self.log.save_snapshot(self._state.seq, {"state": to_json(self._state)})
         keep = self.settings.store_history_keep
         revision = await self.log.store.revision()
         if keep and revision > keep:
             await self.log.store.compact(revision - keep)
 
-    async def wait_until(self, predicate: Callable[[JobState], bool]) -> JobState:
-        """Return the state as soon as ``predicate`` holds for it."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: predicate(self._state))
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_until(self, predicate: Callable[[JobState], bool], *, timeout_s: float = math.inf) -> JobState:
+        """The state as soon as ``predicate`` holds for it; TimeoutError after ``timeout_s``."""
+        with anyio.fail_after(timeout_s):
+            while not predicate(self._state) and self._stopped is None:
+                await self._changed.wait()
+        if not predicate(self._state):
+            raise ReactorStopped(f"the master of job {self.log.job!r} stopped ({self._stopped!r}) before "
+                                 "the awaited state was reached")
         return self._state
 
 
-def _with_seq(state: JobState, seq: int) -> JobState:
-    return dataclasses.replace(state, seq=max(seq, state.seq))
+def _settle(future: asyncio.Future[list[Record]], *, result: list[Record] | None = None,
+            exc: BaseException | None = None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+        future.exception()  # a caller that went away must not leave "exception never retrieved" behind
+    else:
+        future.set_result(result or [])

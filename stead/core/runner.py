@@ -9,13 +9,13 @@ Bad input is one clear line on stderr and exit code 2, before anything starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
-from importlib.metadata import entry_points
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import structlog
@@ -23,26 +23,23 @@ import structlog
 from stead.core.agent.main import RUN_ARGV_ENV
 from stead.core.config import Settings
 from stead.core.display import format_status
+from stead.core.entrypoints import load_named
 from stead.core.errors import ConfigError, SteadError
 from stead.core.events import JobStopped, JobSubmitted
-from stead.core.launch import RunConfig, parse_run_args
+from stead.core.launch import PLATFORM_GROUP, RunConfig, parse_run_args
 from stead.core.master import Master, MasterConfig, open_store_retrying
 from stead.core.platform import NodeSpec, Platform
 from stead.core.statemachine import JobPhase, JobState
 
-__all__ = ["agent_spec_factory", "job_submitted", "load_platform", "main", "run_job"]
+__all__ = ["agent_spec_factory", "job_submitted", "load_platform", "main", "run_job", "started_job"]
 
 log = structlog.get_logger("stead.run")
 
 
 async def load_platform(name: str, settings: Settings) -> Platform:
     """The platform registered under ``name`` in the ``stead.platforms`` entry-point group."""
-    eps = {ep.name: ep for ep in entry_points(group="stead.platforms")}
-    if name not in eps:
-        raise ConfigError(f"platform {name!r} is not installed (installed: {', '.join(sorted(eps)) or 'none'}); "
-                          "pick one with --platform")
-    factory = eps[name].load()
-    platform = factory(settings=settings)
+    _, factory, _ = load_named(PLATFORM_GROUP, name, what="platform", hint="pick one with --platform")
+    platform = factory(settings=settings)  # type: ignore[operator]
     if inspect.isawaitable(platform):
         platform = await platform
     return platform  # type: ignore[no-any-return]
@@ -72,17 +69,22 @@ def job_submitted(config: RunConfig) -> JobSubmitted:
         job=config.job_name, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
         nproc_per_node=config.nproc_per_node, max_restarts=config.max_restarts, entrypoint=config.entrypoint,
         last_call_timeout_s=config.last_call_timeout_s, join_timeout_s=config.join_timeout_s,
+        decision_timeout_s=config.settings.decision_timeout_s,
     )
 
 
-async def run_job(config: RunConfig, argv: Sequence[str]) -> JobState:
+@contextlib.asynccontextmanager
+async def started_job(config: RunConfig, argv: Sequence[str], *, token_file: str | None = None,
+                      host: str = "127.0.0.1") -> AsyncIterator[Master]:
+    """A master running the job ``config`` describes (``argv``: its `stead run` arguments), submitted."""
     settings = config.settings
     store = await open_store_retrying(config.store_url, settings)  # fail early and clearly when it is down
     await store.close()
     platform = await load_platform(config.platform, settings)
     master_config = MasterConfig(
         job=config.job_name, store_url=config.store_url, settings=settings, platform=platform,
-        node_spec=agent_spec_factory(config, argv),
+        node_spec=agent_spec_factory(config, argv), plugins=config.plugins, disabled_plugins=config.disabled_plugins,
+        token_file=token_file, host=host,
     )
     async with Master(master_config) as master:
         if master.state.phase.terminal:
@@ -91,6 +93,12 @@ async def run_job(config: RunConfig, argv: Sequence[str]) -> JobState:
         await master.submit_job(job_submitted(config))
         log.info("job_submitted", job=config.job_name, nodes=f"{config.min_nodes}:{config.max_nodes}",
                  nproc_per_node=config.nproc_per_node, store=config.store_url)
+        yield master
+
+
+async def run_job(config: RunConfig, argv: Sequence[str]) -> JobState:
+    settings = config.settings
+    async with started_job(config, argv) as master:
         async with asyncio.TaskGroup() as tasks:
             helpers = [tasks.create_task(_report_waiting(master)), tasks.create_task(_stop_on_signal(master))]
             await master.wait()

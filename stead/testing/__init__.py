@@ -1,0 +1,10 @@
+"""Test helpers shipped with stead: fakes and harnesses for plugin authors and stead's own tests.
+
+- :func:`plugin_master`, :func:`make_plugin`, :func:`settle`: a plugin against a real master;
+- :class:`~stead.testing.platforms.RecordingPlatform`: a Platform that runs nothing and records;
+- :mod:`stead.testing.replay`: fold events without IO; :mod:`stead.testing.etcd`: a real etcd server.
+"""
+
+from stead.testing.master import make_plugin, plugin_master, settle
+
+__all__ = ["make_plugin", "plugin_master", "settle"]

@@ -1,10 +1,11 @@
 """Fold events through the job machine the way the reactor does, without any IO.
 
 Tests (and tools that inspect recorded logs) need the reactor's folding rules
-without a store, a clock or a platform. Two modes, as in the reactor:
+without a store, a clock or a platform: this module applies the same
+:func:`stead.core.statemachine.fold` the reactor does. Two modes, as in the reactor:
 
 * live (``follow_emits=True``, like ``Reactor.submit``): every event gets the
-  next ``seq`` and is folded with :func:`stead.core.statemachine.transition`;
+  next ``seq`` and is folded;
   the events of its ``Emit`` effects, and a ``TransitionRejected`` for an event
   that was refused, are queued behind it and folded before the next input.
   The reactor appends an emitted event together with its effect id, so the same
@@ -15,7 +16,7 @@ without a store, a clock or a platform. Two modes, as in the reactor:
 
 A refused event leaves the state as it was except for ``seq``. Effects other
 than ``Emit`` are only collected; timers never fire by themselves: pass
-``TimerFired`` events explicitly.
+``TimerFired`` events explicitly (the armed ones are in ``state.timers``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from collections import deque
 from collections.abc import Iterable
 
 from stead.core.events import Event, Record, TransitionRejected
-from stead.core.statemachine import Effect, Emit, JobState, Transition, transition
+from stead.core.statemachine import Effect, Emit, JobState, Transition
+from stead.core.statemachine import fold as fold_record
 
 __all__ = ["DuplicateEmit", "Folder", "Replay", "Step", "fold", "replay"]
 
@@ -100,12 +102,9 @@ class Folder:
         while pending:
             event, cause = pending.popleft()
             before = self.state
-            result = transition(before, event, now=at, seq=seq)
+            result = fold_record(before, Record(seq=seq, at=at, event=event))
             taken.append(Step(seq=seq, event=event, cause=cause, before=before, result=result))
-            if result.rejected is None:
-                self.state = result.state
-            else:
-                self.state = dataclasses.replace(before, seq=max(seq, before.seq))
+            self.state = result.state
             self._last_seq = max(self._last_seq, seq)
             if self.follow_emits:
                 pending.extend(self._follow_ups(event, seq, result))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -15,11 +16,12 @@ from stead.core.config import Settings
 from stead.core.errors import InvalidRequest, StoreUnavailable
 from stead.core.events import JobSubmitted, PluginFailed, Record, RoundStarted, WorkerFailed
 from stead.core.events.log import EventLog
-from stead.core.master import Master, MasterConfig
-from stead.core.platform import NodeSpec
+from stead.core.master import Master, MasterConfig, MasterTaskFailed
+from stead.core.platform import NodeSpec, PlatformEvent
 from stead.core.rpc import HeartbeatInfo, MasterClient, RegisterInfo, StartWorkersCmd, StopNodeCmd
 from stead.core.statemachine import JobPhase, NodePhase
 from stead.core.store import open_store
+from stead.core.tcpstore import RoundStores
 from stead.testing.platforms import RecordingPlatform
 
 pytestmark = pytest.mark.anyio
@@ -62,8 +64,7 @@ async def test_registration_heartbeat_and_commands_work_end_to_end(tmp_path: Pat
             start = await _next(commands)
             assert isinstance(start, StartWorkersCmd)
             assert (start.round, start.node_rank, start.world_size) == (1, 0, 2)
-            beat = HeartbeatInfo(node_id="node-0", incarnation=1, round=1, step=None, workers_alive=2,
-                                 rss_bytes=0, cpu_percent=0.0)
+            beat = HeartbeatInfo(node_id="node-0", incarnation=1, round=1, step=None, workers_alive=2)
             assert await client.heartbeat(beat) is True
             assert await client.heartbeat(HeartbeatInfo(**{**beat.__dict__, "incarnation": 7})) is False
             with pytest.raises(InvalidRequest, match="node-9 incarnation 1 is not a live node"):
@@ -108,7 +109,8 @@ async def test_a_restarted_master_resumes_with_the_same_state_and_no_repeated_ef
         await task
 
     async with Master(_config(tmp_path, store_url, second_platform, job)) as master:
-        assert master.state == state_before
+        assert state_before is not None
+        assert dataclasses.replace(master.state, seq=0) == dataclasses.replace(state_before, seq=0)
         assert master.state.nodes["node-0"].phase is NodePhase.JOINED
         await master.submit_job(_job(2))  # the same job again: resumed, not re-submitted
         async with MasterClient(master.address, master.token, call_timeout_s=5) as client:
@@ -182,8 +184,7 @@ async def test_a_node_whose_heartbeats_stop_is_lost_killed_and_relaunched(tmp_pa
             await client.register(_register("node-0"))
             await client.register(_register("node-1"))
             await master.reactor.wait_until(lambda s: s.phase is JobPhase.RUNNING)
-            beat = HeartbeatInfo(node_id="node-0", incarnation=1, round=1, step=None, workers_alive=2,
-                                 rss_bytes=0, cpu_percent=0.0)
+            beat = HeartbeatInfo(node_id="node-0", incarnation=1, round=1, step=None, workers_alive=2)
             with anyio.fail_after(20):
                 while master.state.nodes["node-1"].incarnation == 1:  # node-0 keeps beating, node-1 is silent
                     await client.heartbeat(beat)
@@ -192,3 +193,41 @@ async def test_a_node_whose_heartbeats_stop_is_lost_killed_and_relaunched(tmp_pa
     assert state.nodes["node-0"].phase is NodePhase.JOINED
     assert state.phase is JobPhase.RECOVERING and state.rdzv.active is False
     assert ("node-1", 1) in platform.kills and ("node-1", 2) in platform.launches
+
+
+class _BrokenPlatform(RecordingPlatform):
+    """A platform whose event stream dies at once, every time it is read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def events(self) -> AsyncIterator[PlatformEvent]:  # type: ignore[override]
+        self.reads += 1
+        return self._fail()
+
+    async def _fail(self) -> AsyncIterator[PlatformEvent]:
+        raise RuntimeError("the platform's watch broke")
+        yield  # an async generator
+
+
+async def test_a_master_task_that_keeps_dying_is_restarted_then_stops_the_master_loudly(tmp_path: Path) -> None:
+    platform = _BrokenPlatform()
+    settings = Settings(master_task_max_failures=3, retry_initial_s=0.01, retry_max_s=0.02)
+    config = MasterConfig(job="dying", settings=settings, platform=platform, node_spec=_spec, plugins=[],
+                          token_file=str(tmp_path / "t"), tcp_store=False)
+    with pytest.raises(MasterTaskFailed, match=r"platform-events task failed 3 times .*the platform's watch broke"):
+        async with Master(config) as master:
+            with anyio.fail_after(20):
+                await master.wait()  # never ends by itself: the master must stop with the task's error
+    assert platform.reads == 3
+
+
+async def test_the_nodes_of_a_round_started_concurrently_share_one_rendezvous_store() -> None:
+    rounds = RoundStores("127.0.0.1", enabled=True)
+    try:
+        addresses = await asyncio.gather(*(rounds.for_round(2) for _ in range(4)))
+        assert len(set(addresses)) == 1 and rounds.latest == addresses[0]
+        assert await rounds.for_round(1) != addresses[0] and rounds.latest == addresses[0]  # an older round's
+    finally:
+        rounds.close()

@@ -6,13 +6,16 @@ import textwrap
 import uuid
 from pathlib import Path
 
+import anyio
 import pytest
 
 from stead.core.config import Settings
-from stead.core.errors import PluginError
-from stead.core.events import JobSubmitted, PluginFailed, StepProgress
+from stead.core.errors import ConfigError, PluginError
+from stead.core.events import JobSubmitted, PluginFailed, PluginsStarted, Record, StepProgress
 from stead.core.master import Master, MasterConfig
-from stead.core.plugins import load_plugins, validate_plugin
+from stead.core.plugins import check_plugin_settings, load_plugins, validate_plugin
+from stead.plugin import NoSettings, Plugin, PluginContext
+from stead.testing import make_plugin, plugin_master, settle
 
 pytestmark = pytest.mark.anyio
 
@@ -61,7 +64,7 @@ async def test_a_third_party_plugin_installed_by_entry_point_receives_its_events
 
 
 def test_a_configured_plugin_that_is_not_installed_fails_fast() -> None:
-    with pytest.raises(PluginError, match=r"\['nope'\] are configured but not installed"):
+    with pytest.raises(ConfigError, match=r"plugin\(s\) 'nope' not installed \(installed: .*diagnosis"):
         load_plugins(settings=Settings(), enabled=["nope"])
 
 
@@ -69,7 +72,7 @@ def test_a_configured_plugin_that_fails_to_import_fails_fast_but_an_unused_one_i
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _install(tmp_path, monkeypatch, "broken", "raise ImportError('missing dependency xyz')\n")
-    with pytest.raises(PluginError, match=r"'broken' failed to load.*missing dependency xyz"):
+    with pytest.raises(ConfigError, match=r"'broken' \(.*\) failed to load.*missing dependency xyz"):
         load_plugins(settings=Settings(), enabled=["broken"])
     names = [p.name for p in load_plugins(settings=Settings())]
     assert "broken" not in names and "diagnosis" in names
@@ -124,3 +127,122 @@ async def test_a_slow_plugin_call_times_out_and_is_recorded(tmp_path: Path) -> N
         await master.plugin_host.drain()
         failures = [r.event for r in await master.reactor.log.read() if isinstance(r.event, PluginFailed)]
     assert failures and "timed out after 0.05 s" in failures[0].error
+
+
+# -- the SDK: typed settings, the bound context, guarded hooks --------------------------------------------------
+
+THRESHOLD = """
+import dataclasses
+from stead.plugin import Plugin, PluginContext, Record, StepProgress, setting
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ThresholdSettings:
+    limit: int = setting(10, min=1, help="steps")
+    label: str = "x"
+    loud: bool = False
+
+class Threshold(Plugin[ThresholdSettings]):
+    name = "threshold"
+    subscriptions = (StepProgress,)
+    settings_class = ThresholdSettings
+    made = []
+
+    def __init__(self, *, settings):
+        super().__init__(settings=settings)
+        Threshold.made.append(settings)
+
+make = Threshold
+"""
+
+
+def test_a_plugin_gets_its_own_typed_settings_from_set_and_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = _install(tmp_path, monkeypatch, "threshold", THRESHOLD)
+    monkeypatch.setenv("STEAD_THRESHOLD_LABEL", "from-env")
+    settings = Settings.from_mapping({"threshold.limit": "3", "threshold.loud": "true"})
+    check_plugin_settings(settings)
+    (plugin,) = load_plugins(settings=settings, enabled=["threshold"])
+    made = __import__(module).Threshold.made[-1]
+    assert (made.limit, made.label, made.loud) == (3, "from-env", True)
+    assert plugin.settings is made
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"threshold.nope": "1"}, "unknown setting 'threshold.nope'; settings of the threshold plugin: "
+                              "threshold.limit=10, threshold.label='x', threshold.loud=False"),
+    ({"threshold.limit": "0"}, "setting threshold.limit='0' must be at least 1"),
+    ({"threshold.limit": "many"}, "setting threshold.limit='many' is not a valid int"),
+    ({"nosuchplugin.x": "1"}, "no plugin 'nosuchplugin' is installed"),
+    ({"heartbeat_timeout_s": "nan"}, "heartbeat_timeout_s='nan' must be a finite number of seconds"),
+])
+def test_bad_plugin_settings_are_refused_with_the_known_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, values: dict[str, str], message: str
+) -> None:
+    _install(tmp_path, monkeypatch, "threshold", THRESHOLD)
+    with pytest.raises(ConfigError) as caught:
+        check_plugin_settings(Settings.from_mapping(values))
+    assert message in str(caught.value).replace('"', "'")
+
+
+class _Garbage(Plugin[NoSettings]):
+    name = "garbage"
+    subscriptions = (StepProgress,)
+
+    async def handle(self, *, record: Record, ctx: PluginContext[NoSettings]) -> None:
+        return 42  # type: ignore[return-value]
+
+
+class _EmitsInStart(Plugin[NoSettings]):
+    name = "early"
+
+    async def start(self, *, ctx: PluginContext[NoSettings]) -> None:
+        await ctx.emit(StepProgress(round=0, step=0))
+
+
+class _Watcher(Plugin[NoSettings]):
+    """Sees each StepProgress with the state at its record, however far the job has moved on."""
+
+    name = "watcher"
+    subscriptions = (StepProgress,)
+    decides_recovery = True
+
+    def __init__(self) -> None:
+        super().__init__(settings=NoSettings())
+        self.seen: list[tuple[int, int | None, int | None]] = []
+
+    async def handle(self, *, record: Record, ctx: PluginContext[NoSettings]) -> None:
+        assert isinstance(record.event, StepProgress)
+        await anyio.sleep(0.01)  # the job moves on meanwhile
+        self.seen.append((record.event.step, ctx.state.step, ctx.current_state().step))
+        assert ctx.key("notes") == "/stead/jobs/plug/plugins/watcher/notes"
+
+
+async def test_garbage_returned_and_emit_in_start_are_plugin_failures_and_the_state_is_the_records(
+    tmp_path: Path,
+) -> None:
+    watcher = _Watcher()
+    async with plugin_master(_Garbage(settings=NoSettings()), _EmitsInStart(settings=NoSettings()), watcher,
+                             job="plug") as master:
+        await master.submit(JobSubmitted(job="plug", min_nodes=1, max_nodes=1, nproc_per_node=1))
+        for step in (1, 2, 3):
+            await master.submit(StepProgress(round=1, step=step))
+        await settle(master)
+        records = await master.reactor.log.read()
+    failures = {r.event.plugin: r.event.error for r in records if isinstance(r.event, PluginFailed)}
+    assert "start() returned" not in failures["early"] and "emit() cannot be used in start()" in failures["early"]
+    assert "handle() returned 42" in failures["garbage"]
+    started = next(r.event for r in records if isinstance(r.event, PluginsStarted))
+    assert started.deciders == ("watcher",) and set(started.plugins) == {"garbage", "early", "watcher"}
+    assert [(step, at) for step, at, _ in watcher.seen] == [(1, 1), (2, 2), (3, 3)]
+    assert watcher.seen[0][2] == 3  # current_state() is the live one
+
+
+def test_make_plugin_builds_a_plugin_with_typed_settings_as_the_master_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = _install(tmp_path, monkeypatch, "threshold", THRESHOLD)
+    plugin = make_plugin(__import__(module).Threshold, {"limit": 7})
+    assert plugin.settings.limit == 7
+    with pytest.raises(ConfigError, match="must be at least 1"):
+        make_plugin(__import__(module).Threshold, {"limit": 0})

@@ -1,18 +1,30 @@
-"""The reactor: timers armed again fire again; snapshots bound both replay and the store history."""
+"""The reactor: persist, fold, act, tell; timers; snapshots; effects that fail, hang or were left running."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 
+import anyio
 import pytest
 
 from stead.core.config import Settings
-from stead.core.errors import StoreError
-from stead.core.events import JobSubmitted, NodeJoined, NodeLost, RoundStarted, StepProgress, TransitionRejected
+from stead.core.errors import CodecError, StoreError
+from stead.core.events import (
+    EffectFailed,
+    JobFailed,
+    JobSubmitted,
+    NodeJoined,
+    NodeLost,
+    Record,
+    RoundStarted,
+    StepProgress,
+    TransitionRejected,
+)
 from stead.core.events.log import EventLog
 from stead.core.reactor import Reactor
-from stead.core.statemachine import Effect
+from stead.core.statemachine import Effect, JobPhase, JobState
 from stead.core.store import open_store
 
 pytestmark = pytest.mark.anyio
@@ -32,7 +44,7 @@ async def test_a_last_call_timer_armed_again_after_firing_starts_the_round() -> 
         await reactor.submit(NodeJoined(node_id="node-0", incarnation=1))
         await reactor.submit(NodeJoined(node_id="node-1", incarnation=1))  # MIN joined: last call armed
         await reactor.submit(NodeLost(node_id="node-1", incarnation=1))  # fires with one node: no round
-        await reactor.wait_until(lambda s: "last-call/1" not in reactor._timers)
+        await reactor.wait_until(lambda s: "last-call/1" not in s.timers)
         await reactor.submit(NodeJoined(node_id="node-1", incarnation=2))  # MIN again: armed again
         state = await reactor.wait_until(lambda s: s.rdzv.round == 1)
         records = await reactor.log.read()
@@ -75,3 +87,124 @@ async def test_an_illegal_event_is_recorded_as_rejected_and_changes_nothing() ->
     assert isinstance(rejected, TransitionRejected) and rejected.seq == record.seq
     assert "node-7 was never requested" in rejected.reason
     assert dataclasses.replace(after, seq=before.seq) == before
+
+
+# -- the pipeline: persist, fold, act, tell --------------------------------------------------------------------
+
+
+SPEC = JobSubmitted(job="t", min_nodes=1, max_nodes=1, nproc_per_node=1, max_node_relaunches=2)
+
+
+class _Executor:
+    """Records effects; fails the ones ``fail`` names (by kind), or hangs on ``hang``."""
+
+    def __init__(self, fail: set[str] | None = None, hang: set[str] | None = None) -> None:
+        self.ran: list[Effect] = []
+        self.fail, self.hang = fail or set(), hang or set()
+
+    async def run(self, effect: Effect) -> None:
+        self.ran.append(effect)
+        if effect.kind in self.hang:
+            await anyio.sleep(3600)
+        if effect.kind in self.fail:
+            raise OSError(f"cannot {effect.kind}")
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.seen: list[tuple[Record, JobState]] = []
+
+    def deliver(self, record: Record, state: JobState) -> None:
+        self.seen.append((record, state))
+
+
+async def test_each_record_is_persisted_folded_acted_on_then_told_with_the_state_at_that_record() -> None:
+    store = await open_store("memory://")
+    executor, sink = _Executor(), _Sink()
+    async with Reactor(EventLog(store, "t"), executor, settings=Settings(), plugins=sink) as reactor:
+        await reactor.resume()
+        await reactor.submit(SPEC)
+        records = await reactor.log.read()
+    await store.close()
+    assert [r.event.type_name for r in records] == ["job.submitted", "node.requested"]
+    assert [r.seq for r, _ in sink.seen] == [1, 2]
+    assert [s.seq for _, s in sink.seen] == [1, 2]  # each told with the state right after its own record
+    assert sink.seen[0][1].nodes == {} and "node-0" in sink.seen[1][1].nodes
+    assert [e.id for e in executor.ran] == ["launch/node-0/1"]
+
+
+async def test_a_cancelled_submitter_does_not_leave_its_event_persisted_but_unapplied() -> None:
+    store = await open_store("memory://")
+    async with Reactor(EventLog(store, "t"), _Executor(), settings=Settings()) as reactor:
+        await reactor.resume()
+        submit = asyncio.ensure_future(reactor.submit(SPEC))
+        await asyncio.sleep(0)
+        submit.cancel()  # natively, as grpclib cancels a handler whose client went away
+        state = await reactor.wait_until(lambda s: "node-0" in s.nodes, timeout_s=10)
+        records = await reactor.log.read()
+    await store.close()
+    assert state.phase is JobPhase.STARTING and len(records) == 2 and state.seq == 2
+
+
+async def test_a_failing_effect_becomes_an_event_and_the_machine_relaunches_the_node() -> None:
+    store = await open_store("memory://")
+    executor = _Executor(fail={"launch-node"})
+    async with Reactor(EventLog(store, "t"), executor, settings=Settings()) as reactor:
+        await reactor.resume()
+        await reactor.submit(SPEC)
+        state = await reactor.wait_until(lambda s: s.phase.terminal, timeout_s=10)
+        records = await reactor.log.read()
+    await store.close()
+    failed = [r.event for r in records if isinstance(r.event, EffectFailed)]
+    assert [(f.kind, f.node_id, f.incarnation) for f in failed] == [("launch-node", "node-0", i) for i in (1, 2, 3)]
+    assert "OSError: cannot launch-node" in failed[0].error
+    assert [e.id for e in executor.ran if e.kind == "launch-node"] == ["launch/node-0/1", "launch/node-0/2",
+                                                                        "launch/node-0/3"]
+    assert state.phase is JobPhase.FAILED and "max_node_relaunches=2" in state.reason
+
+
+async def test_an_effect_that_outlasts_its_timeout_fails_without_stopping_the_loop() -> None:
+    store = await open_store("memory://")
+    settings = Settings(effect_timeout_s=0.05)
+    async with Reactor(EventLog(store, "t"), _Executor(hang={"launch-node"}), settings=settings) as reactor:
+        await reactor.resume()
+        await reactor.submit(SPEC)
+        await reactor.wait_until(lambda s: s.phase.terminal, timeout_s=10)
+        records = await reactor.log.read()
+    await store.close()
+    failure = next(r.event for r in records if isinstance(r.event, EffectFailed))
+    assert "did not finish within effect_timeout_s=0.05 s" in failure.error
+
+
+async def test_an_effect_a_dead_master_left_running_is_run_again_and_done_ones_are_not(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    store = await open_store(url)
+    async with Reactor(EventLog(store, "t"), _Executor(), settings=Settings()) as first:
+        await first.resume()
+        await first.submit(SPEC)
+    prefix = "/stead/jobs/t/effects/"
+    assert (await store.get(prefix + "launch/node-0/1")).value == b"done"  # type: ignore[union-attr]
+    await store.put(prefix + "launch/node-0/1", b"running")  # as if the master died while launching
+    again = _Executor()
+    async with Reactor(EventLog(store, "t"), again, settings=Settings()) as second:
+        await second.resume()
+    assert [e.id for e in again.ran] == ["launch/node-0/1"]
+    rerun = _Executor()
+    async with Reactor(EventLog(store, "t"), rerun, settings=Settings()) as third:
+        await third.resume()
+    await store.close()
+    assert rerun.ran == []
+
+
+async def test_an_event_that_cannot_be_stored_fails_its_submitter_only() -> None:
+    store = await open_store("memory://")
+    async with Reactor(EventLog(store, "t"), _Executor(), settings=Settings()) as reactor:
+        await reactor.resume()
+        bad = JobFailed(reason="x" * 10, message=object())  # type: ignore[arg-type]
+        outcomes = await asyncio.gather(reactor.submit(SPEC), reactor.submit(bad),
+                                        reactor.submit(StepProgress(round=1, step=3)), return_exceptions=True)
+        state = reactor.state
+    await store.close()
+    assert isinstance(outcomes[1], CodecError)
+    assert isinstance(outcomes[0], Record) and isinstance(outcomes[2], Record)
+    assert state.step == 3 and state.phase is JobPhase.STARTING

@@ -64,6 +64,16 @@ def test_a_crashed_worker_is_restarted_and_the_job_completes(run_job: RunJob) ->
     assert "round=2" in events and "job.succeeded" in events
 
 
+def test_with_the_diagnosis_plugin_disabled_the_default_policy_decides_and_the_job_recovers(run_job: RunJob) -> None:
+    job = run_job(TRAIN, "crash", flags=("--nproc-per-node", "2", "--max-restarts", "2", "--no-plugin", "diagnosis"))
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "finished world=2 restart=1" in job.stdout
+    events = job.events("e2e")
+    assert "plugins.started" in events and "deciders=" not in events
+    assert "recovery.decided" in events and "decided_by=default" in events
+    assert "no diagnosis plugin is running" in events and "job.succeeded" in events
+
+
 def test_an_exhausted_restart_budget_fails_the_job_with_the_workers_error(run_job: RunJob) -> None:
     job = run_job(TRAIN, "always", flags=("--nproc-per-node", "2", "--max-restarts", "1"))
     assert job.returncode == 1
@@ -99,6 +109,10 @@ def test_a_sigkilled_agent_is_replaced_and_the_job_completes(run_job: RunJob) ->
         (["--nnodes", "3:2", "train.py"], "MIN"),
         (["--nproc-per-node", "0", "train.py"], "nproc"),
         (["--store", "etcd://127.0.0.1:1", "--set", "retry_deadline_s=0.2", "train.py"], "unavailable"),
+        (["--platform", "k8s", "train.py"], "not available in this stead version yet"),
+        (["--plugins", "ckpt,nope", "train.py"], "'nope' not installed"),
+        (["--set", "ckpt.nope=1", "train.py"], "settings of the ckpt plugin: ckpt.dir="),
+        (["--set", "heartbeat_timeout_s=inf", "train.py"], "must be a finite number of seconds"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_a_non_zero_exit(tmp_path: Path, args: list[str], message: str) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from stead.core.config import Settings
 from stead.core.events import Event, Record, RecoveryAction, RecoveryDecided, WorkerFailed
-from stead.core.plugins import PluginContext
+from stead.core.plugins import NoSettings, PluginContext
 from stead.core.statemachine import JobPhase, JobState
 from stead.core.store import open_store
 from stead.plugins.diagnosis import DiagnosisPlugin, classify, last_exception
@@ -49,15 +49,15 @@ def test_last_exception_reads_the_last_traceback_line() -> None:
 async def test_the_same_error_at_the_same_step_twice_fails_fast() -> None:
     store = await open_store("memory://")
     emitted: list[Event] = []
-    plugin = DiagnosisPlugin(settings=Settings())
+    plugin = DiagnosisPlugin()
     state = JobState(phase=JobPhase.RECOVERING, awaiting_decision=True)
 
-    async def emit(event: Event) -> Record | None:
+    async def emit(event: Event) -> Record:
         emitted.append(event)
-        return None
+        return Record(seq=len(emitted), at=0.0, event=event)
 
-    ctx = PluginContext(job="j", settings=Settings(), store=store, get_state=lambda: state, emit=emit,
-                        add_rpc_handler=lambda handler: None)
+    ctx = PluginContext(plugin="diagnosis", job="j", settings=NoSettings(), stead_settings=Settings(), store=store,
+                        state=lambda: state, emit=emit, add_rpc_handler=None)
     tail = TRACEBACK.format(line="RuntimeError: CUDA error: an illegal memory access")
     for round_ in (1, 2):
         failure = _failure(tail, round=round_)
@@ -79,14 +79,14 @@ async def test_follow_on_failures_of_a_round_already_handled_are_ignored() -> No
     store = await open_store("memory://")
     emitted: list[Event] = []
 
-    async def emit(event: Event) -> Record | None:
+    async def emit(event: Event) -> Record:
         emitted.append(event)
-        return None
+        return Record(seq=len(emitted), at=0.0, event=event)
 
     handled = _failure("x")
     state = JobState(phase=JobPhase.RECOVERING, awaiting_decision=True, last_failure=handled)
-    ctx = PluginContext(job="j", settings=Settings(), store=store, get_state=lambda: state, emit=emit,
-                        add_rpc_handler=lambda handler: None)
+    ctx = PluginContext(plugin="diagnosis", job="j", settings=NoSettings(), stead_settings=Settings(), store=store,
+                        state=lambda: state, emit=emit, add_rpc_handler=None)
     await DiagnosisPlugin().handle(record=Record(seq=1, at=0.0, event=_failure("other")), ctx=ctx)
     assert emitted == []
     await store.close()

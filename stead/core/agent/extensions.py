@@ -2,22 +2,24 @@
 
 A plugin that needs the node side (flash checkpoint owns shared memory there;
 data sharding may prefetch) registers a factory in the ``stead.agent_extensions``
-entry-point group. The agent calls every extension's hooks with keyword arguments
-only; a failing hook is logged and skipped, never fatal to the agent.
+entry-point group, under the plugin's name: it gets the plugin's typed settings
+(the same ``settings_class`` and namespace). The agent calls every extension's
+hooks with keyword arguments only; a failing hook is logged and skipped, never
+fatal to the agent.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Mapping
-from importlib.metadata import entry_points
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Generic, TypeVar
 
 import structlog
 
 from stead.core.config import Settings
+from stead.core.entrypoints import installed, load_group
 from stead.core.rpc import MasterClient, StartWorkersCmd
 
 __all__ = ["AgentContext", "AgentExtension", "Extensions", "RoundInfo", "load_extensions"]
@@ -26,12 +28,16 @@ GROUP = "stead.agent_extensions"
 log = structlog.get_logger("stead.agent.extensions")
 
 
+S = TypeVar("S")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AgentContext:
     job: str
     node_id: str
     incarnation: int
     nproc: int
+    #: stead's settings (the extension's own arrived with its factory)
     settings: Settings
     client: MasterClient
     master_address: str
@@ -44,9 +50,8 @@ class AgentContext:
 RoundInfo = StartWorkersCmd
 
 
-@runtime_checkable
-class AgentExtension(Protocol):
-    """Every hook is optional except ``name``; all are ``async`` and keyword-only.
+class AgentExtension(Generic[S]):
+    """Base class of the node side of a plugin; every hook is optional, async and keyword-only.
 
     - ``start(*, ctx)``: the agent registered; allocate what the node keeps across rounds.
     - ``worker_env(*, round, local_rank) -> Mapping[str, str]``: variables for one worker.
@@ -55,18 +60,26 @@ class AgentExtension(Protocol):
     - ``stop(*, job_ended)``: the agent exits; ``job_ended`` when the job is over (free everything).
     """
 
-    name: str
+    #: the plugin's name (the entry point's name and the settings' namespace)
+    name: ClassVar[str] = ""
+    settings_class: ClassVar[type | None] = None
+
+    def __init__(self, *, settings: S) -> None:
+        self.settings = settings
 
 
-def load_extensions(settings: Settings) -> list[Any]:
-    """Instantiate every installed agent extension; one that fails to load is logged and skipped."""
-    loaded = []
-    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
-        try:
-            loaded.append(ep.load()(settings=settings))
-        except Exception as exc:
-            log.warning("agent_extension_unavailable", extension=ep.name, error=repr(exc))
-    return loaded
+def load_extensions(settings: Settings, *, plugins: Sequence[str] | None = None,
+                    disabled: Sequence[str] = ()) -> list[Any]:
+    """Instantiate the agent extensions of the job's plugins (``--plugins``/``--no-plugin`` apply here too).
+
+    One that fails to load is logged and skipped: the node runs without it.
+    """
+    from stead.core.plugins import instantiate
+
+    names = installed(GROUP)
+    enabled = None if plugins is None else [name for name in plugins if name in names]
+    return load_group(GROUP, what="agent extension", enabled=enabled, disabled=disabled,
+                      validate=lambda name, factory, source: instantiate(name, factory, source, settings))
 
 
 class Extensions:

@@ -22,9 +22,10 @@ import structlog
 from stead.core.agent._zygote_main import _STARTUP_ENV as STARTUP_ENV
 from stead.core.agent.extensions import AgentContext, Extensions, load_extensions
 from stead.core.agent.progress import ProgressFiles, ProgressReader
+from stead.core.agent.resources import WorkerResources
 from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote
-from stead.core.config import Settings
+from stead.core.config import Settings, settings_env
 from stead.core.errors import ConfigError, InvalidRequest, RetryableError, RpcUnavailable
 from stead.core.launch import RunConfig, Streams, parse_run_args, worker_env
 from stead.core.retry import Backoff
@@ -76,6 +77,7 @@ class Agent:
         self._progress: ProgressFiles | None = None
         self._reader: ProgressReader | None = None
         self._lock = anyio.Lock()
+        self._resources = WorkerResources()
         self._log = log.bind(node=node_id, incarnation=incarnation)
 
     async def run(self) -> int:
@@ -159,8 +161,9 @@ class Agent:
                 await self._preload_imports()
             elapsed = 0.0
             assert self._group is not None
+            rss, cpu = self._resources.sample(self._group.pids.values())
             beat = HeartbeatInfo(node_id=self.node_id, incarnation=self.incarnation, round=self.round, step=step,
-                                 workers_alive=self._group.alive, rss_bytes=0, cpu_percent=0.0)
+                                 workers_alive=self._group.alive, rss_bytes=rss, cpu_percent=cpu)
             try:
                 if not await self.client.heartbeat(beat):
                     self._log.warning("master_forgot_node", action="registering again")
@@ -217,6 +220,7 @@ class Agent:
             restart_count=command.restart_count, master_addr=command.master_addr, master_port=command.master_port,
             world_size=command.world_size, run_id=cfg.rdzv_id,
         ))
+        env.update(settings_env(cfg.settings_overrides))  # the job's --set values reach worker-side code too
         env.update(self._progress.env(local_rank))
         env.update(extra_env)
         env.update({"STEAD_JOB": cfg.job_name, "STEAD_NODE_ID": self.node_id, "STEAD_ROUND": str(command.round),
@@ -294,5 +298,6 @@ async def run_agent(*, master: str, token_file: str, node_id: str, incarnation: 
     async with MasterClient(master, token, call_timeout_s=settings.rpc_timeout_s) as client:
         agent = Agent(client=client, config=config, node_id=node_id, incarnation=incarnation,
                       settings=config.settings, token_file=token_file,
-                      extensions=Extensions(load_extensions(config.settings)))
+                      extensions=Extensions(load_extensions(config.settings, plugins=config.plugins,
+                                                            disabled=config.disabled_plugins)))
         return await agent.run()

@@ -31,11 +31,6 @@ class Event:
     type_name: ClassVar[str] = ""
     version: ClassVar[int] = 1
 
-    @property
-    def entity(self) -> str:
-        """Which entity's queue the event belongs to (``job`` unless overridden)."""
-        return "job"
-
 
 def event_kind(name: str, *, version: int = 1) -> Callable[[type[E]], type[E]]:
     """Register an event class under ``name`` (dotted, namespaced by owner)."""
@@ -109,13 +104,9 @@ def _load_plugin_kinds() -> bool:
     if _plugins_imported:
         return False
     _plugins_imported = True
-    from importlib.metadata import entry_points
+    from stead.core.entrypoints import load_group
 
-    for entry in entry_points(group="stead.plugins"):
-        try:
-            entry.load()
-        except Exception:  # a broken plugin: its events stay unknown, and the error above says so
-            continue
+    load_group("stead.plugins", what="plugin")  # a broken one is logged and skipped: its events stay unknown
     return True
 
 

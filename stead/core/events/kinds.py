@@ -13,6 +13,7 @@ from stead.core.events.base import Event, event_kind
 
 __all__ = [
     "CheckpointCommitted",
+    "EffectFailed",
     "JobFailed",
     "JobStopped",
     "JobSubmitted",
@@ -23,8 +24,11 @@ __all__ = [
     "NodeRequested",
     "NodeStarted",
     "PluginFailed",
+    "PluginsStarted",
     "RecoveryAction",
     "RecoveryDecided",
+    "RelaunchRequested",
+    "RestartRequested",
     "RoundCompleted",
     "RoundStarted",
     "StepProgress",
@@ -54,6 +58,8 @@ class JobSubmitted(Event):
     last_call_timeout_s: float = 1.0
     join_timeout_s: float = 600.0
     max_node_relaunches: int = 3
+    #: a worker failure left undecided this long is decided by the built-in default policy
+    decision_timeout_s: float = 3.0
 
 
 @event_kind("job.succeeded")
@@ -88,10 +94,6 @@ class NodeRequested(Event):
     node_id: str
     incarnation: int
 
-    @property
-    def entity(self) -> str:
-        return f"node/{self.node_id}"
-
 
 @event_kind("node.started")
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,10 +104,6 @@ class NodeStarted(Event):
     incarnation: int
     host: str = ""
     pid: int | None = None
-
-    @property
-    def entity(self) -> str:
-        return f"node/{self.node_id}"
 
 
 @event_kind("node.joined")
@@ -118,10 +116,6 @@ class NodeJoined(Event):
     host: str = ""
     nproc: int = 1
 
-    @property
-    def entity(self) -> str:
-        return f"node/{self.node_id}"
-
 
 @event_kind("node.lost")
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -131,10 +125,6 @@ class NodeLost(Event):
     node_id: str
     incarnation: int
     reason: str = "heartbeat timeout"
-
-    @property
-    def entity(self) -> str:
-        return f"node/{self.node_id}"
 
 
 @event_kind("node.exited")
@@ -146,10 +136,6 @@ class NodeExited(Event):
     incarnation: int
     exit_code: int | None = None
     signal: int | None = None
-
-    @property
-    def entity(self) -> str:
-        return f"node/{self.node_id}"
 
 
 # -- workers and rounds --------------------------------------------------------
@@ -196,7 +182,7 @@ class RecoveryAction(enum.Enum):
 @event_kind("recovery.decided")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RecoveryDecided(Event):
-    """The diagnosis decided what a failure in ``round`` leads to."""
+    """What a failure in ``round`` leads to, decided by a plugin (diagnosis) or by the default policy."""
 
     round: int
     action: RecoveryAction
@@ -204,6 +190,29 @@ class RecoveryDecided(Event):
     message: str = ""
     node_id: str | None = None
     rank: int | None = None
+    #: who decided: a plugin's name, or ``default`` (the built-in policy, when no plugin decided in time)
+    decided_by: str = ""
+
+
+@event_kind("request.restart")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RestartRequested(Event):
+    """A plugin asks to restart the workers of the running ``round`` (a hang, say); costs one restart."""
+
+    round: int
+    reason: str
+    by: str
+
+
+@event_kind("request.relaunch")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RelaunchRequested(Event):
+    """A plugin asks to replace a node (a straggler, a sick host): it is killed and relaunched."""
+
+    node_id: str
+    incarnation: int
+    reason: str
+    by: str
 
 
 @event_kind("round.started")
@@ -257,6 +266,29 @@ class PluginFailed(Event):
     event_type: str
     error: str
     disabled: bool = False
+
+
+@event_kind("plugins.started")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PluginsStarted(Event):
+    """The master's plugins are running; ``deciders`` decide worker failures (none: the default policy does)."""
+
+    plugins: tuple[str, ...]
+    deciders: tuple[str, ...] = ()
+
+
+@event_kind("effect.failed")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EffectFailed(Event):
+    """An effect could not be carried out; the job machine decides what follows (relaunch, restart, fail)."""
+
+    effect_id: str
+    #: ``launch-node``, ``kill-node``, ``start-workers``, ``stop-workers`` or ``stop-node``
+    kind: str
+    error: str
+    node_id: str | None = None
+    incarnation: int | None = None
+    round: int | None = None
 
 
 @event_kind("transition.rejected")

@@ -3,8 +3,9 @@
 The wire schema is ``proto/stead/v1/*.proto``; ``_proto/`` is generated from it
 by ``make proto`` (scripts/gen_proto.sh) and never edited by hand. Protobuf
 types stay inside this package: the master implements :class:`AgentBackend`
-with plain dataclasses, agents and workers use :class:`MasterClient` and
-:class:`KvClient`. Every call carries the job token (see :mod:`.auth`).
+with plain dataclasses, agents use :class:`MasterClient`;
+:class:`RpcConnection` is the channel plugins' clients build on. Every call carries
+the job token (see :mod:`.auth`).
 """
 
 from stead.core.rpc.address import format_address, parse_address
@@ -30,9 +31,7 @@ from stead.core.rpc.backend import (
     StopWorkersCmd,
     WorkersState,
 )
-from stead.core.rpc.client import KvClient, MasterClient, RpcConnection, retrying
-from stead.core.rpc.kv_service import KvServicer
-from stead.core.rpc.placeholders import CheckpointServicer, ShardServicer
+from stead.core.rpc.client import MasterClient, RpcConnection, retrying
 from stead.core.rpc.server import RpcServer, Servicer
 
 __all__ = [
@@ -40,18 +39,14 @@ __all__ = [
     "AgentBackend",
     "AgentCommand",
     "AgentServicer",
-    "CheckpointServicer",
     "FailureInfo",
     "HeartbeatInfo",
-    "KvClient",
-    "KvServicer",
     "MasterClient",
     "RegisterInfo",
     "RegisterResult",
     "RpcConnection",
     "RpcServer",
     "Servicer",
-    "ShardServicer",
     "StartWorkersCmd",
     "StopNodeCmd",
     "StopWorkersCmd",

@@ -88,9 +88,10 @@ class AgentServicer(AgentServiceBase):
         _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
         _at_least(where, "step", message.step, NO_STEP, f"a training step, or {NO_STEP} before the first one")
         _at_least(where, "workers_alive", message.workers_alive, 0, "a count of processes")
-        _at_least(where, "rss_bytes", message.rss_bytes, 0, "a memory size")
-        if not (math.isfinite(message.cpu_percent) and message.cpu_percent >= 0):
-            invalid(f"{where}.cpu_percent is {message.cpu_percent}: send a finite percentage >= 0")
+        if message.rss_bytes is not None:
+            _at_least(where, "rss_bytes", message.rss_bytes, 0, "a memory size; leave it unset when unknown")
+        if message.cpu_percent is not None and not (math.isfinite(message.cpu_percent) and message.cpu_percent >= 0):
+            invalid(f"{where}.cpu_percent is {message.cpu_percent}: send a finite percentage >= 0, or leave it unset")
         with backend_errors("AgentService.Heartbeat"):
             known = await self._backend.heartbeat(heartbeat_from_proto(message))
         return HeartbeatReply(known=known)

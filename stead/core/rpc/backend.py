@@ -64,8 +64,10 @@ class HeartbeatInfo:
     #: latest training step the workers reported; None before the first one
     step: int | None
     workers_alive: int
-    rss_bytes: int
-    cpu_percent: float
+    #: resident memory of the node's workers together, bytes; None when unknown (never a made-up 0)
+    rss_bytes: int | None = None
+    #: CPU use of the node's workers together since the previous heartbeat, percent of one core; None when unknown
+    cpu_percent: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

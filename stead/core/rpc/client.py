@@ -1,7 +1,7 @@
 """Clients of the master's RPC services, with grpclib's errors mapped to stead's.
 
 :class:`MasterClient` mirrors :class:`~stead.core.rpc.backend.AgentBackend` (the
-same dataclasses in and out), :class:`KvClient` the key-value store. A master
+same dataclasses in and out); plugins build their clients on :class:`RpcConnection`. A master
 that cannot be reached raises :class:`~stead.core.errors.RpcUnavailable`, which
 :func:`retrying` retries with exponential backoff; a refused token raises
 :class:`~stead.core.errors.Unauthenticated` and a rejected request
@@ -11,7 +11,6 @@ that cannot be reached raises :class:`~stead.core.errors.RpcUnavailable`, which
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import AsyncGenerator, Iterator
 from types import TracebackType
 from typing import Self, TypeVar, cast
@@ -42,11 +41,6 @@ from stead.core.rpc._proto.stead.v1 import (
     AgentServiceStub,
     Command,
     CommandsRequest,
-    KvAddRequest,
-    KvDeleteRequest,
-    KvGetRequest,
-    KvServiceStub,
-    KvSetRequest,
     WorkersReport,
 )
 from stead.core.rpc.address import parse_address
@@ -60,7 +54,7 @@ from stead.core.rpc.backend import (
     WorkersState,
 )
 
-__all__ = ["KvClient", "MasterClient", "RpcConnection", "retrying"]
+__all__ = ["MasterClient", "RpcConnection", "retrying"]
 
 log = structlog.get_logger()
 
@@ -212,54 +206,3 @@ class MasterClient:
 
     def __repr__(self) -> str:
         return f"MasterClient({self._conn.address})"
-
-
-class KvClient:
-    """The workers' side of KvService: ``async with KvClient("host:port", token, call_timeout_s=5)``."""
-
-    def __init__(self, address: str, token: str, *, call_timeout_s: float) -> None:
-        self._conn = RpcConnection(address, token, call_timeout_s)
-
-    @property
-    def _stub(self) -> KvServiceStub:
-        return KvServiceStub(self._conn.channel)
-
-    async def __aenter__(self) -> Self:
-        self._conn.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._conn.close()
-
-    async def set(self, key: str, value: bytes) -> None:
-        with self._conn.errors("KvService.Set"):
-            await self._stub.set(KvSetRequest(key=key, value=value), timeout=self._conn.call_timeout_s)
-
-    async def get(self, key: str, *, wait_s: float = 0.0) -> bytes | None:
-        """The value under ``key``, waiting up to ``wait_s`` for it to appear; None when absent."""
-        # The server answers within wait_s; a bad wait_s is left for the server to reject.
-        waiting = wait_s if math.isfinite(wait_s) and wait_s > 0 else 0.0
-        with self._conn.errors("KvService.Get"):
-            reply = await self._stub.get(KvGetRequest(key=key, wait_timeout_s=wait_s),
-                                         timeout=waiting + self._conn.call_timeout_s)
-        return reply.value if reply.found else None
-
-    async def add(self, key: str, delta: int = 1) -> int:
-        """Add ``delta`` to the counter under ``key`` (missing: 0) and return the new value."""
-        with self._conn.errors("KvService.Add"):
-            reply = await self._stub.add(KvAddRequest(key=key, delta=delta), timeout=self._conn.call_timeout_s)
-        return reply.value
-
-    async def delete(self, key: str) -> bool:
-        """False when ``key`` did not exist."""
-        with self._conn.errors("KvService.Delete"):
-            reply = await self._stub.delete(KvDeleteRequest(key=key), timeout=self._conn.call_timeout_s)
-        return reply.deleted
-
-    def __repr__(self) -> str:
-        return f"KvClient({self._conn.address})"

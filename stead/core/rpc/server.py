@@ -25,6 +25,7 @@ from grpclib.protocol import H2Protocol
 from grpclib.server import Server
 
 from stead.core.errors import ConfigError
+from stead.core.rpc._proto.stead.v1 import Ack
 from stead.core.rpc.address import format_address
 from stead.core.rpc.auth import require_token
 
@@ -54,8 +55,28 @@ class _StrictProtoCodec(ProtoCodec):
                             "send messages built from proto/stead/v1 of the same stead version") from exc
 
 
+class _Routes(dict[str, grpclib.const.Handler]):
+    """The server's method table; a method it does not serve is answered UNIMPLEMENTED with what to do.
+
+    grpclib's own answer to an unknown path carries no content-type, which its
+    client reports as ``UNKNOWN: Missing content-type header``.
+    """
+
+    def get(self, key: str, default: Any = None) -> Any:
+        found = super().get(key)
+        if found is not None:
+            return found
+
+        async def unimplemented(stream: Any) -> None:
+            raise GRPCError(Status.UNIMPLEMENTED, f"{key} is not served by this stead master; run the master and its "
+                                                  "clients with the same stead version, and the plugin that serves "
+                                                  "it (is it installed and enabled?)")
+
+        return grpclib.const.Handler(unimplemented, grpclib.const.Cardinality.UNARY_UNARY, Ack, Ack)
+
+
 class _Server(Server):
-    """grpclib's server, which also drops its open connections when closed.
+    """grpclib's server, which also drops its open connections when closed, and says UNIMPLEMENTED clearly.
 
     ``Server.close`` stops listening and cancels the calls in flight, but leaves
     accepted connections open: their clients would wait forever on a stream and
@@ -64,6 +85,7 @@ class _Server(Server):
 
     def __init__(self, handlers: Collection[Servicer], **kwargs: Any) -> None:
         super().__init__(handlers, **kwargs)
+        self._mapping = _Routes(self._mapping)
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
 
     def _protocol_factory(self) -> H2Protocol:

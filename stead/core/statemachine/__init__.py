@@ -11,6 +11,7 @@ from stead.core.statemachine.effects import (
     StopNode,
     StopWorkers,
 )
+from stead.core.statemachine.fold import fold, fold_all
 from stead.core.statemachine.job import JobPhase, JobState, transition
 from stead.core.statemachine.node import NodePhase, NodeState
 from stead.core.statemachine.rendezvous import RendezvousState
@@ -30,5 +31,7 @@ __all__ = [
     "StopNode",
     "StopWorkers",
     "Transition",
+    "fold",
+    "fold_all",
     "transition",
 ]

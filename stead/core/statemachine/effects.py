@@ -1,23 +1,26 @@
 """Effects: what a transition asks the world to do, as data.
 
 Each effect has a deterministic ``id`` derived from what it does, so the reactor
-can record which ids ran and never run one twice, even across master restarts.
+can record which ids ran and never run one twice, even across master restarts,
+and a ``kind`` that names it in an ``EffectFailed`` event.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from stead.core.events import Event
 
 __all__ = ["Effect", "Emit", "KillNode", "LaunchNode", "StartTimer", "StartWorkers", "StopNode", "StopWorkers"]
 
 
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LaunchNode:
     node_id: str
     incarnation: int
+
+    kind: ClassVar[str] = "launch-node"
 
     @property
     def id(self) -> str:
@@ -28,6 +31,8 @@ class LaunchNode:
 class KillNode:
     node_id: str
     incarnation: int
+
+    kind: ClassVar[str] = "kill-node"
 
     @property
     def id(self) -> str:
@@ -50,6 +55,8 @@ class StartWorkers:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
+    kind: ClassVar[str] = "start-workers"
+
     @property
     def id(self) -> str:
         return f"start-workers/{self.round}/{self.node_id}"
@@ -61,6 +68,8 @@ class StopWorkers:
     incarnation: int
     round: int
     reason: str
+
+    kind: ClassVar[str] = "stop-workers"
 
     @property
     def id(self) -> str:
@@ -75,6 +84,8 @@ class StopNode:
     incarnation: int
     reason: str
 
+    kind: ClassVar[str] = "stop-node"
+
     @property
     def id(self) -> str:
         return f"stop-node/{self.node_id}/{self.incarnation}"
@@ -87,6 +98,8 @@ class StartTimer:
     name: str
     at: float
 
+    kind: ClassVar[str] = "start-timer"
+
     @property
     def id(self) -> str:
         return f"timer/{self.name}"
@@ -98,6 +111,8 @@ class Emit:
 
     key: str
     event: Event
+
+    kind: ClassVar[str] = "emit"
 
     @property
     def id(self) -> str:

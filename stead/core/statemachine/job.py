@@ -11,6 +11,19 @@ Phases and allowed transitions::
 The job machine owns the node machines (one per node id) and the rendezvous
 machine, routes each event to them, and adds the job-level decisions: when to
 start a round, when the job succeeded, when the restart budget is spent.
+
+A worker failure always reaches a decision. The plugins that decide failures
+(``deciders``, announced by ``PluginsStarted``) get ``decision_timeout_s``; when
+none is running, none answered in time, or the last one was disabled while a
+failure waited, the built-in policy (:mod:`.policy`) decides. An effect that
+could not be carried out (``EffectFailed``) is decided here too: a node that
+could not be launched counts as lost (relaunched within its budget), workers
+that could not be started break the round (a restart within the budget).
+Plugins ask for actions through request events (``RestartRequested``,
+``RelaunchRequested``), checked here like any other event.
+
+The armed timers are part of the state (``timers``), so that replaying the log
+re-arms exactly the timers that were pending.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ from collections.abc import Mapping
 
 from stead.core.events import (
     CheckpointCommitted,
+    EffectFailed,
     Event,
     JobFailed,
     JobStopped,
@@ -31,8 +45,12 @@ from stead.core.events import (
     NodeLost,
     NodeRequested,
     NodeStarted,
+    PluginFailed,
+    PluginsStarted,
     RecoveryAction,
     RecoveryDecided,
+    RelaunchRequested,
+    RestartRequested,
     RoundCompleted,
     RoundStarted,
     StepProgress,
@@ -44,8 +62,9 @@ from stead.core.events import (
 from stead.core.statemachine import node as node_machine
 from stead.core.statemachine import rendezvous as rdzv_machine
 from stead.core.statemachine.base import Transition, reject
-from stead.core.statemachine.effects import Effect, Emit, StartTimer, StopNode, StopWorkers
+from stead.core.statemachine.effects import Effect, Emit, LaunchNode, StartTimer, StartWorkers, StopNode, StopWorkers
 from stead.core.statemachine.node import NodePhase, NodeState
+from stead.core.statemachine.policy import default_decision
 from stead.core.statemachine.rendezvous import RendezvousState
 
 __all__ = ["JobPhase", "JobState", "node_ids", "transition"]
@@ -79,6 +98,10 @@ class JobState:
     checkpoint_step: int | None = None
     reason: str = ""
     message: str = ""
+    #: the running plugins that decide worker failures; None until a master announced its plugins
+    deciders: frozenset[str] | None = None
+    #: armed timers: name -> wall-clock time it fires
+    timers: Mapping[str, float] = dataclasses.field(default_factory=dict)
     #: seq of the last event folded in (0 before any)
     seq: int = 0
 
@@ -87,25 +110,51 @@ class JobState:
         return tuple(n for n, s in self.nodes.items() if s.phase is NodePhase.JOINED)
 
 
+#: events that make sense only for a submitted job
+_NEEDS_JOB = (NodeRequested, NodeStarted, NodeJoined, NodeLost, NodeExited, RoundStarted, RoundCompleted,
+              WorkersStarted, WorkersSucceeded, WorkerFailed, RecoveryDecided, TimerFired, StepProgress,
+              CheckpointCommitted, JobSucceeded, EffectFailed, RestartRequested, RelaunchRequested)
+
+
 def node_ids(count: int) -> tuple[str, ...]:
     return tuple(f"node-{i}" for i in range(count))
 
 
 def transition(state: JobState, event: Event, *, now: float, seq: int = 0) -> Transition[JobState]:
-    """Fold ``event`` (the log's record ``seq``) into ``state``: pure, no IO, no clock."""
+    """Apply ``event`` (the log's record ``seq``) to ``state``: pure, no IO, no clock.
+
+    A refused event returns ``state`` unchanged (see :func:`~stead.core.statemachine.fold.fold`
+    for the log's bookkeeping of refused records).
+    """
     result = _transition(dataclasses.replace(state, seq=max(seq, state.seq)), event, now=now)
     if result.rejected is not None:
         return Transition(state, (), result.rejected)
-    return result
+    return Transition(_with_timers(result.state, event, result.effects), result.effects)
+
+
+def _with_timers(state: JobState, event: Event, effects: tuple[Effect, ...]) -> JobState:
+    """Track armed timers: a StartTimer arms one (the first arming of a name holds), TimerFired disarms it."""
+    armed = [e for e in effects if isinstance(e, StartTimer) and e.name not in state.timers]
+    fired = event.name if isinstance(event, TimerFired) and event.name in state.timers else None
+    if not armed and fired is None:
+        return state
+    timers = {name: at for name, at in state.timers.items() if name != fired}
+    timers.update((e.name, e.at) for e in armed)
+    return dataclasses.replace(state, timers=timers)
 
 
 def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobState]:
+    if isinstance(event, PluginsStarted):  # in any phase: a master announces its plugins when it starts
+        return _deciders(dataclasses.replace(state, deciders=frozenset(event.deciders)),
+                         why="no diagnosis plugin is running")
     if state.phase.terminal:
         return _absorb(state, event, now=now)
     if state.phase is JobPhase.NEW and not isinstance(event, JobSubmitted):
         if isinstance(event, (JobFailed, JobStopped)):
             return _end(state, event)
-        return reject(state, f"{event.type_name} before the job was submitted")
+        if isinstance(event, _NEEDS_JOB):
+            return reject(state, f"{event.type_name} before the job was submitted")
+        return Transition(state)  # a report (a plugin's failure, a plugin's own event) changes no job
     match event:
         case JobSubmitted():
             return _submit(state, event, now=now)
@@ -122,13 +171,18 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
                 return Transition(result.state, (*result.effects, done))
             return result
         case WorkerFailed():
-            if event.round != state.rdzv.round or not state.rdzv.active or state.awaiting_decision:
-                return Transition(state)  # a late or follow-on failure of a round already being handled
-            return Transition(
-                dataclasses.replace(state, phase=JobPhase.RECOVERING, awaiting_decision=True, last_failure=event)
-            )
+            return _worker_failed(state, event, now=now)
         case RecoveryDecided():
             return _decided(state, event, now=now)
+        case PluginFailed(disabled=True) if state.deciders and event.plugin in state.deciders:
+            return _deciders(dataclasses.replace(state, deciders=state.deciders - {event.plugin}),
+                             why=f"the plugin {event.plugin} was disabled")
+        case EffectFailed():
+            return _effect_failed(state, event, now=now)
+        case RestartRequested():
+            return _restart_requested(state, event, now=now)
+        case RelaunchRequested():
+            return _relaunch_requested(state, event, now=now)
         case TimerFired():
             return _timer(state, event, now=now)
         case StepProgress():
@@ -271,6 +325,28 @@ def _rdzv_event(
     return Transition(dataclasses.replace(state, rdzv=result.state), result.effects)
 
 
+def _worker_failed(state: JobState, event: WorkerFailed, *, now: float) -> Transition[JobState]:
+    if event.round != state.rdzv.round or not state.rdzv.active or state.awaiting_decision:
+        return Transition(state)  # a late or follow-on failure of a round already being handled
+    assert state.spec is not None
+    waiting = dataclasses.replace(state, phase=JobPhase.RECOVERING, awaiting_decision=True, last_failure=event)
+    if state.deciders is not None and not state.deciders:
+        return Transition(waiting, (_default(event, why="no diagnosis plugin is running"),))
+    timer = StartTimer(name=f"decision/{event.round}", at=now + state.spec.decision_timeout_s)
+    return Transition(waiting, (timer,))
+
+
+def _default(failure: WorkerFailed, *, why: str) -> Emit:
+    return Emit(key=f"decision/{failure.round}", event=default_decision(failure, why=why))
+
+
+def _deciders(state: JobState, *, why: str) -> Transition[JobState]:
+    """The deciders changed: a failure still waiting with none left is decided by the default policy now."""
+    if state.awaiting_decision and not state.deciders and state.last_failure is not None:
+        return Transition(state, (_default(state.last_failure, why=why),))
+    return Transition(state)
+
+
 def _decided(state: JobState, event: RecoveryDecided, *, now: float) -> Transition[JobState]:
     assert state.spec is not None
     if not state.awaiting_decision or event.round != state.rdzv.round:
@@ -299,6 +375,9 @@ def _decided(state: JobState, event: RecoveryDecided, *, now: float) -> Transiti
 def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobState]:
     spec = state.spec
     assert spec is not None
+    if event.name == f"decision/{state.rdzv.round}" and state.awaiting_decision and state.last_failure is not None:
+        return Transition(state, (_default(state.last_failure, why=f"no decision within "
+                                           f"{spec.decision_timeout_s:g} s (decision_timeout_s)"),))
     if event.name == "join-timeout":
         if state.phase is JobPhase.STARTING:
             failed = JobFailed(
@@ -331,6 +410,7 @@ def _end(state: JobState, event: JobSucceeded | JobFailed | JobStopped) -> Trans
         message=message,
         awaiting_decision=False,
         rdzv=dataclasses.replace(state.rdzv, active=False),
+        timers={},  # an ended job waits for nothing
     )
     effects = tuple(
         StopNode(node_id=n.node_id, incarnation=n.incarnation, reason=f"job {phase.value}")
@@ -338,3 +418,53 @@ def _end(state: JobState, event: JobSucceeded | JobFailed | JobStopped) -> Trans
         if n.phase.alive
     )
     return Transition(ended, effects)
+
+
+def _effect_failed(state: JobState, event: EffectFailed, *, now: float) -> Transition[JobState]:
+    """An effect failed: a launch counts as the node lost, a start of workers breaks the round."""
+    if event.kind == LaunchNode.kind and event.node_id is not None and event.incarnation is not None:
+        node = state.nodes.get(event.node_id)
+        if node is None or node.incarnation != event.incarnation or not node.phase.alive:
+            return Transition(state)  # about a node that is already gone or replaced
+        lost = NodeLost(node_id=event.node_id, incarnation=event.incarnation,
+                        reason=f"its launch failed: {event.error}")
+        return _node_event(state, lost, now=now)
+    if (event.kind == StartWorkers.kind and event.round == state.rdzv.round and state.rdzv.active
+            and not state.awaiting_decision):  # (a decision pending for the round restarts it anyway)
+        return _round_broken(state, f"workers of round {event.round} could not be started on {event.node_id}: "
+                                    f"{event.error}", now=now)
+    return Transition(state)  # a failed kill or stop changes nothing the machine tracks; it is on record
+
+
+def _restart_requested(state: JobState, event: RestartRequested, *, now: float) -> Transition[JobState]:
+    if event.round != state.rdzv.round or not state.rdzv.active or state.awaiting_decision:
+        return reject(state, f"{event.by} asked to restart round {event.round}, but round {state.rdzv.round} is "
+                             f"{'running' if state.rdzv.active else 'not running'}"
+                             f"{' and a failure awaits a decision' if state.awaiting_decision else ''}")
+    return _round_broken(state, f"restart requested by {event.by}: {event.reason}", now=now)
+
+
+def _relaunch_requested(state: JobState, event: RelaunchRequested, *, now: float) -> Transition[JobState]:
+    node = state.nodes.get(event.node_id)
+    if node is None or node.incarnation != event.incarnation or not node.phase.alive:
+        current = f"incarnation {node.incarnation} is {node.phase.value}" if node else "it is unknown"
+        return reject(state, f"{event.by} asked to relaunch node {event.node_id} incarnation {event.incarnation}, "
+                             f"but {current}")
+    lost = NodeLost(node_id=event.node_id, incarnation=event.incarnation,
+                    reason=f"relaunch requested by {event.by}: {event.reason}")
+    return _node_event(state, lost, now=now)
+
+
+def _round_broken(state: JobState, reason: str, *, now: float) -> Transition[JobState]:
+    """Stop the round's workers and start a new round, spending one restart; fail when the budget is spent."""
+    assert state.spec is not None
+    if state.restarts >= state.spec.max_restarts:
+        failed = JobFailed(reason=f"max restarts exhausted ({state.spec.max_restarts}); last failure: {reason}")
+        return Transition(state, (Emit(key="job-end", event=failed),))
+    stops: list[Effect] = [
+        StopWorkers(node_id=m, incarnation=state.nodes[m].incarnation, round=state.rdzv.round, reason=reason)
+        for m in state.rdzv.members if m in state.nodes and state.nodes[m].phase is NodePhase.JOINED
+    ]
+    broken = dataclasses.replace(state, phase=JobPhase.RECOVERING, restarts=state.restarts + 1,
+                                 rdzv=dataclasses.replace(state.rdzv, active=False))
+    return Transition(broken, (*stops, *_plan(broken, now=now)))

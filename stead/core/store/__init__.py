@@ -8,12 +8,11 @@ entry points, e.g. when running from a source tree that was not installed.
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 from collections.abc import Awaitable, Callable
 from typing import cast
 
 from stead.core.config import Settings
+from stead.core.entrypoints import installed, load_named
 from stead.core.errors import ConfigError
 from stead.core.store.base import KeyValue, Lease, StateStore, WatchEvent, WatchKind
 
@@ -31,28 +30,9 @@ _BUILT_IN = {
 _EXAMPLES = "memory://, sqlite:///.stead/state.db, etcd://127.0.0.1:2379"
 
 
-def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-
-
 def known_schemes() -> list[str]:
     """Every URL scheme a store can be opened with."""
-    return sorted(set(_BUILT_IN) | set(_entry_points()))
-
-
-def _factory(scheme: str) -> StoreFactory:
-    entry_point = _entry_points().get(scheme)
-    try:
-        if entry_point is not None:
-            loaded = entry_point.load()
-        else:
-            module_name, _, attr = _BUILT_IN[scheme].partition(":")
-            loaded = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        where = entry_point.value if entry_point is not None else _BUILT_IN[scheme]
-        raise ConfigError(f"the {scheme!r} store backend ({where}) failed to load: {exc}; "
-                          "reinstall the package that provides it or pick another --store") from exc
-    return cast(StoreFactory, loaded)
+    return list(installed(ENTRY_POINT_GROUP, _BUILT_IN))
 
 
 async def open_store(url: str, *, settings: Settings | None = None) -> StateStore:
@@ -66,4 +46,6 @@ async def open_store(url: str, *, settings: Settings | None = None) -> StateStor
     if not sep or scheme not in known:
         raise ConfigError(f"unknown store URL {url!r}; the scheme must be one of {', '.join(known)}, "
                           f"e.g. {_EXAMPLES}")
-    return await _factory(scheme)(url, settings or Settings())
+    _, factory, _ = load_named(ENTRY_POINT_GROUP, scheme, what="store backend", builtin=_BUILT_IN,
+                               hint="pick another --store")
+    return await cast(StoreFactory, factory)(url, settings or Settings())

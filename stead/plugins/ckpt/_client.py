@@ -5,15 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from stead.core.rpc import RpcConnection
-from stead.core.rpc._proto.stead.v1 import (
-    CheckpointServiceStub,
-    GetCommittedRequest,
-    RankSaved,
-    ReportCorruptRequest,
-    ReportRestoredRequest,
-    ReportSavedRequest,
-)
+from stead.plugin import RpcConnection, proto
 
 __all__ = ["CheckpointClient", "Committed", "Saved"]
 
@@ -44,14 +36,14 @@ class CheckpointClient:
         self.incarnation = incarnation
 
     @property
-    def _stub(self) -> CheckpointServiceStub:
-        return CheckpointServiceStub(self._conn.channel)
+    def _stub(self) -> proto.CheckpointServiceStub:
+        return proto.CheckpointServiceStub(self._conn.channel)
 
     async def report_saved(self, *, round_: int, world_size: int, tier: str, ranks: Mapping[int, Saved],
                            path: str = "") -> Committed:
-        request = ReportSavedRequest(
+        request = proto.ReportSavedRequest(
             node_id=self.node_id, incarnation=self.incarnation, round=round_, world_size=world_size, tier=tier,
-            ranks=[RankSaved(rank=r, step=s.step, held_steps=sorted(s.held)) for r, s in sorted(ranks.items())],
+            ranks=[proto.RankSaved(rank=r, step=s.step, held_steps=sorted(s.held)) for r, s in sorted(ranks.items())],
             path=path)
         with self._conn.errors("CheckpointService.ReportSaved"):
             reply = await self._stub.report_saved(request, timeout=self._conn.call_timeout_s)
@@ -60,7 +52,7 @@ class CheckpointClient:
 
     async def get_committed(self, *, round_: int, after_step: int = -1, wait_s: float = 0.0,
                             ranks: Sequence[int] = ()) -> Committed:
-        request = GetCommittedRequest(node_id=self.node_id, round=round_, after_step=after_step, wait_s=wait_s,
+        request = proto.GetCommittedRequest(node_id=self.node_id, round=round_, after_step=after_step, wait_s=wait_s,
                                       ranks=list(ranks))
         with self._conn.errors("CheckpointService.GetCommitted"):
             reply = await self._stub.get_committed(request, timeout=wait_s + self._conn.call_timeout_s)
@@ -68,12 +60,13 @@ class CheckpointClient:
                          persisted_step=reply.persisted_step, released={r.rank: r.step for r in reply.released})
 
     async def report_restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str) -> None:
-        request = ReportRestoredRequest(node_id=self.node_id, round=round_, world_size=world_size, rank=rank,
+        request = proto.ReportRestoredRequest(node_id=self.node_id, round=round_, world_size=world_size, rank=rank,
                                         step=step, tier=tier)
         with self._conn.errors("CheckpointService.ReportRestored"):
             await self._stub.report_restored(request, timeout=self._conn.call_timeout_s)
 
     async def report_corrupt(self, *, rank: int, step: int, tier: str, detail: str) -> None:
-        request = ReportCorruptRequest(node_id=self.node_id, rank=rank, step=step, tier=tier, detail=detail[:2000])
+        request = proto.ReportCorruptRequest(node_id=self.node_id, rank=rank, step=step, tier=tier,
+                                             detail=detail[:2000])
         with self._conn.errors("CheckpointService.ReportCorrupt"):
             await self._stub.report_corrupt(request, timeout=self._conn.call_timeout_s)

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import struct
+import threading
 import uuid
 import zipfile
 from collections.abc import Iterator
@@ -56,6 +57,21 @@ METADATA = ".metadata"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _MANIFEST = re.compile(r"^rank_(\d+)\.json$")
+
+
+
+_DCP_IMPORT = threading.Lock()
+
+
+def load_dcp() -> None:
+    """Import torch.distributed.checkpoint once, whichever thread asks first.
+
+    Two threads importing it at the same moment can fail with "partially initialized
+    module" (its modules import each other); the agent imports it ahead in one
+    thread while a persist after a failure may need it in another.
+    """
+    with _DCP_IMPORT:
+        import torch.distributed.checkpoint  # noqa: F401
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -177,6 +193,7 @@ def write_rank(root: Path, *, step: int, round_: int, rank: int, world: int, tre
     ``expected`` are checksums the tensors must match (the agent computed them after the
     save); a mismatch raises :class:`CheckpointError` and nothing is written.
     """
+    load_dcp()
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -340,6 +357,7 @@ def _dcp_metadata(folder: Path, manifests: list[dict[str, Any]]) -> bytes:
     """The pickled torch.distributed.checkpoint Metadata describing every rank's files."""
     import pickle
 
+    load_dcp()
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (

@@ -20,11 +20,16 @@ import anyio.abc
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from stead.core.agent.extensions import RoundInfo
-from stead.core.config import Settings
-from stead.core.errors import PermanentError, RetryableError, SteadError
-from stead.core.retry import Backoff
-from stead.core.rpc import RpcConnection, retrying
+from stead.plugin import (
+    Backoff,
+    PermanentError,
+    RetryableError,
+    RoundInfo,
+    RpcConnection,
+    Settings,
+    SteadError,
+    retrying,
+)
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._client import CheckpointClient, Committed, Saved
 from stead.plugins.ckpt._link import SOCKET_ENV
@@ -39,6 +44,7 @@ from stead.plugins.ckpt._shm import (
     unlink_quietly,
 )
 from stead.plugins.ckpt.errors import CheckpointError, SharedMemoryTooSmall
+from stead.plugins.ckpt.settings import CheckpointSettings
 
 __all__ = ["NodeCheckpoints"]
 
@@ -59,18 +65,16 @@ def _finish(root: Path, step: int, world: int, keep_last: int) -> bool:
 async def _import_torch() -> None:
     """Import torch (seconds) in a thread now, not when the first persist after a failure needs it."""
 
-    def load() -> None:
-        import torch.distributed.checkpoint  # noqa: F401
-
-    await anyio.to_thread.run_sync(load)
+    await anyio.to_thread.run_sync(_disk.load_dcp)
 
 
 class NodeCheckpoints:
     """The agent side of flash checkpoints for one node (lives on the extension's own event loop)."""
 
-    def __init__(self, *, settings: Settings, names: SegmentNames, node_id: str, incarnation: int,
-                 master_address: str, token: str, root: Path, socket_path: Path) -> None:
+    def __init__(self, *, settings: Settings, ckpt: CheckpointSettings, names: SegmentNames, node_id: str,
+                 incarnation: int, master_address: str, token: str, root: Path, socket_path: Path) -> None:
         self.settings = settings
+        self.ckpt = ckpt
         self.names = names
         self.node_id = node_id
         self.incarnation = incarnation
@@ -109,12 +113,12 @@ class NodeCheckpoints:
                 tg.start_soon(self._persist_loop)
                 task_status.started()
                 await self._stopping.wait()
-                with anyio.move_on_after(self.settings.ckpt_persist_grace_s):
+                with anyio.move_on_after(self.ckpt.persist_grace_s):
                     while self._persists or self._persisting:
                         self._idle = anyio.Event()
                         await self._idle.wait()
                 if self._persists or self._persisting:
-                    log.warning("ckpt_persist_abandoned", grace_s=self.settings.ckpt_persist_grace_s)
+                    log.warning("ckpt_persist_abandoned", grace_s=self.ckpt.persist_grace_s)
                 tg.cancel_scope.cancel()
         finally:
             self._tg = None
@@ -337,7 +341,7 @@ class NodeCheckpoints:
             after = self._committed[0] if self._committed[1] == round_ else -1
             try:
                 reply = await self._client.get_committed(round_=round_, after_step=after,
-                                                         wait_s=self.settings.ckpt_commit_poll_s,
+                                                         wait_s=self.ckpt.commit_poll_s,
                                                          ranks=[s.rank for s in pending])
             except RetryableError as exc:
                 log.warning("ckpt_poll_failed", error=str(exc), action=f"retrying in {backoff.delay:g} s")
@@ -442,7 +446,7 @@ class NodeCheckpoints:
 
     def _persist_committed(self, reason: str) -> None:
         step, round_ = self._committed if self._committed[0] >= 0 else self.hint
-        if step < 0 or not self.settings.ckpt_persist_on_failure:
+        if step < 0 or not self.ckpt.persist_on_failure:
             return
         for state in self._ranks.values():
             slot = state.slot_holding(step, round_)
@@ -509,7 +513,7 @@ class NodeCheckpoints:
                 for step, states in written.items():
                     world = states[0].world
                     complete = await anyio.to_thread.run_sync(_finish, self.root, step, world,
-                                                              self.settings.ckpt_keep_last)
+                                                              self.ckpt.keep_last)
                     if complete:
                         log.info("ckpt_step_on_disk", step=step, path=str(_disk.step_dir(self.root, step)))
                     for state in states:

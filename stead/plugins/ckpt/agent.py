@@ -24,27 +24,27 @@ import anyio
 import structlog
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from stead.core.agent.extensions import AgentContext, RoundInfo
-from stead.core.config import Settings
-from stead.core.rpc import read_token_file
+from stead.plugin import AgentContext, AgentExtension, RoundInfo, read_token_file
 from stead.plugins.ckpt._node import NodeCheckpoints
 from stead.plugins.ckpt._shm import SegmentNames, segment_names, unlink_quietly
+from stead.plugins.ckpt.settings import CheckpointSettings
 
 __all__ = ["CheckpointAgentExtension"]
 
 log = structlog.get_logger("stead.plugins.ckpt")
 
 
-def job_root(settings: Settings, job: str) -> Path:
-    """``<ckpt_dir>/<job>``, absolute (ckpt_dir is relative to the working directory)."""
-    return Path(os.path.abspath(settings.ckpt_dir)) / job
+def job_root(settings: CheckpointSettings, job: str) -> Path:
+    """``<dir>/<job>``, absolute (``ckpt.dir`` is relative to the working directory)."""
+    return Path(os.path.abspath(settings.dir)) / job
 
 
-class CheckpointAgentExtension:
+class CheckpointAgentExtension(AgentExtension[CheckpointSettings]):
     name = "ckpt"
+    settings_class = CheckpointSettings
 
-    def __init__(self, *, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(self, *, settings: CheckpointSettings) -> None:
+        super().__init__(settings=settings)
         self._node: NodeCheckpoints | None = None
         self._names: SegmentNames | None = None
         self._portal_cm: Any = None
@@ -61,7 +61,7 @@ class CheckpointAgentExtension:
         self._names = names
         root = job_root(self.settings, ctx.job)
         self._node = NodeCheckpoints(
-            settings=self.settings, names=names, node_id=ctx.node_id, incarnation=ctx.incarnation,
+            settings=ctx.settings, ckpt=self.settings, names=names, node_id=ctx.node_id, incarnation=ctx.incarnation,
             master_address=ctx.master_address, token=read_token_file(ctx.token_file), root=root,
             socket_path=ctx.workdir / "ckpt.sock")
         self._portal_cm = start_blocking_portal(name="stead-ckpt")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stead.core.errors import PermanentError
+from stead.plugin import PermanentError
 
 __all__ = ["CheckpointError", "SharedMemoryTooSmall", "StateMismatch", "UnsupportedState"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stead.core.events import Event, event_kind
+from stead.plugin import Event, event_kind
 
 __all__ = ["CheckpointCorrupt", "CheckpointPersisted", "CheckpointRestored"]
 

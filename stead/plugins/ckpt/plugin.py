@@ -15,23 +15,10 @@ import json
 
 import structlog
 
-from stead.core.config import Settings
-from stead.core.events import CheckpointCommitted, Event, Record
-from stead.core.plugins import PluginContext
-from stead.core.rpc._proto.stead.v1 import (
-    Ack,
-    CheckpointServiceBase,
-    GetCommittedReply,
-    GetCommittedRequest,
-    RankStep,
-    ReportCorruptRequest,
-    ReportRestoredRequest,
-    ReportSavedReply,
-    ReportSavedRequest,
-)
-from stead.core.rpc._status import backend_errors, invalid
+from stead.plugin import CheckpointCommitted, Plugin, PluginContext, backend_errors, invalid, proto
 from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, released
 from stead.plugins.ckpt.events import CheckpointCorrupt, CheckpointPersisted, CheckpointRestored
+from stead.plugins.ckpt.settings import CheckpointSettings
 
 __all__ = ["CheckpointPlugin", "CheckpointServicer"]
 
@@ -42,24 +29,24 @@ TIERS = ("memory", "disk")
 _MAX_WORLD = 1 << 20
 
 
-class CheckpointPlugin:
+class CheckpointPlugin(Plugin[CheckpointSettings]):
     """Master-side flash checkpoint coordination (entry point ``stead.plugins: ckpt``)."""
 
     name = "ckpt"
-    subscriptions: tuple[type[Event], ...] = ()
+    settings_class = CheckpointSettings
 
-    def __init__(self, *, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(self, *, settings: CheckpointSettings) -> None:
+        super().__init__(settings=settings)
         self.book = Book()
-        self._ctx: PluginContext | None = None
+        self._ctx: PluginContext[CheckpointSettings] | None = None
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         #: round -> rank -> (step, tier) of the restores reported so far
         self._restored: dict[int, dict[int, tuple[int, str]]] = {}
 
-    async def start(self, *, ctx: PluginContext) -> None:
+    async def start(self, *, ctx: PluginContext[CheckpointSettings]) -> None:
         self._ctx = ctx
-        raw = await ctx.store.get(ctx.key(self.name, "book"))
+        raw = await ctx.store.get(ctx.key("book"))
         if raw is not None:
             try:
                 saved = json.loads(raw.value)
@@ -69,13 +56,10 @@ class CheckpointPlugin:
                 log.warning("ckpt_book_unreadable", error=repr(exc), action="starting with no committed step")
         ctx.add_rpc_handler(CheckpointServicer(self))
 
-    async def handle(self, *, record: Record, ctx: PluginContext) -> None:
-        return None
-
     # -- called by the servicer -----------------------------------------------------------------
 
     @property
-    def ctx(self) -> PluginContext:
+    def ctx(self) -> PluginContext[CheckpointSettings]:
         if self._ctx is None:
             raise RuntimeError("the ckpt plugin was not started")
         return self._ctx
@@ -109,7 +93,7 @@ class CheckpointPlugin:
             book = self.book
             return (book.round == round_ and book.round_step > after_step) or bool(released(book, ranks))
 
-        wait = min(max(wait_s, 0.0), self.settings.ckpt_commit_poll_s)
+        wait = min(max(wait_s, 0.0), self.settings.commit_poll_s)
         if wait > 0 and not ready():
             async with self._changed:
                 try:
@@ -139,7 +123,7 @@ class CheckpointPlugin:
 
     async def _save(self, book: Book) -> None:
         value = json.dumps({"step": book.step, "step_round": book.step_round, "persisted": book.persisted})
-        await self.ctx.store.put(self.ctx.key(self.name, "book"), value.encode())
+        await self.ctx.store.put(self.ctx.key("book"), value.encode())
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -154,13 +138,13 @@ def _check_world(world_size: int, ranks: list[int]) -> None:
         invalid(f"ranks {bad} are outside the world of {world_size}; report ranks 0..{world_size - 1}")
 
 
-class CheckpointServicer(CheckpointServiceBase):
+class CheckpointServicer(proto.CheckpointServiceBase):
     """CheckpointService backed by the plugin (every call authenticated by the RpcServer)."""
 
     def __init__(self, plugin: CheckpointPlugin) -> None:
         self._plugin = plugin
 
-    async def report_saved(self, message: ReportSavedRequest) -> ReportSavedReply:
+    async def report_saved(self, message: proto.ReportSavedRequest) -> proto.ReportSavedReply:
         ranks = [r.rank for r in message.ranks]
         _check_world(message.world_size, ranks)
         if message.tier not in TIERS:
@@ -173,36 +157,37 @@ class CheckpointServicer(CheckpointServiceBase):
                 for step in steps:
                     await self._plugin.disk_report(step=step, world_size=message.world_size, path=message.path,
                                                    ranks=[r.rank for r in message.ranks if r.step == step])
-                return ReportSavedReply(committed_step=-1)
+                return proto.ReportSavedReply(committed_step=-1)
             holdings = {r.rank: Holding(passed=r.step, steps=frozenset(r.held_steps)) for r in message.ranks}
             step, freed = await self._plugin.memory_report(round_=message.round, world_size=message.world_size,
                                                            ranks=holdings)
-        return ReportSavedReply(committed_step=step, released=[RankStep(rank=r, step=s) for r, s in freed.items()])
+        released = [proto.RankStep(rank=r, step=s) for r, s in freed.items()]
+        return proto.ReportSavedReply(committed_step=step, released=released)
 
-    async def get_committed(self, message: GetCommittedRequest) -> GetCommittedReply:
+    async def get_committed(self, message: proto.GetCommittedRequest) -> proto.GetCommittedReply:
         if message.wait_s < 0 or message.wait_s != message.wait_s:
             invalid(f"wait_s={message.wait_s} must be a non-negative number of seconds")
         with backend_errors("CheckpointService.GetCommitted"):
             book, freed = await self._plugin.committed(round_=message.round, after_step=message.after_step,
                                                        wait_s=message.wait_s, ranks=list(message.ranks))
-        return GetCommittedReply(step=book.step, round=book.step_round,
+        return proto.GetCommittedReply(step=book.step, round=book.step_round,
                                  round_step=book.round_step if book.round == message.round else -1,
                                  persisted_step=book.persisted,
-                                 released=[RankStep(rank=r, step=s) for r, s in freed.items()])
+                                 released=[proto.RankStep(rank=r, step=s) for r, s in freed.items()])
 
-    async def report_restored(self, message: ReportRestoredRequest) -> Ack:
+    async def report_restored(self, message: proto.ReportRestoredRequest) -> proto.Ack:
         _check_world(message.world_size, [message.rank])
         if message.tier not in (*TIERS, "none"):
             invalid(f"tier={message.tier!r} must be memory, disk or none")
         with backend_errors("CheckpointService.ReportRestored"):
             await self._plugin.restored(round_=message.round, world_size=message.world_size, rank=message.rank,
                                         step=message.step, tier=message.tier)
-        return Ack()
+        return proto.Ack()
 
-    async def report_corrupt(self, message: ReportCorruptRequest) -> Ack:
+    async def report_corrupt(self, message: proto.ReportCorruptRequest) -> proto.Ack:
         if message.tier not in TIERS:
             invalid(f"tier={message.tier!r} must be one of {TIERS}")
         with backend_errors("CheckpointService.ReportCorrupt"):
             await self._plugin.corrupt(node_id=message.node_id, rank=message.rank, step=message.step,
                                        tier=message.tier, detail=message.detail)
-        return Ack()
+        return proto.Ack()

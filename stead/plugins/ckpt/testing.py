@@ -2,7 +2,7 @@
 RpcServer and real agent extensions, on an event loop thread of their own, so that the caller uses
 the worker API (FlashCheckpointer, blocking) directly, as a training script does::
 
-    with LocalCluster(tmp_path, Settings(ckpt_dir=...), job="j") as cluster:
+    with LocalCluster(tmp_path, CheckpointSettings(dir=...), job="j") as cluster:
         cluster.agent()
         cluster.round(1)
         with cluster.worker() as ckpt:
@@ -21,15 +21,12 @@ from typing import Any
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from stead.core.agent.extensions import AgentContext, RoundInfo
-from stead.core.config import Settings
-from stead.core.events import Event, Record
-from stead.core.plugins import PluginContext
 from stead.core.rpc import MasterClient, RpcServer, new_token, write_token_file
-from stead.core.statemachine import JobState
 from stead.core.store import open_store
+from stead.plugin import AgentContext, Event, JobState, PluginContext, Record, RoundInfo, Settings
 from stead.plugins.ckpt.agent import CheckpointAgentExtension
 from stead.plugins.ckpt.plugin import CheckpointPlugin
+from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.worker import FlashCheckpointer
 
 __all__ = ["LocalCluster", "environ_set"]
@@ -38,8 +35,10 @@ __all__ = ["LocalCluster", "environ_set"]
 class LocalCluster:
     """One job's master plugin and any number of node agents (extensions), in this process."""
 
-    def __init__(self, tmp: Path, settings: Settings, job: str) -> None:
+    def __init__(self, tmp: Path, settings: CheckpointSettings, job: str, *,
+                 stead_settings: Settings | None = None) -> None:
         self.tmp, self.settings, self.job = tmp, settings, job
+        self.stead_settings = stead_settings or Settings()
         self.events: list[Event] = []
         self.token = new_token()
         self.token_file = tmp / "token"
@@ -68,13 +67,13 @@ class LocalCluster:
     async def _serve_master(self, *, task_status: Any) -> None:
         store = await open_store("memory://")
 
-        async def emit(event: Event) -> Record | None:
+        async def emit(event: Event) -> Record:
             self.events.append(event)
-            return None
+            return Record(seq=len(self.events), at=0.0, event=event)
 
         handlers: list[Any] = []
-        ctx = PluginContext(job=self.job, settings=self.settings, store=store, get_state=JobState, emit=emit,
-                            add_rpc_handler=handlers.append)
+        ctx = PluginContext(plugin="ckpt", job=self.job, settings=self.settings, stead_settings=self.stead_settings,
+                            store=store, state=JobState, emit=emit, add_rpc_handler=handlers.append)
         await self.plugin.start(ctx=ctx)
         try:
             async with RpcServer(handlers, token=self.token) as server:
@@ -92,8 +91,9 @@ class LocalCluster:
         workdir = self.tmp / f"{node_id}-{incarnation}"
         workdir.mkdir(exist_ok=True)
         ext = CheckpointAgentExtension(settings=self.settings)
+        client = MasterClient(self.address, self.token, call_timeout_s=5)
         ctx = AgentContext(job=self.job, node_id=node_id, incarnation=incarnation, nproc=nproc,
-                           settings=self.settings, client=MasterClient(self.address, self.token, call_timeout_s=5),
+                           settings=self.stead_settings, client=client,
                            master_address=self.address, token_file=str(self.token_file), workdir=workdir)
         self.portal.call(lambda: ext.start(ctx=ctx))
         self.agents[node_id] = ext

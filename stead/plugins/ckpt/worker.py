@@ -38,7 +38,7 @@ from typing import Any, Literal
 import structlog
 import torch
 
-from stead.core.config import Settings
+from stead.plugin import load_settings
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._checksum import sum64
 from stead.plugins.ckpt._codec import Encoded, TensorMeta, decode, encode, find
@@ -48,6 +48,7 @@ from stead.plugins.ckpt._mapped import MappedSlot
 from stead.plugins.ckpt._restore import Unusable, as_dict, destination
 from stead.plugins.ckpt._shm import Control, SlotInfo, VerifyState
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
+from stead.plugins.ckpt.settings import CheckpointSettings
 
 __all__ = ["FlashCheckpointer", "STEP_ENV"]
 
@@ -83,20 +84,20 @@ class FlashCheckpointer:
     """
 
     def __init__(self, *, size_hint: int | Mapping[str, Any] | None = None,
-                 copy_mode: Literal["sync", "overlap"] = "sync", settings: Settings | None = None,
+                 copy_mode: Literal["sync", "overlap"] = "sync", settings: CheckpointSettings | None = None,
                  rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
                  job: str | None = None) -> None:
         env = os.environ
         if copy_mode not in ("sync", "overlap"):
             raise ValueError(f"copy_mode={copy_mode!r} must be 'sync' or 'overlap'")
-        self.settings = settings if settings is not None else Settings.from_env()
+        self.settings = settings if settings is not None else load_settings(CheckpointSettings, "ckpt")
         self.rank = int(env.get("RANK", "0")) if rank is None else rank
         self.world_size = int(env.get("WORLD_SIZE", "1")) if world_size is None else world_size
         self.local_rank = int(env.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
         self.round = int(env.get("STEAD_ROUND", "0"))
         self.copy_mode = copy_mode
         job_name = job or env.get("STEAD_JOB") or env.get("TORCHELASTIC_RUN_ID") or "default"
-        self.path = Path(env.get(PATH_ENV) or Path(self.settings.ckpt_dir).resolve() / job_name)
+        self.path = Path(env.get(PATH_ENV) or Path(self.settings.dir).resolve() / job_name)
         self._hint = (int(env.get(STEP_ENV, "-1")), int(env.get(ROUND_ENV, "0")))
         self._slots: dict[int, MappedSlot] = {}
         self._cache: _Cached | None = None
@@ -117,7 +118,7 @@ class FlashCheckpointer:
         self._map_lock = threading.Lock()
         socket_path = env.get(SOCKET_ENV)
         if socket_path:
-            self._link = AgentLink(socket_path, timeout_s=self.settings.ckpt_agent_timeout_s)
+            self._link = AgentLink(socket_path, timeout_s=self.settings.agent_timeout_s)
             reply = self._link.request({"op": "hello", "local_rank": self.local_rank, "rank": self.rank,
                                         "world": self.world_size, "round": self.round, "pid": os.getpid()})
             self._control = Control(str(reply["control"]))
@@ -236,9 +237,9 @@ class FlashCheckpointer:
             return self._persist_requested if self._persist_requested >= 0 else None
         if self._persist_requested < 0:
             return None
-        wait = self.settings.ckpt_persist_grace_s if timeout is None else timeout
+        wait = self.settings.persist_grace_s if timeout is None else timeout
         reply = self._link.request({"op": "persisted", "step": self._persist_requested, "wait_s": wait},
-                                   timeout_s=wait + self.settings.ckpt_agent_timeout_s)
+                                   timeout_s=wait + self.settings.agent_timeout_s)
         step = int(reply.get("step", -1))
         return step if step >= self._persist_requested else None
 
@@ -284,7 +285,7 @@ class FlashCheckpointer:
         return self._cache.layout
 
     def _wait_reserved(self) -> None:
-        if not self._reserved.wait(self.settings.ckpt_agent_timeout_s):
+        if not self._reserved.wait(self.settings.agent_timeout_s):
             raise CheckpointError("the agent did not allocate the checkpoint's shared memory in time; raise "
                                   "ckpt_agent_timeout_s")
         if self._reserve_error is not None:
@@ -298,7 +299,7 @@ class FlashCheckpointer:
             return True
         if self._degraded:
             return False
-        deadline = time.monotonic() + self.settings.ckpt_commit_wait_s
+        deadline = time.monotonic() + self.settings.commit_wait_s
         pause = _POLL_FIRST_S
         while time.monotonic() < deadline:
             time.sleep(pause)
@@ -307,7 +308,7 @@ class FlashCheckpointer:
                 self._pending = None
                 return True
         self._degraded = True
-        log.warning("ckpt_commit_late", step=self._pending, waited_s=self.settings.ckpt_commit_wait_s,
+        log.warning("ckpt_commit_late", step=self._pending, waited_s=self.settings.commit_wait_s,
                     effect="saves are skipped until it is committed (is the master reachable?)")
         return False
 
@@ -442,7 +443,7 @@ class FlashCheckpointer:
         metas = [m.to_json() for m in encoded.metas]
         _disk.write_rank(self.path, step=step, round_=self.round, rank=self.rank, world=self.world_size,
                          tree=encoded.tree, metas=metas, tensors=list(encoded.tensors))
-        _disk.finish_step(self.path, step, self.world_size, keep_last=self.settings.ckpt_keep_last)
+        _disk.finish_step(self.path, step, self.world_size, keep_last=self.settings.keep_last)
         self._persist_requested = step
 
     # -- restoring ------------------------------------------------------------------------------------
@@ -475,7 +476,7 @@ class FlashCheckpointer:
         return slot, doc
 
     def _verified(self, slot: SlotInfo, doc: LayoutDoc, mapped: MappedSlot) -> bool:
-        deadline = time.monotonic() + self.settings.ckpt_verify_wait_s
+        deadline = time.monotonic() + self.settings.verify_wait_s
         info = slot
         while info.verify_seq == slot.seq and info.verify_state is VerifyState.RUNNING:
             if time.monotonic() > deadline:

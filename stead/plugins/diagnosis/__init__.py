@@ -1,13 +1,10 @@
 """Diagnosis: decide what a worker failure leads to.
 
-Basic rules (a later issue deepens them with hang and straggler detection):
-
-* a failure whose traceback ends in an error that a restart cannot fix (the
-  code does not even compile or import, a name is undefined) fails fast;
-* the same error at the same step twice fails fast instead of looping;
-* anything else (a signal, a collective's connection reset, an OOM kill, an
-  unknown exit) is treated as transient and restarts the workers in a new round;
-  the job machine turns a restart beyond ``--max-restarts`` into a failure.
+It starts from stead's default policy (:func:`stead.plugin.classify`: an error
+that a restart reproduces fails fast, anything else restarts) and adds history:
+the same error at the same step twice fails fast instead of looping. The job
+machine gives it ``decision_timeout_s`` per failure; when it is disabled, slow
+or absent, the default policy decides alone.
 
 The signatures already seen are kept under the plugin's own store key, so a
 restarted master still recognises a repeated error.
@@ -16,67 +13,38 @@ restarted master still recognises a repeated error.
 from __future__ import annotations
 
 import json
-import re
-import signal
 
-import structlog
-
-from stead.core.config import Settings
-from stead.core.events import Record, RecoveryAction, RecoveryDecided, WorkerFailed
-from stead.core.plugins import PluginContext
+from stead.plugin import (
+    NoSettings,
+    Plugin,
+    PluginContext,
+    Record,
+    RecoveryAction,
+    RecoveryDecided,
+    WorkerFailed,
+    classify,
+    last_exception,
+)
 
 __all__ = ["DiagnosisPlugin", "classify"]
 
-log = structlog.get_logger("stead.plugins.diagnosis")
 
-#: errors that a restart reproduces: the program is wrong, not the world
-DETERMINISTIC = frozenset({"SyntaxError", "IndentationError", "TabError", "NameError", "ImportError",
-                           "ModuleNotFoundError", "UnboundLocalError"})
-#: torch prefixes a worker's stderr lines with its rank ("[rank3]: NameError: ...")
-_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d*\]:\s*")
-_EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))(?::\s*(?P<msg>.*))?$")
-
-
-def last_exception(error_tail: str) -> tuple[str, str] | None:
-    """(exception type, message) of the last traceback in a stderr tail, if any."""
-    for line in reversed(error_tail.strip().splitlines()):
-        match = _EXC_LINE.match(_RANK_PREFIX.sub("", line.strip()))
-        if match:
-            return match["type"].rsplit(".", 1)[-1], (match["msg"] or "").strip()
-    return None
-
-
-def classify(failure: WorkerFailed) -> tuple[RecoveryAction, str]:
-    """A first decision from one failure alone (without history)."""
-    exc = last_exception(failure.error_tail)
-    if exc is not None and exc[0] in DETERMINISTIC:
-        return RecoveryAction.FAIL, f"{exc[0]} in rank {failure.rank}: a restart would hit it again"
-    if failure.signal is not None:
-        try:
-            name = signal.Signals(failure.signal).name
-        except ValueError:
-            name = f"signal {failure.signal}"
-        return RecoveryAction.RESTART, f"rank {failure.rank} killed by {name}"
-    if exc is not None:
-        return RecoveryAction.RESTART, f"rank {failure.rank} raised {exc[0]}"
-    return RecoveryAction.RESTART, f"rank {failure.rank} exited with code {failure.exit_code}"
-
-
-class DiagnosisPlugin:
+class DiagnosisPlugin(Plugin[NoSettings]):
     name = "diagnosis"
     subscriptions = (WorkerFailed,)
+    decides_recovery = True
 
-    def __init__(self, *, settings: Settings | None = None) -> None:
-        self.settings = settings or Settings()
+    def __init__(self, *, settings: NoSettings | None = None) -> None:
+        super().__init__(settings=settings or NoSettings())
         self._seen: set[str] | None = None
 
-    async def _signatures(self, ctx: PluginContext) -> set[str]:
+    async def _signatures(self, ctx: PluginContext[NoSettings]) -> set[str]:
         if self._seen is None:
-            kv = await ctx.store.get(ctx.key(self.name, "signatures"))
+            kv = await ctx.store.get(ctx.key("signatures"))
             self._seen = set(json.loads(kv.value)) if kv else set()
         return self._seen
 
-    async def handle(self, *, record: Record, ctx: PluginContext) -> None:
+    async def handle(self, *, record: Record, ctx: PluginContext[NoSettings]) -> None:
         failure = record.event
         assert isinstance(failure, WorkerFailed)
         state = ctx.state
@@ -91,9 +59,9 @@ class DiagnosisPlugin:
                 action, reason = RecoveryAction.FAIL, f"the same error at the same step twice ({signature})"
             else:
                 seen.add(signature)
-                await ctx.store.put(ctx.key(self.name, "signatures"), json.dumps(sorted(seen)).encode())
-        log.info("recovery_decided", round=failure.round, action=action.value, reason=reason, rank=failure.rank)
+                await ctx.store.put(ctx.key("signatures"), json.dumps(sorted(seen)).encode())
+        ctx.log.info("recovery_decided", round=failure.round, action=action.value, reason=reason, rank=failure.rank)
         await ctx.emit(RecoveryDecided(
             round=failure.round, action=action, reason=reason, message=failure.error_tail,
-            node_id=failure.node_id, rank=failure.rank,
+            node_id=failure.node_id, rank=failure.rank, decided_by=self.name,
         ))

@@ -15,21 +15,11 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Protocol, Self
 
-from stead.core.config import Settings
-from stead.core.rpc import RpcConnection
-from stead.core.rpc._proto.stead.v1 import (
-    CompleteShardsRequest,
-    LeaseShardsRequest,
-    Partition,
-    RegisterDatasetRequest,
-    RestoreCursorRequest,
-    SaveCursorRequest,
-    ShardServiceStub,
-)
-from stead.core.store.base import StateStore
+from stead.plugin import RpcConnection, StateStore, proto
 from stead.plugins.sharding.ledger import CursorState, DatasetSpec, Range
 from stead.plugins.sharding.service import ShardService, StreamId
 from stead.plugins.sharding.servicer import cursor_from_proto, cursor_to_proto
+from stead.plugins.sharding.settings import ShardingSettings
 
 __all__ = ["LeaseReply", "LocalBackend", "SaveReply", "ShardBackend", "ShardClient"]
 
@@ -69,8 +59,8 @@ class ShardClient:
         self._conn = RpcConnection(address, token, call_timeout_s)
 
     @property
-    def _stub(self) -> ShardServiceStub:
-        return ShardServiceStub(self._conn.channel)
+    def _stub(self) -> proto.ShardServiceStub:
+        return proto.ShardServiceStub(self._conn.channel)
 
     def _timeout(self, wait_s: float = 0.0) -> float:
         return wait_s + self._conn.call_timeout_s
@@ -84,16 +74,17 @@ class ShardClient:
         self._conn.close()
 
     async def register(self, spec: DatasetSpec, partitions: Mapping[int, tuple[int, int]], closed: bool) -> None:
-        request = RegisterDatasetRequest(
+        request = proto.RegisterDatasetRequest(
             name=spec.name, size=spec.size, shard_size=spec.shard_size, seed=spec.seed,
             epochs=0 if spec.streaming else spec.epochs, ordered=not spec.shuffle, streaming=spec.streaming,
-            partitions=[Partition(id=p, start=s, end=e) for p, (s, e) in sorted(partitions.items())], closed=closed)
+            partitions=[proto.Partition(id=p, start=s, end=e) for p, (s, e) in sorted(partitions.items())],
+            closed=closed)
         with self._conn.errors("ShardService.RegisterDataset"):
             await self._stub.register_dataset(request, timeout=self._timeout())
 
     async def lease(self, who: StreamId, *, epoch: int, have: int, count: int, consumed: int,
                     wait_s: float) -> LeaseReply:
-        request = LeaseShardsRequest(
+        request = proto.LeaseShardsRequest(
             dataset=who.dataset, node_id=who.node_id, rank=who.rank, count=count, round=who.round,
             world_size=who.world_size, nonce=who.nonce, epoch=epoch, have=have, consumed=consumed, wait_s=wait_s)
         with self._conn.errors("ShardService.LeaseShards"):
@@ -102,7 +93,7 @@ class ShardClient:
                           tuple(reply.waiting_for), reply.lease_timeout_s)
 
     async def report(self, who: StreamId, *, consumed: int, epoch: int, release_rest: bool) -> None:
-        request = CompleteShardsRequest(
+        request = proto.CompleteShardsRequest(
             dataset=who.dataset, node_id=who.node_id, rank=who.rank, round=who.round, world_size=who.world_size,
             nonce=who.nonce, epoch=epoch, consumed=consumed, release_rest=release_rest)
         with self._conn.errors("ShardService.CompleteShards"):
@@ -110,7 +101,7 @@ class ShardClient:
 
     async def save(self, who: StreamId, *, consumed: Sequence[int], epochs: Sequence[int],
                    wait_s: float) -> SaveReply:
-        request = SaveCursorRequest(
+        request = proto.SaveCursorRequest(
             dataset=who.dataset, node_id=who.node_id, rank=who.rank, round=who.round, world_size=who.world_size,
             nonce=who.nonce, consumed=list(consumed), epochs=list(epochs), wait_s=wait_s)
         with self._conn.errors("ShardService.SaveCursor"):
@@ -120,7 +111,7 @@ class ShardClient:
         return SaveReply(cursor_from_proto(reply.cursor))
 
     async def restore(self, who: StreamId, cursor: CursorState) -> None:
-        request = RestoreCursorRequest(
+        request = proto.RestoreCursorRequest(
             dataset=who.dataset, node_id=who.node_id, rank=who.rank, round=who.round, world_size=who.world_size,
             nonce=who.nonce, cursor=cursor_to_proto(cursor))
         with self._conn.errors("ShardService.RestoreCursor"):
@@ -133,7 +124,7 @@ class ShardClient:
 class LocalBackend:
     """The master's service in this process, on ``store`` (an in-memory one for a script run without stead)."""
 
-    def __init__(self, store: StateStore, settings: Settings) -> None:
+    def __init__(self, store: StateStore, settings: ShardingSettings) -> None:
         self.service = ShardService(store, prefix="/stead/local/plugins/sharding/v1", settings=settings)
 
     async def register(self, spec: DatasetSpec, partitions: Mapping[int, tuple[int, int]], closed: bool) -> None:
@@ -144,7 +135,7 @@ class LocalBackend:
         answer = await self.service.lease(who, epoch=epoch, have=have, count=count, consumed=consumed,
                                           wait_s=wait_s)
         return LeaseReply(answer.ranges, answer.exhausted, answer.waiting_for,
-                          self.service.settings.shard_lease_timeout_s)
+                          self.service.settings.lease_timeout_s)
 
     async def report(self, who: StreamId, *, consumed: int, epoch: int, release_rest: bool) -> None:
         await self.service.report(who, consumed=consumed, epoch=epoch, release_rest=release_rest)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stead.core.events import Event, event_kind
+from stead.plugin import Event, event_kind
 
 __all__ = ["DatasetRegistered", "LeasesReleased", "ShardRoundRefused", "ShardRoundStarted"]
 

@@ -23,8 +23,7 @@ from typing import Any
 
 import structlog
 
-from stead.core.errors import LogCorrupt, StoreError
-from stead.core.store.base import StateStore
+from stead.plugin import LogCorrupt, StateStore, StoreError
 from stead.plugins.sharding.ledger import Ledger, Op, decode_op, encode_op
 
 __all__ = ["Journal", "load_ledger"]

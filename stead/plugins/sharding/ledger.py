@@ -29,7 +29,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stead.core.errors import InvalidRequest
+from stead.plugin import InvalidRequest
 from stead.plugins.sharding.intervals import Range, SlotMap
 from stead.plugins.sharding.ops import (
     MAX_LEASE_COUNT,

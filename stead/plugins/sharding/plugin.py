@@ -4,31 +4,30 @@ from __future__ import annotations
 
 import structlog
 
-from stead.core.config import Settings
-from stead.core.events import NodeExited, NodeLost, Record, WorkerFailed
-from stead.core.plugins import PluginContext
+from stead.plugin import NodeExited, NodeLost, Plugin, PluginContext, Record, WorkerFailed
 from stead.plugins.sharding.service import ShardService
 from stead.plugins.sharding.servicer import ShardServicer
+from stead.plugins.sharding.settings import ShardingSettings
 
 __all__ = ["ShardingPlugin"]
 
 log = structlog.get_logger("stead.plugins.sharding")
 
 
-class ShardingPlugin:
+class ShardingPlugin(Plugin[ShardingSettings]):
     name = "sharding"
     subscriptions = (WorkerFailed, NodeLost, NodeExited)
+    settings_class = ShardingSettings
 
-    def __init__(self, *, settings: Settings | None = None) -> None:
-        self.settings = settings or Settings()
+    def __init__(self, *, settings: ShardingSettings | None = None) -> None:
+        super().__init__(settings=settings or ShardingSettings())
         self.service: ShardService | None = None
 
-    async def start(self, *, ctx: PluginContext) -> None:
-        self.service = ShardService(ctx.store, prefix=ctx.key(self.name, "v1"), settings=ctx.settings,
-                                    emit=ctx.emit)
+    async def start(self, *, ctx: PluginContext[ShardingSettings]) -> None:
+        self.service = ShardService(ctx.store, prefix=ctx.key("v1"), settings=ctx.settings, emit=ctx.emit)
         ctx.add_rpc_handler(ShardServicer(self.service))
 
-    async def handle(self, *, record: Record, ctx: PluginContext) -> None:
+    async def handle(self, *, record: Record, ctx: PluginContext[ShardingSettings]) -> None:
         service = self.service
         if service is None or ctx.state.phase.terminal:
             return  # a finished job's nodes exit: nothing is read any more

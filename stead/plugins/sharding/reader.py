@@ -27,12 +27,11 @@ from typing import Any, TypeVar
 
 import structlog
 
-from stead.core.config import Settings
-from stead.core.errors import SteadError
-from stead.core.rpc import retrying
+from stead.plugin import Settings, SteadError, retrying
 from stead.plugins.sharding.client import ShardBackend
 from stead.plugins.sharding.ledger import CursorState, DatasetSpec, Range
 from stead.plugins.sharding.service import StreamId
+from stead.plugins.sharding.settings import ShardingSettings
 
 __all__ = ["Reader"]
 
@@ -45,9 +44,10 @@ Connect = Callable[[], AbstractAsyncContextManager[ShardBackend]]
 class Reader:
     """The stream of (``who.round``, ``who.rank``) for ``spec``; starts its thread and registers the dataset."""
 
-    def __init__(self, *, spec: DatasetSpec, who: StreamId, settings: Settings, connect: Connect, prefetch: int,
-                 partitions: Mapping[int, tuple[int, int]] | None = None, closed: bool = False) -> None:
-        self.spec, self.who, self.settings = spec, who, settings
+    def __init__(self, *, spec: DatasetSpec, who: StreamId, settings: Settings, sharding: ShardingSettings,
+                 connect: Connect, prefetch: int, partitions: Mapping[int, tuple[int, int]] | None = None,
+                 closed: bool = False) -> None:
+        self.spec, self.who, self.settings, self.sharding = spec, who, settings, sharding
         self.prefetch = prefetch
         self._connect = connect
         # read and written by the iterating thread; read (atomically) by the feeder
@@ -128,7 +128,7 @@ class Reader:
                 if self._ranges:  # held, but maybe not ours any more: renew first
                     self._report_now = True
                 self._poke()
-                self._cond.wait(timeout=self.settings.shard_report_interval_s)
+                self._cond.wait(timeout=self.sharding.report_interval_s)
 
     def call(self, fn: Callable[[ShardBackend], Awaitable[T]], *, what: str) -> T:
         """Run ``fn(backend)`` on the feeder's loop, after any call in flight, retrying while the master is away."""
@@ -142,7 +142,7 @@ class Reader:
             raise self._error or RuntimeError(closed) from None
         while True:  # a loop that stops before it runs the call never answers: watch the thread meanwhile
             try:
-                return future.result(timeout=self.settings.shard_report_interval_s)
+                return future.result(timeout=self.sharding.report_interval_s)
             except concurrent.futures.TimeoutError:
                 if not self._thread.is_alive():
                     future.cancel()
@@ -155,7 +155,7 @@ class Reader:
         with self._cond:
             self._stopping = True
         self._poke()
-        self._thread.join(timeout=self.settings.shard_wait_s + 2 * self.settings.rpc_timeout_s)
+        self._thread.join(timeout=self.sharding.wait_s + 2 * self.settings.rpc_timeout_s)
 
     def _poke(self) -> None:
         loop, wake = self._loop, self._wake
@@ -194,7 +194,7 @@ class Reader:
                 want = (epoch is not None and self._exhausted != epoch and self._error is None
                         and self._buffered < self.low_water)
                 report = self._joined and self._error is None and (
-                    self._report_now or time.monotonic() - self._last_contact >= self.settings.shard_report_interval_s)
+                    self._report_now or time.monotonic() - self._last_contact >= self.sharding.report_interval_s)
             if want:
                 assert epoch is not None
                 await self._lease(epoch)
@@ -202,7 +202,7 @@ class Reader:
                 await self._report()
             else:
                 self._wake.clear()
-                idle = max(0.0, self._last_contact + self.settings.shard_report_interval_s - time.monotonic())
+                idle = max(0.0, self._last_contact + self.sharding.report_interval_s - time.monotonic())
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(idle if self._joined else None):
                         await self._wake.wait()
@@ -218,7 +218,7 @@ class Reader:
         try:
             reply = await self._locked(lambda b: b.lease(
                 self.who, epoch=epoch, have=self._have, count=self.prefetch, consumed=self.consumed,
-                wait_s=self.settings.shard_wait_s), "lease")
+                wait_s=self.sharding.wait_s), "lease")
         except SteadError as exc:
             self._fail(exc)
             return
@@ -300,7 +300,7 @@ class Reader:
     def save(self, consumed: list[int], epochs: list[int]) -> CursorState:
         while True:
             reply = self.call(lambda b: b.save(self.who, consumed=consumed, epochs=epochs,
-                                               wait_s=self.settings.shard_wait_s), what="save")
+                                               wait_s=self.sharding.wait_s), what="save")
             if reply.cursor is not None:
                 with self._cond:
                     self._joined = True
@@ -310,13 +310,13 @@ class Reader:
 
 
 @contextlib.asynccontextmanager
-async def local_backend(settings: Settings) -> AsyncIterator[ShardBackend]:
+async def local_backend(sharding: ShardingSettings) -> AsyncIterator[ShardBackend]:
     """The master's service on an in-memory store, for a script run without stead."""
-    from stead.core.store import open_store
+    from stead.core.store.memory import MemoryStore
     from stead.plugins.sharding.client import LocalBackend
 
-    store = await open_store("memory://")
+    store = MemoryStore()
     try:
-        yield LocalBackend(store, settings)
+        yield LocalBackend(store, sharding)
     finally:
         await store.close()

@@ -25,14 +25,13 @@ from typing import Any, TypeVar
 
 from torch.utils.data import Sampler
 
-from stead.core.config import Settings
-from stead.core.errors import ConfigError, InvalidRequest
-from stead.core.rpc import read_token_file
+from stead.plugin import ConfigError, InvalidRequest, Settings, load_settings, read_token_file
 from stead.plugins.sharding.client import ShardClient
 from stead.plugins.sharding.ledger import UNBOUNDED, CursorState, DatasetSpec, Range
 from stead.plugins.sharding.order import SampleOrder
 from stead.plugins.sharding.reader import Connect, Reader, local_backend
 from stead.plugins.sharding.service import StreamId
+from stead.plugins.sharding.settings import ShardingSettings
 
 __all__ = ["CURSOR_VERSION", "ShardedSampler", "StreamSampler"]
 
@@ -65,7 +64,7 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def _connect(settings: Settings, world_size: int) -> Connect:
+def _connect(settings: Settings, sharding: ShardingSettings, world_size: int) -> Connect:
     address = os.environ.get("STEAD_MASTER_ADDR")
     if address:
         token_file = os.environ.get("STEAD_TOKEN_FILE")
@@ -76,7 +75,7 @@ def _connect(settings: Settings, world_size: int) -> Connect:
     if world_size > 1:
         raise ConfigError(f"a sharded sampler with world_size={world_size} needs a stead master to hand out shards: "
                           "run the script with `stead run` (plain python or torchrun have none)")
-    return lambda: local_backend(settings)
+    return lambda: local_backend(sharding)
 
 
 class _ShardedBase:
@@ -84,10 +83,11 @@ class _ShardedBase:
 
     def __init__(self, spec: DatasetSpec, *, prefetch: int, rank: int | None, world_size: int | None,
                  partitions: Mapping[int, tuple[int, int]] | None = None, closed: bool = False,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, sharding: ShardingSettings | None = None) -> None:
         if prefetch < 1:
             raise ConfigError(f"prefetch={prefetch} must be at least 1 (shards leased ahead of reading)")
         self.settings = settings or Settings.from_env()
+        self.sharding = sharding or load_settings(ShardingSettings, "sharding")
         self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", 1)
         self.rank = rank if rank is not None else _env_int("RANK", 0)
         if not 0 <= self.rank < self.world_size:
@@ -103,8 +103,9 @@ class _ShardedBase:
                 who = StreamId(spec.name, round_, self.rank, self.world_size,
                                os.environ.get("STEAD_NODE_ID") or socket.gethostname(), os.urandom(8).hex())
                 reader = _READERS[key] = Reader(
-                    spec=spec, who=who, settings=self.settings, prefetch=prefetch, partitions=partitions,
-                    closed=closed, connect=_connect(self.settings, self.world_size))
+                    spec=spec, who=who, settings=self.settings, sharding=self.sharding, prefetch=prefetch,
+                    partitions=partitions, closed=closed,
+                    connect=_connect(self.settings, self.sharding, self.world_size))
         self._reader = reader
         if shared:  # a second sampler of this process's stream: the master checks that the definition matches
             reader.call(lambda b: b.register(spec, partitions or {}, closed), what="register")
@@ -208,9 +209,10 @@ class ShardedSampler(_ShardedBase, Sampler[int]):
 
     def __init__(self, name: str, *, size: int, shard_size: int, seed: int = 0, epochs: int = 1,
                  shuffle: bool = True, prefetch: int = 4, rank: int | None = None, world_size: int | None = None,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, sharding: ShardingSettings | None = None) -> None:
         spec = DatasetSpec(name=name, shard_size=shard_size, size=size, seed=seed, epochs=epochs, shuffle=shuffle)
-        super().__init__(spec, prefetch=prefetch, rank=rank, world_size=world_size, settings=settings)
+        super().__init__(spec, prefetch=prefetch, rank=rank, world_size=world_size, settings=settings,
+                         sharding=sharding)
         self._order = SampleOrder(size=size, shard_size=shard_size, seed=seed, shuffle=shuffle)
 
     def __iter__(self) -> Iterator[int]:
@@ -231,10 +233,10 @@ class StreamSampler(_ShardedBase, Sampler[tuple[int, int]]):
 
     def __init__(self, name: str, *, partitions: Mapping[int, tuple[int, int]], shard_size: int,
                  closed: bool = False, prefetch: int = 4, rank: int | None = None, world_size: int | None = None,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, sharding: ShardingSettings | None = None) -> None:
         spec = DatasetSpec(name=name, shard_size=shard_size, streaming=True)
         super().__init__(spec, prefetch=prefetch, rank=rank, world_size=world_size, partitions=partitions,
-                         closed=closed, settings=settings)
+                         closed=closed, settings=settings, sharding=sharding)
 
     def extend(self, partitions: Mapping[int, tuple[int, int]], *, closed: bool = False) -> None:
         """New partitions, or new end offsets of known ones (never lower); ``closed``: no more records."""

@@ -19,14 +19,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import structlog
 
-from stead.core.config import Settings
-from stead.core.errors import InvalidRequest
-from stead.core.events import Event, Record
-from stead.core.store.base import StateStore
+from stead.plugin import Event, InvalidRequest, Record, StateStore
 from stead.plugins.sharding.events import DatasetRegistered, LeasesReleased, ShardRoundRefused, ShardRoundStarted
 from stead.plugins.sharding.journal import Journal, load_ledger
 from stead.plugins.sharding.ledger import LeaseAnswer, Ledger
 from stead.plugins.sharding.ops import UNBOUNDED, CursorState, DatasetSpec, Op, Released, RoundRefused, Started
+from stead.plugins.sharding.settings import ShardingSettings
 
 __all__ = ["ShardService", "StreamId"]
 
@@ -68,7 +66,7 @@ def check_name(name: str) -> str:
 
 
 class ShardService:
-    def __init__(self, store: StateStore, *, prefix: str, settings: Settings, emit: Emit | None = None,
+    def __init__(self, store: StateStore, *, prefix: str, settings: ShardingSettings, emit: Emit | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._store = store
         self._prefix = prefix.rstrip("/")
@@ -208,7 +206,7 @@ class ShardService:
             await self._commit(ds, ops)
 
     async def _sweep(self, ds: _Dataset) -> None:
-        timeout = self.settings.shard_lease_timeout_s
+        timeout = self.settings.lease_timeout_s
         now = self._clock()
         if timeout <= 0 or now - ds.last_sweep < timeout / 10:
             return

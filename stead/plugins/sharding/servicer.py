@@ -6,45 +6,31 @@ instead; a store that is down, UNAVAILABLE (the worker's client retries).
 
 from __future__ import annotations
 
-from stead.core.errors import InvalidRequest
-from stead.core.rpc._proto.stead.v1 import (
-    Ack,
-    CompleteShardsRequest,
-    Cursor,
-    LeaseShardsReply,
-    LeaseShardsRequest,
-    RegisterDatasetRequest,
-    RestoreCursorRequest,
-    SaveCursorReply,
-    SaveCursorRequest,
-    Shard,
-    ShardServiceBase,
-)
-from stead.core.rpc._status import backend_errors
+from stead.plugin import InvalidRequest, backend_errors, proto
 from stead.plugins.sharding.ledger import CursorState, DatasetSpec, Range
 from stead.plugins.sharding.service import ShardService, StreamId
 
 __all__ = ["ShardServicer", "cursor_from_proto", "cursor_to_proto"]
 
-def _shards(ranges: tuple[Range, ...]) -> list[Shard]:
-    return [Shard(part=p, start=s, end=e) for p, s, e in ranges]
+def _shards(ranges: tuple[Range, ...]) -> list[proto.Shard]:
+    return [proto.Shard(part=p, start=s, end=e) for p, s, e in ranges]
 
 
-def cursor_to_proto(cursor: CursorState) -> Cursor:
-    return Cursor(fingerprint=cursor.fingerprint, epoch=cursor.epoch, remaining=_shards(cursor.remaining))
+def cursor_to_proto(cursor: CursorState) -> proto.Cursor:
+    return proto.Cursor(fingerprint=cursor.fingerprint, epoch=cursor.epoch, remaining=_shards(cursor.remaining))
 
 
-def cursor_from_proto(cursor: Cursor | None) -> CursorState:
+def cursor_from_proto(cursor: proto.Cursor | None) -> CursorState:
     if cursor is None:
         return CursorState("", 0, ())
     return CursorState(cursor.fingerprint, cursor.epoch, tuple((s.part, s.start, s.end) for s in cursor.remaining))
 
 
-class ShardServicer(ShardServiceBase):
+class ShardServicer(proto.ShardServiceBase):
     def __init__(self, service: ShardService) -> None:
         self.service = service
 
-    async def register_dataset(self, message: RegisterDatasetRequest) -> Ack:
+    async def register_dataset(self, message: proto.RegisterDatasetRequest) -> proto.Ack:
         with backend_errors("ShardService.RegisterDataset"):
             if message.streaming:
                 spec = DatasetSpec(name=message.name, shard_size=message.shard_size, streaming=True,
@@ -56,39 +42,39 @@ class ShardServicer(ShardServiceBase):
             if len(partitions) != len(message.partitions):
                 raise InvalidRequest(f"streaming source {message.name!r} lists a partition twice; list each once")
             await self.service.register(spec, partitions=partitions, closed=message.closed)
-        return Ack()
+        return proto.Ack()
 
-    async def lease_shards(self, message: LeaseShardsRequest) -> LeaseShardsReply:
+    async def lease_shards(self, message: proto.LeaseShardsRequest) -> proto.LeaseShardsReply:
         who = StreamId(message.dataset, message.round, message.rank, message.world_size, message.node_id,
                        message.nonce)
         with backend_errors("ShardService.LeaseShards"):
             answer = await self.service.lease(who, epoch=message.epoch, have=message.have, count=message.count,
                                               consumed=message.consumed, wait_s=message.wait_s)
-        return LeaseShardsReply(shards=_shards(answer.ranges), exhausted=answer.exhausted,
+        return proto.LeaseShardsReply(shards=_shards(answer.ranges), exhausted=answer.exhausted,
                                 waiting_for=list(answer.waiting_for),
-                                lease_timeout_s=self.service.settings.shard_lease_timeout_s)
+                                lease_timeout_s=self.service.settings.lease_timeout_s)
 
-    async def complete_shards(self, message: CompleteShardsRequest) -> Ack:
+    async def complete_shards(self, message: proto.CompleteShardsRequest) -> proto.Ack:
         who = StreamId(message.dataset, message.round, message.rank, message.world_size, message.node_id,
                        message.nonce)
         with backend_errors("ShardService.CompleteShards"):
             await self.service.report(who, consumed=message.consumed, epoch=message.epoch,
                                       release_rest=message.release_rest)
-        return Ack()
+        return proto.Ack()
 
-    async def save_cursor(self, message: SaveCursorRequest) -> SaveCursorReply:
+    async def save_cursor(self, message: proto.SaveCursorRequest) -> proto.SaveCursorReply:
         who = StreamId(message.dataset, message.round, message.rank, message.world_size, message.node_id,
                        message.nonce)
         with backend_errors("ShardService.SaveCursor"):
             cursor = await self.service.save(who, consumed=message.consumed, epochs=message.epochs,
                                              wait_s=message.wait_s)
         if cursor is None:
-            return SaveCursorReply(ready=False, waiting_for=list(self.service.waiting_for(who)))
-        return SaveCursorReply(ready=True, cursor=cursor_to_proto(cursor))
+            return proto.SaveCursorReply(ready=False, waiting_for=list(self.service.waiting_for(who)))
+        return proto.SaveCursorReply(ready=True, cursor=cursor_to_proto(cursor))
 
-    async def restore_cursor(self, message: RestoreCursorRequest) -> Ack:
+    async def restore_cursor(self, message: proto.RestoreCursorRequest) -> proto.Ack:
         who = StreamId(message.dataset, message.round, message.rank, message.world_size, message.node_id,
                        message.nonce)
         with backend_errors("ShardService.RestoreCursor"):
             await self.service.restore(who, cursor_from_proto(message.cursor))
-        return Ack()
+        return proto.Ack()

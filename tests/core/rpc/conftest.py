@@ -12,15 +12,12 @@ import pytest
 from stead.core.rpc import (
     AgentCommand,
     AgentServicer,
-    CheckpointServicer,
     FailureInfo,
     HeartbeatInfo,
-    KvServicer,
     MasterClient,
     RegisterInfo,
     RegisterResult,
     RpcServer,
-    ShardServicer,
     WorkersState,
     new_token,
 )
@@ -110,7 +107,7 @@ def backend() -> FakeBackend:
 
 @pytest.fixture
 async def server(backend: FakeBackend, token: str) -> AsyncIterator[RpcServer]:
-    handlers = [AgentServicer(backend), KvServicer(), ShardServicer(), CheckpointServicer()]
+    handlers = [AgentServicer(backend)]
     async with RpcServer(handlers, token=token, token_file="/run/stead/job-1/token") as srv:
         yield srv
 

@@ -169,7 +169,8 @@ async def test_an_unexpected_backend_error_is_answered_internal(server: RpcServe
     assert "boom" in (caught.value.message or "")
 
 
-async def test_placeholder_services_answer_unimplemented_with_an_explanation(server: RpcServer, token: str) -> None:
+async def test_services_this_master_does_not_serve_answer_unimplemented_with_an_explanation(
+        server: RpcServer, token: str) -> None:
     channel = Channel(server.host, server.port)
     attach_token(channel, token)
     try:
@@ -179,4 +180,4 @@ async def test_placeholder_services_answer_unimplemented_with_an_explanation(ser
     finally:
         channel.close()
     assert caught.value.status == Status.UNIMPLEMENTED
-    assert "not available in this stead version" in (caught.value.message or "")
+    assert "/stead.v1.ShardService/LeaseShards is not served by this stead master" in (caught.value.message or "")

@@ -17,7 +17,6 @@ from grpclib.exceptions import GRPCError
 from stead.core.errors import ConfigError, Unauthenticated
 from stead.core.rpc import (
     AUTH_METADATA_KEY,
-    KvClient,
     MasterClient,
     RegisterInfo,
     RpcServer,
@@ -29,13 +28,11 @@ from stead.core.rpc import (
 )
 from stead.core.rpc._proto.stead.v1 import (
     AgentServiceStub,
-    CheckpointServiceStub,
-    CompleteShardsRequest,
-    GetCommittedRequest,
-    KvGetRequest,
-    KvServiceStub,
+    CommandsRequest,
+    FailureReport,
+    HeartbeatRequest,
     RegisterRequest,
-    ShardServiceStub,
+    WorkersReport,
 )
 
 pytestmark = pytest.mark.anyio
@@ -134,18 +131,22 @@ async def test_clients_with_a_wrong_token_raise_unauthenticated(server: RpcServe
             await client.register(REGISTER)
         with pytest.raises(Unauthenticated):
             [command async for command in client.commands("node-0", 1)]
-    async with KvClient(server.address, new_token(), call_timeout_s=call_timeout_s) as kv:
-        with pytest.raises(Unauthenticated):
-            await kv.set("k", b"v")
     assert backend.calls == 0
 
 
-async def test_every_service_checks_the_token(server: RpcServer) -> None:
+async def test_every_method_checks_the_token(server: RpcServer, backend: Any) -> None:
     channel = Channel(server.host, server.port)
+    stub = AgentServiceStub(channel)
+
+    async def commands() -> None:
+        async for _ in stub.commands(CommandsRequest(node_id="n", incarnation=1), timeout=10):
+            pass
+
     calls = [
-        lambda: KvServiceStub(channel).get(KvGetRequest(key="k"), timeout=10),
-        lambda: ShardServiceStub(channel).complete_shards(CompleteShardsRequest(), timeout=10),
-        lambda: CheckpointServiceStub(channel).get_committed(GetCommittedRequest(), timeout=10),
+        lambda: stub.heartbeat(HeartbeatRequest(node_id="n", incarnation=1), timeout=10),
+        lambda: stub.report_failure(FailureReport(node_id="n", incarnation=1), timeout=10),
+        lambda: stub.report_workers(WorkersReport(node_id="n", incarnation=1), timeout=10),
+        commands,
     ]
     try:
         for call in calls:
@@ -154,3 +155,4 @@ async def test_every_service_checks_the_token(server: RpcServer) -> None:
             assert caught.value.status == Status.UNAUTHENTICATED
     finally:
         channel.close()
+    assert backend.calls == 0

@@ -17,8 +17,6 @@ from stead.core.errors import ConfigError, RpcUnavailable
 from stead.core.rpc import (
     AgentServicer,
     HeartbeatInfo,
-    KvClient,
-    KvServicer,
     MasterClient,
     RegisterInfo,
     RpcServer,
@@ -32,8 +30,7 @@ from stead.core.rpc import (
 pytestmark = pytest.mark.anyio
 
 REGISTER = RegisterInfo(node_id="node-0", incarnation=1, host="host-a", pid=4242, nproc=2)
-HEARTBEAT = HeartbeatInfo(node_id="node-0", incarnation=1, round=0, step=None, workers_alive=2, rss_bytes=0,
-                          cpu_percent=0.0)
+HEARTBEAT = HeartbeatInfo(node_id="node-0", incarnation=1, round=0, step=None, workers_alive=2)
 
 
 def _free_port() -> int:
@@ -58,7 +55,7 @@ class _RawCodec(CodecBase):
 
 
 async def test_server_binds_a_free_port_and_leaves_none_listening(token: str, listening_ports: Any) -> None:
-    async with RpcServer([KvServicer()], token=token) as server:
+    async with RpcServer([], token=token) as server:
         port = server.port
         assert port > 0
         assert port in listening_ports()
@@ -127,9 +124,6 @@ async def test_clients_of_a_closed_port_raise_rpc_unavailable(token: str, call_t
             await client.register(REGISTER)
         with pytest.raises(RpcUnavailable):
             [command async for command in client.commands("node-0", 1)]
-    async with KvClient(address, token, call_timeout_s=call_timeout_s) as kv:
-        with pytest.raises(RpcUnavailable):
-            await kv.get("k")
 
 
 async def test_a_master_that_does_not_answer_in_time_is_unavailable(token: str) -> None:
@@ -145,14 +139,14 @@ async def test_a_master_that_does_not_answer_in_time_is_unavailable(token: str) 
 
 async def test_binding_a_port_in_use_is_a_config_error(server: RpcServer, token: str) -> None:
     with pytest.raises(ConfigError, match="choose another port"):
-        async with RpcServer([KvServicer()], token=token, port=server.port):
+        async with RpcServer([], token=token, port=server.port):
             pass
 
 
 async def test_a_server_with_an_unusable_token_does_not_start(listening_ports: Callable[[], set[int]]) -> None:
     before = listening_ports()
     with pytest.raises(ConfigError):
-        async with RpcServer([KvServicer()], token="not a token"):
+        async with RpcServer([], token="not a token"):
             pass
     assert listening_ports() <= before
 
@@ -177,7 +171,7 @@ def test_clients_refuse_bad_settings() -> None:
     with pytest.raises(ConfigError, match="call_timeout_s"):
         MasterClient("127.0.0.1:1", new_token(), call_timeout_s=0)
     with pytest.raises(ConfigError, match="token"):
-        KvClient("127.0.0.1:1", "bad token", call_timeout_s=1)
+        MasterClient("127.0.0.1:1", "bad token", call_timeout_s=1)
 
 
 async def test_a_client_used_outside_async_with_says_so(token: str) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from stead.core.events import (
     CheckpointCommitted,
+    EffectFailed,
     Event,
     JobFailed,
     JobStopped,
@@ -26,8 +27,11 @@ from stead.core.events import (
     NodeRequested,
     NodeStarted,
     PluginFailed,
+    PluginsStarted,
     RecoveryAction,
     RecoveryDecided,
+    RelaunchRequested,
+    RestartRequested,
     RoundCompleted,
     RoundStarted,
     StepProgress,
@@ -115,6 +119,16 @@ SUCCEEDED = after(WorkersSucceeded(node_id="node-0", round=1), WorkersSucceeded(
                   start=RUNNING)
 STOPPED = after(JobStopped(), start=LOST)
 FAILED = after(decided(1, RecoveryAction.FAIL), start=AWAITING)
+WITH_DIAGNOSIS = PluginsStarted(plugins=("diagnosis", "ckpt"), deciders=("diagnosis",))
+NO_DECIDER = PluginsStarted(plugins=("ckpt",), deciders=())
+RUNNING_NO_DECIDER = after(NO_DECIDER, start=RUNNING)
+AWAITING_DIAGNOSIS = after(WITH_DIAGNOSIS, start=AWAITING)
+
+
+def effect_failed(kind: str, node: str = "node-0", incarnation: int | None = 1,
+                  round: int | None = None) -> EffectFailed:
+    return EffectFailed(effect_id=f"{kind}/{node}", kind=kind, error="OSError: boom", node_id=node,
+                        incarnation=incarnation, round=round)
 
 
 def field(state: object, path: str) -> object:
@@ -178,8 +192,52 @@ ALLOWED: list[tuple[str, JobState, Event, JobPhase, dict[str, object], EffectIds
     ("job succeeded stops every live node", ALL_SUCCEEDED_NO_END, JobSucceeded(), JobPhase.SUCCEEDED,
      {"rdzv.active": False, "reason": "all workers exited 0"},
      [(StopNode, "stop-node/node-0/1"), (StopNode, "stop-node/node-1/1")]),
-    ("worker failed: RECOVERING awaiting the decision", RUNNING, failed(), JobPhase.RECOVERING,
-     {"awaiting_decision": True, "last_failure": failed(), "rdzv.active": True}, []),
+    ("worker failed: RECOVERING awaiting the decision, with a decision timer", RUNNING, failed(), JobPhase.RECOVERING,
+     {"awaiting_decision": True, "last_failure": failed(), "rdzv.active": True, "timers.decision/1": NOW + 3.0},
+     [(StartTimer, "timer/decision/1")]),
+    ("worker failed with no decider running: the default policy decides at once", RUNNING_NO_DECIDER, failed(),
+     JobPhase.RECOVERING, {"awaiting_decision": True}, [(Emit, "emit/decision/1")]),
+    ("decision timer fires while the failure waits: the default policy decides", AWAITING,
+     TimerFired(name="decision/1"), JobPhase.RECOVERING,
+     {"awaiting_decision": True, "timers": {"join-timeout": NOW + 60.0}},
+     [(Emit, "emit/decision/1")]),
+    ("decision timer after a decision was taken: nothing", RESTARTED, TimerFired(name="decision/1"),
+     JobPhase.RUNNING, {"rdzv.round": 2}, []),
+    ("plugins announced with a decider", RUNNING, WITH_DIAGNOSIS, JobPhase.RUNNING,
+     {"deciders": frozenset({"diagnosis"})}, []),
+    ("plugins announced before the job is submitted", NEW, WITH_DIAGNOSIS, JobPhase.NEW,
+     {"deciders": frozenset({"diagnosis"})}, []),
+    ("a plugin's failure before the job is submitted is a report", NEW,
+     PluginFailed(plugin="p", event_type="start", error="boom"), JobPhase.NEW, {}, []),
+    ("no decider any more while a failure waits: the default policy decides now", AWAITING, NO_DECIDER,
+     JobPhase.RECOVERING, {"deciders": frozenset()}, [(Emit, "emit/decision/1")]),
+    ("the last decider disabled while a failure waits: the default policy decides now", AWAITING_DIAGNOSIS,
+     PluginFailed(plugin="diagnosis", event_type="worker.failed", error="boom", disabled=True), JobPhase.RECOVERING,
+     {"deciders": frozenset()}, [(Emit, "emit/decision/1")]),
+    ("a decider failing but not disabled: still waiting for it", AWAITING_DIAGNOSIS,
+     PluginFailed(plugin="diagnosis", event_type="worker.failed", error="boom"), JobPhase.RECOVERING,
+     {"deciders": frozenset({"diagnosis"})}, []),
+    ("a failed launch counts as the node lost: relaunched", STARTING, effect_failed("launch-node"),
+     JobPhase.STARTING, {"nodes.node-0.phase": NodePhase.LOST},
+     [(KillNode, "kill/node-0/1"), (Emit, "emit/request/node-0/2")]),
+    ("a failed launch of a replaced incarnation: nothing", LOST, effect_failed("launch-node", "node-1", 1),
+     JobPhase.RECOVERING, {"nodes.node-1.incarnation": 2}, []),
+    ("workers that could not start break the round: a restart", RUNNING,
+     effect_failed("start-workers", round=1, incarnation=1), JobPhase.RECOVERING,
+     {"restarts": 1, "rdzv.active": False},
+     [(StopWorkers, "stop-workers/1/node-0"), (StopWorkers, "stop-workers/1/node-1"), (Emit, "emit/round/2")]),
+    ("a failed kill is on record only", RUNNING, effect_failed("kill-node"), JobPhase.RUNNING, {}, []),
+    ("restart requested by a plugin: a new round, one restart spent", RUNNING,
+     RestartRequested(round=1, reason="hung", by="diagnosis"), JobPhase.RECOVERING,
+     {"restarts": 1, "rdzv.active": False},
+     [(StopWorkers, "stop-workers/1/node-0"), (StopWorkers, "stop-workers/1/node-1"), (Emit, "emit/round/2")]),
+    ("restart requested with the budget spent: JobFailed", RESTARTED,
+     RestartRequested(round=2, reason="hung", by="diagnosis"), JobPhase.RUNNING, {"restarts": 1},
+     [(Emit, "emit/job-end")]),
+    ("relaunch requested by a plugin: killed, the others stopped, relaunched", RUNNING,
+     RelaunchRequested(node_id="node-1", incarnation=1, reason="straggler", by="diagnosis"), JobPhase.RECOVERING,
+     {"nodes.node-1.phase": NodePhase.LOST},
+     [(KillNode, "kill/node-1/1"), (StopWorkers, "stop-workers/1/node-0"), (Emit, "emit/request/node-1/2")]),
     ("follow-on failure of the same round ignored", AWAITING, failed("node-1", rank=3), JobPhase.RECOVERING,
      {"awaiting_decision": True, "last_failure": failed()}, []),
     ("failure of an older round ignored", RESTARTED, failed(round=1), JobPhase.RUNNING,
@@ -330,6 +388,14 @@ FORBIDDEN: list[tuple[str, JobState, Event, str]] = [
      "node node-2 is not a member of round 1"),
     ("workers succeeded on a non-member", E_RUNNING_TWO, WorkersSucceeded(node_id="node-2", round=1),
      "node node-2 is not a member of round 1"),
+    ("restart requested of a round that is not running", STARTING,
+     RestartRequested(round=1, reason="r", by="p"), "p asked to restart round 1, but round 0 is not running"),
+    ("restart requested while a failure awaits its decision", AWAITING,
+     RestartRequested(round=1, reason="r", by="p"), "a failure awaits a decision"),
+    ("relaunch requested of a replaced incarnation", LOST,
+     RelaunchRequested(node_id="node-1", incarnation=1, reason="r", by="p"), "but incarnation 2 is requested"),
+    ("relaunch requested of an unknown node", RUNNING,
+     RelaunchRequested(node_id="node-9", incarnation=1, reason="r", by="p"), "but it is unknown"),
 ]
 
 
@@ -425,3 +491,27 @@ def test_seq_records_the_last_event_folded_and_never_goes_back() -> None:
     assert transition(RUNNING, StepProgress(round=1, step=1), now=NOW, seq=500).state.seq == 500
     assert transition(RUNNING, StepProgress(round=1, step=1), now=NOW, seq=1).state.seq == RUNNING.seq
     assert transition(RUNNING, round_started(5), now=NOW, seq=500).state.seq == RUNNING.seq  # rejected
+
+
+def test_the_default_decision_says_why_no_plugin_decided_and_who_decided() -> None:
+    (now,) = transition(RUNNING_NO_DECIDER, failed(), now=NOW).effects
+    assert isinstance(now, Emit) and isinstance(now.event, RecoveryDecided)
+    assert now.event.decided_by == "default" and now.event.action is RecoveryAction.RESTART
+    assert "no diagnosis plugin is running" in now.event.reason
+    (late,) = transition(AWAITING, TimerFired(name="decision/1"), now=NOW).effects
+    assert isinstance(late, Emit) and isinstance(late.event, RecoveryDecided)
+    assert "no decision within 3 s (decision_timeout_s)" in late.event.reason
+    name_error = WorkerFailed(node_id="node-0", round=1, local_rank=0, rank=0, exit_code=1,
+                              error_tail="Traceback (most recent call last):\nNameError: name 'x' is not defined")
+    (fatal,) = transition(RUNNING_NO_DECIDER, name_error, now=NOW).effects
+    assert isinstance(fatal, Emit) and isinstance(fatal.event, RecoveryDecided)
+    assert fatal.event.action is RecoveryAction.FAIL and "NameError in rank 0" in fatal.event.reason
+
+
+def test_timers_are_part_of_the_state_armed_once_and_disarmed_when_fired() -> None:
+    assert RUNNING.timers == {"join-timeout": NOW + 60.0}
+    assert AWAITING.timers == {"join-timeout": NOW + 60.0, "decision/1": NOW + 3.0}
+    again = transition(AWAITING, failed("node-1"), now=NOW + 100).state  # a follow-on failure arms nothing new
+    assert again.timers == AWAITING.timers
+    fired = transition(AWAITING, TimerFired(name="join-timeout"), now=NOW).state
+    assert fired.timers == {"decision/1": NOW + 3.0}

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from stead.core.events import (
     CheckpointCommitted,
+    EffectFailed,
     Event,
     JobFailed,
     JobStopped,
@@ -29,8 +30,12 @@ from stead.core.events import (
     NodeRequested,
     NodeStarted,
     PluginFailed,
+    PluginsStarted,
+    Record,
     RecoveryAction,
     RecoveryDecided,
+    RelaunchRequested,
+    RestartRequested,
     RoundCompleted,
     RoundStarted,
     StepProgress,
@@ -40,7 +45,7 @@ from stead.core.events import (
     WorkersSucceeded,
 )
 from stead.core.serde import from_json, to_json
-from stead.core.statemachine import JobPhase, JobState, KillNode, NodePhase, StartTimer, StopNode, transition
+from stead.core.statemachine import JobPhase, JobState, KillNode, NodePhase, StartTimer, StopNode, fold, transition
 from stead.testing.replay import Folder, Replay, Step, replay
 
 #: STEAD_PROPERTY_EXAMPLES=5000 for a deeper search than the default quick one
@@ -75,9 +80,17 @@ def noise() -> st.SearchStrategy[Event]:
         st.builds(RoundCompleted, round=SMALL), st.builds(StepProgress, round=SMALL, step=st.integers(0, 100)),
         st.builds(RecoveryDecided, round=SMALL, action=st.sampled_from(RecoveryAction), reason=st.just("noise")),
         st.builds(TimerFired, name=st.sampled_from(["join-timeout", "last-call/1", "last-call/2", "last-call/3",
-                                                    "unknown"])),
+                                                    "decision/1", "decision/2", "unknown"])),
         st.builds(CheckpointCommitted, step=st.integers(0, 100)),
-        st.builds(PluginFailed, plugin=st.just("p"), event_type=st.just("x"), error=st.just("e")),
+        st.builds(PluginFailed, plugin=st.sampled_from(["p", "diagnosis"]), event_type=st.just("x"),
+                  error=st.just("e"), disabled=st.booleans()),
+        st.builds(PluginsStarted, plugins=st.just(("diagnosis",)),
+                  deciders=st.sampled_from([(), ("diagnosis",)])),
+        st.builds(EffectFailed, effect_id=st.just("e"), error=st.just("boom"),
+                  kind=st.sampled_from(["launch-node", "kill-node", "start-workers", "stop-workers", "stop-node"]),
+                  node_id=st.none() | NODE_IDS, incarnation=st.none() | SMALL, round=st.none() | SMALL),
+        st.builds(RestartRequested, round=SMALL, reason=st.just("r"), by=st.just("p")),
+        st.builds(RelaunchRequested, **node, reason=st.just("r"), by=st.just("p")),
         specs(), st.just(JobSucceeded()), st.just(JobFailed(reason="noise")), st.just(JobStopped()),
     ]
     return st.one_of(events)
@@ -116,6 +129,17 @@ def plausible(state: JobState, timers: set[str]) -> list[Event]:
     if state.awaiting_decision:
         restart = RecoveryDecided(round=rdzv.round, action=RecoveryAction.RESTART, reason="transient")
         out += [restart] * 6 + [RecoveryDecided(round=rdzv.round, action=RecoveryAction.FAIL, reason="user error")]
+        out += [PluginFailed(plugin="diagnosis", event_type="worker.failed", error="e", disabled=True)]
+    if rdzv.active:
+        out.append(RestartRequested(round=rdzv.round, reason="hang", by="p"))
+    for node in state.nodes.values():
+        if node.phase is NodePhase.REQUESTED:
+            out.append(EffectFailed(effect_id="launch", kind="launch-node", error="boom", node_id=node.node_id,
+                                    incarnation=node.incarnation))
+        if node.phase is NodePhase.JOINED:
+            out.append(RelaunchRequested(node_id=node.node_id, incarnation=node.incarnation, reason="slow", by="p"))
+    if state.deciders is None:
+        out.append(PluginsStarted(plugins=("diagnosis",), deciders=("diagnosis",) if len(out) % 3 else ()))
     for name in sorted(timers):
         out += [TimerFired(name=name)] * (1 if name == "join-timeout" else 6)
     return out
@@ -152,8 +176,8 @@ def snapshot(state: JobState) -> JobState:
 
 
 def without_bookkeeping(state: JobState) -> JobState:
-    """The state less what a finished job still tracks: its nodes going away and the last seq."""
-    return dataclasses.replace(state, nodes={}, seq=0)
+    """The state less what a finished job still tracks: its nodes going away, the plugins and the last seq."""
+    return dataclasses.replace(state, nodes={}, seq=0, deciders=None)
 
 
 # -- properties -------------------------------------------------------------------------------------------------
@@ -195,7 +219,7 @@ def test_snapshot_round_trips_at_every_point_and_resuming_from_it_ends_in_the_sa
     cut = data.draw(st.integers(0, len(whole.steps)), label="cut")
     start = snapshot(whole.steps[cut].before if cut < len(whole.steps) else whole.state)
     rest = [step.event for step in whole.steps[cut:]]
-    assert replay(rest, start=start, follow_emits=False).state == whole.state
+    assert replay(rest, start=start, follow_emits=False, now=NOW).state == whole.state
     # a restarted master resumes at an input boundary and goes on live
     inputs = [i for i, step in enumerate(whole.steps) if step.cause is None]
     at = data.draw(st.integers(0, len(inputs) - 1), label="input") if inputs else 0
@@ -211,7 +235,7 @@ def test_effect_ids_are_unique_within_a_transition_and_deterministic(
     for step in run(history[1]).steps:
         ids = [e.id for e in step.result.effects]
         assert len(ids) == len(set(ids)), ids
-        again = transition(step.before, step.event, now=NOW, seq=step.seq)
+        again = fold(step.before, Record(seq=step.seq, at=NOW, event=step.event))
         assert again == step.result
         assert [e.id for e in again.effects] == ids
 
@@ -244,7 +268,8 @@ def test_rejected_transitions_never_change_state_or_ask_for_effects(
     for step in run(history[1]).steps:
         if step.rejected is not None:
             assert step.rejected.strip()
-            assert step.result.state is step.before
+            assert transition(step.before, step.event, now=NOW, seq=step.seq).state is step.before
+            assert step.result.state == dataclasses.replace(step.before, seq=max(step.seq, step.before.seq))
             assert step.result.effects == ()
 
 

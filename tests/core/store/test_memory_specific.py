@@ -6,6 +6,7 @@ import importlib.metadata
 
 import pytest
 
+import stead.core.entrypoints as entrypoints
 import stead.core.store as store_package
 from stead.core.errors import ConfigError, StoreError
 from stead.core.store import known_schemes, open_store
@@ -51,7 +52,7 @@ def test_every_built_in_scheme_is_known() -> None:
 async def test_open_store_falls_back_to_the_built_in_backends_without_entry_points(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(store_package, "_entry_points", dict)
+    monkeypatch.setattr(entrypoints, "entry_points", lambda group: [])
     store = await open_store("memory://")
     assert isinstance(store, MemoryStore)
 
@@ -59,7 +60,7 @@ async def test_open_store_falls_back_to_the_built_in_backends_without_entry_poin
 async def test_a_scheme_registered_as_an_entry_point_is_opened_through_it(monkeypatch: pytest.MonkeyPatch) -> None:
     entry_point = importlib.metadata.EntryPoint(
         name="custom", value="stead.core.store.memory:open_store", group=store_package.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(store_package, "_entry_points", lambda: {"custom": entry_point})
+    monkeypatch.setattr(entrypoints, "entry_points", lambda group: [entry_point] if group == entry_point.group else [])
     assert "custom" in known_schemes()
     store = await open_store("custom://x")
     assert store.url == "custom://x"
@@ -68,6 +69,6 @@ async def test_a_scheme_registered_as_an_entry_point_is_opened_through_it(monkey
 async def test_a_backend_that_fails_to_load_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     entry_point = importlib.metadata.EntryPoint(
         name="broken", value="no_such_module_for_stead:open_store", group=store_package.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(store_package, "_entry_points", lambda: {"broken": entry_point})
+    monkeypatch.setattr(entrypoints, "entry_points", lambda group: [entry_point] if group == entry_point.group else [])
     with pytest.raises(ConfigError, match="failed to load"):
         await open_store("broken://x")

@@ -323,7 +323,7 @@ def test_without_an_agent_only_persisted_saves_are_kept_on_disk(tmp_path: Path, 
         restored = ckpt.load()
     assert restored is not None and restored[0] == 2
     assert_same(restored[1], state_of(model, opt))
-    assert os.path.isdir(Path(settings.ckpt_dir) / "plain" / "step_2")
+    assert os.path.isdir(Path(settings.dir) / "plain" / "step_2")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

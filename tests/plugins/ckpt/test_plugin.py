@@ -17,6 +17,7 @@ from stead.core.statemachine import JobState
 from stead.core.store import open_store
 from stead.plugins.ckpt._client import CheckpointClient, Saved
 from stead.plugins.ckpt.plugin import CheckpointPlugin
+from stead.plugins.ckpt.settings import CheckpointSettings
 
 pytestmark = pytest.mark.anyio
 
@@ -25,16 +26,16 @@ async def test_the_plugin_is_valid_and_serves_commits_that_survive_a_master_rest
     store = await open_store("memory://")
     events: list[Event] = []
 
-    async def emit(event: Event) -> Record | None:
+    async def emit(event: Event) -> Record:
         events.append(event)
-        return None
+        return Record(seq=len(events), at=0.0, event=event)
 
-    def context(handlers: list[object]) -> PluginContext:
-        return PluginContext(job="j", settings=Settings(), store=store, get_state=JobState, emit=emit,
-                             add_rpc_handler=handlers.append)
+    def context(handlers: list[object]) -> PluginContext[CheckpointSettings]:
+        return PluginContext(plugin="ckpt", job="j", settings=CheckpointSettings(), stead_settings=Settings(),
+                             store=store, state=JobState, emit=emit, add_rpc_handler=handlers.append)
 
     token = new_token()
-    plugin = validate_plugin(CheckpointPlugin(settings=Settings()), source="test")
+    plugin = validate_plugin(CheckpointPlugin(settings=CheckpointSettings()), source="test")
     handlers: list[object] = []
     await plugin.start(ctx=context(handlers))  # type: ignore[attr-defined]
     async with RpcServer(handlers, token=token) as server:  # type: ignore[arg-type]
@@ -73,7 +74,7 @@ async def test_the_plugin_is_valid_and_serves_commits_that_survive_a_master_rest
                 channel.close()
         finally:
             conn.close()
-    restarted = CheckpointPlugin(settings=Settings())
+    restarted = CheckpointPlugin(settings=CheckpointSettings())
     await restarted.start(ctx=context([]))
     assert (restarted.book.step, restarted.book.step_round) == (3, 1)
     await store.close()

@@ -25,6 +25,7 @@ from stead.plugins.sharding.client import ShardClient
 from stead.plugins.sharding.ledger import CursorState, DatasetSpec, Range
 from stead.plugins.sharding.service import ShardService, StreamId
 from stead.plugins.sharding.servicer import ShardServicer
+from stead.plugins.sharding.settings import ShardingSettings
 
 pytestmark = pytest.mark.anyio
 
@@ -39,7 +40,7 @@ def _who(rank: int, world: int = 1, dataset: str = "ids", round_: int = 1) -> St
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[ShardService, ShardClient, str, str]]:
     store = await open_store("memory://")
-    service = ShardService(store, prefix="/stead/jobs/t/plugins/sharding/v1", settings=Settings())
+    service = ShardService(store, prefix="/stead/jobs/t/plugins/sharding/v1", settings=ShardingSettings())
     token = new_token()
     async with RpcServer([ShardServicer(service)], token=token) as server, \
             ShardClient(server.address, token, call_timeout_s=10) as client:
@@ -125,7 +126,8 @@ async def test_the_plugin_in_a_master_survives_a_master_restart_on_the_same_stor
 
     def config() -> MasterConfig:
         return MasterConfig(job=job, store_url=store_url, plugins=["sharding"], tcp_store=False, token=token,
-                            token_file=str(tmp_path / "token"), settings=Settings(snapshot_every=4))
+                            token_file=str(tmp_path / "token"),
+                            settings=Settings.from_mapping({"snapshot_every": 4, "sharding.snapshot_every": 4}))
 
     held: dict[int, list[Range]] = {0: [], 1: []}
     async with Master(config()) as master, ShardClient(master.address, token, call_timeout_s=10) as client:

@@ -22,11 +22,13 @@ from stead.core.master import Master, MasterConfig
 from stead.core.rpc import new_token
 from stead.data import ShardedSampler, StreamSampler
 from stead.plugins.sharding.order import SampleOrder
+from stead.plugins.sharding.settings import ShardingSettings
 
 pytestmark = pytest.mark.anyio
 
 #: the sampler's calls block: tests run them in a thread (anyio.to_thread), never on the master's loop
-FAST = Settings(shard_wait_s=0.2, shard_report_interval_s=0.2, retry_initial_s=0.05, retry_max_s=0.2,
+FAST_SHARDS = ShardingSettings(wait_s=0.2, report_interval_s=0.2)
+FAST = Settings(retry_initial_s=0.05, retry_max_s=0.2,
                 retry_deadline_s=20)
 N = 60
 
@@ -46,7 +48,8 @@ async def master(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
 
 
 def _sampler(**kw: Any) -> ShardedSampler:
-    args: dict[str, Any] = {"size": N, "shard_size": 4, "seed": 5, "epochs": 2, "settings": FAST, "prefetch": 2}
+    args: dict[str, Any] = {"size": N, "shard_size": 4, "seed": 5, "epochs": 2, "settings": FAST,
+                            "sharding": FAST_SHARDS, "prefetch": 2}
     return ShardedSampler("ids", **{**args, **kw})
 
 
@@ -187,7 +190,8 @@ async def test_the_sampler_rides_out_a_master_restart(tmp_path: Path, monkeypatc
 
 async def test_a_streaming_source_is_read_as_records_arrive_until_it_is_closed(master: Master) -> None:
     sampler = await anyio.to_thread.run_sync(
-        lambda: StreamSampler("events", partitions={0: (100, 103), 1: (0, 2)}, shard_size=2, settings=FAST))
+        lambda: StreamSampler("events", partitions={0: (100, 103), 1: (0, 2)}, shard_size=2, settings=FAST,
+                              sharding=FAST_SHARDS))
     got: list[tuple[int, int]] = []
     first, done = threading.Event(), threading.Event()
 

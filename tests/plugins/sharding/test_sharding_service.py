@@ -18,6 +18,7 @@ from stead.plugins.sharding.events import LeasesReleased, ShardRoundStarted
 from stead.plugins.sharding.ledger import DatasetSpec, Range
 from stead.plugins.sharding.plugin import ShardingPlugin
 from stead.plugins.sharding.service import ShardService, StreamId
+from stead.plugins.sharding.settings import ShardingSettings
 
 pytestmark = pytest.mark.anyio
 
@@ -45,7 +46,7 @@ def _who(rank: int, round_: int = 1, world: int = 2) -> StreamId:
 
 
 def _service(store: StateStore, **settings: float) -> ShardService:
-    return ShardService(store, prefix=PREFIX, settings=Settings(snapshot_every=3, **settings))  # type: ignore[arg-type]
+    return ShardService(store, prefix=PREFIX, settings=ShardingSettings(snapshot_every=3, **settings))  # type: ignore[arg-type]
 
 
 def _slots(ranges: tuple[Range, ...] | list[Range]) -> list[tuple[int, int]]:
@@ -141,7 +142,7 @@ async def test_failed_workers_and_silent_workers_leases_return_to_the_queue_with
         return None
 
     now = [0.0]
-    service = ShardService(store, prefix=PREFIX, settings=Settings(shard_lease_timeout_s=10), emit=emit,
+    service = ShardService(store, prefix=PREFIX, settings=ShardingSettings(lease_timeout_s=10), emit=emit,
                            clock=lambda: now[0])
     await service.register(SPEC)
     world = 3
@@ -177,9 +178,10 @@ async def test_the_plugin_returns_the_leases_of_lost_and_exited_nodes_but_not_af
     store = await open_store("memory://")
     handlers: list[object] = []
     phase = [JobPhase.RUNNING]
-    ctx = PluginContext(job="t", settings=Settings(), store=store, get_state=lambda: JobState(phase=phase[0]),
-                        emit=_no_emit, add_rpc_handler=handlers.append)
-    plugin = ShardingPlugin(settings=Settings())
+    ctx = PluginContext(plugin="sharding", job="t", settings=ShardingSettings(), stead_settings=Settings(),
+                        store=store, state=lambda: JobState(phase=phase[0]), emit=_no_emit,
+                        add_rpc_handler=handlers.append)
+    plugin = ShardingPlugin(settings=ShardingSettings())
     await plugin.start(ctx=ctx)
     assert len(handlers) == 1 and plugin.service is not None
     service = plugin.service
@@ -200,5 +202,5 @@ async def test_the_plugin_returns_the_leases_of_lost_and_exited_nodes_but_not_af
     await store.close()
 
 
-async def _no_emit(event: Event) -> Record | None:
-    return None
+async def _no_emit(event: Event) -> Record:
+    return Record(seq=0, at=0.0, event=event)

@@ -1,0 +1,64 @@
+"""The effect executor: what the job machine's effects mean in the world.
+
+Nodes are launched and killed through the platform; workers are started and
+stopped, and nodes told to exit, through the agent hub's command streams. The
+reactor claims each effect before it calls :meth:`Executor.run` and turns an
+exception into an ``EffectFailed`` event; here an effect either happens or raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from stead.core.errors import PlatformError
+from stead.core.hub import AgentHub
+from stead.core.platform import NodeSpec, Platform
+from stead.core.statemachine import Effect, Emit, KillNode, LaunchNode, StartTimer, StartWorkers, StopNode, StopWorkers
+from stead.core.tcpstore import RoundStores
+
+__all__ = ["Executor", "NodeSpecFactory"]
+
+log = structlog.get_logger("stead.executor")
+
+NodeSpecFactory = Callable[[str, int, str, str], NodeSpec]
+"""(node_id, incarnation, master address, token file) -> NodeSpec"""
+
+
+class Executor:
+    """Runs effects for one master: ``platform`` may be None (nodes are started by hand with `stead agent`)."""
+
+    def __init__(self, *, platform: Platform | None, node_spec: NodeSpecFactory | None, hub: AgentHub,
+                 rounds: RoundStores, address: Callable[[], str], token_file: Path) -> None:
+        self.platform = platform
+        self.node_spec = node_spec
+        self.hub = hub
+        self.rounds = rounds
+        self._address = address
+        self._token_file = token_file
+
+    async def run(self, effect: Effect) -> None:
+        match effect:
+            case LaunchNode():
+                if self.platform is None or self.node_spec is None:
+                    log.info("node_wanted", node=effect.node_id, incarnation=effect.incarnation,
+                             hint="start its agent with `stead agent`")
+                    return
+                spec = self.node_spec(effect.node_id, effect.incarnation, self._address(),
+                                      str(self._token_file.resolve()))
+                try:
+                    await self.platform.launch(spec)
+                except OSError as exc:
+                    raise PlatformError(f"could not launch {effect.node_id} on the {self.platform.name} platform: "
+                                        f"{exc}") from exc
+            case KillNode():
+                if self.platform is not None:
+                    await self.platform.kill(effect.node_id, effect.incarnation)
+            case StartWorkers():
+                self.hub.send(effect, store_addr=await self.rounds.for_round(effect.round))
+            case StopWorkers() | StopNode():
+                self.hub.send(effect)
+            case Emit() | StartTimer():
+                raise PlatformError(f"{effect.kind} effects are the reactor's own, not the executor's: {effect!r}")

@@ -1,0 +1,69 @@
+"""The built-in recovery policy: what a worker failure leads to when no plugin decides.
+
+A job never waits on a missing, slow or disabled diagnosis plugin: the job
+machine applies :func:`default_decision` when no decider is running or none
+answered within the job's ``decision_timeout_s``. The rule is deliberately
+simple (the diagnosis plugin refines it with history and more evidence):
+
+* the last exception in the worker's stderr is one a restart reproduces (the
+  program does not compile or import, a name is undefined): fail fast;
+* anything else (a signal, a collective's connection reset, an unknown exit):
+  restart the workers; the job machine turns a restart beyond the budget into
+  a failure.
+
+Pure functions only: no IO, no clock.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+
+from stead.core.events import RecoveryAction, RecoveryDecided, WorkerFailed
+
+__all__ = ["DEFAULT_DECIDER", "DETERMINISTIC", "classify", "default_decision", "last_exception", "signal_name"]
+
+#: the ``decided_by`` of a decision taken by this policy
+DEFAULT_DECIDER = "default"
+#: errors that a restart reproduces: the program is wrong, not the world
+DETERMINISTIC = frozenset({"SyntaxError", "IndentationError", "TabError", "NameError", "ImportError",
+                           "ModuleNotFoundError", "UnboundLocalError"})
+#: torch prefixes a worker's stderr lines with its rank ("[rank3]: NameError: ...")
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d*\]:\s*")
+_EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))(?::\s*(?P<msg>.*))?$")
+
+
+def last_exception(error_tail: str) -> tuple[str, str] | None:
+    """(exception type, message) of the last traceback in a stderr tail, if any."""
+    for line in reversed(error_tail.strip().splitlines()):
+        match = _EXC_LINE.match(_RANK_PREFIX.sub("", line.strip()))
+        if match:
+            return match["type"].rsplit(".", 1)[-1], (match["msg"] or "").strip()
+    return None
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def classify(failure: WorkerFailed) -> tuple[RecoveryAction, str]:
+    """A decision from one failure alone (without history), and why."""
+    exc = last_exception(failure.error_tail)
+    if exc is not None and exc[0] in DETERMINISTIC:
+        return RecoveryAction.FAIL, f"{exc[0]} in rank {failure.rank}: a restart would hit it again"
+    if failure.signal is not None:
+        return RecoveryAction.RESTART, f"rank {failure.rank} killed by {signal_name(failure.signal)}"
+    if exc is not None:
+        return RecoveryAction.RESTART, f"rank {failure.rank} raised {exc[0]}"
+    return RecoveryAction.RESTART, f"rank {failure.rank} exited with code {failure.exit_code}"
+
+
+def default_decision(failure: WorkerFailed, *, why: str) -> RecoveryDecided:
+    """The default policy's decision on ``failure``; ``why`` says why no plugin decided."""
+    action, reason = classify(failure)
+    return RecoveryDecided(round=failure.round, action=action, reason=f"{reason} (default policy: {why})",
+                           message=failure.error_tail, node_id=failure.node_id, rank=failure.rank,
+                           decided_by=DEFAULT_DECIDER)

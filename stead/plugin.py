@@ -1,0 +1,356 @@
+"""stead's plugin SDK: everything a plugin author needs, from one public, typed module.
+
+A master plugin::
+
+    import dataclasses
+    from stead.plugin import Plugin, PluginContext, Record, WorkerFailed, setting
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class NotifierSettings:
+        url: str = setting("", help="where to post")
+
+    class Notifier(Plugin[NotifierSettings]):
+        name = "notifier"                     # also the entry point's name and the settings' namespace
+        subscriptions = (WorkerFailed,)
+        settings_class = NotifierSettings     # --set notifier.url=... or STEAD_NOTIFIER_URL=...
+
+        async def handle(self, *, record: Record, ctx: PluginContext[NotifierSettings]) -> None:
+            ctx.state                          # the job's state right after this record
+            await ctx.emit(...)                # an event of yours (see event_kind) or of stead's
+
+registered in the package's ``pyproject.toml``::
+
+    [project.entry-points."stead.plugins"]
+    notifier = "my_package:Notifier"
+
+What is here:
+
+* the contract: :class:`Plugin` (``start``/``handle``/``stop``, all optional), the
+  per-plugin :class:`PluginContext` (settings, store keys, state, ``emit``,
+  ``request_restart``, ``request_relaunch``, ``add_rpc_handler``), typed settings
+  (:func:`setting`, :func:`load_settings`);
+* events: :class:`Event`, :func:`event_kind` for your own kinds, :class:`Record`,
+  and every event kind of stead (``WorkerFailed``, ``NodeLost``, ...);
+* the job's state: :class:`JobState`, :class:`JobPhase`, :class:`NodeState`, ...;
+* the default recovery policy (:func:`classify`, :func:`default_decision`);
+* errors, the store protocol, retry helpers;
+* RPC: :func:`invalid`, :func:`backend_errors` for servicers, :class:`RpcConnection`
+  for clients, and ``proto`` (the generated messages of stead's services);
+* the node side: :class:`AgentExtension` (``stead.agent_extensions`` entry points),
+  :class:`AgentContext`, :class:`RoundInfo`.
+
+Imports are lazy: a training script that imports a worker-side helper from here
+pays only for what that helper needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getattr__ imports on first use
+    from stead.core.agent.extensions import (
+        AgentContext as AgentContext,
+    )
+    from stead.core.agent.extensions import (
+        AgentExtension as AgentExtension,
+    )
+    from stead.core.agent.extensions import (
+        RoundInfo as RoundInfo,
+    )
+    from stead.core.config import (
+        Settings as Settings,
+    )
+    from stead.core.config import (
+        env_name as env_name,
+    )
+    from stead.core.config import (
+        load_settings as load_settings,
+    )
+    from stead.core.config import (
+        setting as setting,
+    )
+    from stead.core.errors import (
+        CodecError as CodecError,
+    )
+    from stead.core.errors import (
+        ConfigError as ConfigError,
+    )
+    from stead.core.errors import (
+        InvalidRequest as InvalidRequest,
+    )
+    from stead.core.errors import (
+        LogCorrupt as LogCorrupt,
+    )
+    from stead.core.errors import (
+        PermanentError as PermanentError,
+    )
+    from stead.core.errors import (
+        PluginError as PluginError,
+    )
+    from stead.core.errors import (
+        RetryableError as RetryableError,
+    )
+    from stead.core.errors import (
+        RpcUnavailable as RpcUnavailable,
+    )
+    from stead.core.errors import (
+        SteadError as SteadError,
+    )
+    from stead.core.errors import (
+        StoreError as StoreError,
+    )
+    from stead.core.errors import (
+        StoreUnavailable as StoreUnavailable,
+    )
+    from stead.core.events import (
+        CheckpointCommitted as CheckpointCommitted,
+    )
+    from stead.core.events import (
+        EffectFailed as EffectFailed,
+    )
+    from stead.core.events import (
+        Event as Event,
+    )
+    from stead.core.events import (
+        JobFailed as JobFailed,
+    )
+    from stead.core.events import (
+        JobStopped as JobStopped,
+    )
+    from stead.core.events import (
+        JobSubmitted as JobSubmitted,
+    )
+    from stead.core.events import (
+        JobSucceeded as JobSucceeded,
+    )
+    from stead.core.events import (
+        NodeExited as NodeExited,
+    )
+    from stead.core.events import (
+        NodeJoined as NodeJoined,
+    )
+    from stead.core.events import (
+        NodeLost as NodeLost,
+    )
+    from stead.core.events import (
+        NodeRequested as NodeRequested,
+    )
+    from stead.core.events import (
+        NodeStarted as NodeStarted,
+    )
+    from stead.core.events import (
+        PluginFailed as PluginFailed,
+    )
+    from stead.core.events import (
+        PluginsStarted as PluginsStarted,
+    )
+    from stead.core.events import (
+        Record as Record,
+    )
+    from stead.core.events import (
+        RecoveryAction as RecoveryAction,
+    )
+    from stead.core.events import (
+        RecoveryDecided as RecoveryDecided,
+    )
+    from stead.core.events import (
+        RelaunchRequested as RelaunchRequested,
+    )
+    from stead.core.events import (
+        RestartRequested as RestartRequested,
+    )
+    from stead.core.events import (
+        RoundCompleted as RoundCompleted,
+    )
+    from stead.core.events import (
+        RoundStarted as RoundStarted,
+    )
+    from stead.core.events import (
+        StepProgress as StepProgress,
+    )
+    from stead.core.events import (
+        TimerFired as TimerFired,
+    )
+    from stead.core.events import (
+        TransitionRejected as TransitionRejected,
+    )
+    from stead.core.events import (
+        WorkerFailed as WorkerFailed,
+    )
+    from stead.core.events import (
+        WorkersStarted as WorkersStarted,
+    )
+    from stead.core.events import (
+        WorkersSucceeded as WorkersSucceeded,
+    )
+    from stead.core.events import (
+        event_kind as event_kind,
+    )
+    from stead.core.plugins import (
+        NoSettings as NoSettings,
+    )
+    from stead.core.plugins import (
+        Plugin as Plugin,
+    )
+    from stead.core.plugins import (
+        PluginContext as PluginContext,
+    )
+    from stead.core.retry import (
+        Backoff as Backoff,
+    )
+    from stead.core.retry import (
+        retrying as retrying,
+    )
+    from stead.core.rpc import (
+        RpcConnection as RpcConnection,
+    )
+    from stead.core.rpc import (
+        read_token_file as read_token_file,
+    )
+    from stead.core.rpc._proto.stead import v1 as proto
+    from stead.core.rpc._status import (
+        backend_errors as backend_errors,
+    )
+    from stead.core.rpc._status import (
+        invalid as invalid,
+    )
+    from stead.core.statemachine import (
+        JobPhase as JobPhase,
+    )
+    from stead.core.statemachine import (
+        JobState as JobState,
+    )
+    from stead.core.statemachine import (
+        NodePhase as NodePhase,
+    )
+    from stead.core.statemachine import (
+        NodeState as NodeState,
+    )
+    from stead.core.statemachine import (
+        RendezvousState as RendezvousState,
+    )
+    from stead.core.statemachine.policy import (
+        DEFAULT_DECIDER as DEFAULT_DECIDER,
+    )
+    from stead.core.statemachine.policy import (
+        classify as classify,
+    )
+    from stead.core.statemachine.policy import (
+        default_decision as default_decision,
+    )
+    from stead.core.statemachine.policy import (
+        last_exception as last_exception,
+    )
+    from stead.core.store.base import (
+        KeyValue as KeyValue,
+    )
+    from stead.core.store.base import (
+        StateStore as StateStore,
+    )
+
+_WHERE = {
+    "stead.core.agent.extensions": ("AgentContext", "AgentExtension", "RoundInfo"),
+    "stead.core.config": ("Settings", "env_name", "load_settings", "setting"),
+    "stead.core.errors": ("CodecError", "ConfigError", "InvalidRequest", "LogCorrupt", "PermanentError", "PluginError",
+                          "RetryableError", "RpcUnavailable", "SteadError", "StoreError", "StoreUnavailable"),
+    "stead.core.events": ("CheckpointCommitted", "EffectFailed", "Event", "JobFailed", "JobStopped", "JobSubmitted",
+                          "JobSucceeded", "NodeExited", "NodeJoined", "NodeLost", "NodeRequested", "NodeStarted",
+                          "PluginFailed", "PluginsStarted", "Record", "RecoveryAction", "RecoveryDecided",
+                          "RelaunchRequested", "RestartRequested", "RoundCompleted", "RoundStarted", "StepProgress",
+                          "TimerFired", "TransitionRejected", "WorkerFailed", "WorkersStarted", "WorkersSucceeded",
+                          "event_kind"),
+    "stead.core.plugins": ("NoSettings", "Plugin", "PluginContext"),
+    "stead.core.retry": ("Backoff", "retrying"),
+    "stead.core.rpc": ("RpcConnection", "read_token_file"),
+    "stead.core.rpc._status": ("backend_errors", "invalid"),
+    "stead.core.statemachine": ("JobPhase", "JobState", "NodePhase", "NodeState", "RendezvousState"),
+    "stead.core.statemachine.policy": ("DEFAULT_DECIDER", "classify", "default_decision", "last_exception"),
+    "stead.core.store.base": ("KeyValue", "StateStore"),
+}
+_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
+
+__all__ = [
+    "AgentContext",
+    "AgentExtension",
+    "Backoff",
+    "CheckpointCommitted",
+    "CodecError",
+    "ConfigError",
+    "DEFAULT_DECIDER",
+    "EffectFailed",
+    "Event",
+    "InvalidRequest",
+    "JobFailed",
+    "JobPhase",
+    "JobState",
+    "JobStopped",
+    "JobSubmitted",
+    "JobSucceeded",
+    "KeyValue",
+    "LogCorrupt",
+    "NoSettings",
+    "NodeExited",
+    "NodeJoined",
+    "NodeLost",
+    "NodePhase",
+    "NodeRequested",
+    "NodeStarted",
+    "NodeState",
+    "PermanentError",
+    "Plugin",
+    "PluginContext",
+    "PluginError",
+    "PluginFailed",
+    "PluginsStarted",
+    "Record",
+    "RecoveryAction",
+    "RecoveryDecided",
+    "RelaunchRequested",
+    "RendezvousState",
+    "RestartRequested",
+    "RetryableError",
+    "RoundCompleted",
+    "RoundInfo",
+    "RoundStarted",
+    "RpcConnection",
+    "RpcUnavailable",
+    "Settings",
+    "StateStore",
+    "SteadError",
+    "StepProgress",
+    "StoreError",
+    "StoreUnavailable",
+    "TimerFired",
+    "TransitionRejected",
+    "WorkerFailed",
+    "WorkersStarted",
+    "WorkersSucceeded",
+    "backend_errors",
+    "classify",
+    "default_decision",
+    "env_name",
+    "event_kind",
+    "invalid",
+    "last_exception",
+    "load_settings",
+    "proto",
+    "read_token_file",
+    "retrying",
+    "setting",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "proto":
+        return importlib.import_module("stead.core.rpc._proto.stead.v1")
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stead.plugin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,28 @@
+"""The flash checkpoint's settings: ``--set ckpt.<name>=value`` or ``STEAD_CKPT_<NAME>``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stead.plugin import setting
+
+__all__ = ["CheckpointSettings"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSettings:
+    dir: str = setting(".stead/checkpoints", help="where checkpoints are persisted (a job's under <dir>/<job>); "
+                                                   "relative to the working directory")
+    keep_last: int = setting(2, min=1, help="how many persisted checkpoints are kept per job")
+    commit_wait_s: float = setting(5.0, help="how long save() waits for the previous save to be committed by every "
+                                             "rank before it skips this one")
+    commit_poll_s: float = setting(10.0, min=0.001, help="how long an agent's long poll for a commit may stay open "
+                                                          "at the master")
+    agent_timeout_s: float = setting(60.0, min=0.001, help="how long a worker waits for its agent to answer "
+                                                            "(allocating and pre-faulting shared memory included)")
+    verify_wait_s: float = setting(30.0, help="how long load() waits for the agent to verify the checksums of the "
+                                              "slot it restores")
+    persist_grace_s: float = setting(60.0, help="how long an exiting agent waits for persists still running before "
+                                                "it frees the shared memory")
+    persist_on_failure: bool = setting(True, help="when a worker fails, the agent writes the newest committed step "
+                                                  "to disk (if not there yet)")

@@ -1,0 +1,42 @@
+"""The heartbeat's resource figures: real RSS and CPU of the workers and their children, or unknown."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+
+from stead.core.agent.resources import WorkerResources
+
+BUSY = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(64 << 20); time.sleep(30)"])
+end = time.time() + 30
+while time.time() < end:
+    pass
+"""
+
+
+def test_a_busy_worker_and_its_child_are_measured_and_a_gone_one_is_unknown() -> None:
+    worker = subprocess.Popen([sys.executable, "-c", BUSY])
+    try:
+        resources = WorkerResources()
+        resources.sample([worker.pid])  # CPU is measured between two samples
+        rss, cpu = None, None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            rss, cpu = resources.sample([worker.pid])
+            if rss is not None and rss > 64 << 20 and cpu is not None and cpu > 10:
+                break
+        assert rss is not None and rss > 64 << 20  # the child's 64 MiB counts
+        assert cpu is not None and cpu > 10  # the busy loop
+    finally:
+        for child in psutil.Process(worker.pid).children(recursive=True):
+            child.kill()
+            child.wait()
+        worker.kill()
+        worker.wait()
+    assert resources.sample([worker.pid]) == (None, None)
