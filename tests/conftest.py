@@ -1,13 +1,23 @@
-"""Suite-wide fixtures: the anyio backend and the leak check every test passes."""
+"""Suite-wide fixtures: the anyio backend and the leak check every test passes.
+
+The leak check looks only at what this test session started: its own child
+processes, its own listening sockets, and the shared memory of its own
+namespace (every job of the session, its agents included, names its segments
+with ``STEAD_CKPT_SHM_NAMESPACE``), so that two suites side by side never fail
+each other.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from stead.testing import leaks
 from stead.testing.etcd import EtcdServer
+
+SHM_NAMESPACE = os.environ.setdefault(leaks.SHM_NAMESPACE_ENV, f"t{os.getpid()}")
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["LONG_LIVED", "Leaks", "descendants", "listening_ports", "snapshot", "wait_clean"]
+__all__ = ["LONG_LIVED", "SHM_NAMESPACE_ENV", "Leaks", "descendants", "listening_ports", "shm_segments", "snapshot",
+           "wait_clean"]
 
 #: processes that session-wide fixtures own on purpose (a shared etcd server); never reported
 LONG_LIVED: set[int] = set()
@@ -64,11 +65,18 @@ def listening_ports() -> set[int]:
     return ports
 
 
+#: the ``ckpt.shm_namespace`` of this process's jobs: set it (``STEAD_CKPT_SHM_NAMESPACE``) to look only at those
+SHM_NAMESPACE_ENV = "STEAD_CKPT_SHM_NAMESPACE"
+
+
 def shm_segments() -> set[str]:
+    """stead's shared-memory segments (only this process's namespace when ``STEAD_CKPT_SHM_NAMESPACE`` is set)."""
+    namespace = os.environ.get(SHM_NAMESPACE_ENV, "")
     try:
-        return {p.name for p in Path("/dev/shm").iterdir() if "stead" in p.name.lower()}
+        names = {p.name for p in Path("/dev/shm").iterdir() if "stead" in p.name.lower()}
     except OSError:
         return set()
+    return {n for n in names if n.startswith(f"stead-ckpt-{namespace}.")} if namespace else names
 
 
 class Leaks:

@@ -156,8 +156,10 @@ class SegmentNames:
             return []
 
 
-def segment_names(job: str, node_id: str, incarnation: int) -> SegmentNames:
-    return SegmentNames(prefix=f"stead-ckpt-{_tag(job, 48)}-{_tag(node_id, 32)}-", incarnation=incarnation)
+def segment_names(job: str, node_id: str, incarnation: int, namespace: str = "") -> SegmentNames:
+    """The segment names of one agent; ``namespace`` (``ckpt.shm_namespace``) keeps apart jobs of the same name."""
+    space = f"{_tag(namespace, 24)}-" if namespace else ""
+    return SegmentNames(prefix=f"stead-ckpt-{space}{_tag(job, 48)}-{_tag(node_id, 32)}-", incarnation=incarnation)
 
 
 def shm_too_small_message(needed: int, free: int) -> str:

@@ -54,7 +54,7 @@ class CheckpointAgentExtension(AgentExtension[CheckpointSettings]):
         self._sigterm_installed = False
 
     async def start(self, *, ctx: AgentContext) -> None:
-        names = segment_names(ctx.job, ctx.node_id, ctx.incarnation)
+        names = segment_names(ctx.job, ctx.node_id, ctx.incarnation, self.settings.shm_namespace)
         for stale in names.stale():
             unlink_quietly(stale)
             log.info("ckpt_stale_segment_removed", segment=stale)

@@ -26,3 +26,5 @@ class CheckpointSettings:
                                                 "it frees the shared memory")
     persist_on_failure: bool = setting(True, help="when a worker fails, the agent writes the newest committed step "
                                                   "to disk (if not there yet)")
+    shm_namespace: str = setting("", help="a tag in every shared-memory segment's name, so that jobs of the same name "
+                                          "on one host (two users, two test runs) never share or remove each other's")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from stead.core.config import Settings
 from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.testing import LocalCluster as Cluster
+from stead.testing import leaks
 
 __all__ = ["Cluster"]
 
@@ -17,7 +19,8 @@ __all__ = ["Cluster"]
 @pytest.fixture
 def settings(tmp_path: Path) -> CheckpointSettings:
     return CheckpointSettings(dir=str(tmp_path / "ckpt"), commit_wait_s=5.0, commit_poll_s=2.0, agent_timeout_s=30.0,
-                              verify_wait_s=10.0, persist_grace_s=30.0)
+                              verify_wait_s=10.0, persist_grace_s=30.0,
+                              shm_namespace=os.environ[leaks.SHM_NAMESPACE_ENV])
 
 
 @pytest.fixture

@@ -240,7 +240,7 @@ def test_after_a_node_loss_the_new_agent_restores_from_disk_and_skips_a_corrupt_
             if step < 3:
                 assert ckpt.wait_persisted(timeout=30) == step
     cluster.kill_agent()
-    names = segment_names(cluster.job, "node-0", 1)
+    names = segment_names(cluster.job, "node-0", 1, cluster.settings.shm_namespace)
     assert names.all_mine()  # the killed agent's segments are still there...
     cluster.agent(incarnation=2)
     assert not names.all_mine()  # ...until the relaunched agent removes them
@@ -300,11 +300,11 @@ def test_agent_segments_are_named_stead_and_removed_when_the_agent_stops(cluster
     cluster.round(1)
     with cluster.worker() as ckpt:
         assert ckpt.save(1, {"w": torch.ones(2)})
-        mine = segment_names(cluster.job, "node-0", 1).all_mine()
+        mine = segment_names(cluster.job, "node-0", 1, cluster.settings.shm_namespace).all_mine()
         assert mine and all(n.startswith("stead") for n in mine)
         assert all((SHM_DIR / n).exists() for n in mine)
     cluster.stop_agent()
-    assert not segment_names(cluster.job, "node-0", 1).all_mine()
+    assert not segment_names(cluster.job, "node-0", 1, cluster.settings.shm_namespace).all_mine()
 
 
 def test_without_an_agent_only_persisted_saves_are_kept_on_disk(tmp_path: Path, settings: Any,
