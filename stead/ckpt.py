@@ -1,16 +1,22 @@
-"""Flash checkpoints for training scripts: ``from stead.ckpt import FlashCheckpointer``.
+"""Checkpoints for training scripts: ``from stead.ckpt import Checkpoint``.
 
-    ckpt = FlashCheckpointer(size_hint=state)        # under `stead run`: the agent's shared memory
-    restored = ckpt.load(state)                       # (step, state) from memory, else disk, else None
-    ckpt.save(step, state, persist=step % 100 == 0)   # returns once the copy to memory is done
+    ckpt = Checkpoint(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
+    start = ckpt.restore()                            # the step restored (memory, else disk), or None
+    ...
+    ckpt.save(step, persist=step % 100 == 0)          # returns once the copy to memory is done
 
-Without a stead agent (torchrun, python) it is disk-only: ``persist=True`` saves are
-written before ``save`` returns and ``load`` reads them; other saves keep nothing.
+:class:`Checkpoint` saves and restores everything together (optimizer state included,
+even into a fresh optimizer; the sampler's cursor in the right order);
+:class:`FlashCheckpointer` is the layer underneath, for a state dict of your own.
+Without a stead agent (torchrun, python) only ``persist=True`` saves are kept: they
+are written before ``save`` returns, and ``restore``/``load`` read them.
 """
 
 from __future__ import annotations
 
 from stead.plugins.ckpt.errors import CheckpointError, SharedMemoryTooSmall, StateMismatch, UnsupportedState
+from stead.plugins.ckpt.state import Checkpoint, Stateful
 from stead.plugins.ckpt.worker import FlashCheckpointer
 
-__all__ = ["CheckpointError", "FlashCheckpointer", "SharedMemoryTooSmall", "StateMismatch", "UnsupportedState"]
+__all__ = ["Checkpoint", "CheckpointError", "FlashCheckpointer", "SharedMemoryTooSmall", "StateMismatch", "Stateful",
+           "UnsupportedState"]

@@ -81,6 +81,8 @@ class Settings:
     progress_interval_s: float = setting(1.0, min=0.001)
     #: how long `stead run` waits for nodes to exit after the job ended
     shutdown_grace_s: float = 5.0
+    #: count the workers' optimizer steps as training steps when a script never calls stead.report_step
+    auto_step: bool = True
     #: settings of plugins, by plugin name (``--set ckpt.keep_last=3``): raw strings until the plugin is loaded
     plugin_values: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
 

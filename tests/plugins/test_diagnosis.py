@@ -32,6 +32,11 @@ def _failure(tail: str = "", *, exit_code: int | None = 1, signal: int | None = 
         (_failure("", exit_code=None, signal=9), RecoveryAction.RESTART),
         (_failure("", exit_code=137), RecoveryAction.RESTART),
         (_failure("some text without a traceback"), RecoveryAction.RESTART),
+        (_failure(TRACEBACK.format(line="stead.core.errors.InvalidRequest: round 2 of dataset 'train' already "
+                                        "started from the beginning (no cursor)")), RecoveryAction.FAIL),
+        (_failure(TRACEBACK.format(line="[rank0]: stead.plugins.ckpt.errors.StateMismatch: step 3 does not fit")),
+         RecoveryAction.FAIL),
+        (_failure(TRACEBACK.format(line="stead.core.errors.ConfigError: --set x=1")), RecoveryAction.FAIL),
     ],
 )
 def test_classify_fails_fast_only_on_errors_a_restart_would_repeat(failure: WorkerFailed,

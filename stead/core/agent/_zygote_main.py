@@ -507,11 +507,30 @@ def _finish(status: int) -> int:
     return status
 
 
+def _set_title(title: str) -> None:
+    """What ``ps`` shows for this process (the fork would otherwise show the zygote's command)."""
+    try:
+        import setproctitle
+    except ImportError:  # an optional nicety
+        return
+    setproctitle.setproctitle(title)
+
+
+def _bootstrap_worker(argv: list[str], env: Mapping[str, str]) -> None:
+    """What every worker gets before the script runs: its own title, automatic step detection."""
+    _set_title(" ".join(argv))
+    if env.get("STEAD_AUTO_STEP", "1") != "0":
+        from stead.core.agent.progress import install_step_hook
+
+        install_step_hook()
+
+
 def _run_python(target: PythonTarget, path: Sequence[str], argv: list[str], env: dict[str, str], cwd: str) -> int:
     interrupted = False
     try:
         os.chdir(cwd)
         _prepare_interpreter(target, path, argv, env)
+        _bootstrap_worker(argv, env)
         if target.kind == "script":
             _run_script(target)
         else:
@@ -543,6 +562,7 @@ def main(base_path: Sequence[str], args: Sequence[str]) -> None:
     sock = socket.socket(fileno=fd)
     sock.set_inheritable(False)
     zygote = _Zygote(sock, base_path, env)
+    _set_title(f"stead zygote of agent {parent}")
     # SIGTERM, not SIGKILL, on the agent's death: the zygote first kills its workers' process groups,
     # so that even the workers' own children (killed with nobody left to stop them) do not outlive the agent
     signal.signal(signal.SIGTERM, zygote.on_parent_death)

@@ -16,6 +16,7 @@ too, so the next restart does not pay for them either.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -23,12 +24,13 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-__all__ = ["PROGRESS_ENV", "ProgressFiles", "ProgressReader", "StepProgress", "imported_packages", "report_step"]
+__all__ = ["PROGRESS_ENV", "ProgressFiles", "ProgressReader", "StepProgress", "imported_packages",
+           "install_step_hook", "paused", "report_step", "resume_steps_at"]
 
 PROGRESS_ENV = "STEAD_PROGRESS_FILE"
 
@@ -107,8 +109,73 @@ def _write_modules(path: str) -> None:
         pass  # a hint for the agent, never worth failing a training step
 
 
+class _AutoStep:
+    """Automatic step detection's state (see :func:`install_step_hook`)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}  # optimizer id -> steps taken since ``base``
+        self.count = 0  # the busiest optimizer's steps since ``base``
+        self.base = 0  # the step the count starts at
+        self.explicit = False  # the script reports steps itself
+        self.paused = 0
+
+
+_auto = _AutoStep()
+
+
 def report_step(step: int) -> None:
-    """Tell the agent this worker finished ``step``; a no-op outside a stead agent."""
+    """Tell the agent this worker finished ``step``; a no-op outside a stead agent.
+
+    A script that calls it takes over from the automatic step detection for good.
+    """
+    _auto.explicit = True
+    _write(step)
+
+
+def install_step_hook() -> Any:
+    """Count optimizer steps as training steps, for a script that never calls :func:`report_step`.
+
+    Installed in every worker by the agent's bootstrap (``STEAD_AUTO_STEP=0`` turns it
+    off): a global post-hook on ``torch.optim.Optimizer.step`` reports step ``base + n``
+    after the n-th step of the busiest optimizer. A step taken while :func:`paused` (a
+    checkpoint building a fresh optimizer's state) is not counted. Returns the hook's
+    handle (``.remove()`` takes it off), or None when torch is not imported in this
+    process (nothing to hook: the script does not train with torch).
+    """
+    import sys
+
+    optimizer = sys.modules.get("torch.optim.optimizer")
+    if optimizer is None:
+        return None
+    def on_step(opt: object, args: object, kwargs: object) -> None:
+        auto = _auto
+        if auto.explicit or auto.paused:
+            return
+        auto.counts[id(opt)] = taken = auto.counts.get(id(opt), 0) + 1
+        if taken > auto.count:
+            auto.count = taken
+            _write(auto.base + taken - 1)
+
+    return optimizer.register_optimizer_step_post_hook(on_step)
+
+
+def resume_steps_at(step: int) -> None:
+    """The next automatically detected step is ``step`` (a restored checkpoint's step + 1)."""
+    _auto.counts.clear()
+    _auto.count, _auto.base = 0, step
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Optimizer steps taken inside are not training steps (e.g. one that only builds an optimizer's state)."""
+    _auto.paused += 1
+    try:
+        yield
+    finally:
+        _auto.paused -= 1
+
+
+def _write(step: int) -> None:
     writer = _writer
     if writer is None:
         writer = _open_writer()

@@ -6,7 +6,8 @@ answered within the job's ``decision_timeout_s``. The rule is deliberately
 simple (the diagnosis plugin refines it with history and more evidence):
 
 * the last exception in the worker's stderr is one a restart reproduces (the
-  program does not compile or import, a name is undefined): fail fast;
+  program does not compile or import, a name is undefined, stead's own APIs
+  refused the call as misused or misconfigured): fail fast;
 * anything else (a signal, a collective's connection reset, an unknown exit):
   restart the workers; the job machine turns a restart beyond the budget into
   a failure.
@@ -25,18 +26,33 @@ __all__ = ["DEFAULT_DECIDER", "DETERMINISTIC", "classify", "default_decision", "
 
 #: the ``decided_by`` of a decision taken by this policy
 DEFAULT_DECIDER = "default"
-#: errors that a restart reproduces: the program is wrong, not the world
+#: errors that a restart reproduces: the program is wrong, not the world (the last four are stead's own APIs
+#: refusing a call: bad arguments, bad configuration, a checkpoint that does not fit the model)
 DETERMINISTIC = frozenset({"SyntaxError", "IndentationError", "TabError", "NameError", "ImportError",
-                           "ModuleNotFoundError", "UnboundLocalError"})
+                           "ModuleNotFoundError", "UnboundLocalError", "InvalidRequest", "ConfigError",
+                           "StateMismatch", "UnsupportedState"})
 #: torch prefixes a worker's stderr lines with its rank ("[rank3]: NameError: ...")
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d*\]:\s*")
 _EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))(?::\s*(?P<msg>.*))?$")
+#: the line that ends a Python traceback: the exception's (dotted) class name, then its message
+_TRACEBACK_END = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::\s*(?P<msg>.*))?$")
+_TRACEBACK_START = "Traceback (most recent call last):"
 
 
 def last_exception(error_tail: str) -> tuple[str, str] | None:
     """(exception type, message) of the last traceback in a stderr tail, if any."""
-    for line in reversed(error_tail.strip().splitlines()):
-        match = _EXC_LINE.match(_RANK_PREFIX.sub("", line.strip()))
+    lines = [_RANK_PREFIX.sub("", line.rstrip()) for line in error_tail.strip().splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.strip() == _TRACEBACK_START]
+    if starts:  # the first unindented line after the last traceback's frames names the exception
+        for line in lines[starts[-1] + 1:]:
+            if not line or line[0].isspace():
+                continue
+            match = _TRACEBACK_END.match(line)
+            if match:
+                return match["type"].rsplit(".", 1)[-1], (match["msg"] or "").strip()
+            break
+    for line in reversed(lines):  # no traceback (a cut tail, a custom handler): the last error-looking line
+        match = _EXC_LINE.match(line.strip())
         if match:
             return match["type"].rsplit(".", 1)[-1], (match["msg"] or "").strip()
     return None

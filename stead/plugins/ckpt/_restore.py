@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from stead.plugins.ckpt._codec import TensorMeta, dtype_from_name, local_part
+from stead.plugins.ckpt._codec import TensorMeta, decode, dtype_from_name, find, local_part
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 
-__all__ = ["Unusable", "as_dict", "destination"]
+__all__ = ["Template", "Unusable", "as_dict", "check_template", "destination"]
+
+#: what load() restores into: a state dict, or a function of the checkpoint's structure returning one
+Template = Mapping[str, Any] | Callable[[Any], Mapping[str, Any] | None] | None
 
 
 class Unusable(Exception):
@@ -24,6 +28,63 @@ def as_dict(value: Any) -> dict[Any, Any]:
 
 def _describe(path: tuple[object, ...]) -> str:
     return "".join(f"[{p!r}]" for p in path) or "the root"
+
+
+def _tensor_paths(node: Any, path: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    if isinstance(node, torch.Tensor):
+        return [path]
+    if isinstance(node, Mapping):
+        return [p for key, value in node.items() for p in _tensor_paths(value, (*path, key))]
+    if isinstance(node, (list, tuple)):
+        return [p for i, value in enumerate(node) for p in _tensor_paths(value, (*path, i))]
+    return []
+
+
+def check_template(template: Mapping[str, Any], tree: Any, metas: list[TensorMeta], *, strict: bool,
+                   where: str) -> None:
+    """Raise StateMismatch, naming what does not fit, unless every tensor of the checkpoint fits ``template``.
+
+    ``strict``: under each top-level key of ``template``, the tensors must also be the same set on both sides.
+    """
+    problems: list[str] = []
+    found: list[tuple[object, ...]] = []
+
+    def leaf(index: int, path: tuple[object, ...]) -> None:
+        found.append(path)
+        problem = _misfit(metas[index], find(template, path), path)
+        if problem:
+            problems.append(problem)
+
+    decode(tree, leaf, where=where)
+    if strict:
+        keys = set(template)
+        mine = {p for p in _tensor_paths(template) if p[0] in keys}
+        theirs = {p for p in found if p and p[0] in keys}
+        problems += [f"{_describe(p)} is in the state but not in the checkpoint"
+                     for p in sorted(mine - theirs, key=str)]
+        problems += [f"{_describe(p)} is in the checkpoint but not in the state"
+                     for p in sorted(theirs - mine, key=str)]
+    if problems:
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise StateMismatch(f"{where} does not fit the state it is loaded into: {'; '.join(problems[:8])}{more}; "
+                            "nothing was loaded. Restore into the model, optimizer and sharding the checkpoint was "
+                            "saved from, or start the job under a new name to start afresh")
+
+
+def _misfit(meta: TensorMeta, existing: Any, path: tuple[object, ...]) -> str:
+    """Why the checkpoint's tensor at ``path`` cannot go into ``existing`` ("" when it can)."""
+    if isinstance(existing, torch.Tensor):
+        dtype = dtype_from_name(meta.dtype, where="a restored tensor")
+        local, _, offsets = local_part(existing)
+        if tuple(local.shape) != meta.shape or local.dtype != dtype:
+            return (f"{_describe(path)} is {meta.dtype}{list(meta.shape)} in the checkpoint and "
+                    f"{str(local.dtype).removeprefix('torch.')}{list(local.shape)} in the state")
+        if meta.sharded and offsets is not None and meta.offsets != offsets:
+            return (f"the shard at {_describe(path)} starts at {list(offsets)} here and at "
+                    f"{list(meta.offsets or ())} in the checkpoint")
+    elif meta.sharded:
+        return f"{_describe(path)} is a shard of a distributed tensor and the state has no tensor there for it"
+    return ""
 
 
 def destination(meta: TensorMeta, existing: Any, path: tuple[object, ...]) -> tuple[Any, torch.Tensor]:

@@ -45,7 +45,7 @@ from stead.plugins.ckpt._codec import Encoded, TensorMeta, decode, encode, find
 from stead.plugins.ckpt._layout import LayoutDoc, SlotLayout, parse_document, plan
 from stead.plugins.ckpt._link import SOCKET_ENV, AgentLink
 from stead.plugins.ckpt._mapped import MappedSlot
-from stead.plugins.ckpt._restore import Unusable, as_dict, destination
+from stead.plugins.ckpt._restore import Template, Unusable, as_dict, check_template, destination
 from stead.plugins.ckpt._shm import Control, SlotInfo, VerifyState
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 from stead.plugins.ckpt.settings import CheckpointSettings
@@ -204,12 +204,18 @@ class FlashCheckpointer:
             self._publish(**finish)  # type: ignore[arg-type]
         return True
 
-    def load(self, state_dict: Mapping[str, Any] | None = None) -> tuple[int, dict[Any, Any]] | None:
+    def load(self, state_dict: Template = None, *, strict: bool = False) -> tuple[int, dict[Any, Any]] | None:
         """The newest committed ``(step, state_dict)``: from memory, else from disk, else None.
 
         With ``state_dict`` (e.g. ``{"model": model.state_dict(), "optim": opt.state_dict()}``)
         tensors are copied in place into its tensors where the structure matches (the fast
         path: parameters are restored without a new allocation); DTensor shards need it.
+        ``state_dict`` may be a function of the checkpoint's structure (its tensors shown as
+        :class:`TensorMeta`) returning that mapping: it is called, on every rank, only when
+        a step will be restored. Every tensor is checked against the mapping before any is
+        copied (a mismatch raises :class:`StateMismatch` and nothing is loaded); with
+        ``strict``, the tensors under each of the mapping's top-level keys must also be the
+        same set as the checkpoint's, and a missing or unexpected one is named.
         """
         self._finish_previous()
         self._hint = self._newest_hint()
@@ -219,11 +225,12 @@ class FlashCheckpointer:
         tier = "none"
         if use_memory and candidate is not None:
             slot, doc = candidate
-            result = doc.step, self._restore_memory(slot, doc, state_dict)
+            template = self._agreed_template(state_dict, doc.tree, doc.tensors, strict, doc.step)
+            result = doc.step, self._restore_memory(slot, doc, template)
             self._restored = (doc.step, doc.round)
             tier = "memory"
         else:
-            result, tier = self._restore_from_disk(state_dict, candidate)
+            result, tier = self._restore_from_disk(state_dict, candidate, strict)
         if self._link is not None:
             self._link.notify({"op": "restored", "step": result[0] if result else -1, "tier": tier})
         if result is not None:
@@ -527,8 +534,27 @@ class FlashCheckpointer:
             torch.cuda.synchronize()
         return as_dict(result)
 
-    def _restore_from_disk(self, template: Mapping[str, Any] | None,
-                           memory: tuple[SlotInfo, LayoutDoc] | None) -> tuple[tuple[int, dict[Any, Any]] | None, str]:
+    def _agreed_template(self, given: Template, tree: Any, tensors: Any, strict: bool,
+                         step: int) -> Mapping[str, Any] | None:
+        """The template to restore into, made (when given as a function) and checked on every rank before any
+        byte moves: a misfit on any rank stops every rank, with nothing loaded."""
+        mismatch: StateMismatch | None = None
+        template: Mapping[str, Any] | None = None
+        try:
+            metas = [TensorMeta.from_json(t, where=f"step {step}") for t in tensors]
+            skeleton = decode(tree, lambda i, _path: metas[i], where=f"step {step}")
+            template = given(skeleton) if callable(given) else given
+            if template is not None:
+                check_template(template, tree, metas, strict=strict, where=f"step {step}")
+        except StateMismatch as exc:
+            mismatch = exc
+        if not self._all_agree(mismatch is None):
+            raise mismatch or StateMismatch(f"another rank's state does not fit step {step} of the checkpoint "
+                                            "(its log says why); nothing was loaded")
+        return template
+
+    def _restore_from_disk(self, given: Template, memory: tuple[SlotInfo, LayoutDoc] | None,
+                           strict: bool) -> tuple[tuple[int, dict[Any, Any]] | None, str]:
         bound = 1 << 62
         while True:
             mine = next((s for s in _disk.candidates(self.path, self.rank) if s <= bound), -1)
@@ -537,20 +563,32 @@ class FlashCheckpointer:
                 return None, "none"
             state: dict[Any, Any] | None = None
             tier = "disk"
+            manifest: _disk.Manifest | None = None
             try:
                 manifest = _disk.read_manifest(self.path, agreed, self.rank)
                 if manifest.world != self.world_size:
                     raise Unusable(f"step {agreed} was saved by {manifest.world} ranks, this job has "
                                    f"{self.world_size}: load it with torch.distributed.checkpoint.load")
+            except FileNotFoundError:
+                manifest = None  # this rank never wrote the step: the ranks try an older one together
+            except Unusable as exc:
+                log.warning("ckpt_disk_unusable", step=agreed, rank=self.rank, reason=str(exc))
+                manifest = None
+            except CheckpointError as exc:
+                self._report_corrupt(agreed, "disk", str(exc))
+                manifest = None
+            if not self._all_agree(manifest is not None) or manifest is None:
+                bound = agreed - 1
+                continue
+            template = self._agreed_template(given, manifest.tree, manifest.tensors, strict, agreed)
+            try:
                 if memory is not None and (memory[1].step, memory[1].round) == (manifest.step, manifest.round):
                     state, tier = self._restore_memory(memory[0], memory[1], template), "memory"
                     self._restored = (memory[1].step, memory[1].round)
                 else:
                     state = self._read_disk(manifest, template)
             except FileNotFoundError:
-                pass  # this rank never wrote the step: the ranks try an older one together
-            except Unusable as exc:
-                log.warning("ckpt_disk_unusable", step=agreed, rank=self.rank, reason=str(exc))
+                pass  # the data went away since the manifest was read: the ranks try an older step together
             except StateMismatch:
                 raise  # the caller's state dict, not the checkpoint, is wrong
             except CheckpointError as exc:
