@@ -1,10 +1,12 @@
 """The join of flash checkpoint and data sharding: the sampler's cursor is saved in each flash checkpoint.
 
-A `stead run` job (2 nodes x 2 gloo workers) reads a dataset of ids through
-``ShardedSampler`` and saves ``{model, step, round, sampler cursor}`` with
-``FlashCheckpointer`` every few steps. Two workers crash (the restarted rounds resume
+A `stead run` job (2 nodes x 2 gloo workers, rank 1 three times slower than the others)
+reads a dataset of ids through ``ShardedSampler`` in lockstep with a plain ``for batch
+in loader`` DDP loop, and saves model, optimizer and sampler cursor with
+``stead.ckpt.Checkpoint`` every few steps. Two workers crash (the restarted rounds resume
 from the checkpoint in the agents' memory) and one agent is SIGKILLed (its node is
-relaunched). In the surviving history every id is read exactly once per epoch.
+relaunched). In the surviving history every id is read exactly once per epoch and every rank
+took as many steps as the others in each epoch.
 """
 
 from __future__ import annotations
@@ -29,26 +31,19 @@ import json, os, sys, time
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
-import stead
-from stead.ckpt import FlashCheckpointer
+from stead.ckpt import Checkpoint
 from stead.data import ShardedSampler
 
 N, EPOCHS, EVERY = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 FAULTS = json.load(open("faults.json"))
 dist.init_process_group("gloo")
 rank, world, round_ = dist.get_rank(), dist.get_world_size(), int(os.environ["STEAD_ROUND"])
-model = torch.nn.Linear(1, 1)
-sampler = ShardedSampler("ids", size=N, shard_size=6, seed=11, epochs=EPOCHS, prefetch=2)
-ckpt = FlashCheckpointer()
-step, restored_round = 0, None
-restored = ckpt.load()
-if restored is not None:
-    _, saved = restored
-    step, restored_round = saved["step"], saved["round"]
-    model.load_state_dict(saved["model"])
-    sampler.load_state_dict(saved["cursor"])
-ddp = DistributedDataParallel(model)
-opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
+ddp = DistributedDataParallel(torch.nn.Linear(1, 1))
+opt = torch.optim.SGD(ddp.parameters(), lr=1e-6, momentum=0.9)
+sampler = ShardedSampler("ids", size=N, shard_size=6, seed=11, epochs=EPOCHS, prefetch=2)  # lockstep
+ckpt = Checkpoint(model=ddp, optimizer=opt, sampler=sampler, extra={"round": round_})
+restored = ckpt.restore()  # model, optimizer, sampler cursor: in memory after a crash
+step, restored_round = (0, None) if restored is None else (restored, ckpt.extra["round"])
 log = open(f"logs/{round_}-{rank}.jsonl", "w")
 log.write(json.dumps({"restored_step": step, "restored_round": restored_round, "world": world}) + "\\n")
 log.flush()
@@ -59,14 +54,9 @@ loader = DataLoader(list(range(N)), batch_size=4, sampler=sampler)
 
 while sampler.epoch < EPOCHS:
     epoch = sampler.epoch
-    batches = iter(loader)
-    while True:
-        batch = next(batches, None)
-        more = torch.tensor([0 if batch is None else 1])
-        dist.all_reduce(more)
-        if more.item() == 0:
-            break
-        ids = [] if batch is None else batch.tolist()
+    for batch in loader:  # no "is every rank done" all-reduce: in lockstep every rank has as many batches
+        time.sleep(0.03 if rank == 1 else 0.01)  # rank 1 loads its data 3x slower
+        ids = batch.tolist()
         loss = ddp(torch.tensor(ids, dtype=torch.float32).reshape(-1, 1)).sum()
         opt.zero_grad()
         loss.backward()
@@ -74,15 +64,13 @@ while sampler.epoch < EPOCHS:
         step += 1
         log.write(json.dumps([step, epoch, ids]) + "\\n")
         log.flush()
-        stead.report_step(step)
         for i, f in enumerate(FAULTS):
             if f["step"] == step and f["rank"] == rank and not os.path.exists(f"fault-{i}"):
                 open(f"fault-{i}", "w").close()
                 fault(f["kind"])
         if step % EVERY == 0:
-            cursor = sampler.state_dict()  # every rank together, in the same checkpoint as the model
-            state = {"model": model.state_dict(), "step": step, "round": round_, "cursor": cursor}
-            ckpt.save(step, state, persist=True)
+            ckpt.extra = {"round": round_}
+            ckpt.save(step, persist=True)  # every rank: the sampler's cursor is gathered into it
 ckpt.wait_persisted()
 if rank == 0:
     print(f"finished round={round_} world={world} step={step}", flush=True)
@@ -108,6 +96,8 @@ def test_flash_checkpoints_carry_the_sampler_cursor_so_every_id_is_read_exactly_
     for epoch in range(EPOCHS):
         ids = collections.Counter(i for _, _, e, batch in history if e == epoch for i in batch)
         assert ids == collections.Counter(range(N)), f"epoch {epoch}: {sorted(ids.items())[:20]}"
+        per_rank = collections.Counter(r for r, _, e, _ in history if e == epoch)
+        assert set(per_rank.values()) == {N // 4 // 4}, per_rank  # 48 ids each, in batches of 4
     for i, fault in enumerate(FAULTS):  # the round after a worker crash resumed from a checkpoint in memory
         header = json.loads((tmp_path / "logs" / f"{i + 2}-0.jsonl").read_text().splitlines()[0])
         assert fault["kind"] != "crash" or header["restored_step"] > 0, header

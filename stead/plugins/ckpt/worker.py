@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -96,7 +97,10 @@ class FlashCheckpointer:
         self.local_rank = int(env.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
         self.round = int(env.get("STEAD_ROUND", "0"))
         self.copy_mode = copy_mode
-        job_name = job or env.get("STEAD_JOB") or env.get("TORCHELASTIC_RUN_ID") or "default"
+        # under plain torchrun or python: named after the script, so that running it again finds its checkpoints
+        # (torchrun's run id is no key: --standalone draws a new one each time)
+        job_name = job or env.get("STEAD_JOB") or Path(sys.argv[0] if sys.argv and sys.argv[0] else "").stem
+        job_name = job_name if job_name and job_name not in ("-c", "-m") else "default"
         self.path = Path(env.get(PATH_ENV) or Path(self.settings.dir).resolve() / job_name)
         self._hint = (int(env.get(STEP_ENV, "-1")), int(env.get(ROUND_ENV, "0")))
         self._slots: dict[int, MappedSlot] = {}

@@ -5,7 +5,8 @@
 refused request InvalidRequest). :class:`LocalBackend` runs the master's
 :class:`~.service.ShardService` on an in-memory store inside the worker, so that a
 script run by plain ``python`` (one process, no stead) reads the same shards in the
-same order.
+same order; :class:`StaticBackend` does so for each rank of a multi-rank script run
+without stead (plain ``torchrun``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from types import TracebackType
 from typing import Protocol, Self
 
 from stead.plugin import RpcConnection, StateStore, proto
+from stead.plugins.sharding.intervals import SlotMap
 from stead.plugins.sharding.ledger import CursorState, DatasetSpec, Range
 from stead.plugins.sharding.service import ShardService, StreamId
 from stead.plugins.sharding.servicer import cursor_from_proto, cursor_to_proto
 from stead.plugins.sharding.settings import ShardingSettings
 
-__all__ = ["LeaseReply", "LocalBackend", "SaveReply", "ShardBackend", "ShardClient"]
+__all__ = ["LeaseReply", "LocalBackend", "SaveReply", "ShardBackend", "ShardClient", "StaticBackend"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +80,7 @@ class ShardClient:
             name=spec.name, size=spec.size, shard_size=spec.shard_size, seed=spec.seed,
             epochs=0 if spec.streaming else spec.epochs, ordered=not spec.shuffle, streaming=spec.streaming,
             partitions=[proto.Partition(id=p, start=s, end=e) for p, (s, e) in sorted(partitions.items())],
-            closed=closed)
+            closed=closed, lockstep=spec.lockstep)
         with self._conn.errors("ShardService.RegisterDataset"):
             await self._stub.register_dataset(request, timeout=self._timeout())
 
@@ -147,3 +149,52 @@ class LocalBackend:
 
     async def restore(self, who: StreamId, cursor: CursorState) -> None:
         await self.service.restore(who, cursor)
+
+
+class StaticBackend(LocalBackend):
+    """A multi-rank script without stead (plain ``torchrun``): each rank reads its static share.
+
+    Every rank runs this in-process ledger with the same dataset and world size, and
+    plays the other ranks' part in starting each round (they start from the same
+    cursor, or from the beginning). A round is always split in lockstep
+    (:mod:`.lockstep`): each rank leases only its own block of each epoch, so the
+    ranks read disjoint samples without talking to each other. The cursor is cut
+    from every rank's read slots, which the sampler all-gathers
+    (:meth:`heads`, then :meth:`cursor_after`).
+    """
+
+    def __init__(self, store: StateStore, settings: ShardingSettings) -> None:
+        super().__init__(store, settings)
+        self._started: set[tuple[str, int]] = set()
+
+    async def register(self, spec: DatasetSpec, partitions: Mapping[int, tuple[int, int]], closed: bool) -> None:
+        await super().register(dataclasses.replace(spec, lockstep=True), partitions, closed)
+
+    async def _declare(self, who: StreamId, cursor: CursorState | None) -> None:
+        for rank in range(who.world_size):
+            other = who if rank == who.rank else dataclasses.replace(who, rank=rank, nonce=f"static-{rank}")
+            await self.service.restore(other, cursor)
+        self._started.add((who.dataset, who.round))
+
+    async def _ensure_started(self, who: StreamId) -> None:
+        if (who.dataset, who.round) not in self._started:
+            await self._declare(who, None)
+
+    async def lease(self, who: StreamId, *, epoch: int, have: int, count: int, consumed: int,
+                    wait_s: float) -> LeaseReply:
+        await self._ensure_started(who)
+        return await super().lease(who, epoch=epoch, have=have, count=count, consumed=consumed, wait_s=wait_s)
+
+    async def restore(self, who: StreamId, cursor: CursorState) -> None:
+        await self._declare(who, cursor)
+
+    async def save(self, who: StreamId, *, consumed: Sequence[int], epochs: Sequence[int],
+                   wait_s: float) -> SaveReply:
+        raise AssertionError("a static partition's cursor is cut with heads() and cursor_after()")
+
+    async def heads(self, who: StreamId, consumed: int) -> SlotMap:
+        await self._ensure_started(who)
+        return await self.service.heads(who, consumed)
+
+    async def cursor_after(self, who: StreamId, heads: SlotMap, epochs: Sequence[int]) -> CursorState:
+        return await self.service.cursor_after(who, heads, epochs)

@@ -123,6 +123,10 @@ class SlotSet:
                 out._append_sorted(cur, end)
         return out
 
+    def intersection(self, other: SlotSet) -> SlotSet:
+        """A new set: the slots in both."""
+        return self.difference(self.difference(other))
+
     def intersects(self, start: int, end: int) -> bool:
         i = bisect.bisect_right(self._ends, start)
         return i < len(self._starts) and self._starts[i] < end

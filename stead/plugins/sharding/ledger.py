@@ -30,7 +30,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stead.plugin import InvalidRequest
-from stead.plugins.sharding.intervals import Range, SlotMap
+from stead.plugins.sharding.intervals import Range, SlotMap, SlotSet
+from stead.plugins.sharding.lockstep import split
 from stead.plugins.sharding.ops import (
     MAX_LEASE_COUNT,
     UNBOUNDED,
@@ -149,7 +150,12 @@ class Stream:
 
 @dataclasses.dataclass
 class Generation:
-    """The current round: where it started and every rank's stream."""
+    """The current round: where it started and every rank's stream.
+
+    ``start`` moves forward as cursors fold read slots out of it; ``origin`` is the
+    set the round really started from, which a lockstep round splits into each
+    rank's block of each epoch (:mod:`.lockstep`).
+    """
 
     round: int
     world_size: int
@@ -157,6 +163,17 @@ class Generation:
     epoch: int
     digest: str
     streams: dict[int, Stream]
+    origin: SlotMap
+    lockstep: bool = False
+    _blocks: dict[int, dict[int, SlotSet]] = dataclasses.field(default_factory=dict)
+
+    def block(self, rank: int, epoch: int) -> SlotSet:
+        """A lockstep round's slots of ``epoch`` for ``rank`` (computed once per epoch)."""
+        per_rank = self._blocks.get(epoch)
+        if per_rank is None:
+            per_rank = self._blocks[epoch] = {r: b[epoch] for r, b in split(self.origin, self.world_size,
+                                                                            [epoch]).items()}
+        return per_rank[rank]
 
 
 @dataclasses.dataclass
@@ -206,7 +223,7 @@ class Ledger:
         if spec != self.spec:
             raise InvalidRequest(
                 f"dataset {spec.name!r} is already registered as a {self.spec.describe()}, not "
-                f"{spec.describe()}; register it as it was (same size, shard size, seed, epochs), "
+                f"{spec.describe()}; register it as it was (same size, shard size, seed, epochs, lockstep), "
                 "or give the new definition another name")
         if not spec.streaming:
             return []
@@ -358,19 +375,27 @@ class Ledger:
             return [], LeaseAnswer(ranges=tuple(stream.ranges[have - stream.dropped:]))
         if not self.spec.streaming and epoch < 0:
             raise InvalidRequest(f"epoch {epoch} of dataset {self.name!r} does not exist; epochs count from 0")
-        granted = self._take(epoch, count)
+        granted = self._take(epoch, count, rank)
         if granted:
             return [Granted(round_, rank, tuple(granted))], LeaseAnswer(ranges=tuple(granted))
-        return [], LeaseAnswer(exhausted=self._exhausted(epoch))
+        return [], LeaseAnswer(exhausted=self._exhausted(epoch, rank))
 
-    def _take(self, epoch: int, count: int) -> list[Range]:
+    def _available(self, epoch: int, rank: int) -> SlotSet:
+        """What ``rank`` may lease of ``epoch``: what remains of it (of its block, in a lockstep round)."""
+        left = self.remaining.part(epoch)
+        gen = self.gen
+        if gen is not None and gen.lockstep:
+            return left.intersection(gen.block(rank, epoch))
+        return left
+
+    def _take(self, epoch: int, count: int, rank: int) -> list[Range]:
         """Up to ``count`` pieces (cut at shard boundaries), contiguous ones merged; nothing is changed here."""
         align = self.spec.shard_size
         if not self.spec.streaming:
             out: list[Range] = []
             if epoch >= self.spec.epochs:
                 return out
-            for start, end in self.remaining.part(epoch).ranges():  # lowest slots first
+            for start, end in self._available(epoch, rank).ranges():  # lowest slots first
                 boundary = (start // align + 1) * align  # the end of the first (maybe partial) shard
                 shards = 1 if end <= boundary else 1 + -(-(end - boundary) // align)
                 taken = min(count, shards)
@@ -400,11 +425,11 @@ class Ledger:
                 merged.append((part, start, end))
         return merged
 
-    def _exhausted(self, epoch: int) -> bool:
+    def _exhausted(self, epoch: int, rank: int) -> bool:
         if self.spec.streaming:
             return self.closed and not any(
                 self.remaining.part(p).intersects(start, end) for p, (start, end) in self.partitions.items())
-        return epoch >= self.spec.epochs or not self.remaining.has(epoch)
+        return epoch >= self.spec.epochs or not self._available(epoch, rank)
 
     def _check_progress(self, stream: Stream, round_: int, consumed: int) -> None:
         if not 0 <= consumed <= stream.leased:
@@ -470,19 +495,38 @@ class Ledger:
         for rank, at in enumerate(consumed):
             self._check_progress(gen.streams[rank], round_, at)
             self._check_after_cut(gen.streams[rank], round_, at)
-        remaining = self._remaining_at(gen, consumed)
-        epoch = min(max(min(epochs), 0), self.spec.epochs) if not self.spec.streaming else 0
-        cursor = CursorState(self.spec.fingerprint(), epoch, tuple(remaining.ranges()))
+        cursor = self.cursor_after(self._heads(gen, consumed), epochs)
         moved = any(at > gen.streams[rank].base for rank, at in enumerate(consumed))
         return ([Folded(round_, tuple(consumed))] if moved else []), cursor
 
+    def heads(self, round_: int, rank: int, nonce: str, consumed: int) -> SlotMap:
+        """The slots ``rank`` read of its stream's first ``consumed`` (a static partition's cut: no master)."""
+        stream = self._stream_of(round_, rank, nonce)
+        self._check_progress(stream, round_, consumed)
+        return stream.slots_before(consumed)
+
+    def cursor_after(self, heads: SlotMap, epochs: Sequence[int]) -> CursorState:
+        """The cursor once the ranks of the current round have read ``heads`` and are in ``epochs``.
+
+        A lockstep round's ranks have all finished the epochs before ``min(epochs)``:
+        the few slots those epochs left out (fewer than the world size each) are not
+        carried on, as ``DistributedSampler(drop_last=True)`` drops them.
+        """
+        gen = self.gen
+        assert gen is not None
+        remaining = gen.start.difference(heads)
+        epoch = min(max(min(epochs), 0), self.spec.epochs) if not self.spec.streaming else 0
+        if gen.lockstep:
+            remaining = SlotMap(r for r in remaining.ranges() if r[0] >= epoch)
+        return CursorState(self.spec.fingerprint(), epoch, tuple(remaining.ranges()))
+
     @staticmethod
-    def _remaining_at(gen: Generation, consumed: Sequence[int]) -> SlotMap:
-        """What the round started from minus what every stream had read at these positions."""
+    def _heads(gen: Generation, consumed: Sequence[int]) -> SlotMap:
+        """What every stream had read at these positions."""
         heads = SlotMap()
         for rank, at in enumerate(consumed):
             heads.update(gen.streams[rank].slots_before(at))
-        return gen.start.difference(heads)
+        return heads
 
     # -- apply -----------------------------------------------------------------------------------
 
@@ -511,7 +555,8 @@ class Ledger:
                     origin, first_epoch = self.full(), 0
                 streams = {r: Stream(rank=r, node_id=d.node_id, nonce=d.nonce, epoch=first_epoch, last_seen=now)
                            for r, d in pending.declared.items()}
-                self.gen = Generation(op.round, op.world_size, origin, first_epoch, op.digest, streams)
+                self.gen = Generation(op.round, op.world_size, origin, first_epoch, op.digest, streams,
+                                      origin=origin.copy(), lockstep=self.spec.lockstep and not self.spec.streaming)
                 self.remaining = origin.copy()
                 for old in [r for r in self.pending if r < op.round]:
                     del self.pending[old]
@@ -531,7 +576,7 @@ class Ledger:
             case Folded():
                 gen = self.gen
                 assert gen is not None and gen.round == op.round, f"op for round {op.round} outside its round"
-                gen.start = self._remaining_at(gen, op.positions)
+                gen.start = gen.start.difference(self._heads(gen, op.positions))
                 for rank, at in enumerate(op.positions):
                     gen.streams[rank].fold(at)
             case Released():
@@ -555,7 +600,7 @@ class Ledger:
             "remaining": self.remaining.to_json(),
             "gen": None if gen is None else {
                 "round": gen.round, "world_size": gen.world_size, "start": gen.start.to_json(),
-                "epoch": gen.epoch, "digest": gen.digest,
+                "epoch": gen.epoch, "digest": gen.digest, "origin": gen.origin.to_json(),
                 "streams": [[s.rank, s.node_id, s.nonce, [list(r) for r in s.ranges], s.base, s.dropped, s.leased,
                              s.consumed, s.epoch, s.dead] for s in gen.streams.values()],
             },
@@ -579,8 +624,10 @@ class Ledger:
                 streams[rank] = Stream(rank=rank, node_id=node_id, nonce=nonce, ranges=list(decode_ranges(ranges)),
                                        base=base, dropped=dropped, leased=leased, consumed=consumed, epoch=epoch,
                                        last_seen=now, dead=dead)
-            ledger.gen = Generation(raw["round"], raw["world_size"], SlotMap(decode_ranges(raw["start"])), raw["epoch"],
-                                    raw["digest"], streams)
+            start = SlotMap(decode_ranges(raw["start"]))
+            ledger.gen = Generation(raw["round"], raw["world_size"], start, raw["epoch"], raw["digest"], streams,
+                                    origin=SlotMap(decode_ranges(raw["origin"])) if "origin" in raw else start.copy(),
+                                    lockstep=ledger.spec.lockstep and not ledger.spec.streaming)
         for raw_pending in body["pending"]:
             pending = ledger.pending.setdefault(int(raw_pending["round"]), _Pending(int(raw_pending["world_size"])))
             for entry in raw_pending["declared"]:

@@ -31,16 +31,21 @@ class DatasetSpec:
     seed: int = 0
     epochs: int = 1
     shuffle: bool = True
+    #: every rank reads the same number of samples per epoch (see :mod:`.lockstep`)
+    lockstep: bool = False
 
     def fingerprint(self) -> str:
-        body = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        """What a cursor must match: the samples and their order (how they are split between ranks is free)."""
+        fields = dataclasses.asdict(self)
+        del fields["lockstep"]
+        body = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         if self.streaming:
             return f"streaming source with shard_size={self.shard_size}"
         return (f"size={self.size}, shard_size={self.shard_size}, seed={self.seed}, epochs={self.epochs}, "
-                f"shuffle={self.shuffle}")
+                f"shuffle={self.shuffle}, lockstep={self.lockstep}")
 
 
 @dataclasses.dataclass(frozen=True)

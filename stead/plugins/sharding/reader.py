@@ -54,6 +54,8 @@ class Reader:
         self.consumed = 0
         self.epoch = 0
         self.started_reading = False
+        #: this stream has told the master where its round starts (restored, or cut a cursor)
+        self.declared = False
         #: the range being read, the next slot of it to map, and the mapped samples being handed out
         self.entry: Range | None = None
         self.entry_pos = 0
@@ -296,6 +298,7 @@ class Reader:
 
     def restore(self, cursor: CursorState) -> None:
         self.call(lambda b: b.restore(self.who, cursor), what="restore")
+        self.declared = True
 
     def save(self, consumed: list[int], epochs: list[int]) -> CursorState:
         while True:
@@ -304,19 +307,20 @@ class Reader:
             if reply.cursor is not None:
                 with self._cond:
                     self._joined = True
+                self.declared = True
                 return reply.cursor
             log.info("shards_waiting_for_ranks", dataset=self.spec.name, round=self.who.round,
                      ranks=list(reply.waiting_for), hint="every rank must call state_dict together")
 
 
 @contextlib.asynccontextmanager
-async def local_backend(sharding: ShardingSettings) -> AsyncIterator[ShardBackend]:
-    """The master's service on an in-memory store, for a script run without stead."""
+async def local_backend(sharding: ShardingSettings, *, static: bool = False) -> AsyncIterator[ShardBackend]:
+    """The master's service on an in-memory store, for a script run without stead (``static``: one rank of many)."""
     from stead.core.store.memory import MemoryStore
-    from stead.plugins.sharding.client import LocalBackend
+    from stead.plugins.sharding.client import LocalBackend, StaticBackend
 
     store = MemoryStore()
     try:
-        yield LocalBackend(store, sharding)
+        yield (StaticBackend if static else LocalBackend)(store, sharding)
     finally:
         await store.close()

@@ -5,7 +5,9 @@
 Both take the stream's place from the environment stead gives each worker
 (``STEAD_MASTER_ADDR``, ``STEAD_TOKEN_FILE``, ``STEAD_ROUND``, ``RANK``,
 ``WORLD_SIZE``); a script run by plain ``python`` (one process, no master) reads the
-same samples in the same order from an in-process ledger.
+same samples in the same order from an in-process ledger, and each rank of a script
+run by plain ``torchrun`` (no master) reads its static share of each epoch
+(:class:`~.client.StaticBackend`), with the same API and the same cursors.
 
 The cursor API, for checkpoints::
 
@@ -26,8 +28,10 @@ from typing import Any, TypeVar
 from torch.utils.data import Sampler
 
 from stead.plugin import ConfigError, InvalidRequest, Settings, load_settings, read_token_file
-from stead.plugins.sharding.client import ShardClient
+from stead.plugins.sharding.client import ShardBackend, ShardClient, StaticBackend
+from stead.plugins.sharding.intervals import SlotMap
 from stead.plugins.sharding.ledger import UNBOUNDED, CursorState, DatasetSpec, Range
+from stead.plugins.sharding.ops import decode_ranges
 from stead.plugins.sharding.order import SampleOrder
 from stead.plugins.sharding.reader import Connect, Reader, local_backend
 from stead.plugins.sharding.service import StreamId
@@ -39,6 +43,7 @@ __all__ = ["CURSOR_VERSION", "ShardedSampler", "StreamSampler"]
 CURSOR_VERSION = 1
 
 T = TypeVar("T")
+P = TypeVar("P")
 _READERS: dict[tuple[int, str, int, int], Reader] = {}
 _READERS_LOCK = threading.Lock()
 
@@ -64,18 +69,19 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def _connect(settings: Settings, sharding: ShardingSettings, world_size: int) -> Connect:
-    address = os.environ.get("STEAD_MASTER_ADDR")
+def _connect(settings: Settings, sharding: ShardingSettings, address: str) -> Connect:
     if address:
         token_file = os.environ.get("STEAD_TOKEN_FILE")
         if not token_file:
             raise ConfigError("STEAD_MASTER_ADDR is set but STEAD_TOKEN_FILE is not: run the script with `stead run`")
         token = read_token_file(token_file)
         return lambda: ShardClient(address, token, call_timeout_s=settings.rpc_timeout_s)
-    if world_size > 1:
-        raise ConfigError(f"a sharded sampler with world_size={world_size} needs a stead master to hand out shards: "
-                          "run the script with `stead run` (plain python or torchrun have none)")
     return lambda: local_backend(sharding)
+
+
+def _static(backend: ShardBackend) -> StaticBackend:
+    assert isinstance(backend, StaticBackend), f"{backend!r} is not a static partition"
+    return backend
 
 
 class _ShardedBase:
@@ -94,6 +100,14 @@ class _ShardedBase:
             raise ConfigError(f"rank {self.rank} is outside the world of {self.world_size}; "
                               "pass 0 <= rank < world_size")
         self.spec = spec
+        address = os.environ.get("STEAD_MASTER_ADDR", "")
+        #: a multi-rank script without a master (plain torchrun): each rank reads its static share
+        self.static = not address and self.world_size > 1
+        if self.static and spec.streaming:
+            raise ConfigError(f"a streaming sampler with world_size={self.world_size} needs a stead master to hand "
+                              "out records: run the script with `stead run` (plain python or torchrun have none)")
+        connect = ((lambda: local_backend(self.sharding, static=True)) if self.static
+                   else _connect(self.settings, self.sharding, address))
         round_ = _env_int("STEAD_ROUND", 1)
         key = (os.getpid(), spec.name, round_, self.rank)
         with _READERS_LOCK:
@@ -105,7 +119,7 @@ class _ShardedBase:
                 reader = _READERS[key] = Reader(
                     spec=spec, who=who, settings=self.settings, sharding=self.sharding, prefetch=prefetch,
                     partitions=partitions, closed=closed,
-                    connect=_connect(self.settings, self.sharding, self.world_size))
+                    connect=connect)
         self._reader = reader
         if shared:  # a second sampler of this process's stream: the master checks that the definition matches
             reader.call(lambda b: b.register(spec, partitions or {}, closed), what="register")
@@ -130,7 +144,8 @@ class _ShardedBase:
         """The cursor of a checkpoint taken now: every sample not consumed by the steps it holds.
 
         Call it on every rank at the same step (it all-gathers every rank's progress with
-        torch.distributed when world_size > 1, then asks the master). The result is the
+        torch.distributed when world_size > 1, then asks the master); before the sampler
+        has read or restored anything it is the whole dataset and needs nobody. The result is the
         same small JSON-able dict on every rank. ``consumed``: the samples the training
         loop has really used in this round when a DataLoader with workers prefetched more
         from the sampler than the loop took (default: every sample handed out).
@@ -140,8 +155,17 @@ class _ShardedBase:
         if not 0 <= mine <= reader.consumed:
             raise InvalidRequest(f"consumed={mine} must be between 0 and the {reader.consumed} samples this "
                                  "sampler has handed out in this round")
-        progress = _gather((self.rank, mine, reader.epoch), self.world_size)
-        cursor = reader.save([c for _, c, _ in progress], [e for _, _, e in progress])
+        if not self.spec.streaming and not reader.started_reading and not reader.declared:
+            # nothing read and nothing restored yet (a script that builds its checkpoint's state before restoring
+            # it): the cursor is where the round would start. Asking the master would start the round from the
+            # beginning, and the restore that follows would be refused.
+            cursor = CursorState(self.spec.fingerprint(), reader.epoch,
+                                 tuple((e, 0, self.spec.size) for e in range(reader.epoch, self.spec.epochs)))
+        elif self.static:
+            cursor = self._static_cut(mine)
+        else:
+            progress = _gather(self.rank, (mine, reader.epoch), self.world_size)
+            cursor = reader.save([c for c, _ in progress], [e for _, e in progress])
         return {
             "version": CURSOR_VERSION,
             "dataset": self.spec.name,
@@ -149,6 +173,17 @@ class _ShardedBase:
             "epoch": cursor.epoch,
             "remaining": [[p, s, None if e >= UNBOUNDED else e] for p, s, e in cursor.remaining],
         }
+
+    def _static_cut(self, consumed: int) -> CursorState:
+        reader = self._reader
+        who = reader.who
+        mine = reader.call(lambda b: _static(b).heads(who, consumed), what="save")
+        everyone = _gather(self.rank, (reader.epoch, mine.to_json()), self.world_size)
+        read = SlotMap()
+        for _, ranges in everyone:
+            read.update(SlotMap(decode_ranges(ranges)))
+        epochs = [epoch for epoch, _ in everyone]
+        return reader.call(lambda b: _static(b).cursor_after(who, read, epochs), what="save")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restart this round from a checkpoint's cursor; call it on every rank before iterating."""
@@ -200,17 +235,25 @@ class _ShardedBase:
 class ShardedSampler(_ShardedBase, Sampler[int]):
     """Sample ids ``0 .. size-1`` of dataset ``name``, leased shard by shard from the master.
 
-    Each rank gets shards on demand (a faster rank reads more), ``prefetch`` shards
-    ahead. One iteration reads one epoch (the next one each time, or the one
-    :meth:`set_epoch` names) and ends when the epoch has no shard left for this rank;
-    ranks may so get different numbers of samples: with DDP, keep stepping until
-    every rank is done (e.g. all-reduce a "have a batch" flag, or ``model.join()``).
+    One iteration reads one epoch (the next one each time, or the one
+    :meth:`set_epoch` names), ``prefetch`` shards ahead.
+
+    ``lockstep=True`` (the default, for DDP and FSDP): every rank reads the same
+    number of samples in each epoch, so every rank takes the same number of steps.
+    Each round splits what is left of each epoch into equal blocks, one per rank;
+    the last ``remaining % world_size`` samples of an epoch are left out of it (as
+    ``DistributedSampler(drop_last=True)``; fewer than ``world_size``, other ones
+    each epoch as the order is reshuffled). ``lockstep=False`` (asynchronous or
+    independent workers): shards are leased on demand, a faster rank reads more,
+    nothing is left out, and ranks may get different numbers of samples.
     """
 
     def __init__(self, name: str, *, size: int, shard_size: int, seed: int = 0, epochs: int = 1,
-                 shuffle: bool = True, prefetch: int = 4, rank: int | None = None, world_size: int | None = None,
-                 settings: Settings | None = None, sharding: ShardingSettings | None = None) -> None:
-        spec = DatasetSpec(name=name, shard_size=shard_size, size=size, seed=seed, epochs=epochs, shuffle=shuffle)
+                 shuffle: bool = True, lockstep: bool = True, prefetch: int = 4, rank: int | None = None,
+                 world_size: int | None = None, settings: Settings | None = None,
+                 sharding: ShardingSettings | None = None) -> None:
+        spec = DatasetSpec(name=name, shard_size=shard_size, size=size, seed=seed, epochs=epochs, shuffle=shuffle,
+                           lockstep=lockstep)
         super().__init__(spec, prefetch=prefetch, rank=rank, world_size=world_size, settings=settings,
                          sharding=sharding)
         self._order = SampleOrder(size=size, shard_size=shard_size, seed=seed, shuffle=shuffle)
@@ -254,8 +297,8 @@ def _offsets(partition: int, start: int, stop: int) -> list[tuple[int, int]]:
     return [(partition, offset) for offset in range(start, stop)]
 
 
-def _gather(mine: tuple[int, int, int], world_size: int) -> list[tuple[int, int, int]]:
-    """Every rank's (rank, consumed, epoch), ordered by rank."""
+def _gather(rank: int, mine: P, world_size: int) -> list[P]:
+    """Every rank's ``mine``, ordered by rank."""
     if world_size == 1:
         return [mine]
     import torch.distributed as dist
@@ -267,12 +310,12 @@ def _gather(mine: tuple[int, int, int], world_size: int) -> list[tuple[int, int,
         raise InvalidRequest(f"the sampler's world_size={world_size} differs from torch.distributed's "
                              f"{dist.get_world_size()}; give the sampler the process group's size")
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, mine)
-    progress = sorted((int(r), int(c), int(e)) for r, c, e in gathered)
-    if [r for r, _, _ in progress] != list(range(world_size)):
-        raise InvalidRequest(f"the ranks of the sampler are {[r for r, _, _ in progress]}, not 0..{world_size - 1}; "
+    dist.all_gather_object(gathered, (rank, mine))
+    ranks = [r for r, _ in gathered]
+    if sorted(ranks) != list(range(world_size)):
+        raise InvalidRequest(f"the ranks of the sampler are {sorted(ranks)}, not 0..{world_size - 1}; "
                              "give each process its own rank")
-    return progress
+    return [payload for _, payload in sorted(gathered, key=lambda pair: int(pair[0]))]
 
 
 def _cursor_from_state(state: Mapping[str, Any], name: str) -> CursorState:

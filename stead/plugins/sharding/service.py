@@ -21,6 +21,7 @@ import structlog
 
 from stead.plugin import Event, InvalidRequest, Record, StateStore
 from stead.plugins.sharding.events import DatasetRegistered, LeasesReleased, ShardRoundRefused, ShardRoundStarted
+from stead.plugins.sharding.intervals import SlotMap
 from stead.plugins.sharding.journal import Journal, load_ledger
 from stead.plugins.sharding.ledger import LeaseAnswer, Ledger
 from stead.plugins.sharding.ops import UNBOUNDED, CursorState, DatasetSpec, Op, Released, RoundRefused, Started
@@ -168,8 +169,8 @@ class ShardService:
         ds.ledger.note_progress(who.round, who.rank, consumed=consumed, epoch=epoch, now=self._clock())
         await self._commit(ds, ops)
 
-    async def restore(self, who: StreamId, cursor: CursorState) -> bool:
-        """This rank starts its round from ``cursor``; True once the round has started."""
+    async def restore(self, who: StreamId, cursor: CursorState | None) -> bool:
+        """This rank starts its round from ``cursor`` (None: from wherever the others do); True once it started."""
         ds = await self._dataset(who.dataset)
         ops = ds.ledger.decide_declare(round_=who.round, rank=who.rank, world_size=who.world_size,
                                        node_id=who.node_id, nonce=who.nonce, cursor=cursor)
@@ -190,6 +191,17 @@ class ShardService:
         ops, cursor = ds.ledger.decide_cut(round_=who.round, consumed=consumed, epochs=epochs)
         await self._commit(ds, ops)
         return cursor
+
+    async def heads(self, who: StreamId, consumed: int) -> SlotMap:
+        """The slots this stream read of its first ``consumed`` (a static partition's cut)."""
+        ds = await self._dataset(who.dataset)
+        return ds.ledger.heads(who.round, who.rank, who.nonce, consumed)
+
+    async def cursor_after(self, who: StreamId, heads: SlotMap, epochs: Sequence[int]) -> CursorState:
+        """The cursor once every rank of the round read ``heads`` (a static partition's cut: nothing changes)."""
+        ds = await self._dataset(who.dataset)
+        ds.ledger.heads(who.round, who.rank, who.nonce, 0)  # checks the stream
+        return ds.ledger.cursor_after(heads, epochs)
 
     def waiting_for(self, who: StreamId) -> tuple[int, ...]:
         found = self._datasets.get(who.dataset)

@@ -37,7 +37,8 @@ class ShardServicer(proto.ShardServiceBase):
                                    size=message.size, seed=message.seed, epochs=message.epochs or 1)
             else:
                 spec = DatasetSpec(name=message.name, shard_size=message.shard_size, size=message.size,
-                                   seed=message.seed, epochs=message.epochs, shuffle=not message.ordered)
+                                   seed=message.seed, epochs=message.epochs, shuffle=not message.ordered,
+                                   lockstep=message.lockstep)
             partitions = {p.id: (p.start, p.end) for p in message.partitions}
             if len(partitions) != len(message.partitions):
                 raise InvalidRequest(f"streaming source {message.name!r} lists a partition twice; list each once")

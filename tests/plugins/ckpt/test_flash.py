@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -310,7 +311,8 @@ def test_agent_segments_are_named_stead_and_removed_when_the_agent_stops(cluster
 def test_without_an_agent_only_persisted_saves_are_kept_on_disk(tmp_path: Path, settings: Any,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STEAD_CKPT_SOCKET", raising=False)
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "plain")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a-random-uuid")  # torchrun --standalone's: not a key
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "plain.py")])  # named after the script
     monkeypatch.chdir(tmp_path)
     model, opt = trained()
     with FlashCheckpointer(settings=settings) as ckpt:

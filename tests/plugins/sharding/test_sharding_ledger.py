@@ -24,6 +24,7 @@ from stead.plugins.sharding.ledger import (
     decode_op,
     encode_op,
 )
+from stead.plugins.sharding.lockstep import left_out, split
 
 SPEC = DatasetSpec(name="ids", shard_size=4, size=10, seed=3, epochs=2)
 
@@ -246,6 +247,46 @@ def test_a_streaming_source_leases_what_exists_and_refuses_offsets_going_backwar
         ledger.decide_register(spec, {0: (100, 200)}, False)
 
 
+def test_a_lockstep_round_gives_every_rank_an_equal_block_of_each_epoch() -> None:
+    ledger = Ledger(dataclasses.replace(SPEC, lockstep=True))  # 10 samples, 3 ranks: 3 each, 1 left out
+    _declare(ledger, 1, 3)
+    got = {rank: _slots(_lease(ledger, 1, rank, have=0, count=9).ranges) for rank in (2, 0, 1)}
+    assert {rank: len(slots) for rank, slots in got.items()} == {0: 3, 1: 3, 2: 3}
+    assert sorted(s for slots in got.values() for s in slots) == [(0, i) for i in range(9)]
+    assert _lease(ledger, 1, 0, have=1, count=1).exhausted  # rank 0's block is read; slot 9 is nobody's
+    assert not ledger.decide_lease(round_=1, rank=0, nonce="p1.0", epoch=1, have=1, count=1, consumed=3)[1].exhausted
+    # a cursor in the middle of epoch 0 keeps the left-out slot; once every rank is in epoch 1 it is dropped
+    mid = _cut(ledger, round_=1, consumed=[2, 3, 3], epochs=[0, 0, 0])
+    assert _slots(mid.remaining) == [(0, 2), (0, 9), *[(1, i) for i in range(10)]]
+    after = _cut(ledger, round_=1, consumed=[3, 3, 3], epochs=[1, 1, 1])
+    assert after.epoch == 1 and _slots(after.remaining) == [(1, i) for i in range(10)]
+    # two ranks restore the middle cursor: 2 + 1 left of epoch 0 -> one each, and one left out
+    _declare(ledger, 2, 2, mid)
+    first = [_slots(_lease(ledger, 2, rank, have=0, count=9).ranges) for rank in (0, 1)]
+    assert [len(slots) for slots in first] == [1, 1]
+    assert ledger.spec.fingerprint() == SPEC.fingerprint()  # a cursor does not care how ranks split the samples
+
+
+@given(st.integers(0, 40), st.integers(1, 6), st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40),
+                                                                 st.integers(0, 40)), max_size=6))
+def test_lockstep_blocks_are_equal_disjoint_and_leave_out_fewer_than_the_world(
+        size: int, world: int, holes: list[tuple[int, int, int]]) -> None:
+    start = SlotMap((e, 0, size) for e in range(3))
+    for epoch, a, b in holes:
+        start.remove(epoch, min(a, b), max(a, b))
+    blocks = split(start, world, range(3))
+    for epoch in range(3):
+        sizes = {blocks[rank][epoch].total for rank in range(world)}
+        assert len(sizes) == 1
+        assert start.part(epoch).total - world * sizes.pop() < world
+    rest = left_out(start, blocks)
+    read = [(e, s, x) for r in range(world) for e in range(3) for s, x in blocks[r][e].ranges()]
+    assert sum(x - s for _, s, x in read) + rest.total == start.total
+    union = SlotMap(read)
+    union.update(rest)
+    assert union == start
+
+
 def test_the_ledger_survives_a_snapshot_round_trip() -> None:
     ledger = Ledger(SPEC)
     _declare(ledger, 1, 2)
@@ -324,13 +365,17 @@ def _restart(ledger: _RecordingLedger) -> _RecordingLedger:
 @given(st.data())
 def test_every_sample_is_consumed_exactly_once_per_epoch_by_the_surviving_steps(data: st.DataObject) -> None:
     size, shard, epochs = data.draw(st.integers(1, 30)), data.draw(st.integers(1, 7)), data.draw(st.integers(1, 3))
-    ledger = _RecordingLedger(DatasetSpec(name="ids", shard_size=shard, size=size, seed=1, epochs=epochs))
+    lockstep = data.draw(st.booleans(), label="lockstep")
+    ledger = _RecordingLedger(DatasetSpec(name="ids", shard_size=shard, size=size, seed=1, epochs=epochs,
+                                          lockstep=lockstep))
     ledger.journal = []
     #: checkpoints: (cursor, the samples read by the history the checkpoint holds)
     checkpoints: list[tuple[CursorState, list[tuple[int, int]]]] = []
     failures = data.draw(st.integers(0, 4))
+    widest = 0
     for round_ in range(1, failures + 2):
         world = data.draw(st.integers(1, 4), label="world")
+        widest = max(widest, world)
         restore = data.draw(st.sampled_from([None, *range(len(checkpoints))]), label="restore")
         cursor, base = checkpoints[restore] if restore is not None else (None, [])
         _declare(ledger, round_, world, cursor)
@@ -351,4 +396,12 @@ def test_every_sample_is_consumed_exactly_once_per_epoch_by_the_surviving_steps(
         if last:
             history = base + [s for w in workers for s in w.slots[:w.read]]
             expected = collections.Counter((e, i) for e in range(epochs) for i in range(size))
-            assert collections.Counter(history) == expected
+            if not lockstep:
+                assert collections.Counter(history) == expected
+                continue
+            # lockstep: nothing twice; an epoch leaves out fewer samples than the ranks of the widest round (the
+            # rest of the dataset is read), and every rank of the last round reads as many of each epoch
+            assert len(history) == len(set(history)) and set(history) <= set(expected)
+            for epoch in range(epochs):
+                assert size - sum(1 for e, _ in history if e == epoch) < widest
+                assert len({sum(1 for e, _ in w.slots if e == epoch) for w in workers}) == 1

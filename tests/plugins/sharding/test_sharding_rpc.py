@@ -61,7 +61,7 @@ async def test_bad_input_is_invalid_argument_saying_what_to_do_and_changes_nothi
     assert lease.ranges == ((0, 0, 4),)
     bad: list[tuple[Callable[[], Awaitable[object]], str]] = [
         (lambda: client.register(DatasetSpec(name="ids", shard_size=4, size=41, seed=2), {}, False),
-         "already registered as a size=40, shard_size=4, seed=2, epochs=1, shuffle=True, not size=41"),
+         "already registered as a size=40, shard_size=4, seed=2, epochs=1, shuffle=True, lockstep=False, not size=41"),
         (lambda: client.register(DatasetSpec(name="ids", shard_size=4, size=40, seed=3), {}, False),
          "register it as it was .* or give the new definition another name"),
         (lambda: client.lease(_who(0, dataset="other"), epoch=0, have=0, count=1, consumed=0, wait_s=0),

@@ -67,8 +67,9 @@ def _exactly_once(ids: list[int]) -> bool:
     return sorted(ids) == list(range(N))
 
 
-async def test_ranks_read_on_demand_and_every_sample_once_per_epoch(master: Master) -> None:
-    samplers = [await anyio.to_thread.run_sync(functools.partial(_sampler, rank=r, world_size=2)) for r in (0, 1)]
+async def test_without_lockstep_ranks_read_on_demand_and_every_sample_once_per_epoch(master: Master) -> None:
+    samplers = [await anyio.to_thread.run_sync(functools.partial(_sampler, rank=r, world_size=2, lockstep=False))
+                for r in (0, 1)]
     seen: dict[int, list[list[list[int]]]] = {0: [], 1: []}
 
     def read(rank: int) -> None:
@@ -89,6 +90,60 @@ async def test_ranks_read_on_demand_and_every_sample_once_per_epoch(master: Mast
     fast, slow = (sum(len(b) for e in seen[r] for b in e) for r in (0, 1))
     assert fast > slow  # the faster rank leased more shards
     assert samplers[0].epoch == samplers[1].epoch == 2
+
+
+async def test_in_lockstep_a_slow_rank_reads_as_many_samples_as_the_fast_ones(master: Master) -> None:
+    """3 ranks, one 3x slower, 60 samples: 20 each per epoch, every sample once; a 4th rank-less sample is none."""
+    world = 3
+    samplers = [await anyio.to_thread.run_sync(functools.partial(_sampler, rank=r, world_size=world))
+                for r in range(world)]
+    seen: dict[int, list[list[int]]] = {r: [] for r in range(world)}
+
+    def read(rank: int) -> None:
+        loader = DataLoader(list(range(N)), batch_size=3, sampler=samplers[rank])
+        for _ in range(2):
+            seen[rank].append([i for b in _batches(loader, delay=0.006 if rank == 1 else 0.002) for i in b])
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for rank in range(world):
+                tg.start_soon(anyio.to_thread.run_sync, read, rank)
+    finally:
+        for sampler in samplers:
+            await anyio.to_thread.run_sync(sampler.close)
+    for epoch in (0, 1):
+        assert [len(seen[r][epoch]) for r in range(world)] == [N // world] * world
+        assert _exactly_once([i for r in range(world) for i in seen[r][epoch]])
+
+
+async def test_state_dict_before_restore_is_the_whole_dataset_and_the_restore_still_works(
+        master: Master, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order a script may well write: build the checkpoint's state (sampler cursor included), then load."""
+    def first_round() -> dict[str, Any]:
+        sampler = _sampler(epochs=1)
+        fresh = sampler.state_dict()  # before anything: needs no master round, starts nothing
+        assert fresh["remaining"] == [[0, 0, N]]
+        ids = [i for _, i in zip(range(12), sampler, strict=False)]
+        saved = sampler.state_dict()
+        sampler.close()
+        assert len(ids) == 12
+        return saved
+
+    saved = await anyio.to_thread.run_sync(first_round)
+    monkeypatch.setenv("STEAD_ROUND", "2")
+
+    def second_round() -> list[int]:
+        sampler = _sampler(epochs=1)
+        state = {"sampler": sampler.state_dict()}  # as the old README recipe did, before the restore
+        assert state["sampler"]["remaining"] == [[0, 0, N]]
+        sampler.load_state_dict(saved)
+        try:
+            return list(sampler)
+        finally:
+            sampler.close()
+
+    rest = await anyio.to_thread.run_sync(second_round)
+    assert len(rest) == N - 12
 
 
 async def test_a_crash_restores_the_cursor_and_the_surviving_steps_read_each_sample_once(
@@ -235,6 +290,7 @@ async def test_misuse_is_refused_with_what_to_do(master: Master, monkeypatch: py
             _sampler(size=61)  # a new reader: refused, and its thread stopped
         monkeypatch.setenv("STEAD_ROUND", "2")
         two = _sampler(rank=1, world_size=2)
+        two.load_state_dict(saved)
         with pytest.raises(InvalidRequest, match=r"with torch\.distributed: call init_process_group"):
             two.state_dict()
         for each in (sampler, other, two):
@@ -243,8 +299,8 @@ async def test_misuse_is_refused_with_what_to_do(master: Master, monkeypatch: py
 
     await anyio.to_thread.run_sync(misuse)
     monkeypatch.delenv("STEAD_MASTER_ADDR")
-    with pytest.raises(ConfigError, match="needs a stead master to hand out shards: run the script with `stead run`"):
-        _sampler(rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="needs a stead master to hand out records: run the script with `stead run`"):
+        StreamSampler("events", partitions={0: (0, 4)}, shard_size=2, rank=0, world_size=2)
 
 
 def test_without_stead_one_process_reads_the_same_order_in_process(monkeypatch: pytest.MonkeyPatch) -> None:

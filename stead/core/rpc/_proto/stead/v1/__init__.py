@@ -430,6 +430,11 @@ class RegisterDatasetRequest(betterproto2.Message):
     Streaming: no record will be appended any more.
     """
 
+    lockstep: "bool" = betterproto2.field(10, betterproto2.TYPE_BOOL)
+    """
+    Every rank reads the same number of samples per epoch (synchronous training: DDP, FSDP).
+    """
+
 
 default_message_pool.register_message("stead.v1", "RegisterDatasetRequest", RegisterDatasetRequest)
 
