@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, PermanentError, SteadError
+from stead.core.logging import LOG_LEVELS, TRACE_CHOICES, TRACE_HELP, export_log_config, version_line
 from stead.core.plugins import check_plugin_settings
 from stead.core.statemachine import JobPhase
+from stead.core.store import StateStore
 
 __all__ = ["main"]
 
@@ -24,10 +29,9 @@ EXIT_USAGE = 2
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=("console", "json"), default="console", help="log line format (stderr)")
-    p.add_argument("--log-level", default="info", help="debug, info, warning or error (default: info)")
-    p.add_argument("--trace", choices=("none", "console", "otlp"), default="none",
-                   help="export OpenTelemetry traces: console, otlp (needs the OTLP exporter and "
-                   "OTEL_EXPORTER_OTLP_ENDPOINT), or none")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, metavar="LEVEL",
+                   help="lowest level logged: debug, info, warning or error (default: info)")
+    p.add_argument("--trace", choices=TRACE_CHOICES, default=None, help=TRACE_HELP)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                    help="override a setting (repeatable), e.g. --set heartbeat_timeout_s=10, or a plugin's: "
                    "--set ckpt.keep_last=3")
@@ -45,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run distributed PyTorch training jobs that keep going when things break.",
         epilog="`stead run --help` lists the torchrun-compatible flags.",
     )
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     sub.add_parser("run", help="run a training script like torchrun, with fast recovery", add_help=False)
@@ -73,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("events", help="print a job's event log, one line per event")
     _store_arg(e, required=False)
     e.add_argument("--job", required=True, help="job name")
-    e.add_argument("--follow", "-f", action="store_true", help="keep printing new events as they are appended")
+    e.add_argument("--follow", "-f", action="store_true",
+                   help="keep printing new events as they are appended, until the job ends")
+    e.add_argument("--json", action="store_true",
+                   help="one JSON object per event: seq, at (seconds since the epoch), type, data")
     e.add_argument("--from-seq", type=int, default=1, help="start at this sequence number")
     _add_common(e)
 
@@ -106,6 +114,7 @@ def _configure(args: argparse.Namespace) -> None:
 
     configure_logging(args.log_format, level=args.log_level)
     configure_tracing(args.trace)
+    export_log_config(args.log_format, args.log_level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,34 +174,58 @@ async def _master(args: argparse.Namespace, settings: Settings) -> int:
 
 async def _events(args: argparse.Namespace, settings: Settings) -> int:
     from stead.core.display import format_record
+    from stead.core.events import JobFailed, JobStopped, JobSucceeded, encode_record
     from stead.core.events.log import EventLog
-    from stead.core.master import open_store_retrying
 
-    store = await open_store_retrying(args.store or _default_store(args.job), settings)
+    def show(item: Any) -> str:
+        if not args.json:
+            return format_record(item)
+        if not hasattr(item, "event"):  # a record that cannot be decoded: say so in the same shape
+            return json.dumps({"seq": getattr(item, "seq", None), "type": None, "error": str(item)})
+        return encode_record(item).decode()
+
+    store = await _open_existing(args, settings)
     try:
         event_log = EventLog(store, args.job)
         if args.follow:
             async for item in event_log.follow(args.from_seq):
-                print(format_record(item), flush=True)
+                print(show(item), flush=True)
+                if isinstance(getattr(item, "event", None), (JobSucceeded, JobFailed, JobStopped)):
+                    break  # the job ended (a later `stead run` of it would resume it: follow that one anew)
         else:
             items = await event_log.scan(args.from_seq)
             if not items:
                 print(f"no events for job {args.job!r} in {store.url}", file=sys.stderr)
                 return EXIT_FAILED
             for item in items:
-                print(format_record(item))
+                print(show(item))
     finally:
         await store.close()
     return 0
 
 
+def _existing_store(args: argparse.Namespace) -> str:
+    """The job's store URL, for reading: a SQLite file that does not exist is an error (and is not created)."""
+    url: str = args.store or _default_store(args.job)
+    scheme, _, rest = url.partition("://")
+    if scheme == "sqlite" and rest.startswith("/") and not os.path.exists(rest[1:] or "/"):
+        raise ConfigError(f"no job {args.job!r} here: {rest[1:]} does not exist; check --job, or pass the "
+                          "--store the job ran with")
+    return url
+
+
+async def _open_existing(args: argparse.Namespace, settings: Settings) -> StateStore:
+    from stead.core.master import open_store_retrying
+
+    return await open_store_retrying(_existing_store(args), settings)
+
+
 async def _status(args: argparse.Namespace, settings: Settings) -> int:
     from stead.core.display import format_status
     from stead.core.events.log import EventLog
-    from stead.core.master import open_store_retrying
     from stead.core.statemachine import fold_all
 
-    store = await open_store_retrying(args.store or _default_store(args.job), settings)
+    store = await _open_existing(args, settings)
     try:
         records = await EventLog(store, args.job).read()
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -77,12 +78,30 @@ def test_master_resumes_a_stored_job_and_events_and_status_show_it(tmp_path: Pat
     status = _stead("status", "--store", url, "--job", job, cwd=tmp_path)
     assert status.returncode == 0, status.stderr
     assert "phase      succeeded" in status.stdout and "node-0" in status.stdout
+    as_json = _stead("events", "--store", url, "--job", job, "--json", cwd=tmp_path)
+    records = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert [r["seq"] for r in records] == list(range(1, len(lines) + 1))
+    assert records[0]["type"] == "job.submitted" and records[0]["data"]["job"] == job
+    assert records[-1]["type"] == "job.succeeded" and all(isinstance(r["at"], float) for r in records)
+    followed = _stead("events", "--store", url, "--job", job, "--follow", cwd=tmp_path)  # ends with the job
+    assert followed.returncode == 0 and followed.stdout.splitlines() == lines
 
 
-def test_events_for_an_unknown_job_is_a_clear_error(tmp_path: Path) -> None:
-    result = _stead("status", "--store", f"sqlite:///{tmp_path / 'x.db'}", "--job", "nope", cwd=tmp_path)
-    assert result.returncode == 1
-    assert "no job 'nope'" in result.stderr and "Traceback" not in result.stderr
+def test_read_only_commands_on_an_unknown_job_say_so_and_create_nothing(tmp_path: Path) -> None:
+    for command in ("status", "events"):
+        result = _stead(command, "--store", f"sqlite:///{tmp_path / 'x.db'}", "--job", "nope", cwd=tmp_path)
+        assert result.returncode == 2
+        assert "no job 'nope' here" in result.stderr and "does not exist" in result.stderr
+        assert "Traceback" not in result.stderr
+        default = _stead(command, "--job", "nope", cwd=tmp_path)
+        assert default.returncode == 2 and ".stead/nope.db does not exist" in default.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_version_names_stead_torch_and_python(tmp_path: Path) -> None:
+    result = _stead("--version", cwd=tmp_path)
+    assert result.returncode == 0
+    assert result.stdout.startswith("stead 0.") and "(torch 2." in result.stdout and "Python 3." in result.stdout
 
 
 def test_a_bad_setting_is_a_clear_error(tmp_path: Path) -> None:

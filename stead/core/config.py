@@ -79,8 +79,9 @@ class Settings:
     error_tail_lines: int = 40
     #: how often the agent samples step progress, and the master records it as an event
     progress_interval_s: float = setting(1.0, min=0.001)
-    #: how long `stead run` waits for nodes to exit after the job ended
-    shutdown_grace_s: float = 5.0
+    #: how long `stead run` waits for nodes to exit after the job ended (their agents write the newest
+    #: checkpoint to disk first, see ckpt.persist_on_stop), and the platform again before it kills them
+    shutdown_grace_s: float = 30.0
     #: count the workers' optimizer steps as training steps when a script never calls stead.report_step
     auto_step: bool = True
     #: settings of plugins, by plugin name (``--set ckpt.keep_last=3``): raw strings until the plugin is loaded

@@ -149,6 +149,7 @@ class AgentHub:
         await self._submit(WorkerFailed(
             node_id=info.node_id, round=info.round, local_rank=info.local_rank, rank=info.rank,
             exit_code=info.exit_code, signal=info.signal, step=info.step, error_tail=info.error_tail,
+            exited_at=info.exited_at,
         ))
 
     async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None:

@@ -29,6 +29,7 @@ import structlog
 from stead.core.config import Settings
 from stead.core.entrypoints import installed
 from stead.core.errors import ConfigError, InvalidRequest
+from stead.core.logging import LOG_LEVELS, TRACE_CHOICES, TRACE_HELP
 from stead.core.plugins import GROUP as PLUGIN_GROUP
 from stead.core.plugins import check_plugin_settings
 
@@ -105,12 +106,16 @@ class RunConfig:
     #: plugins not to run
     disabled_plugins: tuple[str, ...]
     job_name: str
+    #: resume a job of this name even though its shape or script changed
+    force: bool
     #: the ``name=value`` overrides given (``--set`` and the mapped ``--rdzv-conf`` keys)
     settings_overrides: Mapping[str, str]
     #: Settings from ``STEAD_*`` environment variables with the overrides applied
     settings: Settings
     log_format: str
-    trace: str
+    log_level: str
+    #: None: as OpenTelemetry's OTEL_* variables say
+    trace: str | None
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -158,7 +163,8 @@ def _add_torchrun_flags(group: argparse._ArgumentGroup) -> None:
     add("--max-restarts", "--max_restarts", type=int, default=0, metavar="N",
         help="restart the workers at most N times after failures before the job fails (default 0)")
     add("--monitor-interval", "--monitor_interval", type=float, default=0.1, metavar="SECONDS",
-        help="how often the agent checks its worker processes (default 0.1)")
+        help="accepted for torchrun compatibility and ignored: stead's agent learns of a worker's exit at once "
+             "(it waits on the process, it does not poll)")
     add("--start-method", "--start_method", default="spawn", choices=("spawn", "fork", "forkserver"),
         help="accepted for torchrun compatibility and ignored: stead always starts workers as new processes")
     add("--role", default="default", help="role name of the workers, seen as ROLE_NAME (default 'default')")
@@ -203,13 +209,22 @@ def _add_stead_flags(group: argparse._ArgumentGroup) -> None:
     add("--no-plugin", action="append", default=[], metavar="NAME", dest="no_plugin",
         help="do not run this plugin (repeatable), e.g. --no-plugin diagnosis")
     add("--job-name", default=None, metavar="NAME",
-        help="job name (lowercase letters, digits and '-'; at most 63); default: --rdzv-id or a generated one")
+        help="job name (lowercase letters, digits and '-'; at most 63); default: --rdzv-id or a generated one. "
+             "A job that ran before under this name (ended, failed, stopped, or its `stead run` died) is resumed: "
+             "its workers restore its newest checkpoint and data cursor")
+    add("--force", action="store_true",
+        help="resume the job named by --job-name even though --nnodes, --nproc-per-node or the script and its "
+             "arguments differ from its last run")
     add("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
         help="override a stead setting, e.g. --set heartbeat_timeout_s=10 (repeatable)")
     add("--log-format", default="console", choices=("console", "json"),
         help="format of stead's own logs (default console)")
-    add("--trace", default="none", choices=("console", "none"),
-        help="print recovery traces (OpenTelemetry spans) to the console (default none)")
+    add("--log-level", default="info", choices=LOG_LEVELS, metavar="LEVEL",
+        help="lowest level of stead's own log lines, in every process of the job: debug, info, warning or "
+             "error (default info)")
+    add("--quiet", "-q", action="store_true",
+        help="only warnings, errors and the final summary (as --log-level warning)")
+    add("--trace", default=None, choices=TRACE_CHOICES, help=TRACE_HELP)
 
 
 def _apply_env_defaults(parser: argparse.ArgumentParser, dests: set[str], environ: Mapping[str, str]) -> None:
@@ -311,9 +326,11 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
         plugins=plugins,
         disabled_plugins=disabled,
         job_name=job_name,
+        force=ns.force,
         settings_overrides=overrides,
         settings=settings,
         log_format=ns.log_format,
+        log_level="warning" if ns.quiet else ns.log_level,
         trace=ns.trace,
     )
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
+import shlex
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -25,7 +27,7 @@ from stead.core.config import Settings
 from stead.core.display import format_status
 from stead.core.entrypoints import load_named
 from stead.core.errors import ConfigError, SteadError
-from stead.core.events import JobStopped, JobSubmitted
+from stead.core.events import JobResumed, JobStopped, JobSubmitted
 from stead.core.launch import PLATFORM_GROUP, RunConfig, parse_run_args
 from stead.core.master import Master, MasterConfig, open_store_retrying
 from stead.core.platform import NodeSpec, Platform
@@ -56,7 +58,8 @@ def agent_spec_factory(config: RunConfig, argv: Sequence[str]) -> Any:
 
     def spec(node_id: str, incarnation: int, address: str, token_file: str) -> NodeSpec:
         command = (sys.executable, "-m", "stead", "agent", "--master", address, "--token-file", token_file,
-                   "--node-id", node_id, "--incarnation", str(incarnation), "--log-format", config.log_format)
+                   "--node-id", node_id, "--incarnation", str(incarnation), "--log-format", config.log_format,
+                   "--log-level", config.log_level)
         return NodeSpec(job=config.job_name, node_id=node_id, incarnation=incarnation, command=command,
                         env={RUN_ARGV_ENV: json.dumps(argv)}, cwd=os.getcwd(), nproc=config.nproc_per_node)
 
@@ -87,13 +90,44 @@ async def started_job(config: RunConfig, argv: Sequence[str], *, token_file: str
         token_file=token_file, host=host,
     )
     async with Master(master_config) as master:
-        if master.state.phase.terminal:
-            raise ConfigError(f"job {config.job_name!r} already ran in {config.store_url} and "
-                              f"{master.state.phase.value}; choose another --job-name")
-        await master.submit_job(job_submitted(config))
-        log.info("job_submitted", job=config.job_name, nodes=f"{config.min_nodes}:{config.max_nodes}",
-                 nproc_per_node=config.nproc_per_node, store=config.store_url)
+        submitted = job_submitted(config)
+        if master.state.phase is JobPhase.NEW:
+            await master.submit_job(submitted)
+            log.info("job_submitted", job=config.job_name, nodes=f"{config.min_nodes}:{config.max_nodes}",
+                     nproc_per_node=config.nproc_per_node, store=config.store_url)
+        else:
+            await _resume(master, config, submitted)
         yield master
+
+
+#: what a resumed job may not change without --force: (field, the flag that sets it)
+_SHAPE = (("min_nodes", "--nnodes"), ("max_nodes", "--nnodes"), ("nproc_per_node", "--nproc-per-node"),
+          ("entrypoint", "the script or its arguments"))
+
+
+async def _resume(master: Master, config: RunConfig, submitted: JobSubmitted) -> None:
+    """Run the job of this name again: the same shape and script unless --force."""
+    state = master.state
+    assert state.spec is not None
+    before = state.spec
+    changed = tuple(dict.fromkeys(flag for field, flag in _SHAPE
+                                  if getattr(before, field) != getattr(submitted, field)))
+    if changed and not config.force:
+        script = before.entrypoint[2:] if before.entrypoint[1:2] == ("-u",) else before.entrypoint
+        was = f"--nnodes {before.min_nodes}:{before.max_nodes} --nproc-per-node {before.nproc_per_node} " + (
+            shlex.join(script))
+        raise ConfigError(
+            f"job {config.job_name!r} ran before ({state.phase.value}) with other {', '.join(changed)}: {was}; "
+            "run it with the same flags to resume it, add --force to resume it with the new ones (its checkpoints "
+            "must fit), or choose another --job-name to start afresh")
+    fields = {f.name: getattr(submitted, f.name) for f in dataclasses.fields(JobSubmitted)}
+    await master.submit(JobResumed(**fields, changed=changed))
+    step = f"from checkpoint step {state.checkpoint_step}" if state.checkpoint_step is not None else (
+        "from its newest checkpoint on disk, if any")
+    print(f"stead: resuming job {config.job_name} ({state.phase.value} before; round {state.rdzv.round + 1}) "
+          f"{step}", file=sys.stderr)
+    log.info("job_resumed", job=config.job_name, previous=state.phase.value, changed=list(changed),
+             checkpoint_step=state.checkpoint_step)
 
 
 async def run_job(config: RunConfig, argv: Sequence[str]) -> JobState:
@@ -164,7 +198,7 @@ def _summary(config: RunConfig, state: JobState) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    from stead.core.logging import configure_logging
+    from stead.core.logging import configure_logging, export_log_config
     from stead.core.tracing import configure_tracing
 
     try:
@@ -172,8 +206,13 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"stead run: error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_format)  # type: ignore[arg-type]
-    configure_tracing(config.trace)
+    configure_logging(config.log_format, level=config.log_level)  # type: ignore[arg-type]
+    export_log_config(config.log_format, config.log_level)
+    try:
+        configure_tracing(config.trace)
+    except ConfigError as exc:
+        print(f"stead run: error: {exc}", file=sys.stderr)
+        return 2
     try:
         state = asyncio.run(run_job(config, argv))
     except KeyboardInterrupt:

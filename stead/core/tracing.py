@@ -1,19 +1,29 @@
 """Recovery traces with the OpenTelemetry API (the CLI configures the SDK).
 
 Each recovery is one trace: a root span ``recovery`` from the failure to the
-first training step after it, with children ``detect`` (failure report to its
-record), ``decide`` (record to the diagnosis' decision), ``restart`` (decision to
+first training step after it, with children ``detect`` (the agent seeing the
+worker end, to the failure's record), ``decide`` (record to the diagnosis' decision), ``restart`` (decision to
 the new round), ``rendezvous`` (round to every node's workers running) and
-``first_step`` (workers running to the first step of the new round). Span times
-come from the event log, so the trace tells the same story as ``stead events``.
+``first_step`` (workers running to the first step of the new round; with no step
+reported before the job ended, the root says so instead). Span times come from the
+event log, so the trace tells the same story as ``stead events``.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import importlib
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import TextIO
 
 from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from stead.core.errors import ConfigError
 from stead.core.events import (
     NodeLost,
     Record,
@@ -23,9 +33,11 @@ from stead.core.events import (
     StepProgress,
     WorkerFailed,
 )
+from stead.core.logging import TRACE_CHOICES
 from stead.core.statemachine import JobPhase, JobState
 
-__all__ = ["RecoveryTracer", "configure_tracing"]
+__all__ = ["TRACE_CHOICES", "RecoveryTracer", "RecoverySummaryExporter", "chosen_exporter", "configure_tracing",
+           "summary_line"]
 
 _NS = 1_000_000_000
 
@@ -60,16 +72,25 @@ class RecoveryTracer:
         rec = self._current
         if rec is None:
             if isinstance(event, WorkerFailed) and state.awaiting_decision and state.last_failure == event:
-                self._begin(record, cause="worker_failed", attrs={"node": event.node_id, "rank": event.rank,
-                                                                  "exit_code": event.exit_code or 0})
+                attrs: dict[str, str | int] = {"node": event.node_id, "rank": event.rank}
+                if event.exit_code is not None:
+                    attrs["exit_code"] = event.exit_code
+                if event.signal is not None:
+                    attrs["signal"] = event.signal
+                seen = event.exited_at if event.exited_at is not None and event.exited_at <= record.at else None
+                self._begin(record, cause="worker_failed", attrs=attrs, since=seen)
             elif isinstance(event, NodeLost) and state.phase is JobPhase.RECOVERING:
                 self._begin(record, cause="node_lost", attrs={"node": event.node_id})
                 if self._current is not None:
                     self._current.phase = "restart"
             return
         if state.phase.terminal:
-            self._child(rec, rec.phase, record.at)
-            self._finish(rec, state.phase.value, record.at)
+            if rec.phase == "first_step":  # no step reported: say so rather than time the job's end
+                rec.root.set_attribute("stead.first_step", "none reported before the job ended")
+                self._finish(rec, state.phase.value, rec.mark)
+            else:
+                self._child(rec, rec.phase, record.at)
+                self._finish(rec, state.phase.value, record.at)
             return
         if isinstance(event, RecoveryDecided) and rec.phase == "decide":
             self._child(rec, "decide", record.at, action=event.action.value)
@@ -84,15 +105,16 @@ class RecoveryTracer:
             self._child(rec, "first_step", record.at, step=event.step)
             self._finish(rec, "recovered", record.at)
 
-    def _begin(self, record: Record, *, cause: str, attrs: dict[str, str | int]) -> None:
+    def _begin(self, record: Record, *, cause: str, attrs: dict[str, str | int], since: float | None = None) -> None:
+        """A recovery starts: at ``since`` (the worker seen ending), else at the record; ``detect`` until the record."""
+        start = record.at if since is None else since
         root = self._tracer.start_span(
-            "recovery", start_time=_ns(record.at), attributes={"stead.job": self._job, "stead.cause": cause,
-                                                               **{f"stead.{k}": v for k, v in attrs.items()}}
+            "recovery", start_time=_ns(start), attributes={"stead.job": self._job, "stead.cause": cause,
+                                                           **{f"stead.{k}": v for k, v in attrs.items()}}
         )
-        rec = _Recovery(root=root, cause=cause, mark=record.at, start=record.at)
-        detect = self._tracer.start_span("detect", context=trace.set_span_in_context(root), start_time=_ns(record.at))
-        detect.end(end_time=_ns(record.at))
+        rec = _Recovery(root=root, cause=cause, mark=start, start=start)
         self._current = rec
+        self._child(rec, "detect", record.at)
 
     def _finish(self, rec: _Recovery, outcome: str, at: float) -> None:
         rec.root.set_attribute("stead.outcome", outcome)
@@ -110,27 +132,113 @@ class RecoveryTracer:
         rec.mark = end
 
 
-def configure_tracing(exporter: str = "none", *, service: str = "stead") -> None:
-    """Install the OpenTelemetry SDK: ``console``, ``otlp`` (when installed and an endpoint is set) or ``none``."""
-    import os
+#: the OTLP exporter of each protocol: (module, the package that provides it)
+_OTLP = {
+    protocol: (f"opentelemetry.exporter.otlp.proto.{name}.trace_exporter", f"opentelemetry-exporter-otlp-proto-{name}")
+    for protocol, name in (("http/protobuf", "http"), ("grpc", "grpc"))
+}
 
+
+def chosen_exporter(flag: str | None, environ: Mapping[str, str]) -> str:
+    """``--trace`` when given, else ``OTEL_TRACES_EXPORTER``, else otlp when an OTLP endpoint is set, else none."""
+    if flag is not None:
+        return flag
+    named = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if named:
+        first = named.split(",")[0].strip()
+        if first not in TRACE_CHOICES:
+            raise ConfigError(f"OTEL_TRACES_EXPORTER={named!r} is not one stead exports to; use one of "
+                              f"{', '.join(TRACE_CHOICES)}")
+        return first
+    if environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return "otlp"
+    return "none"
+
+
+def _otlp_exporter(environ: Mapping[str, str]) -> SpanExporter | None:
+    protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or "http/protobuf").strip()
+    if protocol not in _OTLP:
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported; use http/protobuf or grpc")
+    module, package = _OTLP[protocol]
+    try:
+        exporter_class = importlib.import_module(module).OTLPSpanExporter
+    except ImportError:
+        print(f"stead: warning: exporting traces over OTLP ({protocol}) needs the package {package}: "
+              "pip install 'stead[otlp]'; recovery traces are not exported", file=sys.stderr)
+        return None
+    exporter: SpanExporter = exporter_class()  # endpoint, headers, timeout: from the OTEL_EXPORTER_OTLP_* variables
+    return exporter
+
+
+def configure_tracing(exporter: str | None = None, *, service: str = "stead",
+                      environ: Mapping[str, str] | None = None) -> None:
+    """Install the OpenTelemetry SDK, configured as OpenTelemetry's standard variables say.
+
+    ``exporter``: ``console`` (one summary line per recovery on stderr), ``otlp`` (the
+    OTLP exporter of ``OTEL_EXPORTER_OTLP_PROTOCOL``: ``http/protobuf``, the default, or
+    ``grpc``; endpoint and headers from ``OTEL_EXPORTER_OTLP_*``), ``none``, or None:
+    as ``OTEL_TRACES_EXPORTER`` says. ``OTEL_SERVICE_NAME`` overrides ``service``. A bad
+    value raises ConfigError; a missing exporter package is a warning naming it.
+    """
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
-    chosen: SpanExporter | None = None
-    if exporter == "console":
-        chosen = ConsoleSpanExporter()
-    elif exporter == "otlp" or (exporter == "none" and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found]
-                OTLPSpanExporter,
-            )
-        except ImportError:
-            chosen = None
-        else:
-            chosen = OTLPSpanExporter()
-    if chosen is not None:
-        provider.add_span_processor(BatchSpanProcessor(chosen))
+    env = os.environ if environ is None else environ
+    kind = chosen_exporter(exporter, env)
+    attributes = {} if env.get("OTEL_SERVICE_NAME") else {"service.name": service}
+    provider = TracerProvider(resource=Resource.create(attributes))
+    if kind == "console":
+        provider.add_span_processor(SimpleSpanProcessor(RecoverySummaryExporter()))
+    elif kind == "otlp":
+        otlp = _otlp_exporter(env)
+        if otlp is not None:
+            provider.add_span_processor(BatchSpanProcessor(otlp))
     trace.set_tracer_provider(provider)
+    atexit.register(provider.shutdown)  # the batch is flushed before the process exits
+
+
+class RecoverySummaryExporter(SpanExporter):
+    """One readable line per recovery trace on stderr, instead of raw span JSON."""
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self._out = out
+        self._children: dict[int, list[ReadableSpan]] = {}
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        for span in spans:
+            trace_id = span.context.trace_id if span.context is not None else 0
+            if span.name != "recovery":
+                self._children.setdefault(trace_id, []).append(span)
+                continue
+            children = sorted(self._children.pop(trace_id, []), key=lambda c: c.start_time or 0)
+            print(summary_line(span, children), file=self._out or sys.stderr, flush=True)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self._children.clear()
+
+
+def _ms(start: int | None, end: int | None) -> str:
+    return f"{((end or 0) - (start or 0)) / 1e6:.0f} ms"
+
+
+def summary_line(root: ReadableSpan, children: Sequence[ReadableSpan]) -> str:
+    """``stead: recovery (worker_failed: node-0 rank 1, exit 17): recovered in 245 ms = detect 3 ms + ...``."""
+    attrs = dict(root.attributes or {})
+    what = [f"{attrs['stead.node']}"] if "stead.node" in attrs else []
+    if "stead.rank" in attrs:
+        what.append(f"rank {attrs['stead.rank']}")
+    if "stead.exit_code" in attrs:
+        what.append(f"exit {attrs['stead.exit_code']}")
+    if "stead.signal" in attrs:
+        what.append(f"signal {attrs['stead.signal']}")
+    cause = f"{attrs.get('stead.cause', '?')}: {' '.join(what)}" if what else str(attrs.get("stead.cause", "?"))
+    parts = " + ".join(f"{c.name} {_ms(c.start_time, c.end_time)}" for c in children)
+    line = f"stead: recovery ({cause}): {attrs.get('stead.outcome', '?')} in {_ms(root.start_time, root.end_time)}"
+    if parts:
+        line += f" = {parts}"
+    if "stead.first_step" in attrs:
+        line += f"; first step: {attrs['stead.first_step']}"
+    return line

@@ -51,7 +51,8 @@ def test_defaults_match_torchrun_and_a_laptop(workdir: Path) -> None:
                                                                    defaults.last_call_timeout_s)
     assert config.settings == defaults and config.settings_overrides == {}
     assert config.entrypoint == (PY, "-u", "train.py")
-    assert (config.platform, config.log_format, config.trace) == ("local", "console", "none")
+    assert (config.platform, config.log_format, config.log_level, config.trace) == ("local", "console", "info", None)
+    assert not config.force  # a job of the same name is resumed only with the same shape and script
     assert (config.role, config.node_rank, config.master_addr, config.master_port) == ("default", 0, "127.0.0.1", None)
     assert (config.redirects, config.tee, config.local_ranks_filter) == ((Streams.NONE,), (Streams.NONE,), frozenset())
     assert (config.rdzv_backend, config.standalone, config.log_dir) == ("static", False, None)
@@ -123,6 +124,10 @@ def test_generated_job_names_are_unique(workdir: Path) -> None:
     (["--rdzv-conf", "join_timeout=15", "--set", "join_timeout_s=15"], {"join_timeout_s": 15.0}),
     (["--log-format", "json"], {"log_format": "json"}),
     (["--trace", "console"], {"trace": "console"}),
+    (["--trace", "otlp"], {"trace": "otlp"}),
+    (["--log-level", "debug"], {"log_level": "debug"}),
+    (["--quiet"], {"log_level": "warning"}),
+    (["--job-name", "again", "--force"], {"job_name": "again", "force": True}),
 ])
 def test_flag_sets_its_field(workdir: Path, argv: list[str], expected: dict[str, Any]) -> None:
     config = parse(workdir, *argv, "train.py")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import time
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -10,6 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from stead.core.config import Settings
+from stead.core.errors import ConfigError
 from stead.core.events import (
     Event,
     JobSubmitted,
@@ -19,12 +23,13 @@ from stead.core.events import (
     StepProgress,
     WorkerFailed,
     WorkersStarted,
+    WorkersSucceeded,
 )
 from stead.core.events.log import EventLog
 from stead.core.reactor import Reactor
 from stead.core.statemachine import Effect
 from stead.core.store import open_store
-from stead.core.tracing import RecoveryTracer
+from stead.core.tracing import RecoveryTracer, chosen_exporter, configure_tracing, summary_line
 
 pytestmark = pytest.mark.anyio
 
@@ -85,3 +90,74 @@ async def test_a_failed_recovery_ends_its_trace_with_the_job_outcome() -> None:
     )
     (root,) = [s for s in exporter.get_finished_spans() if s.name == "recovery"]
     assert root.attributes is not None and root.attributes["stead.outcome"] == "failed"
+
+
+async def test_a_killed_worker_is_recorded_by_its_signal_and_detect_starts_when_its_agent_saw_it_end() -> None:
+    seen = time.time() - 0.5  # the agent saw the worker end half a second before the master recorded it
+    exporter, tracer = await _trace(
+        JobSubmitted(job="t", min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=1),
+        NodeJoined(node_id="node-0", incarnation=1),
+        WorkersStarted(node_id="node-0", round=1),
+        WorkerFailed(node_id="node-0", round=1, local_rank=0, rank=0, signal=9, exited_at=seen),
+        RecoveryDecided(round=1, action=RecoveryAction.RESTART, reason="transient"),
+        WorkersStarted(node_id="node-0", round=2),
+        StepProgress(round=2, step=5),
+    )
+    spans = exporter.get_finished_spans()
+    (root,) = [s for s in spans if s.name == "recovery"]
+    (detect,) = [s for s in spans if s.name == "detect"]
+    assert root.attributes is not None and "stead.exit_code" not in root.attributes
+    assert root.attributes["stead.signal"] == 9
+    assert root.start_time == detect.start_time == int(seen * 1e9)
+    assert (detect.end_time or 0) - (detect.start_time or 0) >= 0.4e9
+    children = sorted((s for s in spans if s.parent is not None), key=lambda s: s.start_time or 0)
+    line = summary_line(root, children)
+    assert line.startswith("stead: recovery (worker_failed: node-0 rank 0 signal 9): recovered in ")
+    assert " = detect " in line and " + first_step " in line
+    assert tracer.completed[0]["detect"] >= 0.4
+
+
+async def test_with_no_step_reported_the_trace_says_so_instead_of_timing_the_end_of_the_job() -> None:
+    exporter, tracer = await _trace(
+        JobSubmitted(job="t", min_nodes=1, max_nodes=1, nproc_per_node=1, max_restarts=1),
+        NodeJoined(node_id="node-0", incarnation=1),
+        WorkersStarted(node_id="node-0", round=1),
+        WorkerFailed(node_id="node-0", round=1, local_rank=0, rank=0, exit_code=3),
+        RecoveryDecided(round=1, action=RecoveryAction.RESTART, reason="transient"),
+        WorkersStarted(node_id="node-0", round=2),
+        WorkersSucceeded(node_id="node-0", round=2),
+    )
+    spans = exporter.get_finished_spans()
+    (root,) = [s for s in spans if s.name == "recovery"]
+    (rendezvous,) = [s for s in spans if s.name == "rendezvous"]
+    assert not [s for s in spans if s.name == "first_step"]
+    assert root.attributes is not None
+    assert root.attributes["stead.first_step"] == "none reported before the job ended"
+    assert root.attributes["stead.outcome"] == "succeeded" and root.end_time == rendezvous.end_time
+    assert "first_step" not in tracer.completed[0]
+
+
+def test_the_exporter_is_chosen_as_opentelemetry_says() -> None:
+    assert chosen_exporter(None, {}) == "none"
+    assert chosen_exporter(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"}) == "otlp"
+    assert chosen_exporter(None, {"OTEL_TRACES_EXPORTER": "console"}) == "console"
+    assert chosen_exporter("none", {"OTEL_TRACES_EXPORTER": "otlp"}) == "none"  # the flag wins
+    with pytest.raises(ConfigError, match="OTEL_TRACES_EXPORTER='zipkin' is not one stead exports to"):
+        chosen_exporter(None, {"OTEL_TRACES_EXPORTER": "zipkin"})
+
+
+def test_a_missing_otlp_exporter_is_a_warning_naming_the_package(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    real = importlib.import_module
+
+    def missing(name: str, package: str | None = None) -> Any:
+        if name.startswith("opentelemetry.exporter.otlp"):
+            raise ImportError(name)
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    configure_tracing("otlp", environ={"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+    assert "needs the package opentelemetry-exporter-otlp-proto-grpc: pip install 'stead[otlp]'" in (
+        capsys.readouterr().err)
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not supported"):
+        configure_tracing("otlp", environ={"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})

@@ -519,6 +519,9 @@ def _set_title(title: str) -> None:
 def _bootstrap_worker(argv: list[str], env: Mapping[str, str]) -> None:
     """What every worker gets before the script runs: its own title, automatic step detection."""
     _set_title(" ".join(argv))
+    from stead.core.logging import configure_worker_logging
+
+    configure_worker_logging()
     if env.get("STEAD_AUTO_STEP", "1") != "0":
         from stead.core.agent.progress import install_step_hook
 

@@ -267,6 +267,7 @@ class Agent:
             node_id=self.node_id, incarnation=self.incarnation, round=round_, local_rank=worker_exit.local_rank,
             rank=self.node_rank * self.nproc + worker_exit.local_rank, exit_code=worker_exit.exit_code,
             signal=worker_exit.signal, step=progress.step if progress else None, error_tail=worker_exit.error_tail,
+            exited_at=worker_exit.at or None,
         )
         self._log.warning("worker_failed", round=round_, local_rank=info.local_rank, exit_code=info.exit_code,
                           signal=info.signal)

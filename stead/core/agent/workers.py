@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -88,6 +89,8 @@ class WorkerExit:
     signal: int | None
     #: the last lines the worker wrote to stderr
     error_tail: str
+    #: wall-clock time the agent saw the process end
+    at: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -431,9 +434,10 @@ class WorkerGroup:
                 exit_code, signum = await self._zygote.wait_exit(worker.pid)
                 if not self._zygote.ready:  # the zygote kills a group when it reaps its leader, unless it died
                     worker.signal(signal.SIGKILL)
+            ended = time.time()
             worker.stderr.drain()  # everything the worker wrote is in the pipe by now
             result = WorkerExit(local_rank=worker.spec.local_rank, pid=worker.pid, exit_code=exit_code,
-                                signal=signum, error_tail=worker.stderr.tail())
+                                signal=signum, error_tail=worker.stderr.tail(), at=ended)
             worker.result = result
             self._results[result.local_rank] = result
             worker.exited.set()

@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointCommitted",
     "EffectFailed",
     "JobFailed",
+    "JobResumed",
     "JobStopped",
     "JobSubmitted",
     "JobSucceeded",
@@ -60,6 +61,24 @@ class JobSubmitted(Event):
     max_node_relaunches: int = 3
     #: a worker failure left undecided this long is decided by the built-in default policy
     decision_timeout_s: float = 3.0
+
+
+@event_kind("job.resumed")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobResumed(JobSubmitted):
+    """A job that ended (or whose runner died) runs again under the same name, with this spec.
+
+    Its nodes start again as new incarnations, its rounds go on numbering from the last
+    one (so the workers' checkpoints and data cursors of earlier rounds stay valid),
+    and its restart and relaunch budgets start afresh. ``changed``: what differs from
+    the previous spec (resumed with ``--force``), empty when nothing does.
+    """
+
+    changed: tuple[str, ...] = ()
+
+    def submitted(self) -> JobSubmitted:
+        """The spec alone, as a submission states it."""
+        return JobSubmitted(**{f.name: getattr(self, f.name) for f in dataclasses.fields(JobSubmitted)})
 
 
 @event_kind("job.succeeded")
@@ -154,6 +173,8 @@ class WorkerFailed(Event):
     signal: int | None = None
     step: int | None = None
     error_tail: str = ""
+    #: wall-clock time the agent saw the worker end (the start of the recovery's ``detect`` span)
+    exited_at: float | None = None
 
 
 @event_kind("workers.started")

@@ -120,6 +120,8 @@ class FailureInfo:
     step: int | None
     #: the last lines of the worker's stderr
     error_tail: str
+    #: wall-clock time the agent saw the worker end
+    exited_at: float | None = None
 
 
 class AgentBackend(Protocol):

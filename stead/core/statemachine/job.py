@@ -7,6 +7,7 @@ Phases and allowed transitions::
                                                      └──worker failed /──▶ RECOVERING
                                                         node lost
     STARTING | RUNNING | RECOVERING ──▶ SUCCEEDED | FAILED | STOPPED   (terminal: absorb every later event)
+    any phase but NEW ──resumed──▶ STARTING   (``stead run`` again under the same job name)
 
 The job machine owns the node machines (one per node id) and the rendezvous
 machine, routes each event to them, and adds the job-level decisions: when to
@@ -37,6 +38,7 @@ from stead.core.events import (
     EffectFailed,
     Event,
     JobFailed,
+    JobResumed,
     JobStopped,
     JobSubmitted,
     JobSucceeded,
@@ -102,6 +104,10 @@ class JobState:
     deciders: frozenset[str] | None = None
     #: armed timers: name -> wall-clock time it fires
     timers: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    #: how many times the job was resumed (``JobResumed``): once-per-run effects are keyed by it
+    life: int = 0
+    #: each node's incarnation when the job was last resumed: its relaunch budget counts from there
+    resumed_at: Mapping[str, int] = dataclasses.field(default_factory=dict)
     #: seq of the last event folded in (0 before any)
     seq: int = 0
 
@@ -147,6 +153,8 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
     if isinstance(event, PluginsStarted):  # in any phase: a master announces its plugins when it starts
         return _deciders(dataclasses.replace(state, deciders=frozenset(event.deciders)),
                          why="no diagnosis plugin is running")
+    if isinstance(event, JobResumed):
+        return _resume(state, event, now=now)
     if state.phase.terminal:
         return _absorb(state, event, now=now)
     if state.phase is JobPhase.NEW and not isinstance(event, JobSubmitted):
@@ -167,7 +175,7 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
         case WorkersSucceeded():
             result = _rdzv_event(state, event)
             if result.rejected is None and result.state.rdzv.all_succeeded:
-                done = Emit(key="job-end", event=JobSucceeded())
+                done = Emit(key=_end_key(state), event=JobSucceeded())
                 return Transition(result.state, (*result.effects, done))
             return result
         case WorkerFailed():
@@ -215,8 +223,47 @@ def _submit(state: JobState, event: JobSubmitted, *, now: float) -> Transition[J
         Emit(key=f"request/{node}/1", event=NodeRequested(node_id=node, incarnation=1))
         for node in node_ids(event.max_nodes)
     ]
-    effects.append(StartTimer(name="join-timeout", at=now + event.join_timeout_s))
+    effects.append(StartTimer(name=_join_timer(state), at=now + event.join_timeout_s))
     return Transition(dataclasses.replace(state, phase=JobPhase.STARTING, spec=event), tuple(effects))
+
+
+def _resume(state: JobState, event: JobResumed, *, now: float) -> Transition[JobState]:
+    """Run the job again: every node a new incarnation, the rounds numbered on, fresh budgets."""
+    if state.phase is JobPhase.NEW:
+        return reject(state, f"job {event.job!r} cannot be resumed: it was never submitted")
+    problem = _spec_problem(event)
+    if problem:
+        return reject(state, f"job {event.job!r} cannot resume: {problem}")
+    effects: list[Effect] = []
+    nodes = dict(state.nodes)
+    for node in list(nodes.values()):
+        if node.phase.alive:  # the previous run's runner died without stopping it
+            lost = NodeLost(node_id=node.node_id, incarnation=node.incarnation, reason="the job was resumed")
+            result = node_machine.transition(node, lost, now=now)
+            if result.state is not None:
+                nodes[node.node_id] = result.state
+            effects += result.effects
+    life = state.life + 1
+    resumed = dataclasses.replace(
+        state, phase=JobPhase.STARTING, spec=event.submitted(), nodes=nodes, restarts=0, awaiting_decision=False,
+        last_failure=None, reason="", message="", timers={}, life=life,
+        rdzv=RendezvousState(round=state.rdzv.round),
+        resumed_at={n: s.incarnation for n, s in nodes.items()})
+    for node_id in node_ids(event.max_nodes):
+        incarnation = nodes[node_id].incarnation + 1 if node_id in nodes else 1
+        effects.append(Emit(key=f"request/{node_id}/{incarnation}",
+                            event=NodeRequested(node_id=node_id, incarnation=incarnation)))
+    effects.append(StartTimer(name=_join_timer(resumed), at=now + event.join_timeout_s))
+    return Transition(resumed, tuple(effects))
+
+
+def _end_key(state: JobState) -> str:
+    """The key of the job's end: one per run of the job (a resumed job ends again)."""
+    return "job-end" if state.life == 0 else f"job-end/{state.life}"
+
+
+def _join_timer(state: JobState) -> str:
+    return "join-timeout" if state.life == 0 else f"join-timeout/{state.life}"
 
 
 def _spec_problem(spec: JobSubmitted) -> str:
@@ -269,19 +316,20 @@ def _node_gone(state: JobState, node: NodeState, *, now: float) -> tuple[JobStat
             phase=JobPhase.RECOVERING,
             rdzv=dataclasses.replace(state.rdzv, active=False),
         )
-    if node.incarnation <= spec.max_node_relaunches:
+    if node.incarnation - state.resumed_at.get(node.node_id, 0) <= spec.max_node_relaunches:
         relaunch = NodeRequested(node_id=node.node_id, incarnation=node.incarnation + 1)
         effects.append(Emit(key=f"request/{node.node_id}/{node.incarnation + 1}", event=relaunch))
         return state, effects
     alive = sum(1 for s in state.nodes.values() if s.phase.alive)
     if alive < spec.min_nodes:
         failed = JobFailed(
-            reason=f"node {node.node_id} was {node.phase.value} {node.incarnation} times "
+            reason=f"node {node.node_id} was {node.phase.value} "
+            f"{node.incarnation - state.resumed_at.get(node.node_id, 0)} times "
             f"(max_node_relaunches={spec.max_node_relaunches}) and fewer than {spec.min_nodes} "
             "nodes remain",
             node_id=node.node_id,
         )
-        effects.append(Emit(key="job-end", event=failed))
+        effects.append(Emit(key=_end_key(state), event=failed))
         return state, effects
     return state, effects + list(_plan(state, now=now))
 
@@ -362,7 +410,8 @@ def _decided(state: JobState, event: RecoveryDecided, *, now: float) -> Transiti
             node_id=event.node_id if event.node_id is not None else (failure.node_id if failure else None),
             rank=event.rank if event.rank is not None else (failure.rank if failure else None),
         )
-        return Transition(dataclasses.replace(state, awaiting_decision=False), (Emit(key="job-end", event=failed),))
+        ended = Emit(key=_end_key(state), event=failed)
+        return Transition(dataclasses.replace(state, awaiting_decision=False), (ended,))
     restarted = dataclasses.replace(
         state,
         awaiting_decision=False,
@@ -378,13 +427,13 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
     if event.name == f"decision/{state.rdzv.round}" and state.awaiting_decision and state.last_failure is not None:
         return Transition(state, (_default(state.last_failure, why=f"no decision within "
                                            f"{spec.decision_timeout_s:g} s (decision_timeout_s)"),))
-    if event.name == "join-timeout":
+    if event.name == _join_timer(state):
         if state.phase is JobPhase.STARTING:
             failed = JobFailed(
                 reason=f"only {len(state.joined)} of at least {spec.min_nodes} nodes joined within "
                 f"{spec.join_timeout_s:g} s; check the nodes' logs or raise the join timeout (--rdzv-conf)"
             )
-            return Transition(state, (Emit(key="job-end", event=failed),))
+            return Transition(state, (Emit(key=_end_key(state), event=failed),))
         return Transition(state)
     if event.name == f"last-call/{state.rdzv.round + 1}" and not state.rdzv.active and not state.awaiting_decision:
         joined = state.joined
@@ -460,7 +509,7 @@ def _round_broken(state: JobState, reason: str, *, now: float) -> Transition[Job
     assert state.spec is not None
     if state.restarts >= state.spec.max_restarts:
         failed = JobFailed(reason=f"max restarts exhausted ({state.spec.max_restarts}); last failure: {reason}")
-        return Transition(state, (Emit(key="job-end", event=failed),))
+        return Transition(state, (Emit(key=_end_key(state), event=failed),))
     stops: list[Effect] = [
         StopWorkers(node_id=m, incarnation=state.nodes[m].incarnation, round=state.rdzv.round, reason=reason)
         for m in state.rdzv.members if m in state.nodes and state.nodes[m].phase is NodePhase.JOINED

@@ -128,6 +128,11 @@ class NodeCheckpoints:
             self._ranks.clear()  # the extension unlinks the segments
 
     async def shutdown(self) -> None:
+        """Stop (the workers have stopped): persist the newest committed step first when ckpt.persist_on_stop."""
+        if self.ckpt.persist_on_stop and not self._stopping.is_set():
+            with anyio.move_on_after(self.settings.rpc_timeout_s):
+                await self._report_now()  # what the workers saved last may commit a newer step
+            self._persist_committed("stop", enabled=True)
         self._stopping.set()
 
     def env(self, local_rank: int) -> dict[str, str]:
@@ -444,9 +449,9 @@ class NodeCheckpoints:
 
     # -- persistence ---------------------------------------------------------------------------------
 
-    def _persist_committed(self, reason: str) -> None:
+    def _persist_committed(self, reason: str, *, enabled: bool | None = None) -> None:
         step, round_ = self._committed if self._committed[0] >= 0 else self.hint
-        if step < 0 or not self.ckpt.persist_on_failure:
+        if step < 0 or not (self.ckpt.persist_on_failure if enabled is None else enabled):
             return
         for state in self._ranks.values():
             slot = state.slot_holding(step, round_)

@@ -26,5 +26,9 @@ class CheckpointSettings:
                                                 "it frees the shared memory")
     persist_on_failure: bool = setting(True, help="when a worker fails, the agent writes the newest committed step "
                                                   "to disk (if not there yet)")
+    persist_on_stop: bool = setting(True, help="when the job ends or is stopped (Ctrl-C, SIGTERM, preemption), the "
+                                               "agent writes the newest committed step to disk (if not there yet) "
+                                               "before it frees the memory, within persist_grace_s; a relaunched "
+                                               "job resumes from it")
     shm_namespace: str = setting("", help="a tag in every shared-memory segment's name, so that jobs of the same name "
                                           "on one host (two users, two test runs) never share or remove each other's")

@@ -12,6 +12,7 @@ the worker API (FlashCheckpointer, blocking) directly, as a training script does
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from collections.abc import Iterator
@@ -108,6 +109,8 @@ class LocalCluster:
         ext = self.agents.pop(node_id)
         names = ext._names
         ext._names = None  # stop() must not unlink: a killed agent cannot
+        if ext._node is not None:  # nor persist what it holds
+            ext._node.ckpt = dataclasses.replace(ext._node.ckpt, persist_on_stop=False)
         self.portal.call(lambda: ext.stop(job_ended=False))
         ext._names = names
 

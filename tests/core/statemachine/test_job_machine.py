@@ -18,6 +18,7 @@ from stead.core.events import (
     EffectFailed,
     Event,
     JobFailed,
+    JobResumed,
     JobStopped,
     JobSubmitted,
     JobSucceeded,
@@ -118,6 +119,9 @@ E0_SHRUNK = after(NodeLost(node_id="node-2", incarnation=1), start=E0_RUNNING_TH
 SUCCEEDED = after(WorkersSucceeded(node_id="node-0", round=1), WorkersSucceeded(node_id="node-1", round=1),
                   start=RUNNING)
 STOPPED = after(JobStopped(), start=LOST)
+SUCCEEDED_EXITED = after(NodeExited(node_id="node-0", incarnation=1, exit_code=0),
+                         NodeExited(node_id="node-1", incarnation=1, exit_code=0), start=SUCCEEDED)
+RESUME = JobResumed(**{f.name: getattr(SPEC, f.name) for f in dataclasses.fields(SPEC)})
 FAILED = after(decided(1, RecoveryAction.FAIL), start=AWAITING)
 WITH_DIAGNOSIS = PluginsStarted(plugins=("diagnosis", "ckpt"), deciders=("diagnosis",))
 NO_DECIDER = PluginsStarted(plugins=("ckpt",), deciders=())
@@ -192,6 +196,15 @@ ALLOWED: list[tuple[str, JobState, Event, JobPhase, dict[str, object], EffectIds
     ("job succeeded stops every live node", ALL_SUCCEEDED_NO_END, JobSucceeded(), JobPhase.SUCCEEDED,
      {"rdzv.active": False, "reason": "all workers exited 0"},
      [(StopNode, "stop-node/node-0/1"), (StopNode, "stop-node/node-1/1")]),
+    ("an ended job is resumed: its nodes as new incarnations, fresh budgets, its rounds numbered on",
+     SUCCEEDED_EXITED, RESUME, JobPhase.STARTING,
+     {"life": 1, "restarts": 0, "reason": "", "rdzv.round": 1, "rdzv.active": False,
+      "resumed_at": {"node-0": 1, "node-1": 1}, "timers.join-timeout/1": NOW + 60.0},
+     [(Emit, "emit/request/node-0/2"), (Emit, "emit/request/node-1/2"), (StartTimer, "timer/join-timeout/1")]),
+    ("a job whose runner died is resumed: its nodes still on record as alive are killed first", RUNNING, RESUME,
+     JobPhase.STARTING, {"life": 1, "nodes.node-0.phase": NodePhase.LOST, "awaiting_decision": False},
+     [(KillNode, "kill/node-0/1"), (KillNode, "kill/node-1/1"), (Emit, "emit/request/node-0/2"),
+      (Emit, "emit/request/node-1/2"), (StartTimer, "timer/join-timeout/1")]),
     ("worker failed: RECOVERING awaiting the decision, with a decision timer", RUNNING, failed(), JobPhase.RECOVERING,
      {"awaiting_decision": True, "last_failure": failed(), "rdzv.active": True, "timers.decision/1": NOW + 3.0},
      [(StartTimer, "timer/decision/1")]),
@@ -363,6 +376,8 @@ FORBIDDEN: list[tuple[str, JobState, Event, str]] = [
     ("decision before submission", NEW, decided(1), "before the job was submitted"),
     ("timer before submission", NEW, TimerFired(name="join-timeout"), "before the job was submitted"),
     ("submitted twice", STARTING, SPEC, "job 'j' was already submitted"),
+    ("resumed before it was submitted", NEW, RESUME, "cannot be resumed: it was never submitted"),
+    ("resumed with a bad spec", SUCCEEDED_EXITED, dataclasses.replace(RESUME, min_nodes=0), "1 <= MIN <= MAX"),
     ("MIN of zero", NEW, dataclasses.replace(SPEC, min_nodes=0), "1 <= MIN <= MAX"),
     ("MAX below MIN", NEW, dataclasses.replace(SPEC, min_nodes=3, max_nodes=2), "1 <= MIN <= MAX"),
     ("no processes per node", NEW, dataclasses.replace(SPEC, nproc_per_node=0), "nproc_per_node 0"),
@@ -515,3 +530,16 @@ def test_timers_are_part_of_the_state_armed_once_and_disarmed_when_fired() -> No
     assert again.timers == AWAITING.timers
     fired = transition(AWAITING, TimerFired(name="join-timeout"), now=NOW).state
     assert fired.timers == {"decision/1": NOW + 3.0}
+
+
+def test_a_resumed_job_has_fresh_budgets_and_ends_again_under_a_key_of_its_own() -> None:
+    resumed = after(RESUME, *up("node-0", 2), *up("node-1", 2), start=SUCCEEDED_EXITED)
+    assert (resumed.phase, resumed.rdzv.round, resumed.rdzv.members) == (JobPhase.RUNNING, 2, MEMBERS)
+    relaunch = transition(resumed, NodeLost(node_id="node-1", incarnation=2), now=NOW).effects
+    assert (Emit, "emit/request/node-1/3") in [(type(e), e.id) for e in relaunch]  # budget 1, counted anew
+    one_done = after(WorkersSucceeded(node_id="node-0", round=2), start=resumed)
+    ends = transition(one_done, WorkersSucceeded(node_id="node-1", round=2), now=NOW).effects
+    assert [e.id for e in ends] == ["emit/job-end/1"]
+    again = after(JobSucceeded(), NodeExited(node_id="node-0", incarnation=2),
+                  NodeExited(node_id="node-1", incarnation=2), RESUME, start=one_done)
+    assert (again.life, again.phase, again.timers) == (2, JobPhase.STARTING, {"join-timeout/2": NOW + 60.0})

@@ -21,6 +21,7 @@ from stead.core.events import (
     EffectFailed,
     Event,
     JobFailed,
+    JobResumed,
     JobStopped,
     JobSubmitted,
     JobSucceeded,
@@ -102,9 +103,12 @@ NOISY = st.integers(0, 9)
 LENGTH = st.integers(0, 45)
 
 
-def plausible(state: JobState, timers: set[str]) -> list[Event]:
+def plausible(state: JobState, timers: set[str], *, resumes: bool = False) -> list[Event]:
     """Events that could well arrive now, repeated by how likely they are (timers: armed, not fired)."""
     out: list[Event] = []
+    if resumes and state.spec is not None and (state.phase.terminal or len(timers) == 7):
+        spec = state.spec
+        out += [JobResumed(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(JobSubmitted)})] * 3
     for node in state.nodes.values():
         n, inc = node.node_id, node.incarnation
         if node.phase is NodePhase.REQUESTED:
@@ -146,8 +150,8 @@ def plausible(state: JobState, timers: set[str]) -> list[Event]:
 
 
 @st.composite
-def histories(draw: st.DrawFn) -> tuple[JobSubmitted, list[Event]]:
-    """A spec and the input events of one job (the spec first)."""
+def histories(draw: st.DrawFn, resumes: bool = False) -> tuple[JobSubmitted, list[Event]]:
+    """A spec and the input events of one job (the spec first); ``resumes``: ended jobs may be resumed."""
     spec = draw(specs())
     folder = Folder()
     events: list[Event] = [spec]
@@ -158,7 +162,7 @@ def histories(draw: st.DrawFn) -> tuple[JobSubmitted, list[Event]]:
             timers |= {e.name for e in step.result.effects if isinstance(e, StartTimer)}
             if isinstance(step.event, TimerFired):
                 timers.discard(step.event.name)
-        choices = plausible(folder.state, timers)
+        choices = plausible(folder.state, timers, resumes=resumes)
         if not choices or draw(NOISY) == 0:
             events.append(draw(NOISE))
         else:
@@ -187,7 +191,7 @@ def without_bookkeeping(state: JobState) -> JobState:
 @given(histories())
 def test_terminal_phase_absorbs_every_later_event(history: tuple[JobSubmitted, list[Event]]) -> None:
     for step in run(history[1]).steps:
-        if step.before.phase.terminal:
+        if step.before.phase.terminal and not isinstance(step.event, JobResumed):
             assert step.rejected is None
             # the only effect a finished job still has: killing a node that was lost after the end
             assert all(isinstance(e, KillNode) and isinstance(step.event, NodeLost) for e in step.result.effects)
@@ -195,7 +199,7 @@ def test_terminal_phase_absorbs_every_later_event(history: tuple[JobSubmitted, l
 
 
 @PROPERTIES
-@given(histories())
+@given(histories(resumes=True))
 def test_folding_the_same_log_twice_gives_equal_states_and_effects(history: tuple[JobSubmitted, list[Event]]) -> None:
     first, second = run(history[1]), run(history[1])
     assert first.state == second.state
@@ -208,7 +212,7 @@ def test_folding_the_same_log_twice_gives_equal_states_and_effects(history: tupl
 
 
 @PROPERTIES
-@given(histories(), st.data())
+@given(histories(resumes=True), st.data())
 def test_snapshot_round_trips_at_every_point_and_resuming_from_it_ends_in_the_same_state(
     history: tuple[JobSubmitted, list[Event]], data: st.DataObject
 ) -> None:
@@ -228,7 +232,7 @@ def test_snapshot_round_trips_at_every_point_and_resuming_from_it_ends_in_the_sa
 
 
 @PROPERTIES
-@given(histories())
+@given(histories(resumes=True))
 def test_effect_ids_are_unique_within_a_transition_and_deterministic(
     history: tuple[JobSubmitted, list[Event]],
 ) -> None:
@@ -241,23 +245,27 @@ def test_effect_ids_are_unique_within_a_transition_and_deterministic(
 
 
 @PROPERTIES
-@given(histories())
+@given(histories(resumes=True))
 def test_restarts_and_relaunches_never_exceed_their_budgets_and_rounds_only_increase(
     history: tuple[JobSubmitted, list[Event]],
 ) -> None:
+    """Within one run of the job (a resume starts the budgets afresh; rounds and incarnations go on)."""
     spec = history[0]
     for step in run(history[1]).steps:
         after = step.result.state
         assert after.rdzv.round >= step.before.rdzv.round
-        assert after.restarts >= step.before.restarts
+        assert after.life >= step.before.life
+        same_life = after.life == step.before.life
+        assert after.restarts >= step.before.restarts or not same_life
         if after.spec is not None:
-            assert after.spec == spec  # a later JobSubmitted never replaces the spec
+            assert after.spec == spec  # a later JobSubmitted never replaces the spec (these resumes keep it)
             assert after.restarts <= spec.max_restarts
         for node_id, node in after.nodes.items():
             if node_id in step.before.nodes:
                 assert node.incarnation >= step.before.nodes[node_id].incarnation
         if step.cause is not None and isinstance(step.event, NodeRequested):  # the machine's own (re)launch
-            assert step.event.incarnation <= spec.max_node_relaunches + 1
+            base = step.before.resumed_at.get(step.event.node_id, 0)
+            assert step.event.incarnation - base <= spec.max_node_relaunches + 1
 
 
 @PROPERTIES

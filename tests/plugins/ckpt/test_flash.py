@@ -260,6 +260,25 @@ def test_after_a_node_loss_the_new_agent_restores_from_disk_and_skips_a_corrupt_
     assert any(isinstance(e, CheckpointCorrupt) and e.tier == "disk" and e.step == 2 for e in cluster.events)
 
 
+def test_a_stopping_agent_writes_the_newest_committed_step_to_disk_first(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.agent()
+    cluster.round(1)
+    with cluster.worker() as ckpt:
+        for step in (1, 2, 3):
+            assert ckpt.save(step, {"w": torch.full((8,), float(step))})  # memory only
+        assert ckpt.save(4, {"w": torch.full((8,), 4.0)})
+    root = tmp_path / "ckpt" / cluster.job
+    assert not list(root.glob("step_*"))
+    cluster.stop_agent()  # the job was stopped (Ctrl-C, SIGTERM, preemption)
+    assert _disk.read_tracker(root) == 4  # reported at the stop, committed, written
+    cluster.agent(incarnation=2)
+    cluster.round(2)
+    with cluster.worker(round_=2) as ckpt:
+        restored = ckpt.load()
+    assert restored is not None and restored[0] == _disk.read_tracker(root)
+    assert torch.equal(restored[1]["w"], torch.full((8,), float(restored[0])))
+
+
 def test_only_the_newest_persisted_steps_are_kept(cluster: Cluster, tmp_path: Path) -> None:
     cluster.agent()
     cluster.round(1)

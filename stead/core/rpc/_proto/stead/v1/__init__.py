@@ -197,6 +197,11 @@ class FailureReport(betterproto2.Message):
     The last lines of the worker's stderr.
     """
 
+    exited_at: "float | None" = betterproto2.field(10, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    Wall-clock time (seconds since the epoch) the agent saw the worker end.
+    """
+
 
 default_message_pool.register_message("stead.v1", "FailureReport", FailureReport)
 
