@@ -52,6 +52,7 @@ proto: $(STAMP)
 bench: $(STAMP) etcd
 	$(BIN)/python bench/master_events.py
 	-$(BIN)/python bench/recovery.py
+	-$(BIN)/python bench/startup.py
 
 bench-quick: $(STAMP) etcd
 	$(BIN)/python bench/master_events.py --quick

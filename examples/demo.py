@@ -75,11 +75,11 @@ def main() -> int:
     records = asyncio.run(_records(store_url, job))
     t0 = records[0].at
     crash = next((r for r in records if isinstance(r.event, WorkerFailed)), None)
-    print(f"  +{records[-1].at - t0:5.1f} s  job {job}: {len(records)} events in the log")
-    if crash is not None:
+    if crash is not None:  # every line in time order: from the crash on
         e = crash.event
+        how = f"exit code {e.exit_code}" if e.exit_code is not None else f"signal {e.signal}"
         print(f"  +{crash.at - t0:5.1f} s  rank {e.rank} on {e.node_id} failed at step {e.step} "
-              f"(exit code {e.exit_code}); the agent reported it at once")
+              f"({how}); the agent reported it at once")
         for r in records:
             if r.seq <= crash.seq:
                 continue
@@ -104,8 +104,8 @@ def main() -> int:
         except ValueError:
             continue
         if entry.get("event") == "recovery":
-            phases = ", ".join(f"{k} {entry[k]:.0f} ms" for k in ("decide", "restart", "rendezvous", "first_step")
-                               if k in entry)
+            phases = ", ".join(f"{k} {entry[k]:.0f} ms" for k in ("detect", "decide", "restart", "rendezvous",
+                                                                   "first_step") if k in entry)
             print(f"  trace 'recovery' ({entry['outcome']}): {phases}; total {entry['total']:.0f} ms")
     end = records[-1].event if records else None
     for r in reversed(records):
@@ -113,7 +113,8 @@ def main() -> int:
             end = r.event
             break
     outcome = "succeeded" if isinstance(end, JobSucceeded) else f"FAILED: {getattr(end, 'reason', '?')}"
-    print(f"  job {outcome}; `stead run` exited with {proc.returncode}")
+    print(f"  +{records[-1].at - t0:5.1f} s  job {outcome} ({len(records)} events in its log); `stead run` exited "
+          f"with {proc.returncode}")
     left = leaks.wait_clean(before, timeout_s=5)
     print("  nothing left behind: no stead process, port or shared-memory segment" if not left
           else f"  LEFT BEHIND: {left}")

@@ -75,6 +75,9 @@ class Settings:
     sqlite_watch_poll_s: float = setting(0.05, min=0.001)
     #: how long workers get between SIGTERM and SIGKILL when stopped
     worker_stop_grace_s: float = 3.0
+    #: how long a round's workers wait for the warm zygote that is still importing torch before they start as
+    #: fresh interpreters instead (forking from it beats a fresh interpreter importing torch beside it)
+    zygote_wait_s: float = setting(30.0, min=0.0)
     #: how many trailing lines of a failed worker's stderr are reported
     error_tail_lines: int = 40
     #: how often the agent samples step progress, and the master records it as an event

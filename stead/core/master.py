@@ -188,8 +188,9 @@ class Master:
         self._reactor = await self._stack.enter_async_context(Reactor(
             EventLog(self._store, cfg.job), executor, settings=self.settings, plugins=self.plugin_host,
             observers=[self.tracer]))
-        if cfg.tcp_store:
-            await self.rounds.for_round(1)  # warms torch's import up while nothing waits
+        if cfg.tcp_store:  # torch's import (for the round's TCPStore) warms up while the nodes start
+            warming = await self._stack.enter_async_context(TaskOwner())
+            warming.start(self._warm_tcp_store, name="tcp-store-warm-up")
         await self._stack.enter_async_context(self.plugin_host)
         self.token_file.parent.mkdir(parents=True, exist_ok=True)
         write_token_file(self.token_file, self.token)
@@ -209,6 +210,12 @@ class Master:
                                                                               deciders=tuple(host.deciders))])
         log.info("master_ready", address=self.address, token_file=str(self.token_file), phase=self.state.phase.value,
                  plugins=host.names, deciders=host.deciders, store=cfg.store_url)
+
+    async def _warm_tcp_store(self) -> None:
+        try:
+            await self.rounds.for_round(1)
+        except Exception as exc:  # round 1's start tries again and reports it
+            log.warning("tcp_store_warm_up_failed", error=repr(exc))
 
     async def _pump_platform(self, platform: Platform) -> None:
         async for event in platform.events():

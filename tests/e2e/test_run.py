@@ -59,7 +59,7 @@ def test_a_crashed_worker_is_restarted_and_the_job_completes(run_job: RunJob) ->
     assert job.returncode == 0, job.stderr[-3000:]
     assert "finished world=4 restart=1" in job.stdout
     events = job.events("e2e")
-    assert "worker.failed" in events and "exit_code=17" in events
+    assert "worker.failed" in events and "exit_code=17" in events, events
     assert "recovery.decided" in events and "action=restart" in events
     assert "round=2" in events and "job.succeeded" in events
 

@@ -11,8 +11,10 @@ a master restart must not stop training.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -47,9 +49,11 @@ log = structlog.get_logger("stead.agent")
 
 #: the `stead run` arguments of the job, as JSON, so every agent builds the same RunConfig
 RUN_ARGV_ENV = "STEAD_RUN_ARGV"
-#: what the zygote imports before forking workers: torch, and torch._dynamo, which DDP imports
-#: lazily on construction (about 2 s on a small CPU); neither runs a torch op or starts a thread
-ZYGOTE_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+#: what the zygote imports before forking the first workers; none runs a torch op or starts a thread
+ZYGOTE_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel")
+#: what it imports once the first step is done, for the restarts: torch._dynamo, which DDP imports lazily on
+#: construction (about 2 s on a small CPU; before the first fork it would delay the start instead)
+ZYGOTE_LATE_PRELOAD = ("torch._dynamo",)
 #: poll the progress files this often between a round's start and its first step (fast "first step" report)
 _FIRST_STEP_POLL_S = 0.01
 
@@ -68,8 +72,9 @@ class Agent:
         self.nproc = config.nproc_per_node
         self.round = 0
         self.node_rank = 0
-        self._reported_failure = False
         self._stopping = False
+        #: round -> when this agent began stopping its workers (an exit after it is one we caused)
+        self._stopped_at: dict[int, float] = {}
         self._first_step_pending = False
         self._group: WorkerGroup | None = None
         self._zygote: Zygote | None = None
@@ -174,7 +179,8 @@ class Agent:
     async def _preload_imports(self) -> None:
         """Have the zygote import what the workers imported, so the next restart skips it too."""
         assert self._progress is not None
-        wanted = [m for m in self._progress.imported(0) if m not in self._preloaded]
+        late = ZYGOTE_LATE_PRELOAD if not self.config.no_python else ()
+        wanted = [m for m in (*late, *self._progress.imported(0)) if m not in self._preloaded]
         if not wanted or self._zygote is None or not self._zygote.ready:
             return
         self._preloaded.update(wanted)
@@ -199,7 +205,6 @@ class Agent:
             await self._stop_workers(f"round {command.round} starts")
             self._progress.reset()
             self.round, self.node_rank = command.round, command.node_rank
-            self._reported_failure = False
             self._stopping = False
             await self.extensions.call("before_round", round=command)
             specs = [self._spec(command, local_rank, await self.extensions.worker_env(
@@ -239,6 +244,9 @@ class Agent:
 
     async def _stop_workers(self, reason: str) -> None:
         assert self._group is not None
+        self._stopped_at.setdefault(self.round, time.time())  # even with none alive: a late report is told apart
+        for old in [r for r in self._stopped_at if r < self.round - 1]:
+            del self._stopped_at[old]
         if self._group.alive:
             self._stopping = True
             self._log.info("workers_stop", reason=reason, round=self.round)
@@ -247,22 +255,24 @@ class Agent:
     async def _watch_round(self, round_: int, exits: AsyncIterator[WorkerExit]) -> None:
         succeeded = 0
         async for worker_exit in exits:
-            if round_ != self.round or self._stopping:
-                continue
+            stopped_at = self._stopped_at.get(round_, math.inf if round_ == self.round else 0.0)
             if worker_exit.ok:
-                succeeded += 1
-                if succeeded == self.nproc:
-                    await self._report(lambda: self.client.report_workers(
-                        self.node_id, self.incarnation, round_, "succeeded"))
-            elif not self._reported_failure:
-                self._reported_failure = True
+                if stopped_at == math.inf:
+                    succeeded += 1
+                    if succeeded == self.nproc:
+                        await self._report(lambda: self.client.report_workers(
+                            self.node_id, self.incarnation, round_, "succeeded"))
+            elif worker_exit.at <= stopped_at:
+                # every worker that failed on its own is reported, even after the stop (another failure decided
+                # first) came: the real cause of a round's end must be on record, not only its first symptom; the
+                # master decides the first and records the others
                 await self._report_failure(round_, worker_exit)
                 await self.extensions.call("after_failure", round=round_, local_rank=worker_exit.local_rank,
                                            exit_code=worker_exit.exit_code, signal=worker_exit.signal)
 
     async def _report_failure(self, round_: int, worker_exit: WorkerExit) -> None:
         assert self._reader is not None
-        progress = self._reader.read().get(worker_exit.local_rank)
+        progress = self._reader.read().get(worker_exit.local_rank) if round_ == self.round else None
         info = FailureInfo(
             node_id=self.node_id, incarnation=self.incarnation, round=round_, local_rank=worker_exit.local_rank,
             rank=self.node_rank * self.nproc + worker_exit.local_rank, exit_code=worker_exit.exit_code,

@@ -11,8 +11,9 @@ Either way each worker
 - has its stderr read through a pipe: forwarded to the redirect file and/or the agent's
   stderr, and its last lines kept for the :class:`WorkerExit` report.
 
-Exits are event driven (a pidfd per spawned worker, the zygote's reap reports for forked
-ones), never polled.
+Exits are event driven, never polled: a pidfd per worker reaps a spawned one and marks the
+moment a forked one ends (even while its zygote is busy importing), whose exit status the
+zygote's reap report gives.
 """
 
 from __future__ import annotations
@@ -184,6 +185,32 @@ def _write_all(fd: int, data: bytes) -> None:
             return
 
 
+def _pidfd_or_none(pid: int) -> int:
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return -1
+
+
+def _zombie_failure(pid: int, pidfd: int) -> tuple[int | None, int | None] | None:
+    """A failed forked worker's ``(exit_code, signal)`` read before its zygote reaps it, or None.
+
+    The zygote may be busy (importing) for seconds before it reaps and reports; the kernel
+    shows an unreaped child's wait status in ``/proc/PID/stat``. Only a failure is taken from
+    there (a status that reads 0 may be hidden by ptrace rules); a pidfd that still signals
+    proves the pid was not reaped and reused while it was read.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        signal.pidfd_send_signal(pidfd, 0)
+    except (OSError, IndexError):
+        return None
+    if len(fields) < 50 or fields[0] != b"Z" or not (status := int(fields[49])):
+        return None
+    return (None, status & 0x7F) if status & 0x7F else ((status >> 8) & 0xFF, None)
+
+
 class _Worker:
     """The agent's handle on one running worker (mutable, owned by the group)."""
 
@@ -195,7 +222,9 @@ class _Worker:
         self.stderr = stderr
         self.stdout = stdout
         self.popen = popen
-        self.pidfd = os.pidfd_open(pid) if popen is not None else -1
+        #: a spawned worker's, to reap it; a forked one's (the zygote reaps it), to see the moment it ends
+        #: even while the zygote is busy importing: -1 when it is gone already
+        self.pidfd = os.pidfd_open(pid) if popen is not None else _pidfd_or_none(pid)
         self.exited = anyio.Event()
         self.result: WorkerExit | None = None
 
@@ -295,7 +324,12 @@ class WorkerGroup:
             self._exits_out.close()
         self._exits_in, self._exits_out = anyio.create_memory_object_stream[WorkerExit](math.inf)
         self._workers, self._results = {}, {}
-        use_zygote = self._zygote is not None and self._zygote.ready
+        zygote = self._zygote
+        if zygote is not None and zygote.starting:  # the first round: forking soon beats importing torch twice
+            log.info("zygote_wait", grace_s=self._settings.zygote_wait_s)
+            with anyio.move_on_after(self._settings.zygote_wait_s):
+                await zygote.wait_ready()
+        use_zygote = zygote is not None and zygote.ready
         try:
             for spec in specs:
                 worker = None
@@ -429,12 +463,23 @@ class WorkerGroup:
                 os.close(worker.pidfd)
                 worker.pidfd = -1
                 exit_code, signum = (code, None) if code >= 0 else (None, -code)
+                ended = time.time()
             else:
                 assert self._zygote is not None
-                exit_code, signum = await self._zygote.wait_exit(worker.pid)
+                ended, status = math.inf, None
+                try:
+                    if worker.pidfd >= 0:  # the end itself, not the zygote's (maybe later) report of it
+                        await anyio.wait_readable(worker.pidfd)
+                        ended = time.time()
+                        status = _zombie_failure(worker.pid, worker.pidfd)
+                    exit_code, signum = status or await self._zygote.wait_exit(worker.pid)
+                finally:
+                    if worker.pidfd >= 0:
+                        os.close(worker.pidfd)
+                        worker.pidfd = -1
+                ended = min(ended, time.time())
                 if not self._zygote.ready:  # the zygote kills a group when it reaps its leader, unless it died
                     worker.signal(signal.SIGKILL)
-            ended = time.time()
             worker.stderr.drain()  # everything the worker wrote is in the pipe by now
             result = WorkerExit(local_rank=worker.spec.local_rank, pid=worker.pid, exit_code=exit_code,
                                 signal=signum, error_tail=worker.stderr.tail(), at=ended)

@@ -182,6 +182,11 @@ class Zygote:
         """The zygote's ready report: pid, failed imports, thread count, start-up seconds."""
         return dict(self._ready_info or {})
 
+    @property
+    def starting(self) -> bool:
+        """Started and still importing its preloads (neither ready nor dead)."""
+        return self._proc is not None and self._ready_info is None and self._dead is None
+
     async def wait_ready(self) -> bool:
         """Wait until the zygote is ready (True) or has died (False)."""
         await self._settled.wait()

@@ -34,7 +34,6 @@ from typing import Any, Literal, Protocol
 import torch
 
 from stead.core.agent.progress import paused as _building_state
-from stead.core.agent.progress import resume_steps_at
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.worker import FlashCheckpointer
@@ -135,7 +134,6 @@ class Checkpoint:
         if self.sampler is not None and state.get("sampler") is not None:
             self.sampler.load_state_dict(state["sampler"])
         self.extra = dict(state.get("extra") or {})
-        resume_steps_at(step + 1)  # automatic step detection goes on from the restored step
         return step
 
     def _template(self, saved: Any) -> Mapping[str, Any]:

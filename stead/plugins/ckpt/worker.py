@@ -39,6 +39,7 @@ from typing import Any, Literal
 import structlog
 import torch
 
+from stead.core.agent.progress import resume_steps_at
 from stead.plugin import load_settings
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._checksum import sum64
@@ -239,6 +240,7 @@ class FlashCheckpointer:
             self._link.notify({"op": "restored", "step": result[0] if result else -1, "tier": tier})
         if result is not None:
             log.info("ckpt_restored", step=result[0], tier=tier, rank=self.rank)
+            resume_steps_at(result[0] + 1)  # automatic step detection goes on from the restored step
         return result
 
     def wait_persisted(self, timeout: float | None = None) -> int | None:
