@@ -4,6 +4,8 @@ Worker-side API (cheap to import inside a training script)::
 
     import stead
     stead.report_step(step)          # microseconds: no RPC, read by the node's agent
+    with stead.phase("eval"):        # a long stretch without steps: the hang detector allows it
+        evaluate(model)
 
 Embedding the control plane: :mod:`stead.embed` (``async with stead.embed.run(spec) as job``).
 Writing a plugin: :mod:`stead.plugin`.
@@ -13,11 +15,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["JobPhase", "JobState", "Master", "MasterConfig", "Settings", "report_step"]
+__all__ = ["JobPhase", "JobState", "Master", "MasterConfig", "Settings", "phase", "report_step"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from stead.core.agent.progress import report_step
+    from stead.core.agent.progress import phase, report_step
     from stead.core.config import Settings
     from stead.core.master import Master, MasterConfig
     from stead.core.statemachine import JobPhase, JobState
@@ -25,10 +27,10 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     # lazy: a training script importing stead must not pay for grpc, etcd or the master
-    if name == "report_step":
-        from stead.core.agent.progress import report_step
+    if name in ("report_step", "phase"):
+        from stead.core.agent import progress
 
-        return report_step
+        return getattr(progress, name)
     if name in ("Master", "MasterConfig"):
         from stead.core import master
 

@@ -167,6 +167,15 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
         RoundStarted as RoundStarted,
     )
     from stead.core.events import (
+        StackSample as StackSample,
+    )
+    from stead.core.events import (
+        StacksDumped as StacksDumped,
+    )
+    from stead.core.events import (
+        StacksRequested as StacksRequested,
+    )
+    from stead.core.events import (
         StepProgress as StepProgress,
     )
     from stead.core.events import (
@@ -257,7 +266,8 @@ _WHERE = {
     "stead.core.events": ("CheckpointCommitted", "EffectFailed", "Event", "JobFailed", "JobStopped", "JobSubmitted",
                           "JobSucceeded", "NodeExited", "NodeJoined", "NodeLost", "NodeRequested", "NodeStarted",
                           "PluginFailed", "PluginsStarted", "Record", "RecoveryAction", "RecoveryDecided",
-                          "RelaunchRequested", "RestartRequested", "RoundCompleted", "RoundStarted", "StepProgress",
+                          "RelaunchRequested", "RestartRequested", "RoundCompleted", "RoundStarted", "StackSample",
+                          "StacksDumped", "StacksRequested", "StepProgress",
                           "TimerFired", "TransitionRejected", "WorkerFailed", "WorkersStarted", "WorkersSucceeded",
                           "event_kind"),
     "stead.core.plugins": ("NoSettings", "Plugin", "PluginContext"),
@@ -317,6 +327,9 @@ __all__ = [
     "RpcUnavailable",
     "Settings",
     "StateStore",
+    "StackSample",
+    "StacksDumped",
+    "StacksRequested",
     "SteadError",
     "StepProgress",
     "StoreError",

@@ -16,7 +16,17 @@ import structlog
 from stead.core.errors import PlatformError
 from stead.core.hub import AgentHub
 from stead.core.platform import NodeSpec, Platform
-from stead.core.statemachine import Effect, Emit, KillNode, LaunchNode, StartTimer, StartWorkers, StopNode, StopWorkers
+from stead.core.statemachine import (
+    DumpStacks,
+    Effect,
+    Emit,
+    KillNode,
+    LaunchNode,
+    StartTimer,
+    StartWorkers,
+    StopNode,
+    StopWorkers,
+)
 from stead.core.tcpstore import RoundStores
 
 __all__ = ["Executor", "NodeSpecFactory"]
@@ -58,7 +68,7 @@ class Executor:
                     await self.platform.kill(effect.node_id, effect.incarnation)
             case StartWorkers():
                 self.hub.send(effect, store_addr=await self.rounds.for_round(effect.round))
-            case StopWorkers() | StopNode():
+            case StopWorkers() | StopNode() | DumpStacks():
                 self.hub.send(effect)
             case Emit() | StartTimer():
                 raise PlatformError(f"{effect.kind} effects are the reactor's own, not the executor's: {effect!r}")

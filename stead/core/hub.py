@@ -22,6 +22,8 @@ from stead.core.events import (
     NodeJoined,
     NodeLost,
     Record,
+    StackSample,
+    StacksDumped,
     StepProgress,
     WorkerFailed,
     WorkersStarted,
@@ -29,16 +31,18 @@ from stead.core.events import (
 )
 from stead.core.rpc.backend import (
     AgentCommand,
+    DumpStacksCmd,
     FailureInfo,
     HeartbeatInfo,
     RegisterInfo,
     RegisterResult,
+    StacksInfo,
     StartWorkersCmd,
     StopNodeCmd,
     StopWorkersCmd,
     WorkersState,
 )
-from stead.core.statemachine import JobState, NodePhase, StartWorkers, StopNode, StopWorkers
+from stead.core.statemachine import DumpStacks, JobState, NodePhase, StartWorkers, StopNode, StopWorkers
 
 __all__ = ["AgentHub"]
 
@@ -56,6 +60,8 @@ class _Node:
     #: the workers' resident memory (bytes) and CPU (% of one core) in the last heartbeat; None when unknown
     rss_bytes: int | None = None
     cpu_percent: float | None = None
+    #: a long phase one of its workers declared; "" when none
+    phase: str = ""
 
 
 class AgentHub:
@@ -79,6 +85,7 @@ class AgentHub:
         self._progress_round = 0
         self._progress_step: int | None = None
         self._progress_at = 0.0
+        self._progress_phase = ""
 
     def _node(self, node_id: str, incarnation: int) -> _Node:
         node = self._nodes.get(node_id)
@@ -122,6 +129,7 @@ class AgentHub:
         node.seen = self._clock()
         node.round, node.step = info.round, info.step
         node.rss_bytes, node.cpu_percent = info.rss_bytes, info.cpu_percent
+        node.phase = info.phase
         await self._maybe_progress()
         return True
 
@@ -162,9 +170,19 @@ class AgentHub:
         else:
             await self._submit(WorkersSucceeded(node_id=node_id, round=round))
 
+    async def report_stacks(self, info: StacksInfo) -> None:
+        if not self._check(info.node_id, info.incarnation):
+            raise InvalidRequest(f"node {info.node_id} incarnation {info.incarnation} is not a live node")
+        await self._submit(StacksDumped(
+            node_id=info.node_id, round=info.round, method=info.method, error=info.error,
+            workers=tuple(StackSample(rank=w.rank, local_rank=w.local_rank, step=w.step, stack=w.stack)
+                          for w in info.workers),
+        ))
+
     # -- effects -----------------------------------------------------------------
 
-    def send(self, effect: StartWorkers | StopWorkers | StopNode, *, store_addr: tuple[str, int] | None = None) -> None:
+    def send(self, effect: StartWorkers | StopWorkers | StopNode | DumpStacks, *,
+             store_addr: tuple[str, int] | None = None) -> None:
         """Queue the command an effect stands for on its node's stream.
 
         ``store_addr`` is the TCPStore the round's workers rendezvous in (default: the latest).
@@ -183,6 +201,9 @@ class AgentHub:
                 command = StopWorkersCmd(id=effect.id, round=effect.round, reason=effect.reason)
             case StopNode():
                 command = StopNodeCmd(id=effect.id, reason=effect.reason)
+            case DumpStacks():  # a one-off: not the command in force a reconnecting agent is given again
+                node.queue.put_nowait(DumpStacksCmd(id=effect.id, round=effect.round, reason=effect.reason))
+                return
         node.last = command
         node.queue.put_nowait(command)
 
@@ -220,11 +241,14 @@ class AgentHub:
                 return
             steps.append(node.step)
         step = min(steps)
+        phase = next((p for m in rdzv.members if (p := self._nodes[m].phase)), "")
         first = self._progress_round != rdzv.round
         now = self._clock()
-        if not first and (self._progress_step is not None and step <= self._progress_step):
-            return
-        if not first and now - self._progress_at < self.settings.progress_interval_s:
-            return
+        if not first and phase == self._progress_phase:  # a phase's start and end are recorded at once
+            if self._progress_step is not None and step <= self._progress_step:
+                return
+            if now - self._progress_at < self.settings.progress_interval_s:
+                return
         self._progress_round, self._progress_step, self._progress_at = rdzv.round, step, now
-        await self._submit(StepProgress(round=rdzv.round, step=step))
+        self._progress_phase = phase
+        await self._submit(StepProgress(round=rdzv.round, step=step, phase=phase))

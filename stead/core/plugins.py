@@ -31,7 +31,7 @@ import structlog
 from stead.core.config import Settings, load_settings
 from stead.core.entrypoints import installed, load_group, load_named
 from stead.core.errors import ConfigError, PluginError
-from stead.core.events import Event, PluginFailed, Record, RelaunchRequested, RestartRequested
+from stead.core.events import Event, PluginFailed, Record, RelaunchRequested, RestartRequested, StacksRequested
 from stead.core.statemachine import JobState
 from stead.core.store.base import StateStore
 
@@ -98,6 +98,10 @@ class PluginContext(Generic[S]):
     async def request_restart(self, *, round: int, reason: str) -> Record:
         """Ask to restart the workers of the running ``round`` (spends one restart); refused unless it runs."""
         return await self._emit(RestartRequested(round=round, reason=reason, by=self.plugin))
+
+    async def request_stacks(self, *, round: int, reason: str) -> Record:
+        """Ask every node of the running ``round`` for its workers' Python stacks; each answers ``StacksDumped``."""
+        return await self._emit(StacksRequested(round=round, reason=reason, by=self.plugin))
 
     async def request_relaunch(self, *, node_id: str, incarnation: int, reason: str) -> Record:
         """Ask to replace a node: killed and relaunched (within its relaunch budget)."""

@@ -25,6 +25,7 @@ from stead.core.agent._zygote_main import _STARTUP_ENV as STARTUP_ENV
 from stead.core.agent.extensions import AgentContext, Extensions, load_extensions
 from stead.core.agent.progress import ProgressFiles, ProgressReader
 from stead.core.agent.resources import WorkerResources
+from stead.core.agent.stacks import dump_stacks
 from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote
 from stead.core.config import Settings, settings_env
@@ -32,13 +33,16 @@ from stead.core.errors import ConfigError, InvalidRequest, RetryableError, RpcUn
 from stead.core.launch import RunConfig, Streams, parse_run_args, worker_env
 from stead.core.retry import Backoff
 from stead.core.rpc import (
+    DumpStacksCmd,
     FailureInfo,
     HeartbeatInfo,
     MasterClient,
     RegisterInfo,
+    StacksInfo,
     StartWorkersCmd,
     StopNodeCmd,
     StopWorkersCmd,
+    WorkerStack,
     read_token_file,
     retrying,
 )
@@ -142,6 +146,8 @@ class Agent:
                         case StopWorkersCmd():
                             if command.round == self.round:
                                 await self._stop_workers(f"told to stop: {command.reason}")
+                        case DumpStacksCmd():
+                            tg.start_soon(self._dump_stacks, command)
                         case StopNodeCmd():
                             self._log.info("agent_stop", reason=command.reason)
                             self._job_ended = True
@@ -152,7 +158,25 @@ class Agent:
             await backoff.wait()
             await self._register()
 
+    async def _dump_stacks(self, command: DumpStacksCmd) -> None:
+        assert self._group is not None and self._progress is not None and self._reader is not None
+        if command.round != self.round:
+            return  # asked about a round this node has left
+        self._log.info("stacks_dump", round=command.round, reason=command.reason)
+        stacks, error = await dump_stacks(self._group.pids, self._progress.paths)
+        steps = self._reader.read()
+        workers = tuple(WorkerStack(local_rank=rank, rank=self.node_rank * self.nproc + rank, stack=stack,
+                                    step=steps[rank].step if rank in steps else None)
+                        for rank, stack in sorted(stacks.items()))
+        await self._report(lambda: self.client.report_stacks(StacksInfo(
+            node_id=self.node_id, incarnation=self.incarnation, round=command.round, workers=workers,
+            method="faulthandler", error=error)))
+
     async def _heartbeats(self) -> None:
+        async with anyio.create_task_group() as background:  # imports in the zygote never hold a heartbeat up
+            await self._beat(background)
+
+    async def _beat(self, background: anyio.abc.TaskGroup) -> None:
         elapsed = 0.0
         while True:
             fast = self._first_step_pending
@@ -163,12 +187,13 @@ class Agent:
                 continue
             if step is not None and self._first_step_pending:
                 self._first_step_pending = False
-                await self._preload_imports()
+                background.start_soon(self._preload_imports)
             elapsed = 0.0
             assert self._group is not None
             rss, cpu = self._resources.sample(self._group.pids.values())
             beat = HeartbeatInfo(node_id=self.node_id, incarnation=self.incarnation, round=self.round, step=step,
-                                 workers_alive=self._group.alive, rss_bytes=rss, cpu_percent=cpu)
+                                 workers_alive=self._group.alive, rss_bytes=rss, cpu_percent=cpu,
+                                 phase=self._reader.phase() if self._reader is not None else "")
             try:
                 if not await self.client.heartbeat(beat):
                     self._log.warning("master_forgot_node", action="registering again")

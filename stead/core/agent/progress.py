@@ -7,7 +7,13 @@ compare it with its own) and the pid. A sequence counter around the write (odd w
 writing) lets the reader discard a torn read. Without the variable (a script run by
 plain python or torchrun) ``report_step`` does nothing.
 
-Record layout, little endian, at offset 0: ``seq u64 | step i64 | time f64 | pid i64``.
+Record layout, little endian, at offset 0: ``seq u64 | step i64 | time f64 | pid i64 |
+phase 24 bytes`` (step -1: none yet; phase: the long phase the worker declared with
+:func:`phase`, UTF-8, zero-padded, empty when none).
+
+A worker started by the agent's bootstrap also answers a stack-dump signal
+(:data:`STACKS_SIGNAL`): faulthandler writes every thread's Python stack to
+``<path>.stacks.<pid>``, from C, so even a worker stuck in a collective answers.
 
 On its first report a worker also writes, next to the file (``<path>.modules``), the
 installed top-level packages it has imported; the agent has its zygote import them
@@ -20,6 +26,7 @@ import contextlib
 import mmap
 import os
 import shutil
+import signal
 import struct
 import tempfile
 import threading
@@ -29,13 +36,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple
 
-__all__ = ["PROGRESS_ENV", "ProgressFiles", "ProgressReader", "StepProgress", "imported_packages",
-           "install_step_hook", "paused", "report_step", "resume_steps_at"]
+__all__ = ["PROGRESS_ENV", "STACKS_SIGNAL", "ProgressFiles", "ProgressReader", "StepProgress", "imported_packages",
+           "install_step_hook", "install_stack_dumps", "paused", "phase", "report_step", "resume_steps_at",
+           "stacks_path"]
 
 PROGRESS_ENV = "STEAD_PROGRESS_FILE"
 
 _SEQ = struct.Struct("<Q")
-_BODY = struct.Struct("<qdq")
+_BODY = struct.Struct("<qdq24s")
+#: the signal that makes a bootstrapped worker dump its stacks (a real-time one: no script uses it for itself)
+STACKS_SIGNAL = signal.SIGRTMIN + 4
 _FILE_BYTES = 64
 #: attempts at a consistent read before keeping the previous value (a writer mid-update)
 _READ_ATTEMPTS = 8
@@ -47,6 +57,8 @@ class StepProgress(NamedTuple):
     step: int
     time: float
     pid: int
+    #: the long phase the worker is in; "" when none
+    phase: str = ""
 
 
 # -- worker side ----------------------------------------------------------------------------
@@ -56,6 +68,8 @@ class _Writer:
     def __init__(self, view: mmap.mmap) -> None:
         self.view = view
         self.seq = _SEQ.unpack_from(view, 0)[0] & ~1  # carry on after a previous incarnation
+        self.step = -1
+        self.phases: list[bytes] = []
         self.pid = os.getpid()
         self.lock = threading.Lock()
 
@@ -159,6 +173,34 @@ def install_step_hook() -> Any:
     return optimizer.register_optimizer_step_post_hook(on_step)
 
 
+def stacks_path(progress_path: str | Path, pid: int) -> Path:
+    """Where the worker ``pid`` with this progress file writes its stacks when signalled."""
+    return Path(f"{progress_path}.stacks.{pid}")
+
+
+_stacks_file: Any = None
+
+
+def install_stack_dumps() -> bool:
+    """Make :data:`STACKS_SIGNAL` dump every thread's stack to :func:`stacks_path` (the agent's bootstrap).
+
+    The file's existence tells the agent the worker answers the signal (whose default
+    action would kill it). False when there is no progress file (not under an agent).
+    """
+    global _stacks_file
+    import faulthandler
+
+    path = os.environ.get(PROGRESS_ENV)
+    if not path:
+        return False
+    try:
+        _stacks_file = open(stacks_path(path, os.getpid()), "w")  # noqa: SIM115 (kept open for the handler)
+    except OSError:
+        return False
+    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
+    return True
+
+
 def resume_steps_at(step: int) -> None:
     """The next automatically detected step is ``step`` (a restored checkpoint's step + 1)."""
     _auto.counts.clear()
@@ -175,6 +217,34 @@ def paused() -> Iterator[None]:
         _auto.paused -= 1
 
 
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Declare a long phase without training steps (evaluation, a checkpoint written to disk).
+
+    Inside it the hang detector allows the phase's own (long) time instead of expecting
+    the next step within a few step times::
+
+        with stead.phase("eval"):
+            evaluate(model)
+
+    A no-op outside a stead agent. Phases nest; the innermost one's name is reported.
+    """
+    label = name.encode()[:24]
+    writer = _writer or _open_writer()
+    if writer is None:
+        yield
+        return
+    with writer.lock:
+        writer.phases.append(label)
+    _write(writer.step)
+    try:
+        yield
+    finally:
+        with writer.lock:
+            writer.phases.pop()
+        _write(writer.step)
+
+
 def _write(step: int) -> None:
     writer = _writer
     if writer is None:
@@ -184,8 +254,10 @@ def _write(step: int) -> None:
         _write_modules(os.environ[PROGRESS_ENV])
     with writer.lock:
         seq = writer.seq + 1
+        writer.step = step
         _SEQ.pack_into(writer.view, 0, seq)
-        _BODY.pack_into(writer.view, 8, step, time.monotonic(), writer.pid)
+        _BODY.pack_into(writer.view, 8, step, time.monotonic(), writer.pid,
+                        writer.phases[-1] if writer.phases else b"")
         writer.seq = seq + 1
         _SEQ.pack_into(writer.view, 0, seq + 1)
 
@@ -247,14 +319,19 @@ class ProgressReader:
         for rank, view in self._views.items():
             for _ in range(_READ_ATTEMPTS):
                 before = _SEQ.unpack_from(view, 0)[0]
-                step, when, pid = _BODY.unpack_from(view, 8)
+                step, when, pid, label = _BODY.unpack_from(view, 8)
                 if before & 1 == 0 and _SEQ.unpack_from(view, 0)[0] == before:
                     if before == 0:
                         self._last.pop(rank, None)
                     else:
-                        self._last[rank] = StepProgress(step, when, pid)
+                        self._last[rank] = StepProgress(step, when, pid,
+                                                        label.rstrip(b"\0").decode(errors="replace"))
                     break
-        return dict(self._last)
+        return {rank: p for rank, p in self._last.items() if p.step >= 0}
+
+    def phase(self) -> str:
+        """The long phase some local worker declared (the last read's), or ""."""
+        return next((p.phase for p in self._last.values() if p.phase), "")
 
     def close(self) -> None:
         for view in self._views.values():

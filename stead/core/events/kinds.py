@@ -32,6 +32,9 @@ __all__ = [
     "RestartRequested",
     "RoundCompleted",
     "RoundStarted",
+    "StackSample",
+    "StacksDumped",
+    "StacksRequested",
     "StepProgress",
     "TimerFired",
     "TransitionRejected",
@@ -258,10 +261,44 @@ class RoundCompleted(Event):
 @event_kind("progress.step")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepProgress(Event):
-    """The slowest rank of ``round`` has finished ``step``."""
+    """The slowest rank of ``round`` has finished ``step``; ``phase``: a long phase some worker is in."""
 
     round: int
     step: int
+    #: a long phase a worker declared (``stead.phase("eval")``): no step is expected until it ends; "" when none
+    phase: str = ""
+
+
+@event_kind("request.stacks")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StacksRequested(Event):
+    """A plugin asks every node of the running ``round`` for its workers' Python stacks (they keep running)."""
+
+    round: int
+    reason: str
+    by: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StackSample:
+    """One worker's Python stacks (faulthandler's text, most recent call first) and its last reported step."""
+
+    rank: int
+    local_rank: int
+    step: int | None
+    stack: str
+
+
+@event_kind("node.stacks")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StacksDumped(Event):
+    """A node's workers' stacks, answering ``StacksRequested``; ``error`` says what could not be taken."""
+
+    node_id: str
+    round: int
+    workers: tuple[StackSample, ...]
+    method: str
+    error: str = ""
 
 
 @event_kind("timer.fired")

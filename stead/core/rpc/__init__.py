@@ -22,14 +22,17 @@ from stead.core.rpc.auth import (
 from stead.core.rpc.backend import (
     AgentBackend,
     AgentCommand,
+    DumpStacksCmd,
     FailureInfo,
     HeartbeatInfo,
     RegisterInfo,
     RegisterResult,
+    StacksInfo,
     StartWorkersCmd,
     StopNodeCmd,
     StopWorkersCmd,
     WorkersState,
+    WorkerStack,
 )
 from stead.core.rpc.client import MasterClient, RpcConnection, retrying
 from stead.core.rpc.server import RpcServer, Servicer
@@ -39,6 +42,7 @@ __all__ = [
     "AgentBackend",
     "AgentCommand",
     "AgentServicer",
+    "DumpStacksCmd",
     "FailureInfo",
     "HeartbeatInfo",
     "MasterClient",
@@ -47,9 +51,11 @@ __all__ = [
     "RpcConnection",
     "RpcServer",
     "Servicer",
+    "StacksInfo",
     "StartWorkersCmd",
     "StopNodeCmd",
     "StopWorkersCmd",
+    "WorkerStack",
     "WorkersState",
     "attach_token",
     "check_token",

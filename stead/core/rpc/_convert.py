@@ -10,10 +10,12 @@ from typing import assert_never
 
 from stead.core.rpc._proto.stead.v1 import (
     Command,
+    DumpStacks,
     FailureReport,
     HeartbeatRequest,
     RegisterReply,
     RegisterRequest,
+    StacksReport,
     StartWorkers,
     StopNode,
     StopWorkers,
@@ -21,16 +23,22 @@ from stead.core.rpc._proto.stead.v1 import (
 from stead.core.rpc._proto.stead.v1 import (
     WorkersState as ProtoWorkersState,
 )
+from stead.core.rpc._proto.stead.v1 import (
+    WorkerStack as ProtoWorkerStack,
+)
 from stead.core.rpc.backend import (
     AgentCommand,
+    DumpStacksCmd,
     FailureInfo,
     HeartbeatInfo,
     RegisterInfo,
     RegisterResult,
+    StacksInfo,
     StartWorkersCmd,
     StopNodeCmd,
     StopWorkersCmd,
     WorkersState,
+    WorkerStack,
 )
 
 __all__ = [
@@ -45,6 +53,8 @@ __all__ = [
     "register_reply_from_proto",
     "register_reply_to_proto",
     "register_to_proto",
+    "stacks_from_proto",
+    "stacks_to_proto",
     "workers_state_from_proto",
     "workers_state_to_proto",
 ]
@@ -78,14 +88,14 @@ def register_reply_from_proto(message: RegisterReply) -> RegisterResult:
 def heartbeat_to_proto(info: HeartbeatInfo) -> HeartbeatRequest:
     return HeartbeatRequest(node_id=info.node_id, incarnation=info.incarnation, round=info.round,
                             step=NO_STEP if info.step is None else info.step, workers_alive=info.workers_alive,
-                            rss_bytes=info.rss_bytes, cpu_percent=info.cpu_percent)
+                            rss_bytes=info.rss_bytes, cpu_percent=info.cpu_percent, phase=info.phase)
 
 
 def heartbeat_from_proto(message: HeartbeatRequest) -> HeartbeatInfo:
     return HeartbeatInfo(node_id=message.node_id, incarnation=message.incarnation, round=message.round,
                          step=None if message.step == NO_STEP else message.step,
                          workers_alive=message.workers_alive, rss_bytes=message.rss_bytes,
-                         cpu_percent=message.cpu_percent)
+                         cpu_percent=message.cpu_percent, phase=message.phase)
 
 
 def command_to_proto(command: AgentCommand) -> Command:
@@ -100,6 +110,8 @@ def command_to_proto(command: AgentCommand) -> Command:
             return Command(id=command.id, stop_workers=StopWorkers(round=command.round, reason=command.reason))
         case StopNodeCmd():
             return Command(id=command.id, stop_node=StopNode(reason=command.reason))
+        case DumpStacksCmd():
+            return Command(id=command.id, dump_stacks=DumpStacks(round=command.round, reason=command.reason))
         case _:
             assert_never(command)
 
@@ -115,7 +127,23 @@ def command_from_proto(message: Command) -> AgentCommand | None:
         return StopWorkersCmd(id=message.id, round=stop.round, reason=stop.reason)
     if (stop_node := message.stop_node) is not None:
         return StopNodeCmd(id=message.id, reason=stop_node.reason)
+    if (dump := message.dump_stacks) is not None:
+        return DumpStacksCmd(id=message.id, round=dump.round, reason=dump.reason)
     return None
+
+
+def stacks_to_proto(info: StacksInfo) -> StacksReport:
+    return StacksReport(node_id=info.node_id, incarnation=info.incarnation, round=info.round, method=info.method,
+                        error=info.error, workers=[
+                            ProtoWorkerStack(local_rank=w.local_rank, rank=w.rank, step=w.step, stack=w.stack)
+                            for w in info.workers])
+
+
+def stacks_from_proto(message: StacksReport) -> StacksInfo:
+    return StacksInfo(node_id=message.node_id, incarnation=message.incarnation, round=message.round,
+                      method=message.method, error=message.error, workers=tuple(
+                          WorkerStack(local_rank=w.local_rank, rank=w.rank, step=w.step, stack=w.stack)
+                          for w in message.workers))
 
 
 def failure_to_proto(info: FailureInfo) -> FailureReport:

@@ -20,6 +20,7 @@ from stead.core.rpc._convert import (
     heartbeat_from_proto,
     register_from_proto,
     register_reply_to_proto,
+    stacks_from_proto,
     workers_state_from_proto,
 )
 from stead.core.rpc._proto.stead.v1 import (
@@ -32,6 +33,7 @@ from stead.core.rpc._proto.stead.v1 import (
     HeartbeatRequest,
     RegisterReply,
     RegisterRequest,
+    StacksReport,
     WorkersReport,
 )
 from stead.core.rpc._status import backend_errors, invalid
@@ -42,6 +44,9 @@ __all__ = ["AgentServicer", "check_node_id"]
 _COMMANDS_ROUTE = "/stead.v1.AgentService/Commands"
 _MAX_NODE_ID = 253  # the longest DNS name, so that a Kubernetes pod name always fits
 _BAD_NODE_ID_CHARS = frozenset(" /\\")
+#: bounds on a StacksReport: workers per node, characters per worker's dump
+_MAX_WORKERS = 1024
+_MAX_STACK_CHARS = 64 * 1024
 
 
 def check_node_id(where: str, node_id: str) -> None:
@@ -133,6 +138,22 @@ class AgentServicer(AgentServiceBase):
             invalid(f"{where}.state is {message.state!r}: send WORKERS_STATE_STARTED or WORKERS_STATE_SUCCEEDED")
         with backend_errors("AgentService.ReportWorkers"):
             await self._backend.report_workers(message.node_id, message.incarnation, message.round, state)
+        return Ack()
+
+    async def report_stacks(self, message: StacksReport) -> Ack:
+        where = "StacksReport"
+        _check_node(where, message.node_id, message.incarnation)
+        _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
+        if len(message.workers) > _MAX_WORKERS:
+            invalid(f"{where}.workers has {len(message.workers)} entries: a node runs at most {_MAX_WORKERS} workers")
+        for i, worker in enumerate(message.workers):
+            _at_least(where, f"workers[{i}].local_rank", worker.local_rank, 0, "ranks count from 0")
+            _at_least(where, f"workers[{i}].rank", worker.rank, 0, "ranks count from 0")
+            if len(worker.stack) > _MAX_STACK_CHARS:
+                invalid(f"{where}.workers[{i}].stack has {len(worker.stack)} characters: send at most "
+                        f"{_MAX_STACK_CHARS} (cut the dump)")
+        with backend_errors("AgentService.ReportStacks"):
+            await self._backend.report_stacks(stacks_from_proto(message))
         return Ack()
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:

@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 __all__ = [
     "AgentBackend",
     "AgentCommand",
+    "DumpStacksCmd",
     "FailureInfo",
     "HeartbeatInfo",
     "RegisterInfo",
@@ -21,6 +22,8 @@ __all__ = [
     "StartWorkersCmd",
     "StopNodeCmd",
     "StopWorkersCmd",
+    "StacksInfo",
+    "WorkerStack",
     "WorkersState",
 ]
 
@@ -68,6 +71,8 @@ class HeartbeatInfo:
     rss_bytes: int | None = None
     #: CPU use of the node's workers together since the previous heartbeat, percent of one core; None when unknown
     cpu_percent: float | None = None
+    #: a long phase some worker declared (``stead.phase("eval")``); "" when none
+    phase: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,8 +107,17 @@ class StopNodeCmd:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DumpStacksCmd:
+    """Report every worker's Python stacks (the workers keep running)."""
+
+    id: str
+    round: int
+    reason: str
+
+
 #: a command from the master to one agent; ``id`` is deterministic, so a repeated command can be recognised
-AgentCommand = StartWorkersCmd | StopWorkersCmd | StopNodeCmd
+AgentCommand = StartWorkersCmd | StopWorkersCmd | StopNodeCmd | DumpStacksCmd
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,6 +136,31 @@ class FailureInfo:
     error_tail: str
     #: wall-clock time the agent saw the worker end
     exited_at: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerStack:
+    """One worker's Python stacks, as faulthandler prints them, and its last reported step."""
+
+    local_rank: int
+    rank: int
+    step: int | None
+    #: every thread, most recent call first; "" when the worker did not answer
+    stack: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StacksInfo:
+    """A node's answer to a DumpStacks command."""
+
+    node_id: str
+    incarnation: int
+    round: int
+    workers: tuple[WorkerStack, ...]
+    #: how the stacks were taken ("faulthandler")
+    method: str
+    #: what went wrong taking them, if anything
+    error: str = ""
 
 
 class AgentBackend(Protocol):
@@ -146,3 +185,5 @@ class AgentBackend(Protocol):
     async def report_failure(self, info: FailureInfo) -> None: ...
 
     async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None: ...
+
+    async def report_stacks(self, info: StacksInfo) -> None: ...

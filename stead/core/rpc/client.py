@@ -35,6 +35,7 @@ from stead.core.rpc._convert import (
     heartbeat_to_proto,
     register_reply_from_proto,
     register_to_proto,
+    stacks_to_proto,
     workers_state_to_proto,
 )
 from stead.core.rpc._proto.stead.v1 import (
@@ -51,6 +52,7 @@ from stead.core.rpc.backend import (
     HeartbeatInfo,
     RegisterInfo,
     RegisterResult,
+    StacksInfo,
     WorkersState,
 )
 
@@ -203,6 +205,10 @@ class MasterClient:
                                state=workers_state_to_proto(state))
         with self._conn.errors("AgentService.ReportWorkers"):
             await self._stub.report_workers(report, timeout=self._conn.call_timeout_s)
+
+    async def report_stacks(self, info: StacksInfo) -> None:
+        with self._conn.errors("AgentService.ReportStacks"):
+            await self._stub.report_stacks(stacks_to_proto(info), timeout=self._conn.call_timeout_s)
 
     def __repr__(self) -> str:
         return f"MasterClient({self._conn.address})"

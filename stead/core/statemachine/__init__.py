@@ -2,6 +2,7 @@
 
 from stead.core.statemachine.base import Transition
 from stead.core.statemachine.effects import (
+    DumpStacks,
     Effect,
     Emit,
     KillNode,
@@ -17,6 +18,7 @@ from stead.core.statemachine.node import NodePhase, NodeState
 from stead.core.statemachine.rendezvous import RendezvousState
 
 __all__ = [
+    "DumpStacks",
     "Effect",
     "Emit",
     "JobPhase",

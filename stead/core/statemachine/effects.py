@@ -12,7 +12,8 @@ from typing import ClassVar
 
 from stead.core.events import Event
 
-__all__ = ["Effect", "Emit", "KillNode", "LaunchNode", "StartTimer", "StartWorkers", "StopNode", "StopWorkers"]
+__all__ = ["DumpStacks", "Effect", "Emit", "KillNode", "LaunchNode", "StartTimer", "StartWorkers", "StopNode",
+           "StopWorkers"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,6 +78,24 @@ class StopWorkers:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DumpStacks:
+    """Ask a node's agent for its workers' Python stacks (answered by a ``StacksDumped`` event)."""
+
+    node_id: str
+    incarnation: int
+    round: int
+    reason: str
+    #: the seq of the request it answers: every request gets its own dump
+    request: int
+
+    kind: ClassVar[str] = "dump-stacks"
+
+    @property
+    def id(self) -> str:
+        return f"dump-stacks/{self.request}/{self.node_id}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StopNode:
     """Ask a node's agent to stop its workers and exit (the job has ended)."""
 
@@ -119,4 +138,4 @@ class Emit:
         return f"emit/{self.key}"
 
 
-Effect = LaunchNode | KillNode | StartWorkers | StopWorkers | StopNode | StartTimer | Emit
+Effect = LaunchNode | KillNode | StartWorkers | StopWorkers | StopNode | DumpStacks | StartTimer | Emit

@@ -55,6 +55,7 @@ from stead.core.events import (
     RestartRequested,
     RoundCompleted,
     RoundStarted,
+    StacksRequested,
     StepProgress,
     TimerFired,
     WorkerFailed,
@@ -64,7 +65,16 @@ from stead.core.events import (
 from stead.core.statemachine import node as node_machine
 from stead.core.statemachine import rendezvous as rdzv_machine
 from stead.core.statemachine.base import Transition, reject
-from stead.core.statemachine.effects import Effect, Emit, LaunchNode, StartTimer, StartWorkers, StopNode, StopWorkers
+from stead.core.statemachine.effects import (
+    DumpStacks,
+    Effect,
+    Emit,
+    LaunchNode,
+    StartTimer,
+    StartWorkers,
+    StopNode,
+    StopWorkers,
+)
 from stead.core.statemachine.node import NodePhase, NodeState
 from stead.core.statemachine.policy import default_decision
 from stead.core.statemachine.rendezvous import RendezvousState
@@ -119,7 +129,8 @@ class JobState:
 #: events that make sense only for a submitted job
 _NEEDS_JOB = (NodeRequested, NodeStarted, NodeJoined, NodeLost, NodeExited, RoundStarted, RoundCompleted,
               WorkersStarted, WorkersSucceeded, WorkerFailed, RecoveryDecided, TimerFired, StepProgress,
-              CheckpointCommitted, JobSucceeded, EffectFailed, RestartRequested, RelaunchRequested)
+              CheckpointCommitted, JobSucceeded, EffectFailed, RestartRequested, RelaunchRequested,
+              StacksRequested)
 
 
 def node_ids(count: int) -> tuple[str, ...]:
@@ -191,6 +202,8 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
             return _restart_requested(state, event, now=now)
         case RelaunchRequested():
             return _relaunch_requested(state, event, now=now)
+        case StacksRequested():
+            return _stacks_requested(state, event, seq=state.seq)
         case TimerFired():
             return _timer(state, event, now=now)
         case StepProgress():
@@ -491,6 +504,16 @@ def _restart_requested(state: JobState, event: RestartRequested, *, now: float) 
                              f"{'running' if state.rdzv.active else 'not running'}"
                              f"{' and a failure awaits a decision' if state.awaiting_decision else ''}")
     return _round_broken(state, f"restart requested by {event.by}: {event.reason}", now=now)
+
+
+def _stacks_requested(state: JobState, event: StacksRequested, *, seq: int) -> Transition[JobState]:
+    if event.round != state.rdzv.round or not state.rdzv.active:
+        return reject(state, f"{event.by} asked for the stacks of round {event.round}, but round {state.rdzv.round} "
+                             f"is {'running' if state.rdzv.active else 'not running'}")
+    return Transition(state, tuple(
+        DumpStacks(node_id=m, incarnation=state.nodes[m].incarnation, round=event.round, reason=event.reason,
+                   request=seq)
+        for m in state.rdzv.members if m in state.nodes and state.nodes[m].phase is NodePhase.JOINED))
 
 
 def _relaunch_requested(state: JobState, event: RelaunchRequested, *, now: float) -> Transition[JobState]:

@@ -13,6 +13,7 @@ __all__ = (
     "CommandsRequest",
     "CompleteShardsRequest",
     "Cursor",
+    "DumpStacks",
     "FailureReport",
     "GetCommittedReply",
     "GetCommittedRequest",
@@ -36,9 +37,11 @@ __all__ = (
     "Shard",
     "ShardServiceBase",
     "ShardServiceStub",
+    "StacksReport",
     "StartWorkers",
     "StopNode",
     "StopWorkers",
+    "WorkerStack",
     "WorkersReport",
     "WorkersState",
 )
@@ -118,6 +121,8 @@ class Command(betterproto2.Message):
 
     stop_node: "StopNode | None" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, optional=True, group="body")
 
+    dump_stacks: "DumpStacks | None" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+
 
 default_message_pool.register_message("stead.v1", "Command", Command)
 
@@ -172,6 +177,20 @@ class Cursor(betterproto2.Message):
 
 
 default_message_pool.register_message("stead.v1", "Cursor", Cursor)
+
+
+@dataclass(eq=False, repr=False)
+class DumpStacks(betterproto2.Message):
+    """
+    Dump every worker's Python stacks and report them (ReportStacks); the workers keep running.
+    """
+
+    round: "int" = betterproto2.field(1, betterproto2.TYPE_INT32)
+
+    reason: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("stead.v1", "DumpStacks", DumpStacks)
 
 
 @dataclass(eq=False, repr=False)
@@ -287,6 +306,11 @@ class HeartbeatRequest(betterproto2.Message):
     cpu_percent: "float | None" = betterproto2.field(7, betterproto2.TYPE_DOUBLE, optional=True)
     """
     CPU use of the node's worker processes together since the last heartbeat (100 = one core); unset when unknown.
+    """
+
+    phase: "str" = betterproto2.field(8, betterproto2.TYPE_STRING)
+    """
+    A long phase some worker declared (stead.phase("eval")); empty when none.
     """
 
 
@@ -651,6 +675,27 @@ default_message_pool.register_message("stead.v1", "Shard", Shard)
 
 
 @dataclass(eq=False, repr=False)
+class StacksReport(betterproto2.Message):
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    incarnation: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+
+    round: "int" = betterproto2.field(3, betterproto2.TYPE_INT32)
+
+    workers: "list[WorkerStack]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    method: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+    """
+    How they were taken ("faulthandler"), and what went wrong, if anything.
+    """
+
+    error: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("stead.v1", "StacksReport", StacksReport)
+
+
+@dataclass(eq=False, repr=False)
 class StartWorkers(betterproto2.Message):
     round: "int" = betterproto2.field(1, betterproto2.TYPE_INT32)
 
@@ -702,6 +747,26 @@ class WorkersReport(betterproto2.Message):
 
 
 default_message_pool.register_message("stead.v1", "WorkersReport", WorkersReport)
+
+
+@dataclass(eq=False, repr=False)
+class WorkerStack(betterproto2.Message):
+    local_rank: "int" = betterproto2.field(1, betterproto2.TYPE_INT32)
+
+    rank: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+
+    step: "int | None" = betterproto2.field(3, betterproto2.TYPE_INT64, optional=True)
+    """
+    The last step the worker reported; unset when none.
+    """
+
+    stack: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    The stacks as faulthandler prints them (every thread, most recent call first); empty when none came.
+    """
+
+
+default_message_pool.register_message("stead.v1", "WorkerStack", WorkerStack)
 
 
 class AgentServiceStub(betterproto2_grpclib.ServiceStub):
@@ -804,6 +869,27 @@ class AgentServiceStub(betterproto2_grpclib.ServiceStub):
 
         return await self._unary_unary(
             "/stead.v1.AgentService/ReportWorkers",
+            message,
+            Ack,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
+    async def report_stacks(
+        self,
+        message: "StacksReport",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "Ack":
+        """
+        The Python stacks of the node's workers, answering a DumpStacks command.
+        """
+
+        return await self._unary_unary(
+            "/stead.v1.AgentService/ReportStacks",
             message,
             Ack,
             timeout=timeout,
@@ -1043,6 +1129,13 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
+    async def report_stacks(self, message: "StacksReport") -> "Ack":
+        """
+        The Python stacks of the node's workers, answering a DumpStacks command.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_register(self, stream: "grpclib.server.Stream[RegisterRequest, RegisterReply]") -> None:
         request = await stream.recv_message()
         assert request is not None
@@ -1076,6 +1169,12 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.report_workers(request)
         await stream.send_message(response)
 
+    async def __rpc_report_stacks(self, stream: "grpclib.server.Stream[StacksReport, Ack]") -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.report_stacks(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/stead.v1.AgentService/Register": grpclib.const.Handler(
@@ -1106,6 +1205,12 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
                 self.__rpc_report_workers,
                 grpclib.const.Cardinality.UNARY_UNARY,
                 WorkersReport,
+                Ack,
+            ),
+            "/stead.v1.AgentService/ReportStacks": grpclib.const.Handler(
+                self.__rpc_report_stacks,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                StacksReport,
                 Ack,
             ),
         }

@@ -1,0 +1,140 @@
+"""Hang detection: how long a hung rank goes unnoticed, and whether a healthy job is ever flagged.
+
+Latency: a real `stead run` job (3 gloo workers, CPU, DDP, no stead call in the script)
+whose rank 1 sleeps forever in a step, for step times of 0.1 s, 1 s and 10 s; the time
+from the hang (the worker writes it down) to the `diagnosis.hang` event, with every
+default setting. Compared with the reference system's default hang window (5-10 min;
+its lower end is used), gloo's default collective timeout (30 min) and NCCL's (10 min).
+
+False alarms: the detector itself (the plugin's StepClock, the code the plugin runs)
+replayed over a long healthy run whose step times are heavy-tailed (Pareto, clipped to
+10x the fastest), progress sampled as the agents report it (every heartbeat, at most one
+record per progress_interval_s). Health checks are not built yet: reported as null.
+
+Last line: JSON with hang_detect_s_step{0.1,1,10}s, false_alarms, health_check_s_per_node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from stead.plugins.diagnosis.hang import StepClock  # noqa: E402
+from stead.plugins.diagnosis.settings import DiagnosisSettings  # noqa: E402
+
+REFERENCE_WINDOW_S = 300.0  # the reference system's default hang window: 5-10 minutes
+GLOO_TIMEOUT_S = 1800.0
+NCCL_TIMEOUT_S = 600.0
+
+TRAIN = """
+import os, sys, time
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+step_time = float(sys.argv[1])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+model = DistributedDataParallel(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(int(sys.argv[2])):
+    if step == int(sys.argv[3]) and rank == 1 and restart == 0:
+        open("hung-at", "w").write(repr(time.time()))
+        time.sleep(3600)
+    loss = model(torch.ones(4, 8)).sum()
+    opt.zero_grad(); loss.backward(); opt.step()
+    time.sleep(step_time)
+dist.destroy_process_group()
+"""
+
+
+def hang_latency(step_time: float, workdir: Path) -> float:
+    job = f"hang-{str(step_time).replace('.', '_')}"
+    folder = workdir / job
+    folder.mkdir()
+    (folder / "train.py").write_text(TRAIN)
+    hang_step = max(5, int(20 / step_time)) if step_time < 10 else 8  # enough steps to learn the pace
+    steps = hang_step + 3
+    proc = subprocess.run([sys.executable, "-m", "stead", "run", "--job-name", job, "--nproc-per-node", "3",
+                           "--max-restarts", "1", "--log-format", "json", "train.py", str(step_time), str(steps),
+                           str(hang_step)], cwd=folder, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {step_time} s job failed:\n{proc.stderr[-3000:]}")
+    hung_at = float((folder / "hung-at").read_text())
+    events = subprocess.run([sys.executable, "-m", "stead", "events", "--job", job, "--json"], cwd=folder,
+                            capture_output=True, text=True, check=True).stdout
+    for line in events.splitlines():
+        record = json.loads(line)
+        if record.get("type") == "diagnosis.hang":
+            return float(record["at"]) - hung_at
+    raise RuntimeError(f"the {step_time} s job recovered, but no diagnosis.hang event is in its log")
+
+
+def false_alarms(steps: int, seed: int) -> tuple[int, float]:
+    """Alarms over ``steps`` healthy steps (Pareto step times, at most 10x apart); also the longest step."""
+    s = DiagnosisSettings()
+    clock = StepClock(floor_s=s.hang_floor_s, factor=s.hang_factor, first_step_s=s.first_step_s, phase_s=s.phase_s)
+    rng = random.Random(seed)
+    base = 2.0  # 2-20 s steps: past the floor, the pace model itself is what is tested
+    heartbeat, interval = 0.5, 1.0
+    clock.start_round(1, 0.0)
+    now, done, alarms, longest = 0.0, -1, 0, 0.0
+    last_record, next_beat = -interval, heartbeat
+    ends: list[float] = []
+    t = 0.0
+    for _ in range(steps):
+        step_time = base * min(10.0, rng.paretovariate(1.2))
+        longest = max(longest, step_time)
+        t += step_time
+        ends.append(t)
+    i = 0
+    while i < len(ends):
+        now = next_beat
+        while i < len(ends) and ends[i] <= now:
+            done, i = done + 1, i + 1
+        if clock.stalled(now) is not None:
+            alarms += 1
+            clock.start_round(1, now)  # count each alarm once
+        if done >= 0 and now - last_record >= interval and (clock.step is None or done > clock.step):
+            clock.observe(1, done, now)
+            last_record = now
+        next_beat += heartbeat
+    return alarms, longest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the 1 s step job and a shorter healthy run")
+    args = parser.parse_args()
+    step_times = [1.0] if args.quick else [0.1, 1.0, 10.0]
+    results: dict[str, float | int | None] = {}
+    with tempfile.TemporaryDirectory(prefix="stead-bench-diagnosis-") as tmp:
+        for step_time in step_times:
+            seconds = hang_latency(step_time, Path(tmp))
+            results[f"hang_detect_s_step{step_time:g}s"] = round(seconds, 1)
+            print(f"step time {step_time:>4g} s: hang detected after {seconds:6.1f} s  (reference window "
+                  f"{REFERENCE_WINDOW_S:.0f} s: {REFERENCE_WINDOW_S / seconds:.0f}x; gloo timeout "
+                  f"{GLOO_TIMEOUT_S:.0f} s, NCCL {NCCL_TIMEOUT_S:.0f} s)", flush=True)
+    steps = 5_000 if args.quick else 50_000
+    alarms = 0
+    for seed in range(3):
+        found, longest = false_alarms(steps, seed)
+        alarms += found
+        print(f"healthy run {seed}: {steps} steps of 2-{longest:.1f} s (Pareto, clipped at 10x): {found} "
+              "false alarm(s)", flush=True)
+    print(json.dumps({"bench": "diagnosis", **results, "false_alarms": alarms, "healthy_steps": 3 * steps,
+                      "reference_hang_window_s": REFERENCE_WINDOW_S, "gloo_timeout_s": GLOO_TIMEOUT_S,
+                      "nccl_timeout_s": NCCL_TIMEOUT_S, "health_check_s_per_node": None}))
+
+
+if __name__ == "__main__":
+    main()
