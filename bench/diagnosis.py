@@ -57,7 +57,7 @@ dist.destroy_process_group()
 
 
 def hang_latency(step_time: float, workdir: Path) -> float:
-    job = f"hang-{str(step_time).replace('.', '_')}"
+    job = f"hang-{str(step_time).replace('.', '-')}s"
     folder = workdir / job
     folder.mkdir()
     (folder / "train.py").write_text(TRAIN)
