@@ -78,6 +78,8 @@ class Settings:
     #: how long a round's workers wait for the warm zygote that is still importing torch before they start as
     #: fresh interpreters instead (forking from it beats a fresh interpreter importing torch beside it)
     zygote_wait_s: float = setting(30.0, min=0.0)
+    #: how long an agent waits for its workers' stack dumps (a stopped worker never writes one)
+    stacks_timeout_s: float = setting(2.0, min=0.1)
     #: how many trailing lines of a failed worker's stderr are reported
     error_tail_lines: int = 40
     #: how often the agent samples step progress, and the master records it as an event

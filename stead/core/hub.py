@@ -172,7 +172,8 @@ class AgentHub:
 
     async def report_stacks(self, info: StacksInfo) -> None:
         if not self._check(info.node_id, info.incarnation):
-            raise InvalidRequest(f"node {info.node_id} incarnation {info.incarnation} is not a live node")
+            raise InvalidRequest(f"node {info.node_id} incarnation {info.incarnation} is not a live node of job "
+                                 f"{self.job!r}; this agent is stale and should exit")
         await self._submit(StacksDumped(
             node_id=info.node_id, round=info.round, method=info.method, error=info.error,
             workers=tuple(StackSample(rank=w.rank, local_rank=w.local_rank, step=w.step, stack=w.stack)

@@ -163,7 +163,8 @@ class Agent:
         if command.round != self.round:
             return  # asked about a round this node has left
         self._log.info("stacks_dump", round=command.round, reason=command.reason)
-        stacks, error = await dump_stacks(self._group.pids, self._progress.paths)
+        stacks, error = await dump_stacks(self._group.pids, self._progress.paths,
+                                          timeout_s=self.settings.stacks_timeout_s)
         steps = self._reader.read()
         workers = tuple(WorkerStack(local_rank=rank, rank=self.node_rank * self.nproc + rank, stack=stack,
                                     step=steps[rank].step if rank in steps else None)

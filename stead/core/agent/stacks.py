@@ -34,7 +34,7 @@ _QUIET_S = 0.1
 
 
 async def dump_stacks(pids: Mapping[int, int], progress_paths: Mapping[int, str | Path], *,
-                      timeout_s: float = 2.0) -> tuple[dict[int, str], str]:
+                      timeout_s: float) -> tuple[dict[int, str], str]:
     """local rank -> the worker's stacks ("" when it did not answer), and a note on what went wrong."""
     offsets: dict[int, tuple[Path, int]] = {}
     problems: list[str] = []

@@ -32,7 +32,6 @@ from stead.plugin import (
     RoundCompleted,
     StacksDumped,
     StepProgress,
-    TransitionRejected,
     WorkerFailed,
     classify,
     last_exception,
@@ -98,14 +97,13 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         self._stacks.clear()
         self._stacks_in.clear()
         members = set(ctx.current_state().rdzv.members)
-        record = await ctx.request_stacks(round=stall.round, reason=(
+        await ctx.request_stacks(round=stall.round, reason=(
             f"no step for {stall.stalled_s:.1f} s (threshold {stall.threshold_s:.1f} s: {stall.why})"))
-        if not isinstance(record.event, TransitionRejected):
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.stacks_wait_s):
-                    while not members <= set(self._stacks):
-                        await self._stacks_in.wait()
-                        self._stacks_in.clear()
+        with contextlib.suppress(TimeoutError):  # a node that does not answer in time is named as such
+            async with asyncio.timeout(self.settings.stacks_wait_s):
+                while not members <= set(self._stacks):
+                    await self._stacks_in.wait()
+                    self._stacks_in.clear()
         samples = [w for dump in self._stacks.values() for w in dump.workers]
         culprit = name_culprit(samples)
         missing = sorted(members - set(self._stacks))

@@ -39,11 +39,12 @@ async def test_a_blocked_worker_answers_with_its_stack_and_one_without_the_handl
     with ProgressFiles([0, 1], directory=tmp_path) as files:
         procs = [start(files, 0, "handler"), start(files, 1, "none")]
         try:
-            stacks, error = await dump_stacks({0: procs[0].pid, 1: procs[1].pid}, files.paths)
+            stacks, error = await dump_stacks({0: procs[0].pid, 1: procs[1].pid}, files.paths, timeout_s=10)
             assert "line 10 in <module>" in stacks[0] and "thread 0x" in stacks[0].lower()
             assert stacks[1] == "" and "local rank 1 has no stack-dump handler" in error
             assert all(p.poll() is None for p in procs)  # neither was killed by the signal
-            again, _ = await dump_stacks({0: procs[0].pid}, files.paths)  # a second dump reads only the new text
+            # a second dump reads only the new text
+            again, _ = await dump_stacks({0: procs[0].pid}, files.paths, timeout_s=10)
             assert again[0].count("line 10 in <module>") == 1
             with ProgressReader(files.paths) as reader:
                 steps = reader.read()
