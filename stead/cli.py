@@ -221,19 +221,23 @@ async def _open_existing(args: argparse.Namespace, settings: Settings) -> StateS
 
 
 async def _status(args: argparse.Namespace, settings: Settings) -> int:
-    from stead.core.display import format_status
+    from stead.core.display import format_status, last_diagnoses, plugin_status_lines
     from stead.core.events.log import EventLog
     from stead.core.statemachine import fold_all
 
     store = await _open_existing(args, settings)
     try:
         records = await EventLog(store, args.job).read()
+        prefix = f"/stead/jobs/{args.job}/plugins/"
+        published = [kv for kv in await store.range(prefix) if kv.key.endswith("/status")]
     finally:
         await store.close()
     if not records:
         raise PermanentError(f"no job {args.job!r} in {args.store or _default_store(args.job)}; "
                              "check --job and --store (stead run uses sqlite:///.stead/<job>.db by default)")
-    print(format_status(args.job, fold_all(records)))
+    plugins = [line for kv in published
+               for line in plugin_status_lines(kv.key[len(prefix):].split("/")[0], kv.value)]
+    print(format_status(args.job, fold_all(records), diagnoses=last_diagnoses(records), plugins=plugins))
     return 0
 
 

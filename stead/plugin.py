@@ -197,6 +197,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
         event_kind as event_kind,
     )
     from stead.core.plugins import (
+        NodeTelemetry as NodeTelemetry,
+    )
+    from stead.core.plugins import (
         NoSettings as NoSettings,
     )
     from stead.core.plugins import (
@@ -243,6 +246,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
         DEFAULT_DECIDER as DEFAULT_DECIDER,
     )
     from stead.core.statemachine.policy import (
+        DETERMINISTIC as DETERMINISTIC,
+    )
+    from stead.core.statemachine.policy import (
         classify as classify,
     )
     from stead.core.statemachine.policy import (
@@ -270,12 +276,13 @@ _WHERE = {
                           "StacksDumped", "StacksRequested", "StepProgress",
                           "TimerFired", "TransitionRejected", "WorkerFailed", "WorkersStarted", "WorkersSucceeded",
                           "event_kind"),
-    "stead.core.plugins": ("NoSettings", "Plugin", "PluginContext"),
+    "stead.core.plugins": ("NoSettings", "NodeTelemetry", "Plugin", "PluginContext"),
     "stead.core.retry": ("Backoff", "retrying"),
     "stead.core.rpc": ("RpcConnection", "read_token_file"),
     "stead.core.rpc._status": ("backend_errors", "invalid"),
     "stead.core.statemachine": ("JobPhase", "JobState", "NodePhase", "NodeState", "RendezvousState"),
-    "stead.core.statemachine.policy": ("DEFAULT_DECIDER", "classify", "default_decision", "last_exception"),
+    "stead.core.statemachine.policy": ("DEFAULT_DECIDER", "DETERMINISTIC", "classify", "default_decision",
+                                       "last_exception"),
     "stead.core.store.base": ("KeyValue", "StateStore"),
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
@@ -288,6 +295,7 @@ __all__ = [
     "CodecError",
     "ConfigError",
     "DEFAULT_DECIDER",
+    "DETERMINISTIC",
     "EffectFailed",
     "Event",
     "InvalidRequest",
@@ -307,6 +315,7 @@ __all__ = [
     "NodeRequested",
     "NodeStarted",
     "NodeState",
+    "NodeTelemetry",
     "PermanentError",
     "Plugin",
     "PluginContext",

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import datetime
 import enum
+import json
+from collections.abc import Iterable, Mapping
 
 from stead.core.events import Record
 from stead.core.events.log import BadRecord
 from stead.core.serde import to_json
 from stead.core.statemachine import JobState
 
-__all__ = ["format_record", "format_status"]
+__all__ = ["format_record", "format_status", "last_diagnoses", "plugin_status_lines"]
 
 
 def _value(v: object) -> str:
@@ -35,7 +37,32 @@ def format_record(item: Record | BadRecord) -> str:
     return f"{item.seq:>6}  {when}  {item.event.type_name:<20} {shown}".rstrip()
 
 
-def format_status(job: str, state: JobState) -> str:
+def last_diagnoses(records: Iterable[Record]) -> dict[str, str]:
+    """node id -> its last classified failure ("class (rule): evidence"), from any event that carries one."""
+    found: dict[str, str] = {}
+    for record in records:
+        event = record.event
+        node, failure_class = getattr(event, "node_id", None), getattr(event, "failure_class", "")
+        if isinstance(node, str) and isinstance(failure_class, str) and failure_class:
+            evidence = " ".join(str(getattr(event, "evidence", "")).split())
+            found[node] = f"{failure_class} ({getattr(event, 'rule', '')}): {evidence[:200]}"
+    return found
+
+
+def plugin_status_lines(plugin: str, raw: bytes) -> list[str]:
+    """The lines a plugin published for ``stead status`` (its ``status`` key: JSON with ``summary``, ``at``)."""
+    try:
+        status = json.loads(raw)
+        lines = [str(line) for line in status.get("summary", [])]
+        at = float(status.get("at", 0.0))
+    except (ValueError, TypeError, AttributeError):
+        return [f"{plugin}: (its status record is unreadable)"]
+    when = datetime.datetime.fromtimestamp(at).strftime("%H:%M:%S") if at else "?"
+    return [f"{plugin} (at {when}): {line}" for line in lines]
+
+
+def format_status(job: str, state: JobState, *, diagnoses: Mapping[str, str] | None = None,
+                  plugins: Iterable[str] = ()) -> str:
     spec = state.spec
     lines = [f"job        {job}", f"phase      {state.phase.value}" + (f"  ({state.reason})" if state.reason else "")]
     if spec is not None:
@@ -54,6 +81,9 @@ def format_status(job: str, state: JobState) -> str:
         extra = f" exit={node.exit_code}" if node.exit_code is not None else ""
         extra += f" signal={node.signal}" if node.signal is not None else ""
         lines.append(f"node       {node_id:<10} {node.phase.value:<9} incarnation {node.incarnation}{extra}")
+        if diagnoses and node_id in diagnoses:
+            lines.append(f"           last failure: {diagnoses[node_id]}")
+    lines += [f"plugin     {line}" for line in plugins]
     if state.message:
         lines.append("error      " + state.message.strip().replace("\n", "\n           "))
     return "\n".join(lines)

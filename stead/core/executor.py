@@ -8,6 +8,7 @@ exception into an ``EffectFailed`` event; here an effect either happens or raise
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,6 +59,8 @@ class Executor:
                     return
                 spec = self.node_spec(effect.node_id, effect.incarnation, self._address(),
                                       str(self._token_file.resolve()))
+                if effect.avoid_hosts:
+                    spec = dataclasses.replace(spec, avoid_hosts=effect.avoid_hosts)
                 try:
                     await self.platform.launch(spec)
                 except OSError as exc:

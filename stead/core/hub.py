@@ -29,6 +29,7 @@ from stead.core.events import (
     WorkersStarted,
     WorkersSucceeded,
 )
+from stead.core.plugins import NodeTelemetry
 from stead.core.rpc.backend import (
     AgentCommand,
     DumpStacksCmd,
@@ -62,6 +63,8 @@ class _Node:
     cpu_percent: float | None = None
     #: a long phase one of its workers declared; "" when none
     phase: str = ""
+    #: seconds per step the node's slowest rank spends on its own work; None when not measured yet
+    step_compute_s: float | None = None
 
 
 class AgentHub:
@@ -129,13 +132,16 @@ class AgentHub:
         node.seen = self._clock()
         node.round, node.step = info.round, info.step
         node.rss_bytes, node.cpu_percent = info.rss_bytes, info.cpu_percent
-        node.phase = info.phase
+        node.phase, node.step_compute_s = info.phase, info.step_compute_s
         await self._maybe_progress()
         return True
 
-    def resources(self) -> dict[str, tuple[int | None, float | None]]:
-        """node id -> (RSS bytes, CPU percent) of its workers, as the last heartbeat reported them."""
-        return {node_id: (node.rss_bytes, node.cpu_percent) for node_id, node in self._nodes.items()}
+    def telemetry(self) -> dict[str, NodeTelemetry]:
+        """node id -> what its last heartbeat said (for plugins: stragglers, resources)."""
+        return {node_id: NodeTelemetry(incarnation=node.incarnation, round=node.round, step=node.step,
+                                       step_compute_s=node.step_compute_s, rss_bytes=node.rss_bytes,
+                                       cpu_percent=node.cpu_percent, seen=node.seen)
+                for node_id, node in self._nodes.items()}
 
     async def commands(self, node_id: str, incarnation: int) -> AsyncIterator[AgentCommand]:
         if not self._check(node_id, incarnation):
@@ -157,7 +163,7 @@ class AgentHub:
         await self._submit(WorkerFailed(
             node_id=info.node_id, round=info.round, local_rank=info.local_rank, rank=info.rank,
             exit_code=info.exit_code, signal=info.signal, step=info.step, error_tail=info.error_tail,
-            exited_at=info.exited_at,
+            exited_at=info.exited_at, oom=info.oom, gpu=info.gpu,
         ))
 
     async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None:

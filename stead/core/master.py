@@ -182,7 +182,8 @@ class Master:
         plugins = [*load_plugins(settings=self.settings, enabled=cfg.plugins, disabled=cfg.disabled_plugins),
                    *cfg.plugin_objects]
         self.plugin_host = PluginHost(plugins, job=cfg.job, settings=self.settings, store=self._store,
-                                      state=lambda: self.state, emit=self.submit, add_rpc_handler=handlers.append)
+                                      state=lambda: self.state, emit=self.submit, add_rpc_handler=handlers.append,
+                                      telemetry=self.hub.telemetry)
         executor = Executor(platform=cfg.platform, node_spec=cfg.node_spec, hub=self.hub, rounds=self.rounds,
                             address=lambda: self.address, token_file=self.token_file)
         self._reactor = await self._stack.enter_async_context(Reactor(

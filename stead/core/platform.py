@@ -32,6 +32,8 @@ class NodeSpec:
     nproc: int = 1
     #: a platform-specific resource request (memory, cpu, gpu); free-form strings
     resources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: hosts the node must not run on (excluded as faulty); a platform that cannot place it elsewhere logs it
+    avoid_hosts: tuple[str, ...] = ()
 
 
 @runtime_checkable

@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
 import structlog
@@ -38,6 +38,7 @@ from stead.core.store.base import StateStore
 __all__ = [
     "GROUP",
     "NoSettings",
+    "NodeTelemetry",
     "Plugin",
     "PluginContext",
     "PluginHost",
@@ -57,13 +58,30 @@ class NoSettings:
     """The settings of a plugin that declares none."""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeTelemetry:
+    """What a node's last heartbeat said (never an event: heartbeats are not persisted)."""
+
+    incarnation: int
+    round: int
+    #: the slowest local worker's last step; None before the first
+    step: int | None
+    #: seconds per step its slowest rank spends on its own work (outside backward()); None before enough steps
+    step_compute_s: float | None
+    rss_bytes: int | None
+    cpu_percent: float | None
+    #: when the heartbeat arrived (the master's monotonic clock)
+    seen: float
+
+
 class PluginContext(Generic[S]):
     """What one plugin may see and do. Each hook call gets one; in ``handle`` its ``state`` is the record's."""
 
     def __init__(self, *, plugin: str, job: str, settings: S, stead_settings: Settings, store: StateStore,
                  state: Callable[[], JobState], emit: Callable[[Event], Awaitable[Record]],
                  add_rpc_handler: Callable[[object], None] | None,
-                 live: Callable[[], JobState] | None = None) -> None:
+                 live: Callable[[], JobState] | None = None,
+                 telemetry: Callable[[], Mapping[str, NodeTelemetry]] | None = None) -> None:
         self.plugin = plugin
         self.job = job
         #: the plugin's own typed settings (``--set <plugin>.<name>=value``, ``STEAD_<PLUGIN>_<NAME>``)
@@ -77,6 +95,7 @@ class PluginContext(Generic[S]):
         self._live = live or state
         self._emit = emit
         self._add_rpc_handler = add_rpc_handler
+        self._telemetry = telemetry
 
     @property
     def state(self) -> JobState:
@@ -86,6 +105,10 @@ class PluginContext(Generic[S]):
     def current_state(self) -> JobState:
         """The job's state now (in ``handle`` it may have moved on since the record)."""
         return self._live()
+
+    def node_telemetry(self) -> Mapping[str, NodeTelemetry]:
+        """node id -> what its last heartbeat said (step, step compute time, memory, CPU); live, not persisted."""
+        return self._telemetry() if self._telemetry is not None else {}
 
     def key(self, name: str) -> str:
         """A store key private to this plugin within this job."""
@@ -119,7 +142,7 @@ class PluginContext(Generic[S]):
         """This context with ``state`` fixed (the state at one record)."""
         return PluginContext(plugin=self.plugin, job=self.job, settings=self.settings,
                              stead_settings=self.stead_settings, store=self.store, state=lambda: state,
-                             emit=self._emit, add_rpc_handler=None, live=self._live)
+                             emit=self._emit, add_rpc_handler=None, live=self._live, telemetry=self._telemetry)
 
 
 class Plugin(Generic[S]):
@@ -251,7 +274,8 @@ class PluginHost:
 
     def __init__(self, plugins: Sequence[Any], *, job: str, settings: Settings, store: StateStore,
                  state: Callable[[], JobState], emit: Callable[[Event], Awaitable[Record]],
-                 add_rpc_handler: Callable[[object], None]) -> None:
+                 add_rpc_handler: Callable[[object], None],
+                 telemetry: Callable[[], Mapping[str, NodeTelemetry]] | None = None) -> None:
         self.settings = settings
         self._emit = emit
         self._starting = True
@@ -272,7 +296,7 @@ class PluginHost:
         self._slots = [
             _Slot(p, PluginContext(plugin=p.name, job=job, settings=getattr(p, "settings", NoSettings()),
                                    stead_settings=settings, store=store, state=state, emit=emit_after_start,
-                                   add_rpc_handler=adder), asyncio.Queue())
+                                   add_rpc_handler=adder, telemetry=telemetry), asyncio.Queue())
             for p in plugins
         ]
         self._group: asyncio.TaskGroup | None = None

@@ -11,7 +11,8 @@ from stead.core.events import Event, Record, RecoveryAction, RecoveryDecided, Wo
 from stead.core.plugins import NoSettings, PluginContext
 from stead.core.statemachine import JobPhase, JobState
 from stead.core.store import open_store
-from stead.plugins.diagnosis import DiagnosisPlugin, classify, last_exception
+from stead.plugin import classify, last_exception
+from stead.plugins.diagnosis import DiagnosisPlugin
 
 TRACEBACK = "Traceback (most recent call last):\n  File \"train.py\", line 3\n{line}\n"
 

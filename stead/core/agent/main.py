@@ -23,6 +23,9 @@ import structlog
 
 from stead.core.agent._zygote_main import _STARTUP_ENV as STARTUP_ENV
 from stead.core.agent.extensions import AgentContext, Extensions, load_extensions
+from stead.core.agent.gpu import GpuHealth
+from stead.core.agent.oom import OomRecords, killed_like_oom
+from stead.core.agent.pace import StepPace
 from stead.core.agent.progress import ProgressFiles, ProgressReader
 from stead.core.agent.resources import WorkerResources
 from stead.core.agent.stacks import dump_stacks
@@ -46,6 +49,7 @@ from stead.core.rpc import (
     read_token_file,
     retrying,
 )
+from stead.core.rpc.backend import MAX_EVIDENCE_CHARS
 
 __all__ = ["RUN_ARGV_ENV", "Agent", "run_agent"]
 
@@ -87,6 +91,9 @@ class Agent:
         self._reader: ProgressReader | None = None
         self._lock = anyio.Lock()
         self._resources = WorkerResources()
+        self._pace = StepPace()
+        self._oom = OomRecords()
+        self._gpu = GpuHealth()
         self._log = log.bind(node=node_id, incarnation=incarnation)
 
     async def run(self) -> int:
@@ -94,7 +101,9 @@ class Agent:
         with ProgressFiles(range(self.nproc)) as progress:
             self._progress = progress
             self._reader = ProgressReader(progress.paths)
+            self._oom.open()
             try:
+                await self._open_gpus()
                 async with Zygote(self.settings, preload=preload, env=self._zygote_env()) as zygote, \
                         WorkerGroup(self.settings, zygote=zygote) as group:
                     self._group, self._zygote = group, zygote
@@ -110,6 +119,8 @@ class Agent:
                         tg.cancel_scope.cancel()
             finally:
                 self._reader.close()
+                self._oom.close()
+                self._gpu.close()
                 with anyio.CancelScope(shield=True):
                     await self.extensions.call("stop", job_ended=self._job_ended)
         self._log.info("agent_exiting")
@@ -184,6 +195,8 @@ class Agent:
             await anyio.sleep(_FIRST_STEP_POLL_S if fast else self.settings.heartbeat_interval_s)
             elapsed += _FIRST_STEP_POLL_S if fast else self.settings.heartbeat_interval_s
             step = self._step()
+            if step is not None and self._reader is not None:
+                self._pace.observe(self._reader.read())
             if fast and step is None and elapsed < self.settings.heartbeat_interval_s:
                 continue
             if step is not None and self._first_step_pending:
@@ -194,7 +207,8 @@ class Agent:
             rss, cpu = self._resources.sample(self._group.pids.values())
             beat = HeartbeatInfo(node_id=self.node_id, incarnation=self.incarnation, round=self.round, step=step,
                                  workers_alive=self._group.alive, rss_bytes=rss, cpu_percent=cpu,
-                                 phase=self._reader.phase() if self._reader is not None else "")
+                                 phase=self._reader.phase() if self._reader is not None else "",
+                                 step_compute_s=self._pace.compute_s(self.nproc))
             try:
                 if not await self.client.heartbeat(beat):
                     self._log.warning("master_forgot_node", action="registering again")
@@ -230,12 +244,15 @@ class Agent:
                 return  # the same command again after a reconnect
             await self._stop_workers(f"round {command.round} starts")
             self._progress.reset()
+            self._pace.reset()
             self.round, self.node_rank = command.round, command.node_rank
             self._stopping = False
             await self.extensions.call("before_round", round=command)
             specs = [self._spec(command, local_rank, await self.extensions.worker_env(
                 round=command.round, local_rank=local_rank)) for local_rank in range(self.nproc)]
             await self._group.start(specs)
+            for pid in self._group.pids.values():
+                self._oom.watch(pid)  # the worker's memory cgroup counters, before anything can kill it
             self._first_step_pending = True
             tg.start_soon(self._watch_round, command.round, self._group.exits())
             self._log.info("round_started", round=command.round, node_rank=command.node_rank,
@@ -282,6 +299,8 @@ class Agent:
         succeeded = 0
         async for worker_exit in exits:
             stopped_at = self._stopped_at.get(round_, math.inf if round_ == self.round else 0.0)
+            if worker_exit.ok or worker_exit.at > stopped_at:
+                self._oom.forget(worker_exit.pid)
             if worker_exit.ok:
                 if stopped_at == math.inf:
                     succeeded += 1
@@ -299,15 +318,34 @@ class Agent:
     async def _report_failure(self, round_: int, worker_exit: WorkerExit) -> None:
         assert self._reader is not None
         progress = self._reader.read().get(worker_exit.local_rank) if round_ == self.round else None
+        oom = self._oom.evidence(worker_exit.pid) if killed_like_oom(worker_exit.exit_code, worker_exit.signal) else ""
+        self._oom.forget(worker_exit.pid)
+        gpu = await self._gpu_faults()
         info = FailureInfo(
             node_id=self.node_id, incarnation=self.incarnation, round=round_, local_rank=worker_exit.local_rank,
             rank=self.node_rank * self.nproc + worker_exit.local_rank, exit_code=worker_exit.exit_code,
             signal=worker_exit.signal, step=progress.step if progress else None, error_tail=worker_exit.error_tail,
-            exited_at=worker_exit.at or None,
+            exited_at=worker_exit.at or None, oom=oom[:MAX_EVIDENCE_CHARS], gpu=gpu[:MAX_EVIDENCE_CHARS],
         )
         self._log.warning("worker_failed", round=round_, local_rank=info.local_rank, exit_code=info.exit_code,
-                          signal=info.signal)
+                          signal=info.signal, oom=oom or None, gpu=gpu or None)
         await self._report(lambda: self.client.report_failure(info))
+
+    async def _open_gpus(self) -> None:
+        with anyio.move_on_after(self.settings.rpc_timeout_s) as scope:  # a wedged driver must not hold the agent
+            reason = await anyio.to_thread.run_sync(self._gpu.open, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            reason = f"NVML did not answer within {self.settings.rpc_timeout_s:g} s"
+        self._log.info("gpus", watched=self._gpu.gpus, reason=reason or None)
+
+    async def _gpu_faults(self) -> str:
+        """GPU faults since the last look, as a failure's evidence; NVML may hang on a sick GPU: bounded."""
+        if not self._gpu.gpus:
+            return ""
+        with anyio.move_on_after(self.settings.rpc_timeout_s):
+            problems = await anyio.to_thread.run_sync(self._gpu.check, abandon_on_cancel=True)
+            return "; ".join(str(problem) for problem in problems)
+        return f"NVML did not answer within {self.settings.rpc_timeout_s:g} s (a GPU may be lost)"
 
     async def _report(self, call: object) -> None:
         try:

@@ -8,8 +8,9 @@ writing) lets the reader discard a torn read. Without the variable (a script run
 plain python or torchrun) ``report_step`` does nothing.
 
 Record layout, little endian, at offset 0: ``seq u64 | step i64 | time f64 | pid i64 |
-phase 24 bytes`` (step -1: none yet; phase: the long phase the worker declared with
-:func:`phase`, UTF-8, zero-padded, empty when none).
+phase 24 bytes | backward f64`` (step -1: none yet; phase: the long phase the worker declared
+with :func:`phase`, UTF-8, zero-padded, empty when none; backward: seconds the worker has
+spent inside ``torch.autograd.backward`` so far, see :func:`install_backward_clock`).
 
 A worker started by the agent's bootstrap also answers a stack-dump signal
 (:data:`STACKS_SIGNAL`): faulthandler writes every thread's Python stack to
@@ -37,13 +38,13 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 __all__ = ["PROGRESS_ENV", "STACKS_SIGNAL", "ProgressFiles", "ProgressReader", "StepProgress", "imported_packages",
-           "install_step_hook", "install_stack_dumps", "paused", "phase", "report_step", "resume_steps_at",
-           "stacks_path"]
+           "install_backward_clock", "install_step_hook", "install_stack_dumps", "paused", "phase", "report_step",
+           "resume_steps_at", "stacks_path"]
 
 PROGRESS_ENV = "STEAD_PROGRESS_FILE"
 
 _SEQ = struct.Struct("<Q")
-_BODY = struct.Struct("<qdq24s")
+_BODY = struct.Struct("<qdq24sd")
 #: the signal that makes a bootstrapped worker dump its stacks (a real-time one: no script uses it for itself)
 STACKS_SIGNAL = signal.SIGRTMIN + 4
 _FILE_BYTES = 64
@@ -59,6 +60,8 @@ class StepProgress(NamedTuple):
     pid: int
     #: the long phase the worker is in; "" when none
     phase: str = ""
+    #: seconds spent inside backward() so far (where DDP waits for the other ranks' gradients)
+    backward_s: float = 0.0
 
 
 # -- worker side ----------------------------------------------------------------------------
@@ -72,6 +75,17 @@ class _Writer:
         self.phases: list[bytes] = []
         self.pid = os.getpid()
         self.lock = threading.Lock()
+
+
+class _BackwardClock:
+    """Seconds this worker spent inside backward() (see :func:`install_backward_clock`)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.depth = 0  # backward() called from inside backward() (a hook, a double backward) counts once
+
+
+_backward = _BackwardClock()
 
 
 _writer: _Writer | None = None
@@ -173,6 +187,41 @@ def install_step_hook() -> Any:
     return optimizer.register_optimizer_step_post_hook(on_step)
 
 
+def install_backward_clock() -> bool:
+    """Time what ``torch.autograd.backward`` takes, for the straggler detector (the agent's bootstrap).
+
+    With DDP a rank's step takes as long as the slowest rank's: the others wait for its
+    gradients inside backward(), where DDP's all-reduces run. The time a rank spends outside
+    backward() (data, forward, optimizer, its own code) is its own pace; the agent compares
+    it across nodes. ``Tensor.backward`` calls ``torch.autograd.backward``, so wrapping that
+    one function covers both. False when torch is not imported (nothing to time).
+    """
+    import sys
+
+    autograd: Any = sys.modules.get("torch.autograd")
+    if autograd is None or getattr(autograd.backward, "_stead_clock", False):
+        return autograd is not None
+    inner = autograd.backward
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        clock = _backward
+        if clock.depth:
+            return inner(*args, **kwargs)
+        clock.depth += 1
+        started = time.monotonic()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            clock.total += time.monotonic() - started
+            clock.depth -= 1
+
+    backward._stead_clock = True  # type: ignore[attr-defined]
+    backward.__wrapped__ = inner  # type: ignore[attr-defined]
+    backward.__doc__ = inner.__doc__
+    autograd.backward = backward
+    return True
+
+
 def stacks_path(progress_path: str | Path, pid: int) -> Path:
     """Where the worker ``pid`` with this progress file writes its stacks when signalled."""
     return Path(f"{progress_path}.stacks.{pid}")
@@ -257,7 +306,7 @@ def _write(step: int) -> None:
         writer.step = step
         _SEQ.pack_into(writer.view, 0, seq)
         _BODY.pack_into(writer.view, 8, step, time.monotonic(), writer.pid,
-                        writer.phases[-1] if writer.phases else b"")
+                        writer.phases[-1] if writer.phases else b"", _backward.total)
         writer.seq = seq + 1
         _SEQ.pack_into(writer.view, 0, seq + 1)
 
@@ -319,13 +368,13 @@ class ProgressReader:
         for rank, view in self._views.items():
             for _ in range(_READ_ATTEMPTS):
                 before = _SEQ.unpack_from(view, 0)[0]
-                step, when, pid, label = _BODY.unpack_from(view, 8)
+                step, when, pid, label, backward = _BODY.unpack_from(view, 8)
                 if before & 1 == 0 and _SEQ.unpack_from(view, 0)[0] == before:
                     if before == 0:
                         self._last.pop(rank, None)
                     else:
                         self._last[rank] = StepProgress(step, when, pid,
-                                                        label.rstrip(b"\0").decode(errors="replace"))
+                                                        label.rstrip(b"\0").decode(errors="replace"), backward)
                     break
         return {rank: p for rank, p in self._last.items() if p.step >= 0}
 

@@ -115,6 +115,8 @@ class NodeRequested(Event):
 
     node_id: str
     incarnation: int
+    #: hosts the node must not be placed on (a host excluded as faulty); a platform with one host says so
+    avoid_hosts: tuple[str, ...] = ()
 
 
 @event_kind("node.started")
@@ -178,6 +180,10 @@ class WorkerFailed(Event):
     error_tail: str = ""
     #: wall-clock time the agent saw the worker end (the start of the recovery's ``detect`` span)
     exited_at: float | None = None
+    #: the kernel's record that it OOM-killed the process (kernel log line or memory cgroup counter); "" when none
+    oom: str = ""
+    #: GPU faults the agent saw on its node when the worker ended (XID, ECC, a lost GPU); "" when none or no GPU
+    gpu: str = ""
 
 
 @event_kind("workers.started")
@@ -199,8 +205,12 @@ class WorkersSucceeded(Event):
 
 
 class RecoveryAction(enum.Enum):
+    #: restart the round's workers (one restart of the budget)
     RESTART = "restart"
+    #: the job fails
     FAIL = "fail"
+    #: replace the failed worker's node (its host avoided from then on) and restart the round
+    RELAUNCH = "relaunch"
 
 
 @event_kind("recovery.decided")
@@ -216,6 +226,11 @@ class RecoveryDecided(Event):
     rank: int | None = None
     #: who decided: a plugin's name, or ``default`` (the built-in policy, when no plugin decided in time)
     decided_by: str = ""
+    #: the failure's class (``user_error``, ``oom``, ``hardware``, ``node_lost``, ``collective``, ``transient``)
+    failure_class: str = ""
+    #: the classification rule that matched, and what it matched on
+    rule: str = ""
+    evidence: str = ""
 
 
 @event_kind("request.restart")

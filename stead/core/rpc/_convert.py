@@ -88,14 +88,16 @@ def register_reply_from_proto(message: RegisterReply) -> RegisterResult:
 def heartbeat_to_proto(info: HeartbeatInfo) -> HeartbeatRequest:
     return HeartbeatRequest(node_id=info.node_id, incarnation=info.incarnation, round=info.round,
                             step=NO_STEP if info.step is None else info.step, workers_alive=info.workers_alive,
-                            rss_bytes=info.rss_bytes, cpu_percent=info.cpu_percent, phase=info.phase)
+                            rss_bytes=info.rss_bytes, cpu_percent=info.cpu_percent, phase=info.phase,
+                            step_compute_s=info.step_compute_s)
 
 
 def heartbeat_from_proto(message: HeartbeatRequest) -> HeartbeatInfo:
     return HeartbeatInfo(node_id=message.node_id, incarnation=message.incarnation, round=message.round,
                          step=None if message.step == NO_STEP else message.step,
                          workers_alive=message.workers_alive, rss_bytes=message.rss_bytes,
-                         cpu_percent=message.cpu_percent, phase=message.phase)
+                         cpu_percent=message.cpu_percent, phase=message.phase,
+                         step_compute_s=message.step_compute_s)
 
 
 def command_to_proto(command: AgentCommand) -> Command:
@@ -149,14 +151,15 @@ def stacks_from_proto(message: StacksReport) -> StacksInfo:
 def failure_to_proto(info: FailureInfo) -> FailureReport:
     return FailureReport(node_id=info.node_id, incarnation=info.incarnation, round=info.round,
                          local_rank=info.local_rank, rank=info.rank, exit_code=info.exit_code, signal=info.signal,
-                         step=info.step, error_tail=info.error_tail, exited_at=info.exited_at)
+                         step=info.step, error_tail=info.error_tail, exited_at=info.exited_at, oom=info.oom,
+                         gpu=info.gpu)
 
 
 def failure_from_proto(message: FailureReport) -> FailureInfo:
     return FailureInfo(node_id=message.node_id, incarnation=message.incarnation, round=message.round,
                        local_rank=message.local_rank, rank=message.rank, exit_code=message.exit_code,
                        signal=message.signal, step=message.step, error_tail=message.error_tail,
-                       exited_at=message.exited_at)
+                       exited_at=message.exited_at, oom=message.oom, gpu=message.gpu)
 
 
 def workers_state_to_proto(state: WorkersState) -> ProtoWorkersState:

@@ -37,7 +37,7 @@ from stead.core.rpc._proto.stead.v1 import (
     WorkersReport,
 )
 from stead.core.rpc._status import backend_errors, invalid
-from stead.core.rpc.backend import AgentBackend
+from stead.core.rpc.backend import MAX_EVIDENCE_CHARS, AgentBackend
 
 __all__ = ["AgentServicer", "check_node_id"]
 
@@ -97,6 +97,10 @@ class AgentServicer(AgentServiceBase):
             _at_least(where, "rss_bytes", message.rss_bytes, 0, "a memory size; leave it unset when unknown")
         if message.cpu_percent is not None and not (math.isfinite(message.cpu_percent) and message.cpu_percent >= 0):
             invalid(f"{where}.cpu_percent is {message.cpu_percent}: send a finite percentage >= 0, or leave it unset")
+        if message.step_compute_s is not None and not (math.isfinite(message.step_compute_s)
+                                                       and message.step_compute_s >= 0):
+            invalid(f"{where}.step_compute_s is {message.step_compute_s}: send a finite number of seconds >= 0, or "
+                    "leave it unset")
         with backend_errors("AgentService.Heartbeat"):
             known = await self._backend.heartbeat(heartbeat_from_proto(message))
         return HeartbeatReply(known=known)
@@ -125,6 +129,10 @@ class AgentServicer(AgentServiceBase):
             _at_least(where, "signal", message.signal, 1, "a signal number; leave it unset when none")
         if message.step is not None:
             _at_least(where, "step", message.step, 0, "a training step; leave it unset when none")
+        for name, text in (("oom", message.oom), ("gpu", message.gpu)):
+            if len(text) > MAX_EVIDENCE_CHARS:
+                invalid(f"{where}.{name} has {len(text)} characters: an evidence line is at most "
+                        f"{MAX_EVIDENCE_CHARS}; send the record itself, not a log")
         with backend_errors("AgentService.ReportFailure"):
             await self._backend.report_failure(failure_from_proto(message))
         return Ack()

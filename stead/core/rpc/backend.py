@@ -17,6 +17,7 @@ __all__ = [
     "DumpStacksCmd",
     "FailureInfo",
     "HeartbeatInfo",
+    "MAX_EVIDENCE_CHARS",
     "RegisterInfo",
     "RegisterResult",
     "StartWorkersCmd",
@@ -29,6 +30,10 @@ __all__ = [
 
 #: what a node's workers did: all of a round's workers started, or all of them finished with success
 WorkersState = Literal["started", "succeeded"]
+
+
+#: the longest OOM record or GPU fault line a failure report carries
+MAX_EVIDENCE_CHARS = 4096
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,6 +78,8 @@ class HeartbeatInfo:
     cpu_percent: float | None = None
     #: a long phase some worker declared (``stead.phase("eval")``); "" when none
     phase: str = ""
+    #: seconds per step the node's slowest rank spends on its own work (outside backward()); None before enough steps
+    step_compute_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,6 +143,10 @@ class FailureInfo:
     error_tail: str
     #: wall-clock time the agent saw the worker end
     exited_at: float | None = None
+    #: the kernel's record that it OOM-killed the worker; "" when none
+    oom: str = ""
+    #: GPU faults seen on the node when the worker ended; "" when none or no GPU
+    gpu: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

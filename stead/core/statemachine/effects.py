@@ -20,6 +20,8 @@ __all__ = ["DumpStacks", "Effect", "Emit", "KillNode", "LaunchNode", "StartTimer
 class LaunchNode:
     node_id: str
     incarnation: int
+    #: hosts to keep the node off (excluded as faulty)
+    avoid_hosts: tuple[str, ...] = ()
 
     kind: ClassVar[str] = "launch-node"
 

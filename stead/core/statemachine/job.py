@@ -118,6 +118,8 @@ class JobState:
     life: int = 0
     #: each node's incarnation when the job was last resumed: its relaunch budget counts from there
     resumed_at: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: hosts a relaunch decision excluded (a faulty GPU, say): relaunched nodes avoid them
+    excluded_hosts: frozenset[str] = frozenset()
     #: seq of the last event folded in (0 before any)
     seq: int = 0
 
@@ -330,7 +332,8 @@ def _node_gone(state: JobState, node: NodeState, *, now: float) -> tuple[JobStat
             rdzv=dataclasses.replace(state.rdzv, active=False),
         )
     if node.incarnation - state.resumed_at.get(node.node_id, 0) <= spec.max_node_relaunches:
-        relaunch = NodeRequested(node_id=node.node_id, incarnation=node.incarnation + 1)
+        relaunch = NodeRequested(node_id=node.node_id, incarnation=node.incarnation + 1,
+                                 avoid_hosts=tuple(sorted(state.excluded_hosts)))
         effects.append(Emit(key=f"request/{node.node_id}/{node.incarnation + 1}", event=relaunch))
         return state, effects
     alive = sum(1 for s in state.nodes.values() if s.phase.alive)
@@ -415,7 +418,7 @@ def _decided(state: JobState, event: RecoveryDecided, *, now: float) -> Transiti
     failure = state.last_failure
     if event.action is RecoveryAction.FAIL or state.restarts >= state.spec.max_restarts:
         reason = event.reason
-        if event.action is RecoveryAction.RESTART:
+        if event.action is not RecoveryAction.FAIL:
             reason = f"max restarts exhausted ({state.spec.max_restarts}); last failure: {event.reason}"
         failed = JobFailed(
             reason=reason,
@@ -425,12 +428,16 @@ def _decided(state: JobState, event: RecoveryDecided, *, now: float) -> Transiti
         )
         ended = Emit(key=_end_key(state), event=failed)
         return Transition(dataclasses.replace(state, awaiting_decision=False), (ended,))
-    restarted = dataclasses.replace(
-        state,
-        awaiting_decision=False,
-        restarts=state.restarts + 1,
-        rdzv=dataclasses.replace(state.rdzv, active=False),
-    )
+    restarted = dataclasses.replace(state, awaiting_decision=False, restarts=state.restarts + 1)
+    node = state.nodes.get(event.node_id or "")
+    if event.action is RecoveryAction.RELAUNCH and node is not None and node.phase.alive:
+        # the node goes (its host excluded from then on) and the round with it: the node's loss stops the other
+        # members' workers and relaunches it within its budget; the next round waits for it to join
+        if node.host:
+            restarted = dataclasses.replace(restarted, excluded_hosts=state.excluded_hosts | {node.host})
+        lost = NodeLost(node_id=node.node_id, incarnation=node.incarnation, reason=f"relaunched: {event.reason}")
+        return _node_event(restarted, lost, now=now)
+    restarted = dataclasses.replace(restarted, rdzv=dataclasses.replace(state.rdzv, active=False))
     return Transition(restarted, _plan(restarted, now=now))
 
 

@@ -89,6 +89,9 @@ class LocalPlatform:
             if key in self._nodes:
                 log.debug("node_launch_repeated", node=spec.node_id, incarnation=spec.incarnation)
                 return
+            if spec.avoid_hosts:  # one host is all there is: the relaunch runs here, and the log says so
+                log.warning("node_host_not_avoidable", node=spec.node_id, incarnation=spec.incarnation,
+                            avoid=list(spec.avoid_hosts), hint="the local platform has this machine only")
             process = await _spawn(spec)
             node = _Node(spec=spec, process=process)
             self._nodes[key] = node

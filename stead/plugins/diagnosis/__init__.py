@@ -1,10 +1,15 @@
-"""Diagnosis: decide what a worker failure leads to.
+"""Diagnosis: what a failure is, what it leads to, and what is wrong before anything fails.
 
-It starts from stead's default policy (:func:`stead.plugin.classify`: an error
-that a restart reproduces fails fast, anything else restarts) and adds history:
-the same error at the same step twice fails fast instead of looping. The job
-machine gives it ``decision_timeout_s`` per failure; when it is disabled, slow
-or absent, the default policy decides alone.
+Every worker failure is classified by a table of rules (:mod:`.rules`: the kernel's
+OOM record, GPU faults, the last exception, NCCL/gloo errors, exit codes and
+signals; users and packages add rules) into a class (user error, OOM, hardware,
+node lost, collective, transient), and the class into an action: fail fast,
+restart the workers, relaunch the node elsewhere, or ask for more memory. History
+is added on top: the same error at the same step twice fails fast instead of
+looping. The decision carries its class, the rule that matched and the evidence.
+Lost nodes are classified too (``diagnosis.classified``). The job machine gives
+the plugin ``decision_timeout_s`` per failure; when it is disabled, slow or absent,
+the default policy decides alone.
 
 The signatures already seen are kept under the plugin's own store key, so a
 restarted master still recognises a repeated error.
@@ -13,6 +18,13 @@ It also watches for hangs (:mod:`stead.plugins.diagnosis.hang`): when the runnin
 round has gone without a completed step for longer than its own pace allows, it
 asks every node for its workers' stacks, names the rank that is not where the
 others are, records ``diagnosis.hang`` and restarts the round (``hang_restarts``).
+
+And for stragglers (:mod:`stead.plugins.diagnosis.straggler`): a node whose own
+time per step stays over ``straggler_factor`` x the other nodes' median is reported
+(``diagnosis.straggler``), and replaced at the next checkpoint if
+``straggler_relaunch`` is set. What it currently sees (the hang threshold, the
+stragglers) is kept under its store key ``status`` (JSON; ``summary``: the lines
+``stead status`` shows for it).
 """
 
 from __future__ import annotations
@@ -23,7 +35,11 @@ import json
 import time
 
 from stead.plugin import (
+    CheckpointCommitted,
     JobPhase,
+    NodeExited,
+    NodeJoined,
+    NodeLost,
     Plugin,
     PluginContext,
     Record,
@@ -33,14 +49,35 @@ from stead.plugin import (
     StacksDumped,
     StepProgress,
     WorkerFailed,
-    classify,
     last_exception,
 )
-from stead.plugins.diagnosis.events import HangDetected
+from stead.plugins.diagnosis.events import (
+    FailureClassified,
+    HangDetected,
+    StragglerCleared,
+    StragglerDetected,
+)
 from stead.plugins.diagnosis.hang import Stall, StepClock, name_culprit
+from stead.plugins.diagnosis.rules import (
+    BUILTIN_RULES,
+    DEFAULT_ACTIONS,
+    Action,
+    Facts,
+    Rule,
+    RuleSet,
+    installed_rules,
+    load_rules_file,
+)
 from stead.plugins.diagnosis.settings import DiagnosisSettings
+from stead.plugins.diagnosis.straggler import StragglerWatch
 
-__all__ = ["DiagnosisPlugin", "DiagnosisSettings", "HangDetected", "classify"]
+__all__ = ["DiagnosisPlugin", "DiagnosisSettings", "FailureClassified", "HangDetected", "StragglerCleared",
+           "StragglerDetected"]
+
+#: how often the status record under the plugin's key is rewritten, at most
+_STATUS_EVERY_S = 2.0
+#: NodeLost reasons that are stead's own doing (a decision, a resume), not a failure to classify
+_OWN_LOSSES = ("relaunched: ", "relaunch requested by ", "the job was resumed")
 
 Ctx = PluginContext[DiagnosisSettings]
 
@@ -48,13 +85,25 @@ Ctx = PluginContext[DiagnosisSettings]
 class DiagnosisPlugin(Plugin[DiagnosisSettings]):
     name = "diagnosis"
     settings_class = DiagnosisSettings
-    subscriptions = (WorkerFailed, RoundCompleted, StepProgress, StacksDumped)
+    subscriptions = (WorkerFailed, RoundCompleted, StepProgress, StacksDumped, NodeJoined, NodeLost, NodeExited,
+                     CheckpointCommitted)
     decides_recovery = True
 
     def __init__(self, *, settings: DiagnosisSettings | None = None) -> None:
         super().__init__(settings=settings or DiagnosisSettings())
         self._seen: set[str] | None = None
         s = self.settings
+        actions = dict(DEFAULT_ACTIONS)
+        user_rules: tuple[Rule, ...] = ()
+        if s.rules_file:  # read now: a bad file stops the job before anything launches, with the file's problem
+            user_rules, overrides = load_rules_file(s.rules_file)
+            actions.update(overrides)
+        self.rules = RuleSet((*user_rules, *installed_rules(), *BUILTIN_RULES), actions)
+        self.stragglers = StragglerWatch(factor=s.straggler_factor, window_s=s.straggler_window_s)
+        self._relaunch_at_checkpoint: set[str] = set()
+        #: nodes (id, incarnation) that joined and have not been lost or exited
+        self._alive: set[tuple[str, int]] = set()
+        self._status_at = 0.0
         self.clock = StepClock(floor_s=s.hang_floor_s, factor=s.hang_factor, first_step_s=s.first_step_s,
                                phase_s=s.phase_s)
         self._watch: asyncio.Task[None] | None = None
@@ -67,29 +116,82 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         state = ctx.current_state()
         if state.rdzv.active and state.rdzv.round:  # a restarted master: the round runs, its clock starts now
             self.clock.start_round(state.rdzv.round, time.time())
-        if self.settings.hang_detection:
-            self._watch = asyncio.create_task(self._watch_hangs(ctx), name="diagnosis-hang-watch")
+        self._alive = {(n, node.incarnation) for n, node in state.nodes.items() if node.phase.alive}
+        if self.settings.hang_detection or self.settings.stragglers:
+            self._watch = asyncio.create_task(self._watch_job(ctx), name="diagnosis-watch")
 
     async def stop(self, *, ctx: Ctx) -> None:
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
+            await self._write_status(ctx, force=True)  # what it saw last, for `stead status` after the job
 
-    async def _watch_hangs(self, ctx: Ctx) -> None:
+    async def _watch_job(self, ctx: Ctx) -> None:
         while True:
             await asyncio.sleep(self.settings.hang_check_s)
-            state = ctx.current_state()
-            if (state.phase is not JobPhase.RUNNING or not state.rdzv.active or state.awaiting_decision
-                    or state.rdzv.round != self.clock.round or self._hung_round == self.clock.round):
-                continue
-            stall = self.clock.stalled(time.time())
-            if stall is not None:
-                self._hung_round = stall.round
-                try:
-                    await self._diagnose(ctx, stall)
-                except Exception as exc:  # the watch goes on for the next round
-                    ctx.log.exception("hang_diagnosis_failed", error=repr(exc))
+            try:  # one look's failure is logged; the watch goes on
+                if self.settings.hang_detection:
+                    await self._check_hang(ctx)
+                if self.settings.stragglers:
+                    await self._check_stragglers(ctx)
+                await self._write_status(ctx)
+            except Exception as exc:
+                ctx.log.exception("diagnosis_watch_failed", error=repr(exc))
+
+    async def _check_hang(self, ctx: Ctx) -> None:
+        state = ctx.current_state()
+        if (state.phase is not JobPhase.RUNNING or not state.rdzv.active or state.awaiting_decision
+                or state.rdzv.round != self.clock.round or self._hung_round == self.clock.round):
+            return
+        stall = self.clock.stalled(time.time())
+        if stall is not None:
+            self._hung_round = stall.round
+            await self._diagnose(ctx, stall)
+
+    async def _check_stragglers(self, ctx: Ctx) -> None:
+        state = ctx.current_state()
+        members = set(state.rdzv.members) if state.rdzv.active else set()
+        figures = {n: t.step_compute_s for n, t in ctx.node_telemetry().items()
+                   if n in members and t.round == state.rdzv.round and t.step_compute_s is not None}
+        flagged, cleared = self.stragglers.observe(figures, members=members, now=time.monotonic())
+        for node in cleared:
+            self._relaunch_at_checkpoint.discard(node)
+            ctx.log.info("straggler_cleared", node=node)
+            await ctx.emit(StragglerCleared(node_id=node, round=state.rdzv.round, compute_s=figures.get(node),
+                                            median_s=None))
+        for found in flagged:
+            action = "relaunch" if self.settings.straggler_relaunch else "report"
+            ctx.log.warning("straggler", node=found.node_id, compute_s=round(found.compute_s, 4),
+                            median_s=round(found.median_s, 4), ratio=round(found.ratio, 2), action=action)
+            await ctx.emit(StragglerDetected(
+                node_id=found.node_id, round=state.rdzv.round, compute_s=round(found.compute_s, 6),
+                median_s=round(found.median_s, 6), ratio=round(found.ratio, 3),
+                window_s=self.settings.straggler_window_s, action=action))
+            if action == "relaunch":
+                self._relaunch_at_checkpoint.add(found.node_id)
+
+    async def _write_status(self, ctx: Ctx, *, force: bool = False) -> None:
+        """What the detectors see now, for ``stead status`` (a separate process reading the store)."""
+        now = time.monotonic()
+        if not force and now - self._status_at < _STATUS_EVERY_S:
+            return
+        self._status_at = now
+        threshold, why = self.clock.threshold()
+        flagged = self.stragglers.flagged
+        summary = [f"hang threshold {threshold:.1f} s without a step ({why})" if self.settings.hang_detection
+                   else "hang detection off (diagnosis.hang_detection)"]
+        summary += [f"straggler {n}: {f.compute_s:.3f} s of its own per step, {f.ratio:.1f}x the other nodes' "
+                    f"median {f.median_s:.3f} s" for n, f in sorted(flagged.items())]
+        if self.settings.stragglers and not flagged:
+            summary.append(f"no straggler (factor {self.settings.straggler_factor:g})")
+        status = {
+            "at": time.time(), "round": self.clock.round, "summary": summary,
+            "hang": {"threshold_s": round(threshold, 3), "why": why, "enabled": self.settings.hang_detection},
+            "stragglers": {n: {"compute_s": round(f.compute_s, 6), "median_s": round(f.median_s, 6),
+                               "ratio": round(f.ratio, 3)} for n, f in flagged.items()},
+        }
+        await ctx.store.put(ctx.key("status"), json.dumps(status).encode())
 
     async def _diagnose(self, ctx: Ctx, stall: Stall) -> None:
         ctx.log.warning("hang_suspected", round=stall.round, step=stall.step, stalled_s=round(stall.stalled_s, 1),
@@ -141,23 +243,61 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
                 self._stacks_in.set()
             case WorkerFailed():
                 await self._decide(event, ctx)
+            case NodeJoined():
+                self._alive.add((event.node_id, event.incarnation))
+            case NodeLost() | NodeExited():
+                await self._node_failed(event, ctx)
+            case CheckpointCommitted() if self._relaunch_at_checkpoint:
+                await self._relaunch_stragglers(ctx)
+
+    async def _node_failed(self, event: NodeLost | NodeExited, ctx: Ctx) -> None:
+        key = (event.node_id, event.incarnation)
+        if key not in self._alive:
+            return  # not a joined node, or already classified (its exit after its loss)
+        self._alive.discard(key)
+        if ctx.state.phase.terminal or (isinstance(event, NodeLost) and event.reason.startswith(_OWN_LOSSES)):
+            return
+        found = self.rules.classify(Facts.of_node(event))
+        ctx.log.warning("node_failure_classified", node=event.node_id, failure_class=found.failure_class.value,
+                        rule=found.rule, evidence=found.evidence)
+        await ctx.emit(FailureClassified(node_id=event.node_id, incarnation=event.incarnation,
+                                         failure_class=found.failure_class.value, action=found.action.value,
+                                         rule=found.rule, evidence=found.evidence))
+
+    async def _relaunch_stragglers(self, ctx: Ctx) -> None:
+        state = ctx.state
+        for node_id in sorted(self._relaunch_at_checkpoint):
+            node = state.nodes.get(node_id)
+            if node is not None and node.phase.alive:
+                figure = self.stragglers.flagged.get(node_id)
+                ratio = f"{figure.ratio:.1f}x the other nodes' time per step" if figure else "a straggler"
+                await ctx.request_relaunch(node_id=node_id, incarnation=node.incarnation,
+                                           reason=f"straggler ({ratio}); replaced at checkpoint step "
+                                                  f"{state.checkpoint_step}")
+        self._relaunch_at_checkpoint.clear()
 
     async def _decide(self, failure: WorkerFailed, ctx: Ctx) -> None:
         state = ctx.state
         if not state.awaiting_decision or state.last_failure != failure:
             return  # a follow-on failure of a round that is already being handled
-        action, reason = classify(failure)
+        found = self.rules.classify(Facts.of_worker(failure))
+        action = found.action.recovery
+        reason = f"{found.failure_class.value} in rank {failure.rank} ({found.rule}): {found.evidence}"
+        if found.action is Action.MORE_MEMORY:
+            reason += "; more memory wanted for the node: the workers restart meanwhile"
         exc = last_exception(failure.error_tail)
-        seen = await self._signatures(ctx)
         signature = f"{exc[0]}: {exc[1]} @ step {failure.step}" if exc and failure.step is not None else None
-        if action is RecoveryAction.RESTART and signature is not None:
+        if action is not RecoveryAction.FAIL and signature is not None:
+            seen = await self._signatures(ctx)
             if signature in seen:
                 action, reason = RecoveryAction.FAIL, f"the same error at the same step twice ({signature})"
             else:
                 seen.add(signature)
                 await ctx.store.put(ctx.key("signatures"), json.dumps(sorted(seen)).encode())
-        ctx.log.info("recovery_decided", round=failure.round, action=action.value, reason=reason, rank=failure.rank)
+        ctx.log.info("recovery_decided", round=failure.round, action=action.value, reason=reason, rank=failure.rank,
+                     failure_class=found.failure_class.value, rule=found.rule)
         await ctx.emit(RecoveryDecided(
             round=failure.round, action=action, reason=reason, message=failure.error_tail,
             node_id=failure.node_id, rank=failure.rank, decided_by=self.name,
+            failure_class=found.failure_class.value, rule=found.rule, evidence=found.evidence[:4096],
         ))

@@ -6,7 +6,7 @@ import dataclasses
 
 from stead.plugin import Event, event_kind
 
-__all__ = ["HangDetected"]
+__all__ = ["FailureClassified", "HangDetected", "StragglerCleared", "StragglerDetected"]
 
 
 @event_kind("diagnosis.hang")
@@ -27,3 +27,46 @@ class HangDetected(Event):
     summary: str
     action: str
     evidence: str = ""
+
+
+@event_kind("diagnosis.classified")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FailureClassified(Event):
+    """A node failure (lost, or its agent gone) classified by the rules; a worker failure's class is in its decision.
+
+    The job machine already relaunches a lost node; this records why it was lost, for the scaler (``oom``: more
+    memory), ``stead status`` and post-mortems.
+    """
+
+    node_id: str
+    incarnation: int
+    failure_class: str
+    action: str
+    rule: str
+    evidence: str
+
+
+@event_kind("diagnosis.straggler")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StragglerDetected(Event):
+    """``node_id`` has spent ``compute_s`` per step on its own work for ``window_s``, ``ratio`` x the others' median."""
+
+    node_id: str
+    round: int
+    compute_s: float
+    median_s: float
+    ratio: float
+    window_s: float
+    #: "report" or "relaunch" (at the next committed checkpoint)
+    action: str
+
+
+@event_kind("diagnosis.straggler_cleared")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StragglerCleared(Event):
+    """``node_id`` is back within the straggler factor (or left the round)."""
+
+    node_id: str
+    round: int
+    compute_s: float | None
+    median_s: float | None

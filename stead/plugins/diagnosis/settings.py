@@ -26,3 +26,13 @@ class DiagnosisSettings:
     hang_check_s: float = setting(1.0, min=0.05, help="how often the hang detector looks")
     stacks_wait_s: float = setting(5.0, min=0.1, help="how long the detector waits for every node's stacks before "
                                                       "it acts on the ones it has")
+    rules_file: str = setting("", help="a TOML file of failure classification rules tried before the built-in ones "
+                                       "([[rules]] tables, and [actions] mapping a class to an action)")
+    stragglers: bool = setting(True, help="compare the nodes' own time per step and report a node that is "
+                                          "consistently slower than the others")
+    straggler_factor: float = setting(1.5, min=1.0, help="a node is a straggler when its own time per step is this "
+                                                         "many times the median of the other nodes'")
+    straggler_window_s: float = setting(30.0, min=0.0, help="how long a node must stay over straggler_factor before "
+                                                            "it is reported (and back under it to be cleared)")
+    straggler_relaunch: bool = setting(False, help="replace a straggler node at the job's next committed checkpoint "
+                                                   "(one node relaunch of its budget)")

@@ -44,6 +44,27 @@ def test_report_step_round_trips_to_the_reader(fresh_writer: None, monkeypatch: 
         assert reader.read()[1].step == 43
 
 
+def test_time_inside_backward_reaches_the_reader_with_each_step(fresh_writer: None, monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    import torch
+
+    original = torch.autograd.backward
+    try:
+        assert progress.install_backward_clock()
+        assert progress.install_backward_clock()  # twice: wrapped once
+        assert torch.autograd.backward.__wrapped__ is original  # type: ignore[attr-defined]
+        with ProgressFiles([0], directory=tmp_path) as files, ProgressReader(files.paths) as reader:
+            monkeypatch.setenv(PROGRESS_ENV, files.env(0)[PROGRESS_ENV])
+            report_step(0)
+            before = reader.read()[0].backward_s
+            weight = torch.ones(64, 64, requires_grad=True)
+            (weight @ weight).sum().backward()  # Tensor.backward goes through the wrapped function
+            report_step(1)
+            assert reader.read()[0].backward_s > before
+    finally:
+        torch.autograd.backward = original
+
+
 def test_report_step_is_a_no_op_outside_an_agent(fresh_writer: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(PROGRESS_ENV, raising=False)
     report_step(1)

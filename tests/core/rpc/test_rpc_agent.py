@@ -34,9 +34,10 @@ pytestmark = pytest.mark.anyio
 
 REGISTER = RegisterInfo(node_id="node-0", incarnation=1, host="host-a", pid=4242, nproc=2)
 HEARTBEAT = HeartbeatInfo(node_id="node-0", incarnation=1, round=0, step=None, workers_alive=2, rss_bytes=1 << 30,
-                          cpu_percent=12.5)
+                          cpu_percent=12.5, step_compute_s=0.125)
 FAILURE = FailureInfo(node_id="node-0", incarnation=1, round=2, local_rank=1, rank=3, exit_code=1, signal=None,
-                      step=None, error_tail="Traceback ...\nRuntimeError: boom\n")
+                      step=None, error_tail="Traceback ...\nRuntimeError: boom\n", oom="kernel: Killed process 7",
+                      gpu="GPU 0: XID 79 (GPU has fallen off the bus)")
 COMMANDS = [
     StartWorkersCmd(id="start-1", round=1, node_rank=0, nnodes=2, nproc_per_node=2, world_size=4, restart_count=0,
                     master_addr="10.0.0.1", master_port=29500),
@@ -104,6 +105,12 @@ async def test_failure_and_workers_reports_reach_the_backend(client: MasterClien
      "HeartbeatRequest.workers_alive"),
     (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "cpu_percent": float("nan")})),
      "HeartbeatRequest.cpu_percent"),
+    (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "step_compute_s": -0.5})),
+     "HeartbeatRequest.step_compute_s"),
+    (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "step_compute_s": float("inf")})),
+     "HeartbeatRequest.step_compute_s"),
+    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "oom": "x" * 5000})), "FailureReport.oom"),
+    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "gpu": "x" * 5000})), "FailureReport.gpu"),
     (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "rank": -1})), "FailureReport.rank"),
     (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "local_rank": -2})), "FailureReport.local_rank"),
     (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "round": -1})), "FailureReport.round"),

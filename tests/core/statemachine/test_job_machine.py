@@ -550,3 +550,39 @@ def test_a_resumed_job_has_fresh_budgets_and_ends_again_under_a_key_of_its_own()
     again = after(JobSucceeded(), NodeExited(node_id="node-0", incarnation=2),
                   NodeExited(node_id="node-1", incarnation=2), RESUME, start=one_done)
     assert (again.life, again.phase, again.timers) == (2, JobPhase.STARTING, {"join-timeout/2": NOW + 60.0})
+
+
+def test_relaunch_decision_replaces_the_failed_workers_node_and_keeps_its_host_out() -> None:
+    result = transition(AWAITING, decided(1, RecoveryAction.RELAUNCH, reason="GPU 0: XID 79", node_id="node-0"),
+                        now=NOW)
+    assert result.effects == (
+        KillNode(node_id="node-0", incarnation=1),
+        StopWorkers(node_id="node-1", incarnation=1, round=1, reason="node node-0 lost"),
+        Emit(key="request/node-0/2", event=NodeRequested(node_id="node-0", incarnation=2,
+                                                          avoid_hosts=("host-node-0",))),
+    )
+    state = result.state
+    assert (state.awaiting_decision, state.restarts, state.phase) == (False, 1, JobPhase.RECOVERING)
+    assert state.excluded_hosts == {"host-node-0"}
+    request = result.effects[2]
+    assert isinstance(request, Emit)
+    assert after(request.event, start=state).nodes["node-0"].incarnation == 2
+
+
+def test_relaunch_decision_with_the_restart_budget_spent_fails_the_job() -> None:
+    (effect,) = transition(AWAITING_LAST_RESTART, decided(2, RecoveryAction.RELAUNCH, reason="XID 79",
+                                                          node_id="node-1"), now=NOW).effects
+    assert isinstance(effect, Emit) and isinstance(effect.event, JobFailed)
+    assert effect.event.reason == "max restarts exhausted (1); last failure: XID 79"
+
+
+def test_a_relaunched_node_is_launched_away_from_the_excluded_hosts() -> None:
+    state = after(decided(1, RecoveryAction.RELAUNCH, reason="XID 79", node_id="node-0"), start=AWAITING)
+    launch = transition(state, NodeRequested(node_id="node-0", incarnation=3, avoid_hosts=("host-node-0",)),
+                        now=NOW)
+    assert launch.rejected is not None  # incarnation 2 is already requested (the follow-up was folded)
+    assert state.nodes["node-0"].incarnation == 2
+    # the launch effect of the folded request carried the hosts to avoid
+    fresh = transition(after(NodeLost(node_id="node-0", incarnation=1), start=RUNNING, follow=False),
+                       NodeRequested(node_id="node-0", incarnation=2, avoid_hosts=("h",)), now=NOW)
+    assert LaunchNode(node_id="node-0", incarnation=2, avoid_hosts=("h",)) in fresh.effects

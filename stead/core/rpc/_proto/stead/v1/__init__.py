@@ -221,6 +221,16 @@ class FailureReport(betterproto2.Message):
     Wall-clock time (seconds since the epoch) the agent saw the worker end.
     """
 
+    oom: "str" = betterproto2.field(11, betterproto2.TYPE_STRING)
+    """
+    The kernel's record that it OOM-killed the worker (a kernel log line or a memory cgroup counter); empty: none.
+    """
+
+    gpu: "str" = betterproto2.field(12, betterproto2.TYPE_STRING)
+    """
+    GPU faults seen on the node when the worker ended (XID, ECC, a lost GPU); empty: none, or no GPU.
+    """
+
 
 default_message_pool.register_message("stead.v1", "FailureReport", FailureReport)
 
@@ -311,6 +321,12 @@ class HeartbeatRequest(betterproto2.Message):
     phase: "str" = betterproto2.field(8, betterproto2.TYPE_STRING)
     """
     A long phase some worker declared (stead.phase("eval")); empty when none.
+    """
+
+    step_compute_s: "float | None" = betterproto2.field(9, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    Seconds of a step the node's slowest rank spends on its own work (outside backward(), where DDP waits for
+    the other ranks' gradients), median over its recent steps; unset before enough steps.
     """
 
 
