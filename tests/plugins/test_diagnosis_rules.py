@@ -309,3 +309,58 @@ def test_the_readme_rules_file_loads_and_does_what_it_says(tmp_path: Path) -> No
     stale = table.classify(Facts.of_worker(worker(TB.format("OSError: [Errno 116] Stale file handle"))))
     assert (stale.rule, stale.failure_class) == ("stale-nfs", FailureClass.TRANSIENT)
     assert table.classify(Facts.of_worker(worker(TB.format("MemoryError")))).action is Action.FAIL
+
+
+GLOO_RESET = TB.format("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
+                       "peer [127.0.0.1]:5678")
+
+
+async def settle(h: Harness) -> None:
+    """Wait for the plugin's root-cause decision (its window is short in these tests)."""
+    pending = h.plugin._root_cause
+    if pending is not None and pending.task is not None:
+        await pending.task
+
+
+@pytest.mark.anyio
+async def test_a_collective_error_waits_for_the_round_s_real_cause_and_the_decision_is_about_it() -> None:
+    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=5.0))
+    async with Harness(plugin, AWAITING) as h:
+        symptom = dataclasses.replace(worker(GLOO_RESET), rank=0, exited_at=100.2)
+        h.state = dataclasses.replace(h.state, last_failure=symptom)
+        await h.feed(symptom)
+        assert h.emitted == []  # waiting for the cause
+        cause = dataclasses.replace(worker(exit_code=None, sig=9, oom=KERNEL_OOM), node_id="node-1", rank=3,
+                                    exited_at=100.0)
+        await h.feed(cause)  # a cause arrived: decided without waiting out the window
+        await settle(h)
+    (decision,) = h.emitted
+    assert isinstance(decision, RecoveryDecided)
+    assert (decision.failure_class, decision.node_id, decision.rank) == ("oom", "node-1", 3)
+    assert "the likeliest cause among 2 failures of the round" in decision.reason
+
+
+@pytest.mark.anyio
+async def test_a_collective_error_alone_is_decided_after_the_window() -> None:
+    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0.05))
+    async with Harness(plugin, AWAITING) as h:
+        symptom = worker(GLOO_RESET)
+        h.state = dataclasses.replace(h.state, last_failure=symptom)
+        await h.feed(symptom)
+        await settle(h)
+    (decision,) = h.emitted
+    assert isinstance(decision, RecoveryDecided)
+    assert (decision.failure_class, decision.rule, decision.action) == ("collective", "gloo-error",
+                                                                       RecoveryAction.RESTART)
+
+
+@pytest.mark.anyio
+async def test_a_stopped_plugin_leaves_no_root_cause_wait_behind() -> None:
+    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=60.0))
+    async with Harness(plugin, AWAITING) as h:
+        symptom = worker(GLOO_RESET)
+        h.state = dataclasses.replace(h.state, last_failure=symptom)
+        await h.feed(symptom)
+        task = plugin._root_cause.task if plugin._root_cause else None
+        await plugin.stop(ctx=h.ctx)
+    assert task is not None and task.cancelled() and h.emitted == []

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from stead.core.agent.pace import StepPace
 from stead.core.agent.progress import StepProgress
+from stead.core.config import Settings
+from stead.core.events import Event, Record
+from stead.core.plugins import NodeTelemetry, PluginContext
+from stead.core.statemachine.job import JobPhase, JobState
+from stead.core.statemachine.rendezvous import RendezvousState
+from stead.core.store import open_store
+from stead.plugins.diagnosis import DiagnosisPlugin, DiagnosisSettings, StragglerDetected
 from stead.plugins.diagnosis.straggler import StragglerWatch
 
 MEMBERS = ("node-0", "node-1", "node-2")
@@ -96,3 +106,41 @@ def test_no_figure_before_every_rank_has_enough_steps_nor_across_a_new_worker_or
     assert pace.compute_s(2) is None  # the other rank has not reported
     pace.reset()
     assert pace.compute_s(1) is None
+
+
+def seen(compute_s: float) -> NodeTelemetry:
+    return NodeTelemetry(incarnation=1, round=1, step=10, step_compute_s=compute_s, rss_bytes=None,
+                         cpu_percent=None, seen=0.0)
+
+
+@pytest.mark.anyio
+async def test_a_straggler_flagged_during_the_job_is_still_shown_after_it_ended() -> None:
+    running = JobState(phase=JobPhase.RUNNING, rdzv=RendezvousState(round=1, members=("node-0", "node-1"),
+                                                                    active=True))
+    state, emitted = running, list[Event]()
+    telemetry = {"node-0": seen(0.02), "node-1": seen(0.3)}
+
+    async def emit(event: Event) -> Record:
+        emitted.append(event)
+        return Record(seq=len(emitted), at=0.0, event=event)
+
+    plugin = DiagnosisPlugin(settings=DiagnosisSettings(straggler_window_s=0.0))
+    store = await open_store("memory://")
+    try:
+        ctx = PluginContext(plugin="diagnosis", job="j", settings=plugin.settings, stead_settings=Settings(),
+                            store=store, state=lambda: state, emit=emit, add_rpc_handler=None,
+                            telemetry=lambda: telemetry)
+        await plugin._check_stragglers(ctx)
+        state = dataclasses.replace(running, phase=JobPhase.SUCCEEDED,
+                                    rdzv=dataclasses.replace(running.rdzv, active=False))
+        telemetry = {}
+        await plugin._check_stragglers(ctx)
+        await plugin._write_status(ctx, force=True)
+        kv = await store.get(ctx.key("status"))
+        assert kv is not None
+        shown = json.loads(kv.value)
+    finally:
+        await store.close()
+    assert [type(e) for e in emitted] == [StragglerDetected]  # the job's end clears nothing
+    assert list(shown["stragglers"]) == ["node-1"]
+    assert any(line.startswith("straggler node-1: 0.300 s") for line in shown["summary"]), shown["summary"]

@@ -103,7 +103,6 @@ class Agent:
             self._reader = ProgressReader(progress.paths)
             self._oom.open()
             try:
-                await self._open_gpus()
                 async with Zygote(self.settings, preload=preload, env=self._zygote_env()) as zygote, \
                         WorkerGroup(self.settings, zygote=zygote) as group:
                     self._group, self._zygote = group, zygote
@@ -114,6 +113,7 @@ class Agent:
                         token_file=self.token_file, workdir=progress.dir,
                     ))
                     async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._open_gpus)  # off the start-up path: NVML takes ~0.1 s even to say none
                         tg.start_soon(self._heartbeats)
                         await self._obey(tg)
                         tg.cancel_scope.cancel()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 
 from stead.plugin import (
@@ -62,7 +63,9 @@ from stead.plugins.diagnosis.rules import (
     BUILTIN_RULES,
     DEFAULT_ACTIONS,
     Action,
+    Classification,
     Facts,
+    FailureClass,
     Rule,
     RuleSet,
     installed_rules,
@@ -111,6 +114,8 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         self._hung_round = 0
         self._stacks: dict[str, StacksDumped] = {}
         self._stacks_in = asyncio.Event()
+        #: a round's decision waiting for the cause behind a collective error (root_cause_wait_s)
+        self._root_cause: _RootCause | None = None
 
     async def start(self, *, ctx: Ctx) -> None:
         state = ctx.current_state()
@@ -121,6 +126,10 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             self._watch = asyncio.create_task(self._watch_job(ctx), name="diagnosis-watch")
 
     async def stop(self, *, ctx: Ctx) -> None:
+        if self._root_cause is not None and self._root_cause.task is not None:
+            self._root_cause.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._root_cause.task
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -151,7 +160,9 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
 
     async def _check_stragglers(self, ctx: Ctx) -> None:
         state = ctx.current_state()
-        members = set(state.rdzv.members) if state.rdzv.active else set()
+        if state.phase is not JobPhase.RUNNING or not state.rdzv.active:
+            return  # between rounds or after the job: what was flagged stays shown until a round says otherwise
+        members = set(state.rdzv.members)
         figures = {n: t.step_compute_s for n, t in ctx.node_telemetry().items()
                    if n in members and t.round == state.rdzv.round and t.step_compute_s is not None}
         flagged, cleared = self.stragglers.observe(figures, members=members, now=time.monotonic())
@@ -242,7 +253,7 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
                 self._stacks[event.node_id] = event
                 self._stacks_in.set()
             case WorkerFailed():
-                await self._decide(event, ctx)
+                await self._failed(event, ctx)
             case NodeJoined():
                 self._alive.add((event.node_id, event.incarnation))
             case NodeLost() | NodeExited():
@@ -276,13 +287,43 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
                                                   f"{state.checkpoint_step}")
         self._relaunch_at_checkpoint.clear()
 
-    async def _decide(self, failure: WorkerFailed, ctx: Ctx) -> None:
+    async def _failed(self, failure: WorkerFailed, ctx: Ctx) -> None:
+        if self._root_cause is not None and failure.round == self._root_cause.round:
+            self._root_cause.add(failure, self.rules.classify(Facts.of_worker(failure)))
+            return  # another failure of the round whose decision waits: a candidate for its cause
         state = ctx.state
         if not state.awaiting_decision or state.last_failure != failure:
             return  # a follow-on failure of a round that is already being handled
         found = self.rules.classify(Facts.of_worker(failure))
+        if found.failure_class not in _SYMPTOMS or self.settings.root_cause_wait_s <= 0:
+            await self._decide(failure, found, ctx)
+            return
+        # a collective error is most often another rank's failure seen from here: wait a moment for the cause
+        self._root_cause = _RootCause(failure, found)
+        self._root_cause.task = asyncio.create_task(self._decide_root_cause(ctx, self._root_cause),
+                                                    name=f"diagnosis-root-cause-{failure.round}")
+
+    async def _decide_root_cause(self, ctx: Ctx, pending: _RootCause) -> None:
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.root_cause_wait_s):
+                    await pending.cause_in.wait()
+            failure, found = pending.best()
+            state = ctx.current_state()
+            waiting = state.last_failure.round if state.awaiting_decision and state.last_failure else None
+            if waiting == pending.round:  # (the decision timer may have decided already)
+                await self._decide(failure, found, ctx, among=len(pending.candidates))
+        except Exception as exc:  # the default policy decides when the decision timer fires
+            ctx.log.exception("root_cause_decision_failed", error=repr(exc))
+        finally:
+            if self._root_cause is pending:
+                self._root_cause = None
+
+    async def _decide(self, failure: WorkerFailed, found: Classification, ctx: Ctx, *, among: int = 1) -> None:
         action = found.action.recovery
         reason = f"{found.failure_class.value} in rank {failure.rank} ({found.rule}): {found.evidence}"
+        if among > 1:
+            reason += f" (the likeliest cause among {among} failures of the round)"
         if found.action is Action.MORE_MEMORY:
             reason += "; more memory wanted for the node: the workers restart meanwhile"
         exc = last_exception(failure.error_tail)
@@ -301,3 +342,30 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             node_id=failure.node_id, rank=failure.rank, decided_by=self.name,
             failure_class=found.failure_class.value, rule=found.rule, evidence=found.evidence[:4096],
         ))
+
+
+#: classes that are usually the symptom of another rank's failure (its peers' collectives break), not a cause
+_SYMPTOMS = frozenset({FailureClass.COLLECTIVE})
+#: which class is the likelier cause when several failures of one round compete (lower first)
+_CAUSE_ORDER = {FailureClass.HARDWARE: 0, FailureClass.OOM: 1, FailureClass.USER_ERROR: 2,
+                FailureClass.NODE_LOST: 3, FailureClass.TRANSIENT: 4, FailureClass.COLLECTIVE: 5}
+
+
+class _RootCause:
+    """The failures of one round while its decision waits for a cause behind a collective error."""
+
+    def __init__(self, first: WorkerFailed, found: Classification) -> None:
+        self.round = first.round
+        self.candidates = [(first, found)]
+        self.cause_in = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    def add(self, failure: WorkerFailed, found: Classification) -> None:
+        self.candidates.append((failure, found))
+        if found.failure_class not in _SYMPTOMS:
+            self.cause_in.set()
+
+    def best(self) -> tuple[WorkerFailed, Classification]:
+        """The likeliest cause: the strongest class, then the failure that happened first."""
+        return min(self.candidates, key=lambda c: (_CAUSE_ORDER[c[1].failure_class],
+                                                   c[0].exited_at if c[0].exited_at is not None else math.inf))

@@ -26,6 +26,10 @@ class DiagnosisSettings:
     hang_check_s: float = setting(1.0, min=0.05, help="how often the hang detector looks")
     stacks_wait_s: float = setting(5.0, min=0.1, help="how long the detector waits for every node's stacks before "
                                                       "it acts on the ones it has")
+    root_cause_wait_s: float = setting(0.5, min=0.0, help="a failure that is a collective's error (usually another "
+                                                          "rank's failure seen from here) waits this long for the "
+                                                          "round's other failures, so the decision is about the "
+                                                          "cause; 0: decide on the first failure")
     rules_file: str = setting("", help="a TOML file of failure classification rules tried before the built-in ones "
                                        "([[rules]] tables, and [actions] mapping a class to an action)")
     stragglers: bool = setting(True, help="compare the nodes' own time per step and report a node that is "
