@@ -67,10 +67,16 @@ class Settings:
     retry_max_s: float = setting(5.0, min=0.001)
     #: give up retrying an unavailable store or master after this long
     retry_deadline_s: float = 60.0
+    #: a master starting up gives up on a store it cannot reach after this long (a running one rides out
+    #: outages for retry_deadline_s)
+    store_connect_timeout_s: float = setting(5.0, min=0.001)
     #: a store call that takes longer than this counts as "store unavailable"
     store_timeout_s: float = setting(5.0, min=0.001)
     #: an RPC to the master that takes longer than this counts as "master unavailable"
     rpc_timeout_s: float = setting(5.0, min=0.001)
+    #: the largest RPC message the master accepts, bytes (gRPC's own default is 4 MiB); a larger one is refused
+    #: RESOURCE_EXHAUSTED before it is decoded
+    rpc_max_message_bytes: int = setting(4 << 20, min=64 << 10, max=1 << 30)
     #: polling interval of the sqlite watch (other processes' writes)
     sqlite_watch_poll_s: float = setting(0.05, min=0.001)
     #: how long workers get between SIGTERM and SIGKILL when stopped

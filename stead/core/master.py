@@ -74,13 +74,18 @@ class MasterConfig:
 
 
 async def open_store_retrying(url: str, settings: Settings) -> StateStore:
-    """Open the store, retrying with exponential backoff while it is unavailable."""
+    """Open the store, retrying for ``store_connect_timeout_s`` while it is unavailable.
+
+    At start-up nothing runs yet that waiting would save: a store that is not there
+    is said in seconds, not after the minute a running master rides out an outage.
+    """
     try:
-        return await retrying(lambda: open_store(url, settings=settings), settings, what=f"state store {url}")
+        return await retrying(lambda: open_store(url, settings=settings), settings, what=f"state store {url}",
+                              deadline_s=settings.store_connect_timeout_s)
     except RetryableError as exc:
         raise StoreUnavailable(
-            f"state store {url} still unavailable after {settings.retry_deadline_s:g} s ({exc}); "
-            "start it, check the URL, or raise retry_deadline_s"
+            f"state store {url} is unreachable (tried for {settings.store_connect_timeout_s:g} s: {exc}); "
+            "start it, check the URL, or raise store_connect_timeout_s"
         ) from exc
 
 
@@ -197,7 +202,8 @@ class Master:
         write_token_file(self.token_file, self.token)
         self._stack.callback(self.token_file.unlink, missing_ok=True)
         self._rpc = await self._stack.enter_async_context(
-            RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file))
+            RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file,
+                      max_message_bytes=self.settings.rpc_max_message_bytes))
         if cfg.platform is not None:
             await self._stack.enter_async_context(_as_context(cfg.platform))
         tasks = await self._stack.enter_async_context(_Supervisor(self.settings))

@@ -30,14 +30,16 @@ async def retrying(
     what: str = "rpc",
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
     clock: Callable[[], float] = time.monotonic,
+    deadline_s: float | None = None,
 ) -> T:
     """``await call()``, retrying a RetryableError with exponential backoff.
 
     The delay starts at ``settings.retry_initial_s`` and doubles up to
-    ``settings.retry_max_s``; after ``settings.retry_deadline_s`` the last error
-    is raised. Other errors are raised at once.
+    ``settings.retry_max_s``; after ``deadline_s`` (default ``settings.retry_deadline_s``)
+    the last error is raised. Other errors are raised at once.
     """
-    deadline = clock() + settings.retry_deadline_s
+    limit = settings.retry_deadline_s if deadline_s is None else deadline_s
+    deadline = clock() + limit
     delay = settings.retry_initial_s
     attempt = 0
     while True:
@@ -48,7 +50,7 @@ async def retrying(
             remaining = deadline - clock()
             if remaining <= 0:
                 log.error("retry_gave_up", what=what, attempts=attempt, error=str(exc))
-                exc.add_note(f"gave up after {attempt} attempts over retry_deadline_s={settings.retry_deadline_s}")
+                exc.add_note(f"gave up after {attempt} attempts over {limit:g} s")
                 raise
             pause = min(delay, settings.retry_max_s, remaining)
             log.warning("retrying", what=what, attempt=attempt, delay_s=round(pause, 3), error=str(exc))

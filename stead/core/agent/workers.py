@@ -41,6 +41,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from stead.core.agent.zygote import Zygote, ZygoteUnavailable
 from stead.core.config import Settings
 from stead.core.errors import InvalidRequest, PlatformError
+from stead.core.rpc.backend import MAX_ERROR_TAIL_CHARS
 
 __all__ = ["WorkerExit", "WorkerGroup", "WorkerSpec"]
 
@@ -141,7 +142,8 @@ class _Output:
         lines = list(self._tail)
         if self._tail_partial:
             lines.append(self._tail_partial)
-        return b"\n".join(lines[-self._tail_lines:]).decode(errors="replace")
+        text = b"\n".join(lines[-self._tail_lines:]).decode(errors="replace")
+        return text[-MAX_ERROR_TAIL_CHARS:]  # a line without end may be long: its end is what explains
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -37,7 +37,7 @@ from stead.core.rpc._proto.stead.v1 import (
     WorkersReport,
 )
 from stead.core.rpc._status import backend_errors, invalid
-from stead.core.rpc.backend import MAX_EVIDENCE_CHARS, AgentBackend
+from stead.core.rpc.backend import MAX_ERROR_TAIL_CHARS, MAX_EVIDENCE_CHARS, MAX_HOST_CHARS, AgentBackend
 
 __all__ = ["AgentServicer", "check_node_id"]
 
@@ -81,8 +81,13 @@ class AgentServicer(AgentServiceBase):
         _check_node(where, message.node_id, message.incarnation)
         if not message.host:
             invalid(f"{where}.host is empty: pass the host name or address the agent runs on")
+        if len(message.host) > MAX_HOST_CHARS or not message.host.isascii() or not message.host.isprintable():
+            invalid(f"{where}.host {message.host[:64]!r}... ({len(message.host)} characters) is not a host name: "
+                    f"pass the agent's host name or address, at most {MAX_HOST_CHARS} printable ASCII characters")
         _at_least(where, "pid", message.pid, 1, "the agent's process id")
         _at_least(where, "nproc", message.nproc, 1, "the number of worker processes on the node")
+        if message.nproc > _MAX_WORKERS:
+            invalid(f"{where}.nproc is {message.nproc}: a node runs at most {_MAX_WORKERS} workers")
         with backend_errors("AgentService.Register"):
             result = await self._backend.register(register_from_proto(message))
         return register_reply_to_proto(result)
@@ -133,6 +138,9 @@ class AgentServicer(AgentServiceBase):
             if len(text) > MAX_EVIDENCE_CHARS:
                 invalid(f"{where}.{name} has {len(text)} characters: an evidence line is at most "
                         f"{MAX_EVIDENCE_CHARS}; send the record itself, not a log")
+        if len(message.error_tail) > MAX_ERROR_TAIL_CHARS:
+            invalid(f"{where}.error_tail has {len(message.error_tail)} characters: send at most "
+                    f"{MAX_ERROR_TAIL_CHARS}, the end of the worker's stderr")
         with backend_errors("AgentService.ReportFailure"):
             await self._backend.report_failure(failure_from_proto(message))
         return Ack()

@@ -17,7 +17,9 @@ __all__ = [
     "DumpStacksCmd",
     "FailureInfo",
     "HeartbeatInfo",
+    "MAX_ERROR_TAIL_CHARS",
     "MAX_EVIDENCE_CHARS",
+    "MAX_HOST_CHARS",
     "RegisterInfo",
     "RegisterResult",
     "StartWorkersCmd",
@@ -34,6 +36,10 @@ WorkersState = Literal["started", "succeeded"]
 
 #: the longest OOM record or GPU fault line a failure report carries
 MAX_EVIDENCE_CHARS = 4096
+#: the longest stderr tail a failure report carries (the agent keeps the end of a longer one)
+MAX_ERROR_TAIL_CHARS = 32 * 1024
+#: the longest host name an agent may announce (a DNS name)
+MAX_HOST_CHARS = 253
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

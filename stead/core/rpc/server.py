@@ -43,10 +43,22 @@ class Servicer(Protocol):
     def __mapping__(self) -> Mapping[str, grpclib.const.Handler]: ...
 
 
+#: the largest request body a server decodes unless told otherwise (gRPC's own default)
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+
+
 class _StrictProtoCodec(ProtoCodec):
-    """A request body that is not the expected message is INVALID_ARGUMENT, not an internal error."""
+    """A request body that is not the expected message is INVALID_ARGUMENT, not an internal error; one over
+    ``max_bytes`` is RESOURCE_EXHAUSTED, refused before it is decoded (and so before anything is built from it)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
 
     def decode(self, data: bytes, message_type: type[IProtoMessage]) -> IProtoMessage:
+        if len(data) > self.max_bytes:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED,
+                            f"a {message_type.__name__} of {len(data)} bytes is over this master's limit of "
+                            f"{self.max_bytes} bytes (setting rpc_max_message_bytes); send less per call")
         try:
             return super().decode(data, message_type)
         except Exception as exc:
@@ -110,8 +122,10 @@ class RpcServer:
         host: str = "127.0.0.1",
         port: int = 0,
         token_file: str | os.PathLike[str] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self._handlers = tuple(handlers)
+        self._max_message_bytes = max_message_bytes
         self._token = token
         self._token_file = token_file
         self._host = host
@@ -138,7 +152,7 @@ class RpcServer:
     async def __aenter__(self) -> Self:
         if self._server is not None:
             raise RuntimeError("RpcServer is already serving; use one `async with` per instance")
-        server = _Server(self._handlers, codec=_StrictProtoCodec())
+        server = _Server(self._handlers, codec=_StrictProtoCodec(self._max_message_bytes))
         require_token(server, self._token, token_file=self._token_file)
         sock = await self._bind()
         try:

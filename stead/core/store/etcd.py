@@ -165,7 +165,11 @@ class EtcdStore:
         if isinstance(exc, TimeoutError):
             code, details = "DEADLINE_EXCEEDED", f"no answer within store_timeout_s={self._timeout}"
         elif isinstance(exc, grpc.aio.AioRpcError):
-            code, details = exc.code().name, exc.details()
+            code, details = exc.code().name, exc.details() or ""
+            if "request is too large" in details or "larger than max" in details:
+                return StoreError(f"etcd at {self._url} refused {op}: {details}; a value is larger than etcd "
+                                  "accepts (its --max-request-bytes, 1.5 MiB by default): raise that limit on "
+                                  "the etcd server, or store less per key")
             if exc.code() in _PERMANENT:
                 if "lease not found" in details:
                     return _LeaseGone(f"etcd at {self._url} refused {op}: the lease expired or was revoked; "

@@ -1,22 +1,36 @@
-"""A fast checksum over tensor bytes: the wrapping sum of little-endian 64-bit words.
+"""Checksums over checkpoint bytes: XXH3-64 of every tensor and of every document.
 
-It is not cryptographic: it catches torn copies (a slot or file that mixes two
-states), truncation and flipped bits, at memory speed (numpy's reduction, which
-releases the GIL, so the agent computes it off the training thread).
+XXH3 (the ``xxhash`` package) is a real hash: any reordering, shifted or swapped
+words, or offsetting changes across words changes it with overwhelming likelihood,
+where a sum of words misses them. It runs at several times memory bandwidth and
+releases the GIL, so the agent computes it off the training thread.
+
+:func:`sum64`, the wrapping sum of 64-bit words, is what stead wrote before
+(manifest format 1): it is kept to read those checkpoints, never to write.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import xxhash
 
-__all__ = ["sum64"]
+__all__ = ["checksum", "sum64", "with_digest", "without_digest"]
 
 _MASK = (1 << 64) - 1
 _LENGTH_MIX = 0x9E3779B97F4A7C15
+#: the key of a document's own digest; always the document's last key
+_DIGEST = b',"digest":"'
+
+
+def checksum(buf: memoryview | bytes | bytearray) -> int:
+    """XXH3-64 of ``buf``'s bytes."""
+    state = xxhash.xxh3_64()
+    state.update(memoryview(buf).cast("B"))
+    return state.intdigest()
 
 
 def sum64(buf: memoryview | bytes | bytearray) -> int:
-    """Checksum of ``buf`` (its length is mixed in, so trailing zeros count)."""
+    """The checksum of manifest format 1: wrapping sum of little-endian 64-bit words, length mixed in."""
     view = memoryview(buf).cast("B")
     n = len(view)
     words = n // 8
@@ -24,3 +38,27 @@ def sum64(buf: memoryview | bytes | bytearray) -> int:
     if n % 8:
         total += int.from_bytes(view[words * 8:], "little")
     return (total + n * _LENGTH_MIX) & _MASK
+
+
+def with_digest(document: bytes) -> bytes:
+    """``document`` (a JSON object) with a last key ``digest``: the XXH3-64 of the object without it.
+
+    The document stays JSON; :func:`without_digest` finds the key again even when
+    the tree holds a key of the same name, because ours is the last one.
+    """
+    if not document.endswith(b"}"):
+        raise ValueError("a digest is added to a JSON object")
+    return document[:-1] + _DIGEST + f'{checksum(document):016x}"}}'.encode()
+
+
+def without_digest(raw: bytes) -> bytes | None:
+    """The document that :func:`with_digest` sealed, if ``raw`` is one and its digest matches; else None."""
+    at = raw.rfind(_DIGEST)
+    tail = raw[at + len(_DIGEST):].rstrip()
+    if at < 0 or len(tail) != 18 or not tail.endswith(b'"}'):
+        return None
+    document = raw[:at] + b"}"
+    try:
+        return document if int(tail[:16], 16) == checksum(document) else None
+    except ValueError:
+        return None

@@ -3,7 +3,9 @@
 ``<ckpt_dir>/<job>/step_<N>/`` holds, per rank, ``__<rank>_0.distcp`` (each tensor
 and each non-tensor value as torch.distributed.checkpoint's FileSystemWriter
 writes them) and ``rank_<rank>.json`` (stead's manifest: the state dict's tree,
-each tensor's dtype, shape, byte offset in the data file and checksum). Once every
+each tensor's dtype, shape, byte offset in the data file and XXH3-64 checksum, and
+the manifest's own digest over all of that, so a changed learning rate or string in
+the tree is caught as surely as a changed weight). Once every
 rank's manifest is there, whoever wrote the last one adds ``.metadata`` (what
 ``torch.distributed.checkpoint.load`` reads; it is a pickle, written by us from
 the manifests and never read back by stead) and moves the tracker
@@ -12,6 +14,8 @@ then keeps only the newest ``ckpt_keep_last`` complete steps.
 
 stead restores from the manifests only: JSON, then raw bytes read straight into
 the destination tensors and checked against the checksums. Nothing is unpickled.
+Manifests of format 1 (a sum of words as checksum, no digest) are still read.
+Every file is created readable by its owner only (0600).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 
 import structlog
 
-from stead.plugins.ckpt._checksum import sum64
+from stead.plugins.ckpt._checksum import checksum, sum64, with_digest, without_digest
 from stead.plugins.ckpt.errors import CheckpointError
 
 __all__ = [
@@ -54,7 +58,9 @@ log = structlog.get_logger("stead.plugins.ckpt")
 
 TRACKER = "latest"
 METADATA = ".metadata"
-FORMAT = 1
+FORMAT = 2
+#: format 1: tensor checksums are sum64, the manifest has no digest (read, never written)
+_LEGACY = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _MANIFEST = re.compile(r"^rank_(\d+)\.json$")
 
@@ -94,9 +100,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _create_private(path: Path, mode: str) -> Any:
+    """``open(path, mode)`` for a new file only its owner can read and write (0600)."""
+    return open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600), mode)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as handle:
+    with _create_private(tmp, "wb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
@@ -180,6 +191,11 @@ class Manifest:
     data_file: str
     tree: Any
     tensors: list[dict[str, Any]]
+    format: int = FORMAT
+
+    def checksum(self, buf: memoryview) -> int:
+        """The checksum of ``buf`` as this manifest's format computes it."""
+        return sum64(buf) if self.format == _LEGACY else checksum(buf)
 
     @property
     def dir(self) -> Path:
@@ -200,7 +216,7 @@ def write_rank(root: Path, *, step: int, round_: int, rank: int, world: int, tre
     from stead.plugins.ckpt._codec import decode
 
     tensors = [_owning(t) for t in tensors]
-    sums = [sum64(tensor_bytes(t)) for t in tensors]
+    sums = [checksum(tensor_bytes(t)) for t in tensors]
     if expected is not None:
         bad = [i for i, (a, b) in enumerate(zip(sums, expected, strict=True)) if a != b]
         if bad:
@@ -215,7 +231,7 @@ def write_rank(root: Path, *, step: int, round_: int, rank: int, world: int, tre
     items: list[dict[str, Any]] = []
     data = folder / _data_name(rank)
     tmp = folder / f".{data.name}.tmp-{os.getpid()}"
-    with open(tmp, "w+b") as handle:
+    with _create_private(tmp, "w+b") as handle:
         for fqn, value in flat.items():
             start = handle.tell()
             torch.save(value, handle)
@@ -236,7 +252,7 @@ def write_rank(root: Path, *, step: int, round_: int, rank: int, world: int, tre
     entries = [{**meta, "file_offset": raw[i], "checksum": sums[i]} for i, meta in enumerate(metas)]
     manifest = {"format": FORMAT, "step": step, "round": round_, "rank": rank, "world": world,
                 "file": data.name, "tensors": entries, "tree": tree, "dcp": items}
-    _write_atomic(_manifest_path(root, step, rank), json.dumps(manifest, separators=(",", ":")).encode())
+    _write_atomic(_manifest_path(root, step, rank), with_digest(json.dumps(manifest, separators=(",", ":")).encode()))
 
 
 def read_manifest(root: Path, step: int, rank: int) -> Manifest:
@@ -245,11 +261,16 @@ def read_manifest(root: Path, step: int, rank: int) -> Manifest:
     raw = path.read_bytes()
     try:
         obj = json.loads(raw)
-        if obj.get("format") != FORMAT:
-            raise CheckpointError(f"{path}: format {obj.get('format')!r} is not {FORMAT}")
+        if obj.get("format") == FORMAT:
+            if without_digest(raw) is None:
+                raise CheckpointError(f"{path} fails its digest: the manifest (its tree, learning rate, strings "
+                                      "or tensor table) was changed or damaged after it was written")
+        elif obj.get("format") != _LEGACY:
+            raise CheckpointError(f"{path}: format {obj.get('format')!r} is not {FORMAT}; read it with the stead "
+                                  "version that wrote it")
         manifest = Manifest(root=root, step=int(obj["step"]), round=int(obj["round"]), rank=int(obj["rank"]),
                             world=int(obj["world"]), data_file=str(obj["file"]), tree=obj["tree"],
-                            tensors=list(obj["tensors"]))
+                            tensors=list(obj["tensors"]), format=int(obj["format"]))
         for t in manifest.tensors:
             if int(t["file_offset"]) < 0 or int(t["nbytes"]) < 0 or not isinstance(t["checksum"], int):
                 raise ValueError("bad tensor entry")
@@ -277,7 +298,7 @@ def read_tensor_into(manifest: Manifest, handle: Any, index: int, target: memory
         if not got:
             raise CheckpointError(f"{manifest.dir / manifest.data_file} is truncated (tensor {index})")
         done += got
-    if sum64(target) != int(entry["checksum"]):
+    if manifest.checksum(target) != int(entry["checksum"]):
         raise CheckpointError(f"{manifest.dir / manifest.data_file}: tensor {index} fails its checksum (corrupt)")
 
 
@@ -310,7 +331,7 @@ def read_tracker(root: Path) -> int | None:
 @contextlib.contextmanager
 def _job_lock(root: Path) -> Iterator[None]:
     root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

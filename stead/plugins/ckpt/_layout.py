@@ -1,7 +1,7 @@
 """Where each tensor of a state dict sits in a slot, and the slot's JSON layout document.
 
 A slot's data segment holds the tensors (each 64-byte aligned) from offset 0, then
-one 64-bit checksum per tensor (filled in by the agent), then the layout document:
+one XXH3-64 checksum per tensor (filled in by the agent), then the layout document:
 JSON with the step, the writer's rank and world size, the tree of the state dict
 and every tensor's dtype, shape, size and offset. The document's checksum is in the
 control block, so a reader never trusts a torn document.
@@ -13,13 +13,13 @@ import dataclasses
 import json
 from typing import Any
 
-from stead.plugins.ckpt._checksum import sum64
+from stead.plugins.ckpt._checksum import checksum
 from stead.plugins.ckpt.errors import CheckpointError
 
 __all__ = ["LayoutDoc", "SlotLayout", "parse_document", "plan"]
 
 ALIGN = 64
-FORMAT = 1
+FORMAT = 2  # 2: XXH3-64 checksums (1: sums of words)
 
 
 def _aligned(offset: int) -> int:
@@ -90,7 +90,7 @@ class LayoutDoc:
 
 def parse_document(raw: bytes, *, expected_sum: int | None, where: str) -> LayoutDoc:
     """Parse and check a layout document read back from a slot (or a disk manifest's layout)."""
-    if expected_sum is not None and sum64(raw) != expected_sum:
+    if expected_sum is not None and checksum(raw) != expected_sum:
         raise CheckpointError(f"{where}: the layout document fails its checksum (torn or corrupt)")
     try:
         obj = json.loads(raw)

@@ -11,7 +11,7 @@ import anyio
 import structlog
 
 from stead.plugins.ckpt import _disk
-from stead.plugins.ckpt._checksum import sum64
+from stead.plugins.ckpt._checksum import checksum
 from stead.plugins.ckpt._layout import LayoutDoc, parse_document
 from stead.plugins.ckpt._shm import Control, SegmentNames, SlotInfo, map_segment
 
@@ -80,7 +80,7 @@ class RankMemory:
         doc.check_fits(info.capacity, where=where)
         memory = memoryview(view)
         try:
-            return doc, [sum64(memory[offset:offset + nbytes]) for offset, nbytes in doc.regions()]
+            return doc, [checksum(memory[offset:offset + nbytes]) for offset, nbytes in doc.regions()]
         finally:
             memory.release()
 

@@ -42,7 +42,7 @@ import torch
 from stead.core.agent.progress import resume_steps_at
 from stead.plugin import load_settings
 from stead.plugins.ckpt import _disk
-from stead.plugins.ckpt._checksum import sum64
+from stead.plugins.ckpt._checksum import checksum
 from stead.plugins.ckpt._codec import Encoded, TensorMeta, decode, encode, find
 from stead.plugins.ckpt._layout import LayoutDoc, SlotLayout, parse_document, plan
 from stead.plugins.ckpt._link import SOCKET_ENV, AgentLink
@@ -444,7 +444,7 @@ class FlashCheckpointer:
                  persist: bool) -> None:
         self._ctl.end_write(index, seq=seq, step=step, round_=self.round, rank=self.rank, world=self.world_size,
                             data_bytes=layout.data_bytes, n_tensors=layout.n_tensors, checks_off=layout.checks_off,
-                            layout_off=layout.layout_off, layout_len=len(document), layout_sum=sum64(document))
+                            layout_off=layout.layout_off, layout_len=len(document), layout_sum=checksum(document))
         self._pending = step
         if persist:
             self._persist_requested = step
@@ -510,7 +510,7 @@ class FlashCheckpointer:
         expected = memoryview(mapped.mm)[slot.checks_off:slot.checks_off + 8 * len(doc.tensors)].cast("Q")
         try:
             bad = [i for i, (offset, nbytes) in enumerate(doc.regions())
-                   if sum64(mapped.memory(offset, nbytes)) != expected[i]]
+                   if checksum(mapped.memory(offset, nbytes)) != expected[i]]
         finally:
             expected.release()
         if bad:

@@ -24,7 +24,12 @@ class ShardingPlugin(Plugin[ShardingSettings]):
         self.service: ShardService | None = None
 
     async def start(self, *, ctx: PluginContext[ShardingSettings]) -> None:
-        self.service = ShardService(ctx.store, prefix=ctx.key("v1"), settings=ctx.settings, emit=ctx.emit)
+        def max_world_size() -> int | None:
+            spec = ctx.current_state().spec
+            return spec.max_nodes * spec.nproc_per_node if spec is not None else None
+
+        self.service = ShardService(ctx.store, prefix=ctx.key("v1"), settings=ctx.settings, emit=ctx.emit,
+                                    max_world_size=max_world_size)
         ctx.add_rpc_handler(ShardServicer(self.service))
 
     async def handle(self, *, record: Record, ctx: PluginContext[ShardingSettings]) -> None:

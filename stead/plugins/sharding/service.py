@@ -68,14 +68,26 @@ def check_name(name: str) -> str:
 
 class ShardService:
     def __init__(self, store: StateStore, *, prefix: str, settings: ShardingSettings, emit: Emit | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_world_size: Callable[[], int | None] | None = None) -> None:
         self._store = store
+        #: the job's largest world (MAX nodes x processes per node); a caller's world_size above it is refused
+        self._max_world_size = max_world_size
         self._prefix = prefix.rstrip("/")
         self.settings = settings
         self._emit = emit
         self._clock = clock
         self._datasets: dict[str, _Dataset] = {}
         self._loading = asyncio.Lock()
+
+    def _check_world(self, who: StreamId) -> None:
+        """Refuse a world size the job cannot have before anything is sized by it."""
+        largest = self._max_world_size() if self._max_world_size is not None else None
+        if who.world_size < 1 or (largest is not None and who.world_size > largest):
+            within = f"1 to {largest} (the job's MAX nodes x processes per node)" if largest is not None else \
+                "at least 1"
+            raise InvalidRequest(f"world_size={who.world_size} of dataset {who.dataset!r} is not a world this job "
+                                 f"can have; pass the data-parallel world size, {within}")
 
     def _key(self, name: str) -> str:
         return f"{self._prefix}/datasets/{name}"
@@ -138,6 +150,7 @@ class ShardService:
     async def lease(self, who: StreamId, *, epoch: int, have: int, count: int, consumed: int,
                     wait_s: float = 0.0) -> LeaseAnswer:
         ds = await self._dataset(who.dataset)
+        self._check_world(who)
         deadline = self._clock() + _check_wait(wait_s)
         while True:
             await self._sweep(ds)
@@ -172,6 +185,7 @@ class ShardService:
     async def restore(self, who: StreamId, cursor: CursorState | None) -> bool:
         """This rank starts its round from ``cursor`` (None: from wherever the others do); True once it started."""
         ds = await self._dataset(who.dataset)
+        self._check_world(who)
         ops = ds.ledger.decide_declare(round_=who.round, rank=who.rank, world_size=who.world_size,
                                        node_id=who.node_id, nonce=who.nonce, cursor=cursor)
         await self._commit(ds, ops)
@@ -181,6 +195,7 @@ class ShardService:
                    wait_s: float = 0.0) -> CursorState | None:
         """The cursor of a checkpoint; None while the round waits for ranks that have not declared themselves."""
         ds = await self._dataset(who.dataset)
+        self._check_world(who)
         deadline = self._clock() + _check_wait(wait_s)
         while not ds.ledger.started(who.round):
             ops = ds.ledger.decide_declare(round_=who.round, rank=who.rank, world_size=who.world_size,

@@ -17,6 +17,7 @@ from stead.core.agent.workers import WorkerExit, WorkerGroup, _zombie_failure
 from stead.core.agent.zygote import Zygote
 from stead.core.config import Settings
 from stead.core.errors import InvalidRequest
+from stead.core.rpc.backend import MAX_ERROR_TAIL_CHARS
 
 pytestmark = pytest.mark.anyio
 
@@ -39,6 +40,22 @@ async def test_exit_code_and_stderr_tail_are_reported(tmp_path: Path, zygote: Zy
     assert (result.local_rank, result.exit_code, result.signal) == (0, 3, None)
     assert result.error_tail == "line 18\nline 19\nno newline at the end"
     assert not result.ok
+
+
+async def test_a_huge_stderr_tail_is_cut_to_its_end_so_the_failure_report_still_fits(
+        tmp_path: Path, zygote: Zygote | None) -> None:
+    script = write(tmp_path, "shout.py", """
+        import sys
+        for i in range(40):
+            sys.stderr.write("x" * 50_000 + "\\n")
+        sys.stderr.write("the real error")
+        sys.exit(1)
+    """)
+    async with WorkerGroup(zygote=zygote) as group:
+        await group.start([spec(py(script), tmp_path)])
+        (result,) = await collect(group)
+    assert len(result.error_tail) == MAX_ERROR_TAIL_CHARS
+    assert result.error_tail.endswith("x\nthe real error")
 
 
 async def test_death_by_signal_is_reported_as_signal(tmp_path: Path, zygote: Zygote | None) -> None:

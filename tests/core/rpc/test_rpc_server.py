@@ -117,6 +117,29 @@ async def test_a_body_that_is_not_protobuf_is_invalid_argument(server: RpcServer
     assert await client.register(REGISTER) == backend.result  # the server still serves
 
 
+async def test_a_message_over_the_size_limit_is_refused_before_it_is_decoded(backend: Any, token: str,
+                                                                             call_timeout_s: float) -> None:
+    async with RpcServer([AgentServicer(backend)], token=token, max_message_bytes=64 << 10) as server, \
+            MasterClient(server.address, token, call_timeout_s=call_timeout_s) as client:
+        channel = Channel(server.host, server.port, codec=_RawCodec())
+        attach_token(channel, token)
+        host = b"h" * (65 << 10)  # field 3 (host), a well-formed message, just too big
+        body = b"\x1a" + bytes([0x80 | (len(host) & 0x7F), 0x80 | (len(host) >> 7 & 0x7F), len(host) >> 14]) + host
+        try:
+            with pytest.raises(GRPCError) as caught:
+                async with channel.request("/stead.v1.AgentService/Register", Cardinality.UNARY_UNARY, bytes, bytes,
+                                           timeout=10) as stream:
+                    await stream.send_message(body, end=True)
+                    await stream.recv_message()
+        finally:
+            channel.close()
+        assert caught.value.status == Status.RESOURCE_EXHAUSTED
+        assert f"a RegisterRequest of {len(body)} bytes is over this master's limit of 65536 bytes (setting " \
+               "rpc_max_message_bytes)" in (caught.value.message or "")
+        assert backend.calls == 0
+        assert await client.register(REGISTER) == backend.result  # the server still serves
+
+
 async def test_clients_of_a_closed_port_raise_rpc_unavailable(token: str, call_timeout_s: float) -> None:
     address = f"127.0.0.1:{_free_port()}"
     async with MasterClient(address, token, call_timeout_s=call_timeout_s) as client:

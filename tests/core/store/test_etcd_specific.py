@@ -133,3 +133,14 @@ def test_etcd_urls_parse_into_endpoints(url: str, endpoints: list[tuple[str, int
 def test_a_malformed_etcd_url_names_an_example() -> None:
     with pytest.raises(ConfigError, match=r"etcd://127\.0\.0\.1:2379"):
         parse_etcd_url("etcd://a:1,:2")
+
+
+async def test_a_value_over_etcd_s_request_limit_is_refused_clearly_not_blamed_on_an_outage(etcd_url: str) -> None:
+    store = await open_store(etcd_url)
+    try:
+        with pytest.raises(StoreError, match=r"larger than etcd accepts \(its --max-request-bytes") as caught:
+            await store.put("/stead-test/too-large", b"x" * (2 << 20))
+        assert not isinstance(caught.value, StoreUnavailable)
+        assert await store.get("/stead-test/too-large") is None
+    finally:
+        await store.close()

@@ -40,7 +40,8 @@ def _who(rank: int, world: int = 1, dataset: str = "ids", round_: int = 1) -> St
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[ShardService, ShardClient, str, str]]:
     store = await open_store("memory://")
-    service = ShardService(store, prefix="/stead/jobs/t/plugins/sharding/v1", settings=ShardingSettings())
+    service = ShardService(store, prefix="/stead/jobs/t/plugins/sharding/v1", settings=ShardingSettings(),
+                           max_world_size=lambda: 4)
     token = new_token()
     async with RpcServer([ShardServicer(service)], token=token) as server, \
             ShardClient(server.address, token, call_timeout_s=10) as client:
@@ -74,6 +75,13 @@ async def test_bad_input_is_invalid_argument_saying_what_to_do_and_changes_nothi
          "partition 0 of streaming source 'events' went backwards: its end offset is 50, the update says 40"),
         (lambda: client.restore(_who(0, round_=2), CursorState("f00", 0, ())), "another definition of dataset"),
         (lambda: client.lease(_who(0), epoch=0, have=1, count=-1, consumed=0, wait_s=0), "ask for 1 to"),
+        (lambda: client.lease(_who(0, world=2**31 - 1, round_=3), epoch=0, have=0, count=1, consumed=0, wait_s=0),
+         r"world_size=2147483647 of dataset 'ids' is not a world this job can have; pass the data-parallel world "
+         r"size, 1 to 4 \(the job's MAX nodes x processes per node\)"),
+        (lambda: client.save(_who(0, world=5, round_=3), consumed=[0] * 5, epochs=[0] * 5, wait_s=0),
+         "world_size=5 of dataset 'ids' is not a world"),
+        (lambda: client.restore(_who(0, world=0, round_=3), CursorState("", 0, ())),
+         "world_size=0 of dataset 'ids' is not a world"),
     ]
     before = _state(service)
     for call, message in bad:
