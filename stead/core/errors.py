@@ -27,6 +27,7 @@ from __future__ import annotations
 __all__ = [
     "CodecError",
     "ConfigError",
+    "EffectDeclined",
     "InvalidRequest",
     "LogConflict",
     "LogCorrupt",
@@ -98,6 +99,11 @@ class PluginError(PermanentError):
 
 class PlatformError(PermanentError):
     """The platform could not carry out a launch or kill."""
+
+
+class EffectDeclined(PermanentError):
+    """This master cannot carry out the effect (a node launch without a platform): it stays unclaimed, for a
+    master that can (one started with a platform, resuming the job) to run it."""
 
 
 class Unauthenticated(PermanentError):

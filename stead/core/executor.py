@@ -14,7 +14,7 @@ from pathlib import Path
 
 import structlog
 
-from stead.core.errors import PlatformError
+from stead.core.errors import EffectDeclined, PlatformError
 from stead.core.hub import AgentHub
 from stead.core.platform import NodeSpec, Platform
 from stead.core.statemachine import (
@@ -56,7 +56,7 @@ class Executor:
                 if self.platform is None or self.node_spec is None:
                     log.info("node_wanted", node=effect.node_id, incarnation=effect.incarnation,
                              hint="start its agent with `stead agent`")
-                    return
+                    raise EffectDeclined(f"no platform launches {effect.node_id} here")
                 spec = self.node_spec(effect.node_id, effect.incarnation, self._address(),
                                       str(self._token_file.resolve()))
                 if effect.avoid_hosts:

@@ -44,7 +44,15 @@ import anyio.abc
 import structlog
 
 from stead.core.config import Settings
-from stead.core.errors import CodecError, LogConflict, LogCorrupt, ReactorStopped, RetryableError, SteadError
+from stead.core.errors import (
+    CodecError,
+    EffectDeclined,
+    LogConflict,
+    LogCorrupt,
+    ReactorStopped,
+    RetryableError,
+    SteadError,
+)
 from stead.core.events import EffectFailed, Event, Record, TimerFired, TransitionRejected
 from stead.core.events.log import EventLog, job_prefix
 from stead.core.retry import retrying
@@ -303,6 +311,9 @@ class Reactor:
         try:
             with anyio.fail_after(self.settings.effect_timeout_s):
                 await self.executor.run(effect)
+        except EffectDeclined:  # not this master's to run: left unclaimed for one that can
+            await self._write(lambda: self.log.store.delete(key))
+            return
         except Exception as exc:
             error = (f"did not finish within effect_timeout_s={self.settings.effect_timeout_s:g} s"
                      if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}")

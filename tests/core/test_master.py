@@ -231,3 +231,34 @@ async def test_the_nodes_of_a_round_started_concurrently_share_one_rendezvous_st
         assert await rounds.for_round(1) != addresses[0] and rounds.latest == addresses[0]  # an older round's
     finally:
         rounds.close()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc shows them) something listens on at ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.rpartition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+async def test_the_rendezvous_store_listens_on_the_master_s_address_only_and_serves_workers() -> None:
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    rounds = RoundStores("127.0.0.1", enabled=True)
+    try:
+        host, port = await rounds.for_round(1)
+        assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, not every interface
+        worker = TCPStore(host, port, is_master=False, use_libuv=True)
+        worker.set("rank0", "here")
+        assert worker.get("rank0") == b"here"
+        del worker
+        await rounds.for_round(2)
+        _, newest = await rounds.for_round(3)
+        assert listening_addresses(port) == set()  # round 1's store is freed two rounds later
+    finally:
+        rounds.close()
+    assert listening_addresses(newest) == set()

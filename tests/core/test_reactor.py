@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from stead.core.config import Settings
-from stead.core.errors import CodecError, StoreError
+from stead.core.errors import CodecError, EffectDeclined, StoreError
 from stead.core.events import (
     EffectFailed,
     JobFailed,
@@ -194,6 +194,33 @@ async def test_an_effect_a_dead_master_left_running_is_run_again_and_done_ones_a
         await third.resume()
     await store.close()
     assert rerun.ran == []
+
+
+class _NoPlatform(_Executor):
+    """Like a master started by hand (`stead master`): it cannot launch nodes."""
+
+    async def run(self, effect: Effect) -> None:
+        await super().run(effect)
+        if effect.kind == "launch-node":
+            raise EffectDeclined("no platform launches nodes here")
+
+
+async def test_a_launch_a_master_cannot_perform_stays_unclaimed_for_one_that_can(tmp_path: Path) -> None:
+    store = await open_store(f"sqlite:///{tmp_path / 'r.db'}")
+    by_hand = _NoPlatform()
+    async with Reactor(EventLog(store, "t"), by_hand, settings=Settings()) as first:
+        await first.resume()
+        await first.submit(SPEC)
+        records = await first.log.read()
+    assert [e.id for e in by_hand.ran] == ["launch/node-0/1"]
+    assert not any(isinstance(r.event, EffectFailed) for r in records)  # declined is not failed
+    assert await store.get("/stead/jobs/t/effects/launch/node-0/1") is None
+    with_platform = _Executor()
+    async with Reactor(EventLog(store, "t"), with_platform, settings=Settings()) as second:
+        await second.resume()
+    assert [e.id for e in with_platform.ran] == ["launch/node-0/1"]
+    assert (await store.get("/stead/jobs/t/effects/launch/node-0/1")).value == b"done"  # type: ignore[union-attr]
+    await store.close()
 
 
 async def test_an_event_that_cannot_be_stored_fails_its_submitter_only() -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import sqlite3
 import threading
@@ -540,7 +541,12 @@ def _connect(url: str, path: Path, timeout_s: float) -> sqlite3.Connection:
         raise StoreError(f"cannot create directory {path.parent} for store {url}: {exc}; "
                          "pick a writable path or create it") from exc
     try:
+        # the event log holds the job's whole history: readable by its owner only (0600); sqlite gives its
+        # -wal and -shm files the database file's mode
+        os.close(os.open(path, os.O_RDONLY | os.O_CREAT, 0o600))  # (an existing file is left as it is)
         conn = sqlite3.connect(path, timeout=timeout_s, isolation_level=None)  # used by this thread only
+    except OSError as exc:
+        raise StoreError(f"cannot open {path} for store {url}: {exc}; pick a path this user can write") from exc
     except sqlite3.Error as exc:
         raise _map_error(url, exc) from exc
     try:

@@ -51,7 +51,8 @@ async def test_data_revisions_and_history_survive_close_and_reopen(sqlite_dir: P
         await store.close()
 
 
-async def test_the_database_uses_wal_and_parent_directories_are_created(sqlite_dir: Path, settings: Settings) -> None:
+async def test_the_database_uses_wal_is_private_and_parent_directories_are_created(sqlite_dir: Path,
+                                                                                   settings: Settings) -> None:
     path = sqlite_dir / "deep" / "er" / "state.db"
     store = await open_store(url_of(path), settings=settings)
     try:
@@ -62,6 +63,8 @@ async def test_the_database_uses_wal_and_parent_directories_are_created(sqlite_d
             assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         finally:
             conn.close()
+        files = [path, path.with_name("state.db-wal"), path.with_name("state.db-shm")]
+        assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: "0o600" for p in files}
     finally:
         await store.close()
 
