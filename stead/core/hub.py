@@ -163,7 +163,7 @@ class AgentHub:
         await self._submit(WorkerFailed(
             node_id=info.node_id, round=info.round, local_rank=info.local_rank, rank=info.rank,
             exit_code=info.exit_code, signal=info.signal, step=info.step, error_tail=info.error_tail,
-            exited_at=info.exited_at, oom=info.oom, gpu=info.gpu,
+            exited_at=info.exited_at, oom=info.oom, gpu=info.gpu, exited_ok_ranks=info.exited_ok_ranks,
         ))
 
     async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None:

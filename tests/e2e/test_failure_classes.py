@@ -137,3 +137,26 @@ def test_a_slowed_node_is_reported_as_a_straggler_with_its_figures(run_job: RunJ
     shown = status(job)
     assert "diagnosis (at " in shown and "hang threshold " in shown
     assert "straggler node-1: 0.3" in shown, shown
+
+
+#: rank 1 leaves the loop early with exit 0; rank 0's next all-reduce finds its peer gone
+EARLY_EXIT = """
+import os, sys
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+for step in range(6):
+    if step == 3 and os.environ["RANK"] == "1":
+        sys.exit(0)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+"""
+
+
+def test_a_rank_that_exits_0_early_is_blamed_not_the_peer_whose_collective_broke(run_job: RunJob) -> None:
+    job = run_job(EARLY_EXIT, flags=("--nproc-per-node", "2", "--max-restarts", "1"))
+    assert job.returncode == 1, job.stderr[-3000:]
+    (decision,) = of_type(events(job), "recovery.decided")
+    assert (decision["failure_class"], decision["rule"], decision["action"]) == ("user_error", "early-exit", "fail")
+    assert decision["rank"] == 1
+    assert "rank 1 (on node-0) exited 0 while rank 0 was still in a collective" in decision["evidence"]

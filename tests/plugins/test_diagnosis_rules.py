@@ -16,6 +16,7 @@ from stead.core.config import Settings
 from stead.core.errors import ConfigError
 from stead.core.events import (
     Event,
+    JobSubmitted,
     NodeExited,
     NodeJoined,
     NodeLost,
@@ -26,6 +27,7 @@ from stead.core.events import (
 )
 from stead.core.plugins import PluginContext
 from stead.core.statemachine import JobPhase, JobState
+from stead.core.statemachine.rendezvous import RendezvousState
 from stead.core.store import open_store
 from stead.plugins.diagnosis import DiagnosisPlugin, DiagnosisSettings, FailureClassified
 from stead.plugins.diagnosis.rules import (
@@ -352,6 +354,38 @@ async def test_a_collective_error_alone_is_decided_after_the_window() -> None:
     assert isinstance(decision, RecoveryDecided)
     assert (decision.failure_class, decision.rule, decision.action) == ("collective", "gloo-error",
                                                                        RecoveryAction.RESTART)
+
+
+@pytest.mark.anyio
+async def test_a_collective_error_after_a_rank_of_the_node_exited_0_blames_that_rank() -> None:
+    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0.05))
+    async with Harness(plugin, AWAITING) as h:
+        symptom = dataclasses.replace(worker(GLOO_RESET), rank=0, exited_ok_ranks=(1,))
+        h.state = dataclasses.replace(h.state, last_failure=symptom)
+        await h.feed(symptom)
+        await settle(h)
+    (decision,) = h.emitted
+    assert isinstance(decision, RecoveryDecided)
+    assert (decision.failure_class, decision.rule, decision.action) == ("user_error", "early-exit",
+                                                                       RecoveryAction.FAIL)
+    assert (decision.node_id, decision.rank) == ("node-0", 1)
+    assert "rank 1 (on node-0) exited 0 while rank 0 was still in a collective" in decision.evidence
+
+
+@pytest.mark.anyio
+async def test_a_collective_error_after_another_node_s_workers_all_exited_0_blames_that_node() -> None:
+    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0.05))
+    spec = JobSubmitted(job="j", min_nodes=2, max_nodes=2, nproc_per_node=2)
+    rdzv = RendezvousState(round=1, members=("node-0", "node-1"), active=True, succeeded=frozenset({"node-1"}))
+    async with Harness(plugin, dataclasses.replace(AWAITING, spec=spec, rdzv=rdzv)) as h:
+        symptom = dataclasses.replace(worker(GLOO_RESET), rank=0)
+        h.state = dataclasses.replace(h.state, last_failure=symptom)
+        await h.feed(symptom)
+        await settle(h)
+    (decision,) = h.emitted
+    assert isinstance(decision, RecoveryDecided)
+    assert (decision.rule, decision.node_id, decision.rank) == ("early-exit", "node-1", 2)
+    assert "ranks 2, 3 (on node-1) exited 0 while rank 0 was still in a collective" in decision.evidence
 
 
 @pytest.mark.anyio

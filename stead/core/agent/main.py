@@ -297,11 +297,13 @@ class Agent:
 
     async def _watch_round(self, round_: int, exits: AsyncIterator[WorkerExit]) -> None:
         succeeded = 0
+        exited_ok: list[int] = []  # global ranks that exited 0 while others still ran: named in a later failure
         async for worker_exit in exits:
             stopped_at = self._stopped_at.get(round_, math.inf if round_ == self.round else 0.0)
             if worker_exit.ok or worker_exit.at > stopped_at:
                 self._oom.forget(worker_exit.pid)
             if worker_exit.ok:
+                exited_ok.append(self.node_rank * self.nproc + worker_exit.local_rank)
                 if stopped_at == math.inf:
                     succeeded += 1
                     if succeeded == self.nproc:
@@ -311,11 +313,11 @@ class Agent:
                 # every worker that failed on its own is reported, even after the stop (another failure decided
                 # first) came: the real cause of a round's end must be on record, not only its first symptom; the
                 # master decides the first and records the others
-                await self._report_failure(round_, worker_exit)
+                await self._report_failure(round_, worker_exit, exited_ok=tuple(exited_ok))
                 await self.extensions.call("after_failure", round=round_, local_rank=worker_exit.local_rank,
                                            exit_code=worker_exit.exit_code, signal=worker_exit.signal)
 
-    async def _report_failure(self, round_: int, worker_exit: WorkerExit) -> None:
+    async def _report_failure(self, round_: int, worker_exit: WorkerExit, *, exited_ok: tuple[int, ...] = ()) -> None:
         assert self._reader is not None
         progress = self._reader.read().get(worker_exit.local_rank) if round_ == self.round else None
         oom = self._oom.evidence(worker_exit.pid) if killed_like_oom(worker_exit.exit_code, worker_exit.signal) else ""
@@ -326,6 +328,7 @@ class Agent:
             rank=self.node_rank * self.nproc + worker_exit.local_rank, exit_code=worker_exit.exit_code,
             signal=worker_exit.signal, step=progress.step if progress else None, error_tail=worker_exit.error_tail,
             exited_at=worker_exit.at or None, oom=oom[:MAX_EVIDENCE_CHARS], gpu=gpu[:MAX_EVIDENCE_CHARS],
+            exited_ok_ranks=exited_ok,
         )
         self._log.warning("worker_failed", round=round_, local_rank=info.local_rank, exit_code=info.exit_code,
                           signal=info.signal, oom=oom or None, gpu=gpu or None)

@@ -184,6 +184,9 @@ class WorkerFailed(Event):
     oom: str = ""
     #: GPU faults the agent saw on its node when the worker ended (XID, ECC, a lost GPU); "" when none or no GPU
     gpu: str = ""
+    #: ranks of the same node that exited 0 earlier in the round, while this one still ran (an early exit breaks
+    #: the others' collectives)
+    exited_ok_ranks: tuple[int, ...] = ()
 
 
 @event_kind("workers.started")

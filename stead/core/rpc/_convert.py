@@ -152,14 +152,15 @@ def failure_to_proto(info: FailureInfo) -> FailureReport:
     return FailureReport(node_id=info.node_id, incarnation=info.incarnation, round=info.round,
                          local_rank=info.local_rank, rank=info.rank, exit_code=info.exit_code, signal=info.signal,
                          step=info.step, error_tail=info.error_tail, exited_at=info.exited_at, oom=info.oom,
-                         gpu=info.gpu)
+                         gpu=info.gpu, exited_ok_ranks=list(info.exited_ok_ranks))
 
 
 def failure_from_proto(message: FailureReport) -> FailureInfo:
     return FailureInfo(node_id=message.node_id, incarnation=message.incarnation, round=message.round,
                        local_rank=message.local_rank, rank=message.rank, exit_code=message.exit_code,
                        signal=message.signal, step=message.step, error_tail=message.error_tail,
-                       exited_at=message.exited_at, oom=message.oom, gpu=message.gpu)
+                       exited_at=message.exited_at, oom=message.oom, gpu=message.gpu,
+                       exited_ok_ranks=tuple(message.exited_ok_ranks))
 
 
 def workers_state_to_proto(state: WorkersState) -> ProtoWorkersState:

@@ -138,6 +138,11 @@ class AgentServicer(AgentServiceBase):
             if len(text) > MAX_EVIDENCE_CHARS:
                 invalid(f"{where}.{name} has {len(text)} characters: an evidence line is at most "
                         f"{MAX_EVIDENCE_CHARS}; send the record itself, not a log")
+        if len(message.exited_ok_ranks) > _MAX_WORKERS:
+            invalid(f"{where}.exited_ok_ranks has {len(message.exited_ok_ranks)} entries: a node runs at most "
+                    f"{_MAX_WORKERS} workers")
+        for i, rank in enumerate(message.exited_ok_ranks):
+            _at_least(where, f"exited_ok_ranks[{i}]", rank, 0, "ranks count from 0")
         if len(message.error_tail) > MAX_ERROR_TAIL_CHARS:
             invalid(f"{where}.error_tail has {len(message.error_tail)} characters: send at most "
                     f"{MAX_ERROR_TAIL_CHARS}, the end of the worker's stderr")

@@ -153,6 +153,8 @@ class FailureInfo:
     oom: str = ""
     #: GPU faults seen on the node when the worker ended; "" when none or no GPU
     gpu: str = ""
+    #: global ranks of this node that exited 0 earlier in the round, while this worker still ran
+    exited_ok_ranks: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import time
+from collections.abc import Mapping, Sequence
 
 from stead.plugin import (
     CheckpointCommitted,
@@ -299,7 +301,10 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             await self._decide(failure, found, ctx)
             return
         # a collective error is most often another rank's failure seen from here: wait a moment for the cause
-        self._root_cause = _RootCause(failure, found)
+        finished = [n for n in state.rdzv.members if n in state.rdzv.succeeded and n != failure.node_id]
+        self._root_cause = _RootCause(failure, found, finished=finished,
+                                      nproc=state.spec.nproc_per_node if state.spec else 1,
+                                      members=state.rdzv.members)
         self._root_cause.task = asyncio.create_task(self._decide_root_cause(ctx, self._root_cause),
                                                     name=f"diagnosis-root-cause-{failure.round}")
 
@@ -309,6 +314,8 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
                 async with asyncio.timeout(self.settings.root_cause_wait_s):
                     await pending.cause_in.wait()
             failure, found = pending.best()
+            if found.failure_class in _SYMPTOMS:  # nothing failed on its own: did a rank leave the round early?
+                failure, found = pending.early_exit(self.rules.actions) or (failure, found)
             state = ctx.current_state()
             waiting = state.last_failure.round if state.awaiting_decision and state.last_failure else None
             if waiting == pending.round:  # (the decision timer may have decided already)
@@ -354,9 +361,12 @@ _CAUSE_ORDER = {FailureClass.HARDWARE: 0, FailureClass.OOM: 1, FailureClass.USER
 class _RootCause:
     """The failures of one round while its decision waits for a cause behind a collective error."""
 
-    def __init__(self, first: WorkerFailed, found: Classification) -> None:
+    def __init__(self, first: WorkerFailed, found: Classification, *, finished: Sequence[str] = (), nproc: int = 1,
+                 members: Sequence[str] = ()) -> None:
         self.round = first.round
         self.candidates = [(first, found)]
+        #: nodes whose workers had all exited 0 when the first failure came, and the ranks they held
+        self.finished = {n: [members.index(n) * nproc + i for i in range(nproc)] for n in finished if n in members}
         self.cause_in = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
@@ -364,6 +374,25 @@ class _RootCause:
         self.candidates.append((failure, found))
         if found.failure_class not in _SYMPTOMS:
             self.cause_in.set()
+
+    def early_exit(self, actions: Mapping[FailureClass, Action]) -> tuple[WorkerFailed, Classification] | None:
+        """Blame for a rank that exited 0 while its peers were still in a collective, if one did."""
+        for failure, _ in sorted(self.candidates, key=lambda c: c[0].exited_at or math.inf):
+            if failure.exited_ok_ranks:
+                node, ranks = failure.node_id, list(failure.exited_ok_ranks)
+                break
+        else:
+            if not self.finished:
+                return None
+            node, ranks = next(iter(self.finished.items()))
+        symptom = self.candidates[0][0]
+        evidence = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} (on {node}) exited 0 while "
+                    f"rank {symptom.rank} was still in a collective: a rank that ends early (sys.exit(0), a "
+                    "shorter loop, an uneven last batch) breaks its peers' collectives; every rank must run the "
+                    "same collectives to the end")
+        blamed = dataclasses.replace(symptom, node_id=node, rank=ranks[0])
+        return blamed, Classification(FailureClass.USER_ERROR, actions.get(FailureClass.USER_ERROR, Action.FAIL),
+                                      "early-exit", evidence)
 
     def best(self) -> tuple[WorkerFailed, Classification]:
         """The likeliest cause: the strongest class, then the failure that happened first."""

@@ -37,7 +37,7 @@ HEARTBEAT = HeartbeatInfo(node_id="node-0", incarnation=1, round=0, step=None, w
                           cpu_percent=12.5, step_compute_s=0.125)
 FAILURE = FailureInfo(node_id="node-0", incarnation=1, round=2, local_rank=1, rank=3, exit_code=1, signal=None,
                       step=None, error_tail="Traceback ...\nRuntimeError: boom\n", oom="kernel: Killed process 7",
-                      gpu="GPU 0: XID 79 (GPU has fallen off the bus)")
+                      gpu="GPU 0: XID 79 (GPU has fallen off the bus)", exited_ok_ranks=(2,))
 COMMANDS = [
     StartWorkersCmd(id="start-1", round=1, node_rank=0, nnodes=2, nproc_per_node=2, world_size=4, restart_count=0,
                     master_addr="10.0.0.1", master_port=29500),
@@ -117,6 +117,8 @@ async def test_failure_and_workers_reports_reach_the_backend(client: MasterClien
     (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "rank": -1})), "FailureReport.rank"),
     (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "error_tail": "x" * 40_000})),
      "FailureReport.error_tail"),
+    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "exited_ok_ranks": (1, -1)})),
+     "FailureReport.exited_ok_ranks"),
     (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "local_rank": -2})), "FailureReport.local_rank"),
     (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "round": -1})), "FailureReport.round"),
     (lambda c: c.report_workers("", 1, 0, "started"), "WorkersReport.node_id"),

@@ -231,6 +231,11 @@ class FailureReport(betterproto2.Message):
     GPU faults seen on the node when the worker ended (XID, ECC, a lost GPU); empty: none, or no GPU.
     """
 
+    exited_ok_ranks: "list[int]" = betterproto2.field(13, betterproto2.TYPE_INT32, repeated=True)
+    """
+    Global ranks of this node that exited 0 earlier in the round, while this worker still ran.
+    """
+
 
 default_message_pool.register_message("stead.v1", "FailureReport", FailureReport)
 
