@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 RUNSTAMP := $(VENV)/.installed
 
-.PHONY: demo test stress lint typecheck proto bench bench-quick etcd clean
+.PHONY: chaos demo test stress lint typecheck proto bench bench-quick etcd clean
 
 # torch and numpy are installed in one pip command (torch==2.13.0 is the CPU wheel on this machine)
 $(RUNSTAMP): pyproject.toml
@@ -45,6 +45,11 @@ stress: $(STAMP) etcd
 	STEAD_STRESS_S=0.5 $(BIN)/pytest -q --count=$(STRESS_COUNT) -x \
 	  tests/core/store/test_store_stress.py \
 	  "tests/plugins/sharding/test_sharding_sampler.py::test_the_sampler_rides_out_a_master_restart"
+
+# long runs that do not fit in `make test`: the RPC fuzz with many more cases per method
+FUZZ_EXAMPLES ?= 3000
+chaos: $(STAMP) etcd
+	STEAD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q tests/fuzz
 
 proto: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/gen_proto.sh

@@ -1,0 +1,235 @@
+"""Fuzz every RPC of every service a master serves: random well-typed messages and oversized ones.
+
+A real master (RPC server, reactor, store, every bundled plugin) runs in a thread of its
+own; hypothesis builds request messages from the protobuf schema itself (every field,
+with boundary numbers, NaN and infinities, long and odd strings, long lists). For each
+call: the answer is OK or a status that says the caller was wrong (never INTERNAL or
+UNKNOWN), a refused call changes nothing in the store, and afterwards the master still
+serves and its memory did not grow without bound. ``STEAD_FUZZ_EXAMPLES`` sets the cases
+per method (``make chaos`` runs more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import psutil
+import pytest
+from grpclib.client import Channel
+from grpclib.const import Cardinality, Handler, Status
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stead.core.config import Settings
+from stead.core.events import JobSubmitted
+from stead.core.master import Master, MasterConfig
+from stead.core.platform import NodeSpec
+from stead.core.rpc import MasterClient, RegisterInfo, attach_token
+from stead.core.rpc._proto.stead.v1 import AgentServiceBase, CheckpointServiceBase, ShardServiceBase
+from stead.testing.platforms import RecordingPlatform
+
+EXAMPLES = int(os.environ.get("STEAD_FUZZ_EXAMPLES", "200"))
+MAX_MESSAGE = 64 << 10
+JOB = "fuzz"
+#: statuses that say the caller sent something wrong or came at the wrong time, each with a message
+CALLER_ERRORS = {Status.INVALID_ARGUMENT, Status.RESOURCE_EXHAUSTED, Status.FAILED_PRECONDITION, Status.NOT_FOUND,
+                 Status.UNAVAILABLE, Status.OUT_OF_RANGE, Status.ALREADY_EXISTS}
+
+ROUTES: dict[str, Handler] = {}
+for base in (AgentServiceBase, CheckpointServiceBase, ShardServiceBase):
+    ROUTES.update(base().__mapping__())  # type: ignore[abstract]
+
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _ints(low: int, high: int) -> st.SearchStrategy[int]:
+    return st.one_of(st.integers(-2, 12), st.sampled_from([low, high, low + 1, high - 1, 2**20, 2**31 - 1]).filter(
+        lambda v: low <= v <= high), st.integers(low, high))
+
+
+_TEXT = st.one_of(
+    st.sampled_from(["", "node-0", "node-1", "ids", "a/b", " ", "\x00", "é" * 3]),
+    st.text(max_size=40),
+    st.text(alphabet="ab-0", min_size=200, max_size=2000),
+)
+_DOUBLE = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -1.0, 1e300, 5.0]))
+_SCALARS: dict[str, st.SearchStrategy[Any]] = {
+    "int32": _ints(*_INT32), "sint32": _ints(*_INT32), "sfixed32": _ints(*_INT32),
+    "int64": _ints(*_INT64), "sint64": _ints(*_INT64), "sfixed64": _ints(*_INT64),
+    "uint32": _ints(0, 2**32 - 1), "fixed32": _ints(0, 2**32 - 1),
+    "uint64": _ints(0, 2**64 - 1), "fixed64": _ints(0, 2**64 - 1),
+    "double": _DOUBLE, "float": st.floats(width=32, allow_nan=True, allow_infinity=True),
+    "bool": st.booleans(), "string": _TEXT, "bytes": st.binary(max_size=64),
+}
+
+
+def _inner(hint: Any) -> Any:
+    """``X`` from ``list[X]`` or ``X | None``."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return _inner(args[0]) if args else hint
+
+
+def message(cls: type, depth: int = 0) -> st.SearchStrategy[Any]:
+    """Messages of ``cls`` with every field drawn from its protobuf type."""
+    hints = typing.get_type_hints(cls)
+    fields: dict[str, st.SearchStrategy[Any]] = {}
+    for field in dataclasses.fields(cls):
+        meta = field.metadata["betterproto"]
+        kind = meta.proto_type
+        if kind == "message":
+            if depth > 2:
+                continue
+            one: st.SearchStrategy[Any] = message(_inner(hints[field.name]), depth + 1)
+        elif kind == "enum":
+            enum = _inner(hints[field.name])
+            one = st.sampled_from(list(enum))
+        elif field.name == "wait_s":  # a long wait is honoured (up to a cap): the fuzz keeps waits short
+            one = st.one_of(st.floats(0.0, 0.05), st.floats(max_value=-1e-9), st.just(float("nan")))
+        elif kind in _SCALARS:
+            one = _SCALARS[kind]
+        else:
+            continue
+        if meta.repeated:
+            one = st.lists(one, max_size=6) | st.lists(one, min_size=200, max_size=400, unique_by=id)
+        elif meta.optional or kind == "message":
+            one = st.none() | one
+        fields[field.name] = one
+    return st.fixed_dictionaries({}, optional=fields).map(lambda values: cls(**values))
+
+
+def _spec(node_id: str, incarnation: int, address: str, token_file: str) -> NodeSpec:
+    return NodeSpec(job=JOB, node_id=node_id, incarnation=incarnation, command=("true",))
+
+
+@dataclasses.dataclass
+class Running:
+    portal: anyio.from_thread.BlockingPortal
+    master: Master
+    channel: Channel
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    tmp = tmp_path_factory.mktemp("fuzz")
+    # no background writer (diagnosis's watch): what a call changes in the store is what the call did
+    settings_ = Settings(heartbeat_timeout_s=600.0, rpc_max_message_bytes=MAX_MESSAGE,
+                         plugin_values={"diagnosis": {"hang_detection": "false", "stragglers": "false"}})
+    config = MasterConfig(job=JOB, store_url="memory://", settings=settings_, platform=RecordingPlatform(),
+                          node_spec=_spec, token_file=str(tmp / "fuzz.token"), tcp_store=False)
+    with anyio.from_thread.start_blocking_portal() as portal, \
+            portal.wrap_async_context_manager(Master(config)) as master:
+        portal.call(master.submit_job, JobSubmitted(job=JOB, min_nodes=2, max_nodes=2, nproc_per_node=2))
+        portal.call(_register, master)  # one live node, so that some random calls reach the backends
+        host, port = master.address.rsplit(":", 1)
+        channel = portal.call(_channel, host, int(port), master.token)
+        try:
+            yield Running(portal, master, channel)
+        finally:
+            portal.call(_close, channel)
+
+
+async def _channel(host: str, port: int, token: str) -> Channel:
+    channel = Channel(host, port)
+    attach_token(channel, token)
+    return channel
+
+
+async def _close(channel: Channel) -> None:
+    channel.close()
+
+
+async def _register(master: Master) -> None:
+    async with MasterClient(master.address, master.token, call_timeout_s=10) as client:
+        await client.register(RegisterInfo(node_id="node-0", incarnation=1, host="localhost", pid=1, nproc=2))
+
+
+async def _dump(master: Master) -> list[tuple[str, bytes]]:
+    return [(kv.key, kv.value) for kv in await master.store.range("/stead/")]
+
+
+async def _call(channel: Channel, route: str, handler: Handler, request: Any) -> GRPCError | None:
+    try:
+        async with channel.request(route, handler.cardinality, handler.request_type, handler.reply_type,
+                                   timeout=10) as stream:
+            await stream.send_message(request, end=True)
+            if handler.cardinality is Cardinality.UNARY_STREAM:
+                with anyio.move_on_after(0.2):  # a command stream that is valid stays open: one look is enough
+                    await stream.recv_message()
+                    return None
+                await stream.cancel()
+            else:
+                await stream.recv_message()
+    except GRPCError as exc:
+        return exc
+    except StreamTerminatedError:  # the stream cancelled above
+        return None
+    return None
+
+
+def check_one(running: Running, route: str, request: Any) -> GRPCError | None:
+    before = running.portal.call(_dump, running.master)
+    error = running.portal.call(_call, running.channel, route, ROUTES[route], request)
+    if error is not None:
+        assert error.status in CALLER_ERRORS, f"{route} answered {error.status.name}: {error.message} ({request!r})"
+        assert error.message, f"{route} answered {error.status.name} without saying why"
+        assert running.portal.call(_dump, running.master) == before, f"{route} was refused but changed the store"
+    return error
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_random_well_typed_requests_are_answered_as_the_caller_s_error_and_refused_ones_change_nothing(
+        running: Running, route: str) -> None:
+    rss_before = psutil.Process().memory_info().rss
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(request=message(ROUTES[route].request_type))
+    def fuzz(request: Any) -> None:
+        check_one(running, route, request)
+
+    fuzz()
+    grown = psutil.Process().memory_info().rss - rss_before
+    assert grown < 256 << 20, f"{EXAMPLES} calls of {route} grew the master's process by {grown >> 20} MiB"
+    assert running.master.state.spec is not None  # the master still has its job, and serves:
+    assert check_one(running, "/stead.v1.AgentService/Heartbeat", ROUTES["/stead.v1.AgentService/Heartbeat"]
+                     .request_type(node_id="node-0", incarnation=1, round=0, step=-1, workers_alive=0)) is None
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_an_oversized_request_is_resource_exhausted_and_changes_nothing(running: Running, route: str) -> None:
+    handler = ROUTES[route]
+    text = [f.name for f in dataclasses.fields(handler.request_type)
+            if f.metadata["betterproto"].proto_type == "string" and not f.metadata["betterproto"].repeated]
+    if not text:
+        pytest.skip(f"{handler.request_type.__name__} has no string field to grow")
+    request = handler.request_type(**{text[0]: "x" * (MAX_MESSAGE + 1)})
+    error = check_one(running, route, request)
+    assert error is not None and error.status is Status.RESOURCE_EXHAUSTED, error
+
+
+def test_the_fuzz_strategies_fill_nested_messages() -> None:
+    from stead.core.rpc._proto.stead.v1 import StacksReport
+
+    found = []
+
+    @settings(max_examples=50, database=None)
+    @given(message(StacksReport))
+    def probe(report: StacksReport) -> None:
+        found.append(len(report.workers))
+
+    probe()
+    assert max(found) > 0
+
+
+def test_every_served_route_is_fuzzed() -> None:
+    assert {r.rsplit("/", 1)[0] for r in ROUTES} == {"/stead.v1.AgentService", "/stead.v1.CheckpointService",
+                                                     "/stead.v1.ShardService"}
+    assert len(ROUTES) == 15
