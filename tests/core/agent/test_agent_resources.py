@@ -34,9 +34,10 @@ def test_a_busy_worker_and_its_child_are_measured_and_a_gone_one_is_unknown() ->
         assert rss is not None and rss > 64 << 20  # the child's 64 MiB counts
         assert cpu is not None and cpu > 10  # the busy loop
     finally:
-        for child in psutil.Process(worker.pid).children(recursive=True):
+        children = psutil.Process(worker.pid).children(recursive=True)
+        for child in children:
             child.kill()
-            child.wait()
-        worker.kill()
+        worker.kill()  # its killed child stays a zombie until it is reaped: the worker goes first
         worker.wait()
+        psutil.wait_procs(children, timeout=30)
     assert resources.sample([worker.pid]) == (None, None)

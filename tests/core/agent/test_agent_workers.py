@@ -255,7 +255,9 @@ async def test_start_uses_the_zygote_only_once_ready(tmp_path: Path) -> None:
     report = tmp_path / "ppid"
     script = write(tmp_path, "ppid.py", f"import os\nopen({str(report)!r}, 'w').write(f'{{os.getppid()}}\\n')\n")
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "lib"))
-    async with Zygote(preload=("slowimport",), env=env) as zygote, WorkerGroup(zygote=zygote) as group:
+    # no wait for a zygote that is not ready (zygote_wait_s): the first start must go around it
+    async with Zygote(preload=("slowimport",), env=env) as zygote, \
+            WorkerGroup(Settings(zygote_wait_s=0), zygote=zygote) as group:
         assert not zygote.ready
         await group.start([spec(py(script), tmp_path, env=env)])
         await collect(group)
