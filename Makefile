@@ -58,6 +58,7 @@ bench: $(STAMP) etcd
 	$(BIN)/python bench/master_events.py
 	-$(BIN)/python bench/recovery.py
 	-$(BIN)/python bench/startup.py
+	-$(BIN)/python bench/failover.py
 
 bench-quick: $(STAMP) etcd
 	$(BIN)/python bench/master_events.py --quick

@@ -30,16 +30,16 @@ import anyio.abc
 import structlog
 
 from stead.core.config import Settings
-from stead.core.errors import MasterTaskFailed, RetryableError, StoreUnavailable
+from stead.core.errors import ConfigError, MasterTaskFailed, RetryableError, StoreError, StoreUnavailable
 from stead.core.events import Event, JobSubmitted, PluginsStarted, Record
-from stead.core.events.log import EventLog
+from stead.core.events.log import EventLog, job_prefix
 from stead.core.executor import Executor, NodeSpecFactory
 from stead.core.hub import AgentHub
 from stead.core.platform import Platform
 from stead.core.plugins import PluginHost, load_plugins
 from stead.core.reactor import Reactor
 from stead.core.retry import Backoff, retrying
-from stead.core.rpc import AgentServicer, RpcServer, new_token, write_token_file
+from stead.core.rpc import AgentServicer, RpcServer, check_token, new_token, write_token_file
 from stead.core.statemachine import JobPhase, JobState
 from stead.core.store import StateStore, open_store
 from stead.core.tasks import TaskOwner
@@ -93,7 +93,8 @@ class Master:
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
         self.settings = config.settings
-        self.token = config.token or new_token()
+        #: the job's token: the one its first master stored (see :meth:`_job_token`); set when the master starts
+        self.token = config.token or ""
         self.token_file = Path(config.token_file or Path(".stead") / f"{config.job}.token")
         self._stack = contextlib.AsyncExitStack()
         self._store: StateStore | None = None
@@ -177,6 +178,27 @@ class Master:
                 raise errors[0] from group
             raise
 
+    async def _job_token(self) -> str:
+        """The job's token, kept in its store: a master that takes over a job (after a crash, or a standby)
+        answers the agents and workers that still run with the token they hold."""
+        if self.config.token:
+            return self.config.token
+        store, key = self.store, f"{job_prefix(self.config.job)}token"
+        while True:
+            kv = await retrying(lambda: store.get(key), self.settings, what=f"job token of {self.config.job}")
+            if kv is not None:
+                try:
+                    return check_token(kv.value.decode("ascii"))
+                except (UnicodeDecodeError, ConfigError):
+                    raise StoreError(f"the job token stored under {key} is not a valid token; delete that key to "
+                                     "have a new one made (running agents and workers then need restarting)") \
+                        from None
+            token = new_token()
+            made = token.encode()
+            if await retrying(lambda: store.compare_and_put(key, made, expected_mod_revision=0),  # noqa: B023
+                              self.settings, what=f"job token of {self.config.job}"):
+                return token
+
     async def _start(self) -> None:
         cfg = self.config
         structlog.contextvars.bind_contextvars(job=cfg.job)
@@ -198,6 +220,7 @@ class Master:
             warming = await self._stack.enter_async_context(TaskOwner())
             warming.start(self._warm_tcp_store, name="tcp-store-warm-up")
         await self._stack.enter_async_context(self.plugin_host)
+        self.token = await self._job_token()
         self.token_file.parent.mkdir(parents=True, exist_ok=True)
         write_token_file(self.token_file, self.token)
         self._stack.callback(self.token_file.unlink, missing_ok=True)

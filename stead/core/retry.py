@@ -6,6 +6,7 @@ at start, the master from an agent. Only :class:`RetryableError` is retried.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -60,14 +61,16 @@ async def retrying(
 
 class Backoff:
     """Delays for a loop that retries for as long as it runs: ``await wait()`` after a failure, ``reset()`` after a
-    success. Starts at ``retry_initial_s`` and doubles up to ``retry_max_s``."""
+    success. Starts at ``retry_initial_s`` and doubles up to ``retry_max_s``; each wait is drawn between half the
+    delay and the delay, so that many agents that lost their master at once do not come back in step."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, rng: random.Random | None = None) -> None:
         self._settings = settings
+        self._rng = rng or random.Random()
         self.delay = settings.retry_initial_s
 
     async def wait(self) -> None:
-        await anyio.sleep(self.delay)
+        await anyio.sleep(self.delay * self._rng.uniform(0.5, 1.0))
         self.delay = min(self.delay * 2, self._settings.retry_max_s)
 
     def reset(self) -> None:

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from pathlib import Path
 from types import TracebackType
 
 import anyio.to_thread
+
+from stead.testing.steps import free_port
 
 __all__ = ["ETCD_MISSING_HINT", "EtcdServer", "etcd_binary"]
 
@@ -48,12 +49,6 @@ def etcd_binary() -> str:
 
         pytest.skip(ETCD_MISSING_HINT)
     raise RuntimeError(ETCD_MISSING_HINT)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class EtcdServer:
@@ -93,7 +88,7 @@ class EtcdServer:
             self._dir = Path(tempfile.mkdtemp(prefix="stead-etcd-"))
         for attempt in range(3):
             if first:  # a fresh pair of ports; another process may grab a port between probing and binding
-                self._client_port, self._peer_port = _free_port(), _free_port()
+                self._client_port, self._peer_port = free_port(), free_port()
             try:
                 self._launch()
                 return

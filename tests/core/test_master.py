@@ -262,3 +262,19 @@ async def test_the_rendezvous_store_listens_on_the_master_s_address_only_and_ser
     finally:
         rounds.close()
     assert listening_addresses(newest) == set()
+
+
+async def test_a_master_that_takes_over_a_job_answers_with_the_job_s_token(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'job.db'}"
+    config = MasterConfig(job="tok", store_url=url, settings=FAST, token_file=str(tmp_path / "t"), tcp_store=False,
+                          plugins=[])
+    async with Master(config) as first:
+        token = first.token
+        assert (tmp_path / "t").read_text().strip() == token
+    async with Master(config) as second:
+        assert second.token == token  # the agents and workers still running hold this one
+        async with MasterClient(second.address, token, call_timeout_s=5) as client:
+            await second.submit_job(_job(1))
+            assert (await client.register(_register("node-0"))).job == "tok"
+    async with Master(dataclasses.replace(config, job="other")) as unrelated:
+        assert unrelated.token != token

@@ -10,6 +10,7 @@ that cannot be reached raises :class:`~stead.core.errors.RpcUnavailable`, which
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Iterator
 from types import TracebackType
@@ -101,15 +102,27 @@ class RpcConnection:
 
     @contextlib.contextmanager
     def errors(self, method: str) -> Iterator[None]:
-        """Turn what grpclib raises inside the block into stead's errors."""
+        """Turn what grpclib raises inside the block into stead's errors.
+
+        grpclib ends a call whose deadline passed or whose connection was lost by
+        cancelling the calling task and raising its own error instead of the
+        CancelledError, without ``uncancel()``: the task would stay "cancelling"
+        for good, and a later cancel scope or ``asyncio.timeout`` of that task would
+        let its own cancellation escape (an agent that outlived its master crashed
+        at exit). Those cancellations are taken back here.
+        """
+        task = asyncio.current_task()
+        cancelling = task.cancelling() if task is not None else 0
         try:
             yield
         except GRPCError as exc:
             raise self._from_status(method, exc) from exc
         except StreamTerminatedError as exc:
+            _take_back_cancels(task, cancelling)
             raise RpcUnavailable(f"{method}: the connection to the master at {self.address} was lost ({exc}); "
                                  "the master may be restarting: retry") from exc
         except TimeoutError as exc:
+            _take_back_cancels(task, cancelling)
             raise RpcUnavailable(f"{method}: the master at {self.address} did not answer within "
                                  f"{self.call_timeout_s}s; check that it is running and not overloaded") from exc
         except OSError as exc:
@@ -212,3 +225,9 @@ class MasterClient:
 
     def __repr__(self) -> str:
         return f"MasterClient({self._conn.address})"
+
+
+def _take_back_cancels(task: asyncio.Task[object] | None, before: int) -> None:
+    """Undo the cancellations grpclib made of ``task`` to end a call (see :meth:`RpcConnection.errors`)."""
+    while task is not None and task.cancelling() > before:
+        task.uncancel()

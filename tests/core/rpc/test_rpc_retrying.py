@@ -78,3 +78,26 @@ async def test_real_sleep_by_default() -> None:
     call = Flaky(2, RpcUnavailable("master down"))
     fast = Settings(retry_initial_s=0.001, retry_max_s=0.002, retry_deadline_s=30.0)
     assert await retrying(call, fast) == "ok"
+
+
+async def test_backoff_waits_are_jittered_within_half_of_a_doubling_capped_delay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    from stead.core import retry
+
+    waits: list[float] = []
+
+    async def record(seconds: float) -> None:
+        waits.append(seconds)
+
+    monkeypatch.setattr(retry.anyio, "sleep", record)
+    backoff = retry.Backoff(SETTINGS, rng=random.Random(7))
+    for _ in range(6):
+        await backoff.wait()
+    delays = [0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+    assert all(d / 2 <= w <= d for w, d in zip(waits, delays, strict=True)), waits
+    assert len(set(waits[3:])) == 3  # not in step with another agent's
+    backoff.reset()
+    await backoff.wait()
+    assert waits[-1] <= 0.2
