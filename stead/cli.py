@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="show a job's phase, nodes, round, step and restarts")
     _store_arg(s, required=False)
     s.add_argument("--job", required=True, help="job name")
+    s.add_argument("--json", action="store_true",
+                   help="one JSON object: phase, shape, round, step, restarts, nodes, plugin lines, and the "
+                        "latest master's pid, host and address (master_pid, ...)")
     _add_common(s)
     return parser
 
@@ -221,7 +224,7 @@ async def _open_existing(args: argparse.Namespace, settings: Settings) -> StateS
 
 
 async def _status(args: argparse.Namespace, settings: Settings) -> int:
-    from stead.core.display import format_status, last_diagnoses, plugin_status_lines
+    from stead.core.display import format_status, last_diagnoses, plugin_status_lines, status_json
     from stead.core.events.log import EventLog
     from stead.core.statemachine import fold_all
 
@@ -230,6 +233,7 @@ async def _status(args: argparse.Namespace, settings: Settings) -> int:
         records = await EventLog(store, args.job).read()
         prefix = f"/stead/jobs/{args.job}/plugins/"
         published = [kv for kv in await store.range(prefix) if kv.key.endswith("/status")]
+        master = await store.get(f"/stead/jobs/{args.job}/master")
     finally:
         await store.close()
     if not records:
@@ -237,6 +241,14 @@ async def _status(args: argparse.Namespace, settings: Settings) -> int:
                              "check --job and --store (stead run uses sqlite:///.stead/<job>.db by default)")
     plugins = [line for kv in published
                for line in plugin_status_lines(kv.key[len(prefix):].split("/")[0], kv.value)]
+    if args.json:
+        try:
+            about = json.loads(master.value) if master is not None else {}
+        except ValueError:
+            about = {}
+        print(json.dumps(status_json(args.job, fold_all(records), diagnoses=last_diagnoses(records),
+                                     plugins=plugins, master=about if isinstance(about, dict) else {})))
+        return 0
     print(format_status(args.job, fold_all(records), diagnoses=last_diagnoses(records), plugins=plugins))
     return 0
 

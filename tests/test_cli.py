@@ -78,6 +78,10 @@ def test_master_resumes_a_stored_job_and_events_and_status_show_it(tmp_path: Pat
     status = _stead("status", "--store", url, "--job", job, cwd=tmp_path)
     assert status.returncode == 0, status.stderr
     assert "phase      succeeded" in status.stdout and "node-0" in status.stdout
+    shown = json.loads(_stead("status", "--store", url, "--job", job, "--json", cwd=tmp_path).stdout)
+    assert (shown["phase"], shown["round"], shown["restarts"]) == ("succeeded", 1, 0)
+    assert shown["nodes"]["node-0"]["incarnation"] == 1 and shown["max_restarts"] == 3, shown
+    assert (shown["master_pid"], shown["master_address"]) == (master.pid, address)  # the process to kill
     as_json = _stead("events", "--store", url, "--job", job, "--json", cwd=tmp_path)
     records = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert [r["seq"] for r in records] == list(range(1, len(lines) + 1))

@@ -12,7 +12,7 @@ from stead.core.events.log import BadRecord
 from stead.core.serde import to_json
 from stead.core.statemachine import JobState
 
-__all__ = ["format_record", "format_status", "last_diagnoses", "plugin_status_lines"]
+__all__ = ["format_record", "format_status", "last_diagnoses", "plugin_status_lines", "status_json"]
 
 
 def _value(v: object) -> str:
@@ -59,6 +59,27 @@ def plugin_status_lines(plugin: str, raw: bytes) -> list[str]:
         return [f"{plugin}: (its status record is unreadable)"]
     when = datetime.datetime.fromtimestamp(at).strftime("%H:%M:%S") if at else "?"
     return [f"{plugin} (at {when}): {line}" for line in lines]
+
+
+def status_json(job: str, state: JobState, *, diagnoses: Mapping[str, str] | None = None,
+                plugins: Iterable[str] = (), master: Mapping[str, object] | None = None) -> dict[str, object]:
+    """What ``format_status`` shows, as one JSON object (``stead status --json``)."""
+    spec = state.spec
+    info = dict(master or {})
+    return {
+        "job": job, "phase": state.phase.value, "reason": state.reason,
+        "min_nodes": spec.min_nodes if spec else None, "max_nodes": spec.max_nodes if spec else None,
+        "nproc_per_node": spec.nproc_per_node if spec else None,
+        "round": state.rdzv.round, "members": list(state.rdzv.members), "step": state.step,
+        "restarts": state.restarts, "max_restarts": spec.max_restarts if spec else 0,
+        "checkpoint_step": state.checkpoint_step,
+        "nodes": {n: {"phase": s.phase.value, "incarnation": s.incarnation, "exit_code": s.exit_code,
+                      "signal": s.signal, "last_failure": (diagnoses or {}).get(n)} for n, s in state.nodes.items()},
+        "plugins": list(plugins),
+        "master_pid": info.get("pid"), "master_host": info.get("host"), "master_address": info.get("address"),
+        "master_started_at": info.get("started_at"),
+        "error": state.message or None,
+    }
 
 
 def format_status(job: str, state: JobState, *, diagnoses: Mapping[str, str] | None = None,

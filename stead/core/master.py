@@ -21,6 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import os
+import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -178,6 +182,13 @@ class Master:
                 raise errors[0] from group
             raise
 
+    async def _announce(self) -> None:
+        """Record which process is the job's master now (``stead status --json``: ``master_pid``, ...)."""
+        about = {"pid": os.getpid(), "host": socket.gethostname(), "address": self.address,
+                 "started_at": time.time()}
+        await retrying(lambda: self.store.put(f"{job_prefix(self.config.job)}master", json.dumps(about).encode()),
+                       self.settings, what=f"master record of {self.config.job}")
+
     async def _job_token(self) -> str:
         """The job's token, kept in its store: a master that takes over a job (after a crash, or a standby)
         answers the agents and workers that still run with the token they hold."""
@@ -227,6 +238,7 @@ class Master:
         self._rpc = await self._stack.enter_async_context(
             RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file,
                       max_message_bytes=self.settings.rpc_max_message_bytes))
+        await self._announce()
         if cfg.platform is not None:
             await self._stack.enter_async_context(_as_context(cfg.platform))
         tasks = await self._stack.enter_async_context(_Supervisor(self.settings))
