@@ -35,7 +35,7 @@ from stead.core.rpc import MasterClient, RegisterInfo, attach_token
 from stead.core.rpc._proto.stead.v1 import AgentServiceBase, CheckpointServiceBase, ShardServiceBase
 from stead.testing.platforms import RecordingPlatform
 
-EXAMPLES = int(os.environ.get("STEAD_FUZZ_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("STEAD_FUZZ_EXAMPLES", "120"))
 MAX_MESSAGE = 64 << 10
 JOB = "fuzz"
 #: statuses that say the caller sent something wrong or came at the wrong time, each with a message
