@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from stead.core.agent.main import RUN_ARGV_ENV
@@ -32,11 +33,14 @@ STEPS = 300
 GAP_STEPS = 100
 
 
-async def _until(predicate: object, what: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        await asyncio.sleep(0.1)
+async def _until(predicate: object, what: str) -> None:
+    """Poll until ``predicate()`` holds; a job stuck here is ended by the test timeout, naming ``what``."""
+    try:
+        with anyio.fail_after(120):
+            while not predicate():  # type: ignore[operator]  # noqa: ASYNC110 (another process writes it)
+                await asyncio.sleep(0.1)
+    except TimeoutError:
+        pytest.fail(f"the job never got to: {what}")
 
 
 async def test_workers_keep_stepping_while_the_master_is_replaced_and_the_new_one_adopts_every_node(

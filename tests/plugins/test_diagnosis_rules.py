@@ -324,6 +324,17 @@ async def settle(h: Harness) -> None:
         await pending.task
 
 
+async def decided_after_window(symptom: WorkerFailed, state: JobState = AWAITING) -> RecoveryDecided:
+    """The one decision on ``symptom`` alone, once the root-cause window (0.05 s) has passed."""
+    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0.05))
+    async with Harness(plugin, dataclasses.replace(state, last_failure=symptom)) as h:
+        await h.feed(symptom)
+        await settle(h)
+    (decision,) = h.emitted
+    assert isinstance(decision, RecoveryDecided)
+    return decision
+
+
 @pytest.mark.anyio
 async def test_a_collective_error_waits_for_the_round_s_real_cause_and_the_decision_is_about_it() -> None:
     plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=5.0))
@@ -344,28 +355,14 @@ async def test_a_collective_error_waits_for_the_round_s_real_cause_and_the_decis
 
 @pytest.mark.anyio
 async def test_a_collective_error_alone_is_decided_after_the_window() -> None:
-    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0.05))
-    async with Harness(plugin, AWAITING) as h:
-        symptom = worker(GLOO_RESET)
-        h.state = dataclasses.replace(h.state, last_failure=symptom)
-        await h.feed(symptom)
-        await settle(h)
-    (decision,) = h.emitted
-    assert isinstance(decision, RecoveryDecided)
+    decision = await decided_after_window(worker(GLOO_RESET))
     assert (decision.failure_class, decision.rule, decision.action) == ("collective", "gloo-error",
                                                                        RecoveryAction.RESTART)
 
 
 @pytest.mark.anyio
 async def test_a_collective_error_after_a_rank_of_the_node_exited_0_blames_that_rank() -> None:
-    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0.05))
-    async with Harness(plugin, AWAITING) as h:
-        symptom = dataclasses.replace(worker(GLOO_RESET), rank=0, exited_ok_ranks=(1,))
-        h.state = dataclasses.replace(h.state, last_failure=symptom)
-        await h.feed(symptom)
-        await settle(h)
-    (decision,) = h.emitted
-    assert isinstance(decision, RecoveryDecided)
+    decision = await decided_after_window(dataclasses.replace(worker(GLOO_RESET), rank=0, exited_ok_ranks=(1,)))
     assert (decision.failure_class, decision.rule, decision.action) == ("user_error", "early-exit",
                                                                        RecoveryAction.FAIL)
     assert (decision.node_id, decision.rank) == ("node-0", 1)
@@ -374,16 +371,10 @@ async def test_a_collective_error_after_a_rank_of_the_node_exited_0_blames_that_
 
 @pytest.mark.anyio
 async def test_a_collective_error_after_another_node_s_workers_all_exited_0_blames_that_node() -> None:
-    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0.05))
     spec = JobSubmitted(job="j", min_nodes=2, max_nodes=2, nproc_per_node=2)
     rdzv = RendezvousState(round=1, members=("node-0", "node-1"), active=True, succeeded=frozenset({"node-1"}))
-    async with Harness(plugin, dataclasses.replace(AWAITING, spec=spec, rdzv=rdzv)) as h:
-        symptom = dataclasses.replace(worker(GLOO_RESET), rank=0)
-        h.state = dataclasses.replace(h.state, last_failure=symptom)
-        await h.feed(symptom)
-        await settle(h)
-    (decision,) = h.emitted
-    assert isinstance(decision, RecoveryDecided)
+    decision = await decided_after_window(dataclasses.replace(worker(GLOO_RESET), rank=0),
+                                          dataclasses.replace(AWAITING, spec=spec, rdzv=rdzv))
     assert (decision.rule, decision.node_id, decision.rank) == ("early-exit", "node-1", 2)
     assert "ranks 2, 3 (on node-1) exited 0 while rank 0 was still in a collective" in decision.evidence
 

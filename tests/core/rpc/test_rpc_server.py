@@ -99,9 +99,8 @@ async def test_garbage_bytes_do_not_take_the_server_down(server: RpcServer, clie
             assert await client.register(REGISTER) == backend.result
 
 
-@pytest.mark.parametrize("body", [b"\x08" + b"\x80" * 11 + b"\x01", b"\x1a\xff\xff\xff\xff\x0f"])
-async def test_a_body_that_is_not_protobuf_is_invalid_argument(server: RpcServer, client: MasterClient,
-                                                               token: str, backend: Any, body: bytes) -> None:
+async def _raw_register(server: RpcServer, token: str, body: bytes) -> GRPCError:
+    """Send ``body`` as a Register request's bytes; the error the server answers with."""
     channel = Channel(server.host, server.port, codec=_RawCodec())
     attach_token(channel, token)
     try:
@@ -112,7 +111,14 @@ async def test_a_body_that_is_not_protobuf_is_invalid_argument(server: RpcServer
                 await stream.recv_message()
     finally:
         channel.close()
-    assert caught.value.status == Status.INVALID_ARGUMENT
+    return caught.value
+
+
+@pytest.mark.parametrize("body", [b"\x08" + b"\x80" * 11 + b"\x01", b"\x1a\xff\xff\xff\xff\x0f"])
+async def test_a_body_that_is_not_protobuf_is_invalid_argument(server: RpcServer, client: MasterClient,
+                                                               token: str, backend: Any, body: bytes) -> None:
+    error = await _raw_register(server, token, body)
+    assert error.status == Status.INVALID_ARGUMENT
     assert backend.calls == 0
     assert await client.register(REGISTER) == backend.result  # the server still serves
 
@@ -121,21 +127,12 @@ async def test_a_message_over_the_size_limit_is_refused_before_it_is_decoded(bac
                                                                              call_timeout_s: float) -> None:
     async with RpcServer([AgentServicer(backend)], token=token, max_message_bytes=64 << 10) as server, \
             MasterClient(server.address, token, call_timeout_s=call_timeout_s) as client:
-        channel = Channel(server.host, server.port, codec=_RawCodec())
-        attach_token(channel, token)
         host = b"h" * (65 << 10)  # field 3 (host), a well-formed message, just too big
         body = b"\x1a" + bytes([0x80 | (len(host) & 0x7F), 0x80 | (len(host) >> 7 & 0x7F), len(host) >> 14]) + host
-        try:
-            with pytest.raises(GRPCError) as caught:
-                async with channel.request("/stead.v1.AgentService/Register", Cardinality.UNARY_UNARY, bytes, bytes,
-                                           timeout=10) as stream:
-                    await stream.send_message(body, end=True)
-                    await stream.recv_message()
-        finally:
-            channel.close()
-        assert caught.value.status == Status.RESOURCE_EXHAUSTED
+        error = await _raw_register(server, token, body)
+        assert error.status == Status.RESOURCE_EXHAUSTED
         assert f"a RegisterRequest of {len(body)} bytes is over this master's limit of 65536 bytes (setting " \
-               "rpc_max_message_bytes)" in (caught.value.message or "")
+               "rpc_max_message_bytes)" in (error.message or "")
         assert backend.calls == 0
         assert await client.register(REGISTER) == backend.result  # the server still serves
 
