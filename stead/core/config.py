@@ -67,6 +67,12 @@ class Settings:
     retry_max_s: float = setting(5.0, min=0.001)
     #: give up retrying an unavailable store or master after this long
     retry_deadline_s: float = 60.0
+    #: an agent whose master has been gone this long stops its workers (they checkpoint on the way out) and
+    #: exits cleanly: the job needs its master to go on, and `stead run` with the same job name resumes it
+    master_gone_timeout_s: float = setting(60.0, min=0.001)
+    #: how many times `stead run` starts a new master after one died while the job ran (the agents and workers
+    #: keep running meanwhile, and the new master adopts them)
+    master_max_restarts: int = setting(3, min=0)
     #: a master starting up gives up on a store it cannot reach after this long (a running one rides out
     #: outages for retry_deadline_s)
     store_connect_timeout_s: float = setting(5.0, min=0.001)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import structlog
 
 from stead.core.config import Settings
-from stead.core.errors import InvalidRequest
+from stead.core.errors import InvalidRequest, RpcUnavailable
 from stead.core.events import (
     Event,
     NodeJoined,
@@ -89,6 +89,8 @@ class AgentHub:
         self._progress_step: int | None = None
         self._progress_at = 0.0
         self._progress_phase = ""
+        #: False while the master replays its log: agents are told to retry, not that their node is unknown
+        self.serving = True
 
     def _node(self, node_id: str, incarnation: int) -> _Node:
         node = self._nodes.get(node_id)
@@ -98,6 +100,10 @@ class AgentHub:
         return node
 
     def _check(self, node_id: str, incarnation: int) -> bool:
+        """Whether the node incarnation is live; RpcUnavailable (the agent retries) until the master serves."""
+        if not self.serving:
+            raise RpcUnavailable(f"the master of job {self.job!r} is starting (replaying the job's log); "
+                                 "try again in a moment")
         node = self._state().nodes.get(node_id)
         return node is not None and node.incarnation == incarnation and node.phase.alive
 

@@ -44,7 +44,7 @@ from stead.core.plugins import PluginHost, load_plugins
 from stead.core.reactor import Reactor
 from stead.core.retry import Backoff, retrying
 from stead.core.rpc import AgentServicer, RpcServer, check_token, new_token, write_token_file
-from stead.core.statemachine import JobPhase, JobState
+from stead.core.statemachine import JobPhase, JobState, NodePhase
 from stead.core.store import StateStore, open_store
 from stead.core.tasks import TaskOwner
 from stead.core.tcpstore import RoundStores
@@ -70,6 +70,9 @@ class MasterConfig:
     plugin_objects: Sequence[Any] = ()
     host: str = "127.0.0.1"
     port: int = 0
+    #: a listening socket to serve on instead of binding ``host:port`` (``stead run`` keeps one for every master
+    #: it starts, so that agents find a restarted master where the one that died was)
+    listen_fd: int | None = None
     token: str | None = None
     #: where the job token is written for agents; default: ``.stead/<job>.token``
     token_file: str | None = None
@@ -109,6 +112,7 @@ class Master:
         self.plugin_host: PluginHost | None = None
         self.hub = AgentHub(job=config.job, settings=self.settings, submit=self.submit, get_state=lambda: self.state,
                             store_addr=lambda: self.rounds.latest)
+        self.hub.serving = False  # until the log is replayed (see _start)
 
     # -- public API --------------------------------------------------------------
 
@@ -237,7 +241,7 @@ class Master:
         self._stack.callback(self.token_file.unlink, missing_ok=True)
         self._rpc = await self._stack.enter_async_context(
             RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file,
-                      max_message_bytes=self.settings.rpc_max_message_bytes))
+                      max_message_bytes=self.settings.rpc_max_message_bytes, listen_fd=cfg.listen_fd))
         await self._announce()
         if cfg.platform is not None:
             await self._stack.enter_async_context(_as_context(cfg.platform))
@@ -246,12 +250,22 @@ class Master:
             platform = cfg.platform
             tasks.start("platform-events", lambda: self._pump_platform(platform))
         tasks.start("heartbeats", self.hub.watch_heartbeats)
-        await self._reactor.resume()
+        await self._reactor.resume(before_acting=self._adopt_nodes)
+        self.hub.serving = True
         host = self.plugin_host
         await self._reactor.submit_many([*host.start_failures, PluginsStarted(plugins=tuple(host.names),
                                                                               deciders=tuple(host.deciders))])
         log.info("master_ready", address=self.address, token_file=str(self.token_file), phase=self.state.phase.value,
                  plugins=host.names, deciders=host.deciders, store=cfg.store_url)
+
+    async def _adopt_nodes(self, state: JobState) -> None:
+        """Have the platform take over the nodes an earlier master launched that the log says still run."""
+        platform = self.config.platform
+        if platform is None or state.phase.terminal:
+            return
+        for node in state.nodes.values():
+            if node.phase in (NodePhase.STARTED, NodePhase.JOINED):
+                await platform.adopt(self.config.job, node.node_id, node.incarnation, pid=node.pid)
 
     async def _warm_tcp_store(self) -> None:
         try:

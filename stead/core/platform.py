@@ -52,6 +52,14 @@ class Platform(Protocol):
     async def kill(self, node_id: str, incarnation: int) -> None:
         """Stop the node (SIGKILL on local); unknown or finished nodes are ignored."""
 
+    async def adopt(self, job: str, node_id: str, incarnation: int, *, pid: int | None) -> bool:
+        """Take over a node that an earlier master of ``job`` launched (``pid``: what its NodeStarted said).
+
+        A new master calls it for every node its log says runs, before it acts on anything: an adopted node
+        is killed, watched and stopped like one launched by this platform. A node that is gone is reported
+        NodeExited at once; returns whether it was adopted.
+        """
+
     def events(self) -> AsyncIterator[PlatformEvent]:
         """NodeStarted / NodeExited as they happen, for every launched node."""
 

@@ -138,8 +138,12 @@ class Reactor:
             self._fail_waiting(ReactorStopped(f"the master of job {self.log.job!r} stopped before it recorded "
                                               "this; retry against the next master"))
 
-    async def resume(self) -> JobState:
-        """Rebuild the state from snapshot + log, finish what a previous master left undone, then serve."""
+    async def resume(self, *, before_acting: Callable[[JobState], Awaitable[None]] | None = None) -> JobState:
+        """Rebuild the state from snapshot + log, finish what a previous master left undone, then serve.
+
+        ``before_acting(state)`` runs between the replay and the first effect (the master adopts the nodes
+        that still run there, so that a pending kill or stop reaches them).
+        """
         assert self._tasks.running, "use the reactor inside `async with`"
         state = await self._load_snapshot()
         pending: list[Effect] = []
@@ -150,6 +154,8 @@ class Reactor:
         self._state = state
         log.info("reactor_resumed", job=self.log.job, seq=state.seq, phase=state.phase.value,
                  pending_effects=len(pending))
+        if before_acting is not None:
+            await before_acting(state)
         queue: collections.deque[Record] = collections.deque()
         await self._act(pending, queue, resuming=True)
         await self._process(queue)

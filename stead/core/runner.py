@@ -26,12 +26,13 @@ from stead.core.agent.main import RUN_ARGV_ENV
 from stead.core.config import Settings
 from stead.core.display import format_status
 from stead.core.entrypoints import load_named
-from stead.core.errors import ConfigError, SteadError
+from stead.core.errors import ConfigError
 from stead.core.events import JobResumed, JobStopped, JobSubmitted
 from stead.core.launch import PLATFORM_GROUP, RunConfig, parse_run_args
 from stead.core.master import Master, MasterConfig, open_store_retrying
 from stead.core.platform import NodeSpec, Platform
 from stead.core.statemachine import JobPhase, JobState
+from stead.core.supervisor import EXIT_MASTER_CRASHED, LISTEN_FD_ENV, STOP_ENV, TAKEOVER_ENV, supervise
 
 __all__ = ["agent_spec_factory", "job_submitted", "load_platform", "main", "run_job", "started_job"]
 
@@ -78,8 +79,13 @@ def job_submitted(config: RunConfig) -> JobSubmitted:
 
 @contextlib.asynccontextmanager
 async def started_job(config: RunConfig, argv: Sequence[str], *, token_file: str | None = None,
-                      host: str = "127.0.0.1") -> AsyncIterator[Master]:
-    """A master running the job ``config`` describes (``argv``: its `stead run` arguments), submitted."""
+                      host: str = "127.0.0.1", listen_fd: int | None = None,
+                      takeover: bool = False) -> AsyncIterator[Master]:
+    """A master running the job ``config`` describes (``argv``: its `stead run` arguments), submitted.
+
+    ``takeover``: this master replaces one that died while the job ran; a job that is running is taken over
+    as it is (its nodes adopted), not resumed.
+    """
     settings = config.settings
     store = await open_store_retrying(config.store_url, settings)  # fail early and clearly when it is down
     await store.close()
@@ -87,7 +93,7 @@ async def started_job(config: RunConfig, argv: Sequence[str], *, token_file: str
     master_config = MasterConfig(
         job=config.job_name, store_url=config.store_url, settings=settings, platform=platform,
         node_spec=agent_spec_factory(config, argv), plugins=config.plugins, disabled_plugins=config.disabled_plugins,
-        token_file=token_file, host=host,
+        token_file=token_file, host=host, listen_fd=listen_fd,
     )
     async with Master(master_config) as master:
         submitted = job_submitted(config)
@@ -95,6 +101,9 @@ async def started_job(config: RunConfig, argv: Sequence[str], *, token_file: str
             await master.submit_job(submitted)
             log.info("job_submitted", job=config.job_name, nodes=f"{config.min_nodes}:{config.max_nodes}",
                      nproc_per_node=config.nproc_per_node, store=config.store_url)
+        elif takeover and not master.state.phase.terminal:
+            log.info("job_taken_over", job=config.job_name, phase=master.state.phase.value,
+                     nodes=sorted(n for n, s in master.state.nodes.items() if s.phase.alive))
         else:
             await _resume(master, config, submitted)
         yield master
@@ -130,9 +139,15 @@ async def _resume(master: Master, config: RunConfig, submitted: JobSubmitted) ->
              checkpoint_step=state.checkpoint_step)
 
 
-async def run_job(config: RunConfig, argv: Sequence[str]) -> JobState:
+async def run_job(config: RunConfig, argv: Sequence[str], *, listen_fd: int | None = None, takeover: bool = False,
+                  stop_reason: str | None = None, started: list[Master] | None = None) -> JobState:
+    """Run the job to its end under this process's master; ``started`` gets the master once it runs."""
     settings = config.settings
-    async with started_job(config, argv) as master:
+    async with started_job(config, argv, listen_fd=listen_fd, takeover=takeover) as master:
+        if started is not None:
+            started.append(master)
+        if stop_reason is not None and not master.state.phase.terminal:
+            await master.submit(JobStopped(reason=stop_reason))
         async with asyncio.TaskGroup() as tasks:
             helpers = [tasks.create_task(_report_waiting(master)), tasks.create_task(_stop_on_signal(master))]
             await master.wait()
@@ -213,14 +228,28 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"stead run: error: {exc}", file=sys.stderr)
         return 2
+    listen_fd = os.environ.pop(LISTEN_FD_ENV, None)
+    if listen_fd is None:
+        return supervise(argv, config.settings)
+    takeover = os.environ.pop(TAKEOVER_ENV, None) is not None
+    stop_reason = os.environ.pop(STOP_ENV, None)
+    started: list[Master] = []
     try:
-        state = asyncio.run(run_job(config, argv))
+        state = asyncio.run(run_job(config, argv, listen_fd=int(listen_fd), takeover=takeover,
+                                    stop_reason=stop_reason, started=started))
     except KeyboardInterrupt:
         print(f"stead: job {config.job_name} interrupted; its nodes were stopped", file=sys.stderr)
         return 130
-    except SteadError as exc:
+    except ConfigError as exc:
         print(f"stead run: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
+        return 2
+    except Exception as exc:
+        if not started:  # a master that cannot start is not restarted: it would fail the same way
+            print(f"stead run: error: {exc}", file=sys.stderr)
+            return 1
+        print(f"stead: the master failed while the job ran: {exc!r}", file=sys.stderr)
+        log.error("master_crashed", exc_info=True)
+        return EXIT_MASTER_CRASHED
     print(_summary(config, state), file=sys.stderr)
     if state.phase is JobPhase.STOPPED:
         return 130

@@ -10,36 +10,13 @@ import os
 import time
 from pathlib import Path
 
+from stead.core.procs import descendants
+
 __all__ = ["LONG_LIVED", "SHM_NAMESPACE_ENV", "Leaks", "descendants", "listening_ports", "shm_segments", "snapshot",
            "wait_clean"]
 
 #: processes that session-wide fixtures own on purpose (a shared etcd server); never reported
 LONG_LIVED: set[int] = set()
-
-
-def descendants(pid: int | None = None) -> set[int]:
-    """Every live (non-zombie) process below ``pid`` (default: this process)."""
-    root = os.getpid() if pid is None else pid
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        state, ppid = fields[0], int(fields[1])
-        if state != "Z":
-            children.setdefault(ppid, []).append(int(entry.name))
-    found: set[int] = set()
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
 
 
 def listening_ports() -> set[int]:

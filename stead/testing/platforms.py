@@ -40,6 +40,9 @@ class RecordingPlatform:
         self.kills: list[_Key] = []
         #: the spec of each distinct node launched (the first call's)
         self.specs: dict[_Key, NodeSpec] = {}
+        #: every adopt call, in order; nodes in ``gone`` are reported exited when adopted
+        self.adoptions: list[_Key] = []
+        self.gone: set[_Key] = set()
         self._running: set[_Key] = set()
         self._send: MemoryObjectSendStream[PlatformEvent]
         self._receive: MemoryObjectReceiveStream[PlatformEvent]
@@ -68,6 +71,11 @@ class RecordingPlatform:
         self._send.close()
         self._receive.close()  # readers from events() hold clones and drain what is left
 
+    def abandon(self) -> None:
+        """End ``events()`` without reporting the running nodes exited: what a crashed master leaves behind."""
+        self._running.clear()
+        self.close()
+
     async def launch(self, spec: NodeSpec) -> None:
         if self._closed:
             raise PlatformError("the recording platform is closed; launch nodes inside `async with platform:`")
@@ -84,6 +92,16 @@ class RecordingPlatform:
         self.kills.append(key)
         if self.exit_on_kill and key in self._running:
             self.push(NodeExited(node_id=node_id, incarnation=incarnation, signal=int(SIGKILL)))
+
+    async def adopt(self, job: str, node_id: str, incarnation: int, *, pid: int | None) -> bool:
+        """Adopt the node (it runs from now on), unless it is in ``gone``: then report it exited."""
+        key = (node_id, incarnation)
+        self.adoptions.append(key)
+        if key in self.gone:
+            self.push(NodeExited(node_id=node_id, incarnation=incarnation))
+            return False
+        self._running.add(key)
+        return True
 
     def events(self) -> AsyncGenerator[PlatformEvent, None]:
         # the clone is taken now, not at the first iteration, so that it still reads after close()

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from stead.core.config import Settings
-from stead.core.errors import InvalidRequest, StoreUnavailable
+from stead.core.errors import InvalidRequest, RpcUnavailable, StoreUnavailable
 from stead.core.events import JobSubmitted, PluginFailed, Record, RoundStarted, WorkerFailed
 from stead.core.events.log import EventLog
 from stead.core.master import Master, MasterConfig, MasterTaskFailed
@@ -119,6 +119,7 @@ async def test_a_restarted_master_resumes_with_the_same_state_and_no_repeated_ef
     assert state.rdzv.members == ("node-0", "node-1")
     launches = first_platform.launches + second_platform.launches
     assert sorted(launches) == [("node-0", 1), ("node-1", 1)]
+    assert sorted(second_platform.adoptions) == [("node-0", 1), ("node-1", 1)], "the running nodes were not adopted"
     store = await open_store(store_url)
     try:
         records = await EventLog(store, job).read()
@@ -278,3 +279,29 @@ async def test_a_master_that_takes_over_a_job_answers_with_the_job_s_token(tmp_p
             assert (await client.register(_register("node-0"))).job == "tok"
     async with Master(dataclasses.replace(config, job="other")) as unrelated:
         assert unrelated.token != token
+
+
+async def test_a_node_gone_while_no_master_ran_is_relaunched_by_the_master_that_takes_over(tmp_path: Path) -> None:
+    url, job = f"sqlite:///{tmp_path / 'job.db'}", "gone"
+    first_platform = RecordingPlatform(auto_start=False)
+    async with Master(_config(tmp_path, url, first_platform, job)) as first:
+        await first.submit_job(_job(1))
+        first_platform.start("node-0", 1, pid=4242)
+        await first.reactor.wait_until(lambda s: s.nodes["node-0"].phase is NodePhase.STARTED, timeout_s=10)
+        first_platform.abandon()
+    second_platform = RecordingPlatform()
+    second_platform.gone.add(("node-0", 1))
+    async with Master(_config(tmp_path, url, second_platform, job)) as second:
+        await second.reactor.wait_until(lambda s: s.nodes["node-0"].incarnation == 2
+                                        and s.nodes["node-0"].phase is NodePhase.STARTED, timeout_s=10)
+    assert second_platform.adoptions == [("node-0", 1)]
+    assert second_platform.launches == [("node-0", 2)]
+
+
+async def test_agents_are_told_to_retry_while_the_master_replays_its_log(tmp_path: Path) -> None:
+    master = Master(_config(tmp_path, "memory://", RecordingPlatform(), "early"))
+    beat = HeartbeatInfo(node_id="node-0", incarnation=1, round=1, step=None, workers_alive=2)
+    with pytest.raises(RpcUnavailable, match="is starting"):
+        await master.hub.heartbeat(beat)
+    with pytest.raises(RpcUnavailable, match="is starting"):
+        await master.hub.register(_register("node-0"))

@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from stead.core.agent.main import RUN_ARGV_ENV
+from stead.core.agent.main import EXIT_MASTER_GONE, RUN_ARGV_ENV
 from stead.core.config import Settings
 from stead.core.events import JobSubmitted, NodeLost, NodeRequested, RoundStarted
 from stead.core.events.log import EventLog
@@ -91,3 +91,36 @@ async def test_workers_keep_stepping_while_the_master_is_replaced_and_the_new_on
 def _last_step_before(path: Path, at: float) -> int:
     before = [s for t, s in read_steps(path) if t <= at]
     return before[-1] if before else -1
+
+
+async def test_agents_whose_master_stays_gone_stop_their_workers_and_exit_cleanly(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(TRAIN_LOGGING_STEPS)
+    url = f"sqlite:///{tmp_path / 'job.db'}"
+    config = MasterConfig(job="gone", store_url=url, settings=Settings(), port=free_port(),
+                          token_file=str(tmp_path / "gone.token"))
+    argv = ["--job-name", "gone", "--store", url, "--nnodes", "1", "--nproc-per-node", "2",
+            "--set", "master_gone_timeout_s=2", "train.py", "100000"]
+    agent: subprocess.Popen[bytes] | None = None
+    steps = tmp_path / "steps.log"
+    try:
+        async with Master(config) as master:
+            await master.submit_job(JobSubmitted(job="gone", min_nodes=1, max_nodes=1, nproc_per_node=2,
+                                                 entrypoint=(sys.executable, "-u", "train.py", "100000")))
+            agent = subprocess.Popen(  # noqa: ASYNC220 (returns at once)
+                [sys.executable, "-m", "stead", "agent", "--master", master.address, "--token-file",
+                 str(tmp_path / "gone.token"), "--node-id", "node-0", "--incarnation", "1"],
+                cwd=tmp_path, env={**os.environ, RUN_ARGV_ENV: json.dumps(argv)}, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE)
+            await _until(lambda: len(read_steps(steps)) >= 5, "the first steps")
+        # the master is gone for good: the agent gives up after master_gone_timeout_s
+        with anyio.fail_after(120):
+            code = await anyio.to_thread.run_sync(agent.wait)
+        assert agent.stderr is not None
+        err = agent.stderr.read().decode()
+    finally:
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert code == EXIT_MASTER_GONE, err[-3000:]
+    assert "master_gone" in err and "resumes the job" in err
+    assert "workers_stop" in err, "the agent exited without stopping its workers"

@@ -16,7 +16,6 @@ from stead.core.errors import ConfigError, PlatformError
 from stead.core.events import NodeExited, NodeStarted
 from stead.core.platform import NodeSpec
 from stead.platforms.local import LocalPlatform, create, platform_factory
-from stead.platforms.local._spawn import PDEATHSIG_SUPPORTED
 
 pytestmark = pytest.mark.anyio
 
@@ -50,14 +49,13 @@ async def test_agent_leads_its_own_session() -> None:
     assert (await exit_of(agent(code))).exit_code == 0
 
 
-@pytest.mark.skipif(not PDEATHSIG_SUPPORTED, reason="PR_SET_PDEATHSIG is Linux only")
-async def test_agent_has_sigkill_as_its_parent_death_signal() -> None:
-    # PR_GET_PDEATHSIG is 2; the agent exits with the signal number it found
-    code = ("import ctypes, sys\n"
+async def test_agent_is_not_tied_to_the_master_by_a_death_signal_and_carries_its_node_name() -> None:
+    # PR_GET_PDEATHSIG is 2: an agent must outlive a master that crashes (the next one adopts it)
+    code = ("import ctypes, os, sys\n"
             "sig = ctypes.c_int(-1)\n"
             "ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)\n"
-            "sys.exit(sig.value)")
-    assert (await exit_of(agent(code))).exit_code == signal.SIGKILL
+            "sys.exit(10 + sig.value if os.environ.get('STEAD_LOCAL_NODE') == 'contract/n1/1' else 4)")
+    assert (await exit_of(agent(code))).exit_code == 10
 
 
 async def test_processes_left_by_an_exited_agent_are_killed(scratch: Path, strays: list[int]) -> None:
@@ -133,3 +131,9 @@ async def test_factory_builds_a_local_platform_and_rejects_options() -> None:
     assert isinstance(platform, LocalPlatform) and platform.name == "local"
     with pytest.raises(ConfigError, match="takes no options"):
         await platform_factory(Settings(), namespace="x")
+
+
+async def test_adopting_a_node_without_a_pid_reports_it_exited() -> None:
+    async with LocalPlatform() as platform, contextlib.aclosing(platform.events()) as events:
+        assert not await platform.adopt("contract", "n1", 1, pid=None)
+        assert await next_event(events) == NodeExited(node_id="n1", incarnation=1)

@@ -194,7 +194,8 @@ async def test_closing_kills_every_node(backend: Backend, scratch: Path, strays:
         await wait_dead(pid)  # the suite-wide fixture then checks that no child process is left
 
 
-async def test_agents_die_when_the_master_is_killed(backend: Backend, strays: list[int]) -> None:
+async def test_agents_outlive_a_killed_master_and_the_next_platform_adopts_them(backend: Backend,
+                                                                                strays: list[int]) -> None:
     needs_processes(backend)
     if backend.helper_setup is None:
         pytest.skip(f"the {backend.name} backend has no helper process setup")
@@ -225,8 +226,30 @@ async def test_agents_die_when_the_master_is_killed(backend: Backend, strays: li
                     line = await lines.receive_until(b"\n", 65536)
             agent_pid = int(line.split()[1])
             strays.append(agent_pid)
-            assert alive(agent_pid)
         finally:
             master.kill()  # SIGKILL: the master gets no chance to clean up
             await master.wait()
+    assert alive(agent_pid), "the agent died with its master"
+    async with backend.make(SETTINGS) as platform, contextlib.aclosing(platform.events()) as events:
+        assert not await platform.adopt("contract", "n1", 2, pid=agent_pid), "adopted the wrong incarnation"
+        assert await next_event(events) == NodeExited(node_id="n1", incarnation=2)
+        assert not await platform.adopt("contract", "n2", 1, pid=os.getpid()), "adopted a process it never started"
+        assert await next_event(events) == NodeExited(node_id="n2", incarnation=1)
+        assert await platform.adopt("contract", "n1", 1, pid=agent_pid)
+        await platform.kill("n1", 1)
+        assert await next_event(events) == NodeExited(node_id="n1", incarnation=1)  # not our child: no status
     await wait_dead(agent_pid)
+
+
+async def test_closing_stops_adopted_nodes_too(backend: Backend, strays: list[int]) -> None:
+    needs_processes(backend)
+    async with backend.make(SETTINGS) as first:
+        await first.launch(agent(SLEEP))
+        started = await next_event(first.events())
+        assert isinstance(started, NodeStarted) and started.pid is not None
+        strays.append(started.pid)
+        async with backend.make(SETTINGS) as second:
+            events = second.events()
+            assert await second.adopt("contract", "n1", 1, pid=started.pid)
+        assert await remaining_events(events) == [NodeExited(node_id="n1", incarnation=1)]
+        await wait_dead(started.pid)

@@ -32,7 +32,7 @@ from stead.core.agent.stacks import dump_stacks
 from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote
 from stead.core.config import Settings, settings_env
-from stead.core.errors import ConfigError, InvalidRequest, RetryableError, RpcUnavailable
+from stead.core.errors import ConfigError, InvalidRequest, RetryableError
 from stead.core.launch import RunConfig, Streams, parse_run_args, worker_env
 from stead.core.retry import Backoff
 from stead.core.rpc import (
@@ -51,10 +51,12 @@ from stead.core.rpc import (
 )
 from stead.core.rpc.backend import MAX_EVIDENCE_CHARS
 
-__all__ = ["RUN_ARGV_ENV", "Agent", "run_agent"]
+__all__ = ["EXIT_MASTER_GONE", "RUN_ARGV_ENV", "Agent", "run_agent"]
 
 log = structlog.get_logger("stead.agent")
 
+#: the agent's exit code when it gave up on a master gone for longer than master_gone_timeout_s
+EXIT_MASTER_GONE = 3
 #: the `stead run` arguments of the job, as JSON, so every agent builds the same RunConfig
 RUN_ARGV_ENV = "STEAD_RUN_ARGV"
 #: what the zygote imports before forking the first workers; none runs a torch op or starts a thread
@@ -73,6 +75,8 @@ class Agent:
         self.token_file = token_file
         self.extensions = extensions or Extensions([])
         self._job_ended = False
+        #: set when the agent gave up on its master (gone past master_gone_timeout_s)
+        self.master_gone = False
         self.config = config
         self.node_id = node_id
         self.incarnation = incarnation
@@ -106,7 +110,11 @@ class Agent:
                 async with Zygote(self.settings, preload=preload, env=self._zygote_env()) as zygote, \
                         WorkerGroup(self.settings, zygote=zygote) as group:
                     self._group, self._zygote = group, zygote
-                    job = await self._register()
+                    try:
+                        job = await self._register()
+                    except RetryableError as exc:
+                        self._give_up_on_master(exc)
+                        return EXIT_MASTER_GONE
                     await self.extensions.call("start", ctx=AgentContext(
                         job=job, node_id=self.node_id, incarnation=self.incarnation, nproc=self.nproc,
                         settings=self.settings, client=self.client, master_address=self.client.address,
@@ -123,8 +131,8 @@ class Agent:
                 self._gpu.close()
                 with anyio.CancelScope(shield=True):
                     await self.extensions.call("stop", job_ended=self._job_ended)
-        self._log.info("agent_exiting")
-        return 0
+        self._log.info("agent_exiting", master_gone=self.master_gone)
+        return EXIT_MASTER_GONE if self.master_gone else 0
 
     def _zygote_env(self) -> dict[str, str]:
         """The agent's environment plus the start-up variables workers get (so they can be forked)."""
@@ -137,16 +145,31 @@ class Agent:
 
     # -- master ------------------------------------------------------------------
 
-    async def _register(self) -> str:
+    async def _register(self, *, deadline_s: float | None = None) -> str:
+        """Register (again), retrying for ``deadline_s`` (default: master_gone_timeout_s); RetryableError after."""
         info = RegisterInfo(node_id=self.node_id, incarnation=self.incarnation, host=socket.gethostname(),
                             pid=os.getpid(), nproc=self.nproc)
-        reply = await retrying(lambda: self.client.register(info), self.settings, what="register")
+        deadline = self.settings.master_gone_timeout_s if deadline_s is None else deadline_s
+        reply = await retrying(lambda: self.client.register(info), self.settings, what="register",
+                               deadline_s=deadline)
         self._log.info("agent_registered", master=self.client.address, job=reply.job)
         return reply.job
 
+    def _give_up_on_master(self, exc: RetryableError) -> None:
+        self.master_gone = True
+        self._log.error("master_gone", master=self.client.address, error=str(exc),
+                        timeout_s=self.settings.master_gone_timeout_s,
+                        action="stopping the workers and exiting; `stead run` with the same job name resumes the job",
+                        hint="raise master_gone_timeout_s to wait longer for a master")
+
     async def _obey(self, tg: anyio.abc.TaskGroup) -> None:
-        """Follow the command stream until told to stop the node; reconnect when it breaks."""
+        """Follow the command stream until told to stop the node; reconnect when it breaks.
+
+        A master gone for longer than master_gone_timeout_s ends the agent: its workers are stopped (and
+        checkpoint on the way out), then it exits cleanly with EXIT_MASTER_GONE.
+        """
         backoff = Backoff(self.settings)
+        gone_since: float | None = None
         while True:
             try:
                 async for command in self.client.commands(self.node_id, self.incarnation):
@@ -166,8 +189,16 @@ class Agent:
                             return
             except RetryableError as exc:
                 self._log.warning("master_unreachable", error=str(exc), action="workers keep running; retrying")
+            gone_since = time.monotonic() if gone_since is None else gone_since
             await backoff.wait()
-            await self._register()
+            try:
+                await self._register(deadline_s=max(
+                    0.0, self.settings.master_gone_timeout_s - (time.monotonic() - gone_since)))
+            except RetryableError as exc:
+                self._give_up_on_master(exc)
+                await self._stop_workers("the master is gone")
+                return
+            gone_since = None
 
     async def _dump_stacks(self, command: DumpStacksCmd) -> None:
         assert self._group is not None and self._progress is not None and self._reader is not None
@@ -212,8 +243,8 @@ class Agent:
             try:
                 if not await self.client.heartbeat(beat):
                     self._log.warning("master_forgot_node", action="registering again")
-                    await self._register()
-            except RpcUnavailable as exc:
+                    await self._register(deadline_s=0.0)  # one try: the command loop rides out a longer outage
+            except RetryableError as exc:
                 self._log.warning("heartbeat_failed", error=str(exc))
 
     async def _preload_imports(self) -> None:

@@ -123,8 +123,10 @@ class RpcServer:
         port: int = 0,
         token_file: str | os.PathLike[str] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        listen_fd: int | None = None,
     ) -> None:
         self._handlers = tuple(handlers)
+        self._listen_fd = listen_fd
         self._max_message_bytes = max_message_bytes
         self._token = token
         self._token_file = token_file
@@ -181,6 +183,11 @@ class RpcServer:
         self._port = None
 
     async def _bind(self) -> socket.socket:
+        if self._listen_fd is not None:  # handed over, listening already; closing ours leaves the giver's open
+            sock = socket.socket(fileno=os.dup(self._listen_fd))
+            sock.setblocking(False)
+            self._host = sock.getsockname()[0]
+            return sock
         where = format_address(self._host, self._requested_port)
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(

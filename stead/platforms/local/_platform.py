@@ -1,4 +1,10 @@
-"""LocalPlatform: every node's agent is an OS process on this machine."""
+"""LocalPlatform: every node's agent is an OS process on this machine.
+
+Agents are not tied to the master's life: a master that crashes leaves them
+running (their workers keep stepping), and the next master :meth:`adopts
+<LocalPlatform.adopt>` them by pid. An agent ends with its job: the master's stop
+command, or its master gone for longer than ``master_gone_timeout_s``.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import shutil
 import signal
 import subprocess
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from types import TracebackType
 from typing import Self
 
@@ -22,7 +29,7 @@ from stead.core.config import Settings
 from stead.core.errors import PlatformError
 from stead.core.events import NodeExited, NodeStarted
 from stead.core.platform import NodeSpec, PlatformEvent
-from stead.platforms.local._spawn import agent_argv, signal_group, signal_leader
+from stead.core.procs import is_alive, signal_group, signal_leader
 
 __all__ = ["LocalPlatform"]
 
@@ -30,14 +37,32 @@ log = structlog.get_logger()
 
 _Key = tuple[str, int]
 
+#: set in every agent's environment (``JOB/NODE/INCARNATION``): how a later master knows an agent it adopts by pid
+NODE_ENV = "STEAD_LOCAL_NODE"
+
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class _Node:
-    """One launched agent; mutable bookkeeping owned by the platform."""
+    """One agent, launched here or adopted; mutable bookkeeping owned by the platform."""
 
-    spec: NodeSpec
-    process: anyio.abc.Process
+    node_id: str
+    incarnation: int
+    pid: int
+    #: None for an agent adopted from an earlier master: not our child, its exit status is not ours to read
+    process: anyio.abc.Process | None
+    exited: anyio.Event = dataclasses.field(default_factory=anyio.Event)
     reported: bool = False
+
+    @property
+    def running(self) -> bool:
+        return not self.exited.is_set()
+
+    async def wait(self) -> None:
+        if self.process is not None:
+            await self.process.wait()
+        else:
+            await _wait_foreign(self.pid)
+        self.exited.set()
 
 
 class LocalPlatform:
@@ -49,7 +74,7 @@ class LocalPlatform:
     closed. It is meant for one consumer: two iterators would split the events.
     When the agent exits, what is left of its process group gets SIGKILL before
     NodeExited is reported, so a relaunched node never meets its predecessor's
-    workers. Closing sends
+    workers. :meth:`adopt` takes over an agent an earlier master launched. Closing sends
     SIGTERM to every running agent (which stops its own workers), waits
     ``shutdown_grace_s``, then SIGKILLs the process groups still there.
     """
@@ -93,7 +118,7 @@ class LocalPlatform:
                 log.warning("node_host_not_avoidable", node=spec.node_id, incarnation=spec.incarnation,
                             avoid=list(spec.avoid_hosts), hint="the local platform has this machine only")
             process = await _spawn(spec)
-            node = _Node(spec=spec, process=process)
+            node = _Node(node_id=spec.node_id, incarnation=spec.incarnation, pid=process.pid, process=process)
             self._nodes[key] = node
             log.info("node_launched", job=spec.job, node=spec.node_id, incarnation=spec.incarnation,
                      pid=process.pid)
@@ -101,13 +126,37 @@ class LocalPlatform:
                                                host="localhost", pid=process.pid))
             task_group.start_soon(self._watch, node, name=f"watch node {spec.node_id}/{spec.incarnation}")
 
+    async def adopt(self, job: str, node_id: str, incarnation: int, *, pid: int | None) -> bool:
+        """Take over the agent of ``(node_id, incarnation)`` that an earlier master launched as ``pid``.
+
+        Adopted, it is watched, killed and stopped like one launched here (its exit status is unknown: it is
+        not this process's child). When ``pid`` is not that agent any more (it exited while no master ran, or
+        the pid was reused), NodeExited is reported at once, so the master need not wait for the heartbeat
+        timeout to notice. Returns whether the agent was adopted.
+        """
+        key = (node_id, incarnation)
+        async with self._launch_lock:
+            task_group = self._running_task_group()
+            if key in self._nodes:
+                return True
+            if pid is None or not _runs_agent(pid, f"{job}/{node_id}/{incarnation}"):
+                log.warning("node_adoption_failed", node=node_id, incarnation=incarnation, pid=pid,
+                            reason="its agent is no longer running")
+                self._send.send_nowait(NodeExited(node_id=node_id, incarnation=incarnation))
+                return False
+            node = _Node(node_id=node_id, incarnation=incarnation, pid=pid, process=None)
+            self._nodes[key] = node
+            log.info("node_adopted", job=job, node=node_id, incarnation=incarnation, pid=pid)
+            task_group.start_soon(self._watch, node, name=f"watch adopted node {node_id}/{incarnation}")
+            return True
+
     async def kill(self, node_id: str, incarnation: int) -> None:
         node = self._nodes.get((node_id, incarnation))
-        if node is None or node.process.returncode is not None:
+        if node is None or not node.running:
             log.debug("node_kill_ignored", node=node_id, incarnation=incarnation, known=node is not None)
             return
-        log.info("node_killed", node=node_id, incarnation=incarnation, pid=node.process.pid)
-        signal_group(node.process.pid, signal.SIGKILL)
+        log.info("node_killed", node=node_id, incarnation=incarnation, pid=node.pid)
+        signal_group(node.pid, signal.SIGKILL)
 
     def events(self) -> AsyncGenerator[PlatformEvent, None]:
         self._running_task_group()
@@ -120,7 +169,7 @@ class LocalPlatform:
         return self._task_group
 
     async def _watch(self, node: _Node) -> None:
-        await node.process.wait()
+        await node.wait()
         self._report_exit(node)
 
     def _report_exit(self, node: _Node) -> None:
@@ -128,29 +177,31 @@ class LocalPlatform:
         if node.reported:
             return
         node.reported = True
-        returncode = node.process.returncode
-        assert returncode is not None
-        signal_group(node.process.pid, signal.SIGKILL)
-        exit_code, sig = (None, -returncode) if returncode < 0 else (returncode, None)
-        log.info("node_exited", node=node.spec.node_id, incarnation=node.spec.incarnation, pid=node.process.pid,
-                 exit_code=exit_code, signal=sig)
-        self._send.send_nowait(NodeExited(node_id=node.spec.node_id, incarnation=node.spec.incarnation,
-                                          exit_code=exit_code, signal=sig))
+        signal_group(node.pid, signal.SIGKILL)
+        exit_code = sig = None
+        if node.process is not None:
+            returncode = node.process.returncode
+            assert returncode is not None
+            exit_code, sig = (None, -returncode) if returncode < 0 else (returncode, None)
+        log.info("node_exited", node=node.node_id, incarnation=node.incarnation, pid=node.pid, exit_code=exit_code,
+                 signal=sig, adopted=node.process is None)
+        self._send.send_nowait(NodeExited(node_id=node.node_id, incarnation=node.incarnation, exit_code=exit_code,
+                                          signal=sig))
 
     async def _stop_all(self) -> None:
         # shielded: a cancelled master must still take its agents down before it returns
         with anyio.CancelScope(shield=True):
             async with self._launch_lock:
-                running = [node for node in self._nodes.values() if node.process.returncode is None]
+                running = [node for node in self._nodes.values() if node.running]
                 for node in running:
-                    signal_leader(node.process.pid, signal.SIGTERM)
+                    signal_leader(node.pid, signal.SIGTERM)
                 with anyio.move_on_after(self._settings.shutdown_grace_s):
                     await self._wait_all(running)
                 for node in running:
-                    if node.process.returncode is None:
-                        log.warning("node_stop_timed_out", node=node.spec.node_id,
-                                    incarnation=node.spec.incarnation, grace_s=self._settings.shutdown_grace_s)
-                        signal_group(node.process.pid, signal.SIGKILL)
+                    if node.running:
+                        log.warning("node_stop_timed_out", node=node.node_id, incarnation=node.incarnation,
+                                    grace_s=self._settings.shutdown_grace_s)
+                        signal_group(node.pid, signal.SIGKILL)
                 await self._wait_all(running)
                 for node in self._nodes.values():
                     self._report_exit(node)
@@ -159,7 +210,7 @@ class LocalPlatform:
 
     async def _wait_all(self, nodes: list[_Node]) -> None:
         async def wait_one(node: _Node) -> None:
-            await node.process.wait()
+            await node.wait()
             self._report_exit(node)
 
         async with anyio.create_task_group() as task_group:
@@ -171,16 +222,41 @@ async def _spawn(spec: NodeSpec) -> anyio.abc.Process:
     where = f"node {spec.node_id} (incarnation {spec.incarnation})"
     if not spec.command:
         raise PlatformError(f"cannot launch {where}: its command is empty; give the agent's argv")
-    env = {**os.environ, **spec.env}
+    env = {**os.environ, **spec.env, NODE_ENV: f"{spec.job}/{spec.node_id}/{spec.incarnation}"}
     _check_executable(spec.command[0], env, spec.cwd, where)
     try:
         # shielded: a cancellation between fork and return would leave a process nobody watches
         with anyio.CancelScope(shield=True):
-            process = await anyio.open_process(agent_argv(spec.command), stdin=subprocess.DEVNULL, stdout=None,
+            process = await anyio.open_process(spec.command, stdin=subprocess.DEVNULL, stdout=None,
                                                stderr=None, cwd=spec.cwd, env=env, start_new_session=True)
     except OSError as exc:
         raise PlatformError(f"cannot launch {where}: {exc}; check its command and working directory") from exc
     return process
+
+
+def _runs_agent(pid: int, node: str) -> bool:
+    """Whether ``pid`` is the live agent this platform started for ``node`` (``JOB/NODE/INCARNATION``)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"{NODE_ENV}={node}".encode() in environ.split(b"\0") and is_alive(pid)
+
+
+async def _wait_foreign(pid: int) -> None:
+    """Until ``pid``, which is not our child, has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except OSError:  # a kernel before 5.3: look now and then
+        while is_alive(pid):  # noqa: ASYNC110 (another process; nothing to wait on)
+            await anyio.sleep(0.1)
+        return
+    try:
+        await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
 
 
 def _check_executable(program: str, env: dict[str, str], cwd: str | None, where: str) -> None:

@@ -1,0 +1,143 @@
+"""Processes on this machine: signalling groups, tying a child to its parent's life, finding children.
+
+Linux gives three tools that stead uses and that nothing else in the standard
+library wraps:
+
+- ``PR_SET_PDEATHSIG``: a child gets a signal when its parent dies. It is set by a
+  tiny exec shim (``python -I -S -c SHIM``) rather than a ``preexec_fn``, which runs
+  Python between fork and exec and can deadlock in a parent with threads.
+- ``PR_SET_CHILD_SUBREAPER``: processes orphaned below a subreaper are re-parented
+  to it instead of to init, so ``stead run`` keeps the agents a crashed master
+  left behind as its own children (to reap them, and to stop them at the end).
+- ``pidfd_open``: a file descriptor that becomes readable when a process exits,
+  for processes that are not our children (agents adopted from a dead master).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+__all__ = ["DEATH_SIGNAL_SUPPORTED", "become_subreaper", "children", "cmdline", "descendants", "is_alive",
+           "signal_group", "signal_leader", "tied_argv"]
+
+log = structlog.get_logger("stead.procs")
+
+DEATH_SIGNAL_SUPPORTED = sys.platform.startswith("linux")
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+# argv: -c PARENT_PID SIGNAL COMMAND [ARGS...]. PR_SET_PDEATHSIG is 1. The getppid check closes the race where
+# the parent died between fork and prctl: the death signal would then never come.
+_SHIM = """\
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(1, int(sys.argv[2]), 0, 0, 0) != 0:
+    sys.exit("stead: prctl(PR_SET_PDEATHSIG) failed: " + os.strerror(ctypes.get_errno()))
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+try:
+    os.execvp(sys.argv[3], sys.argv[3:])
+except OSError as exc:
+    sys.stderr.write("stead: cannot run %r: %s\\n" % (sys.argv[3], exc))
+    os._exit(127)
+"""
+
+
+def tied_argv(command: tuple[str, ...] | list[str], sig: signal.Signals) -> list[str]:
+    """The argv that runs ``command`` so that it gets ``sig`` when this process dies (unchanged off Linux).
+
+    Linux sends the death signal when the *thread* that forked the child exits: fork from a thread that lives
+    as long as the process (the main thread, or the event loop's).
+    """
+    if not DEATH_SIGNAL_SUPPORTED:
+        return list(command)
+    return [sys.executable, "-I", "-S", "-c", _SHIM, str(os.getpid()), str(int(sig)), *command]
+
+
+def become_subreaper() -> bool:
+    """Have orphaned descendants re-parented to this process instead of init; False where unsupported."""
+    if not DEATH_SIGNAL_SUPPORTED:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        log.warning("subreaper_refused", error=os.strerror(ctypes.get_errno()))
+        return False
+    return True
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to a process group; a group that is already gone is fine."""
+    _send(os.killpg, pgid, sig, "signal_group_refused")
+
+
+def signal_leader(pid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to one process; a process that is already gone is fine."""
+    _send(os.kill, pid, sig, "signal_process_refused")
+
+
+def _send(kill: Callable[[int, int], None], target: int, sig: signal.Signals, refused: str) -> None:
+    try:
+        kill(target, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        log.warning(refused, target=target, signal=sig.name)
+
+
+def _parents() -> dict[int, list[int]]:
+    """Live (non-zombie) processes by parent pid, read from /proc."""
+    found: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] not in ("Z", "X"):
+            found.setdefault(int(fields[1]), []).append(int(entry.name))
+    return found
+
+
+def children(pid: int | None = None) -> set[int]:
+    """The live direct children of ``pid`` (default: this process)."""
+    return set(_parents().get(os.getpid() if pid is None else pid, []))
+
+
+def descendants(pid: int | None = None) -> set[int]:
+    """Every live (non-zombie) process below ``pid`` (default: this process)."""
+    parents = _parents()
+    found: set[int] = set()
+    stack = [os.getpid() if pid is None else pid]
+    while stack:
+        for child in parents.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def cmdline(pid: int) -> tuple[str, ...]:
+    """The argv of ``pid`` (empty when it is gone or unreadable)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ()
+    return tuple(part.decode(errors="replace") for part in raw.split(b"\0")[:-1])

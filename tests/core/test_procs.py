@@ -1,0 +1,65 @@
+"""stead.core.procs: a tied child gets its signal when its parent dies; children and descendants from /proc."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stead.core.procs import DEATH_SIGNAL_SUPPORTED, children, cmdline, descendants, is_alive, tied_argv
+
+#: a guard against a hung test, not a measured duration
+TIMEOUT_S = 30.0
+
+CHILD = """\
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+def on_signal(signum, frame):
+    out.write_text(str(signum))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_signal)
+out.with_suffix(".ready").write_text("")
+time.sleep(300)
+"""
+
+PARENT = """\
+import signal, subprocess, sys, time
+from stead.core.procs import tied_argv
+subprocess.Popen(tied_argv([sys.executable, "-c", sys.argv[2], sys.argv[1]], signal.SIGTERM))
+time.sleep(300)
+"""
+
+
+def _wait(predicate: object, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.skipif(not DEATH_SIGNAL_SUPPORTED, reason="PR_SET_PDEATHSIG is Linux only")
+def test_a_tied_child_gets_its_signal_when_its_parent_is_killed(tmp_path: Path) -> None:
+    out = tmp_path / "signal"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(out), CHILD])
+    try:
+        _wait(lambda: out.with_suffix(".ready").exists(), "the child started")
+        (child,) = children(parent.pid)
+        assert cmdline(child)[-1] == str(out), "the shim did not exec the command"
+        assert descendants() >= {parent.pid, child}
+    finally:
+        parent.kill()
+        parent.wait()
+    _wait(lambda: out.exists() and out.read_text() == str(int(signal.SIGTERM)), "the child got SIGTERM")
+    _wait(lambda: not is_alive(child), "the child exited")
+
+
+def test_off_linux_or_on_it_the_command_is_kept_whole() -> None:
+    argv = tied_argv(["prog", "a b", "--x"], signal.SIGTERM)
+    assert argv[-3:] == ["prog", "a b", "--x"]
+    if DEATH_SIGNAL_SUPPORTED:
+        assert argv[:2] == [sys.executable, "-I"] and str(os.getpid()) in argv and str(int(signal.SIGTERM)) in argv
