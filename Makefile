@@ -46,10 +46,15 @@ stress: $(STAMP) etcd
 	  tests/core/store/test_store_stress.py \
 	  "tests/plugins/sharding/test_sharding_sampler.py::test_the_sampler_rides_out_a_master_restart"
 
-# long runs that do not fit in `make test`: the RPC fuzz with many more cases per method
+# long runs that do not fit in `make test`: the RPC fuzz with many more cases per method, and the chaos job
+# under a long seeded fault schedule on etcd (CHAOS_FAULTS faults of every kind, a 20 s etcd outage among them)
 FUZZ_EXAMPLES ?= 3000
+CHAOS_FAULTS ?= 100
+CHAOS_SEED ?= 1
 chaos: $(STAMP) etcd
 	STEAD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q tests/fuzz
+	STEAD_CHAOS_LONG=1 STEAD_CHAOS_FAULTS=$(CHAOS_FAULTS) STEAD_CHAOS_SEED=$(CHAOS_SEED) \
+	  $(BIN)/pytest -q -s --timeout=4000 tests/chaos -k long
 
 proto: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/gen_proto.sh

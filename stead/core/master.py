@@ -107,7 +107,8 @@ class Master:
         self._store: StateStore | None = None
         self._reactor: Reactor | None = None
         self._rpc: RpcServer | None = None
-        self.rounds = RoundStores(config.host, enabled=config.tcp_store)
+        self.rounds = RoundStores(config.host, enabled=config.tcp_store,
+                                  gone_timeout_s=config.settings.master_gone_timeout_s)
         self.tracer = RecoveryTracer(job=config.job)
         self.plugin_host: PluginHost | None = None
         self.hub = AgentHub(job=config.job, settings=self.settings, submit=self.submit, get_state=lambda: self.state,
@@ -219,7 +220,6 @@ class Master:
         structlog.contextvars.bind_contextvars(job=cfg.job)
         self._store = await open_store_retrying(cfg.store_url, self.settings)
         self._stack.push_async_callback(self._store.close)
-        self._stack.callback(self.rounds.close)
         handlers: list[Any] = [AgentServicer(self.hub)]
         plugins = [*load_plugins(settings=self.settings, enabled=cfg.plugins, disabled=cfg.disabled_plugins),
                    *cfg.plugin_objects]
@@ -231,11 +231,12 @@ class Master:
         self._reactor = await self._stack.enter_async_context(Reactor(
             EventLog(self._store, cfg.job), executor, settings=self.settings, plugins=self.plugin_host,
             observers=[self.tracer]))
-        if cfg.tcp_store:  # torch's import (for the round's TCPStore) warms up while the nodes start
-            warming = await self._stack.enter_async_context(TaskOwner())
-            warming.start(self._warm_tcp_store, name="tcp-store-warm-up")
         await self._stack.enter_async_context(self.plugin_host)
         self.token = await self._job_token()
+        # the workers' rendezvous stores: a process of their own, found again (or started) here; it imports
+        # torch while the nodes start
+        await self.rounds.start(self._store, cfg.job, self.token)
+        self._stack.push_async_callback(self.rounds.close)
         self.token_file.parent.mkdir(parents=True, exist_ok=True)
         write_token_file(self.token_file, self.token)
         self._stack.callback(self.token_file.unlink, missing_ok=True)
@@ -266,12 +267,6 @@ class Master:
         for node in state.nodes.values():
             if node.phase in (NodePhase.STARTED, NodePhase.JOINED):
                 await platform.adopt(self.config.job, node.node_id, node.incarnation, pid=node.pid)
-
-    async def _warm_tcp_store(self) -> None:
-        try:
-            await self.rounds.for_round(1)
-        except Exception as exc:  # round 1's start tries again and reports it
-            log.warning("tcp_store_warm_up_failed", error=repr(exc))
 
     async def _pump_platform(self, platform: Platform) -> None:
         async for event in platform.events():

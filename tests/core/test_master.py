@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 import uuid
@@ -224,14 +225,23 @@ async def test_a_master_task_that_keeps_dying_is_restarted_then_stops_the_master
     assert platform.reads == 3
 
 
-async def test_the_nodes_of_a_round_started_concurrently_share_one_rendezvous_store() -> None:
-    rounds = RoundStores("127.0.0.1", enabled=True)
+@contextlib.asynccontextmanager
+async def round_stores() -> AsyncIterator[RoundStores]:
+    store = await open_store("memory://")
+    rounds = RoundStores("127.0.0.1", enabled=True, gone_timeout_s=30)
     try:
+        await rounds.start(store, "rdzv", "token")
+        yield rounds
+    finally:
+        await rounds.close()
+        await store.close()
+
+
+async def test_the_nodes_of_a_round_started_concurrently_share_one_rendezvous_store() -> None:
+    async with round_stores() as rounds:
         addresses = await asyncio.gather(*(rounds.for_round(2) for _ in range(4)))
         assert len(set(addresses)) == 1 and rounds.latest == addresses[0]
         assert await rounds.for_round(1) != addresses[0] and rounds.latest == addresses[0]  # an older round's
-    finally:
-        rounds.close()
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -249,8 +259,7 @@ def listening_addresses(port: int) -> set[str]:
 async def test_the_rendezvous_store_listens_on_the_master_s_address_only_and_serves_workers() -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    rounds = RoundStores("127.0.0.1", enabled=True)
-    try:
+    async with round_stores() as rounds:
         host, port = await rounds.for_round(1)
         assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, not every interface
         worker = TCPStore(host, port, is_master=False, use_libuv=True)
@@ -260,9 +269,32 @@ async def test_the_rendezvous_store_listens_on_the_master_s_address_only_and_ser
         await rounds.for_round(2)
         _, newest = await rounds.for_round(3)
         assert listening_addresses(port) == set()  # round 1's store is freed two rounds later
-    finally:
-        rounds.close()
     assert listening_addresses(newest) == set()
+
+
+async def test_the_rendezvous_stores_outlive_a_master_that_dies_and_the_next_one_finds_them() -> None:
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    store = await open_store("memory://")
+    try:
+        first = RoundStores("127.0.0.1", enabled=True, gone_timeout_s=30)
+        await first.start(store, "rdzv", "token")
+        host, port = await first.for_round(4)
+        worker = TCPStore(host, port, is_master=False, use_libuv=True)
+        worker.set("rank0", "here")
+        first._drop_connection()  # the master is killed: its connection closes, nothing else happens
+        second = RoundStores("127.0.0.1", enabled=True, gone_timeout_s=30)
+        await second.start(store, "rdzv", "token")
+        try:
+            assert await second.for_round(4) == (host, port), "the round's store was not the running one"
+            assert TCPStore(host, port, is_master=False, use_libuv=True).get("rank0") == b"here"
+        finally:
+            del worker
+            await second.close()
+        assert listening_addresses(port) == set()
+        assert await store.get("/stead/jobs/rdzv/rdzv-host") is None
+    finally:
+        await store.close()
 
 
 async def test_a_master_that_takes_over_a_job_answers_with_the_job_s_token(tmp_path: Path) -> None:

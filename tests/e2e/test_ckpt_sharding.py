@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _history import FAULT_FUNCTION, surviving_history
+
+from stead.testing.history import FAULT_FUNCTION, surviving_history
 
 RunJob = Callable[..., Any]  # the run_job fixture of conftest.py
 
@@ -33,9 +34,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from stead.ckpt import Checkpoint
 from stead.data import ShardedSampler
+{FAULT}
 
 N, EPOCHS, EVERY = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-FAULTS = json.load(open("faults.json"))
 dist.init_process_group("gloo")
 rank, world, round_ = dist.get_rank(), dist.get_world_size(), int(os.environ["STEAD_ROUND"])
 ddp = DistributedDataParallel(torch.nn.Linear(1, 1))
@@ -44,13 +45,10 @@ sampler = ShardedSampler("ids", size=N, shard_size=6, seed=11, epochs=EPOCHS, pr
 ckpt = Checkpoint(model=ddp, optimizer=opt, sampler=sampler, extra={"round": round_})
 restored = ckpt.restore()  # model, optimizer, sampler cursor: in memory after a crash
 step, restored_round = (0, None) if restored is None else (restored, ckpt.extra["round"])
-log = open(f"logs/{round_}-{rank}.jsonl", "w")
-log.write(json.dumps({"restored_step": step, "restored_round": restored_round, "world": world}) + "\\n")
-log.flush()
+log = open_history(round_, rank, step, restored_round, world)
 loader = DataLoader(list(range(N)), batch_size=4, sampler=sampler)
 
 
-{FAULT}
 
 while sampler.epoch < EPOCHS:
     epoch = sampler.epoch
@@ -62,12 +60,8 @@ while sampler.epoch < EPOCHS:
         loss.backward()
         opt.step()
         step += 1
-        log.write(json.dumps([step, epoch, ids]) + "\\n")
-        log.flush()
-        for i, f in enumerate(FAULTS):
-            if f["step"] == step and f["rank"] == rank and not os.path.exists(f"fault-{i}"):
-                open(f"fault-{i}", "w").close()
-                fault(f["kind"])
+        record_step(log, step, epoch, ids)
+        fault_due(step, rank)
         if step % EVERY == 0:
             ckpt.extra = {"round": round_}
             ckpt.save(step, persist=True)  # every rank: the sampler's cursor is gathered into it

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _history import FAULT_FUNCTION, surviving_history
 
 from stead.core.events.log import EventLog
 from stead.core.store import open_store
 from stead.plugins.sharding.events import LeasesReleased, ShardRoundStarted
+from stead.testing.history import FAULT_FUNCTION, surviving_history
 
 RunJob = Callable[..., Any]  # the run_job fixture of conftest.py
 
@@ -39,9 +39,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 import stead
 from stead.data import ShardedSampler
+{FAULT}
 
 N, EPOCHS, EVERY = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-FAULTS = json.load(open("faults.json"))
 dist.init_process_group("gloo")
 rank, world, round_ = dist.get_rank(), dist.get_world_size(), int(os.environ["STEAD_ROUND"])
 model = torch.nn.Linear(1, 1)
@@ -56,13 +56,10 @@ if os.path.exists("ckpt.json"):
     sampler.load_state_dict(ckpt["cursor"])
 ddp = DistributedDataParallel(model)
 opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
-log = open(f"logs/{round_}-{rank}.jsonl", "w")
-log.write(json.dumps({"restored_step": step, "restored_round": restored, "world": world}) + "\\n")
-log.flush()
+log = open_history(round_, rank, step, restored, world)
 loader = DataLoader(list(range(N)), batch_size=4, sampler=sampler)
 
 
-{FAULT}
 
 while sampler.epoch < EPOCHS:
     epoch = sampler.epoch
@@ -79,13 +76,9 @@ while sampler.epoch < EPOCHS:
         loss.backward()
         opt.step()
         step += 1
-        log.write(json.dumps([step, epoch, ids]) + "\\n")
-        log.flush()
+        record_step(log, step, epoch, ids)
         stead.report_step(step)
-        for i, f in enumerate(FAULTS):
-            if f["step"] == step and f["rank"] == rank and not os.path.exists(f"fault-{i}"):
-                open(f"fault-{i}", "w").close()
-                fault(f["kind"])
+        fault_due(step, rank)
         if step % EVERY == 0:
             cursor = sampler.state_dict()  # every rank: it gathers every rank's progress
             if rank == 0:

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _history import surviving_history
 
+from stead.testing.history import FAULT_FUNCTION, surviving_history
 from stead.testing.leaks import SHM_NAMESPACE_ENV
 
 pytestmark = pytest.mark.e2e
@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from stead.ckpt import Checkpoint
 from stead.data import ShardedSampler
+{HELPERS}
 
 N, EPOCHS, EVERY, RUN = (int(a) for a in sys.argv[1:5])
 dist.init_process_group("gloo")
@@ -47,9 +48,7 @@ sampler = ShardedSampler("ids", size=N, shard_size=5, seed=3, epochs=EPOCHS, pre
 ckpt = Checkpoint(model=ddp, optimizer=opt, sampler=sampler, extra={"run": RUN})
 restored = ckpt.restore()
 step, restored_run = (0, None) if restored is None else (restored, ckpt.extra["run"])
-log = open(f"logs/{RUN}-{rank}.jsonl", "w")
-log.write(json.dumps({"restored_step": step, "restored_round": restored_run, "world": world}) + "\\n")
-log.flush()
+log = open_history(RUN, rank, step, restored_run, world)
 loader = DataLoader(list(range(N)), batch_size=4, sampler=sampler)
 while sampler.epoch < EPOCHS:
     epoch = sampler.epoch
@@ -61,14 +60,13 @@ while sampler.epoch < EPOCHS:
         loss.backward()
         opt.step()
         step += 1
-        log.write(json.dumps([step, epoch, ids]) + "\\n")
-        log.flush()
+        record_step(log, step, epoch, ids)
         if step % EVERY == 0:
             ckpt.extra = {"run": RUN}
             ckpt.save(step, persist=True)
 print(f"finished run={RUN} step={step}", flush=True)
 dist.destroy_process_group()
-"""
+""".replace("{HELPERS}", FAULT_FUNCTION)
 
 
 def _torchrun(cwd: Path, run: int) -> subprocess.Popen[str]:

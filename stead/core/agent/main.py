@@ -272,7 +272,10 @@ class Agent:
         async with self._lock:
             assert self._group is not None and self._progress is not None
             if command.round == self.round and self._group.alive:
-                return  # the same command again after a reconnect
+                # the same command again after a reconnect (the first "started" report may have been lost with
+                # the master that sent it): the workers run; say so again
+                await self.client.report_workers(self.node_id, self.incarnation, command.round, "started")
+                return
             await self._stop_workers(f"round {command.round} starts")
             self._progress.reset()
             self._pace.reset()

@@ -1,0 +1,246 @@
+"""The chaos job: a deterministic `stead run` job driven through a seeded fault schedule.
+
+The job (2 nodes x 2 gloo workers, CPU) trains a float64 linear model on a dataset
+of ids read through ``ShardedSampler`` (exactly-once, leased by the master) and saves
+model, optimizer and sampler cursor with flash checkpoints (persisted to disk) every
+few steps. The update is built to be exact and order-free: integer-valued features,
+dyadic initial weights, a power-of-two learning rate and world size, plain SGD. So
+the final weights are a function of *which* samples were trained on, each how many
+times, and nothing else: whatever the shard leasing order, a fault-free run ends on
+the same bits (:func:`expected_weights` computes them). Any sample trained twice or
+never, and any restore that brings back other weights than the ones saved with its
+cursor, changes them.
+
+Faults are of two sorts. The workers inject theirs at a (step, rank) the first time
+they reach it (``faults.json``): ``crash``, ``kill-agent``, ``hang`` (SIGSTOP), and
+``corrupt`` (flips a byte of every memory slot of the rank, then crashes). The driver
+injects the others when rank 0 has logged a step: ``kill-master`` (SIGKILL to the pid
+``stead status --json`` reports; `stead run` starts another) and ``etcd-outage``
+(the etcd server is stopped for ``outage_s``, then started again on its data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from stead.testing.etcd import EtcdServer
+from stead.testing.history import FAULT_FUNCTION
+
+__all__ = ["DRIVER_KINDS", "WORKER_KINDS", "ChaosResult", "Fault", "expected_weights", "run_chaos", "schedule"]
+
+NODES, NPROC = 2, 2
+WORLD = NODES * NPROC
+BATCH, SHARD, EVERY = 4, 8, 3
+EPOCHS = 2
+LR_EXP = -12
+
+WORKER_KINDS = ("crash", "kill-agent", "hang", "corrupt")
+DRIVER_KINDS = ("kill-master", "etcd-outage")
+
+SCRIPT = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from stead.ckpt import Checkpoint
+from stead.data import ShardedSampler
+{FAULT}
+
+N, EPOCHS, EVERY, BATCH, SHARD, LR_EXP = (int(a) for a in sys.argv[1:7])
+torch.manual_seed(0)
+dist.init_process_group("gloo")
+rank, world, round_ = dist.get_rank(), dist.get_world_size(), int(os.environ["STEAD_ROUND"])
+model = torch.nn.Linear(4, 1, dtype=torch.float64)
+with torch.no_grad():  # dyadic weights with few bits: every sum below is exact
+    model.weight.copy_(torch.randint(-8, 8, (1, 4), generator=torch.Generator().manual_seed(0)) / 16)
+    model.bias.fill_(0.25)
+ddp = DistributedDataParallel(model)
+opt = torch.optim.SGD(ddp.parameters(), lr=2.0 ** LR_EXP)
+sampler = ShardedSampler("ids", size=N, shard_size=SHARD, seed=7, epochs=EPOCHS, prefetch=2)
+ckpt = Checkpoint(model=ddp, optimizer=opt, sampler=sampler, extra={"round": round_})
+restored = ckpt.restore()
+step, restored_round = (0, None) if restored is None else (restored, ckpt.extra["round"])
+log = open_history(round_, rank, step, restored_round, world)
+loader = DataLoader(list(range(N)), batch_size=BATCH, sampler=sampler)
+
+
+def features(ids):
+    rows = [[i % 7, i % 5 - 2, (i * i) % 11, 1] for i in ids]
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+
+while sampler.epoch < EPOCHS:
+    epoch = sampler.epoch
+    for batch in loader:
+        ids = batch.tolist()
+        loss = ddp(features(ids)).sum()  # linear in the weights: the gradient is a sum of integer rows
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        record_step(log, step, epoch, ids)
+        time.sleep(0.02)
+        fault_due(step, rank, ckpt)
+        if step % EVERY == 0:
+            ckpt.extra = {"round": round_}
+            ckpt.save(step, persist=True)
+ckpt.wait_persisted()
+if rank == 0:
+    weights = [float(x) for x in torch.cat([p.detach().reshape(-1) for p in model.parameters()])]
+    with open("weights.json.tmp", "w") as f:
+        json.dump([x.hex() for x in weights], f)
+    os.replace("weights.json.tmp", "weights.json")
+dist.destroy_process_group()
+""".replace("{FAULT}", FAULT_FUNCTION)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    step: int
+    kind: str
+    rank: int = 0
+
+
+@dataclasses.dataclass
+class ChaosResult:
+    returncode: int
+    stderr: str
+    weights: list[float] | None
+    fired: list[Fault]
+    cwd: Path
+
+
+def steps_per_rank(n: int) -> int:
+    return EPOCHS * n // (WORLD * BATCH)
+
+
+def schedule(seed: int, count: int, n: int, *, kinds: tuple[str, ...] = WORKER_KINDS + DRIVER_KINDS,
+             outages: int = 1) -> list[Fault]:
+    """``count`` faults at distinct steps, spread over the job, drawn from ``kinds`` with ``seed``.
+
+    At most ``outages`` of them are etcd outages; a worker fault names a random rank.
+    """
+    rng = random.Random(seed)
+    last = steps_per_rank(n) - EVERY
+    gap = max(EVERY + 1, last // (count + 1))
+    faults = []
+    for i in range(count):
+        pool = [k for k in kinds if k != "etcd-outage" or sum(f.kind == k for f in faults) < outages]
+        faults.append(Fault(step=min(last, (i + 1) * gap + rng.randrange(0, max(1, gap // 2))),
+                            kind=rng.choice(pool), rank=rng.randrange(WORLD)))
+    return faults
+
+
+def expected_weights(n: int) -> list[float]:
+    """The weights a fault-free run ends with: every id trained on once per epoch, in any order."""
+    import torch
+
+    weight = torch.randint(-8, 8, (1, 4), generator=torch.Generator().manual_seed(0)).to(torch.float64) / 16
+    bias = torch.tensor([0.25], dtype=torch.float64)
+    rows = torch.tensor([[i % 7, i % 5 - 2, (i * i) % 11, 1] for i in range(n)], dtype=torch.float64)
+    lr = 2.0 ** LR_EXP
+    # DDP averages the ranks' gradients: each sample contributes lr * row / WORLD, once per epoch
+    weight = weight - EPOCHS * lr * rows[:, :4].sum(0, keepdim=True) / WORLD
+    bias = bias - EPOCHS * lr * torch.tensor([float(n)], dtype=torch.float64) / WORLD
+    return [float(x) for x in torch.cat([weight.reshape(-1), bias])]
+
+
+def _rank0_step(logs: Path) -> int:
+    best = 0
+    for path in logs.glob("*-0.jsonl"):
+        lines = path.read_text().splitlines()
+        if len(lines) > 1:
+            try:
+                best = max(best, json.loads(lines[-1])[0])
+            except (ValueError, IndexError):  # a line being written
+                continue
+    return best
+
+
+def _master_pid(cwd: Path, job: str, store: str) -> int | None:
+    out = subprocess.run([sys.executable, "-m", "stead", "status", "--job", job, "--store", store, "--json"],
+                         cwd=cwd, capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        return None
+    pid = json.loads(out.stdout).get("master_pid")
+    return int(pid) if pid else None
+
+
+def run_chaos(cwd: Path, n: int, faults: list[Fault], *, store: str, etcd: EtcdServer | None = None,
+              outage_s: float = 20.0, timeout_s: float = 600.0, flags: tuple[str, ...] = ()) -> ChaosResult:
+    """Run the chaos job in ``cwd`` under ``faults``; the driver's faults are injected from here."""
+    (cwd / "train.py").write_text(SCRIPT)
+    (cwd / "logs").mkdir()
+    worker_faults = [dataclasses.asdict(f) for f in faults if f.kind in WORKER_KINDS]
+    (cwd / "faults.json").write_text(json.dumps(worker_faults))
+    driver = [f for f in faults if f.kind in DRIVER_KINDS]
+    fired: list[Fault] = []
+    command = [sys.executable, "-m", "stead", "run", "--job-name", "chaos", "--store", store, "--log-format", "json",
+               "--nnodes", str(NODES), "--nproc-per-node", str(NPROC), "--max-restarts", "1000",
+               "--set", "diagnosis.hang_floor_s=3", "--set", "diagnosis.stacks_wait_s=1",
+               "--set", f"master_max_restarts={1 + sum(f.kind == 'kill-master' for f in faults)}", *flags,
+               "train.py", str(n), str(EPOCHS), str(EVERY), str(BATCH), str(SHARD), str(LR_EXP)]
+    deadline = time.monotonic() + timeout_s
+    outage_ends: float | None = None
+    with (cwd / "stderr.log").open("wb") as err:
+        run = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        while run.poll() is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the chaos job did not end within {timeout_s:g} s; fired {fired}; its log "
+                                     f"ends:\n{_tail(cwd)}")
+            if outage_ends is not None and time.monotonic() >= outage_ends:
+                assert etcd is not None
+                etcd.start()
+                outage_ends = None
+            step = _rank0_step(cwd / "logs")
+            for fault in [f for f in driver if f.step <= step and f not in fired]:
+                if fault.kind == "kill-master":
+                    pid = _master_pid(cwd, "chaos", store)
+                    if pid is None:
+                        continue  # the store is away: try when it is back
+                    os.kill(pid, signal.SIGKILL)
+                elif outage_ends is None:
+                    assert etcd is not None, "an etcd outage needs the job on etcd"
+                    etcd.stop()
+                    outage_ends = time.monotonic() + outage_s
+                else:
+                    continue
+                fired.append(fault)
+            time.sleep(0.1)
+    finally:
+        if outage_ends is not None and etcd is not None:
+            etcd.start()
+        if run.poll() is None:
+            run.send_signal(signal.SIGTERM)
+            run.wait(timeout=120)
+    fired += [f for f in faults if f.kind in WORKER_KINDS
+              and (cwd / f"fault-{worker_faults.index(dataclasses.asdict(f))}").exists()]
+    weights_path = cwd / "weights.json"
+    weights = [float.fromhex(x) for x in json.loads(weights_path.read_text())] if weights_path.exists() else None
+    return ChaosResult(run.returncode, (cwd / "stderr.log").read_text(errors="replace"), weights, fired, cwd)
+
+
+def _tail(cwd: Path) -> str:
+    return "\n".join((cwd / "stderr.log").read_text(errors="replace").splitlines()[-40:])
+
+
+def bits(values: list[float]) -> list[str]:
+    """The IEEE-754 bits of each value, for a bit-for-bit comparison that a reader can see."""
+    return [struct.pack(">d", v).hex() for v in values]
+
+
+def as_json(result: ChaosResult, **extra: Any) -> str:
+    return json.dumps({"returncode": result.returncode, "faults": len(result.fired),
+                       "kinds": sorted({f.kind for f in result.fired}), **extra})
