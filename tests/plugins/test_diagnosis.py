@@ -7,12 +7,14 @@ import dataclasses
 import pytest
 
 from stead.core.config import Settings
-from stead.core.events import Event, Record, RecoveryAction, RecoveryDecided, WorkerFailed
+from stead.core.events import Event, PluginsStarted, Record, RecoveryAction, RecoveryDecided, WorkerFailed
 from stead.core.plugins import NoSettings, PluginContext
-from stead.core.statemachine import JobPhase, JobState
+from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState
+from stead.core.statemachine.rendezvous import RendezvousState
 from stead.core.store import open_store
 from stead.plugin import classify, last_exception
 from stead.plugins.diagnosis import DiagnosisPlugin
+from stead.plugins.diagnosis.settings import DiagnosisSettings
 
 TRACEBACK = "Traceback (most recent call last):\n  File \"train.py\", line 3\n{line}\n"
 
@@ -96,3 +98,32 @@ async def test_follow_on_failures_of_a_round_already_handled_are_ignored() -> No
     await DiagnosisPlugin().handle(record=Record(seq=1, at=0.0, event=_failure("other")), ctx=ctx)
     assert emitted == []
     await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_master_that_takes_over_a_running_round_goes_on_watching_it_for_hangs() -> None:
+    store = await open_store("memory://")
+    state = JobState()
+    ctx = PluginContext(plugin="diagnosis", job="j", settings=NoSettings(), stead_settings=Settings(), store=store,
+                        state=lambda: state, emit=None, add_rpc_handler=None)  # type: ignore[arg-type]
+    settings = DiagnosisSettings(hang_floor_s=3.0)
+    old = DiagnosisPlugin(settings=settings)  # the master that dies: it saw round 4 step at 0.1 s a step
+    old.clock.start_round(4, 0.0)
+    for step in range(10):
+        old.clock.observe(4, step, 1.0 + step / 10)
+    await old._write_status(ctx, force=True)
+
+    new = DiagnosisPlugin(settings=settings)
+    await new.start(ctx=ctx)  # plugins start before the new master replays its log: it knows nothing yet
+    try:
+        assert new.clock.round == 0
+        state = JobState(phase=JobPhase.RUNNING, step=9, rdzv=RendezvousState(round=4, members=("n0",), active=True),
+                         nodes={"n0": NodeState(node_id="n0", incarnation=2, phase=NodePhase.JOINED)})
+        started = PluginsStarted(plugins=("diagnosis",), deciders=("diagnosis",))
+        await new.handle(record=Record(seq=1, at=0.0, event=started), ctx=ctx)
+        assert (new.clock.round, new.clock.step) == (4, 9)
+        assert new.clock.threshold()[0] == 3.0, "the step pace the old master learnt was lost"
+        assert new._alive == {("n0", 2)}, "a failure of an adopted node would go unclassified"
+    finally:
+        await new.stop(ctx=ctx)
+        await store.close()

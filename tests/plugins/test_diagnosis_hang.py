@@ -80,6 +80,20 @@ def test_a_new_round_waits_for_its_first_step_again() -> None:
     assert c.threshold()[0] == 20.0  # the pace learnt in round 1 still holds
 
 
+def test_a_clock_taken_over_by_a_new_master_keeps_the_pace_the_old_one_learnt() -> None:
+    old = clock()
+    run_steps(old, [1.0] * 10)
+    new = clock()
+    new.start_round(1, 500.0)  # the new master starts while round 1 runs
+    assert new.threshold()[0] == 600.0  # alone, it would wait first_step_s
+    new.resume(10, list(old.gaps))
+    assert new.threshold()[0] == 20.0
+    stall = new.stalled(521.0)
+    assert stall is not None and stall.step == 10
+    new.resume(10, [float("nan"), -1.0])  # a damaged status record adds nothing
+    assert list(new.gaps) == list(old.gaps)
+
+
 @settings(max_examples=300, deadline=None)
 @given(base=st.floats(0.01, 5.0), ratios=st.lists(st.floats(1.0, 10.0), min_size=1, max_size=300))
 def test_a_healthy_job_whose_steps_vary_up_to_10x_never_raises_the_alarm(base: float, ratios: list[float]) -> None:

@@ -45,6 +45,7 @@ from stead.plugin import (
     NodeLost,
     Plugin,
     PluginContext,
+    PluginsStarted,
     Record,
     RecoveryAction,
     RecoveryDecided,
@@ -90,8 +91,8 @@ Ctx = PluginContext[DiagnosisSettings]
 class DiagnosisPlugin(Plugin[DiagnosisSettings]):
     name = "diagnosis"
     settings_class = DiagnosisSettings
-    subscriptions = (WorkerFailed, RoundCompleted, StepProgress, StacksDumped, NodeJoined, NodeLost, NodeExited,
-                     CheckpointCommitted)
+    subscriptions = (PluginsStarted, WorkerFailed, RoundCompleted, StepProgress, StacksDumped, NodeJoined, NodeLost,
+                     NodeExited, CheckpointCommitted)
     decides_recovery = True
 
     def __init__(self, *, settings: DiagnosisSettings | None = None) -> None:
@@ -120,12 +121,30 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         self._root_cause: _RootCause | None = None
 
     async def start(self, *, ctx: Ctx) -> None:
-        state = ctx.current_state()
-        if state.rdzv.active and state.rdzv.round:  # a restarted master: the round runs, its clock starts now
-            self.clock.start_round(state.rdzv.round, time.time())
-        self._alive = {(n, node.incarnation) for n, node in state.nodes.items() if node.phase.alive}
+        await self._catch_up(ctx)
         if self.settings.hang_detection or self.settings.stragglers:
             self._watch = asyncio.create_task(self._watch_job(ctx), name="diagnosis-watch")
+
+    async def _catch_up(self, ctx: Ctx) -> None:
+        """Take up the job where the log left it: plugins start before the master replays its log, so this runs
+        again on PluginsStarted (after the replay) for a master that took over a running job."""
+        state = ctx.current_state()
+        self._alive = {(n, node.incarnation) for n, node in state.nodes.items() if node.phase.alive}
+        if state.rdzv.active and state.rdzv.round and self.clock.round != state.rdzv.round:
+            self.clock.start_round(state.rdzv.round, time.time())  # the round runs: its clock starts now
+            await self._resume_clock(ctx, state.step)
+
+    async def _resume_clock(self, ctx: Ctx, step: int | None) -> None:
+        """Take over the step times the previous master saw (its last status), so that a round that hangs
+        right after a master restart is caught after the usual threshold, not after first_step_s."""
+        kv = await ctx.store.get(ctx.key("status"))
+        try:
+            before = json.loads(kv.value) if kv is not None else {}
+            gaps = [float(g) for g in before.get("hang", {}).get("gaps_s", [])]
+        except (ValueError, TypeError, AttributeError):
+            gaps = []
+        if before.get("round") == self.clock.round and gaps and step is not None:
+            self.clock.resume(step, gaps)
 
     async def stop(self, *, ctx: Ctx) -> None:
         if self._root_cause is not None and self._root_cause.task is not None:
@@ -200,7 +219,8 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             summary.append(f"no straggler (factor {self.settings.straggler_factor:g})")
         status = {
             "at": time.time(), "round": self.clock.round, "summary": summary,
-            "hang": {"threshold_s": round(threshold, 3), "why": why, "enabled": self.settings.hang_detection},
+            "hang": {"threshold_s": round(threshold, 3), "why": why, "enabled": self.settings.hang_detection,
+                     "gaps_s": [round(g, 4) for g in self.clock.gaps]},
             "stragglers": {n: {"compute_s": round(f.compute_s, 6), "median_s": round(f.median_s, 6),
                                "ratio": round(f.ratio, 3)} for n, f in flagged.items()},
         }
@@ -247,6 +267,8 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
     async def handle(self, *, record: Record, ctx: Ctx) -> None:
         event = record.event
         match event:
+            case PluginsStarted():
+                await self._catch_up(ctx)
             case RoundCompleted():
                 self.clock.start_round(event.round, record.at)
             case StepProgress():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -56,6 +57,11 @@ class StepClock:
     def start_round(self, round_: int, at: float) -> None:
         """The workers of ``round_`` run from ``at`` on (the gaps of earlier rounds still count)."""
         self.round, self.step, self.phase, self.since = round_, None, "", at
+
+    def resume(self, step: int, gaps: list[float]) -> None:
+        """The running round had reached ``step`` with these recent gaps between steps (a master restart)."""
+        self.step = step
+        self.gaps.extend(g for g in gaps if math.isfinite(g) and g >= 0)
 
     def observe(self, round_: int, step: int, at: float, phase: str = "") -> None:
         """A progress record: the slowest rank finished ``step`` (``phase``: one it declared)."""
