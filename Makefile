@@ -49,7 +49,7 @@ stress: $(STAMP) etcd
 # long runs that do not fit in `make test`: the RPC fuzz with many more cases per method, and the chaos job
 # under a long seeded fault schedule on etcd (CHAOS_FAULTS faults of every kind, a 20 s etcd outage among them)
 FUZZ_EXAMPLES ?= 3000
-CHAOS_FAULTS ?= 100
+CHAOS_FAULTS ?= 200
 CHAOS_SEED ?= 1
 chaos: $(STAMP) etcd
 	STEAD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q tests/fuzz

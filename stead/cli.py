@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--token-file", required=True, help="file holding the job token")
     a.add_argument("--node-id", required=True, help="this node's id, as the master requested it")
     a.add_argument("--incarnation", type=int, default=1, help="launch count of this node (default 1)")
+    a.add_argument("--cleanup", action="store_true",
+                   help="do not run: free what the killed agent of this node incarnation left on this machine "
+                        "(its checkpoint shared memory); the platform runs it when the job ends")
     _add_common(a)
 
     e = sub.add_parser("events", help="print a job's event log, one line per event")
@@ -147,8 +150,10 @@ async def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
     if args.command == "master":
         return await _master(args, settings)
     if args.command == "agent":
-        from stead.core.agent.main import run_agent
+        from stead.core.agent.main import clean_up_after, run_agent
 
+        if args.cleanup:
+            return await clean_up_after(node_id=args.node_id, incarnation=args.incarnation)
         return await run_agent(master=args.master, token_file=args.token_file, node_id=args.node_id,
                                incarnation=args.incarnation, settings=settings)
     if args.command == "events":

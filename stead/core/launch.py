@@ -70,6 +70,8 @@ class RunConfig:
     max_nodes: int
     nproc_per_node: int
     max_restarts: int
+    #: how many times a lost or killed node is relaunched (JobSubmitted.max_node_relaunches)
+    max_node_relaunches: int
     monitor_interval_s: float
     join_timeout_s: float
     last_call_timeout_s: float
@@ -162,6 +164,9 @@ def _add_torchrun_flags(group: argparse._ArgumentGroup) -> None:
         help="single-node job with a local store; needs --nnodes 1 (the default) and ignores the --rdzv-* options")
     add("--max-restarts", "--max_restarts", type=int, default=0, metavar="N",
         help="restart the workers at most N times after failures before the job fails (default 0)")
+    add("--max-node-relaunches", "--max_node_relaunches", type=int, default=3, metavar="N",
+        help="relaunch a lost or killed node (a new agent) at most N times before the job goes on without it, "
+             "or fails below the minimum node count (default 3)")
     add("--monitor-interval", "--monitor_interval", type=float, default=0.1, metavar="SECONDS",
         help="accepted for torchrun compatibility and ignored: stead's agent learns of a worker's exit at once "
              "(it waits on the process, it does not poll)")
@@ -262,6 +267,7 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
                           "drop --nnodes or drop --standalone")
     nproc = _parse_nproc_per_node(ns.nproc_per_node, env)
     _check_at_least(ns.max_restarts, 0, "--max-restarts")
+    _check_at_least(ns.max_node_relaunches, 0, "--max-node-relaunches")
     if not ns.monitor_interval > 0:
         raise ConfigError(f"--monitor-interval must be positive, got {ns.monitor_interval}")
     _check_at_least(ns.node_rank, 0, "--node-rank")
@@ -298,6 +304,7 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
         max_nodes=max_nodes,
         nproc_per_node=nproc,
         max_restarts=ns.max_restarts,
+        max_node_relaunches=ns.max_node_relaunches,
         monitor_interval_s=ns.monitor_interval,
         join_timeout_s=settings.join_timeout_s,
         last_call_timeout_s=settings.last_call_timeout_s,

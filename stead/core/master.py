@@ -39,7 +39,7 @@ from stead.core.events import Event, JobSubmitted, PluginsStarted, Record
 from stead.core.events.log import EventLog, job_prefix
 from stead.core.executor import Executor, NodeSpecFactory
 from stead.core.hub import AgentHub
-from stead.core.platform import Platform
+from stead.core.platform import NodeSpec, Platform
 from stead.core.plugins import PluginHost, load_plugins
 from stead.core.reactor import Reactor
 from stead.core.retry import Backoff, retrying
@@ -266,7 +266,10 @@ class Master:
             return
         for node in state.nodes.values():
             if node.phase in (NodePhase.STARTED, NodePhase.JOINED):
-                await platform.adopt(self.config.job, node.node_id, node.incarnation, pid=node.pid)
+                spec = (self.config.node_spec(node.node_id, node.incarnation, self.address, str(self.token_file))
+                        if self.config.node_spec is not None else
+                        NodeSpec(job=self.config.job, node_id=node.node_id, incarnation=node.incarnation, command=()))
+                await platform.adopt(spec, pid=node.pid)
 
     async def _pump_platform(self, platform: Platform) -> None:
         async for event in platform.events():

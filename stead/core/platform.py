@@ -34,6 +34,9 @@ class NodeSpec:
     resources: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: hosts the node must not run on (excluded as faulty); a platform that cannot place it elsewhere logs it
     avoid_hosts: tuple[str, ...] = ()
+    #: argv that frees what the agent leaves on its machine when it is killed (``stead agent --cleanup``); a
+    #: platform whose nodes' machines outlive them runs it when it closes, for a node whose last agent was killed
+    cleanup_command: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -52,8 +55,8 @@ class Platform(Protocol):
     async def kill(self, node_id: str, incarnation: int) -> None:
         """Stop the node (SIGKILL on local); unknown or finished nodes are ignored."""
 
-    async def adopt(self, job: str, node_id: str, incarnation: int, *, pid: int | None) -> bool:
-        """Take over a node that an earlier master of ``job`` launched (``pid``: what its NodeStarted said).
+    async def adopt(self, spec: NodeSpec, *, pid: int | None) -> bool:
+        """Take over a node that an earlier master launched from ``spec`` (``pid``: what its NodeStarted said).
 
         A new master calls it for every node its log says runs, before it acts on anything: an adopted node
         is killed, watched and stopped like one launched by this platform. A node that is gone is reported

@@ -26,7 +26,7 @@ from stead.core.agent.main import RUN_ARGV_ENV
 from stead.core.config import Settings
 from stead.core.display import format_status
 from stead.core.entrypoints import load_named
-from stead.core.errors import ConfigError
+from stead.core.errors import ConfigError, SteadError
 from stead.core.events import JobResumed, JobStopped, JobSubmitted
 from stead.core.launch import PLATFORM_GROUP, RunConfig, parse_run_args
 from stead.core.master import Master, MasterConfig, open_store_retrying
@@ -62,7 +62,8 @@ def agent_spec_factory(config: RunConfig, argv: Sequence[str]) -> Any:
                    "--node-id", node_id, "--incarnation", str(incarnation), "--log-format", config.log_format,
                    "--log-level", config.log_level)
         return NodeSpec(job=config.job_name, node_id=node_id, incarnation=incarnation, command=command,
-                        env={RUN_ARGV_ENV: json.dumps(argv)}, cwd=os.getcwd(), nproc=config.nproc_per_node)
+                        env={RUN_ARGV_ENV: json.dumps(argv)}, cwd=os.getcwd(), nproc=config.nproc_per_node,
+                        cleanup_command=(*command, "--cleanup"))
 
     return spec
 
@@ -71,7 +72,8 @@ def job_submitted(config: RunConfig) -> JobSubmitted:
     """The event that submits the job ``config`` describes."""
     return JobSubmitted(
         job=config.job_name, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
-        nproc_per_node=config.nproc_per_node, max_restarts=config.max_restarts, entrypoint=config.entrypoint,
+        nproc_per_node=config.nproc_per_node, max_restarts=config.max_restarts,
+        max_node_relaunches=config.max_node_relaunches, entrypoint=config.entrypoint,
         last_call_timeout_s=config.last_call_timeout_s, join_timeout_s=config.join_timeout_s,
         decision_timeout_s=config.settings.decision_timeout_s,
     )
@@ -244,12 +246,14 @@ def main(argv: Sequence[str]) -> int:
         print(f"stead run: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        if not started:  # a master that cannot start is not restarted: it would fail the same way
-            print(f"stead run: error: {exc}", file=sys.stderr)
-            return 1
-        print(f"stead: the master failed while the job ran: {exc!r}", file=sys.stderr)
-        log.error("master_crashed", exc_info=True)
-        return EXIT_MASTER_CRASHED
+        if started:  # a master that failed while the job ran: `stead run` starts another, which takes it over
+            print(f"stead: the master failed while the job ran: {exc!r}", file=sys.stderr)
+            log.error("master_crashed", exc_info=True)
+            return EXIT_MASTER_CRASHED
+        if not isinstance(exc, SteadError):
+            raise  # a bug: its traceback, not a restart that would fail the same way
+        print(f"stead run: error: {exc}", file=sys.stderr)
+        return 1
     print(_summary(config, state), file=sys.stderr)
     if state.phase is JobPhase.STOPPED:
         return 130

@@ -93,12 +93,12 @@ class RecordingPlatform:
         if self.exit_on_kill and key in self._running:
             self.push(NodeExited(node_id=node_id, incarnation=incarnation, signal=int(SIGKILL)))
 
-    async def adopt(self, job: str, node_id: str, incarnation: int, *, pid: int | None) -> bool:
+    async def adopt(self, spec: NodeSpec, *, pid: int | None) -> bool:
         """Adopt the node (it runs from now on), unless it is in ``gone``: then report it exited."""
-        key = (node_id, incarnation)
+        key = (spec.node_id, spec.incarnation)
         self.adoptions.append(key)
         if key in self.gone:
-            self.push(NodeExited(node_id=node_id, incarnation=incarnation))
+            self.push(NodeExited(node_id=spec.node_id, incarnation=spec.incarnation))
             return False
         self._running.add(key)
         return True

@@ -188,6 +188,7 @@ def run_chaos(cwd: Path, n: int, faults: list[Fault], *, store: str, etcd: EtcdS
     fired: list[Fault] = []
     command = [sys.executable, "-m", "stead", "run", "--job-name", "chaos", "--store", store, "--log-format", "json",
                "--nnodes", str(NODES), "--nproc-per-node", str(NPROC), "--max-restarts", "1000",
+               "--max-node-relaunches", "1000",
                "--set", "diagnosis.hang_floor_s=3", "--set", "diagnosis.stacks_wait_s=1",
                "--set", f"master_max_restarts={1 + sum(f.kind == 'kill-master' for f in faults)}", *flags,
                "train.py", str(n), str(EPOCHS), str(EVERY), str(BATCH), str(SHARD), str(LR_EXP)]

@@ -77,7 +77,7 @@ def test_the_quick_schedule_loses_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not os.environ.get("STEAD_CHAOS_LONG"), reason="the long schedule runs in `make chaos`")
 def test_the_long_schedule_loses_nothing(tmp_path: Path) -> None:
-    count = int(os.environ.get("STEAD_CHAOS_FAULTS", "100"))
+    count = int(os.environ.get("STEAD_CHAOS_FAULTS", "200"))
     seed = int(os.environ.get("STEAD_CHAOS_SEED", "1"))
     n = 32 * -(-(4 * (count + 2) * 8) // 32)  # enough steps per rank for a fault every 4 steps or more
     faults = schedule(seed, count, n)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 from pathlib import Path
@@ -135,5 +136,24 @@ async def test_factory_builds_a_local_platform_and_rejects_options() -> None:
 
 async def test_adopting_a_node_without_a_pid_reports_it_exited() -> None:
     async with LocalPlatform() as platform, contextlib.aclosing(platform.events()) as events:
-        assert not await platform.adopt("contract", "n1", 1, pid=None)
+        assert not await platform.adopt(agent(SLEEP, node="n1", incarnation=1), pid=None)
         assert await next_event(events) == NodeExited(node_id="n1", incarnation=1)
+
+
+async def test_when_it_closes_it_runs_the_cleanup_command_of_each_node_whose_last_agent_was_killed(
+        scratch: Path) -> None:
+    def cleaned_by(node: str) -> tuple[str, ...]:
+        write = "import sys; open(sys.argv[1], 'w').write(sys.argv[2])"
+        return (sys.executable, "-c", write, str(scratch / node), node)
+
+    async with LocalPlatform(Settings(shutdown_grace_s=10.0)) as platform:
+        events = platform.events()
+        for node, code in (("killed", SLEEP), ("relaunched", SLEEP), ("clean", "pass")):
+            await platform.launch(agent(code, node=node, cleanup_command=cleaned_by(node)))
+        await platform.launch(agent("pass", node="relaunched", incarnation=2, cleanup_command=cleaned_by("relaunched")))
+        await platform.kill("killed", 1)
+        await platform.kill("relaunched", 1)
+        exits = {(e.node_id, e.incarnation) for e in [await next_event(events) for _ in range(8)]
+                 if isinstance(e, NodeExited)}
+        assert exits == {("killed", 1), ("relaunched", 1), ("relaunched", 2), ("clean", 1)}
+    assert os.listdir(scratch) == ["killed"], "cleanup ran for the wrong nodes"

@@ -231,11 +231,13 @@ async def test_agents_outlive_a_killed_master_and_the_next_platform_adopts_them(
             await master.wait()
     assert alive(agent_pid), "the agent died with its master"
     async with backend.make(SETTINGS) as platform, contextlib.aclosing(platform.events()) as events:
-        assert not await platform.adopt("contract", "n1", 2, pid=agent_pid), "adopted the wrong incarnation"
+        wrong = agent(SLEEP, node="n1", incarnation=2)
+        assert not await platform.adopt(wrong, pid=agent_pid), "adopted the wrong incarnation"
         assert await next_event(events) == NodeExited(node_id="n1", incarnation=2)
-        assert not await platform.adopt("contract", "n2", 1, pid=os.getpid()), "adopted a process it never started"
+        stranger = agent(SLEEP, node="n2", incarnation=1)
+        assert not await platform.adopt(stranger, pid=os.getpid()), "adopted a process it never started"
         assert await next_event(events) == NodeExited(node_id="n2", incarnation=1)
-        assert await platform.adopt("contract", "n1", 1, pid=agent_pid)
+        assert await platform.adopt(agent(SLEEP, node="n1", incarnation=1), pid=agent_pid)
         await platform.kill("n1", 1)
         assert await next_event(events) == NodeExited(node_id="n1", incarnation=1)  # not our child: no status
     await wait_dead(agent_pid)
@@ -250,6 +252,6 @@ async def test_closing_stops_adopted_nodes_too(backend: Backend, strays: list[in
         strays.append(started.pid)
         async with backend.make(SETTINGS) as second:
             events = second.events()
-            assert await second.adopt("contract", "n1", 1, pid=started.pid)
+            assert await second.adopt(agent(SLEEP, node="n1", incarnation=1), pid=started.pid)
         assert await remaining_events(events) == [NodeExited(node_id="n1", incarnation=1)]
         await wait_dead(started.pid)

@@ -94,6 +94,18 @@ def test_a_clock_taken_over_by_a_new_master_keeps_the_pace_the_old_one_learnt() 
     assert list(new.gaps) == list(old.gaps)
 
 
+def test_a_clock_taken_over_between_rounds_keeps_the_pace_and_waits_for_the_first_step() -> None:
+    old = clock()
+    run_steps(old, [1.0] * 10)
+    new = clock()
+    new.start_round(2, 500.0)
+    new.resume(None, list(old.gaps))  # the old master's status spoke of round 1
+    assert new.stalled(520.5) is None  # round 2's first step still gets first_step_s
+    new.observe(2, 11, 501.0)
+    stall = new.stalled(521.5)
+    assert stall is not None and stall.threshold_s == 20.0
+
+
 @settings(max_examples=300, deadline=None)
 @given(base=st.floats(0.01, 5.0), ratios=st.lists(st.floats(1.0, 10.0), min_size=1, max_size=300))
 def test_a_healthy_job_whose_steps_vary_up_to_10x_never_raises_the_alarm(base: float, ratios: list[float]) -> None:

@@ -58,6 +58,8 @@ class AgentExtension(Generic[S]):
     - ``before_round(*, round)``: new workers are about to start (the old ones are stopped).
     - ``after_failure(*, round, local_rank, exit_code, signal)``: a worker of ``round`` failed.
     - ``stop(*, job_ended)``: the agent exits; ``job_ended`` when the job is over (free everything).
+    - ``cleanup(*, job, node_id, incarnation)``: that agent was killed and no later one of its node started:
+      free what it left on this machine (``stead agent --cleanup`` calls it when the platform closes).
     """
 
     #: the plugin's name (the entry point's name and the settings' namespace)

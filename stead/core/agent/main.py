@@ -51,7 +51,7 @@ from stead.core.rpc import (
 )
 from stead.core.rpc.backend import MAX_EVIDENCE_CHARS
 
-__all__ = ["EXIT_MASTER_GONE", "RUN_ARGV_ENV", "Agent", "run_agent"]
+__all__ = ["EXIT_MASTER_GONE", "RUN_ARGV_ENV", "Agent", "clean_up_after", "run_agent"]
 
 log = structlog.get_logger("stead.agent")
 
@@ -401,6 +401,15 @@ def load_run_config() -> RunConfig:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{RUN_ARGV_ENV} is not a JSON list of arguments: {exc}") from exc
     return parse_run_args(argv)
+
+
+async def clean_up_after(*, node_id: str, incarnation: int) -> int:
+    """Free what a killed agent of ``node_id``/``incarnation`` left on this machine (its extensions know what)."""
+    config = load_run_config()
+    extensions = Extensions(load_extensions(config.settings, plugins=config.plugins, disabled=config.disabled_plugins))
+    await extensions.call("cleanup", job=config.job_name, node_id=node_id, incarnation=incarnation)
+    log.info("agent_cleaned_up", node=node_id, incarnation=incarnation)
+    return 0
 
 
 async def run_agent(*, master: str, token_file: str, node_id: str, incarnation: int, settings: Settings) -> int:

@@ -45,8 +45,7 @@ NODE_ENV = "STEAD_LOCAL_NODE"
 class _Node:
     """One agent, launched here or adopted; mutable bookkeeping owned by the platform."""
 
-    node_id: str
-    incarnation: int
+    spec: NodeSpec
     pid: int
     #: None for an agent adopted from an earlier master: not our child, its exit status is not ours to read
     process: anyio.abc.Process | None
@@ -54,8 +53,21 @@ class _Node:
     reported: bool = False
 
     @property
+    def node_id(self) -> str:
+        return self.spec.node_id
+
+    @property
+    def incarnation(self) -> int:
+        return self.spec.incarnation
+
+    @property
     def running(self) -> bool:
         return not self.exited.is_set()
+
+    @property
+    def killed(self) -> bool:
+        """Ended by a signal (or, adopted, in a way we cannot tell): it may have left things behind."""
+        return not self.running and (self.process is None or (self.process.returncode or 0) < 0)
 
     async def wait(self) -> None:
         if self.process is not None:
@@ -118,7 +130,7 @@ class LocalPlatform:
                 log.warning("node_host_not_avoidable", node=spec.node_id, incarnation=spec.incarnation,
                             avoid=list(spec.avoid_hosts), hint="the local platform has this machine only")
             process = await _spawn(spec)
-            node = _Node(node_id=spec.node_id, incarnation=spec.incarnation, pid=process.pid, process=process)
+            node = _Node(spec=spec, pid=process.pid, process=process)
             self._nodes[key] = node
             log.info("node_launched", job=spec.job, node=spec.node_id, incarnation=spec.incarnation,
                      pid=process.pid)
@@ -126,14 +138,15 @@ class LocalPlatform:
                                                host="localhost", pid=process.pid))
             task_group.start_soon(self._watch, node, name=f"watch node {spec.node_id}/{spec.incarnation}")
 
-    async def adopt(self, job: str, node_id: str, incarnation: int, *, pid: int | None) -> bool:
-        """Take over the agent of ``(node_id, incarnation)`` that an earlier master launched as ``pid``.
+    async def adopt(self, spec: NodeSpec, *, pid: int | None) -> bool:
+        """Take over the agent of ``spec``'s node incarnation that an earlier master launched as ``pid``.
 
         Adopted, it is watched, killed and stopped like one launched here (its exit status is unknown: it is
         not this process's child). When ``pid`` is not that agent any more (it exited while no master ran, or
         the pid was reused), NodeExited is reported at once, so the master need not wait for the heartbeat
         timeout to notice. Returns whether the agent was adopted.
         """
+        job, node_id, incarnation = spec.job, spec.node_id, spec.incarnation
         key = (node_id, incarnation)
         async with self._launch_lock:
             task_group = self._running_task_group()
@@ -144,7 +157,7 @@ class LocalPlatform:
                             reason="its agent is no longer running")
                 self._send.send_nowait(NodeExited(node_id=node_id, incarnation=incarnation))
                 return False
-            node = _Node(node_id=node_id, incarnation=incarnation, pid=pid, process=None)
+            node = _Node(spec=spec, pid=pid, process=None)
             self._nodes[key] = node
             log.info("node_adopted", job=job, node=node_id, incarnation=incarnation, pid=pid)
             task_group.start_soon(self._watch, node, name=f"watch adopted node {node_id}/{incarnation}")
@@ -205,8 +218,33 @@ class LocalPlatform:
                 await self._wait_all(running)
                 for node in self._nodes.values():
                     self._report_exit(node)
+                await self._clean_up_after_killed()
                 self._send.close()
                 self._receive.close()  # readers from events() hold clones and drain what is left
+
+    async def _clean_up_after_killed(self) -> None:
+        """Run the cleanup command of every node whose last agent was killed: no successor freed what it left on
+        this machine (its checkpoint shared memory), and the job is over. Bounded by shutdown_grace_s."""
+        last: dict[str, _Node] = {}
+        for node in self._nodes.values():
+            if node.incarnation >= last.get(node.node_id, node).incarnation:
+                last[node.node_id] = node
+        commands = [node.spec for node in last.values() if node.killed and node.spec.cleanup_command]
+        if not commands:
+            return
+
+        async def clean(spec: NodeSpec) -> None:
+            env = {**os.environ, **spec.env, NODE_ENV: f"{spec.job}/{spec.node_id}/{spec.incarnation}"}
+            try:
+                await anyio.run_process(spec.cleanup_command, env=env, cwd=spec.cwd, check=False,
+                                        stdin=subprocess.DEVNULL, stdout=None, stderr=None)
+            except OSError as exc:
+                log.warning("node_cleanup_failed", node=spec.node_id, incarnation=spec.incarnation, error=str(exc))
+
+        with anyio.move_on_after(self._settings.shutdown_grace_s):
+            async with anyio.create_task_group() as task_group:
+                for spec in commands:
+                    task_group.start_soon(clean, spec)
 
     async def _wait_all(self, nodes: list[_Node]) -> None:
         async def wait_one(node: _Node) -> None:

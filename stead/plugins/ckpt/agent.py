@@ -103,6 +103,11 @@ class CheckpointAgentExtension(AgentExtension[CheckpointSettings]):
             atexit.unregister(self._unlink_all)
             self._restore_sigterm()
 
+    async def cleanup(self, *, job: str, node_id: str, incarnation: int) -> None:
+        """Free the segments an agent of this node incarnation left when it was killed (no successor did)."""
+        for name in segment_names(job, node_id, incarnation, self.settings.shm_namespace).all_mine():
+            unlink_quietly(name)
+
     # -- freeing memory on the way out ------------------------------------------------------------------
 
     def _unlink_all(self) -> None:

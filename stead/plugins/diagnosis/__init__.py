@@ -143,8 +143,8 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             gaps = [float(g) for g in before.get("hang", {}).get("gaps_s", [])]
         except (ValueError, TypeError, AttributeError):
             gaps = []
-        if before.get("round") == self.clock.round and gaps and step is not None:
-            self.clock.resume(step, gaps)
+        if gaps:  # the pace holds across rounds; the step only if it was this round's
+            self.clock.resume(step if before.get("round") == self.clock.round else None, gaps)
 
     async def stop(self, *, ctx: Ctx) -> None:
         if self._root_cause is not None and self._root_cause.task is not None:

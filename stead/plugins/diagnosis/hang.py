@@ -58,9 +58,11 @@ class StepClock:
         """The workers of ``round_`` run from ``at`` on (the gaps of earlier rounds still count)."""
         self.round, self.step, self.phase, self.since = round_, None, "", at
 
-    def resume(self, step: int, gaps: list[float]) -> None:
-        """The running round had reached ``step`` with these recent gaps between steps (a master restart)."""
-        self.step = step
+    def resume(self, step: int | None, gaps: list[float]) -> None:
+        """The job went at this pace (recent gaps between steps) and the running round had reached ``step``
+        (None: not known) when a master restart began this clock."""
+        if step is not None:
+            self.step = step
         self.gaps.extend(g for g in gaps if math.isfinite(g) and g >= 0)
 
     def observe(self, round_: int, step: int, at: float, phase: str = "") -> None:
