@@ -83,6 +83,9 @@ def signal_leader(pid: int, sig: signal.Signals) -> None:
 
 
 def _send(kill: Callable[[int, int], None], target: int, sig: signal.Signals, refused: str) -> None:
+    if target <= 1 or target == os.getpid():  # 0 would be our own group, 1 init: never what was meant
+        log.warning(refused, target=target, signal=sig.name, reason="not a process stead started")
+        return
     try:
         kill(target, sig)
     except ProcessLookupError:

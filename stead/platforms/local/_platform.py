@@ -155,6 +155,9 @@ class LocalPlatform:
             if pid is None or not _runs_agent(pid, f"{job}/{node_id}/{incarnation}"):
                 log.warning("node_adoption_failed", node=node_id, incarnation=incarnation, pid=pid,
                             reason="its agent is no longer running")
+                gone = _Node(spec=spec, pid=pid or 0, process=None, reported=True)  # kept for the cleanup at close
+                gone.exited.set()
+                self._nodes[key] = gone
                 self._send.send_nowait(NodeExited(node_id=node_id, incarnation=incarnation))
                 return False
             node = _Node(spec=spec, pid=pid, process=None)
