@@ -194,6 +194,7 @@ def run_chaos(cwd: Path, n: int, faults: list[Fault], *, store: str, etcd: EtcdS
                "train.py", str(n), str(EPOCHS), str(EVERY), str(BATCH), str(SHARD), str(LR_EXP)]
     deadline = time.monotonic() + timeout_s
     outage_ends: float | None = None
+    killed: set[int] = set()
     with (cwd / "stderr.log").open("wb") as err:
         run = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err)
     try:
@@ -209,9 +210,13 @@ def run_chaos(cwd: Path, n: int, faults: list[Fault], *, store: str, etcd: EtcdS
             for fault in [f for f in driver if f.step <= step and f not in fired]:
                 if fault.kind == "kill-master":
                     pid = _master_pid(cwd, "chaos", store)
-                    if pid is None:
-                        continue  # the store is away: try when it is back
-                    os.kill(pid, signal.SIGKILL)
+                    if pid is None or pid in killed:
+                        continue  # the store is away, or the next master has not announced itself yet
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue
+                    killed.add(pid)
                 elif outage_ends is None:
                     assert etcd is not None, "an etcd outage needs the job on etcd"
                     etcd.stop()
