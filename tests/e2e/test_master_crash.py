@@ -26,7 +26,7 @@ from stead.testing.steps import TRAIN_LOGGING_STEPS, read_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 
-STEPS = 300
+STEPS = 160
 #: a guard against a hung job, not a measured duration
 TIMEOUT_S = 240
 

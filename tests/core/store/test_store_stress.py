@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.anyio
 
-STRESS_S = float(os.environ.get("STEAD_STRESS_S", "4"))
+STRESS_S = float(os.environ.get("STEAD_STRESS_S", "2"))
 #: threads with an event loop of their own, besides the test's loop
 THREAD_LOOPS = 3
 TASKS_PER_LOOP = 4
