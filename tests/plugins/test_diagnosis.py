@@ -117,6 +117,7 @@ async def test_a_master_that_takes_over_a_running_round_goes_on_watching_it_for_
     await new.start(ctx=ctx)  # plugins start before the new master replays its log: it knows nothing yet
     try:
         assert new.clock.round == 0
+        await new._write_status(ctx, force=True)  # its watch publishes before the replay ends: nothing is lost
         state = JobState(phase=JobPhase.RUNNING, step=9, rdzv=RendezvousState(round=4, members=("n0",), active=True),
                          nodes={"n0": NodeState(node_id="n0", incarnation=2, phase=NodePhase.JOINED)})
         started = PluginsStarted(plugins=("diagnosis",), deciders=("diagnosis",))

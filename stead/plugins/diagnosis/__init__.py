@@ -119,8 +119,11 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         self._stacks_in = asyncio.Event()
         #: a round's decision waiting for the cause behind a collective error (root_cause_wait_s)
         self._root_cause: _RootCause | None = None
+        self._inherited: tuple[int | None, list[float]] = (None, [])
 
     async def start(self, *, ctx: Ctx) -> None:
+        # what the previous master published, read before this one's watch overwrites it
+        self._inherited = await self._published_status(ctx)
         await self._catch_up(ctx)
         if self.settings.hang_detection or self.settings.stragglers:
             self._watch = asyncio.create_task(self._watch_job(ctx), name="diagnosis-watch")
@@ -134,17 +137,22 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             self.clock.start_round(state.rdzv.round, time.time())  # the round runs: its clock starts now
             await self._resume_clock(ctx, state.step)
 
-    async def _resume_clock(self, ctx: Ctx, step: int | None) -> None:
-        """Take over the step times the previous master saw (its last status), so that a round that hangs
-        right after a master restart is caught after the usual threshold, not after first_step_s."""
+    @staticmethod
+    async def _published_status(ctx: Ctx) -> tuple[int | None, list[float]]:
+        """The round and recent step gaps of the last status published (by a previous master)."""
         kv = await ctx.store.get(ctx.key("status"))
         try:
             before = json.loads(kv.value) if kv is not None else {}
-            gaps = [float(g) for g in before.get("hang", {}).get("gaps_s", [])]
+            return before.get("round"), [float(g) for g in before.get("hang", {}).get("gaps_s", [])]
         except (ValueError, TypeError, AttributeError):
-            gaps = []
+            return None, []
+
+    async def _resume_clock(self, ctx: Ctx, step: int | None) -> None:
+        """Take over the step times the previous master saw (its last status), so that a round that hangs
+        right after a master restart is caught after the usual threshold, not after first_step_s."""
+        round_, gaps = self._inherited
         if gaps:  # the pace holds across rounds; the step only if it was this round's
-            self.clock.resume(step if before.get("round") == self.clock.round else None, gaps)
+            self.clock.resume(step if round_ == self.clock.round else None, gaps)
 
     async def stop(self, *, ctx: Ctx) -> None:
         if self._root_cause is not None and self._root_cause.task is not None:

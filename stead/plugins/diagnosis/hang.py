@@ -94,7 +94,7 @@ class StepClock:
         """The stall if the round has gone without progress for longer than the threshold, else None."""
         threshold, why = self.threshold()
         waited = now - self.since
-        if self.round == 0 or waited <= threshold:
+        if self.round == 0 or waited <= threshold * (1 + 1e-9):  # a gap of exactly the threshold is no stall
             return None
         return Stall(round=self.round, step=self.step, stalled_s=waited, threshold_s=threshold, why=why)
 
