@@ -28,7 +28,7 @@ from stead.testing.steps import TRAIN_LOGGING_STEPS, free_port, read_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 
-STEPS = 220
+STEPS = 300
 #: steps the workers take while no master runs: longer than the heartbeat timeout
 GAP_STEPS = 100
 
