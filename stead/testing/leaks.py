@@ -6,13 +6,16 @@ demo to prove that nothing outlives a job.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 from pathlib import Path
 
-from stead.core.procs import descendants
+from stead.core.procs import descendants, signal_leader
 
-__all__ = ["LONG_LIVED", "SHM_NAMESPACE_ENV", "Leaks", "descendants", "listening_ports", "shm_segments", "snapshot",
+__all__ = ["LONG_LIVED", "SHM_NAMESPACE_ENV", "Leaks", "descendants", "listening_ports", "remove", "shm_segments",
+           "snapshot",
            "wait_clean"]
 
 #: processes that session-wide fixtures own on purpose (a shared etcd server); never reported
@@ -79,6 +82,16 @@ class Leaks:
         if self.shm:
             parts.append(f"shared memory {sorted(self.shm)}")
         return ", ".join(parts)
+
+
+def remove(leaks: Leaks) -> None:
+    """Kill the processes and unlink the segments ``leaks`` names: a failed test must not leave them to the machine
+    (or to the next suite). Ports close with their processes."""
+    for pid in leaks.processes:
+        signal_leader(pid, signal.SIGKILL)
+    for name in leaks.shm:
+        with contextlib.suppress(OSError):
+            (Path("/dev/shm") / name).unlink()
 
 
 def snapshot() -> tuple[set[int], set[int], set[str]]:

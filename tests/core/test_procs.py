@@ -36,9 +36,11 @@ time.sleep(300)
 
 
 def _wait(predicate: object, what: str) -> None:
+    """Poll until ``predicate()`` holds; a guard against a hung test (it fails naming ``what``), not a timing."""
     deadline = time.monotonic() + TIMEOUT_S
     while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"never happened: {what}"
+        if time.monotonic() > deadline:
+            pytest.fail(f"never happened: {what}")
         time.sleep(0.02)
 
 

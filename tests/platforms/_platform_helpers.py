@@ -9,6 +9,7 @@ from pathlib import Path
 import anyio
 
 from stead.core.platform import NodeSpec, PlatformEvent
+from stead.core.procs import is_alive
 
 #: a guard against a hung test, not a measured duration
 TIMEOUT_S = 30.0
@@ -42,13 +43,8 @@ async def remaining_events(events: AsyncIterator[PlatformEvent]) -> list[Platfor
         return [event async for event in events]
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs; a zombie (exited, not yet reaped by init) counts as dead."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+#: whether ``pid`` runs; a zombie (exited, not yet reaped by init) counts as dead
+alive = is_alive
 
 
 # Polling below is deliberate: the processes and files watched belong to agents, not to the test,
