@@ -50,6 +50,13 @@ class Executor:
         self._address = address
         self._token_file = token_file
 
+    def spec_for(self, node_id: str, incarnation: int) -> NodeSpec | None:
+        """How the platform starts (or, after a master restart, adopts) this node incarnation; None without a
+        node spec factory."""
+        if self.node_spec is None:
+            return None
+        return self.node_spec(node_id, incarnation, self._address(), str(self._token_file.resolve()))
+
     async def run(self, effect: Effect) -> None:
         match effect:
             case LaunchNode():
@@ -57,8 +64,8 @@ class Executor:
                     log.info("node_wanted", node=effect.node_id, incarnation=effect.incarnation,
                              hint="start its agent with `stead agent`")
                     raise EffectDeclined(f"no platform launches {effect.node_id} here")
-                spec = self.node_spec(effect.node_id, effect.incarnation, self._address(),
-                                      str(self._token_file.resolve()))
+                spec = self.spec_for(effect.node_id, effect.incarnation)
+                assert spec is not None
                 if effect.avoid_hosts:
                     spec = dataclasses.replace(spec, avoid_hosts=effect.avoid_hosts)
                 try:

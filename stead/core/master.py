@@ -107,8 +107,11 @@ class Master:
         self._store: StateStore | None = None
         self._reactor: Reactor | None = None
         self._rpc: RpcServer | None = None
+        self._executor: Executor | None = None
+        # a round's store is asked for by the round's start effect: the effect's bound is the request's
         self.rounds = RoundStores(config.host, enabled=config.tcp_store,
-                                  gone_timeout_s=config.settings.master_gone_timeout_s)
+                                  gone_timeout_s=config.settings.master_gone_timeout_s,
+                                  timeout_s=config.settings.effect_timeout_s)
         self.tracer = RecoveryTracer(job=config.job)
         self.plugin_host: PluginHost | None = None
         self.hub = AgentHub(job=config.job, settings=self.settings, submit=self.submit, get_state=lambda: self.state,
@@ -226,8 +229,9 @@ class Master:
         self.plugin_host = PluginHost(plugins, job=cfg.job, settings=self.settings, store=self._store,
                                       state=lambda: self.state, emit=self.submit, add_rpc_handler=handlers.append,
                                       telemetry=self.hub.telemetry)
-        executor = Executor(platform=cfg.platform, node_spec=cfg.node_spec, hub=self.hub, rounds=self.rounds,
-                            address=lambda: self.address, token_file=self.token_file)
+        executor = self._executor = Executor(platform=cfg.platform, node_spec=cfg.node_spec, hub=self.hub,
+                                             rounds=self.rounds, address=lambda: self.address,
+                                             token_file=self.token_file)
         self._reactor = await self._stack.enter_async_context(Reactor(
             EventLog(self._store, cfg.job), executor, settings=self.settings, plugins=self.plugin_host,
             observers=[self.tracer]))
@@ -264,11 +268,11 @@ class Master:
         platform = self.config.platform
         if platform is None or state.phase.terminal:
             return
+        assert self._executor is not None
         for node in state.nodes.values():
             if node.phase in (NodePhase.STARTED, NodePhase.JOINED):
-                spec = (self.config.node_spec(node.node_id, node.incarnation, self.address, str(self.token_file))
-                        if self.config.node_spec is not None else
-                        NodeSpec(job=self.config.job, node_id=node.node_id, incarnation=node.incarnation, command=()))
+                spec = self._executor.spec_for(node.node_id, node.incarnation) or NodeSpec(
+                    job=self.config.job, node_id=node.node_id, incarnation=node.incarnation, command=())
                 await platform.adopt(spec, pid=node.pid)
 
     async def _pump_platform(self, platform: Platform) -> None:

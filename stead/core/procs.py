@@ -22,10 +22,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import structlog
 
 __all__ = ["DEATH_SIGNAL_SUPPORTED", "become_subreaper", "children", "cmdline", "descendants", "is_alive",
-           "signal_group", "signal_leader", "tied_argv"]
+           "signal_group", "signal_leader", "tied_argv", "wait_exit"]
 
 log = structlog.get_logger("stead.procs")
 
@@ -144,3 +145,19 @@ def cmdline(pid: int) -> tuple[str, ...]:
     except OSError:
         return ()
     return tuple(part.decode(errors="replace") for part in raw.split(b"\0")[:-1])
+
+
+async def wait_exit(pid: int) -> None:
+    """Until ``pid``, which need not be our child, has exited (a pidfd; a look every 0.1 s before Linux 5.3)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except OSError:
+        while is_alive(pid):  # noqa: ASYNC110 (not our child: nothing to wait on)
+            await anyio.sleep(0.1)
+        return
+    try:
+        await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)

@@ -82,8 +82,7 @@ class _Supervisor:
         while True:
             started = time.monotonic()
             self.master = self._start(listener, takeover=restarts > 0)
-            status = self._wait_master(self.master)
-            code = os.waitstatus_to_exitcode(status)
+            code = self._wait_master(self.master)
             if not _crashed(code):
                 return code
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else "failed"
@@ -112,12 +111,13 @@ class _Supervisor:
         return subprocess.Popen(command, env=env, pass_fds=(listener.fileno(),), process_group=0)
 
     def _wait_master(self, master: subprocess.Popen[bytes]) -> int:
-        """Reap children until ``master`` exits (agents orphaned to us are reaped on the way); its wait status."""
+        """Reap children until ``master`` exits (agents orphaned to us are reaped on the way); its exit code
+        (negative: the signal that killed it)."""
         while True:
             pid, status = os.waitpid(-1, 0)  # a signal runs its handler and the wait goes on (PEP 475)
             if pid == master.pid:
                 master.returncode = os.waitstatus_to_exitcode(status)  # Popen must not wait for it again
-                return status
+                return master.returncode
             log.debug("orphan_reaped", pid=pid, status=os.waitstatus_to_exitcode(status))
 
     def _stop_orphans(self) -> None:

@@ -30,7 +30,7 @@ from stead.core import _rdzv_host
 from stead.core._rdzv_host import TOKEN_ENV
 from stead.core.errors import RetryableError, StoreError
 from stead.core.events.log import job_prefix
-from stead.core.procs import cmdline, is_alive, signal_leader
+from stead.core.procs import cmdline, is_alive, signal_leader, wait_exit
 from stead.core.store import StateStore
 
 __all__ = ["RoundStores"]
@@ -39,8 +39,6 @@ log = structlog.get_logger("stead.tcpstore")
 
 #: what a host process's command line holds (it runs the module's file: no `import stead` to wait for)
 _HOST_MODULE = _rdzv_host.__file__
-#: how long the master waits for the host process to start, answer or exit
-_TIMEOUT_S = 30.0
 
 
 class RoundStores:
@@ -50,10 +48,13 @@ class RoundStores:
     one; ``close()`` ends it.
     """
 
-    def __init__(self, host: str, *, enabled: bool, gone_timeout_s: float = 60.0) -> None:
+    def __init__(self, host: str, *, enabled: bool, gone_timeout_s: float = 60.0, timeout_s: float = 60.0) -> None:
         self.host = host
         self.enabled = enabled
+        #: the host process exits when no master has been connected for this long
         self.gone_timeout_s = gone_timeout_s
+        #: how long a request to the host process (its start, a round's store, its exit) may take
+        self.timeout_s = timeout_s
         self._rounds: dict[int, tuple[str, int]] = {}
         self._latest: tuple[str, int] = (host, 0)
         #: the round's start effects run concurrently: every node of a round must get the same store
@@ -120,14 +121,15 @@ class RoundStores:
         assert self._conn is not None
         reader, writer = self._conn
         writer.write(line.encode() + b"\n")
-        async with asyncio.timeout(_TIMEOUT_S):
+        async with asyncio.timeout(self.timeout_s):
             await writer.drain()
             answer = (await reader.readline()).decode(errors="replace").strip()
         verb, _, rest = answer.partition(" ")
         if not answer:
             raise EOFError("the rendezvous host closed the connection")
         if verb != expect:
-            raise StoreError(f"the rendezvous host answered {answer!r} to {line.split()[0]}; this is a bug in stead")
+            raise StoreError(f"the rendezvous host answered {answer!r} to {line.split()[0]}; this is a bug in stead: "
+                             "report it with the master's log")
         return rest
 
     async def _connected(self) -> None:
@@ -148,7 +150,7 @@ class RoundStores:
         await store.put(_record_key(job), json.dumps({"pid": self._pid, "host": self.host, "port": port}).encode())
 
     async def _connect(self, host: str, port: int, token: str) -> None:
-        async with asyncio.timeout(_TIMEOUT_S):
+        async with asyncio.timeout(self.timeout_s):
             reader, writer = await asyncio.open_connection(host, port)
         writer.write(f"TOKEN {token}\n".encode())
         self._conn = (reader, writer)
@@ -160,7 +162,7 @@ class RoundStores:
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True,
             env={**os.environ, TOKEN_ENV: token})
         assert process.stdout is not None
-        async with asyncio.timeout(_TIMEOUT_S):
+        async with asyncio.timeout(self.timeout_s):
             out = await process.stdout.read()
         if not out.strip().isdigit():
             process.kill()
@@ -182,16 +184,15 @@ class RoundStores:
         self._pid = self._process = None
         if process is not None:
             try:
-                async with asyncio.timeout(_TIMEOUT_S):
+                async with asyncio.timeout(self.timeout_s):
                     await process.wait()
             except TimeoutError:
                 process.kill()
                 await process.wait()
         elif pid is not None:  # a dead master's: not our child
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + _TIMEOUT_S
-            while is_alive(pid) and loop.time() < deadline:  # noqa: ASYNC110 (not our child: nothing to wait on)
-                await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.timeout_s):
+                    await wait_exit(pid)
             if is_alive(pid) and _HOST_MODULE in cmdline(pid):
                 signal_leader(pid, signal.SIGKILL)
 

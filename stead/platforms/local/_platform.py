@@ -29,7 +29,7 @@ from stead.core.config import Settings
 from stead.core.errors import PlatformError
 from stead.core.events import NodeExited, NodeStarted
 from stead.core.platform import NodeSpec, PlatformEvent
-from stead.core.procs import is_alive, signal_group, signal_leader
+from stead.core.procs import is_alive, signal_group, signal_leader, wait_exit
 
 __all__ = ["LocalPlatform"]
 
@@ -73,7 +73,7 @@ class _Node:
         if self.process is not None:
             await self.process.wait()
         else:
-            await _wait_foreign(self.pid)
+            await wait_exit(self.pid)
         self.exited.set()
 
 
@@ -282,22 +282,6 @@ def _runs_agent(pid: int, node: str) -> bool:
     except OSError:
         return False
     return f"{NODE_ENV}={node}".encode() in environ.split(b"\0") and is_alive(pid)
-
-
-async def _wait_foreign(pid: int) -> None:
-    """Until ``pid``, which is not our child, has exited."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    except OSError:  # a kernel before 5.3: look now and then
-        while is_alive(pid):  # noqa: ASYNC110 (another process; nothing to wait on)
-            await anyio.sleep(0.1)
-        return
-    try:
-        await anyio.wait_readable(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_executable(program: str, env: dict[str, str], cwd: str | None, where: str) -> None:
