@@ -9,9 +9,15 @@ its lower end is used), gloo's default collective timeout (30 min) and NCCL's (1
 False alarms: the detector itself (the plugin's StepClock, the code the plugin runs)
 replayed over a long healthy run whose step times are heavy-tailed (Pareto, clipped to
 10x the fastest), progress sampled as the agents report it (every heartbeat, at most one
-record per progress_interval_s). Health checks are not built yet: reported as null.
+record per progress_interval_s).
 
-Last line: JSON with hang_detect_s_step{0.1,1,10}s, false_alarms, health_check_s_per_node.
+Health check cost: a real 3-node job (one gloo worker each) run with every node checked
+(``--set health_check=all``) and without; per node, the whole check as its agent ran it
+(forked from the warm zygote: a matmul, then all-reduces with two partners), from the
+``node.health`` events, and how much later the job's first round started.
+
+Last line: JSON with hang_detect_s_step{0.1,1,10}s, false_alarms, health_check_s_per_node
+(the median), health_check_round_delay_s.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,6 +86,37 @@ def hang_latency(step_time: float, workdir: Path) -> float:
     raise RuntimeError(f"the {step_time} s job recovered, but no diagnosis.hang event is in its log")
 
 
+SHORT = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(4))
+dist.destroy_process_group()
+"""
+
+
+def _records(job: str, folder: Path) -> list[dict[str, object]]:
+    out = subprocess.run([sys.executable, "-m", "stead", "events", "--job", job, "--json"], cwd=folder,
+                         capture_output=True, text=True, check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def health_check_cost(workdir: Path, mode: str) -> tuple[list[float], float]:
+    """(each node's check in seconds, seconds from the job's submission to its first round) with ``mode``."""
+    job = f"health-{mode}"
+    folder = workdir / job
+    folder.mkdir()
+    (folder / "train.py").write_text(SHORT)
+    proc = subprocess.run([sys.executable, "-m", "stead", "run", "--job-name", job, "--nnodes", "3",
+                           "--nproc-per-node", "1", "--set", f"health_check={mode}", "--log-format", "json",
+                           "train.py"], cwd=folder, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {mode} health check job failed:\n{proc.stderr[-3000:]}")
+    records = _records(job, folder)
+    at = {r["type"]: float(r["at"]) for r in reversed(records)}  # type: ignore[arg-type]
+    checks = [float(r["data"]["seconds"]) for r in records if r["type"] == "node.health"]  # type: ignore[index]
+    return checks, at["round.started"] - at["job.submitted"]
+
+
 def false_alarms(steps: int, seed: int) -> tuple[int, float]:
     """Alarms over ``steps`` healthy steps (Pareto step times, at most 10x apart); also the longest step."""
     s = DiagnosisSettings()
@@ -124,6 +162,12 @@ def main() -> None:
             print(f"step time {step_time:>4g} s: hang detected after {seconds:6.1f} s  (reference window "
                   f"{REFERENCE_WINDOW_S:.0f} s: {REFERENCE_WINDOW_S / seconds:.0f}x; gloo timeout "
                   f"{GLOO_TIMEOUT_S:.0f} s, NCCL {NCCL_TIMEOUT_S:.0f} s)", flush=True)
+        checks, checked_start = health_check_cost(Path(tmp), "all")
+        _, plain_start = health_check_cost(Path(tmp), "off")
+    per_node = statistics.median(checks)
+    print(f"health check: {len(checks)} nodes, {per_node:.2f} s per node (median; {min(checks):.2f}-"
+          f"{max(checks):.2f} s); the first round started {checked_start:.2f} s after submission with it, "
+          f"{plain_start:.2f} s without", flush=True)
     steps = 5_000 if args.quick else 50_000
     alarms = 0
     for seed in range(3):
@@ -133,7 +177,8 @@ def main() -> None:
               "false alarm(s)", flush=True)
     print(json.dumps({"bench": "diagnosis", **results, "false_alarms": alarms, "healthy_steps": 3 * steps,
                       "reference_hang_window_s": REFERENCE_WINDOW_S, "gloo_timeout_s": GLOO_TIMEOUT_S,
-                      "nccl_timeout_s": NCCL_TIMEOUT_S, "health_check_s_per_node": None}))
+                      "nccl_timeout_s": NCCL_TIMEOUT_S, "health_check_s_per_node": round(per_node, 2),
+                      "health_check_round_delay_s": round(checked_start - plain_start, 2)}))
 
 
 if __name__ == "__main__":

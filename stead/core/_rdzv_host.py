@@ -65,7 +65,8 @@ class _Host:
             except BaseException:
                 socket.close(fd)
                 raise
-            for old in sorted(self.stores)[:-2]:  # keep the newest round's and the one before
+            for old in sorted(r for r in self.stores if r)[:-2]:  # keep the newest round's, the one before and
+                # round 0's (the health checks')
                 del self.stores[old]
         return int(self.stores[round_].port)
 

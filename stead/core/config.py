@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from stead.core.errors import ConfigError
 
-__all__ = ["Settings", "env_name", "load_settings", "setting", "settings_env", "settings_help"]
+__all__ = ["HEALTH_CHECK_CHOICES", "Settings", "env_name", "load_settings", "setting", "settings_env", "settings_help"]
 
 T = TypeVar("T")
 
@@ -35,6 +35,10 @@ _MIN, _MAX, _HELP = "stead.min", "stead.max", "stead.help"
 def setting(default: Any, *, help: str = "", min: float | None = None, max: float | None = None) -> Any:
     """A settings field with a default, a one-line description and optional bounds (checked when set)."""
     return dataclasses.field(default=default, metadata={_HELP: help, _MIN: min, _MAX: max})
+
+
+#: the health_check setting's values ("auto" is resolved by the platform when a job is submitted)
+HEALTH_CHECK_CHOICES = ("auto", "off", "relaunched", "all")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +53,15 @@ class Settings:
     join_timeout_s: float = 600.0
     #: a worker failure that no diagnosis plugin decided within this time is decided by the default policy
     decision_timeout_s: float = 3.0
+    #: which joining nodes must pass a health check (a matmul, then all-reduces in pairs) before they train:
+    #: "off", "relaunched" (nodes relaunched after a loss or failure), "all", or "auto" (all on Kubernetes,
+    #: relaunched elsewhere); a node that fails it, or is more than health_slow_factor times slower than the
+    #: median, is relaunched and its host excluded
+    health_check: str = "auto"
+    #: a node that has not finished its health check within this time fails it
+    health_timeout_s: float = setting(60.0, min=1.0)
+    #: a node whose matmul takes more than this many times the median of the other nodes' fails its check
+    health_slow_factor: float = setting(2.0, min=1.0)
     #: an effect (launching or killing a node, starting workers) running longer than this has failed
     effect_timeout_s: float = setting(60.0, min=0.001)
     #: a plugin handler running longer than this is cancelled and counted as a failure
@@ -103,6 +116,11 @@ class Settings:
     auto_step: bool = True
     #: settings of plugins, by plugin name (``--set ckpt.keep_last=3``): raw strings until the plugin is loaded
     plugin_values: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.health_check not in HEALTH_CHECK_CHOICES:
+            raise ConfigError(f"setting health_check={self.health_check!r} is not a mode: use one of "
+                              f"{', '.join(HEALTH_CHECK_CHOICES)} (--set health_check=all)")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, base: Settings | None = None) -> Settings:

@@ -7,7 +7,7 @@ import enum
 import json
 from collections.abc import Iterable, Mapping
 
-from stead.core.events import Record
+from stead.core.events import HealthChecked, Record
 from stead.core.events.log import BadRecord
 from stead.core.serde import to_json
 from stead.core.statemachine import JobState
@@ -42,6 +42,9 @@ def last_diagnoses(records: Iterable[Record]) -> dict[str, str]:
     found: dict[str, str] = {}
     for record in records:
         event = record.event
+        if isinstance(event, HealthChecked):
+            found.update((v.node_id, f"failed health check {event.check}: {v.reason}") for v in event.failed)
+            continue
         node, failure_class = getattr(event, "node_id", None), getattr(event, "failure_class", "")
         if isinstance(node, str) and isinstance(failure_class, str) and failure_class:
             evidence = " ".join(str(getattr(event, "evidence", "")).split())
@@ -73,7 +76,9 @@ def status_json(job: str, state: JobState, *, diagnoses: Mapping[str, str] | Non
         "round": state.rdzv.round, "members": list(state.rdzv.members), "step": state.step,
         "restarts": state.restarts, "max_restarts": spec.max_restarts if spec else 0,
         "checkpoint_step": state.checkpoint_step,
-        "nodes": {n: {"phase": s.phase.value, "incarnation": s.incarnation, "exit_code": s.exit_code,
+        "health_check": spec.health_check if spec else None, "excluded_hosts": sorted(state.excluded_hosts),
+        "nodes": {n: {"phase": s.phase.value, "incarnation": s.incarnation, "awaiting_health_check": s.unchecked,
+                      "exit_code": s.exit_code,
                       "signal": s.signal, "last_failure": (diagnoses or {}).get(n)} for n, s in state.nodes.items()},
         "plugins": list(plugins),
         "master_pid": info.get("pid"), "master_host": info.get("host"), "master_address": info.get("address"),
@@ -98,8 +103,14 @@ def format_status(job: str, state: JobState, *, diagnoses: Mapping[str, str] | N
     if state.deciders is not None:
         who = ", ".join(sorted(state.deciders)) or "none: stead's default policy decides"
         lines.append(f"deciders   {who}")
+    if spec is not None and spec.health_check != "off":
+        running = (f"; check {state.health.check} running: {', '.join(state.health.nodes)}"
+                   if state.health.running else "")
+        excluded = f"; hosts excluded: {', '.join(sorted(state.excluded_hosts))}" if state.excluded_hosts else ""
+        lines.append(f"health     {spec.health_check} nodes checked before they train{running}{excluded}")
     for node_id, node in state.nodes.items():
-        extra = f" exit={node.exit_code}" if node.exit_code is not None else ""
+        extra = " (awaiting its health check)" if node.unchecked and node.phase.alive else ""
+        extra += f" exit={node.exit_code}" if node.exit_code is not None else ""
         extra += f" signal={node.signal}" if node.signal is not None else ""
         lines.append(f"node       {node_id:<10} {node.phase.value:<9} incarnation {node.incarnation}{extra}")
         if diagnoses and node_id in diagnoses:

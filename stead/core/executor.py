@@ -18,6 +18,7 @@ from stead.core.errors import EffectDeclined, PlatformError
 from stead.core.hub import AgentHub
 from stead.core.platform import NodeSpec, Platform
 from stead.core.statemachine import (
+    CheckHealth,
     DumpStacks,
     Effect,
     Emit,
@@ -28,7 +29,7 @@ from stead.core.statemachine import (
     StopNode,
     StopWorkers,
 )
-from stead.core.tcpstore import RoundStores
+from stead.core.tcpstore import HEALTH_STORE_ROUND, RoundStores
 
 __all__ = ["Executor", "NodeSpecFactory"]
 
@@ -80,5 +81,7 @@ class Executor:
                 self.hub.send(effect, store_addr=await self.rounds.for_round(effect.round))
             case StopWorkers() | StopNode() | DumpStacks():
                 self.hub.send(effect)
+            case CheckHealth():  # every check rendezvous in the store of "round 0" (rounds count from 1)
+                self.hub.send(effect, store_addr=await self.rounds.for_round(HEALTH_STORE_ROUND))
             case Emit() | StartTimer():
                 raise PlatformError(f"{effect.kind} effects are the reactor's own, not the executor's: {effect!r}")

@@ -19,6 +19,7 @@ from stead.core.config import Settings
 from stead.core.errors import InvalidRequest, RpcUnavailable
 from stead.core.events import (
     Event,
+    NodeHealthReported,
     NodeJoined,
     NodeLost,
     Record,
@@ -32,6 +33,7 @@ from stead.core.events import (
 from stead.core.plugins import NodeTelemetry
 from stead.core.rpc.backend import (
     AgentCommand,
+    CheckHealthCmd,
     DumpStacksCmd,
     FailureInfo,
     HeartbeatInfo,
@@ -43,7 +45,15 @@ from stead.core.rpc.backend import (
     StopWorkersCmd,
     WorkersState,
 )
-from stead.core.statemachine import DumpStacks, JobState, NodePhase, StartWorkers, StopNode, StopWorkers
+from stead.core.statemachine import (
+    CheckHealth,
+    DumpStacks,
+    JobState,
+    NodePhase,
+    StartWorkers,
+    StopNode,
+    StopWorkers,
+)
 
 __all__ = ["AgentHub"]
 
@@ -192,13 +202,22 @@ class AgentHub:
                           for w in info.workers),
         ))
 
+    async def report_health(self, report: NodeHealthReported) -> None:
+        if not self._check(report.node_id, report.incarnation):
+            raise InvalidRequest(f"node {report.node_id} incarnation {report.incarnation} is not a live node of job "
+                                 f"{self.job!r}; this agent is stale and should exit")
+        log.info("node_health", node=report.node_id, check=report.check, matmul_s=report.matmul_s,
+                 collectives=[(c.peer, c.seconds, c.error) for c in report.collectives], error=report.error)
+        await self._submit(report)
+
     # -- effects -----------------------------------------------------------------
 
-    def send(self, effect: StartWorkers | StopWorkers | StopNode | DumpStacks, *,
+    def send(self, effect: StartWorkers | StopWorkers | StopNode | DumpStacks | CheckHealth, *,
              store_addr: tuple[str, int] | None = None) -> None:
         """Queue the command an effect stands for on its node's stream.
 
-        ``store_addr`` is the TCPStore the round's workers rendezvous in (default: the latest).
+        ``store_addr`` is the TCPStore the round's workers (or a health check's nodes) rendezvous in (default:
+        the latest).
         """
         node = self._node(effect.node_id, effect.incarnation)
         command: AgentCommand
@@ -216,6 +235,11 @@ class AgentHub:
                 command = StopNodeCmd(id=effect.id, reason=effect.reason)
             case DumpStacks():  # a one-off: not the command in force a reconnecting agent is given again
                 node.queue.put_nowait(DumpStacksCmd(id=effect.id, round=effect.round, reason=effect.reason))
+                return
+            case CheckHealth():  # a one-off too: its report reaches whichever master runs by then
+                host, port = store_addr or self._store_addr()
+                node.queue.put_nowait(CheckHealthCmd(id=effect.id, check=effect.check, nodes=effect.nodes,
+                                                     store_host=host, store_port=port, timeout_s=effect.timeout_s))
                 return
         node.last = command
         node.queue.put_nowait(command)

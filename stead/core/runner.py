@@ -75,8 +75,19 @@ def job_submitted(config: RunConfig) -> JobSubmitted:
         nproc_per_node=config.nproc_per_node, max_restarts=config.max_restarts,
         max_node_relaunches=config.max_node_relaunches, entrypoint=config.entrypoint,
         last_call_timeout_s=config.last_call_timeout_s, join_timeout_s=config.join_timeout_s,
-        decision_timeout_s=config.settings.decision_timeout_s,
+        decision_timeout_s=config.settings.decision_timeout_s, health_check=health_mode(config),
+        health_timeout_s=config.settings.health_timeout_s, health_slow_factor=config.settings.health_slow_factor,
     )
+
+
+def health_mode(config: RunConfig) -> str:
+    """The job's health check mode: the health_check setting, "auto" resolved for the job's platform (every node
+    on Kubernetes, where a bad host is common and a new pod pays a cold start anyway; relaunched nodes elsewhere,
+    so that a local job starts as fast as torchrun's)."""
+    mode = config.settings.health_check
+    if mode == "auto":
+        return "all" if config.platform == "k8s" else "relaunched"
+    return mode
 
 
 @contextlib.asynccontextmanager

@@ -33,12 +33,16 @@ from stead.core.events.log import job_prefix
 from stead.core.procs import cmdline, is_alive, signal_leader, wait_exit
 from stead.core.store import StateStore
 
-__all__ = ["RoundStores"]
+__all__ = ["HEALTH_STORE_ROUND", "RoundStores"]
 
 log = structlog.get_logger("stead.tcpstore")
 
 #: what a host process's command line holds (it runs the module's file: no `import stead` to wait for)
 _HOST_MODULE = _rdzv_host.__file__
+
+
+#: the "round" whose store health checks use (rounds count from 1); its host keeps it for the whole job
+HEALTH_STORE_ROUND = 0
 
 
 class RoundStores:
@@ -92,7 +96,7 @@ class RoundStores:
                 for old in sorted(self._rounds)[:-2]:
                     del self._rounds[old]
             address = self._rounds[round_]
-            if round_ == max(self._rounds):
+            if round_ != HEALTH_STORE_ROUND and round_ == max(self._rounds):
                 self._latest = address
             return address
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,6 +25,7 @@ import structlog
 from stead.core.agent._zygote_main import _STARTUP_ENV as STARTUP_ENV
 from stead.core.agent.extensions import AgentContext, Extensions, load_extensions
 from stead.core.agent.gpu import GpuHealth
+from stead.core.agent.health_check import ORDERS_ENV as HEALTH_ORDERS_ENV
 from stead.core.agent.oom import OomRecords, killed_like_oom
 from stead.core.agent.pace import StepPace
 from stead.core.agent.progress import ProgressFiles, ProgressReader
@@ -33,9 +35,11 @@ from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote
 from stead.core.config import Settings, settings_env
 from stead.core.errors import ConfigError, InvalidRequest, RetryableError
+from stead.core.events import NodeHealthReported, PeerCollective
 from stead.core.launch import RunConfig, Streams, parse_run_args, worker_env
 from stead.core.retry import Backoff
 from stead.core.rpc import (
+    CheckHealthCmd,
     DumpStacksCmd,
     FailureInfo,
     HeartbeatInfo,
@@ -182,6 +186,8 @@ class Agent:
                                 await self._stop_workers(f"told to stop: {command.reason}")
                         case DumpStacksCmd():
                             tg.start_soon(self._dump_stacks, command)
+                        case CheckHealthCmd():
+                            tg.start_soon(self._check_health, command)
                         case StopNodeCmd():
                             self._log.info("agent_stop", reason=command.reason)
                             self._job_ended = True
@@ -214,6 +220,53 @@ class Agent:
         await self._report(lambda: self.client.report_stacks(StacksInfo(
             node_id=self.node_id, incarnation=self.incarnation, round=command.round, workers=workers,
             method="faulthandler", error=error)))
+
+    async def _check_health(self, command: CheckHealthCmd) -> None:
+        """Run this node's part of a health check in a worker process (forked warm) and report it."""
+        assert self._progress is not None
+        if self.node_id not in command.nodes:
+            return
+        started = time.monotonic()
+        self._log.info("health_check", check=command.check, nodes=list(command.nodes))
+        orders = {"check": command.check, "nodes": list(command.nodes), "index": command.nodes.index(self.node_id),
+                  "incarnation": self.incarnation, "store_host": command.store_host,
+                  "store_port": command.store_port, "timeout_s": command.timeout_s}
+        out = self._progress.dir / f"health-{command.check}.json"
+        env = {k: v for k, v in os.environ.items() if k != RUN_ARGV_ENV}
+        env.update({HEALTH_ORDERS_ENV: json.dumps(orders), "STEAD_AUTO_STEP": "0"})
+        spec = WorkerSpec(argv=(sys.executable, "-m", "stead.core.agent.health_check"), env=env, cwd=os.getcwd(),
+                          local_rank=0, stdout_path=out)
+        result: dict[str, object] = {}
+        error = ""
+        try:
+            async with WorkerGroup(self.settings, zygote=self._zygote) as group:
+                await group.start([spec])
+                with anyio.fail_after(command.timeout_s):
+                    async for ended in group.exits():
+                        if not ended.ok:
+                            how = f"code {ended.exit_code}" if ended.signal is None else f"by signal {ended.signal}"
+                            error = f"the check's process exited {how}: {ended.error_tail[-500:]}"
+                        break
+            if not error:
+                result = json.loads(out.read_text().splitlines()[-1])
+        except TimeoutError:
+            error = f"the check did not finish within {command.timeout_s:g} s"
+        except (OSError, ValueError, IndexError, InvalidRequest) as exc:
+            error = f"the check could not run or gave no result: {exc}"
+        finally:
+            out.unlink(missing_ok=True)
+        raw = result.get("collectives")
+        collectives = tuple(PeerCollective(peer=str(c["peer"]), seconds=c.get("seconds"), error=str(c.get("error", "")))
+                            for c in (raw if isinstance(raw, list) else []))
+        matmul = result.get("matmul_s")
+        report = NodeHealthReported(
+            node_id=self.node_id, incarnation=self.incarnation, check=command.check,
+            matmul_s=float(matmul) if isinstance(matmul, (int, float)) else None, collectives=collectives,
+            device=str(result.get("device", "")), error=(error or str(result.get("error", "")))[:MAX_EVIDENCE_CHARS],
+            seconds=time.monotonic() - started)
+        self._log.info("health_checked", check=command.check, matmul_s=report.matmul_s, error=report.error,
+                       collectives=[(c.peer, c.seconds, c.error) for c in collectives], seconds=report.seconds)
+        await self._report(lambda: self.client.report_health(report))
 
     async def _heartbeats(self) -> None:
         async with anyio.create_task_group() as background:  # imports in the zygote never hold a heartbeat up

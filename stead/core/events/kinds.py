@@ -14,16 +14,21 @@ from stead.core.events.base import Event, event_kind
 __all__ = [
     "CheckpointCommitted",
     "EffectFailed",
+    "HealthCheckStarted",
+    "HealthChecked",
+    "HealthVerdict",
     "JobFailed",
     "JobResumed",
     "JobStopped",
     "JobSubmitted",
     "JobSucceeded",
     "NodeExited",
+    "NodeHealthReported",
     "NodeJoined",
     "NodeLost",
     "NodeRequested",
     "NodeStarted",
+    "PeerCollective",
     "PluginFailed",
     "PluginsStarted",
     "RecoveryAction",
@@ -64,6 +69,12 @@ class JobSubmitted(Event):
     max_node_relaunches: int = 3
     #: a worker failure left undecided this long is decided by the built-in default policy
     decision_timeout_s: float = 3.0
+    #: which joining nodes must pass a health check before they train: ``off``, ``relaunched`` or ``all``
+    health_check: str = "off"
+    #: a node's check that has not reported after this long fails it
+    health_timeout_s: float = 60.0
+    #: a node whose matmul takes more than this many times the other nodes' median fails its check
+    health_slow_factor: float = 2.0
 
 
 @event_kind("job.resumed")
@@ -323,6 +334,64 @@ class StacksDumped(Event):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TimerFired(Event):
     name: str
+
+
+# -- node health checks ---------------------------------------------------------
+
+
+@event_kind("health.started")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HealthCheckStarted(Event):
+    """Health check ``check`` of ``nodes`` (in pairing order): ``checked`` ones are under check, the rest partners."""
+
+    check: int
+    nodes: tuple[str, ...]
+    checked: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeerCollective:
+    """One pairwise all-reduce of a health check: with ``peer``, ``seconds`` when it worked, else ``error``."""
+
+    peer: str
+    seconds: float | None = None
+    error: str = ""
+
+
+@event_kind("node.health")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeHealthReported(Event):
+    """One node's part of health check ``check``: its figures, or what went wrong."""
+
+    node_id: str
+    incarnation: int
+    check: int
+    #: the best time of the matmul benchmark; None when it failed
+    matmul_s: float | None = None
+    collectives: tuple[PeerCollective, ...] = ()
+    #: where the benchmark ran ("cpu", "cuda:0 NVIDIA H100 ...")
+    device: str = ""
+    error: str = ""
+    #: the whole check on this node, start-up included
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HealthVerdict:
+    node_id: str
+    incarnation: int
+    reason: str
+
+
+@event_kind("health.checked")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HealthChecked(Event):
+    """The verdict of health check ``check``: ``failed`` nodes are relaunched elsewhere, the others may train."""
+
+    check: int
+    nodes: tuple[str, ...]
+    failed: tuple[HealthVerdict, ...] = ()
+    median_matmul_s: float | None = None
 
 
 # -- checkpoints, plugins, errors ----------------------------------------------

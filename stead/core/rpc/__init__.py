@@ -22,6 +22,7 @@ from stead.core.rpc.auth import (
 from stead.core.rpc.backend import (
     AgentBackend,
     AgentCommand,
+    CheckHealthCmd,
     DumpStacksCmd,
     FailureInfo,
     HeartbeatInfo,
@@ -42,6 +43,7 @@ __all__ = [
     "AgentBackend",
     "AgentCommand",
     "AgentServicer",
+    "CheckHealthCmd",
     "DumpStacksCmd",
     "FailureInfo",
     "HeartbeatInfo",

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import assert_never
 
+from stead.core.events import NodeHealthReported, PeerCollective
 from stead.core.rpc._proto.stead.v1 import (
+    CheckHealth,
     Command,
     DumpStacks,
     FailureReport,
+    HealthReport,
     HeartbeatRequest,
     RegisterReply,
     RegisterRequest,
@@ -21,6 +24,9 @@ from stead.core.rpc._proto.stead.v1 import (
     StopWorkers,
 )
 from stead.core.rpc._proto.stead.v1 import (
+    PeerCollective as ProtoPeerCollective,
+)
+from stead.core.rpc._proto.stead.v1 import (
     WorkersState as ProtoWorkersState,
 )
 from stead.core.rpc._proto.stead.v1 import (
@@ -28,6 +34,7 @@ from stead.core.rpc._proto.stead.v1 import (
 )
 from stead.core.rpc.backend import (
     AgentCommand,
+    CheckHealthCmd,
     DumpStacksCmd,
     FailureInfo,
     HeartbeatInfo,
@@ -47,6 +54,8 @@ __all__ = [
     "command_to_proto",
     "failure_from_proto",
     "failure_to_proto",
+    "health_from_proto",
+    "health_to_proto",
     "heartbeat_from_proto",
     "heartbeat_to_proto",
     "register_from_proto",
@@ -114,6 +123,10 @@ def command_to_proto(command: AgentCommand) -> Command:
             return Command(id=command.id, stop_node=StopNode(reason=command.reason))
         case DumpStacksCmd():
             return Command(id=command.id, dump_stacks=DumpStacks(round=command.round, reason=command.reason))
+        case CheckHealthCmd():
+            return Command(id=command.id, check_health=CheckHealth(
+                check=command.check, nodes=list(command.nodes), store_host=command.store_host,
+                store_port=command.store_port, timeout_s=command.timeout_s))
         case _:
             assert_never(command)
 
@@ -131,7 +144,25 @@ def command_from_proto(message: Command) -> AgentCommand | None:
         return StopNodeCmd(id=message.id, reason=stop_node.reason)
     if (dump := message.dump_stacks) is not None:
         return DumpStacksCmd(id=message.id, round=dump.round, reason=dump.reason)
+    if (check := message.check_health) is not None:
+        return CheckHealthCmd(id=message.id, check=check.check, nodes=tuple(check.nodes), store_host=check.store_host,
+                              store_port=check.store_port, timeout_s=check.timeout_s)
     return None
+
+
+def health_to_proto(report: NodeHealthReported) -> HealthReport:
+    return HealthReport(node_id=report.node_id, incarnation=report.incarnation, check=report.check,
+                        matmul_s=report.matmul_s, device=report.device, error=report.error, seconds=report.seconds,
+                        collectives=[ProtoPeerCollective(peer=c.peer, seconds=c.seconds, error=c.error)
+                                     for c in report.collectives])
+
+
+def health_from_proto(message: HealthReport) -> NodeHealthReported:
+    return NodeHealthReported(node_id=message.node_id, incarnation=message.incarnation, check=message.check,
+                              matmul_s=message.matmul_s, device=message.device, error=message.error,
+                              seconds=message.seconds, collectives=tuple(
+                                  PeerCollective(peer=c.peer, seconds=c.seconds, error=c.error)
+                                  for c in message.collectives))
 
 
 def stacks_to_proto(info: StacksInfo) -> StacksReport:

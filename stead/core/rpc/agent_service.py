@@ -17,6 +17,7 @@ from stead.core.rpc._convert import (
     NO_STEP,
     command_to_proto,
     failure_from_proto,
+    health_from_proto,
     heartbeat_from_proto,
     register_from_proto,
     register_reply_to_proto,
@@ -29,6 +30,7 @@ from stead.core.rpc._proto.stead.v1 import (
     Command,
     CommandsRequest,
     FailureReport,
+    HealthReport,
     HeartbeatReply,
     HeartbeatRequest,
     RegisterReply,
@@ -47,6 +49,8 @@ _BAD_NODE_ID_CHARS = frozenset(" /\\")
 #: bounds on a StacksReport: workers per node, characters per worker's dump
 _MAX_WORKERS = 1024
 _MAX_STACK_CHARS = 64 * 1024
+#: a node all-reduces with one partner per stage of a check, and a check has at most three stages
+_MAX_HEALTH_PEERS = 3
 
 
 def check_node_id(where: str, node_id: str) -> None:
@@ -175,6 +179,28 @@ class AgentServicer(AgentServiceBase):
                         f"{_MAX_STACK_CHARS} (cut the dump)")
         with backend_errors("AgentService.ReportStacks"):
             await self._backend.report_stacks(stacks_from_proto(message))
+        return Ack()
+
+    async def report_health(self, message: HealthReport) -> Ack:
+        where = "HealthReport"
+        _check_node(where, message.node_id, message.incarnation)
+        _at_least(where, "check", message.check, 1, "health checks count from 1")
+        if len(message.collectives) > _MAX_HEALTH_PEERS:
+            invalid(f"{where}.collectives has {len(message.collectives)} entries: a node all-reduces with at most "
+                    f"{_MAX_HEALTH_PEERS} partners in a check")
+        for name, value in [("matmul_s", message.matmul_s), ("seconds", message.seconds),
+                            *((f"collectives[{i}].seconds", c.seconds) for i, c in enumerate(message.collectives))]:
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                invalid(f"{where}.{name} is {value!r}: send a finite number of seconds, at least 0")
+        for i, c in enumerate(message.collectives):
+            check_node_id(f"{where}.collectives[{i}].peer", c.peer)
+        texts = [("device", message.device), ("error", message.error),
+                 *((f"collectives[{i}].error", c.error) for i, c in enumerate(message.collectives))]
+        for name, text in texts:
+            if len(text) > MAX_EVIDENCE_CHARS:
+                invalid(f"{where}.{name} has {len(text)} characters: send at most {MAX_EVIDENCE_CHARS}")
+        with backend_errors("AgentService.ReportHealth"):
+            await self._backend.report_health(health_from_proto(message))
         return Ack()
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:

@@ -11,9 +11,12 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Literal, Protocol
 
+from stead.core.events import NodeHealthReported
+
 __all__ = [
     "AgentBackend",
     "AgentCommand",
+    "CheckHealthCmd",
     "DumpStacksCmd",
     "FailureInfo",
     "HeartbeatInfo",
@@ -129,8 +132,22 @@ class DumpStacksCmd:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckHealthCmd:
+    """Run this node's part of health check ``check`` with the other ``nodes`` and report it."""
+
+    id: str
+    check: int
+    #: every node of the check, in pairing order
+    nodes: tuple[str, ...]
+    #: the TCPStore the pairs rendezvous in
+    store_host: str
+    store_port: int
+    timeout_s: float
+
+
 #: a command from the master to one agent; ``id`` is deterministic, so a repeated command can be recognised
-AgentCommand = StartWorkersCmd | StopWorkersCmd | StopNodeCmd | DumpStacksCmd
+AgentCommand = StartWorkersCmd | StopWorkersCmd | StopNodeCmd | DumpStacksCmd | CheckHealthCmd
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -206,3 +223,5 @@ class AgentBackend(Protocol):
     async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None: ...
 
     async def report_stacks(self, info: StacksInfo) -> None: ...
+
+    async def report_health(self, report: NodeHealthReported) -> None: ...

@@ -29,10 +29,12 @@ from stead.core.errors import (
     SteadError,
     Unauthenticated,
 )
+from stead.core.events import NodeHealthReported
 from stead.core.retry import retrying
 from stead.core.rpc._convert import (
     command_from_proto,
     failure_to_proto,
+    health_to_proto,
     heartbeat_to_proto,
     register_reply_from_proto,
     register_to_proto,
@@ -222,6 +224,10 @@ class MasterClient:
     async def report_stacks(self, info: StacksInfo) -> None:
         with self._conn.errors("AgentService.ReportStacks"):
             await self._stub.report_stacks(stacks_to_proto(info), timeout=self._conn.call_timeout_s)
+
+    async def report_health(self, report: NodeHealthReported) -> None:
+        with self._conn.errors("AgentService.ReportHealth"):
+            await self._stub.report_health(health_to_proto(report), timeout=self._conn.call_timeout_s)
 
     def __repr__(self) -> str:
         return f"MasterClient({self._conn.address})"

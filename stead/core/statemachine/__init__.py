@@ -2,6 +2,7 @@
 
 from stead.core.statemachine.base import Transition
 from stead.core.statemachine.effects import (
+    CheckHealth,
     DumpStacks,
     Effect,
     Emit,
@@ -18,6 +19,7 @@ from stead.core.statemachine.node import NodePhase, NodeState
 from stead.core.statemachine.rendezvous import RendezvousState
 
 __all__ = [
+    "CheckHealth",
     "DumpStacks",
     "Effect",
     "Emit",

@@ -12,8 +12,8 @@ from typing import ClassVar
 
 from stead.core.events import Event
 
-__all__ = ["DumpStacks", "Effect", "Emit", "KillNode", "LaunchNode", "StartTimer", "StartWorkers", "StopNode",
-           "StopWorkers"]
+__all__ = ["CheckHealth", "DumpStacks", "Effect", "Emit", "KillNode", "LaunchNode", "StartTimer", "StartWorkers",
+           "StopNode", "StopWorkers"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,6 +98,25 @@ class DumpStacks:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckHealth:
+    """Ask a node's agent to run its part of health check ``check`` (answered by a ``NodeHealthReported`` event)."""
+
+    node_id: str
+    incarnation: int
+    check: int
+    #: every node of the check, in pairing order
+    nodes: tuple[str, ...]
+    #: how long the node's part may take
+    timeout_s: float
+
+    kind: ClassVar[str] = "check-health"
+
+    @property
+    def id(self) -> str:
+        return f"check-health/{self.check}/{self.node_id}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StopNode:
     """Ask a node's agent to stop its workers and exit (the job has ended)."""
 
@@ -140,4 +159,5 @@ class Emit:
         return f"emit/{self.key}"
 
 
-Effect = LaunchNode | KillNode | StartWorkers | StopWorkers | StopNode | DumpStacks | StartTimer | Emit
+Effect = (LaunchNode | KillNode | StartWorkers | StopWorkers | StopNode | DumpStacks | CheckHealth | StartTimer
+          | Emit)

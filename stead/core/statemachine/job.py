@@ -37,12 +37,15 @@ from stead.core.events import (
     CheckpointCommitted,
     EffectFailed,
     Event,
+    HealthChecked,
+    HealthCheckStarted,
     JobFailed,
     JobResumed,
     JobStopped,
     JobSubmitted,
     JobSucceeded,
     NodeExited,
+    NodeHealthReported,
     NodeJoined,
     NodeLost,
     NodeRequested,
@@ -62,6 +65,7 @@ from stead.core.events import (
     WorkersStarted,
     WorkersSucceeded,
 )
+from stead.core.statemachine import health as health_machine
 from stead.core.statemachine import node as node_machine
 from stead.core.statemachine import rendezvous as rdzv_machine
 from stead.core.statemachine.base import Transition, reject
@@ -75,6 +79,7 @@ from stead.core.statemachine.effects import (
     StopNode,
     StopWorkers,
 )
+from stead.core.statemachine.health import HealthState
 from stead.core.statemachine.node import NodePhase, NodeState
 from stead.core.statemachine.policy import default_decision
 from stead.core.statemachine.rendezvous import RendezvousState
@@ -120,6 +125,8 @@ class JobState:
     resumed_at: Mapping[str, int] = dataclasses.field(default_factory=dict)
     #: hosts a relaunch decision excluded (a faulty GPU, say): relaunched nodes avoid them
     excluded_hosts: frozenset[str] = frozenset()
+    #: the nodes' health checks (see :mod:`.health`)
+    health: HealthState = dataclasses.field(default_factory=HealthState)
     #: seq of the last event folded in (0 before any)
     seq: int = 0
 
@@ -127,12 +134,17 @@ class JobState:
     def joined(self) -> tuple[str, ...]:
         return tuple(n for n, s in self.nodes.items() if s.phase is NodePhase.JOINED)
 
+    @property
+    def ready(self) -> tuple[str, ...]:
+        """The joined nodes that may train: no health check pending for them."""
+        return tuple(n for n, s in self.nodes.items() if s.phase is NodePhase.JOINED and not s.unchecked)
+
 
 #: events that make sense only for a submitted job
 _NEEDS_JOB = (NodeRequested, NodeStarted, NodeJoined, NodeLost, NodeExited, RoundStarted, RoundCompleted,
               WorkersStarted, WorkersSucceeded, WorkerFailed, RecoveryDecided, TimerFired, StepProgress,
               CheckpointCommitted, JobSucceeded, EffectFailed, RestartRequested, RelaunchRequested,
-              StacksRequested)
+              StacksRequested, HealthCheckStarted, NodeHealthReported, HealthChecked)
 
 
 def node_ids(count: int) -> tuple[str, ...]:
@@ -206,6 +218,8 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
             return _relaunch_requested(state, event, now=now)
         case StacksRequested():
             return _stacks_requested(state, event, seq=state.seq)
+        case HealthCheckStarted() | NodeHealthReported() | HealthChecked():
+            return _health_event(state, event, now=now)
         case TimerFired():
             return _timer(state, event, now=now)
         case StepProgress():
@@ -262,7 +276,7 @@ def _resume(state: JobState, event: JobResumed, *, now: float) -> Transition[Job
     resumed = dataclasses.replace(
         state, phase=JobPhase.STARTING, spec=event.submitted(), nodes=nodes, restarts=0, awaiting_decision=False,
         last_failure=None, reason="", message="", timers={}, life=life,
-        rdzv=RendezvousState(round=state.rdzv.round),
+        rdzv=RendezvousState(round=state.rdzv.round), health=HealthState(check=state.health.check),
         resumed_at={n: s.incarnation for n, s in nodes.items()})
     for node_id in node_ids(event.max_nodes):
         incarnation = nodes[node_id].incarnation + 1 if node_id in nodes else 1
@@ -288,6 +302,10 @@ def _spec_problem(spec: JobSubmitted) -> str:
         return f"nproc_per_node {spec.nproc_per_node} must be at least 1"
     if spec.max_restarts < 0 or spec.max_node_relaunches < 0:
         return "max_restarts and max_node_relaunches must not be negative"
+    if spec.health_check not in health_machine.HEALTH_MODES:
+        return f"health_check {spec.health_check!r} must be one of {', '.join(health_machine.HEALTH_MODES)}"
+    if not spec.health_timeout_s > 0 or not spec.health_slow_factor >= 1:
+        return "health_timeout_s must be positive and health_slow_factor at least 1"
     return ""
 
 
@@ -303,6 +321,11 @@ def _node_event(
     if result.rejected is not None or result.state is None:
         return reject(state, result.rejected or "node event rejected")
     after = result.state
+    if isinstance(event, NodeJoined) and before is not None and before.phase is not NodePhase.JOINED:
+        assert state.spec is not None
+        first = state.resumed_at.get(after.node_id, 0) + 1
+        after = dataclasses.replace(after, unchecked=health_machine.needs_check(
+            state.spec.health_check, after.incarnation, first))
     new = _with_node(state, after)
     effects = list(result.effects)
     if isinstance(event, NodeJoined):
@@ -311,6 +334,8 @@ def _node_event(
     if went_away:
         new, more = _node_gone(new, after, now=now)
         effects += more
+        if after.node_id in new.health.nodes:
+            effects += health_machine.due(new)
     return Transition(new, tuple(effects))
 
 
@@ -354,9 +379,9 @@ def _plan(state: JobState, *, now: float) -> tuple[Effect, ...]:
     spec = state.spec
     if spec is None or state.awaiting_decision or state.phase not in (JobPhase.STARTING, JobPhase.RECOVERING):
         return ()
-    return rdzv_machine.plan_round(
+    return health_machine.plan(state) + rdzv_machine.plan_round(
         state.rdzv,
-        joined=state.joined,
+        joined=state.ready,
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
         nproc_per_node=spec.nproc_per_node,
@@ -372,6 +397,9 @@ def _round_started(state: JobState, event: RoundStarted) -> Transition[JobState]
     not_joined = [n for n in event.members if n not in state.joined]
     if not_joined:
         return reject(state, f"round {event.round} names nodes that have not joined: {not_joined}")
+    unchecked = [n for n in event.members if n not in state.ready]
+    if unchecked:
+        return reject(state, f"round {event.round} names nodes that have not passed their health check: {unchecked}")
     incarnations = {n: s.incarnation for n, s in state.nodes.items()}
     result = rdzv_machine.transition(state.rdzv, event, incarnations=incarnations)
     if result.rejected is not None:
@@ -450,13 +478,16 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
     if event.name == _join_timer(state):
         if state.phase is JobPhase.STARTING:
             failed = JobFailed(
-                reason=f"only {len(state.joined)} of at least {spec.min_nodes} nodes joined within "
+                reason=f"only {len(state.ready)} of at least {spec.min_nodes} nodes joined"
+                f"{_awaiting_check(state)} within "
                 f"{spec.join_timeout_s:g} s; check the nodes' logs or raise the join timeout (--rdzv-conf)"
             )
             return Transition(state, (Emit(key=_end_key(state), event=failed),))
         return Transition(state)
+    if event.name == f"health/{state.health.check}" and state.health.running:
+        return Transition(state, health_machine.verdict(state))
     if event.name == f"last-call/{state.rdzv.round + 1}" and not state.rdzv.active and not state.awaiting_decision:
-        joined = state.joined
+        joined = state.ready
         if len(joined) >= spec.min_nodes and state.phase in (JobPhase.STARTING, JobPhase.RECOVERING):
             members = rdzv_machine.order_members(state.rdzv.members, joined, spec.max_nodes)
             started = RoundStarted(
@@ -467,6 +498,11 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
             )
             return Transition(state, (Emit(key=f"round/{started.round}", event=started),))
     return Transition(state)  # a timer of a round that has already started
+
+
+def _awaiting_check(state: JobState) -> str:
+    waiting = len(state.joined) - len(state.ready)
+    return f" ({waiting} more await their health check)" if waiting else ""
 
 
 def _end(state: JobState, event: JobSucceeded | JobFailed | JobStopped) -> Transition[JobState]:
@@ -547,3 +583,45 @@ def _round_broken(state: JobState, reason: str, *, now: float) -> Transition[Job
     broken = dataclasses.replace(state, phase=JobPhase.RECOVERING, restarts=state.restarts + 1,
                                  rdzv=dataclasses.replace(state.rdzv, active=False))
     return Transition(broken, (*stops, *_plan(broken, now=now)))
+
+
+# -- health checks (the rest is in :mod:`.health`) -------------------------------------------
+
+
+def _health_event(state: JobState, event: HealthCheckStarted | NodeHealthReported | HealthChecked, *,
+                  now: float) -> Transition[JobState]:
+    match event:
+        case HealthCheckStarted():
+            return health_machine.start(state, event, now=now)
+        case NodeHealthReported():
+            return health_machine.record(state, event)
+        case HealthChecked():
+            if not state.health.running or event.check != state.health.check:
+                return reject(state, f"health check {event.check} is not running")
+            return _health_checked(state, event, now=now)
+
+
+def _health_checked(state: JobState, event: HealthChecked, *, now: float) -> Transition[JobState]:
+    """The nodes that passed may train; the ones that failed are relaunched, their host excluded."""
+    health = state.health
+    failed = {v.node_id for v in event.failed}
+    nodes = dict(state.nodes)
+    for n in health.nodes:
+        node = nodes.get(n)
+        if node is not None and node.incarnation == health.incarnations[n] and n not in failed:
+            nodes[n] = dataclasses.replace(node, unchecked=False)
+    new = dataclasses.replace(state, nodes=nodes, health=HealthState(check=health.check))
+    effects: list[Effect] = []
+    for verdict in event.failed:
+        node = new.nodes.get(verdict.node_id)
+        if node is None or node.incarnation != verdict.incarnation or not node.phase.alive:
+            continue
+        if node.host:
+            new = dataclasses.replace(new, excluded_hosts=new.excluded_hosts | {node.host})
+        lost = NodeLost(node_id=node.node_id, incarnation=node.incarnation,
+                        reason=f"failed its health check: {verdict.reason}")
+        result = _node_event(new, lost, now=now)
+        new, effects = result.state, effects + list(result.effects)
+    effects += _plan(new, now=now)
+    unique = {effect.id: effect for effect in effects}  # a node's loss may have planned the same round already
+    return Transition(new, tuple(unique.values()))

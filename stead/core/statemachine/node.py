@@ -47,6 +47,8 @@ class NodeState:
     pid: int | None = None
     exit_code: int | None = None
     signal: int | None = None
+    #: joined, but a health check must pass before it trains
+    unchecked: bool = False
 
 
 def is_stale(node: NodeState | None, event: Event) -> bool:

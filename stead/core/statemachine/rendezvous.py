@@ -22,7 +22,7 @@ from stead.core.events import RoundCompleted, RoundStarted, WorkersStarted, Work
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import Effect, Emit, StartTimer, StartWorkers
 
-__all__ = ["RendezvousEvent", "RendezvousState", "order_members", "plan_round", "transition"]
+__all__ = ["RendezvousEvent", "RendezvousState", "natural_key", "order_members", "plan_round", "transition"]
 
 RendezvousEvent = RoundStarted | WorkersStarted | RoundCompleted | WorkersSucceeded
 
@@ -41,14 +41,14 @@ class RendezvousState:
         return self.active and bool(self.members) and self.succeeded >= set(self.members)
 
 
-def _natural(node_id: str) -> tuple[object, ...]:
+def natural_key(node_id: str) -> tuple[object, ...]:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", node_id))
 
 
 def order_members(previous: tuple[str, ...], joined: tuple[str, ...], max_nodes: int) -> tuple[str, ...]:
     """Previous members that are still here keep their order; newcomers follow in natural order."""
     kept = [n for n in previous if n in joined]
-    fresh = sorted((n for n in joined if n not in kept), key=_natural)
+    fresh = sorted((n for n in joined if n not in kept), key=natural_key)
     return tuple([*kept, *fresh][:max_nodes])
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from stead.core.events import NodeHealthReported
 from stead.core.rpc import (
     AgentCommand,
     AgentServicer,
@@ -49,12 +50,13 @@ class FakeBackend:
     failures: list[FailureInfo] = dataclasses.field(default_factory=list)
     workers: list[tuple[str, int, int, WorkersState]] = dataclasses.field(default_factory=list)
     subscribed: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    health: list[NodeHealthReported] = dataclasses.field(default_factory=list)
     stream_closed: anyio.Event = dataclasses.field(default_factory=anyio.Event)
 
     @property
     def calls(self) -> int:
         return (len(self.registered) + len(self.heartbeats) + len(self.failures) + len(self.workers)
-                + len(self.subscribed))
+                + len(self.subscribed) + len(self.health))
 
     def _maybe_fail(self) -> None:
         if self.error is not None:
@@ -87,6 +89,10 @@ class FakeBackend:
 
     async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None:
         self.workers.append((node_id, incarnation, round, state))
+        self._maybe_fail()
+
+    async def report_health(self, report: NodeHealthReported) -> None:
+        self.health.append(report)
         self._maybe_fail()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any
 
 import anyio
@@ -11,7 +13,9 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from stead.core.errors import InvalidRequest, RpcUnavailable, StoreUnavailable, Unauthenticated
+from stead.core.events import NodeHealthReported, PeerCollective
 from stead.core.rpc import (
+    CheckHealthCmd,
     FailureInfo,
     HeartbeatInfo,
     MasterClient,
@@ -44,8 +48,13 @@ COMMANDS = [
     StopWorkersCmd(id="stop-1", round=1, reason="worker failed"),
     StartWorkersCmd(id="start-2", round=2, node_rank=1, nnodes=2, nproc_per_node=2, world_size=4, restart_count=1,
                     master_addr="10.0.0.1", master_port=29501),
+    CheckHealthCmd(id="check-health/1/node-0", check=1, nodes=("node-0", "node-1"), store_host="10.0.0.1",
+                   store_port=29502, timeout_s=60.0),
     StopNodeCmd(id="stop-node", reason="job finished"),
 ]
+HEALTH = NodeHealthReported(node_id="node-0", incarnation=1, check=1, matmul_s=0.012, device="cpu", seconds=1.5,
+                            collectives=(PeerCollective(peer="node-1", seconds=0.004),
+                                         PeerCollective(peer="node-2", error="RuntimeError: timed out")))
 
 
 async def test_register_and_heartbeat_reach_the_backend_and_return_its_answers(client: MasterClient,
@@ -92,6 +101,13 @@ async def test_failure_and_workers_reports_reach_the_backend(client: MasterClien
     assert backend.workers == [("node-0", 1, 2, "started"), ("node-0", 1, 2, "succeeded")]
 
 
+async def test_a_health_report_reaches_the_backend_as_the_event_it_is(client: MasterClient, backend: Any) -> None:
+    failed = NodeHealthReported(node_id="node-1", incarnation=2, check=3, error="matmul: RuntimeError: boom")
+    await client.report_health(HEALTH)
+    await client.report_health(failed)
+    assert backend.health == [HEALTH, failed]  # an unset matmul time travels as unset
+
+
 @pytest.mark.parametrize(("call", "field"), [
     (lambda c: c.register(RegisterInfo(**{**REGISTER.__dict__, "node_id": ""})), "RegisterRequest.node_id"),
     (lambda c: c.register(RegisterInfo(**{**REGISTER.__dict__, "node_id": "a/b"})), "RegisterRequest.node_id"),
@@ -122,11 +138,21 @@ async def test_failure_and_workers_reports_reach_the_backend(client: MasterClien
     (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "local_rank": -2})), "FailureReport.local_rank"),
     (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "round": -1})), "FailureReport.round"),
     (lambda c: c.report_workers("", 1, 0, "started"), "WorkersReport.node_id"),
+    (lambda c: c.report_health(dataclasses.replace(HEALTH, check=0)), "HealthReport.check"),
+    (lambda c: c.report_health(dataclasses.replace(HEALTH, matmul_s=float("nan"))), "HealthReport.matmul_s"),
+    (lambda c: c.report_health(dataclasses.replace(HEALTH, seconds=-1.0)), "HealthReport.seconds"),
+    (lambda c: c.report_health(dataclasses.replace(HEALTH, collectives=(PeerCollective(peer="a/b"),))),
+     "HealthReport.collectives[0].peer"),
+    (lambda c: c.report_health(dataclasses.replace(HEALTH, collectives=(PeerCollective(peer="n", seconds=-2),))),
+     "HealthReport.collectives[0].seconds"),
+    (lambda c: c.report_health(dataclasses.replace(HEALTH, collectives=(PeerCollective(peer="n"),) * 4)),
+     "HealthReport.collectives"),
+    (lambda c: c.report_health(dataclasses.replace(HEALTH, error="x" * 5000)), "HealthReport.error"),
     (lambda c: c.report_workers("node-0", 1, -1, "started"), "WorkersReport.round"),
 ])
 async def test_malformed_requests_are_rejected_with_the_field_named(client: MasterClient, backend: Any, call: Any,
                                                                     field: str) -> None:
-    with pytest.raises(InvalidRequest, match=field.replace(".", r"\.")):
+    with pytest.raises(InvalidRequest, match=re.escape(field)):
         await call(client)
     assert backend.calls == 0
 

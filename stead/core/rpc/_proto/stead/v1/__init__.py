@@ -7,6 +7,7 @@ __all__ = (
     "Ack",
     "AgentServiceBase",
     "AgentServiceStub",
+    "CheckHealth",
     "CheckpointServiceBase",
     "CheckpointServiceStub",
     "Command",
@@ -17,11 +18,13 @@ __all__ = (
     "FailureReport",
     "GetCommittedReply",
     "GetCommittedRequest",
+    "HealthReport",
     "HeartbeatReply",
     "HeartbeatRequest",
     "LeaseShardsReply",
     "LeaseShardsRequest",
     "Partition",
+    "PeerCollective",
     "RankSaved",
     "RankStep",
     "RegisterDatasetRequest",
@@ -102,6 +105,35 @@ default_message_pool.register_message("stead.v1", "Ack", Ack)
 
 
 @dataclass(eq=False, repr=False)
+class CheckHealth(betterproto2.Message):
+    """
+    Run this node's part of a health check (a matmul, then all-reduces with partners) and report it (ReportHealth).
+    """
+
+    check: "int" = betterproto2.field(1, betterproto2.TYPE_INT32)
+
+    nodes: "list[str]" = betterproto2.field(2, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Every node of the check, in pairing order.
+    """
+
+    store_host: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The TCPStore the nodes' pairs rendezvous in.
+    """
+
+    store_port: "int" = betterproto2.field(4, betterproto2.TYPE_INT32)
+
+    timeout_s: "float" = betterproto2.field(5, betterproto2.TYPE_DOUBLE)
+    """
+    How long this node's part may take.
+    """
+
+
+default_message_pool.register_message("stead.v1", "CheckHealth", CheckHealth)
+
+
+@dataclass(eq=False, repr=False)
 class Command(betterproto2.Message):
     """
 
@@ -122,6 +154,8 @@ class Command(betterproto2.Message):
     stop_node: "StopNode | None" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, optional=True, group="body")
 
     dump_stacks: "DumpStacks | None" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, optional=True, group="body")
+
+    check_health: "CheckHealth | None" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, optional=True, group="body")
 
 
 default_message_pool.register_message("stead.v1", "Command", Command)
@@ -288,6 +322,37 @@ default_message_pool.register_message("stead.v1", "GetCommittedRequest", GetComm
 
 
 @dataclass(eq=False, repr=False)
+class HealthReport(betterproto2.Message):
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    incarnation: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+
+    check: "int" = betterproto2.field(3, betterproto2.TYPE_INT32)
+
+    matmul_s: "float | None" = betterproto2.field(4, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    The best time of the matmul benchmark; unset when it failed.
+    """
+
+    collectives: "list[PeerCollective]" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    device: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    """
+    Where the benchmark ran: "cpu", or the GPU's index and name.
+    """
+
+    error: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
+
+    seconds: "float" = betterproto2.field(8, betterproto2.TYPE_DOUBLE)
+    """
+    The whole check on this node, start-up included.
+    """
+
+
+default_message_pool.register_message("stead.v1", "HealthReport", HealthReport)
+
+
+@dataclass(eq=False, repr=False)
 class HeartbeatReply(betterproto2.Message):
     known: "bool" = betterproto2.field(1, betterproto2.TYPE_BOOL)
     """
@@ -420,6 +485,21 @@ class Partition(betterproto2.Message):
 
 
 default_message_pool.register_message("stead.v1", "Partition", Partition)
+
+
+@dataclass(eq=False, repr=False)
+class PeerCollective(betterproto2.Message):
+    peer: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    seconds: "float | None" = betterproto2.field(2, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    Seconds the all-reduces with the peer took; unset when they failed.
+    """
+
+    error: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("stead.v1", "PeerCollective", PeerCollective)
 
 
 @dataclass(eq=False, repr=False)
@@ -918,6 +998,27 @@ class AgentServiceStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         )
 
+    async def report_health(
+        self,
+        message: "HealthReport",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "Ack":
+        """
+        The node's part of a health check, answering a CheckHealth command.
+        """
+
+        return await self._unary_unary(
+            "/stead.v1.AgentService/ReportHealth",
+            message,
+            Ack,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
 
 class CheckpointServiceStub(betterproto2_grpclib.ServiceStub):
     async def report_saved(
@@ -1157,6 +1258,13 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
+    async def report_health(self, message: "HealthReport") -> "Ack":
+        """
+        The node's part of a health check, answering a CheckHealth command.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_register(self, stream: "grpclib.server.Stream[RegisterRequest, RegisterReply]") -> None:
         request = await stream.recv_message()
         assert request is not None
@@ -1196,6 +1304,12 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.report_stacks(request)
         await stream.send_message(response)
 
+    async def __rpc_report_health(self, stream: "grpclib.server.Stream[HealthReport, Ack]") -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.report_health(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/stead.v1.AgentService/Register": grpclib.const.Handler(
@@ -1232,6 +1346,12 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
                 self.__rpc_report_stacks,
                 grpclib.const.Cardinality.UNARY_UNARY,
                 StacksReport,
+                Ack,
+            ),
+            "/stead.v1.AgentService/ReportHealth": grpclib.const.Handler(
+                self.__rpc_report_health,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                HealthReport,
                 Ack,
             ),
         }
