@@ -255,6 +255,9 @@ class Agent:
             error = f"the check could not run or gave no result: {exc}"
         finally:
             out.unlink(missing_ok=True)
+        gpu = await self._gpu_faults()  # NVML's view: ECC errors, XIDs, a lost GPU ("" with no GPU)
+        if gpu:
+            error = f"{error}; GPU faults: {gpu}" if error else f"GPU faults: {gpu}"
         raw = result.get("collectives")
         collectives = tuple(PeerCollective(peer=str(c["peer"]), seconds=c.get("seconds"), error=str(c.get("error", "")))
                             for c in (raw if isinstance(raw, list) else []))
