@@ -128,3 +128,34 @@ async def test_a_master_that_takes_over_a_running_round_goes_on_watching_it_for_
     finally:
         await new.stop(ctx=ctx)
         await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_master_killed_before_it_caught_up_passes_the_pace_on_to_the_next() -> None:
+    store = await open_store("memory://")
+    state = JobState()
+    ctx = PluginContext(plugin="diagnosis", job="j", settings=NoSettings(), stead_settings=Settings(), store=store,
+                        state=lambda: state, emit=None, add_rpc_handler=None)  # type: ignore[arg-type]
+    settings = DiagnosisSettings(hang_floor_s=3.0)
+    first = DiagnosisPlugin(settings=settings)
+    first.clock.start_round(4, 0.0)
+    for step in range(10):
+        first.clock.observe(4, step, 1.0 + step / 10)
+    await first._write_status(ctx, force=True)
+    second = DiagnosisPlugin(settings=settings)  # starts, publishes before its replay ends, and is killed
+    await second.start(ctx=ctx)
+    await second._write_status(ctx, force=True)
+    await second.stop(ctx=ctx)
+
+    third = DiagnosisPlugin(settings=settings)
+    await third.start(ctx=ctx)
+    try:
+        state = JobState(phase=JobPhase.RUNNING, step=9, rdzv=RendezvousState(round=4, members=("n0",), active=True),
+                         nodes={"n0": NodeState(node_id="n0", incarnation=2, phase=NodePhase.JOINED)})
+        started = PluginsStarted(plugins=("diagnosis",), deciders=("diagnosis",))
+        await third.handle(record=Record(seq=1, at=0.0, event=started), ctx=ctx)
+        assert (third.clock.round, third.clock.step) == (4, 9)
+        assert third.clock.threshold()[0] == 3.0, "a master that died young erased the pace: 600 s to a hang"
+    finally:
+        await third.stop(ctx=ctx)
+        await store.close()

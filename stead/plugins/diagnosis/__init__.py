@@ -225,10 +225,13 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
                     f"median {f.median_s:.3f} s" for n, f in sorted(flagged.items())]
         if self.settings.stragglers and not flagged:
             summary.append(f"no straggler (factor {self.settings.straggler_factor:g})")
+        # until this master's clock has a pace of its own, pass on the one it inherited: a master killed before
+        # it caught up must not leave its successor without one (it would wait first_step_s for a hang)
+        round_, gaps = (self.clock.round, list(self.clock.gaps)) if self.clock.gaps else self._inherited
         status = {
-            "at": time.time(), "round": self.clock.round, "summary": summary,
+            "at": time.time(), "round": round_ or self.clock.round, "summary": summary,
             "hang": {"threshold_s": round(threshold, 3), "why": why, "enabled": self.settings.hang_detection,
-                     "gaps_s": [round(g, 4) for g in self.clock.gaps]},
+                     "gaps_s": [round(g, 4) for g in gaps]},
             "stragglers": {n: {"compute_s": round(f.compute_s, 6), "median_s": round(f.median_s, 6),
                                "ratio": round(f.ratio, 3)} for n, f in flagged.items()},
         }
