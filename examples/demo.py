@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from stead.core.display import goodput_lines  # noqa: E402
 from stead.core.events import (  # noqa: E402
     JobFailed,
     JobSucceeded,
@@ -30,6 +31,7 @@ from stead.core.events import (  # noqa: E402
     WorkerFailed,
 )
 from stead.core.events.log import EventLog  # noqa: E402
+from stead.core.goodput import ledger  # noqa: E402
 from stead.core.store import open_store  # noqa: E402
 from stead.plugins.ckpt.events import CheckpointRestored  # noqa: E402
 from stead.testing import leaks  # noqa: E402
@@ -115,6 +117,8 @@ def main() -> int:
     outcome = "succeeded" if isinstance(end, JobSucceeded) else f"FAILED: {getattr(end, 'reason', '?')}"
     print(f"  +{records[-1].at - t0:5.1f} s  job {outcome} ({len(records)} events in its log); `stead run` exited "
           f"with {proc.returncode}")
+    for line in goodput_lines(ledger(records)):  # the ledger `stead status` shows, from the same log
+        print(f"  {line}")
     left = leaks.wait_clean(before, timeout_s=5)
     print("  nothing left behind: no stead process, port or shared-memory segment" if not left
           else f"  LEFT BEHIND: {left}")

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--from-seq", type=int, default=1, help="start at this sequence number")
     _add_common(e)
 
-    s = sub.add_parser("status", help="show a job's phase, nodes, round, step and restarts")
+    s = sub.add_parser("status", help="show a job's phase, nodes, round, step, restarts and goodput")
     _store_arg(s, required=False)
     s.add_argument("--job", required=True, help="job name")
     s.add_argument("--json", action="store_true",
@@ -231,6 +232,7 @@ async def _open_existing(args: argparse.Namespace, settings: Settings) -> StateS
 async def _status(args: argparse.Namespace, settings: Settings) -> int:
     from stead.core.display import format_status, last_diagnoses, plugin_status_lines, status_json
     from stead.core.events.log import EventLog
+    from stead.core.goodput import ledger
     from stead.core.statemachine import fold_all
 
     store = await _open_existing(args, settings)
@@ -246,15 +248,18 @@ async def _status(args: argparse.Namespace, settings: Settings) -> int:
                              "check --job and --store (stead run uses sqlite:///.stead/<job>.db by default)")
     plugins = [line for kv in published
                for line in plugin_status_lines(kv.key[len(prefix):].split("/")[0], kv.value)]
+    goodput = ledger(records, now=time.time())
     if args.json:
         try:
             about = json.loads(master.value) if master is not None else {}
         except ValueError:
             about = {}
         print(json.dumps(status_json(args.job, fold_all(records), diagnoses=last_diagnoses(records),
-                                     plugins=plugins, master=about if isinstance(about, dict) else {})))
+                                     plugins=plugins, master=about if isinstance(about, dict) else {},
+                                     goodput=goodput)))
         return 0
-    print(format_status(args.job, fold_all(records), diagnoses=last_diagnoses(records), plugins=plugins))
+    print(format_status(args.job, fold_all(records), diagnoses=last_diagnoses(records), plugins=plugins,
+                        goodput=goodput))
     return 0
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from stead.core.events import JobSubmitted
 from stead.core.events.log import EventLog
+from stead.core.goodput import PARTS
 from stead.core.rpc import MasterClient, RegisterInfo, read_token_file
 from stead.core.store import open_store
 
@@ -82,6 +83,11 @@ def test_master_resumes_a_stored_job_and_events_and_status_show_it(tmp_path: Pat
     assert (shown["phase"], shown["round"], shown["restarts"]) == ("succeeded", 1, 0)
     assert shown["nodes"]["node-0"]["incarnation"] == 1 and shown["max_restarts"] == 3, shown
     assert (shown["master_pid"], shown["master_address"]) == (master.pid, address)  # the process to kill
+    # the goodput ledger: no step was reported (the agent is played), so nothing counted as useful, and it says so
+    assert shown["goodput"] == 0.0 and shown["useful_s"] == 0.0 and shown["ended"] is True
+    assert sum(shown[f"{part}_s"] for part in PARTS) == pytest.approx(shown["wall_s"], abs=0.01)
+    assert shown["missing"] == ["no step progress was recorded: no time can be counted as useful"]
+    assert "goodput    0.0% of" in status.stdout and "(not counted: no step progress" in status.stdout
     as_json = _stead("events", "--store", url, "--job", job, "--json", cwd=tmp_path)
     records = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert [r["seq"] for r in records] == list(range(1, len(lines) + 1))

@@ -9,10 +9,11 @@ from collections.abc import Iterable, Mapping
 
 from stead.core.events import HealthChecked, Record
 from stead.core.events.log import BadRecord
+from stead.core.goodput import RECOVERY_PHASES, Ledger
 from stead.core.serde import to_json
 from stead.core.statemachine import JobState
 
-__all__ = ["format_record", "format_status", "last_diagnoses", "plugin_status_lines", "status_json"]
+__all__ = ["format_record", "format_status", "goodput_lines", "last_diagnoses", "plugin_status_lines", "status_json"]
 
 
 def _value(v: object) -> str:
@@ -64,9 +65,26 @@ def plugin_status_lines(plugin: str, raw: bytes) -> list[str]:
     return [f"{plugin} (at {when}): {line}" for line in lines]
 
 
+def goodput_lines(ledger: Ledger) -> list[str]:
+    """The goodput and where the rest of the wall time went, for ``stead status``."""
+    if ledger.wall_s <= 0:
+        return ["goodput    - (no wall time yet)"]
+    parts = ", ".join(f"{part} {seconds:.1f} s" for part, seconds in ledger.parts.items() if part != "useful"
+                      and seconds >= 0.05)
+    lines = [f"goodput    {ledger.goodput:.1%} of {ledger.wall_s:.1f} s{'' if ledger.ended else ' so far'}: "
+             f"useful {ledger.parts['useful']:.1f} s" + (f"; {parts}" if parts else "")]
+    if ledger.recoveries:
+        phases = ", ".join(f"{p.replace('_', ' ')} {ledger.recovery_phases[p]:.2f} s" for p in RECOVERY_PHASES)
+        lines.append(f"recovery   {len(ledger.recoveries)} recoveries: {phases}")
+    lines += [f"           (not counted: {what})" for what in ledger.missing]
+    return lines
+
+
 def status_json(job: str, state: JobState, *, diagnoses: Mapping[str, str] | None = None,
-                plugins: Iterable[str] = (), master: Mapping[str, object] | None = None) -> dict[str, object]:
-    """What ``format_status`` shows, as one JSON object (``stead status --json``)."""
+                plugins: Iterable[str] = (), master: Mapping[str, object] | None = None,
+                goodput: Ledger | None = None) -> dict[str, object]:
+    """What ``format_status`` shows, as one JSON object (``stead status --json``); the ledger's figures
+    (``goodput`` 0..1, ``wall_s``, one ``<part>_s`` per part) at the top level."""
     spec = state.spec
     info = dict(master or {})
     return {
@@ -84,11 +102,12 @@ def status_json(job: str, state: JobState, *, diagnoses: Mapping[str, str] | Non
         "master_pid": info.get("pid"), "master_host": info.get("host"), "master_address": info.get("address"),
         "master_started_at": info.get("started_at"),
         "error": state.message or None,
+        **(goodput.to_json() if goodput is not None else {}),
     }
 
 
 def format_status(job: str, state: JobState, *, diagnoses: Mapping[str, str] | None = None,
-                  plugins: Iterable[str] = ()) -> str:
+                  plugins: Iterable[str] = (), goodput: Ledger | None = None) -> str:
     spec = state.spec
     lines = [f"job        {job}", f"phase      {state.phase.value}" + (f"  ({state.reason})" if state.reason else "")]
     if spec is not None:
@@ -100,6 +119,8 @@ def format_status(job: str, state: JobState, *, diagnoses: Mapping[str, str] | N
     lines.append(f"restarts   {state.restarts} of {max_restarts}")
     if state.checkpoint_step is not None:
         lines.append(f"checkpoint step {state.checkpoint_step}")
+    if goodput is not None:
+        lines += goodput_lines(goodput)
     if state.deciders is not None:
         who = ", ".join(sorted(state.deciders)) or "none: stead's default policy decides"
         lines.append(f"deciders   {who}")
