@@ -75,7 +75,8 @@ def goodput_lines(ledger: Ledger) -> list[str]:
              f"useful {ledger.parts['useful']:.1f} s" + (f"; {parts}" if parts else "")]
     if ledger.recoveries:
         phases = ", ".join(f"{p.replace('_', ' ')} {ledger.recovery_phases[p]:.2f} s" for p in RECOVERY_PHASES)
-        lines.append(f"recovery   {len(ledger.recoveries)} recoveries: {phases}")
+        count = len(ledger.recoveries)
+        lines.append(f"recovery   {count} {'recovery' if count == 1 else 'recoveries'}: {phases}")
     lines += [f"           (not counted: {what})" for what in ledger.missing]
     return lines
 
