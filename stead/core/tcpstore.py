@@ -93,9 +93,9 @@ class RoundStores:
                     self._drop_connection()
                     port = await self._ask(f"ROUND {round_}")
                 self._rounds[round_] = (self.host, port)
-                for old in sorted(self._rounds)[:-2]:
-                    del self._rounds[old]
             address = self._rounds[round_]
+            for old in sorted(r for r in self._rounds if r != HEALTH_STORE_ROUND)[:-2]:
+                del self._rounds[old]  # the newest round's, the one before, and the health checks' stay
             if round_ != HEALTH_STORE_ROUND and round_ == max(self._rounds):
                 self._latest = address
             return address

@@ -22,7 +22,7 @@ from stead.core.platform import NodeSpec, PlatformEvent
 from stead.core.rpc import HeartbeatInfo, MasterClient, RegisterInfo, StartWorkersCmd, StopNodeCmd
 from stead.core.statemachine import JobPhase, NodePhase
 from stead.core.store import open_store
-from stead.core.tcpstore import RoundStores
+from stead.core.tcpstore import HEALTH_STORE_ROUND, RoundStores
 from stead.testing.platforms import RecordingPlatform
 
 pytestmark = pytest.mark.anyio
@@ -242,6 +242,15 @@ async def test_the_nodes_of_a_round_started_concurrently_share_one_rendezvous_st
         addresses = await asyncio.gather(*(rounds.for_round(2) for _ in range(4)))
         assert len(set(addresses)) == 1 and rounds.latest == addresses[0]
         assert await rounds.for_round(1) != addresses[0] and rounds.latest == addresses[0]  # an older round's
+
+
+async def test_the_health_checks_store_outlives_the_rounds_that_follow_it() -> None:
+    async with round_stores() as rounds:
+        health = await rounds.for_round(HEALTH_STORE_ROUND)  # the first check, before round 1
+        for round_ in (1, 2, 3):
+            await rounds.for_round(round_)
+        assert await rounds.for_round(HEALTH_STORE_ROUND) == health  # a relaunched node's check, rounds later
+        assert rounds.latest == await rounds.for_round(3)  # a check never becomes "the latest round"
 
 
 def listening_addresses(port: int) -> set[str]:

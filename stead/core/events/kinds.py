@@ -392,6 +392,8 @@ class HealthChecked(Event):
     nodes: tuple[str, ...]
     failed: tuple[HealthVerdict, ...] = ()
     median_matmul_s: float | None = None
+    #: the check could not run (why): its nodes were let in unchecked
+    skipped: str = ""
 
 
 # -- checkpoints, plugins, errors ----------------------------------------------

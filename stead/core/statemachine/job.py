@@ -70,6 +70,7 @@ from stead.core.statemachine import node as node_machine
 from stead.core.statemachine import rendezvous as rdzv_machine
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import (
+    CheckHealth,
     DumpStacks,
     Effect,
     Emit,
@@ -526,7 +527,13 @@ def _end(state: JobState, event: JobSucceeded | JobFailed | JobStopped) -> Trans
 
 
 def _effect_failed(state: JobState, event: EffectFailed, *, now: float) -> Transition[JobState]:
-    """An effect failed: a launch counts as the node lost, a start of workers breaks the round."""
+    """An effect failed: a launch counts as the node lost, a start of workers breaks the round, a health check
+    that could not be started lets its nodes in unchecked (the safety net broke: that is no verdict on them)."""
+    if event.kind == CheckHealth.kind and state.health.running and event.effect_id.startswith(
+            f"check-health/{state.health.check}/"):
+        skipped = HealthChecked(check=state.health.check, nodes=state.health.nodes,
+                                skipped=f"the check could not be started on {event.node_id}: {event.error}")
+        return Transition(state, (Emit(key=f"health-checked/{skipped.check}", event=skipped),))
     if event.kind == LaunchNode.kind and event.node_id is not None and event.incarnation is not None:
         node = state.nodes.get(event.node_id)
         if node is None or node.incarnation != event.incarnation or not node.phase.alive:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 
 from stead.core.events import (
+    EffectFailed,
     Event,
     HealthChecked,
     HealthCheckStarted,
@@ -216,6 +217,17 @@ def test_stale_reports_are_ignored_and_a_second_check_cannot_start_while_one_run
     state, _, rejections = fold(events)
     assert len(rejections) == 1 and "cannot start after check 1 (still running)" in rejections[0]
     assert state.health.reports == {}
+
+
+def test_a_check_that_cannot_be_started_lets_its_nodes_in_unchecked() -> None:
+    failed = EffectFailed(effect_id="check-health/1/node-1", kind="check-health", error="KeyError: 0",
+                          node_id="node-1", incarnation=1)
+    events: list[Event] = [SPEC, *up("node-0", "node-1", "node-2"), failed]
+    state, _, rejections = fold(events)
+    assert rejections == []
+    assert state.phase is JobPhase.RUNNING and not state.health.running
+    [checked] = [e for e in state_log(events) if isinstance(e, HealthChecked)]
+    assert checked.failed == () and checked.skipped == "the check could not be started on node-1: KeyError: 0"
 
 
 def test_a_bad_health_spec_is_refused_with_the_modes() -> None:
