@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     m.add_argument("--port", type=int, default=0, help="RPC port (default: a free port)")
     m.add_argument("--token-file", default=None, help="where to write the job token (default: .stead/<job>.token)")
+    m.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve Prometheus metrics (goodput, recoveries, nodes, steps) at http://HOST:PORT/metrics; "
+                        "0: a free port (the default; printed), -1: none")
     m.add_argument("--plugins", default=None, metavar="NAME,...",
                    help="run only these plugins (default: every installed one)")
     m.add_argument("--no-plugin", action="append", default=[], metavar="NAME", dest="no_plugin",
@@ -169,11 +172,17 @@ async def _master(args: argparse.Namespace, settings: Settings) -> int:
     from stead.core.master import Master, MasterConfig
 
     plugins, disabled = parse_plugins(args.plugins, args.no_plugin)
+    if args.metrics_port < -1 or args.metrics_port > 65535:
+        raise ConfigError(f"--metrics-port {args.metrics_port} is not a port: use 1-65535, 0 (a free one) or -1 "
+                          "(no metrics)")
     config = MasterConfig(job=args.job, store_url=args.store, settings=settings, host=args.host, port=args.port,
-                          token_file=args.token_file, plugins=plugins, disabled_plugins=disabled)
+                          token_file=args.token_file, plugins=plugins, disabled_plugins=disabled,
+                          metrics_port=args.metrics_port)
     async with Master(config) as master:
         print(f"stead master for job {args.job!r} listening on {master.address}", flush=True)
         print(f"job token written to {master.token_file}", flush=True)
+        if master.metrics_url:
+            print(f"metrics: {master.metrics_url}", flush=True)
         print(f"agents: stead agent --master {master.address} --token-file {master.token_file} --node-id node-0",
               flush=True)
         state = await master.wait()

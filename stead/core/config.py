@@ -62,6 +62,9 @@ class Settings:
     health_timeout_s: float = setting(60.0, min=1.0)
     #: a node whose matmul takes more than this many times the median of the other nodes' fails its check
     health_slow_factor: float = setting(2.0, min=1.0)
+    #: `stead run`'s master serves Prometheus metrics on this port of its host: -1 none (the default), 0 a free
+    #: port (its URL is logged and shown by `stead status --json`); `stead master` has --metrics-port
+    metrics_port: int = setting(-1, min=-1, max=65535)
     #: an effect (launching or killing a node, starting workers) running longer than this has failed
     effect_timeout_s: float = setting(60.0, min=0.001)
     #: a plugin handler running longer than this is cancelled and counted as a failure
@@ -235,7 +238,7 @@ def _convert(name: str, kind: Any, raw: Any, field: dataclasses.Field[Any]) -> A
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"setting {name}={raw!r} must be a finite number{' of seconds' if unit else ''}")
         low, high = field.metadata.get(_MIN), field.metadata.get(_MAX)
-        if value < 0:
+        if value < 0 and (low is None or low >= 0):  # a field whose min is negative allows it
             raise ConfigError(f"setting {name}={raw!r} must not be negative"
                               f"{' (it is a number of seconds)' if unit else ''}")
         if low is not None and value < low:

@@ -39,6 +39,7 @@ from stead.core.events import Event, JobSubmitted, PluginsStarted, Record
 from stead.core.events.log import EventLog, job_prefix
 from stead.core.executor import Executor, NodeSpecFactory
 from stead.core.hub import AgentHub
+from stead.core.metrics import JobMetrics, MetricsServer
 from stead.core.platform import NodeSpec, Platform
 from stead.core.plugins import PluginHost, load_plugins
 from stead.core.reactor import Reactor
@@ -78,6 +79,8 @@ class MasterConfig:
     token_file: str | None = None
     #: host a torch TCPStore for the workers' process groups (needs torch)
     tcp_store: bool = True
+    #: serve Prometheus metrics on ``host``: -1 not at all, 0 on a free port, else on this port
+    metrics_port: int = -1
 
 
 async def open_store_retrying(url: str, settings: Settings) -> StateStore:
@@ -113,6 +116,9 @@ class Master:
                                   gone_timeout_s=config.settings.master_gone_timeout_s,
                                   timeout_s=config.settings.effect_timeout_s)
         self.tracer = RecoveryTracer(job=config.job)
+        self.metrics: JobMetrics | None = None
+        #: where the Prometheus metrics are served; None when they are not
+        self.metrics_url: str | None = None
         self.plugin_host: PluginHost | None = None
         self.hub = AgentHub(job=config.job, settings=self.settings, submit=self.submit, get_state=lambda: self.state,
                             store_addr=lambda: self.rounds.latest)
@@ -193,7 +199,7 @@ class Master:
     async def _announce(self) -> None:
         """Record which process is the job's master now (``stead status --json``: ``master_pid``, ...)."""
         about = {"pid": os.getpid(), "host": socket.gethostname(), "address": self.address,
-                 "started_at": time.time()}
+                 "started_at": time.time(), "metrics": self.metrics_url}
         await retrying(lambda: self.store.put(f"{job_prefix(self.config.job)}master", json.dumps(about).encode()),
                        self.settings, what=f"master record of {self.config.job}")
 
@@ -229,12 +235,18 @@ class Master:
         self.plugin_host = PluginHost(plugins, job=cfg.job, settings=self.settings, store=self._store,
                                       state=lambda: self.state, emit=self.submit, add_rpc_handler=handlers.append,
                                       telemetry=self.hub.telemetry)
+        observers: list[Any] = [self.tracer]
+        if cfg.metrics_port >= 0:  # the log so far first: a master that takes over counts the whole job
+            self.metrics = JobMetrics(cfg.job, lambda: self.state)
+            events = EventLog(self._store, cfg.job)
+            self.metrics.seed(await retrying(events.scan, self.settings, what=f"event log of {cfg.job}"))
+            observers.append(self.metrics.observe)
         executor = self._executor = Executor(platform=cfg.platform, node_spec=cfg.node_spec, hub=self.hub,
                                              rounds=self.rounds, address=lambda: self.address,
                                              token_file=self.token_file)
         self._reactor = await self._stack.enter_async_context(Reactor(
             EventLog(self._store, cfg.job), executor, settings=self.settings, plugins=self.plugin_host,
-            observers=[self.tracer]))
+            observers=observers))
         await self._stack.enter_async_context(self.plugin_host)
         self.token = await self._job_token()
         # the workers' rendezvous stores: a process of their own, found again (or started) here; it imports
@@ -247,6 +259,10 @@ class Master:
         self._rpc = await self._stack.enter_async_context(
             RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file,
                       max_message_bytes=self.settings.rpc_max_message_bytes, listen_fd=cfg.listen_fd))
+        if self.metrics is not None:
+            server = MetricsServer(self.metrics, host=cfg.host, port=cfg.metrics_port)
+            self.metrics_url = server.url
+            self._stack.callback(server.close)
         await self._announce()
         if cfg.platform is not None:
             await self._stack.enter_async_context(_as_context(cfg.platform))

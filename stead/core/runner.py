@@ -106,7 +106,7 @@ async def started_job(config: RunConfig, argv: Sequence[str], *, token_file: str
     master_config = MasterConfig(
         job=config.job_name, store_url=config.store_url, settings=settings, platform=platform,
         node_spec=agent_spec_factory(config, argv), plugins=config.plugins, disabled_plugins=config.disabled_plugins,
-        token_file=token_file, host=host, listen_fd=listen_fd,
+        token_file=token_file, host=host, listen_fd=listen_fd, metrics_port=settings.metrics_port,
     )
     async with Master(master_config) as master:
         submitted = job_submitted(config)

@@ -1,0 +1,168 @@
+"""Prometheus metrics of one job, served by its master (``prometheus-client``).
+
+Everything is computed from the event log when scraped, so a metric never disagrees with
+``stead status``: the goodput ledger (:mod:`stead.core.goodput`) gives the goodput, the
+wall time by part and the recovery phases (a histogram over the job's recoveries: the same
+figures as the recovery traces); the records give the restarts by failure class and
+action, the checkpoints committed and persisted; the folded state gives the nodes by
+phase, the step and the step rate.
+
+A master that takes over a running job reads the log it replays, so its metrics cover
+the whole job, not only its own part. ``metrics_port``: -1 serves nothing (``stead run``'s
+default), 0 a free port (``stead master``'s default), any other number that port; the
+address goes into the job's master record and the master's log.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import structlog
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from stead.core.events import (
+    CheckpointCommitted,
+    Record,
+    RecoveryDecided,
+    StepProgress,
+)
+from stead.core.events.log import BadRecord
+from stead.core.goodput import RECOVERY_PHASES, ledger
+from stead.core.statemachine import JobState, NodePhase
+
+__all__ = ["JobMetrics", "MetricsServer", "RECOVERY_BUCKETS_S"]
+
+log = structlog.get_logger("stead.metrics")
+
+#: recovery phase histogram buckets, seconds: a warm restart's phases are milliseconds, a relaunch seconds
+RECOVERY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class JobMetrics(Collector):
+    """The collector: feed it the job's records (:meth:`observe`, a reactor observer), scrape it any time."""
+
+    def __init__(self, job: str, state: Callable[[], JobState], *, clock: Callable[[], float] = time.time) -> None:
+        self.job = job
+        self._state = state
+        self._clock = clock
+        self._records: list[Record | BadRecord] = []
+        self._last_seq = 0
+        self._lock = threading.Lock()  # scrapes run in the HTTP server's thread
+
+    def seed(self, records: Iterable[Record | BadRecord]) -> None:
+        """The records already in the log (a master that takes over reads them before it replays)."""
+        for record in records:
+            self._add(record)
+
+    def observe(self, record: Record, state: JobState) -> None:
+        """A reactor observer: one new record."""
+        del state
+        self._add(record)
+
+    def _add(self, record: Record | BadRecord) -> None:
+        seq = record.seq or 0
+        with self._lock:
+            if isinstance(record, Record) and seq <= self._last_seq:
+                return  # seeded already
+            self._records.append(record)
+            self._last_seq = max(self._last_seq, seq)
+
+    def collect(self) -> Iterator[Any]:
+        with self._lock:
+            records = list(self._records)
+        state = self._state()
+        job = [self.job]
+        book = ledger(records, now=self._clock())
+
+        goodput = GaugeMetricFamily("stead_goodput_ratio", "Useful step time over wall time (0..1)", labels=["job"])
+        goodput.add_metric(job, book.goodput)
+        yield goodput
+        parts = GaugeMetricFamily("stead_wall_seconds", "The job's wall time, split by what it was spent on",
+                                  labels=["job", "part"])
+        for part, seconds in book.parts.items():
+            parts.add_metric([self.job, part], seconds)
+        yield parts
+
+        phases = HistogramMetricFamily("stead_recovery_phase_seconds",
+                                       "Each recovery's phases (detect, decide, restart, rendezvous, first step)",
+                                       labels=["job", "phase"])
+        for phase in RECOVERY_PHASES:
+            values = [r.phases[phase] for r in book.recoveries if phase in r.phases]
+            phases.add_metric([self.job, phase], _buckets(values), sum_value=sum(values))
+        yield phases
+
+        decided = Counter((r.event.failure_class or "unclassified", r.event.action.value)
+                          for r in records if isinstance(r, Record) and isinstance(r.event, RecoveryDecided))
+        restarts = CounterMetricFamily("stead_recovery_decisions", "Failures decided, by failure class and action",
+                                       labels=["job", "failure_class", "action"])
+        for (failure_class, action), count in sorted(decided.items()):
+            restarts.add_metric([self.job, failure_class, action], count)
+        yield restarts
+
+        kinds = Counter(r.event.type_name for r in records if isinstance(r, Record))
+        checkpoints = CounterMetricFamily("stead_checkpoints", "Checkpoints committed (in memory) and persisted",
+                                          labels=["job", "tier"])
+        checkpoints.add_metric([self.job, "memory"], kinds[CheckpointCommitted.type_name])
+        checkpoints.add_metric([self.job, "disk"], kinds["ckpt.persisted"])
+        yield checkpoints
+
+        nodes = GaugeMetricFamily("stead_nodes", "The job's nodes by phase", labels=["job", "phase"])
+        by_phase = Counter(node.phase for node in state.nodes.values())
+        for node_phase in NodePhase:
+            nodes.add_metric([self.job, node_phase.value], by_phase[node_phase])
+        yield nodes
+        step = GaugeMetricFamily("stead_step", "The step every rank of the running round has finished",
+                                 labels=["job"])
+        step.add_metric(job, float(state.step or 0))
+        yield step
+        rate = GaugeMetricFamily("stead_step_rate", "Steps per second between the last two progress records of "
+                                 "the running round", labels=["job"])
+        rate.add_metric(job, _step_rate(records))
+        yield rate
+        restarts_used = GaugeMetricFamily("stead_restarts", "Restarts spent of the budget", labels=["job"])
+        restarts_used.add_metric(job, float(state.restarts))
+        yield restarts_used
+
+
+def _buckets(values: Sequence[float]) -> list[tuple[str, float]]:
+    counts = [(f"{bound:g}", float(sum(1 for v in values if v <= bound))) for bound in RECOVERY_BUCKETS_S]
+    return [*counts, ("+Inf", float(len(values)))]
+
+
+def _step_rate(records: Sequence[Record | BadRecord]) -> float:
+    progress = [r for r in records if isinstance(r, Record) and isinstance(r.event, StepProgress)]
+    if len(progress) < 2:
+        return 0.0
+    last, before = progress[-1], progress[-2]
+    assert isinstance(last.event, StepProgress) and isinstance(before.event, StepProgress)
+    if last.event.round != before.event.round or last.at <= before.at:
+        return 0.0
+    return max(0, last.event.step - before.event.step) / (last.at - before.at)
+
+
+class MetricsServer:
+    """Serves a :class:`JobMetrics` over HTTP (``/metrics``) on ``host``; ``close()`` frees the port."""
+
+    def __init__(self, metrics: JobMetrics, *, host: str, port: int) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(metrics)
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.host = host
+        self.port = int(self._server.server_address[1])
+        log.info("metrics_serving", url=self.url)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

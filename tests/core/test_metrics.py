@@ -1,0 +1,92 @@
+"""Prometheus metrics: computed from the log when scraped, served by the master, parsed as Prometheus parses them."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from stead.core.events import (
+    JobSubmitted,
+    Record,
+    RecoveryAction,
+    RecoveryDecided,
+    RoundCompleted,
+    RoundStarted,
+    StepProgress,
+    WorkerFailed,
+)
+from stead.core.master import Master, MasterConfig
+from stead.core.metrics import JobMetrics, MetricsServer
+from stead.core.statemachine import JobState, NodePhase, NodeState
+from stead.testing.platforms import RecordingPlatform
+from tests.core.test_master import FAST, _job, _spec
+
+pytestmark = pytest.mark.anyio
+
+MEMBERS = ("node-0", "node-1")
+LOG = [
+    (0.0, JobSubmitted(job="m", min_nodes=2, max_nodes=2, nproc_per_node=1)),
+    (1.0, RoundStarted(round=1, members=MEMBERS, nproc_per_node=1, restart_count=0)), (1.5, RoundCompleted(round=1)),
+    *[(2.0 + s, StepProgress(round=1, step=s)) for s in range(1, 5)],  # 4 steps, 1 s each
+    (6.3, WorkerFailed(node_id="node-1", round=1, local_rank=0, rank=1, exit_code=1, exited_at=6.2)),
+    (6.4, RecoveryDecided(round=1, action=RecoveryAction.RESTART, reason="r", failure_class="transient")),
+    (6.5, RoundStarted(round=2, members=MEMBERS, nproc_per_node=1, restart_count=1)), (7.0, RoundCompleted(round=2)),
+    (7.5, StepProgress(round=2, step=5)), (8.5, StepProgress(round=2, step=7)),
+]
+
+
+def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples}
+            for f in text_string_to_metric_families(text)}
+
+
+def test_the_metrics_are_the_ledger_the_decisions_and_the_state_of_the_log() -> None:
+    state = JobState(step=7, restarts=1, nodes={n: NodeState(node_id=n, incarnation=1, phase=NodePhase.JOINED)
+                                                for n in MEMBERS})
+    metrics = JobMetrics("m", lambda: state, clock=lambda: 9.0)
+    metrics.seed([Record(seq=i, at=at, event=e) for i, (at, e) in enumerate(LOG[:5], 1)])
+    for i, (at, event) in enumerate(LOG, 1):  # the reactor tells the seeded records again: counted once
+        metrics.observe(Record(seq=i, at=at, event=event), state)
+    server = MetricsServer(metrics, host="127.0.0.1", port=0)
+    try:
+        got = scrape(server.url)
+    finally:
+        server.close()
+    job = (("job", "m"),)
+    assert got["stead_goodput_ratio"][job] == pytest.approx(4.5 / 9.0)  # useful: 3 s + 1 s + 0.5 s of 9 s
+    assert got["stead_wall_seconds"][(("job", "m"), ("part", "recovery"))] == pytest.approx(1.3)
+    assert got["stead_recovery_phase_seconds"][(("job", "m"), ("le", "0.1"), ("phase", "detect"))] == 1.0
+    assert got["stead_recovery_phase_seconds"][(("job", "m"), ("le", "0.25"), ("phase", "rendezvous"))] == 0.0
+    assert got["stead_recovery_phase_seconds"][(("job", "m"), ("le", "+Inf"), ("phase", "rendezvous"))] == 1.0
+    decisions = (("action", "restart"), ("failure_class", "transient"), ("job", "m"))
+    assert got["stead_recovery_decisions"][decisions] == 1.0
+    assert got["stead_nodes"][(("job", "m"), ("phase", "joined"))] == 2.0
+    assert got["stead_step"][job] == 7.0 and got["stead_restarts"][job] == 1.0
+    assert got["stead_step_rate"][job] == pytest.approx(2.0)
+
+
+async def test_a_master_serves_its_metrics_and_frees_the_port_when_it_stops(tmp_path: Path) -> None:
+    config = MasterConfig(job="met", settings=FAST, platform=RecordingPlatform(), node_spec=_spec,
+                          token_file=str(tmp_path / "met.token"), tcp_store=False, plugins=[], metrics_port=0)
+    async with Master(config) as master:
+        await master.submit_job(_job(1))
+        assert master.metrics_url is not None
+        got = scrape(master.metrics_url)
+        assert sum(got["stead_nodes"].values()) == 1.0  # its one node, in whatever phase it is by now
+        assert got["stead_goodput_ratio"][(("job", "met"),)] == 0.0
+        port = int(master.metrics_url.rsplit(":", 1)[1].split("/")[0])
+    with socket.socket() as probe:  # nothing listens there any more
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
+
+
+async def test_metrics_are_off_unless_asked_for(tmp_path: Path) -> None:
+    config = MasterConfig(job="quiet", settings=FAST, token_file=str(tmp_path / "q.token"), tcp_store=False,
+                          plugins=[])
+    async with Master(config) as master:
+        assert master.metrics_url is None and master.metrics is None
