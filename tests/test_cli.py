@@ -83,6 +83,7 @@ def test_master_resumes_a_stored_job_and_events_and_status_show_it(tmp_path: Pat
     assert (shown["phase"], shown["round"], shown["restarts"]) == ("succeeded", 1, 0)
     assert shown["nodes"]["node-0"]["incarnation"] == 1 and shown["max_restarts"] == 3, shown
     assert (shown["master_pid"], shown["master_address"]) == (master.pid, address)  # the process to kill
+    assert shown["master_metrics"].startswith("http://127.0.0.1:")  # stead master serves metrics by default
     # the goodput ledger: no step was reported (the agent is played), so nothing counted as useful, and it says so
     assert shown["goodput"] == 0.0 and shown["useful_s"] == 0.0 and shown["ended"] is True
     assert sum(shown[f"{part}_s"] for part in PARTS) == pytest.approx(shown["wall_s"], abs=0.01)

@@ -101,7 +101,7 @@ def status_json(job: str, state: JobState, *, diagnoses: Mapping[str, str] | Non
                       "signal": s.signal, "last_failure": (diagnoses or {}).get(n)} for n, s in state.nodes.items()},
         "plugins": list(plugins),
         "master_pid": info.get("pid"), "master_host": info.get("host"), "master_address": info.get("address"),
-        "master_started_at": info.get("started_at"),
+        "master_started_at": info.get("started_at"), "master_metrics": info.get("metrics"),
         "error": state.message or None,
         **(goodput.to_json() if goodput is not None else {}),
     }
