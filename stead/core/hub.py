@@ -244,6 +244,21 @@ class AgentHub:
         node.last = command
         node.queue.put_nowait(command)
 
+    def resend_round(self, state: JobState, *, store_addr: tuple[str, int]) -> None:
+        """After a takeover: queue the running round's start command for each member that has not reported its
+        workers started (a duplicate is harmless: an agent whose workers run that round says so again)."""
+        rdzv, spec = state.rdzv, state.spec
+        if not rdzv.active or spec is None:
+            return
+        for rank, member in enumerate(rdzv.members):
+            node = state.nodes.get(member)
+            if member in rdzv.started or node is None or node.phase is not NodePhase.JOINED:
+                continue
+            log.info("round_command_resent", node=member, round=rdzv.round)
+            self.send(StartWorkers(node_id=member, incarnation=node.incarnation, round=rdzv.round, node_rank=rank,
+                                   nnodes=len(rdzv.members), nproc_per_node=spec.nproc_per_node,
+                                   restart_count=state.restarts), store_addr=store_addr)
+
     # -- monitoring ----------------------------------------------------------------
 
     async def watch_heartbeats(self) -> None:

@@ -280,7 +280,11 @@ class Master:
                  plugins=host.names, deciders=host.deciders, store=cfg.store_url)
 
     async def _adopt_nodes(self, state: JobState) -> None:
-        """Have the platform take over the nodes an earlier master launched that the log says still run."""
+        """Have the platform take over the nodes an earlier master launched that the log says still run, and give
+        the running round's start command again to the members that never said they started it."""
+        if state.rdzv.active and not state.phase.terminal and not state.rdzv.started >= set(state.rdzv.members):
+            # the master that queued it may have died before the agents read it: it is on record as done
+            self.hub.resend_round(state, store_addr=await self.rounds.for_round(state.rdzv.round))
         platform = self.config.platform
         if platform is None or state.phase.terminal:
             return

@@ -130,6 +130,27 @@ async def test_a_restarted_master_resumes_with_the_same_state_and_no_repeated_ef
     assert sum(isinstance(r.event, RoundStarted) for r in records) == 1
 
 
+async def test_a_round_command_queued_by_a_master_that_died_reaches_the_agent_from_the_next(
+    tmp_path: Path, store_url: str
+) -> None:
+    if store_url == "memory://":
+        pytest.skip("a memory store does not outlive its master; resume needs sqlite or etcd")
+    job = f"resend-{uuid.uuid4().hex[:6]}"
+    async with Master(_config(tmp_path, store_url, RecordingPlatform(), job)) as master:
+        await master.submit_job(_job(1))
+        async with MasterClient(master.address, master.token, call_timeout_s=5) as client:
+            await client.register(_register("node-0"))
+        await master.reactor.wait_until(lambda s: s.rdzv.active)  # start-workers ran: queued, never read
+    async with Master(_config(tmp_path, store_url, RecordingPlatform(), job)) as master:
+        async with MasterClient(master.address, master.token, call_timeout_s=5) as client:
+            await client.register(_register("node-0"))
+            command = await _next(client.commands("node-0", 1))
+            assert isinstance(command, StartWorkersCmd) and (command.round, command.node_rank) == (1, 0)
+            await client.report_workers("node-0", 1, 1, "started")
+            state = await master.reactor.wait_until(lambda s: s.rdzv.completed)
+    assert state.rdzv.round == 1  # the same round, not a new one
+
+
 class _Exploding:
     name = "exploding"
     subscriptions = (WorkerFailed, JobSubmitted)
