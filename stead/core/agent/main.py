@@ -228,9 +228,10 @@ class Agent:
             return
         started = time.monotonic()
         self._log.info("health_check", check=command.check, nodes=list(command.nodes))
+        # the process gets 80% of the check's time, the agent waits 90%: the report beats the master's timer
         orders = {"check": command.check, "nodes": list(command.nodes), "index": command.nodes.index(self.node_id),
                   "incarnation": self.incarnation, "store_host": command.store_host,
-                  "store_port": command.store_port, "timeout_s": command.timeout_s}
+                  "store_port": command.store_port, "timeout_s": 0.8 * command.timeout_s}
         out = self._progress.dir / f"health-{command.check}.json"
         env = {k: v for k, v in os.environ.items() if k != RUN_ARGV_ENV}
         env.update({HEALTH_ORDERS_ENV: json.dumps(orders), "STEAD_AUTO_STEP": "0"})
@@ -241,16 +242,17 @@ class Agent:
         try:
             async with WorkerGroup(self.settings, zygote=self._zygote) as group:
                 await group.start([spec])
-                with anyio.fail_after(command.timeout_s):
+                with anyio.fail_after(0.9 * command.timeout_s):
                     async for ended in group.exits():
                         if not ended.ok:
                             how = f"code {ended.exit_code}" if ended.signal is None else f"by signal {ended.signal}"
                             error = f"the check's process exited {how}: {ended.error_tail[-500:]}"
                         break
             if not error:
-                result = json.loads(out.read_text().splitlines()[-1])
+                loaded = json.loads(out.read_text().splitlines()[-1])
+                result = loaded if isinstance(loaded, dict) else {"error": f"the check printed {loaded!r:.200}"}
         except TimeoutError:
-            error = f"the check did not finish within {command.timeout_s:g} s"
+            error = f"the check did not finish within {0.9 * command.timeout_s:g} s"
         except (OSError, ValueError, IndexError, InvalidRequest) as exc:
             error = f"the check could not run or gave no result: {exc}"
         finally:
@@ -259,8 +261,10 @@ class Agent:
         if gpu:
             error = f"{error}; GPU faults: {gpu}" if error else f"GPU faults: {gpu}"
         raw = result.get("collectives")
-        collectives = tuple(PeerCollective(peer=str(c["peer"]), seconds=c.get("seconds"), error=str(c.get("error", "")))
-                            for c in (raw if isinstance(raw, list) else []))
+        collectives = tuple(PeerCollective(peer=str(c.get("peer", "?")), error=str(c.get("error", "")),
+                                           seconds=float(c["seconds"]) if isinstance(c.get("seconds"), (int, float))
+                                           else None)
+                            for c in (raw if isinstance(raw, list) else []) if isinstance(c, dict))
         matmul = result.get("matmul_s")
         report = NodeHealthReported(
             node_id=self.node_id, incarnation=self.incarnation, check=command.check,
