@@ -124,6 +124,8 @@ class _Fold:
         self.ended = False
         self.missing: list[str] = []
         self.progress_seen = False
+        #: the steps a failure cut short after the last report (counted lost until a restore shows them kept)
+        self.unreported: _Segment | None = None
 
     # -- time ---------------------------------------------------------------------
 
@@ -155,18 +157,22 @@ class _Fold:
 
     # -- transitions -------------------------------------------------------------------
 
-    def begin_recovery(self, cause: str, at: float, sub: str, *, failed_at: float | None = None) -> None:
+    def begin_recovery(self, cause: str, at: float, sub: str, *, failed_at: float | None = None,
+                       failed_step: int | None = None) -> None:
         if self.mode != "running":
             return
+        last = self.last_step or 0
         if failed_at is not None and self.cursor is not None and failed_at < self.cursor:
             # the failure happened before this record: the time since is detection, not lost steps
             late = self.cursor - max(failed_at, self.cursor - self.pending)
             self.pending -= late
+            self.unreported = _Segment(self.round, last, max(last, failed_step or last), self.pending)
             self.settle("lost")
             self.parts["recovery"] += late
             self.phases["detect"] += late
             self.current = {"detect": late}
         else:
+            self.unreported = _Segment(self.round, last, max(last, failed_step or last), self.pending)
             self.settle("lost")
             self.current = {}
         self.mode, self.sub, self.cause, self.cause_at = "recovering", sub, cause, at
@@ -178,6 +184,14 @@ class _Fold:
                                             ended=True))
         self.settle("lost")  # another round began with no failure on record: the last report's work is gone
         restored = self.restored.get(event.round, event.step - 1)
+        cut = self.unreported
+        if cut is not None and cut.round < event.round and restored > cut.after and cut.upto > cut.after:
+            kept = min(restored, cut.upto) - cut.after  # done after the last report, saved, not done again
+            share = cut.seconds * kept / (cut.upto - cut.after)
+            self.parts["lost"] -= share
+            self.parts["useful"] += share
+            self.segments.append(_Segment(cut.round, cut.after, cut.after + kept, share))
+        self.unreported = None
         for segment in self.segments:
             if segment.round < event.round and segment.upto > restored:
                 redo = segment.upto - max(segment.after, restored)
@@ -228,7 +242,7 @@ class _Fold:
                     self.step(event)
             case WorkerFailed() if event.round == self.round:
                 self.begin_recovery(f"worker failed on {event.node_id} (rank {event.rank})",
-                                    event.exited_at or at, "decide", failed_at=event.exited_at)
+                                    event.exited_at or at, "decide", failed_at=event.exited_at, failed_step=event.step)
             case NodeLost() if event.node_id in self.members:
                 self.begin_recovery(f"node {event.node_id} lost: {event.reason}", at, "restart")
             case RestartRequested() | RelaunchRequested():

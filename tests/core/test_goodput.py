@@ -80,6 +80,18 @@ def test_a_crash_is_recovered_in_phases_and_the_rolled_back_steps_count_as_lost_
     assert result.useful_steps == (6 - 1) + (14 - 7)
 
 
+def test_steps_done_after_the_last_report_and_saved_before_the_failure_are_not_lost() -> None:
+    failed = WorkerFailed(node_id="node-1", round=1, local_rank=0, rank=1, exit_code=1, step=14, exited_at=13.0)
+    records = log((0.0, SPEC), *start(1, 2.0), *steps(1, 1, 10, at=3.0),  # step 10 at 12.0, then 4 unreported
+                  (13.05, failed), (13.1, RecoveryDecided(round=1, action=RecoveryAction.RESTART, reason="crash")),
+                  *start(2, 13.2), (13.8, CheckpointRestored(round=2, step=12)),
+                  *steps(2, 13, 16, at=14.0), *end(17.5, 2))
+    # 12.0-13.0 did steps 11-14; 11-12 were saved (kept), 13-14 are done again
+    assert parts(records) == {"waiting": 3.0, "useful": 9.0 + 0.5 + 3.0 + 0.5, "lost": 0.5, "recovery": 1.0,
+                              "idle": 0.5}
+    assert ledger(records).useful_steps == 9 + 2 + 3
+
+
 def test_a_hang_counts_the_stall_as_detection_and_a_lost_node_skips_the_decision() -> None:
     hang = RestartRequested(round=1, reason="no step for 20 s", by="diagnosis")
     records = log((0.0, SPEC), *start(1, 1.0), *steps(1, 1, 5, at=2.0),  # step 5 at 6.0

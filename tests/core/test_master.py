@@ -141,13 +141,13 @@ async def test_a_round_command_queued_by_a_master_that_died_reaches_the_agent_fr
         async with MasterClient(master.address, master.token, call_timeout_s=5) as client:
             await client.register(_register("node-0"))
         await master.reactor.wait_until(lambda s: s.rdzv.active)  # start-workers ran: queued, never read
-    async with Master(_config(tmp_path, store_url, RecordingPlatform(), job)) as master:
-        async with MasterClient(master.address, master.token, call_timeout_s=5) as client:
-            await client.register(_register("node-0"))
-            command = await _next(client.commands("node-0", 1))
-            assert isinstance(command, StartWorkersCmd) and (command.round, command.node_rank) == (1, 0)
-            await client.report_workers("node-0", 1, 1, "started")
-            state = await master.reactor.wait_until(lambda s: s.rdzv.completed)
+    async with Master(_config(tmp_path, store_url, RecordingPlatform(), job)) as master, \
+            MasterClient(master.address, master.token, call_timeout_s=5) as client:
+        await client.register(_register("node-0"))
+        command = await _next(client.commands("node-0", 1))
+        assert isinstance(command, StartWorkersCmd) and (command.round, command.node_rank) == (1, 0)
+        await client.report_workers("node-0", 1, 1, "started")
+        state = await master.reactor.wait_until(lambda s: s.rdzv.completed)
     assert state.rdzv.round == 1  # the same round, not a new one
 
 
