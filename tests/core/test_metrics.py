@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from stead.core.config import Settings
 from stead.core.events import (
     JobSubmitted,
     Record,
@@ -21,11 +22,18 @@ from stead.core.events import (
 )
 from stead.core.master import Master, MasterConfig
 from stead.core.metrics import JobMetrics, MetricsServer
+from stead.core.platform import NodeSpec
 from stead.core.statemachine import JobState, NodePhase, NodeState
 from stead.testing.platforms import RecordingPlatform
-from tests.core.test_master import FAST, _job, _spec
 
 pytestmark = pytest.mark.anyio
+
+FAST = Settings(heartbeat_interval_s=0.05, heartbeat_timeout_s=30.0, retry_deadline_s=1.0)
+SPEC = JobSubmitted(job="met", min_nodes=1, max_nodes=1, nproc_per_node=1)
+
+
+def _spec(node_id: str, incarnation: int, address: str, token_file: str) -> NodeSpec:
+    return NodeSpec(job="met", node_id=node_id, incarnation=incarnation, command=("stead", "agent"))
 
 MEMBERS = ("node-0", "node-1")
 LOG = [
@@ -75,7 +83,7 @@ async def test_a_master_serves_its_metrics_and_frees_the_port_when_it_stops(tmp_
     config = MasterConfig(job="met", settings=FAST, platform=RecordingPlatform(), node_spec=_spec,
                           token_file=str(tmp_path / "met.token"), tcp_store=False, plugins=[], metrics_port=0)
     async with Master(config) as master:
-        await master.submit_job(_job(1))
+        await master.submit_job(SPEC)
         assert master.metrics_url is not None
         got = scrape(master.metrics_url)
         assert sum(got["stead_nodes"].values()) == 1.0  # its one node, in whatever phase it is by now

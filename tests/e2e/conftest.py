@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +29,14 @@ class Job:
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return out.stdout
+
+    def records(self, job: str, kind: str) -> list[dict[str, Any]]:
+        """The data of every ``kind`` event in the job's log (``stead events --json``)."""
+        out = subprocess.run([sys.executable, "-m", "stead", "events", "--job", job, "--json"], cwd=self.cwd,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        records = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        return [r["data"] for r in records if r["type"] == kind]
 
 
 RunJob = Callable[..., Job]

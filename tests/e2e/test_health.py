@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.e2e.test_failure_classes import RunJob, events, of_type
+RunJob = Callable[..., Any]  # the run_job fixture of conftest.py
 
 pytestmark = pytest.mark.e2e
 
@@ -29,23 +30,22 @@ def test_a_node_slower_than_twice_the_median_is_excluded_before_training_and_rel
     # the README's command (its section on node health checks)
     job = run_job(TRAIN, job="check", flags=("--nnodes", "3", "--set", "health_check=all"))
     assert job.returncode == 0, job.stderr[-4000:]
-    records = events(job, "check")
     assert "health.checked" in job.events("check")
-    checks = of_type(records, "health.checked")
+    checks = job.records("check", "health.checked")
     first, second = checks
     assert first["nodes"] == ["node-0", "node-1", "node-2"]
     [verdict] = first["failed"]
     assert (verdict["node_id"], verdict["incarnation"]) == ("node-1", 1)
     assert "matmul took" in verdict["reason"] and "the median" in verdict["reason"]
     assert second["nodes"] == ["node-1", "node-0"] and second["failed"] == []  # the new node, with a partner
-    reports: list[dict[str, Any]] = of_type(records, "node.health")
+    reports: list[dict[str, Any]] = job.records("check", "node.health")
     assert {(r["node_id"], r["incarnation"], r["check"]) for r in reports} == {
         ("node-0", 1, 1), ("node-1", 1, 1), ("node-2", 1, 1), ("node-1", 2, 2), ("node-0", 1, 2)}
     assert all(r["device"] == "cpu" and r["matmul_s"] > 0 for r in reports)
     assert all(c["seconds"] is not None for r in reports for c in r["collectives"])  # every pair all-reduced
     # nobody trained before the check passed: one round, with node-1's second incarnation
-    [round_] = of_type(records, "round.started")
+    [round_] = job.records("check", "round.started")
     assert sorted(round_["members"]) == ["node-0", "node-1", "node-2"]
-    relaunch = [r for r in of_type(records, "node.requested") if r["incarnation"] == 2]
+    relaunch = [r for r in job.records("check", "node.requested") if r["incarnation"] == 2]
     assert [(r["node_id"], bool(r["avoid_hosts"])) for r in relaunch] == [("node-1", True)]  # its host excluded
     assert job.stdout.count("finished") == 3
