@@ -121,11 +121,14 @@ def run(orders: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
                               timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
         check = dist.PrefixStore(f"health/{orders['check']}/", store)
         check.set(f"matmul/{me}", json.dumps(result["matmul_s"]))
+    except Exception as exc:  # this node cannot reach the job's store: its network is in doubt
+        result["error"] = result["error"] or f"store: {type(exc).__name__}: {exc}"
+        return result
+    try:
         wait_s = max(1.0, (deadline - time.monotonic()) * _WAIT_SHARE)
         check.wait([f"matmul/{i}" for i in range(len(nodes))], datetime.timedelta(seconds=wait_s))
         times = [json.loads(check.get(f"matmul/{i}")) for i in range(len(nodes))]
-    except Exception as exc:
-        result["error"] = result["error"] or f"store: {type(exc).__name__}: {exc}"
+    except Exception:  # another node never posted (it died, or failed to reach the store): no pairs, no blame here
         return result
     plan = stages(len(nodes), times)
     for number, pairs in enumerate(plan, start=1):
