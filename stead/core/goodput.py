@@ -192,8 +192,8 @@ class _Fold:
             self.parts["useful"] += share
             self.segments.append(_Segment(cut.round, cut.after, cut.after + kept, share))
         self.unreported = None
-        for segment in self.segments:
-            if segment.round < event.round and segment.upto > restored:
+        for segment in self.segments:  # (one that an earlier rollback emptied has nothing left to lose)
+            if segment.round < event.round and segment.upto > max(segment.after, restored):
                 redo = segment.upto - max(segment.after, restored)
                 share = segment.seconds * redo / (segment.upto - segment.after)
                 self.parts["useful"] -= share

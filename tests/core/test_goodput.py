@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from stead.core.events import (
@@ -146,6 +146,9 @@ EVENTS = st.sampled_from([
 
 
 @given(st.lists(st.tuples(st.floats(0, 50), EVENTS), max_size=40), st.floats(0, 100))
+@example([(0.0, StepProgress(round=1, step=3)), (0.0, StepProgress(round=1, step=4)),  # a segment emptied by one
+          (0.0, StepProgress(round=2, step=2)), (0.0, StepProgress(round=1, step=3)),  # rollback, rolled back again
+          (0.0, StepProgress(round=2, step=2))], 0.0)
 def test_any_log_splits_its_wall_time_exactly_into_the_parts(timed: list[tuple[float, Event]], now: float) -> None:
     records = log((0.0, SPEC), *sorted(timed, key=lambda t: t[0]))
     result = ledger(records, now=max(now, records[-1].at))
