@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -100,62 +102,66 @@ async def test_follow_on_failures_of_a_round_already_handled_are_ignored() -> No
     await store.close()
 
 
-@pytest.mark.anyio
-async def test_a_master_that_takes_over_a_running_round_goes_on_watching_it_for_hangs() -> None:
+#: the job as a master that takes it over finds it after its replay: round 4 running, its node adopted
+RUNNING_ROUND_4 = JobState(phase=JobPhase.RUNNING, step=9, rdzv=RendezvousState(round=4, members=("n0",), active=True),
+                           nodes={"n0": NodeState(node_id="n0", incarnation=2, phase=NodePhase.JOINED)})
+PACED = DiagnosisSettings(hang_floor_s=3.0)
+
+
+@contextlib.asynccontextmanager
+async def takeover_store() -> AsyncIterator[tuple[PluginContext, list[JobState]]]:
+    """A diagnosis context on a store where a master that died had published round 4's pace (0.1 s a step);
+    the list holds the state the context shows (replace its item to move the job on)."""
     store = await open_store("memory://")
-    state = JobState()
+    states = [JobState()]
     ctx = PluginContext(plugin="diagnosis", job="j", settings=NoSettings(), stead_settings=Settings(), store=store,
-                        state=lambda: state, emit=None, add_rpc_handler=None)  # type: ignore[arg-type]
-    settings = DiagnosisSettings(hang_floor_s=3.0)
-    old = DiagnosisPlugin(settings=settings)  # the master that dies: it saw round 4 step at 0.1 s a step
+                        state=lambda: states[0], emit=None, add_rpc_handler=None)  # type: ignore[arg-type]
+    old = DiagnosisPlugin(settings=PACED)
     old.clock.start_round(4, 0.0)
     for step in range(10):
         old.clock.observe(4, step, 1.0 + step / 10)
     await old._write_status(ctx, force=True)
-
-    new = DiagnosisPlugin(settings=settings)
-    await new.start(ctx=ctx)  # plugins start before the new master replays its log: it knows nothing yet
     try:
-        assert new.clock.round == 0
-        await new._write_status(ctx, force=True)  # its watch publishes before the replay ends: nothing is lost
-        state = JobState(phase=JobPhase.RUNNING, step=9, rdzv=RendezvousState(round=4, members=("n0",), active=True),
-                         nodes={"n0": NodeState(node_id="n0", incarnation=2, phase=NodePhase.JOINED)})
-        started = PluginsStarted(plugins=("diagnosis",), deciders=("diagnosis",))
-        await new.handle(record=Record(seq=1, at=0.0, event=started), ctx=ctx)
-        assert (new.clock.round, new.clock.step) == (4, 9)
-        assert new.clock.threshold()[0] == 3.0, "the step pace the old master learnt was lost"
-        assert new._alive == {("n0", 2)}, "a failure of an adopted node would go unclassified"
+        yield ctx, states
     finally:
-        await new.stop(ctx=ctx)
         await store.close()
+
+
+async def caught_up(plugin: DiagnosisPlugin, ctx: PluginContext, states: list[JobState]) -> None:
+    """The replay ended with round 4 running: the master announces its plugins."""
+    states[0] = RUNNING_ROUND_4
+    started = PluginsStarted(plugins=("diagnosis",), deciders=("diagnosis",))
+    await plugin.handle(record=Record(seq=1, at=0.0, event=started), ctx=ctx)
+
+
+@pytest.mark.anyio
+async def test_a_master_that_takes_over_a_running_round_goes_on_watching_it_for_hangs() -> None:
+    async with takeover_store() as (ctx, states):
+        new = DiagnosisPlugin(settings=PACED)
+        await new.start(ctx=ctx)  # plugins start before the new master replays its log: it knows nothing yet
+        try:
+            assert new.clock.round == 0
+            await new._write_status(ctx, force=True)  # its watch publishes before the replay ends: nothing is lost
+            await caught_up(new, ctx, states)
+            assert (new.clock.round, new.clock.step) == (4, 9)
+            assert new.clock.threshold()[0] == 3.0, "the step pace the old master learnt was lost"
+            assert new._alive == {("n0", 2)}, "a failure of an adopted node would go unclassified"
+        finally:
+            await new.stop(ctx=ctx)
 
 
 @pytest.mark.anyio
 async def test_a_master_killed_before_it_caught_up_passes_the_pace_on_to_the_next() -> None:
-    store = await open_store("memory://")
-    state = JobState()
-    ctx = PluginContext(plugin="diagnosis", job="j", settings=NoSettings(), stead_settings=Settings(), store=store,
-                        state=lambda: state, emit=None, add_rpc_handler=None)  # type: ignore[arg-type]
-    settings = DiagnosisSettings(hang_floor_s=3.0)
-    first = DiagnosisPlugin(settings=settings)
-    first.clock.start_round(4, 0.0)
-    for step in range(10):
-        first.clock.observe(4, step, 1.0 + step / 10)
-    await first._write_status(ctx, force=True)
-    second = DiagnosisPlugin(settings=settings)  # starts, publishes before its replay ends, and is killed
-    await second.start(ctx=ctx)
-    await second._write_status(ctx, force=True)
-    await second.stop(ctx=ctx)
-
-    third = DiagnosisPlugin(settings=settings)
-    await third.start(ctx=ctx)
-    try:
-        state = JobState(phase=JobPhase.RUNNING, step=9, rdzv=RendezvousState(round=4, members=("n0",), active=True),
-                         nodes={"n0": NodeState(node_id="n0", incarnation=2, phase=NodePhase.JOINED)})
-        started = PluginsStarted(plugins=("diagnosis",), deciders=("diagnosis",))
-        await third.handle(record=Record(seq=1, at=0.0, event=started), ctx=ctx)
-        assert (third.clock.round, third.clock.step) == (4, 9)
-        assert third.clock.threshold()[0] == 3.0, "a master that died young erased the pace: 600 s to a hang"
-    finally:
-        await third.stop(ctx=ctx)
-        await store.close()
+    async with takeover_store() as (ctx, states):
+        second = DiagnosisPlugin(settings=PACED)  # starts, publishes before its replay ends, and is killed
+        await second.start(ctx=ctx)
+        await second._write_status(ctx, force=True)
+        await second.stop(ctx=ctx)
+        third = DiagnosisPlugin(settings=PACED)
+        await third.start(ctx=ctx)
+        try:
+            await caught_up(third, ctx, states)
+            assert (third.clock.round, third.clock.step) == (4, 9)
+            assert third.clock.threshold()[0] == 3.0, "a master that died young erased the pace: 600 s to a hang"
+        finally:
+            await third.stop(ctx=ctx)

@@ -68,6 +68,9 @@ ZYGOTE_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel")
 #: what it imports once the first step is done, for the restarts: torch._dynamo, which DDP imports lazily on
 #: construction (about 2 s on a small CPU; before the first fork it would delay the start instead)
 ZYGOTE_LATE_PRELOAD = ("torch._dynamo",)
+#: of a health check's time (health_timeout_s), the check process gets this share and the agent waits this long
+#: for it: its report reaches the master before the master's own timer fails the node
+_HEALTH_RUN_SHARE, _HEALTH_WAIT_SHARE = 0.8, 0.9
 #: poll the progress files this often between a round's start and its first step (fast "first step" report)
 _FIRST_STEP_POLL_S = 0.01
 
@@ -228,10 +231,9 @@ class Agent:
             return
         started = time.monotonic()
         self._log.info("health_check", check=command.check, nodes=list(command.nodes))
-        # the process gets 80% of the check's time, the agent waits 90%: the report beats the master's timer
         orders = {"check": command.check, "nodes": list(command.nodes), "index": command.nodes.index(self.node_id),
                   "incarnation": self.incarnation, "store_host": command.store_host,
-                  "store_port": command.store_port, "timeout_s": 0.8 * command.timeout_s}
+                  "store_port": command.store_port, "timeout_s": _HEALTH_RUN_SHARE * command.timeout_s}
         out = self._progress.dir / f"health-{command.check}.json"
         env = {k: v for k, v in os.environ.items() if k != RUN_ARGV_ENV}
         env.update({HEALTH_ORDERS_ENV: json.dumps(orders), "STEAD_AUTO_STEP": "0"})
@@ -242,7 +244,7 @@ class Agent:
         try:
             async with WorkerGroup(self.settings, zygote=self._zygote) as group:
                 await group.start([spec])
-                with anyio.fail_after(0.9 * command.timeout_s):
+                with anyio.fail_after(_HEALTH_WAIT_SHARE * command.timeout_s):
                     async for ended in group.exits():
                         if not ended.ok:
                             how = f"code {ended.exit_code}" if ended.signal is None else f"by signal {ended.signal}"
@@ -252,7 +254,7 @@ class Agent:
                 loaded = json.loads(out.read_text().splitlines()[-1])
                 result = loaded if isinstance(loaded, dict) else {"error": f"the check printed {loaded!r:.200}"}
         except TimeoutError:
-            error = f"the check did not finish within {0.9 * command.timeout_s:g} s"
+            error = f"the check did not finish within {_HEALTH_WAIT_SHARE * command.timeout_s:g} s"
         except (OSError, ValueError, IndexError, InvalidRequest) as exc:
             error = f"the check could not run or gave no result: {exc}"
         finally:
