@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 RUNSTAMP := $(VENV)/.installed
 
-.PHONY: chaos demo test stress lint typecheck proto bench bench-quick etcd clean
+.PHONY: chromium chaos demo test stress lint typecheck proto bench bench-quick etcd clean
 
 # torch and numpy are installed in one pip command (torch==2.13.0 is the CPU wheel on this machine)
 $(RUNSTAMP): pyproject.toml
@@ -26,6 +26,15 @@ etcd:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server >/dev/null; }
 	@command -v etcd >/dev/null 2>&1 || { echo "etcd-server could not be installed"; exit 1; }
 
+# Chromium renders `stead report`'s HTML headless in a test; without it that one test is skipped, saying why
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "chromium not found: installing Debian's chromium with apt-get (for the report rendering test)"; \
+	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
+	  { $$SUDO apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	    { $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }; } \
+	  || echo "chromium could not be installed: the report rendering test will be skipped"; }
+
 demo: $(RUNSTAMP)
 	$(BIN)/python examples/demo.py
 
@@ -36,7 +45,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict stead
 
-test: $(STAMP) etcd lint typecheck
+test: $(STAMP) etcd chromium lint typecheck
 	$(BIN)/pytest -q
 
 # concurrency stress: the store stress test (short bursts) and the sampler's master-restart test, hundreds of times

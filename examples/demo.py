@@ -32,6 +32,7 @@ from stead.core.events import (  # noqa: E402
 )
 from stead.core.events.log import EventLog  # noqa: E402
 from stead.core.goodput import ledger  # noqa: E402
+from stead.core.report import write_report  # noqa: E402
 from stead.core.store import open_store  # noqa: E402
 from stead.plugins.ckpt.events import CheckpointRestored  # noqa: E402
 from stead.testing import leaks  # noqa: E402
@@ -119,6 +120,9 @@ def main() -> int:
           f"with {proc.returncode}")
     for line in goodput_lines(ledger(records)):  # the ledger `stead status` shows, from the same log
         print(f"  {line}")
+    report = work / f"{job}-report.html"  # what `stead report` writes: the timeline, step rate and goodput
+    write_report(job, records, str(report))
+    print(f"  report (open it in a browser; no network needed): {report}")
     left = leaks.wait_clean(before, timeout_s=5)
     print("  nothing left behind: no stead process, port or shared-memory segment" if not left
           else f"  LEFT BEHIND: {left}")

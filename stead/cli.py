@@ -44,6 +44,12 @@ def _store_arg(p: argparse.ArgumentParser, *, required: bool) -> None:
                    + ("" if required else " (default: sqlite:///.stead/<job>.db)"))
 
 
+def _read_job_args(p: argparse.ArgumentParser) -> None:
+    """The arguments of a command that reads one job's store."""
+    _store_arg(p, required=False)
+    p.add_argument("--job", required=True, help="job name")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stead",
@@ -83,8 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(a)
 
     e = sub.add_parser("events", help="print a job's event log, one line per event")
-    _store_arg(e, required=False)
-    e.add_argument("--job", required=True, help="job name")
+    _read_job_args(e)
     e.add_argument("--follow", "-f", action="store_true",
                    help="keep printing new events as they are appended, until the job ends")
     e.add_argument("--json", action="store_true",
@@ -93,12 +98,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(e)
 
     s = sub.add_parser("status", help="show a job's phase, nodes, round, step, restarts and goodput")
-    _store_arg(s, required=False)
-    s.add_argument("--job", required=True, help="job name")
+    _read_job_args(s)
     s.add_argument("--json", action="store_true",
                    help="one JSON object: phase, shape, round, step, restarts, nodes, plugin lines, and the "
                         "latest master's pid, host and address (master_pid, ...)")
+    s.add_argument("--follow", "-f", action="store_true",
+                   help="a live view until the job ends: the same as `stead top`")
     _add_common(s)
+
+    t = sub.add_parser("top", help="a live view of a running job: phase, nodes, step rate, goodput, recent events",
+                       description="Follow a job from its store until it ends (or Ctrl-C): its phase, round, "
+                       "step and step rate, the goodput so far and where the rest of the time went, each node "
+                       "with its state and last diagnosis, and the latest events. In a terminal the view is "
+                       "redrawn in place; piped or with --plain it prints a line when something changes.")
+    _read_job_args(t)
+    t.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh period (default: 1)")
+    t.add_argument("--plain", action="store_true", help="print lines, never redraw (the default when piped)")
+    _add_common(t)
+
+    r = sub.add_parser("report", help="write a job's report: one HTML file with its timeline, step rate and goodput",
+                       description="Write one self-contained HTML file (it opens with no network) with the job's "
+                       "timeline (rounds, nodes, recoveries in their phases, failures, checkpoints), its step rate "
+                       "and its goodput breakdown: attach it to a bug report or a postmortem. A running job is "
+                       "drawn up to now.")
+    _read_job_args(r)
+    r.add_argument("--output", "-o", default=None, metavar="PATH",
+                   help="where to write it (default: .stead/<job>-report.html)")
+    _add_common(r)
     return parser
 
 
@@ -162,8 +188,12 @@ async def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
                                incarnation=args.incarnation, settings=settings)
     if args.command == "events":
         return await _events(args, settings)
+    if args.command == "top" or (args.command == "status" and args.follow):
+        return await _top(args, settings)
     if args.command == "status":
         return await _status(args, settings)
+    if args.command == "report":
+        return await _report(args, settings)
     raise ConfigError(f"unknown command {args.command!r}; see `stead --help`")
 
 
@@ -240,24 +270,22 @@ async def _open_existing(args: argparse.Namespace, settings: Settings) -> StateS
 
 async def _status(args: argparse.Namespace, settings: Settings) -> int:
     from stead.core.display import format_status, last_diagnoses, plugin_status_lines, status_json
-    from stead.core.events.log import EventLog
+    from stead.core.events import Record
     from stead.core.goodput import ledger
     from stead.core.statemachine import fold_all
 
     store = await _open_existing(args, settings)
     try:
-        records = await EventLog(store, args.job).read()
+        items = await _job_records(store, args)
         prefix = f"/stead/jobs/{args.job}/plugins/"
         published = [kv for kv in await store.range(prefix) if kv.key.endswith("/status")]
         master = await store.get(f"/stead/jobs/{args.job}/master")
     finally:
         await store.close()
-    if not records:
-        raise PermanentError(f"no job {args.job!r} in {args.store or _default_store(args.job)}; "
-                             "check --job and --store (stead run uses sqlite:///.stead/<job>.db by default)")
+    records = [item for item in items if isinstance(item, Record)]
     plugins = [line for kv in published
                for line in plugin_status_lines(kv.key[len(prefix):].split("/")[0], kv.value)]
-    goodput = ledger(records, now=time.time())
+    goodput = ledger(items, now=time.time())
     if args.json:
         try:
             about = json.loads(master.value) if master is not None else {}
@@ -272,3 +300,55 @@ async def _status(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _no_job(args: argparse.Namespace) -> PermanentError:
+    return PermanentError(f"no job {args.job!r} in {args.store or _default_store(args.job)}; "
+                          "check --job and --store (stead run uses sqlite:///.stead/<job>.db by default)")
+
+
+async def _job_records(store: StateStore, args: argparse.Namespace) -> list[Any]:
+    """The job's records, with the unreadable and missing ones as :class:`BadRecord` (the ledger and the report
+    say what they skipped); an unknown job is an error that says where it looked."""
+    from stead.core.events.log import BadRecord, EventLog
+
+    event_log = EventLog(store, args.job)
+    items: list[Any] = []
+    for item in await event_log.scan():
+        expected = items[-1].seq + 1 if items and items[-1].seq is not None else 1
+        items += [BadRecord(key=event_log.key(seq), seq=seq, error="missing from the log")
+                  for seq in range(expected, item.seq if item.seq is not None else expected)]
+        items.append(item)
+    if not items:
+        raise _no_job(args)
+    return items
+
+
+async def _report(args: argparse.Namespace, settings: Settings) -> int:
+    from stead.core.report import write_report
+
+    store = await _open_existing(args, settings)
+    try:
+        records = await _job_records(store, args)
+    finally:
+        await store.close()
+    path = args.output or os.path.join(".stead", f"{args.job}-report.html")
+    drawn = await asyncio.to_thread(write_report, args.job, records, path, now=time.time())
+    book = drawn.ledger
+    print(f"report for job {args.job!r} written to {path}: goodput {book.goodput:.1%} of {book.wall_s:.1f} s, "
+          f"{len(book.recoveries)} recoveries")
+    for what in drawn.missing:
+        print(f"  (not shown: {what})")
+    return 0
+
+
+async def _top(args: argparse.Namespace, settings: Settings) -> int:
+    from stead.core.top import follow
+
+    interval = getattr(args, "interval", 1.0)
+    if not 0.05 <= interval <= 3600:
+        raise ConfigError(f"--interval {interval} is out of range: give seconds between 0.05 and 3600")
+    store = await _open_existing(args, settings)
+    try:
+        view = await follow(store, args.job, interval_s=interval, plain=getattr(args, "plain", False) or None)
+    finally:
+        await store.close()
+    return 0 if view.phase == JobPhase.SUCCEEDED.value else EXIT_FAILED

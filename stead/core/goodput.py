@@ -46,7 +46,7 @@ from stead.core.events import (
 )
 from stead.core.events.log import BadRecord
 
-__all__ = ["PARTS", "RECOVERY_PHASES", "Ledger", "Recovery", "ledger"]
+__all__ = ["PARTS", "RECOVERY_PHASES", "Ledger", "Recovery", "ledger", "step_rates"]
 
 PARTS = ("useful", "lost", "recovery", "checkpoint", "phases", "waiting", "idle")
 RECOVERY_PHASES = ("detect", "decide", "restart", "rendezvous", "first_step")
@@ -55,9 +55,10 @@ _CHECKPOINT_PHASES = ("checkpoint", "ckpt", "save", "persist")
 
 @dataclasses.dataclass(frozen=True)
 class Recovery:
-    """One recovery: what caused it, when, and its phases in seconds (``None`` while it goes on)."""
+    """One recovery: what caused it, and its phases in seconds, in :data:`RECOVERY_PHASES` order."""
 
     cause: str
+    #: when its first phase began: the failure (a crash's exit, a hang's last step report) or the loss's record
     at: float
     phases: Mapping[str, float]
     ended: bool
@@ -248,7 +249,7 @@ class _Fold:
             case RestartRequested() | RelaunchRequested():
                 if self.mode == "running":  # a hang: the time since the last step was the detector's
                     self.pending, late = 0.0, self.pending
-                    self.begin_recovery(f"{event.by}: {event.reason}", at, "restart")
+                    self.begin_recovery(f"{event.by}: {event.reason}", at - late, "restart")
                     self.parts["recovery"] += late
                     self.phases["detect"] += late
                     self.current["detect"] = late
@@ -300,3 +301,19 @@ def ledger(records: Iterable[Record | BadRecord], *, now: float | None = None) -
     if bad:
         fold.missing.append(f"{bad} unreadable record(s) were skipped; the figures around them may be off")
     return fold.result(now)
+
+
+def step_rates(records: Iterable[Record | BadRecord]) -> list[tuple[int, float, float]]:
+    """(round, time, steps per second since the round's previous report) for each step report after a round's
+    first; a report that follows a declared phase (eval, a checkpoint) or no new step gives none."""
+    rates: list[tuple[int, float, float]] = []
+    before: Record | None = None
+    for record in records:
+        if not isinstance(record, Record) or not isinstance(record.event, StepProgress):
+            continue
+        event, last = record.event, before.event if before is not None else None
+        if (before is not None and isinstance(last, StepProgress) and last.round == event.round and not last.phase
+                and record.at > before.at and event.step > last.step):
+            rates.append((event.round, record.at, (event.step - last.step) / (record.at - before.at)))
+        before = record
+    return rates

@@ -101,6 +101,7 @@ def test_a_hang_counts_the_stall_as_detection_and_a_lost_node_skips_the_decision
     result = ledger(records)
     assert result.recovery_phases["detect"] == pytest.approx(20.0)  # the whole stall: the detector's latency
     assert [r.cause for r in result.recoveries] == ["diagnosis: no step for 20 s", "node node-1 lost: no heartbeat"]
+    assert [r.at for r in result.recoveries] == [6.0, 31.0]  # a hang's recovery began at the last step report
     assert result.recoveries[1].phases == pytest.approx({"restart": 3.0, "rendezvous": 0.5, "first_step": 0.5})
     assert sum(result.parts.values()) == pytest.approx(result.wall_s)
 
