@@ -81,11 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("agent", help="run one node's agent (normally started by the platform)")
     a.add_argument("--master", required=True, metavar="HOST:PORT", help="the master's RPC address")
     a.add_argument("--token-file", required=True, help="file holding the job token")
-    a.add_argument("--node-id", required=True, help="this node's id, as the master requested it")
+    a.add_argument("--node-id", default=None, help="this node's id, as the master requested it")
     a.add_argument("--incarnation", type=int, default=1, help="launch count of this node (default 1)")
     a.add_argument("--cleanup", action="store_true",
                    help="do not run: free what the killed agent of this node incarnation left on this machine "
                         "(its checkpoint shared memory); the platform runs it when the job ends")
+    a.add_argument("--spare", action="store_true",
+                   help="start warm (torch imported, zygote ready) with no node, and become the agent of the node "
+                        'named by one JSON line on stdin ({"node_id": ..., "incarnation": ...}); the local '
+                        "platform keeps one so that a lost node is replaced in a fraction of a second")
     _add_common(a)
 
     e = sub.add_parser("events", help="print a job's event log, one line per event")
@@ -182,6 +186,12 @@ async def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
     if args.command == "agent":
         from stead.core.agent.main import clean_up_after, run_agent
 
+        if args.spare:
+            from stead.core.agent.spare import run_spare_agent
+
+            return await run_spare_agent(master=args.master, token_file=args.token_file, settings=settings)
+        if not args.node_id:
+            raise ConfigError("stead agent needs --node-id (the node the master requested), or --spare")
         if args.cleanup:
             return await clean_up_after(node_id=args.node_id, incarnation=args.incarnation)
         return await run_agent(master=args.master, token_file=args.token_file, node_id=args.node_id,

@@ -112,6 +112,12 @@ class Settings:
     error_tail_lines: int = 40
     #: how often the agent samples step progress, and the master records it as an event
     progress_interval_s: float = setting(1.0, min=0.001)
+    #: agents a platform keeps started and warm per job (torch imported, zygote ready), so that a lost node's
+    #: replacement skips the seconds of a cold start (the local platform; 0: none)
+    spare_agents: int = setting(1, min=0, max=8)
+    #: a platform starts its spare agents once no node was launched for this long: not while the job's own
+    #: nodes start, which they would slow down
+    spare_delay_s: float = setting(5.0, min=0.0)
     #: how long `stead run` waits for nodes to exit after the job ended (their agents write the newest
     #: checkpoint to disk first, see ckpt.persist_on_stop), and the platform again before it kills them
     shutdown_grace_s: float = 30.0

@@ -13,9 +13,13 @@ from typing import Protocol, runtime_checkable
 
 from stead.core.events import NodeExited, NodeStarted
 
-__all__ = ["NodeSpec", "Platform", "PlatformEvent"]
+__all__ = ["AGENT_IDENTITY_ENV", "NodeSpec", "Platform", "PlatformEvent", "agent_title"]
 
 PlatformEvent = NodeStarted | NodeExited
+
+#: in an agent's environment (``JOB/NODE/INCARNATION``): which node incarnation it runs, for a platform that adopts
+#: agents by pid and for the workers it starts
+AGENT_IDENTITY_ENV = "STEAD_LOCAL_NODE"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +41,17 @@ class NodeSpec:
     #: argv that frees what the agent leaves on its machine when it is killed (``stead agent --cleanup``); a
     #: platform whose nodes' machines outlive them runs it when it closes, for a node whose last agent was killed
     cleanup_command: tuple[str, ...] = ()
+    #: argv of a spare agent (``stead agent --spare``): it starts warm (torch imported, zygote ready) before any
+    #: node needs it and becomes a node's agent when it reads ``{"node_id": ..., "incarnation": ...}`` (one JSON
+    #: line) on its stdin. A platform that can keep one ready (the local platform) launches a node faster with it;
+    #: empty: none. Every node of a job gives the same one.
+    spare_command: tuple[str, ...] = ()
+
+
+def agent_title(job: str, node_id: str, incarnation: int) -> str:
+    """The process title a spare agent takes once it knows its node: a platform that adopts agents by pid
+    recognises it by this, as it does an agent launched for the node by its environment."""
+    return f"stead agent {job}/{node_id}/{incarnation}"
 
 
 @runtime_checkable

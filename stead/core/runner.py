@@ -61,9 +61,11 @@ def agent_spec_factory(config: RunConfig, argv: Sequence[str]) -> Any:
         command = (sys.executable, "-m", "stead", "agent", "--master", address, "--token-file", token_file,
                    "--node-id", node_id, "--incarnation", str(incarnation), "--log-format", config.log_format,
                    "--log-level", config.log_level)
+        spare = (sys.executable, "-m", "stead", "agent", "--master", address, "--token-file", token_file, "--spare",
+                 "--log-format", config.log_format, "--log-level", config.log_level)
         return NodeSpec(job=config.job_name, node_id=node_id, incarnation=incarnation, command=command,
                         env={RUN_ARGV_ENV: json.dumps(argv)}, cwd=os.getcwd(), nproc=config.nproc_per_node,
-                        cleanup_command=(*command, "--cleanup"))
+                        cleanup_command=(*command, "--cleanup"), spare_command=spare)
 
     return spec
 

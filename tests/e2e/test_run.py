@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -34,12 +35,19 @@ for step in range(8):
             os._exit(17)
         if FAULT == "always":
             raise RuntimeError(f"boom in restart {restart}")
-        if FAULT == "kill-agent" and not os.path.exists("agent-killed"):
+        if FAULT.startswith("kill-agent") and not os.path.exists("agent-killed"):
             open("agent-killed", "w").close()
+            parent = lambda p: int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+            argv = lambda p: open(f"/proc/{p}/cmdline", "rb").read().replace(b"\\0", b" ")
             pid = os.getpid()
             while pid > 1:
-                pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-                if b"stead agent" in open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" "):
+                pid = parent(pid)
+                if b"stead agent" in argv(pid):
+                    # kill-agent-spare: once the master (the agent's parent) keeps a spare agent
+                    while FAULT == "kill-agent-spare" and not any(
+                            p.isdigit() and parent(p) == parent(pid) and b"--spare" in argv(p)
+                            for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/stat")):
+                        time.sleep(0.1)
                     os.kill(pid, 9)
                     time.sleep(60)
     if FAULT == "name-error" and step == 0:
@@ -92,13 +100,26 @@ def test_a_user_code_error_fails_fast_without_restarting(run_job: RunJob) -> Non
     assert "action=fail" in events
 
 
-def test_a_sigkilled_agent_is_replaced_and_the_job_completes(run_job: RunJob) -> None:
-    job = run_job(TRAIN, "kill-agent", flags=("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3"))
+@pytest.mark.parametrize("spare", [False, True], ids=["cold", "from-a-spare"])
+def test_a_sigkilled_agent_is_replaced_and_the_job_completes(run_job: RunJob, spare: bool) -> None:
+    settings = ("--set", "spare_delay_s=1") if spare else ("--set", "spare_agents=0")
+    job = run_job(TRAIN, "kill-agent-spare" if spare else "kill-agent",
+                  flags=("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3", *settings))
     assert job.returncode == 0, job.stderr[-3000:]
     events = job.events("e2e")
     assert "node.exited" in events and "signal=9" in events
     assert "node.requested       node_id=node-1 incarnation=2" in events
     assert "job.succeeded" in events
+    used = [json.loads(line) for line in job.stderr.splitlines() if '"spare_agent_used"' in line]
+    if not spare:
+        assert used == [] and '"spare_agent_started"' not in job.stderr
+        return
+    # the replacement is the spare the master kept: warm, told its node on stdin, adopted under its pid
+    [handed] = [u for u in used if u["incarnation"] == 2]
+    assert (handed["node"], handed["incarnation"]) == ("node-1", 2)
+    [started] = [r for r in job.records("e2e", "node.started") if r["incarnation"] == 2]
+    assert started["pid"] == handed["pid"]
+    assert '"spare_agent_assigned"' in job.stderr and '"zygote_exec"' not in job.stderr.split('"spare_agent_used"')[1]
 
 
 @pytest.mark.parametrize(

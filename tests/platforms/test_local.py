@@ -15,7 +15,7 @@ from _platform_helpers import SLEEP, SPAWN_CHILD, agent, next_event, read_pid, r
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, PlatformError
 from stead.core.events import NodeExited, NodeStarted
-from stead.core.platform import NodeSpec
+from stead.core.platform import NodeSpec, agent_title
 from stead.platforms.local import LocalPlatform, create, platform_factory
 
 pytestmark = pytest.mark.anyio
@@ -157,3 +157,81 @@ async def test_when_it_closes_it_runs_the_cleanup_command_of_each_node_whose_las
                  if isinstance(e, NodeExited)}
         assert exits == {("killed", 1), ("relaunched", 1), ("relaunched", 2), ("clean", 1)}
     assert os.listdir(scratch) == ["killed"], "cleanup ran for the wrong nodes"
+
+
+#: a stand-in for `stead agent --spare`: writes its pid, then the identity line it reads, and runs (as an agent would)
+SPARE = ("import os, sys, time\n"
+         "open(sys.argv[1] + f'/spare-{os.getpid()}', 'w').close()\n"
+         "line = sys.stdin.readline()\n"
+         "if not line: sys.exit(0)\n"
+         "open(sys.argv[1] + f'/told-{os.getpid()}', 'w').write(line)\n"
+         "time.sleep(300)\n")
+
+
+def _spare_pids(scratch: Path) -> list[int]:
+    return sorted(int(name[6:]) for name in os.listdir(scratch) if name.startswith("spare-"))
+
+
+async def _spares(scratch: Path, count: int) -> list[int]:
+    with anyio.fail_after(30):
+        found = _spare_pids(scratch)
+        while len(found) < count:
+            await anyio.sleep(0.02)
+            found = _spare_pids(scratch)
+    return found
+
+
+async def test_a_lost_node_s_replacement_is_the_warm_spare_told_its_node_and_a_new_spare_follows(
+        scratch: Path) -> None:
+    spare_command = (sys.executable, "-c", SPARE, str(scratch))
+    settings = Settings(spare_agents=1, spare_delay_s=0.0, shutdown_grace_s=5.0)
+    async with LocalPlatform(settings) as platform, contextlib.aclosing(platform.events()) as events:
+        await platform.launch(agent(SLEEP, node="n1", spare_command=spare_command))
+        assert isinstance(await next_event(events), NodeStarted)
+        [spare] = await _spares(scratch, 1)
+        await platform.launch(agent(SLEEP, node="n1", incarnation=2, spare_command=spare_command))
+        started = await next_event(events)
+        assert started == NodeStarted(node_id="n1", incarnation=2, host="localhost", pid=spare)
+        await wait_exists(scratch / f"told-{spare}")
+        assert (scratch / f"told-{spare}").read_text() == '{"node_id": "n1", "incarnation": 2}\n'
+        [_, second] = await _spares(scratch, 2)  # the next spare, for the next loss
+        os.kill(second, signal.SIGKILL)  # a spare that died is not handed a node: the launch starts one cold
+        await wait_dead(second)
+        await platform.launch(agent(SLEEP, node="n1", incarnation=3, spare_command=spare_command))
+        cold = await next_event(events)
+        assert isinstance(cold, NodeStarted) and cold.pid not in (spare, second)
+        assert not (scratch / f"told-{second}").exists()
+        third = [p for p in await _spares(scratch, 3) if p not in (spare, second)]
+    # closing took the spares down with the nodes (the suite's leak check sees any process left)
+    for pid in (spare, *third):
+        await wait_dead(pid)
+
+
+async def test_no_spare_is_started_when_spare_agents_is_0_or_the_node_has_no_spare_command(scratch: Path) -> None:
+    spare_command = (sys.executable, "-c", SPARE, str(scratch))
+    for settings, command in ((Settings(spare_agents=0, spare_delay_s=0.0), spare_command),
+                              (Settings(spare_agents=1, spare_delay_s=0.0), ())):
+        async with LocalPlatform(settings) as platform, contextlib.aclosing(platform.events()) as events:
+            await platform.launch(agent(SLEEP, node="n1", spare_command=command))
+            assert isinstance(await next_event(events), NodeStarted)
+            await anyio.sleep(0.5)
+    assert _spare_pids(scratch) == []
+
+
+async def test_a_spare_that_became_a_node_s_agent_is_adopted_by_its_title(scratch: Path) -> None:
+    # a later master adopts agents by pid; a spare's environment never named its node, its process title does
+    code = ("import sys, time, setproctitle\n"
+            "setproctitle.setproctitle(sys.argv[1])\n"
+            "open(sys.argv[2], 'w').close()\n"
+            "time.sleep(300)\n")
+    ready = scratch / "titled"
+    async with LocalPlatform() as launcher, contextlib.aclosing(launcher.events()) as launched:
+        await launcher.launch(agent(code, agent_title("contract", "n1", 2), str(ready), node="other"))
+        started = await next_event(launched)
+        assert isinstance(started, NodeStarted) and started.pid is not None
+        pid = started.pid
+        await wait_exists(ready)
+        async with LocalPlatform() as adopter, contextlib.aclosing(adopter.events()) as events:
+            assert await adopter.adopt(agent(SLEEP, node="n1", incarnation=2), pid=pid)
+            assert not await adopter.adopt(agent(SLEEP, node="n1", incarnation=3), pid=pid)  # not that one
+            assert isinstance(await next_event(events), NodeExited)

@@ -10,6 +10,7 @@ a master restart must not stop training.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -55,7 +56,8 @@ from stead.core.rpc import (
 )
 from stead.core.rpc.backend import MAX_EVIDENCE_CHARS
 
-__all__ = ["EXIT_MASTER_GONE", "RUN_ARGV_ENV", "Agent", "clean_up_after", "run_agent"]
+__all__ = ["EXIT_MASTER_GONE", "RUN_ARGV_ENV", "ZYGOTE_LATE_PRELOAD", "ZYGOTE_PRELOAD", "Agent", "clean_up_after",
+           "load_run_config", "run_agent", "zygote_env"]
 
 log = structlog.get_logger("stead.agent")
 
@@ -77,8 +79,11 @@ _FIRST_STEP_POLL_S = 0.01
 
 class Agent:
     def __init__(self, *, client: MasterClient, config: RunConfig, node_id: str, incarnation: int,
-                 settings: Settings, token_file: str = "", extensions: Extensions | None = None) -> None:
+                 settings: Settings, token_file: str = "", extensions: Extensions | None = None,
+                 zygote: Zygote | None = None) -> None:
         self.client = client
+        #: a zygote started before this agent knew its node (a spare's): used, not closed, by :meth:`run`
+        self._warm = zygote
         self.token_file = token_file
         self.extensions = extensions or Extensions([])
         self._job_ended = False
@@ -97,7 +102,7 @@ class Agent:
         self._first_step_pending = False
         self._group: WorkerGroup | None = None
         self._zygote: Zygote | None = None
-        self._preloaded: set[str] = set(ZYGOTE_PRELOAD)
+        self._preloaded: set[str] = set(ZYGOTE_PRELOAD) | (set(ZYGOTE_LATE_PRELOAD) if zygote is not None else set())
         self._progress: ProgressFiles | None = None
         self._reader: ProgressReader | None = None
         self._lock = anyio.Lock()
@@ -114,8 +119,9 @@ class Agent:
             self._reader = ProgressReader(progress.paths)
             self._oom.open()
             try:
-                async with Zygote(self.settings, preload=preload, env=self._zygote_env()) as zygote, \
-                        WorkerGroup(self.settings, zygote=zygote) as group:
+                started = (contextlib.nullcontext(self._warm) if self._warm is not None
+                           else Zygote(self.settings, preload=preload, env=zygote_env(self.config)))
+                async with started as zygote, WorkerGroup(self.settings, zygote=zygote) as group:
                     self._group, self._zygote = group, zygote
                     try:
                         job = await self._register()
@@ -140,15 +146,6 @@ class Agent:
                     await self.extensions.call("stop", job_ended=self._job_ended)
         self._log.info("agent_exiting", master_gone=self.master_gone)
         return EXIT_MASTER_GONE if self.master_gone else 0
-
-    def _zygote_env(self) -> dict[str, str]:
-        """The agent's environment plus the start-up variables workers get (so they can be forked)."""
-        sample = worker_env(self.config, local_rank=0, node_rank=0, nnodes=1, restart_count=0,
-                            master_addr="127.0.0.1", master_port=1, world_size=self.nproc, run_id="")
-        env = dict(os.environ)
-        env.pop(RUN_ARGV_ENV, None)
-        env.update({k: v for k, v in sample.items() if k in STARTUP_ENV})
-        return env
 
     # -- master ------------------------------------------------------------------
 
@@ -235,8 +232,8 @@ class Agent:
                   "incarnation": self.incarnation, "store_host": command.store_host,
                   "store_port": command.store_port, "timeout_s": _HEALTH_RUN_SHARE * command.timeout_s}
         out = self._progress.dir / f"health-{command.check}.json"
-        env = {k: v for k, v in os.environ.items() if k != RUN_ARGV_ENV}
-        env.update({HEALTH_ORDERS_ENV: json.dumps(orders), "STEAD_AUTO_STEP": "0"})
+        env = {k: v for k, v in os.environ.items() if k != RUN_ARGV_ENV}  # forked warm: the workers' start-up
+        env.update({**startup_env(self.config), HEALTH_ORDERS_ENV: json.dumps(orders), "STEAD_AUTO_STEP": "0"})
         spec = WorkerSpec(argv=(sys.executable, "-m", "stead.core.agent.health_check"), env=env, cwd=os.getcwd(),
                           local_rank=0, stdout_path=out)
         result: dict[str, object] = {}
@@ -474,13 +471,31 @@ async def clean_up_after(*, node_id: str, incarnation: int) -> int:
     return 0
 
 
-async def run_agent(*, master: str, token_file: str, node_id: str, incarnation: int, settings: Settings) -> int:
-    config = load_run_config()
+def startup_env(config: RunConfig) -> dict[str, str]:
+    """The start-up variables (OMP_NUM_THREADS, ...) the job's workers get: a process forked from the zygote must
+    have the same ones, or it is started as a fresh interpreter instead."""
+    sample = worker_env(config, local_rank=0, node_rank=0, nnodes=1, restart_count=0,
+                        master_addr="127.0.0.1", master_port=1, world_size=config.nproc_per_node, run_id="")
+    return {k: v for k, v in sample.items() if k in STARTUP_ENV}
+
+
+def zygote_env(config: RunConfig) -> dict[str, str]:
+    """The agent's environment plus the start-up variables workers get (so they can be forked)."""
+    env = dict(os.environ)
+    env.pop(RUN_ARGV_ENV, None)
+    env.update(startup_env(config))
+    return env
+
+
+async def run_agent(*, master: str, token_file: str, node_id: str, incarnation: int, settings: Settings,
+                    config: RunConfig | None = None, zygote: Zygote | None = None) -> int:
+    """Run one node's agent until its job ends; ``zygote``: one already warm (a spare agent's)."""
+    config = config or load_run_config()
     token = read_token_file(token_file)
     structlog.contextvars.bind_contextvars(node=node_id)
     async with MasterClient(master, token, call_timeout_s=settings.rpc_timeout_s) as client:
         agent = Agent(client=client, config=config, node_id=node_id, incarnation=incarnation,
-                      settings=config.settings, token_file=token_file,
+                      settings=config.settings, token_file=token_file, zygote=zygote,
                       extensions=Extensions(load_extensions(config.settings, plugins=config.plugins,
                                                             disabled=config.disabled_plugins)))
         return await agent.run()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -28,7 +29,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from stead.core.config import Settings
 from stead.core.errors import PlatformError
 from stead.core.events import NodeExited, NodeStarted
-from stead.core.platform import NodeSpec, PlatformEvent
+from stead.core.platform import AGENT_IDENTITY_ENV, NodeSpec, PlatformEvent, agent_title
 from stead.core.procs import is_alive, signal_group, signal_leader, wait_exit
 
 __all__ = ["LocalPlatform"]
@@ -36,9 +37,11 @@ __all__ = ["LocalPlatform"]
 log = structlog.get_logger()
 
 _Key = tuple[str, int]
+#: what a spare can stand in for: nodes with the same spare command, environment and working directory
+_SpareKey = tuple[tuple[str, ...], tuple[tuple[str, str], ...], str | None]
 
 #: set in every agent's environment (``JOB/NODE/INCARNATION``): how a later master knows an agent it adopts by pid
-NODE_ENV = "STEAD_LOCAL_NODE"
+NODE_ENV = AGENT_IDENTITY_ENV
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -77,6 +80,14 @@ class _Node:
         self.exited.set()
 
 
+@dataclasses.dataclass(eq=False)
+class _Spare:
+    """A warm agent with no node yet (``stead agent --spare``), reading its node's identity from its stdin."""
+
+    key: _SpareKey
+    process: anyio.abc.Process
+
+
 class LocalPlatform:
     """Runs each node's agent as a process in its own session on this machine.
 
@@ -103,6 +114,9 @@ class LocalPlatform:
         self._closed = False
         self._launch_lock = anyio.Lock()
         self._exit_stack = contextlib.AsyncExitStack()
+        self._spares: list[_Spare] = []
+        #: bumped by every launch: a spare is started only after launches have been quiet for spare_delay_s
+        self._launches = 0
 
     async def __aenter__(self) -> Self:
         if self._task_group is not None or self._closed:
@@ -129,14 +143,75 @@ class LocalPlatform:
             if spec.avoid_hosts:  # one host is all there is: the relaunch runs here, and the log says so
                 log.warning("node_host_not_avoidable", node=spec.node_id, incarnation=spec.incarnation,
                             avoid=list(spec.avoid_hosts), hint="the local platform has this machine only")
-            process = await _spawn(spec)
+            process = await self._take_spare(spec)
+            warm = process is not None
+            if process is None:
+                process = await _spawn(spec)
             node = _Node(spec=spec, pid=process.pid, process=process)
             self._nodes[key] = node
             log.info("node_launched", job=spec.job, node=spec.node_id, incarnation=spec.incarnation,
-                     pid=process.pid)
+                     pid=process.pid, spare=warm)
             self._send.send_nowait(NodeStarted(node_id=spec.node_id, incarnation=spec.incarnation,
                                                host="localhost", pid=process.pid))
             task_group.start_soon(self._watch, node, name=f"watch node {spec.node_id}/{spec.incarnation}")
+            if spec.spare_command and self._settings.spare_agents > 0:
+                self._launches += 1
+                task_group.start_soon(self._keep_spares, spec, self._launches, name="start spare agents")
+
+    # -- spares ---------------------------------------------------------------------
+
+    async def _take_spare(self, spec: NodeSpec) -> anyio.abc.Process | None:
+        """A running spare for ``spec``, told its node; None when there is none (the node starts cold)."""
+        key = _spare_key(spec)
+        while spare := next((s for s in self._spares if s.key == key), None):
+            self._spares.remove(spare)
+            identity = json.dumps({"node_id": spec.node_id, "incarnation": spec.incarnation}) + "\n"
+            stdin = spare.process.stdin
+            try:
+                if spare.process.returncode is not None or stdin is None:
+                    raise anyio.BrokenResourceError
+                await stdin.send(identity.encode())
+                await stdin.aclose()
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                log.warning("spare_agent_gone", pid=spare.process.pid, node=spec.node_id)
+                signal_group(spare.process.pid, signal.SIGKILL)
+                continue
+            log.info("spare_agent_used", node=spec.node_id, incarnation=spec.incarnation, pid=spare.process.pid)
+            return spare.process
+        return None
+
+    async def _keep_spares(self, spec: NodeSpec, launch: int) -> None:
+        """Once launches have been quiet for spare_delay_s, start spares for ``spec``'s kind of node up to
+        spare_agents (a spare that dies is replaced by the next launch's call)."""
+        await anyio.sleep(self._settings.spare_delay_s)
+        key = _spare_key(spec)
+        async with self._launch_lock:
+            if launch != self._launches or self._closed:
+                return  # a later launch will do it, or the platform is closing
+            self._spares = [s for s in self._spares if s.process.returncode is None]
+            task_group = self._running_task_group()
+            for _ in range(self._settings.spare_agents - sum(1 for s in self._spares if s.key == key)):
+                env = {k: v for k, v in {**os.environ, **spec.env}.items() if k != NODE_ENV}
+                try:
+                    with anyio.CancelScope(shield=True):
+                        process = await anyio.open_process(spec.spare_command, stdin=subprocess.PIPE, stdout=None,
+                                                           stderr=None, cwd=spec.cwd, env=env, start_new_session=True)
+                except OSError as exc:
+                    log.warning("spare_agent_start_failed", error=str(exc), command=list(spec.spare_command[:4]))
+                    return
+                spare = _Spare(key=key, process=process)
+                self._spares.append(spare)
+                log.info("spare_agent_started", job=spec.job, pid=process.pid)
+                task_group.start_soon(self._reap_spare, spare, name=f"watch spare agent {process.pid}")
+
+    async def _reap_spare(self, spare: _Spare) -> None:
+        """Forget a spare that exits before it is used (and free its process group)."""
+        await spare.process.wait()
+        if spare in self._spares:
+            self._spares.remove(spare)
+            if not self._closed:
+                log.warning("spare_agent_exited", pid=spare.process.pid, returncode=spare.process.returncode)
+        signal_group(spare.process.pid, signal.SIGKILL)
 
     async def adopt(self, spec: NodeSpec, *, pid: int | None) -> bool:
         """Take over the agent of ``spec``'s node incarnation that an earlier master launched as ``pid``.
@@ -208,6 +283,11 @@ class LocalPlatform:
         # shielded: a cancelled master must still take its agents down before it returns
         with anyio.CancelScope(shield=True):
             async with self._launch_lock:
+                for spare in self._spares:  # nothing to save: a spare has joined nothing
+                    signal_group(spare.process.pid, signal.SIGKILL)
+                for spare in self._spares:
+                    await spare.process.wait()
+                self._spares.clear()
                 running = [node for node in self._nodes.values() if node.running]
                 for node in running:
                     signal_leader(node.pid, signal.SIGTERM)
@@ -275,13 +355,22 @@ async def _spawn(spec: NodeSpec) -> anyio.abc.Process:
     return process
 
 
+def _spare_key(spec: NodeSpec) -> _SpareKey:
+    return tuple(spec.spare_command), tuple(sorted(spec.env.items())), spec.cwd
+
+
 def _runs_agent(pid: int, node: str) -> bool:
-    """Whether ``pid`` is the live agent this platform started for ``node`` (``JOB/NODE/INCARNATION``)."""
+    """Whether ``pid`` is the live agent this platform started for ``node`` (``JOB/NODE/INCARNATION``): by its
+    environment, or, for a spare that became the node's agent, by its process title."""
+    job, node_id, incarnation = node.rsplit("/", 2)
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
     except OSError:
         return False
-    return f"{NODE_ENV}={node}".encode() in environ.split(b"\0") and is_alive(pid)
+    named = (f"{NODE_ENV}={node}".encode() in environ.split(b"\0")
+             or (incarnation.isdigit() and title == agent_title(job, node_id, int(incarnation)).encode()))
+    return named and is_alive(pid)
 
 
 def _check_executable(program: str, env: dict[str, str], cwd: str | None, where: str) -> None:
