@@ -173,6 +173,7 @@ class _Connection:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submissions against stop() and a job's start against its cancel
         self._stopping = False
+        self._stopped_from = 0
         self.stopped = Notifier()
         self._thread = threading.Thread(target=self._main, args=(path, timeout_s), name="stead-sqlite",
                                         daemon=True)
@@ -192,13 +193,15 @@ class _Connection:
                 job.state = _Job.CANCELLED
 
     def stop(self) -> int:
-        """Refuse new calls and have the thread close the connection after the queued ones; the stopped count."""
+        """Refuse new calls and have the thread close the connection after the queued ones; the stopped count
+        before the first stop, which the thread moves past once the connection is closed (the same for every
+        later stop: a second close must not wait for a notification the first one already had)."""
         with self._lock:
-            seen = self.stopped.count
             if not self._stopping:
                 self._stopping = True
+                self._stopped_from = self.stopped.count
                 self._queue.put(None)
-        return seen
+            return self._stopped_from
 
     @property
     def alive(self) -> bool:

@@ -227,3 +227,31 @@ def test_a_store_opened_on_one_loop_serves_another_loop(sqlite_dir: Path, settin
         assert kv is not None and kv.value == b"v"
     finally:
         asyncio.run(store.close())
+
+
+async def test_a_close_while_the_closing_thread_is_still_on_its_way_out_returns(sqlite_dir: Path,
+                                                                               settings: Settings) -> None:
+    # the connection's thread announces it closed, then wakes the watches and exits: a second close() in between
+    # must not wait for an announcement that already came (it waited forever, seen under load in a suite)
+    store = await open_store(url_of(sqlite_dir / "late.db"), settings=settings)
+    assert isinstance(store, SqliteStore)
+    await store.put("/k", b"v")
+    leaving, release = threading.Event(), threading.Event()
+    wake_watches = store._conn.changed.notify
+
+    def held_wake() -> None:
+        leaving.set()
+        release.wait(30)  # the thread is alive, its connection already closed, until the test lets it go
+        wake_watches()
+
+    store._conn.changed.notify = held_wake  # type: ignore[method-assign]
+    backstop = threading.Timer(30, release.set)  # so that a close that waits for the thread still ends the test
+    backstop.start()
+    try:
+        await store.close()
+        await anyio.to_thread.run_sync(leaving.wait)
+        await store.close()
+        assert not release.is_set(), "the second close waited for the connection's thread to exit"
+    finally:
+        release.set()
+        backstop.cancel()
