@@ -33,6 +33,7 @@ from stead.core.events import (
     JobStopped,
     JobSubmitted,
     JobSucceeded,
+    NodeExited,
     NodeLost,
     Record,
     RecoveryDecided,
@@ -246,6 +247,9 @@ class _Fold:
                                     event.exited_at or at, "decide", failed_at=event.exited_at, failed_step=event.step)
             case NodeLost() if event.node_id in self.members:
                 self.begin_recovery(f"node {event.node_id} lost: {event.reason}", at, "restart")
+            case NodeExited() if event.node_id in self.members:  # its agent died while the round ran (killed)
+                how = f"signal {event.signal}" if event.signal is not None else f"exit code {event.exit_code}"
+                self.begin_recovery(f"node {event.node_id} exited ({how})", at, "restart")
             case RestartRequested() | RelaunchRequested():
                 if self.mode == "running":  # a hang: the time since the last step was the detector's
                     self.pending, late = 0.0, self.pending

@@ -13,6 +13,7 @@ from stead.core.events import (
     JobResumed,
     JobSubmitted,
     JobSucceeded,
+    NodeExited,
     NodeLost,
     Record,
     RecoveryAction,
@@ -104,6 +105,20 @@ def test_a_hang_counts_the_stall_as_detection_and_a_lost_node_skips_the_decision
     assert [r.at for r in result.recoveries] == [6.0, 31.0]  # a hang's recovery began at the last step report
     assert result.recoveries[1].phases == pytest.approx({"restart": 3.0, "rendezvous": 0.5, "first_step": 0.5})
     assert sum(result.parts.values()) == pytest.approx(result.wall_s)
+
+
+def test_a_node_whose_agent_was_killed_starts_a_recovery_of_its_own() -> None:
+    # the local platform sees a SIGKILLed agent exit at once: node.exited, never node.lost
+    killed = NodeExited(node_id="node-1", incarnation=1, signal=9)
+    records = log((0.0, SPEC), *start(1, 1.0), *steps(1, 1, 5, at=2.0),  # step 5 at 6.0
+                  (6.8, killed), *start(2, 7.0), (7.5, CheckpointRestored(round=2, step=5)),
+                  *steps(2, 6, 8, at=8.0), *end(10.5, 2))
+    result = ledger(records)
+    [recovery] = result.recoveries
+    assert recovery.cause == "node node-1 exited (signal 9)" and recovery.at == 6.8 and recovery.ended
+    assert recovery.phases == pytest.approx({"restart": 0.2, "rendezvous": 0.5, "first_step": 0.5})
+    # 6.0-6.8 was never reported: lost (the failure does not say how far it got)
+    assert parts(records) == {"waiting": 2.0, "useful": 4.0 + 2.0 + 0.5, "lost": 0.8, "recovery": 1.2, "idle": 0.5}
 
 
 def test_a_running_job_is_counted_up_to_now_and_a_recovery_under_way_is_listed() -> None:
