@@ -221,8 +221,11 @@ class _Connection:
             if isinstance(conn, sqlite3.Connection):
                 with contextlib.suppress(sqlite3.Error):
                     conn.close()
-            self.stopped.notify()
             self.changed.notify()  # open watches wake up and find the store closed
+            self.stopped.notify()  # last: a close() that sees it joins a thread with nothing left to do
+
+    def join(self) -> None:
+        self._thread.join()
 
     def _serve(self, conn: sqlite3.Connection | BaseException, job: _Job) -> None:
         with self._lock:
@@ -492,6 +495,7 @@ class SqliteStore:
         if self._conn.alive:
             with anyio.CancelScope(shield=True):
                 await self._conn.stopped.wait_past(stopped)
+                await anyio.to_thread.run_sync(self._conn.join)  # its last act was that notification
         log.info("store_closed", url=self._url, backend="sqlite")
 
     # -- beyond the protocol: raw leases (no keep-alive) and history compaction --------------------------------

@@ -231,27 +231,30 @@ def test_a_store_opened_on_one_loop_serves_another_loop(sqlite_dir: Path, settin
 
 async def test_a_close_while_the_closing_thread_is_still_on_its_way_out_returns(sqlite_dir: Path,
                                                                                settings: Settings) -> None:
-    # the connection's thread announces it closed, then wakes the watches and exits: a second close() in between
-    # must not wait for an announcement that already came (it waited forever, seen under load in a suite)
+    # the connection's thread announces that it closed, then exits: a second close() in between must return once
+    # the thread is gone, not wait for an announcement that already came (it waited forever, seen under load)
     store = await open_store(url_of(sqlite_dir / "late.db"), settings=settings)
     assert isinstance(store, SqliteStore)
     await store.put("/k", b"v")
+    before = _store_threads()
     leaving, release = threading.Event(), threading.Event()
-    wake_watches = store._conn.changed.notify
+    announce = store._conn.stopped.notify
 
-    def held_wake() -> None:
+    def held_announce() -> None:
+        announce()
         leaving.set()
-        release.wait(30)  # the thread is alive, its connection already closed, until the test lets it go
-        wake_watches()
+        release.wait(30)  # the thread is alive, its close announced, until the test lets it go
 
-    store._conn.changed.notify = held_wake  # type: ignore[method-assign]
-    backstop = threading.Timer(30, release.set)  # so that a close that waits for the thread still ends the test
-    backstop.start()
+    store._conn.stopped.notify = held_announce  # type: ignore[method-assign]
+    first = threading.Thread(target=lambda: asyncio.run(store.close()))
+    first.start()
+    await anyio.to_thread.run_sync(leaving.wait)
+    letting_go = threading.Timer(0.2, release.set)
+    letting_go.start()
     try:
         await store.close()
-        await anyio.to_thread.run_sync(leaving.wait)
-        await store.close()
-        assert not release.is_set(), "the second close waited for the connection's thread to exit"
+        assert release.is_set() and not (_store_threads() & before)  # returned once the thread had gone
     finally:
         release.set()
-        backstop.cancel()
+        letting_go.cancel()
+        await anyio.to_thread.run_sync(first.join)
