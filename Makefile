@@ -45,8 +45,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict stead
 
+# two xdist workers: one runs the whole-job tests (tests/e2e, tests/chaos) one after another, the other the rest
 test: $(STAMP) etcd chromium lint typecheck
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadgroup
 
 # concurrency stress: the store stress test (short bursts) and the sampler's master-restart test, hundreds of times
 STRESS_COUNT ?= 200
@@ -73,6 +74,7 @@ bench: $(STAMP) etcd
 	-$(BIN)/python bench/recovery.py
 	-$(BIN)/python bench/startup.py
 	-$(BIN)/python bench/failover.py
+	-$(BIN)/python bench/goodput.py
 
 bench-quick: $(STAMP) etcd
 	$(BIN)/python bench/master_events.py --quick

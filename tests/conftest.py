@@ -17,7 +17,18 @@ import pytest
 from stead.testing import leaks
 from stead.testing.etcd import EtcdServer
 
-SHM_NAMESPACE = os.environ.setdefault(leaks.SHM_NAMESPACE_ENV, f"t{os.getpid()}")
+#: under pytest-xdist each worker process has a namespace of its own (``t<pid>gw0``, ...)
+SHM_NAMESPACE = os.environ[leaks.SHM_NAMESPACE_ENV] = (
+    os.environ.get(leaks.SHM_NAMESPACE_ENV, f"t{os.getpid()}") + os.environ.get("PYTEST_XDIST_WORKER", ""))
+#: tests that run whole jobs: `make test` runs them one at a time on one xdist worker (each job is sized for the
+#: machine's two cores), while the other worker runs the rest of the suite
+SERIAL_DIRS = ("e2e", "chaos")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(part in SERIAL_DIRS for part in item.path.relative_to(item.config.rootpath).parts[:2]):
+            item.add_marker(pytest.mark.xdist_group("jobs"))
 
 
 @pytest.fixture
