@@ -83,12 +83,13 @@ def job_submitted(config: RunConfig) -> JobSubmitted:
 
 
 def health_mode(config: RunConfig) -> str:
-    """The job's health check mode: the health_check setting, "auto" resolved for the job's platform (every node
-    on Kubernetes, where a bad host is common and a new pod pays a cold start anyway; relaunched nodes elsewhere,
-    so that a local job starts as fast as torchrun's)."""
+    """The job's health check mode: the health_check setting, "auto" resolved for the job's platform: every node
+    on Kubernetes, where a bad host is common and a new pod pays a cold start anyway; none on the local platform,
+    whose nodes share one machine (a check cannot find a host worse than the others, and a node that failed it
+    could only be relaunched on that same machine), so that a lost node is back in about a second."""
     mode = config.settings.health_check
     if mode == "auto":
-        return "all" if config.platform == "k8s" else "relaunched"
+        return "all" if config.platform == "k8s" else "off"
     return mode
 
 

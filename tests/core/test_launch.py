@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -17,6 +18,7 @@ from stead.core import launch
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, InvalidRequest
 from stead.core.launch import RunConfig, Streams, build_parser, parse_run_args, worker_env
+from stead.core.runner import health_mode
 
 PY = sys.executable
 #: a clean environment: no PET_*, STEAD_*, PYTHON_EXEC, OMP_NUM_THREADS or CUDA_VISIBLE_DEVICES
@@ -478,3 +480,12 @@ def test_worker_env_equals_what_torchrun_sets(workdir: Path, monkeypatch: pytest
                           master_addr="10.0.0.1", master_port=29400, world_size=2 * int(nproc), run_id=config.rdzv_id,
                           error_file=expected["TORCHELASTIC_ERROR_FILE"], environ=agent_environ)
         assert ours == expected
+
+
+@pytest.mark.parametrize(("platform", "setting", "mode"), [
+    ("local", "auto", "off"), ("k8s", "auto", "all"), ("local", "relaunched", "relaunched"), ("k8s", "off", "off"),
+])
+def test_auto_health_checks_every_node_on_kubernetes_and_none_on_one_machine(workdir: Path, platform: str,
+                                                                            setting: str, mode: str) -> None:
+    config = parse(workdir, "--set", f"health_check={setting}", "train.py")
+    assert health_mode(dataclasses.replace(config, platform=platform)) == mode
