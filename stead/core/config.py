@@ -55,8 +55,8 @@ class Settings:
     decision_timeout_s: float = 3.0
     #: which joining nodes must pass a health check (a matmul, then all-reduces in pairs) before they train:
     #: "off", "relaunched" (nodes relaunched after a loss or failure), "all", or "auto" (all on Kubernetes,
-    #: off on the local platform, whose nodes share one machine); a node that fails it, or is more than health_slow_factor times slower than the
-    #: median, is relaunched and its host excluded
+    #: off on the local platform, whose nodes share one machine); a node that fails it, or is more than
+    #: health_slow_factor times slower than the median, is relaunched and its host excluded
     health_check: str = "auto"
     #: a node that has not finished its health check within this time fails it
     health_timeout_s: float = setting(60.0, min=1.0)
