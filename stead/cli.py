@@ -279,22 +279,20 @@ async def _open_existing(args: argparse.Namespace, settings: Settings) -> StateS
 
 
 async def _status(args: argparse.Namespace, settings: Settings) -> int:
-    from stead.core.display import format_status, last_diagnoses, plugin_status_lines, status_json
+    from stead.core.display import format_status, last_diagnoses, status_json
     from stead.core.events import Record
     from stead.core.goodput import ledger
     from stead.core.statemachine import fold_all
+    from stead.core.top import published_lines
 
     store = await _open_existing(args, settings)
     try:
         items = await _job_records(store, args)
-        prefix = f"/stead/jobs/{args.job}/plugins/"
-        published = [kv for kv in await store.range(prefix) if kv.key.endswith("/status")]
+        plugins = await published_lines(store, args.job)
         master = await store.get(f"/stead/jobs/{args.job}/master")
     finally:
         await store.close()
     records = [item for item in items if isinstance(item, Record)]
-    plugins = [line for kv in published
-               for line in plugin_status_lines(kv.key[len(prefix):].split("/")[0], kv.value)]
     goodput = ledger(items, now=time.time())
     if args.json:
         try:

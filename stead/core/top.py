@@ -28,7 +28,7 @@ from stead.core.goodput import Ledger, ledger, step_rates
 from stead.core.statemachine import JobState, fold_all
 from stead.core.store import StateStore
 
-__all__ = ["NodeRow", "View", "follow", "plain_lines", "render", "snapshot"]
+__all__ = ["NodeRow", "View", "follow", "plain_lines", "published_lines", "render", "snapshot"]
 
 #: the latest events shown
 RECENT = 8
@@ -120,7 +120,8 @@ def plain_lines(view: View, before: View | None, fresh: Sequence[Record | BadRec
     return [*lines, *([view.headline()] if moved or lines else [])]
 
 
-async def _published(store: StateStore, job: str) -> list[str]:
+async def published_lines(store: StateStore, job: str) -> list[str]:
+    """The lines the job's plugins published for `stead status` (each plugin's ``status`` key)."""
     from stead.core.display import plugin_status_lines
 
     prefix = f"/stead/jobs/{job}/plugins/"
@@ -154,7 +155,7 @@ async def follow(store: StateStore, job: str, *, interval_s: float = 1.0, out: T
         return fresh
 
     async def look() -> View:
-        return snapshot(job, items, now=time.time(), plugins=await _published(store, job))
+        return snapshot(job, items, now=time.time(), plugins=await published_lines(store, job))
 
     fresh = await refresh()
     while fresh is None:  # a job started after its view: say so once, then wait for its first record
