@@ -268,6 +268,8 @@ class AgentHub:
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
             now = self._clock()
+            if self._state().phase.terminal:
+                continue  # the job ended: its nodes stop (and go quiet) within shutdown_grace_s, not lost
             for node_id, state in list(self._state().nodes.items()):
                 if state.phase is not NodePhase.JOINED:
                     continue

@@ -15,7 +15,7 @@ import pytest
 
 from stead.core.config import Settings
 from stead.core.errors import InvalidRequest, RpcUnavailable, StoreUnavailable
-from stead.core.events import JobSubmitted, PluginFailed, Record, RoundStarted, WorkerFailed
+from stead.core.events import JobStopped, JobSubmitted, PluginFailed, Record, RoundStarted, WorkerFailed
 from stead.core.events.log import EventLog
 from stead.core.master import Master, MasterConfig, MasterTaskFailed
 from stead.core.platform import NodeSpec, PlatformEvent
@@ -216,6 +216,25 @@ async def test_a_node_whose_heartbeats_stop_is_lost_killed_and_relaunched(tmp_pa
     assert state.nodes["node-0"].phase is NodePhase.JOINED
     assert state.phase is JobPhase.RECOVERING and state.rdzv.active is False
     assert ("node-1", 1) in platform.kills and ("node-1", 2) in platform.launches
+
+
+async def test_the_nodes_of_an_ended_job_may_go_quiet_while_they_stop_without_being_lost(tmp_path: Path) -> None:
+    """Stopping, an agent writes its checkpoint to disk and beats no more: the platform's grace, not a loss."""
+    platform = RecordingPlatform()
+    settings = Settings(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.3)
+    config = MasterConfig(job="quiet", settings=settings, platform=platform, node_spec=_spec, plugins=[],
+                          token_file=str(tmp_path / "t"), tcp_store=False)
+    async with Master(config) as master:
+        await master.submit_job(_job(1))
+        async with MasterClient(master.address, master.token, call_timeout_s=5) as client:
+            await client.register(_register("node-0"))
+            await master.reactor.wait_until(lambda s: s.phase is JobPhase.RUNNING)
+            await master.submit(JobStopped(reason="stopped by SIGTERM"))
+            await anyio.sleep(10 * settings.heartbeat_timeout_s)  # many timeouts without a beat
+            state = master.state
+    assert state.phase is JobPhase.STOPPED
+    assert state.nodes["node-0"].phase is NodePhase.JOINED and state.nodes["node-0"].incarnation == 1
+    assert platform.kills == []
 
 
 class _BrokenPlatform(RecordingPlatform):

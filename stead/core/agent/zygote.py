@@ -102,6 +102,9 @@ class Zygote:
         self._send_lock = anyio.Lock()
         self._settled = anyio.Event()
         self._ready_info: dict[str, Any] | None = None
+        #: preload requests not answered yet (even if their caller gave up): the zygote imports, and reads no
+        #: request (nor EOF) until it is done
+        self._preloading: set[int] = set()
         self._dead: str | None = None
         self._closing = False
 
@@ -153,8 +156,10 @@ class Zygote:
         proc = self._proc
         if proc is None:
             return
-        if proc.poll() is None and self._ready_info is None:
-            proc.kill()  # still importing, so it has forked no worker yet and has nothing to clean up
+        if proc.poll() is None and (self._ready_info is None or self._preloading):
+            # still importing: it would read the EOF only after the imports (seconds). Nothing to clean up:
+            # before it was ready it forked no worker, and the worker groups stopped theirs before we close
+            proc.kill()
         if proc.poll() is None:
             with anyio.move_on_after(self._settings.worker_stop_grace_s):
                 await anyio.wait_readable(self._pidfd)
@@ -219,18 +224,22 @@ class Zygote:
 
     async def preload(self, modules: Sequence[str]) -> dict[str, str]:
         """Import more modules in the zygote; returns the ones that failed, with the error."""
-        reply = await self._request({"op": "preload", "modules": list(modules)}, [])
+        reply = await self._request({"op": "preload", "modules": list(modules)}, [], busy=self._preloading)
         failed = {str(k): str(v) for k, v in reply.get("failed", {}).items()}
         if failed:
             log.warning("zygote_preload_failed", failed=failed)
         return failed
 
-    async def _request(self, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+    async def _request(self, message: dict[str, Any], fds: list[int], *, busy: set[int] | None = None
+                       ) -> dict[str, Any]:
+        """Send one request and wait for its reply; ``busy`` holds the request's id until the reply arrives."""
         if self._dead is not None or self._sock is None:
             raise ZygoteUnavailable(f"the zygote is not running ({self._dead or 'not started'}); "
                                     "workers are spawned instead")
         request_id = next(self._ids)
         reply = self._replies[request_id] = _Reply()
+        if busy is not None:
+            busy.add(request_id)
         try:
             await self._send({**message, "id": request_id}, fds)
             await reply.event.wait()
@@ -319,6 +328,7 @@ class Zygote:
             log.warning("zygote_error", error=message.get("error"))
         else:
             request_id = int(message.get("id") or 0)
+            self._preloading.discard(request_id)
             reply = self._replies.get(request_id)
             if reply is not None:
                 reply.message = message

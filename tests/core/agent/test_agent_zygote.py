@@ -7,12 +7,14 @@ import os
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 from _agent_helpers import py, read_json, spec, wait_for_file, write
 
 from stead.core.agent._zygote_main import parse_python_argv
 from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote, ZygoteUnavailable
+from stead.core.config import Settings
 
 pytestmark = pytest.mark.anyio
 
@@ -188,6 +190,31 @@ async def test_preload_imports_in_the_zygote_and_workers_inherit_it(tmp_path: Pa
         # a start-up variable that differs from the zygote's cannot be honoured after fork: exec instead
         await run_one(group, py(script), tmp_path, env={"OMP_NUM_THREADS": "3"})
         assert await wait_for_file(out) == "False\n"
+
+
+async def test_a_zygote_closed_while_it_imports_is_killed_not_waited_for(tmp_path: Path) -> None:
+    """A preload in flight (its caller cancelled) keeps the zygote from reading EOF: it is killed at once.
+
+    With a stop grace longer than the test's timeout, waiting for EOF to be read would hang the test.
+    """
+    started = tmp_path / "started"
+    write(tmp_path, "slow_import_xyz.py", f"""
+        import time
+        open({str(started)!r}, "w").write("importing\\n")
+        time.sleep(600)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    async with Zygote(Settings(worker_stop_grace_s=3600.0), preload=(), env=env) as zygote:
+        assert await zygote.wait_ready()
+        with anyio.move_on_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(zygote.preload, ["slow_import_xyz"])
+                await wait_for_file(started)
+                tg.cancel_scope.cancel()
+        pid = zygote.pid
+    assert pid is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # gone and reaped
 
 
 async def test_a_closed_zygote_refuses_requests(tmp_path: Path) -> None:
