@@ -114,6 +114,8 @@ class Reactor:
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
         self._scheduled: set[str] = set()
+        #: effect keys of the emissions this reactor made or found made
+        self._emitted: set[str] = set()
         self._tasks = TaskOwner()
         self._since_snapshot = 0
         self._stopped: BaseException | None = None
@@ -297,11 +299,21 @@ class Reactor:
             queue.extend(await self._write(lambda: self.log.append_many(failures)))
 
     async def _emit(self, effect: Emit, *, resuming: bool) -> list[Record]:
-        """Append the emitted event together with its effect key (unless a previous master did)."""
+        """Append the emitted event together with its effect key (unless this master or a previous one did).
+
+        The machine may ask twice for the same emission: records persisted together are folded in order, so a
+        second record can ask again before the first one's emitted event is folded (two agents' NodeJoined for
+        the last place of a round, a retried registration). Same key, same emission: done once.
+        """
         key = self._effect_key(effect)
+        if key in self._emitted:
+            log.debug("emit_repeated", job=self.log.job, effect=effect.id)
+            return []
         if resuming and await self._write(lambda: self.log.store.get(key)) is not None:
+            self._emitted.add(key)
             return []
         records: list[Record] = await self._write(lambda: self.log.append_many([effect.event], extra=[(key, b"")]))
+        self._emitted.add(key)
         return records
 
     async def _run_effect(self, effect: Effect, resuming: bool, failures: list[EffectFailed]) -> None:

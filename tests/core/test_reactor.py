@@ -53,6 +53,26 @@ async def test_a_last_call_timer_armed_again_after_firing_starts_the_round() -> 
     assert sum(isinstance(r.event, RoundStarted) for r in records) == 1
 
 
+async def test_an_emission_asked_for_twice_before_its_event_is_folded_is_made_once() -> None:
+    """The last node's NodeJoined twice in one write (a registration retried while the first was queued): each
+    asks for round 1 before its RoundStarted is folded. The master must start the round once, not die on the
+    second emission's effect key (it did, at 1,000 simulated nodes)."""
+    store = await open_store("memory://")
+    spec = JobSubmitted(job="t", min_nodes=2, max_nodes=2, nproc_per_node=1)
+    async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as reactor:
+        await reactor.resume()
+        await reactor.submit(spec)
+        await reactor.submit(NodeJoined(node_id="node-0", incarnation=1))
+        last = NodeJoined(node_id="node-1", incarnation=1)
+        await reactor.submit_many([last, last])
+        state = await reactor.wait_until(lambda s: s.rdzv.round == 1)
+        await reactor.submit(StepProgress(round=1, step=1))  # the reactor still runs
+        records = await reactor.log.read()
+    await store.close()
+    assert state.phase is JobPhase.RUNNING
+    assert sum(isinstance(r.event, RoundStarted) for r in records) == 1
+
+
 async def test_snapshots_bound_the_replay_and_compact_the_store_history(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'r.db'}"
     settings = Settings(snapshot_every=10, store_history_keep=5)
