@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from stead.core.events import RoundCompleted, RoundStarted, WorkersStarted, WorkersSucceeded
 from stead.core.statemachine.base import Transition, reject
@@ -45,17 +45,19 @@ def natural_key(node_id: str) -> tuple[object, ...]:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", node_id))
 
 
-def order_members(previous: tuple[str, ...], joined: tuple[str, ...], max_nodes: int) -> tuple[str, ...]:
+def order_members(previous: Sequence[str], joined: Sequence[str], max_nodes: int) -> tuple[str, ...]:
     """Previous members that are still here keep their order; newcomers follow in natural order."""
-    kept = [n for n in previous if n in joined]
-    fresh = sorted((n for n in joined if n not in kept), key=natural_key)
+    here = set(joined)
+    kept = [n for n in previous if n in here]
+    old = set(kept)
+    fresh = sorted((n for n in here if n not in old), key=natural_key)
     return tuple([*kept, *fresh][:max_nodes])
 
 
 def plan_round(
     rdzv: RendezvousState,
     *,
-    joined: tuple[str, ...],
+    joined: Sequence[str],
     min_nodes: int,
     max_nodes: int,
     nproc_per_node: int,
@@ -72,14 +74,15 @@ def plan_round(
     if rdzv.active:
         return ()
     upcoming = rdzv.round + 1
-    previous_all_here = bool(rdzv.members) and set(rdzv.members) <= set(joined)
-    if len(joined) >= max_nodes or (previous_all_here and len(joined) >= min_nodes):
+    count = len(joined)  # the names are listed only when a round may start
+    previous_all_here = bool(rdzv.members) and count >= min_nodes and set(rdzv.members) <= set(joined)
+    if count >= max_nodes or previous_all_here:
         members = order_members(rdzv.members, joined, max_nodes)
         started = RoundStarted(
             round=upcoming, members=members, nproc_per_node=nproc_per_node, restart_count=restart_count
         )
         return (Emit(key=f"round/{upcoming}", event=started),)
-    if len(joined) >= min_nodes:
+    if count >= min_nodes:
         return (StartTimer(name=f"last-call/{upcoming}", at=now + last_call_timeout_s),)
     return ()
 
