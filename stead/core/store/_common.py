@@ -104,17 +104,17 @@ def check_value(key: str, value: object) -> bytes:
     raise StoreError(f"value for store key {key!r} must be bytes, got {type(value).__name__}; encode it first")
 
 
-def check_items(items: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes, bytes]]:
-    """Validated ``(key, key_bytes, value)`` triples for ``create_all``."""
+def check_items(items: Sequence[tuple[str, bytes]], *, what: str = "create_all") -> list[tuple[str, bytes, bytes]]:
+    """Validated ``(key, key_bytes, value)`` triples for ``create_all`` (or ``put_all``: ``what``)."""
     if len(items) > MAX_TXN_ITEMS:
-        raise StoreError(f"create_all got {len(items)} items but one atomic create takes at most {MAX_TXN_ITEMS} "
+        raise StoreError(f"{what} got {len(items)} items but one transaction takes at most {MAX_TXN_ITEMS} "
                          "(etcd's transaction limit); split the batch into smaller calls")
     checked: list[tuple[str, bytes, bytes]] = []
     seen: set[str] = set()
     for key, value in items:
         raw = check_key(key)
         if key in seen:
-            raise StoreError(f"create_all got key {key!r} twice; pass each key once")
+            raise StoreError(f"{what} got key {key!r} twice; pass each key once")
         seen.add(key)
         checked.append((key, raw, check_value(key, value)))
     return checked

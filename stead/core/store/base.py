@@ -76,6 +76,9 @@ class StateStore(Protocol):
     async def create_all(self, items: Sequence[tuple[str, bytes]]) -> bool:
         """Atomically create every key, or none if any of them already exists."""
 
+    async def put_all(self, items: Sequence[tuple[str, bytes]]) -> int:
+        """Write every key unconditionally, atomically, at one revision (at most MAX_TXN_ITEMS); return it."""
+
     async def delete(self, key: str) -> bool:
         """Delete ``key``; ``True`` if it existed."""
 

@@ -269,6 +269,15 @@ class EtcdStore:
         response = await self._call("compare_and_put", self._kv.Txn, rpc.TxnRequest(compare=[compare], success=[put]))
         return bool(response.succeeded)
 
+    async def put_all(self, items: Sequence[tuple[str, bytes]]) -> int:
+        checked = check_items(items, what="put_all")
+        if not checked:
+            return await self.revision()
+        request = rpc.TxnRequest(
+            success=[rpc.RequestOp(request_put=rpc.PutRequest(key=raw, value=value)) for _, raw, value in checked])
+        response = await self._call("put_all", self._kv.Txn, request)
+        return int(response.header.revision)
+
     async def create_all(self, items: Sequence[tuple[str, bytes]]) -> bool:
         checked = check_items(items)
         if not checked:

@@ -176,6 +176,19 @@ class MemoryStore:
             self._notify()
             return True
 
+    async def put_all(self, items: Sequence[tuple[str, bytes]]) -> int:
+        checked = check_items(items, what="put_all")
+        await anyio.lowlevel.checkpoint()
+        with self._lock:
+            self._check_open()
+            if not checked:
+                return self._revision
+            self._revision += 1
+            for key, _, value in checked:
+                self._write(key, value, None, self._revision)
+            self._notify()
+            return self._revision
+
     async def create_all(self, items: Sequence[tuple[str, bytes]]) -> bool:
         checked = check_items(items)
         await anyio.lowlevel.checkpoint()

@@ -375,6 +375,16 @@ class SqliteStore:
 
         return await self._run(self._write, body)
 
+    async def put_all(self, items: Sequence[tuple[str, bytes]]) -> int:
+        raws = [(raw, value) for _, raw, value in check_items(items, what="put_all")]
+
+        def body(tx: _Tx) -> int:
+            if raws:
+                tx.put_many(raws, None)
+            return tx.revision
+
+        return await self._run(self._write, body)
+
     async def create_all(self, items: Sequence[tuple[str, bytes]]) -> bool:
         checked = check_items(items)
         if not checked:

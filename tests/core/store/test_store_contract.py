@@ -127,6 +127,20 @@ class TestStoreContract:
         assert [(kv.key, kv.value) for kv in kvs] == items
         assert len({kv.mod_revision for kv in kvs}) == 1
 
+    async def test_put_all_writes_new_and_existing_keys_at_one_revision(self, backend: Backend) -> None:
+        store = backend.store
+        await store.put(backend.key("done/0001"), b"running")
+        items = [(backend.key(f"done/{i:04d}"), b"done") for i in range(64)]
+        revision = await store.put_all(items)
+        kvs = await store.range(backend.key("done/"))
+        assert [(kv.key, kv.value) for kv in kvs] == items
+        assert {kv.mod_revision for kv in kvs} == {revision}
+        assert await store.put_all([]) == revision  # nothing to write: the revision stays
+        with pytest.raises(StoreError, match=r"put_all got .* twice"):
+            await store.put_all([(backend.key("done/x"), b"1"), (backend.key("done/x"), b"2")])
+        with pytest.raises(StoreError, match="split the batch"):
+            await store.put_all([(backend.key(f"many/{i}"), b"v") for i in range(MAX_TXN_ITEMS + 1)])
+
     async def test_create_all_is_all_or_nothing(self, backend: Backend) -> None:
         store = backend.store
         await store.put(backend.key("ev/0002"), b"taken")
