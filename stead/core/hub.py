@@ -9,9 +9,10 @@ themselves are not events: only what they change is recorded.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import structlog
 
@@ -59,6 +60,11 @@ __all__ = ["AgentHub"]
 
 log = structlog.get_logger("stead.hub")
 
+#: the longest the heartbeat watcher sleeps between two looks at the nodes
+_WATCH_MAX_S = 0.5
+#: progress is recorded at most once per progress_interval_s, give or take the jitter of the timer that looks
+_PROGRESS_SLACK = 0.9
+
 
 @dataclasses.dataclass
 class _Node:
@@ -75,6 +81,10 @@ class _Node:
     phase: str = ""
     #: seconds per step the node's slowest rank spends on its own work; None when not measured yet
     step_compute_s: float | None = None
+    #: its phase changed since the progress was last looked at
+    phase_changed: bool = False
+    #: what its last heartbeat said, for plugins; None before the first
+    telemetry: NodeTelemetry | None = None
 
 
 class AgentHub:
@@ -99,6 +109,9 @@ class AgentHub:
         self._progress_step: int | None = None
         self._progress_at = 0.0
         self._progress_phase = ""
+        #: the members of round ``_unstepped_round`` that have not reported a step yet
+        self._unstepped: set[str] = set()
+        self._unstepped_round = 0
         #: False while the master replays its log: agents are told to retry, not that their node is unknown
         self.serving = True
 
@@ -142,22 +155,66 @@ class AgentHub:
         )
 
     async def heartbeat(self, info: HeartbeatInfo) -> bool:
+        known = self._beat(info)
+        if known and self._progress_due(info):
+            await self._maybe_progress()
+        return known
+
+    async def heartbeats(self, beats: Sequence[HeartbeatInfo]) -> list[str]:
+        unknown, due = [], False
+        for info in beats:
+            if self._beat(info):
+                due = self._progress_due(info) or due  # every beat is looked at: it may be a member's first step
+            else:
+                unknown.append(info.node_id)
+        if due:
+            await self._maybe_progress()
+        return unknown
+
+    def _beat(self, info: HeartbeatInfo) -> bool:
+        """Take one heartbeat in (no event: only what it changes is recorded); False for an unknown node."""
         if not self._check(info.node_id, info.incarnation):
             return False
         node = self._node(info.node_id, info.incarnation)
         node.seen = self._clock()
+        node.phase_changed = node.phase_changed or info.phase != node.phase
         node.round, node.step = info.round, info.step
         node.rss_bytes, node.cpu_percent = info.rss_bytes, info.cpu_percent
         node.phase, node.step_compute_s = info.phase, info.step_compute_s
-        await self._maybe_progress()
-        return True
-
-    def telemetry(self) -> dict[str, NodeTelemetry]:
-        """node id -> what its last heartbeat said (for plugins: stragglers, resources)."""
-        return {node_id: NodeTelemetry(incarnation=node.incarnation, round=node.round, step=node.step,
+        node.telemetry = NodeTelemetry(incarnation=node.incarnation, round=node.round, step=node.step,
                                        step_compute_s=node.step_compute_s, rss_bytes=node.rss_bytes,
                                        cpu_percent=node.cpu_percent, seen=node.seen)
-                for node_id, node in self._nodes.items()}
+        return True
+
+    def _progress_due(self, info: HeartbeatInfo) -> bool:
+        """Whether this heartbeat may complete a record of progress that should not wait for the next tick of
+        :meth:`watch_progress`: the round's first step (its time ends a recovery) or a phase's start or end.
+
+        Cheap for every heartbeat: the members still to report a first step are kept as a set.
+        """
+        node = self._nodes.get(info.node_id)
+        if node is not None and node.phase_changed:
+            node.phase_changed = False
+            return True
+        rdzv = self._state().rdzv
+        if not rdzv.active or self._progress_round == rdzv.round or info.step is None or info.round != rdzv.round:
+            return False
+        if self._unstepped_round != rdzv.round:
+            self._unstepped_round = rdzv.round
+            self._unstepped = {m for m in rdzv.members if not self._stepped(m, rdzv.round)}
+        self._unstepped.discard(info.node_id)
+        return not self._unstepped
+
+    def _stepped(self, node_id: str, round_: int) -> bool:
+        node = self._nodes.get(node_id)
+        return node is not None and node.round == round_ and node.step is not None
+
+    def telemetry(self) -> dict[str, NodeTelemetry]:
+        """node id -> what its last heartbeat said (for plugins: stragglers, resources).
+
+        Each node's record is made when its heartbeat arrives, not here: plugins ask every second, and at
+        10,000 nodes making them all at each ask cost more than the heartbeats themselves."""
+        return {node_id: node.telemetry for node_id, node in self._nodes.items() if node.telemetry is not None}
 
     async def commands(self, node_id: str, incarnation: int) -> AsyncIterator[AgentCommand]:
         if not self._check(node_id, incarnation):
@@ -262,12 +319,25 @@ class AgentHub:
     # -- monitoring ----------------------------------------------------------------
 
     async def watch_heartbeats(self) -> None:
-        """Declare a joined node lost when it has been silent for ``heartbeat_timeout_s``."""
+        """Declare a joined node lost when it has been silent for ``heartbeat_timeout_s``.
+
+        It looks every heartbeat interval, and at least every ``_WATCH_MAX_S``: a node is declared lost within
+        that much of its timeout, whatever the interval (a scan of 10,000 nodes takes a few milliseconds).
+        """
         for node_id, state in self._state().nodes.items():  # after a master restart: everyone gets a full timeout
             self._node(node_id, state.incarnation).seen = self._clock()
+        period = min(self.settings.heartbeat_interval_s, _WATCH_MAX_S)
+        lags: collections.deque[tuple[float, float]] = collections.deque()
         while True:
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            before = self._clock()
+            await asyncio.sleep(period)
             now = self._clock()
+            # a master too busy to read its heartbeats (a round of thousands of nodes starting) must not blame the
+            # nodes: its own lateness over the last timeout is added to every node's allowance
+            lags.append((now, max(0.0, now - before - period)))
+            while lags[0][0] < now - self.settings.heartbeat_timeout_s:
+                lags.popleft()
+            allowance = self.settings.heartbeat_timeout_s + max(lag for _, lag in lags)
             if self._state().phase.terminal:
                 continue  # the job ended: its nodes stop (and go quiet) within shutdown_grace_s, not lost
             for node_id, state in list(self._state().nodes.items()):
@@ -275,13 +345,19 @@ class AgentHub:
                     continue
                 node = self._node(node_id, state.incarnation)
                 silent = now - node.seen
-                if silent > self.settings.heartbeat_timeout_s:
+                if silent > allowance:
                     node.seen = now  # report once per timeout
                     log.warning("node_silent", node=node_id, incarnation=state.incarnation, silent_s=round(silent, 1))
                     await self._submit(NodeLost(
                         node_id=node_id, incarnation=state.incarnation,
                         reason=f"no heartbeat for {self.settings.heartbeat_timeout_s:g} s",
                     ))
+
+    async def watch_progress(self) -> None:
+        """Record the round's step progress every ``progress_interval_s`` (once per interval, not per heartbeat)."""
+        while True:
+            await asyncio.sleep(self.settings.progress_interval_s)
+            await self._maybe_progress()
 
     async def _maybe_progress(self) -> None:
         state = self._state()
@@ -301,7 +377,7 @@ class AgentHub:
         if not first and phase == self._progress_phase:  # a phase's start and end are recorded at once
             if self._progress_step is not None and step <= self._progress_step:
                 return
-            if now - self._progress_at < self.settings.progress_interval_s:
+            if now - self._progress_at < _PROGRESS_SLACK * self.settings.progress_interval_s:
                 return
         self._progress_round, self._progress_step, self._progress_at = rdzv.round, step, now
         self._progress_phase = phase

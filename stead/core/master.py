@@ -271,6 +271,7 @@ class Master:
             platform = cfg.platform
             tasks.start("platform-events", lambda: self._pump_platform(platform))
         tasks.start("heartbeats", self.hub.watch_heartbeats)
+        tasks.start("progress", self.hub.watch_progress)
         await self._reactor.resume(before_acting=self._adopt_nodes)
         self.hub.serving = True
         host = self.plugin_host

@@ -35,7 +35,7 @@ from stead.core.rpc.backend import (
     WorkersState,
     WorkerStack,
 )
-from stead.core.rpc.client import MasterClient, RpcConnection, retrying
+from stead.core.rpc.client import HeartbeatStream, MasterClient, RpcConnection, retrying
 from stead.core.rpc.server import RpcServer, Servicer
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "DumpStacksCmd",
     "FailureInfo",
     "HeartbeatInfo",
+    "HeartbeatStream",
     "MasterClient",
     "RegisterInfo",
     "RegisterResult",

@@ -11,6 +11,8 @@ import math
 from collections.abc import AsyncGenerator
 
 import grpclib.const
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
 from stead.core.rpc._convert import (
@@ -31,6 +33,8 @@ from stead.core.rpc._proto.stead.v1 import (
     CommandsRequest,
     FailureReport,
     HealthReport,
+    HeartbeatBatch,
+    HeartbeatBatchReply,
     HeartbeatReply,
     HeartbeatRequest,
     RegisterReply,
@@ -39,11 +43,18 @@ from stead.core.rpc._proto.stead.v1 import (
     WorkersReport,
 )
 from stead.core.rpc._status import backend_errors, invalid
-from stead.core.rpc.backend import MAX_ERROR_TAIL_CHARS, MAX_EVIDENCE_CHARS, MAX_HOST_CHARS, AgentBackend
+from stead.core.rpc.backend import (
+    MAX_BATCH_BEATS,
+    MAX_ERROR_TAIL_CHARS,
+    MAX_EVIDENCE_CHARS,
+    MAX_HOST_CHARS,
+    AgentBackend,
+)
 
 __all__ = ["AgentServicer", "check_node_id"]
 
 _COMMANDS_ROUTE = "/stead.v1.AgentService/Commands"
+_BEATS_ROUTE = "/stead.v1.AgentService/HeartbeatStream"
 _MAX_NODE_ID = 253  # the longest DNS name, so that a Kubernetes pod name always fits
 _BAD_NODE_ID_CHARS = frozenset(" /\\")
 #: bounds on a StacksReport: workers per node, characters per worker's dump
@@ -74,6 +85,21 @@ def _at_least(where: str, field: str, value: int, minimum: int, meaning: str) ->
         invalid(f"{where}.{field} is {value}: it must be at least {minimum} ({meaning})")
 
 
+def _check_heartbeat(where: str, message: HeartbeatRequest) -> None:
+    _check_node(where, message.node_id, message.incarnation)
+    _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
+    _at_least(where, "step", message.step, NO_STEP, f"a training step, or {NO_STEP} before the first one")
+    _at_least(where, "workers_alive", message.workers_alive, 0, "a count of processes")
+    if message.rss_bytes is not None:
+        _at_least(where, "rss_bytes", message.rss_bytes, 0, "a memory size; leave it unset when unknown")
+    if message.cpu_percent is not None and not (math.isfinite(message.cpu_percent) and message.cpu_percent >= 0):
+        invalid(f"{where}.cpu_percent is {message.cpu_percent}: send a finite percentage >= 0, or leave it unset")
+    if message.step_compute_s is not None and not (math.isfinite(message.step_compute_s)
+                                                   and message.step_compute_s >= 0):
+        invalid(f"{where}.step_compute_s is {message.step_compute_s}: send a finite number of seconds >= 0, or "
+                "leave it unset")
+
+
 class AgentServicer(AgentServiceBase):
     """Serves AgentService on behalf of ``backend``."""
 
@@ -97,22 +123,20 @@ class AgentServicer(AgentServiceBase):
         return register_reply_to_proto(result)
 
     async def heartbeat(self, message: HeartbeatRequest) -> HeartbeatReply:
-        where = "HeartbeatRequest"
-        _check_node(where, message.node_id, message.incarnation)
-        _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
-        _at_least(where, "step", message.step, NO_STEP, f"a training step, or {NO_STEP} before the first one")
-        _at_least(where, "workers_alive", message.workers_alive, 0, "a count of processes")
-        if message.rss_bytes is not None:
-            _at_least(where, "rss_bytes", message.rss_bytes, 0, "a memory size; leave it unset when unknown")
-        if message.cpu_percent is not None and not (math.isfinite(message.cpu_percent) and message.cpu_percent >= 0):
-            invalid(f"{where}.cpu_percent is {message.cpu_percent}: send a finite percentage >= 0, or leave it unset")
-        if message.step_compute_s is not None and not (math.isfinite(message.step_compute_s)
-                                                       and message.step_compute_s >= 0):
-            invalid(f"{where}.step_compute_s is {message.step_compute_s}: send a finite number of seconds >= 0, or "
-                    "leave it unset")
+        _check_heartbeat("HeartbeatRequest", message)
         with backend_errors("AgentService.Heartbeat"):
             known = await self._backend.heartbeat(heartbeat_from_proto(message))
         return HeartbeatReply(known=known)
+
+    async def heartbeats(self, message: HeartbeatBatch) -> HeartbeatBatchReply:
+        if len(message.beats) > MAX_BATCH_BEATS:
+            invalid(f"HeartbeatBatch.beats has {len(message.beats)} entries: send at most {MAX_BATCH_BEATS} per call "
+                    "(split the batch)")
+        for i, beat in enumerate(message.beats):
+            _check_heartbeat(f"HeartbeatBatch.beats[{i}]", beat)
+        with backend_errors("AgentService.Heartbeats"):
+            unknown = await self._backend.heartbeats([heartbeat_from_proto(beat) for beat in message.beats])
+        return HeartbeatBatchReply(unknown=list(unknown))
 
     async def commands(self, message: CommandsRequest) -> AsyncGenerator[Command, None]:
         _check_node("CommandsRequest", message.node_id, message.incarnation)
@@ -205,10 +229,24 @@ class AgentServicer(AgentServiceBase):
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         mapping = super().__mapping__()
-        generated = mapping[_COMMANDS_ROUTE]
-        mapping[_COMMANDS_ROUTE] = grpclib.const.Handler(
-            self._serve_commands, generated.cardinality, generated.request_type, generated.reply_type)
+        for route, serve in ((_COMMANDS_ROUTE, self._serve_commands), (_BEATS_ROUTE, self._serve_beats)):
+            generated = mapping[route]
+            mapping[route] = grpclib.const.Handler(serve, generated.cardinality, generated.request_type,
+                                                   generated.reply_type)
         return mapping
+
+    async def _serve_beats(self, stream: Stream[HeartbeatRequest, HeartbeatReply]) -> None:
+        """One agent's heartbeats, a reply to each, until the agent ends the call (a bad one ends it too)."""
+        async for message in stream:
+            try:
+                _check_heartbeat("HeartbeatRequest", message)
+                with backend_errors("AgentService.HeartbeatStream"):
+                    reply = HeartbeatReply(known=await self._backend.heartbeat(heartbeat_from_proto(message)))
+            except GRPCError as exc:
+                if exc.status != Status.INVALID_ARGUMENT:
+                    raise  # the master cannot serve it now: the call ends, the agent opens another
+                reply = HeartbeatReply(known=False, error=exc.message or "invalid heartbeat")  # said, stream kept
+            await stream.send_message(reply)
 
     async def _serve_commands(self, stream: Stream[CommandsRequest, Command]) -> None:
         # Unlike the generated handler, close the command generator (and so the backend's

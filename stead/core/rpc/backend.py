@@ -8,7 +8,7 @@ errors to gRPC statuses. Protobuf types never leave ``stead.core.rpc``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Literal, Protocol
 
 from stead.core.events import NodeHealthReported
@@ -20,6 +20,7 @@ __all__ = [
     "DumpStacksCmd",
     "FailureInfo",
     "HeartbeatInfo",
+    "MAX_BATCH_BEATS",
     "MAX_ERROR_TAIL_CHARS",
     "MAX_EVIDENCE_CHARS",
     "MAX_HOST_CHARS",
@@ -41,6 +42,8 @@ WorkersState = Literal["started", "succeeded"]
 MAX_EVIDENCE_CHARS = 4096
 #: the longest stderr tail a failure report carries (the agent keeps the end of a longer one)
 MAX_ERROR_TAIL_CHARS = 32 * 1024
+#: the most heartbeats one Heartbeats call may carry (an aggregator for a rack, or a few racks)
+MAX_BATCH_BEATS = 10_000
 #: the longest host name an agent may announce (a DNS name)
 MAX_HOST_CHARS = 253
 
@@ -212,6 +215,10 @@ class AgentBackend(Protocol):
 
     async def heartbeat(self, info: HeartbeatInfo) -> bool:
         """False when the node incarnation is unknown: the agent must register again."""
+        ...
+
+    async def heartbeats(self, beats: Sequence[HeartbeatInfo]) -> Sequence[str]:
+        """Many nodes' heartbeats (from an aggregator); returns the node ids among them that must register again."""
         ...
 
     def commands(self, node_id: str, incarnation: int) -> AsyncIterator[AgentCommand]:

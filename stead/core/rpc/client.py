@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from types import TracebackType
-from typing import Self, TypeVar, cast
+from typing import Any, Self, TypeVar, cast
 
 import structlog
 from grpclib.client import Channel
-from grpclib.const import Status
+from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from stead.core.errors import (
@@ -45,6 +45,9 @@ from stead.core.rpc._proto.stead.v1 import (
     AgentServiceStub,
     Command,
     CommandsRequest,
+    HeartbeatBatch,
+    HeartbeatReply,
+    HeartbeatRequest,
     WorkersReport,
 )
 from stead.core.rpc.address import parse_address
@@ -59,7 +62,7 @@ from stead.core.rpc.backend import (
     WorkersState,
 )
 
-__all__ = ["MasterClient", "RpcConnection", "retrying"]
+__all__ = ["HeartbeatStream", "MasterClient", "RpcConnection", "retrying"]
 
 log = structlog.get_logger()
 
@@ -152,6 +155,7 @@ class MasterClient:
 
     def __init__(self, address: str, token: str, *, call_timeout_s: float) -> None:
         self._conn = RpcConnection(address, token, call_timeout_s)
+        self._beats: HeartbeatStream | None = None
 
     @property
     def address(self) -> str:
@@ -171,6 +175,9 @@ class MasterClient:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        beats, self._beats = self._beats, None
+        if beats is not None:
+            await beats.close()
         self._conn.close()
 
     async def register(self, info: RegisterInfo) -> RegisterResult:
@@ -179,10 +186,31 @@ class MasterClient:
         return register_reply_from_proto(reply)
 
     async def heartbeat(self, info: HeartbeatInfo) -> bool:
-        """False when the master does not know this node incarnation: register again."""
+        """False when the master does not know this node incarnation: register again.
+
+        Sent on this client's heartbeat stream (opened at the first heartbeat, again after a failure): a message
+        each way, not a call. A node that shares its connection with others opens its own :meth:`beats`.
+        """
+        if self._beats is None:
+            self._beats = self.beats()
+        return await self._beats.send(info)
+
+    def beats(self) -> HeartbeatStream:
+        """A stream for one node's heartbeats on this client's connection."""
+        return HeartbeatStream(self._conn)
+
+    async def heartbeat_once(self, info: HeartbeatInfo) -> bool:
+        """One heartbeat as a call of its own (what agents of stead 0.1 sent)."""
         with self._conn.errors("AgentService.Heartbeat"):
             reply = await self._stub.heartbeat(heartbeat_to_proto(info), timeout=self._conn.call_timeout_s)
         return reply.known
+
+    async def heartbeats(self, beats: Sequence[HeartbeatInfo]) -> list[str]:
+        """Many nodes' heartbeats in one call (an aggregator's); returns the node ids that must register again."""
+        batch = HeartbeatBatch(beats=[heartbeat_to_proto(info) for info in beats])
+        with self._conn.errors("AgentService.Heartbeats"):
+            reply = await self._stub.heartbeats(batch, timeout=self._conn.call_timeout_s)
+        return list(reply.unknown)
 
     async def commands(self, node_id: str, incarnation: int) -> AsyncGenerator[AgentCommand, None]:
         """The master's commands for this node incarnation, in order, until the master ends the stream.
@@ -231,6 +259,61 @@ class MasterClient:
 
     def __repr__(self) -> str:
         return f"MasterClient({self._conn.address})"
+
+
+class HeartbeatStream:
+    """One node's heartbeats on one long-lived HeartbeatStream call, each answered before the next is sent.
+
+    The call is opened at the first :meth:`send` and again after it broke; a heartbeat that finds it broken, or
+    gets no answer within the call timeout, raises RpcUnavailable (the agent tries again at its next beat).
+    """
+
+    _METHOD = "AgentService.HeartbeatStream"
+
+    def __init__(self, conn: RpcConnection) -> None:
+        self._conn = conn
+        self._call: contextlib.AbstractAsyncContextManager[Any] | None = None
+        self._stream: Any = None
+        self._lock = asyncio.Lock()
+
+    async def send(self, info: HeartbeatInfo) -> bool:
+        async with self._lock:
+            try:
+                with self._conn.errors(self._METHOD):
+                    async with asyncio.timeout(self._conn.call_timeout_s):
+                        if self._stream is None:
+                            call = self._conn.channel.request(_BEATS_PATH, Cardinality.STREAM_STREAM,
+                                                              HeartbeatRequest, HeartbeatReply)
+                            self._stream = await call.__aenter__()
+                            self._call = call
+                        await self._stream.send_message(heartbeat_to_proto(info))
+                        reply = await self._stream.recv_message()
+                if reply is None:
+                    raise RpcUnavailable(f"{self._METHOD}: the master at {self._conn.address} ended the heartbeat "
+                                         "stream; it may be restarting: retry")
+            except BaseException:
+                await self._drop()
+                raise
+        if reply.error:
+            raise InvalidRequest(f"{self._METHOD}: {reply.error}")
+        return bool(reply.known)
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._drop()
+
+    async def _drop(self) -> None:
+        call, self._call, self._stream = self._call, None, None
+        if call is not None:
+            with contextlib.suppress(Exception):  # the call is gone either way; never wait long for it
+                async with asyncio.timeout(_DROP_TIMEOUT_S):
+                    await call.__aexit__(None, None, None)
+
+
+#: the longest a broken heartbeat call is waited for while it is closed
+_DROP_TIMEOUT_S = 1.0
+#: the HeartbeatStream method's path
+_BEATS_PATH = "/stead.v1.AgentService/HeartbeatStream"
 
 
 def _take_back_cancels(task: asyncio.Task[object] | None, before: int) -> None:

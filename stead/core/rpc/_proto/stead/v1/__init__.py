@@ -19,6 +19,8 @@ __all__ = (
     "GetCommittedReply",
     "GetCommittedRequest",
     "HealthReport",
+    "HeartbeatBatch",
+    "HeartbeatBatchReply",
     "HeartbeatReply",
     "HeartbeatRequest",
     "LeaseShardsReply",
@@ -49,7 +51,7 @@ __all__ = (
     "WorkersState",
 )
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -353,10 +355,34 @@ default_message_pool.register_message("stead.v1", "HealthReport", HealthReport)
 
 
 @dataclass(eq=False, repr=False)
+class HeartbeatBatch(betterproto2.Message):
+    beats: "list[HeartbeatRequest]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+
+
+default_message_pool.register_message("stead.v1", "HeartbeatBatch", HeartbeatBatch)
+
+
+@dataclass(eq=False, repr=False)
+class HeartbeatBatchReply(betterproto2.Message):
+    unknown: "list[str]" = betterproto2.field(1, betterproto2.TYPE_STRING, repeated=True)
+    """
+    The node incarnations of the batch the master does not know: their agents must register again.
+    """
+
+
+default_message_pool.register_message("stead.v1", "HeartbeatBatchReply", HeartbeatBatchReply)
+
+
+@dataclass(eq=False, repr=False)
 class HeartbeatReply(betterproto2.Message):
     known: "bool" = betterproto2.field(1, betterproto2.TYPE_BOOL)
     """
     False when the master does not know this node incarnation: register again.
+    """
+
+    error: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    On a HeartbeatStream: what was wrong with the heartbeat it answers (the stream stays open); empty when none.
     """
 
 
@@ -913,6 +939,52 @@ class AgentServiceStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         )
 
+    async def heartbeats(
+        self,
+        message: "HeartbeatBatch",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "HeartbeatBatchReply":
+        """
+        Many nodes' heartbeats in one call: what a per-rack aggregator sends for the agents behind it, so that the
+        master takes one message per rack and interval instead of one per node.
+        """
+
+        return await self._unary_unary(
+            "/stead.v1.AgentService/Heartbeats",
+            message,
+            HeartbeatBatchReply,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
+    async def heartbeat_stream(
+        self,
+        messages: "AsyncIterable[HeartbeatRequest] | Iterable[HeartbeatRequest]",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "AsyncIterator[HeartbeatReply]":
+        """
+        An agent's heartbeats on one long-lived call, a reply per heartbeat: a message each way per beat instead of
+        a call's headers and trailers (what lets one master core take 10,000 nodes' heartbeats).
+        """
+
+        async for response in self._stream_stream(
+            "/stead.v1.AgentService/HeartbeatStream",
+            messages,
+            HeartbeatRequest,
+            HeartbeatReply,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        ):
+            yield response
+
     async def commands(
         self,
         message: "CommandsRequest",
@@ -1229,6 +1301,23 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
+    async def heartbeats(self, message: "HeartbeatBatch") -> "HeartbeatBatchReply":
+        """
+        Many nodes' heartbeats in one call: what a per-rack aggregator sends for the agents behind it, so that the
+        master takes one message per rack and interval instead of one per node.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
+    async def heartbeat_stream(self, messages: "AsyncIterator[HeartbeatRequest]") -> "AsyncIterator[HeartbeatReply]":
+        """
+        An agent's heartbeats on one long-lived call, a reply per heartbeat: a message each way per beat instead of
+        a call's headers and trailers (what lets one master core take 10,000 nodes' heartbeats).
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+        yield HeartbeatReply()
+
     async def commands(self, message: "CommandsRequest") -> "AsyncIterator[Command]":
         """
         The commands for one node incarnation, in order, for as long as it lives.
@@ -1277,6 +1366,20 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.heartbeat(request)
         await stream.send_message(response)
 
+    async def __rpc_heartbeats(self, stream: "grpclib.server.Stream[HeartbeatBatch, HeartbeatBatchReply]") -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.heartbeats(request)
+        await stream.send_message(response)
+
+    async def __rpc_heartbeat_stream(self, stream: "grpclib.server.Stream[HeartbeatRequest, HeartbeatReply]") -> None:
+        request = stream.__aiter__()
+        await self._call_rpc_handler_server_stream(
+            self.heartbeat_stream,
+            stream,
+            request,
+        )
+
     async def __rpc_commands(self, stream: "grpclib.server.Stream[CommandsRequest, Command]") -> None:
         request = await stream.recv_message()
         assert request is not None
@@ -1321,6 +1424,18 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
             "/stead.v1.AgentService/Heartbeat": grpclib.const.Handler(
                 self.__rpc_heartbeat,
                 grpclib.const.Cardinality.UNARY_UNARY,
+                HeartbeatRequest,
+                HeartbeatReply,
+            ),
+            "/stead.v1.AgentService/Heartbeats": grpclib.const.Handler(
+                self.__rpc_heartbeats,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                HeartbeatBatch,
+                HeartbeatBatchReply,
+            ),
+            "/stead.v1.AgentService/HeartbeatStream": grpclib.const.Handler(
+                self.__rpc_heartbeat_stream,
+                grpclib.const.Cardinality.STREAM_STREAM,
                 HeartbeatRequest,
                 HeartbeatReply,
             ),

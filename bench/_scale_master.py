@@ -1,0 +1,91 @@
+"""The master process of bench/master_scale.py: a real master (RPC server, reactor, store) for N simulated nodes.
+
+Run as ``python bench/_scale_master.py --nodes N --store URL --listen-fd FD ...``. It
+serves on the listening socket it was handed (so that a restarted master is found
+where the last one was), submits the job (MIN = MAX = N) unless the store holds it,
+prints one JSON line (address, token, pid) once it serves, and runs until SIGTERM
+(or until its stdin closes: the benchmark that started it is gone).
+The nodes are launched on a RecordingPlatform: it runs nothing; the simulated
+agents of the benchmark register as those nodes, and it says on stdout which
+nodes were relaunched or killed, for the benchmark to start or stop them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from stead.core.config import Settings
+from stead.core.events import JobSubmitted
+from stead.core.logging import configure_logging
+from stead.core.master import Master, MasterConfig
+from stead.core.platform import NodeSpec
+from stead.testing.platforms import RecordingPlatform
+
+
+class _ReportingPlatform(RecordingPlatform):
+    """Runs nothing; tells the benchmark (a JSON line on stdout) which nodes to start and stop, as a platform would
+    start and stop their agents. Incarnation 1 is the benchmark's to start; relaunches are reported."""
+
+    async def launch(self, spec: NodeSpec) -> None:
+        await super().launch(spec)
+        if spec.incarnation > 1:
+            print(json.dumps({"launch": [spec.node_id, spec.incarnation]}), flush=True)
+
+    async def kill(self, node_id: str, incarnation: int) -> None:
+        print(json.dumps({"kill": [node_id, incarnation]}), flush=True)
+        await super().kill(node_id, incarnation)
+
+
+def _spec(node_id: str, incarnation: int, address: str, token_file: str) -> NodeSpec:
+    return NodeSpec(job="", node_id=node_id, incarnation=incarnation, command=("simulated",))
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    settings = Settings.from_mapping({
+        "heartbeat_interval_s": args.interval, "heartbeat_timeout_s": args.timeout, "progress_interval_s": 1.0,
+        "health_check": "off", "retry_deadline_s": 120.0})
+    config = MasterConfig(job=args.job, store_url=args.store, settings=settings, platform=_ReportingPlatform(),
+                          node_spec=_spec, plugins=["diagnosis"], tcp_store=False, listen_fd=args.listen_fd,
+                          token_file=str(Path(args.workdir) / f"{args.job}.token"))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_reader(sys.stdin.fileno(), lambda: sys.stdin.buffer.read1() or stop.set())  # EOF: the benchmark died
+    async with Master(config) as master:
+        await master.submit_job(JobSubmitted(job=args.job, min_nodes=args.nodes, max_nodes=args.nodes,
+                                             nproc_per_node=1, max_restarts=1000, max_node_relaunches=1000,
+                                             join_timeout_s=3600.0))
+        print(json.dumps({"address": master.address, "token": master.token, "pid": os.getpid()}), flush=True)
+        await stop.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--interval", type=float, required=True)
+    parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--profile", default="", help="write cProfile statistics of the master to this file")
+    args = parser.parse_args()
+    configure_logging("json", level="warning")
+    if not args.profile:
+        asyncio.run(_serve(args))
+        return
+    import cProfile
+
+    with cProfile.Profile() as profile:
+        asyncio.run(_serve(args))
+    profile.dump_stats(args.profile)
+
+
+if __name__ == "__main__":
+    main()

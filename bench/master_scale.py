@@ -1,0 +1,293 @@
+"""The master at cluster scale: simulated agents against a real master process, N = 100 .. 10,000 nodes.
+
+A real master (bench/_scale_master.py: RPC server, reactor, diagnosis plugin, a
+sqlite or etcd store) runs pinned to core 0; simulated agents
+(:class:`stead.testing.swarm.Swarm`, the real agent protocol over loopback, no
+workers) run in this process, pinned to core 1. For each store and N it measures:
+
+- rendezvous: from the first registration to every node holding its rank;
+- heartbeats at the interval given: round trip p50/p99 as the agents time it, the
+  master's CPU (share of one core) and its memory per node;
+- progress: StepProgress records the master wrote per second while every node stepped;
+- a lost node: from its last heartbeat to the first StopWorkers its peers got, minus
+  the heartbeat timeout;
+- a mass failure: min(N, 1000) nodes report a worker failure at once: the decisions
+  recorded for that round, and the events the store took per second until the next
+  round ran.
+
+Then, at a 1 s interval, the largest N the master holds with p99 < 100 ms, with one
+heartbeat per call and with heartbeats batched per aggregator (100 nodes a call). Last
+line: one JSON object with each figure and its goal. ``--quick`` runs small sizes only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from stead.core.events import RecoveryDecided, StepProgress  # noqa: E402
+from stead.core.events.log import EventLog  # noqa: E402
+from stead.core.statemachine.job import node_ids  # noqa: E402
+from stead.core.store import open_store  # noqa: E402
+from stead.testing.etcd import EtcdServer  # noqa: E402
+from stead.testing.swarm import Swarm  # noqa: E402
+
+MASTER_CORE, AGENT_CORE = 0, 1
+GOALS = {"hb10s_n10000_p99_ms": "< 100", "hb10s_n10000_master_cpu": "< 0.25", "hb1s_max_nodes": "max, p99 < 100 ms",
+         "rdzv_n1000_s": "< 2", "lost_n10000_detect_over_timeout_s": "< 1", "mass_failure_n1000_decisions": "== 1"}
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class MasterProc:
+    proc: asyncio.subprocess.Process
+    address: str
+    token: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@contextlib.asynccontextmanager
+async def master(job: str, nodes: int, store: str, interval: float, hb_timeout: float, listener: socket.socket,
+                 workdir: Path) -> AsyncIterator[MasterProc]:
+    command = [str(ROOT / "bench" / "_scale_master.py"), "--job", job, "--nodes", str(nodes), "--store", store,
+               "--listen-fd", str(listener.fileno()), "--interval", str(interval), "--timeout", str(hb_timeout),
+               "--workdir", str(workdir)]
+    if os.environ.get("STEAD_SCALE_PROFILE"):  # a directory: cProfile statistics of each master go there
+        command += ["--profile", str(Path(os.environ["STEAD_SCALE_PROFILE"]) / f"{job}.prof")]
+    proc = await asyncio.create_subprocess_exec(sys.executable, *command, stdout=subprocess.PIPE,
+                                                stdin=subprocess.PIPE, pass_fds=[listener.fileno()], cwd=workdir)
+    try:
+        os.sched_setaffinity(proc.pid, {MASTER_CORE})
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the master exited with {await proc.wait()} before serving")
+        info = json.loads(line)
+        yield MasterProc(proc, info["address"], info["token"])
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                async with asyncio.timeout(60):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+@dataclass
+class Run:
+    store: str
+    nodes: int
+    interval: float
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+async def _follow_platform(m: MasterProc, swarm: Swarm) -> None:
+    """Start and stop simulated nodes as the master's platform launches and kills them."""
+    assert m.proc.stdout is not None
+    while line := await m.proc.stdout.readline():
+        order = json.loads(line)
+        if "launch" in order:
+            node_id, incarnation = order["launch"]
+            swarm.start([node_id], incarnation=incarnation)
+        elif "kill" in order:
+            swarm.kill(*order["kill"])
+
+
+async def _records(store_url: str, job: str) -> list[Any]:
+    store = await open_store(store_url)
+    try:
+        return await EventLog(store, job).read()
+    finally:
+        await store.close()
+
+
+async def measure(run: Run, store_url: str, job: str, *, window_s: float, lost: bool, mass: int, batch: int,
+                  workdir: Path) -> None:
+    n, interval = run.nodes, run.interval
+    timeout = max(3 * interval, 5.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        async with master(job, n, store_url, interval, timeout, listener, workdir) as m, \
+                Swarm(m.address, m.token, interval_s=interval, batch=batch, call_timeout_s=30.0) as swarm:
+            platform = asyncio.create_task(_follow_platform(m, swarm))
+            rss0 = _rss(m.pid)
+            started = time.monotonic()
+            swarm.start(node_ids(n), patience_s=60)  # the master may not have recorded all N yet
+            await swarm.wait(lambda s: len(s.assigned(1)) == n, timeout_s=600)
+            joined = max(node.registered_at or 0.0 for node in swarm.nodes.values())
+            assigned = max(node.assigned_at[1] for node in swarm.nodes.values())
+            run.figures.update(join_s=joined - started, rdzv_s=assigned - started, rdzv_after_join_s=assigned - joined)
+            ranks = swarm.assigned(1)
+            assert sorted(ranks.values()) == list(range(n)), "ranks are not 0..N-1, each once"
+            await asyncio.sleep(min(interval, 2.0))  # every node has beaten once since the round started
+            swarm.latencies.clear()
+            swarm.heartbeat_errors = 0
+            cpu0, wall0 = _cpu_s(m.pid), time.monotonic()
+            step = 0
+            at = time.time()
+            while time.monotonic() - wall0 < window_s:
+                step += 1
+                swarm.set_step(step)
+                await asyncio.sleep(1.0)
+            cpu = (_cpu_s(m.pid) - cpu0) / (time.monotonic() - wall0)
+            window_end = time.time()
+            lat = list(swarm.latencies)
+            run.figures.update(hb_p50_ms=_pct(lat, 0.5) * 1e3, hb_p99_ms=_pct(lat, 0.99) * 1e3, hb_calls=len(lat),
+                               hb_errors=swarm.heartbeat_errors, master_cpu=cpu,
+                               rss_per_node_kb=(_rss(m.pid) - rss0) / n / 1024, progress_window=(at, window_end))
+            if lost:
+                victim = f"node-{n // 2}"
+                swarm.silence(victim)
+                await swarm.wait(lambda s: bool(s.stopped(1)), timeout_s=timeout + 2 * interval + 30)
+                first_stop = min(swarm.stopped(1).values())
+                last_beat = swarm.nodes[victim].last_beat or first_stop
+                run.figures["lost_detect_over_timeout_s"] = first_stop - last_beat - timeout
+                await swarm.wait(lambda s: len(s.assigned(2)) == n, timeout_s=120)
+                current = 2
+            else:
+                current = 1
+            if mass:
+                failing = node_ids(n)[:mass]
+                t0, at0 = time.monotonic(), time.time()
+                await swarm.fail(failing, round=current)
+                await swarm.wait(lambda s: len(s.assigned(current + 1)) == n, timeout_s=120)
+                run.figures.update(mass_failed=mass, mass_recovery_s=time.monotonic() - t0,
+                                   mass_window=(at0, time.time()), mass_round=current)
+            platform.cancel()
+    finally:
+        listener.close()
+    records = await _records(store_url, job)
+    a, b = run.figures.pop("progress_window")
+    progress = [r for r in records if isinstance(r.event, StepProgress) and a <= r.at <= b]
+    run.figures["progress_records_per_s"] = len(progress) / (b - a)
+    if "mass_window" in run.figures:
+        a, b = run.figures.pop("mass_window")
+        in_window = [r for r in records if a <= r.at <= b]
+        run.figures["mass_events"] = len(in_window)
+        run.figures["mass_events_per_s"] = len(in_window) / max(1e-9, in_window[-1].at - a) if in_window else 0.0
+        run.figures["mass_decisions"] = sum(1 for r in records if isinstance(r.event, RecoveryDecided)
+                                            and r.event.round == run.figures["mass_round"])
+
+
+async def max_nodes(store_url: str, sizes: list[int], *, batch: int, workdir: Path) -> tuple[int, list[Run]]:
+    """The largest N in ``sizes`` whose heartbeats at 1 s hold p99 < 100 ms (stops at the first that does not)."""
+    best, runs = 0, []
+    for n in sizes:
+        run = Run(store="sqlite", nodes=n, interval=1.0)
+        name = f"hb1s-{batch}-{n}"
+        await measure(run, store_url.format(n=name), name, window_s=10.0, lost=False, mass=0, batch=batch,
+                      workdir=workdir)
+        runs.append(run)
+        _row(run, f"1 s, {'batched ' + str(batch) if batch else 'one per call'}")
+        if run.figures["hb_p99_ms"] < 100 and run.figures["hb_errors"] == 0:
+            best = n
+        else:
+            break
+    return best, runs
+
+
+def _row(run: Run, label: str) -> None:
+    f = run.figures
+    print(f"{run.store:6} N={run.nodes:6} {label:22} rdzv {f.get('rdzv_s', float('nan')):6.2f} s "
+          f"(join {f.get('join_s', float('nan')):5.2f})  hb p50 {f.get('hb_p50_ms', float('nan')):7.1f} ms "
+          f"p99 {f.get('hb_p99_ms', float('nan')):7.1f} ms  err {f.get('hb_errors', 0):4}  "
+          f"cpu {f.get('master_cpu', float('nan')):5.2f}  rss/node {f.get('rss_per_node_kb', float('nan')):5.1f} KiB  "
+          f"progress {f.get('progress_records_per_s', float('nan')):4.2f}/s  "
+          f"lost +{f.get('lost_detect_over_timeout_s', float('nan')):5.2f} s  "
+          f"mass {f.get('mass_decisions', '-')} decision(s), {f.get('mass_events_per_s', float('nan')):7.0f} ev/s",
+          flush=True)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    os.sched_setaffinity(0, {AGENT_CORE})
+    sizes = args.sizes or ([100, 1000] if args.quick else [100, 1000, 10000])
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="stead-scale-") as tmp, EtcdServer() as etcd:
+        workdir = Path(tmp)
+        stores = {"sqlite": f"sqlite:///{workdir}/{{n}}.db", "etcd": etcd.url}
+        for store, template in [(k, v) for k, v in stores.items() if k in args.stores]:
+            for n in sizes:
+                run = Run(store=store, nodes=n, interval=args.interval)
+                name = f"{store}-{n}"
+                await measure(run, template.format(n=name), name, window_s=max(10.0, 3 * args.interval),
+                              lost=True, mass=min(n, 1000), batch=0, workdir=workdir)
+                _row(run, f"{args.interval:g} s, one per call")
+                for key, value in run.figures.items():
+                    out[f"{store}_n{n}_{key}"] = value
+        if args.no_ladder:
+            return out
+        ladder = [500, 1000, 2000] if args.quick else [1000, 2000, 3000, 4000, 6000, 8000, 10000]
+        out["hb1s_max_nodes"], _ = await max_nodes(stores["sqlite"], ladder, batch=0, workdir=workdir)
+        batched = [1000, 2000] if args.quick else [10000, 20000]
+        out["hb1s_batched_max_nodes"], _ = await max_nodes(stores["sqlite"], batched, batch=100, workdir=workdir)
+    big = sizes[-1]
+    interval = f"{args.interval:g}"
+    result = {
+        f"hb{interval}s_n{big}_p99_ms": out[f"sqlite_n{big}_hb_p99_ms"],
+        f"hb{interval}s_n{big}_master_cpu": out[f"sqlite_n{big}_master_cpu"],
+        "hb1s_max_nodes": out["hb1s_max_nodes"],
+        "hb1s_batched_max_nodes": out["hb1s_batched_max_nodes"],
+        "rdzv_n1000_s": out["sqlite_n1000_rdzv_s"],
+        f"lost_n{big}_detect_over_timeout_s": out[f"sqlite_n{big}_lost_detect_over_timeout_s"],
+        "mass_failure_n1000_decisions": out["sqlite_n1000_mass_decisions"],
+        "goals": GOALS,
+        **{k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()},
+    }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--interval", type=float, default=10.0, help="heartbeat interval of the main runs (s)")
+    parser.add_argument("--quick", action="store_true", help="N = 100 and 1,000 only")
+    parser.add_argument("--sizes", type=int, nargs="*", help="the N of the main runs (default 100 1000 10000)")
+    parser.add_argument("--stores", nargs="*", default=["sqlite", "etcd"], choices=["sqlite", "etcd"])
+    parser.add_argument("--no-ladder", action="store_true", help="skip the search for the most nodes at 1 s (a "
+                                                                  "partial run: prints the figures, not the summary)")
+    args = parser.parse_args()
+    if len(os.sched_getaffinity(0)) < 2:
+        sys.exit("master_scale needs 2 cores: the master on one, the simulated agents on the other")
+    print(json.dumps(asyncio.run(main_async(args))))
+
+
+if __name__ == "__main__":
+    main()
