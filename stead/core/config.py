@@ -108,6 +108,9 @@ class Settings:
     zygote_wait_s: float = setting(30.0, min=0.0)
     #: how long an agent waits for its workers' stack dumps (a stopped worker never writes one)
     stacks_timeout_s: float = setting(2.0, min=0.1)
+    #: the master sheds load while its event loop runs this late: registrations are refused with a retry-after
+    #: (10,000 agents coming back at once after a master restart wait their turn instead of timing out)
+    shed_lag_s: float = setting(2.0, min=0.01)
     #: how many trailing lines of a failed worker's stderr are reported
     error_tail_lines: int = 40
     #: how often the agent samples step progress, and the master records it as an event

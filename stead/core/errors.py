@@ -32,6 +32,7 @@ __all__ = [
     "LogConflict",
     "LogCorrupt",
     "MasterTaskFailed",
+    "Overloaded",
     "PermanentError",
     "PlatformError",
     "PluginError",
@@ -52,6 +53,9 @@ class SteadError(Exception):
 class RetryableError(SteadError):
     """The same operation may succeed if tried again later."""
 
+    #: how long the other side asked the caller to wait before trying again (a master shedding load); 0: no hint
+    retry_after_s: float = 0.0
+
 
 class PermanentError(SteadError):
     """Retrying the same operation will not help; the input or data must change."""
@@ -63,6 +67,14 @@ class StoreUnavailable(RetryableError):
 
 class RpcUnavailable(RetryableError):
     """The master's RPC endpoint could not be reached."""
+
+
+class Overloaded(RetryableError):
+    """The master sheds load: it refused the call for now, and says how long to wait (``retry_after_s``)."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ReactorStopped(RetryableError):

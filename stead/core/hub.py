@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import structlog
 
 from stead.core.config import Settings
-from stead.core.errors import InvalidRequest, RpcUnavailable
+from stead.core.errors import InvalidRequest, Overloaded, RpcUnavailable
 from stead.core.events import (
     Event,
     NodeHealthReported,
@@ -62,6 +63,8 @@ log = structlog.get_logger("stead.hub")
 
 #: the longest the heartbeat watcher sleeps between two looks at the nodes
 _WATCH_MAX_S = 0.5
+#: registrations are shed while the loop ran late within this many seconds
+_SHED_WINDOW_S = 2.0
 #: progress is recorded at most once per progress_interval_s, give or take the jitter of the timer that looks
 _PROGRESS_SLACK = 0.9
 
@@ -114,6 +117,12 @@ class AgentHub:
         self._unstepped_round = 0
         #: False while the master replays its log: agents are told to retry, not that their node is unknown
         self.serving = True
+        #: how late the master's loop ran recently (the heartbeat watcher measures it); registrations are shed
+        #: (refused with a retry-after) while it is over shed_lag_s
+        self.lag_s = 0.0
+        #: registrations refused so far, shedding load
+        self.shed = 0
+        self._shed_logged = -math.inf
 
     def _node(self, node_id: str, incarnation: int) -> _Node:
         node = self._nodes.get(node_id)
@@ -133,6 +142,15 @@ class AgentHub:
     # -- AgentBackend ---------------------------------------------------------------
 
     async def register(self, info: RegisterInfo) -> RegisterResult:
+        if self.lag_s > self.settings.shed_lag_s:
+            self.shed += 1
+            now = self._clock()
+            if now - self._shed_logged >= 1.0:
+                self._shed_logged = now
+                log.warning("master_shedding_load", lag_s=round(self.lag_s, 2), refused=self.shed,
+                            action="registrations are refused with a retry-after until the master catches up")
+            raise Overloaded(f"the master of job {self.job!r} is overloaded (its loop runs {self.lag_s:.1f} s "
+                             "late); register again after the time it says", retry_after_s=min(30.0, 2 * self.lag_s))
         if not self._check(info.node_id, info.incarnation):
             known = self._state().nodes.get(info.node_id)
             current = f"current incarnation {known.incarnation} is {known.phase.value}" if known else "unknown node"
@@ -337,19 +355,24 @@ class AgentHub:
             lags.append((now, max(0.0, now - before - period)))
             while lags[0][0] < now - self.settings.heartbeat_timeout_s:
                 lags.popleft()
+            self.lag_s = max(lag for at, lag in lags if at >= now - _SHED_WINDOW_S)
             allowance = self.settings.heartbeat_timeout_s + max(lag for _, lag in lags)
             if self._state().phase.terminal:
                 continue  # the job ended: its nodes stop (and go quiet) within shutdown_grace_s, not lost
-            for node_id, state in list(self._state().nodes.items()):
-                if state.phase is not NodePhase.JOINED:
+            # one cheap pass over the hub's own records; the job state is looked at for the few that are late
+            late = [node_id for node_id, node in self._nodes.items() if now - node.seen > allowance]
+            nodes = self._state().nodes
+            for node_id in late:
+                known = nodes.get(node_id)
+                if known is None or known.phase is not NodePhase.JOINED:
                     continue
-                node = self._node(node_id, state.incarnation)
+                node = self._node(node_id, known.incarnation)  # a newer incarnation starts with a full timeout
                 silent = now - node.seen
                 if silent > allowance:
                     node.seen = now  # report once per timeout
-                    log.warning("node_silent", node=node_id, incarnation=state.incarnation, silent_s=round(silent, 1))
+                    log.warning("node_silent", node=node_id, incarnation=known.incarnation, silent_s=round(silent, 1))
                     await self._submit(NodeLost(
-                        node_id=node_id, incarnation=state.incarnation,
+                        node_id=node_id, incarnation=known.incarnation,
                         reason=f"no heartbeat for {self.settings.heartbeat_timeout_s:g} s",
                     ))
 

@@ -32,13 +32,17 @@ async def retrying(
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
     clock: Callable[[], float] = time.monotonic,
     deadline_s: float | None = None,
+    rng: random.Random | None = None,
 ) -> T:
     """``await call()``, retrying a RetryableError with exponential backoff.
 
     The delay starts at ``settings.retry_initial_s`` and doubles up to
-    ``settings.retry_max_s``; after ``deadline_s`` (default ``settings.retry_deadline_s``)
-    the last error is raised. Other errors are raised at once.
+    ``settings.retry_max_s``; each wait is drawn between half the delay and the delay, and
+    is never shorter than the error's ``retry_after_s`` (a master shedding load says it).
+    After ``deadline_s`` (default ``settings.retry_deadline_s``) the last error is raised.
+    Other errors are raised at once.
     """
+    rng = rng or random.Random()
     limit = settings.retry_deadline_s if deadline_s is None else deadline_s
     deadline = clock() + limit
     delay = settings.retry_initial_s
@@ -53,7 +57,9 @@ async def retrying(
                 log.error("retry_gave_up", what=what, attempts=attempt, error=str(exc))
                 exc.add_note(f"gave up after {attempt} attempts over {limit:g} s")
                 raise
-            pause = min(delay, settings.retry_max_s, remaining)
+            # jittered (many agents that lost their master at once must not come back in step), and never sooner
+            # than a shedding master asked
+            pause = min(max(min(delay, settings.retry_max_s) * rng.uniform(0.5, 1.0), exc.retry_after_s), remaining)
             log.warning("retrying", what=what, attempt=attempt, delay_s=round(pause, 3), error=str(exc))
             await sleep(pause)
             delay = min(delay * 2, settings.retry_max_s)
@@ -69,8 +75,9 @@ class Backoff:
         self._rng = rng or random.Random()
         self.delay = settings.retry_initial_s
 
-    async def wait(self) -> None:
-        await anyio.sleep(self.delay * self._rng.uniform(0.5, 1.0))
+    async def wait(self, *, at_least: float = 0.0) -> None:
+        """Sleep the next delay (jittered), and at least ``at_least`` (a shedding master's retry-after)."""
+        await anyio.sleep(max(self.delay * self._rng.uniform(0.5, 1.0), at_least))
         self.delay = min(self.delay * 2, self._settings.retry_max_s)
 
     def reset(self) -> None:

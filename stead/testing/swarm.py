@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import random
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -231,7 +230,7 @@ class Swarm:
                 await asyncio.sleep(_BACKOFF_FIRST_S)
             except RetryableError as exc:  # the master is away, starting, or shedding load: jittered backoff
                 node.refusals += 1
-                await asyncio.sleep(max(_retry_after(exc), self._rng.uniform(0, delay)))
+                await asyncio.sleep(max(exc.retry_after_s, self._rng.uniform(0, delay)))
                 delay = min(delay * 2, _BACKOFF_MAX_S)
         node.registered_at = time.monotonic()
         node.registrations += 1
@@ -336,20 +335,6 @@ class Swarm:
 
     def _notify(self) -> None:
         self._changed.set()
-
-
-def _retry_after(exc: BaseException) -> float:
-    """The wait a shedding master asked for (``retry after N s`` in its answer), else 0."""
-    text = str(exc)
-    marker = "retry after "
-    at = text.find(marker)
-    if at < 0:
-        return 0.0
-    try:
-        value = float(text[at + len(marker):].split()[0].rstrip("s;,"))
-    except (ValueError, IndexError):
-        return 0.0
-    return value if math.isfinite(value) and value >= 0 else 0.0
 
 
 class SwarmPlatform(RecordingPlatform):

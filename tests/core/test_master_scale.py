@@ -8,12 +8,12 @@ import anyio
 import pytest
 
 from stead.core.config import Settings
-from stead.core.errors import InvalidRequest
+from stead.core.errors import InvalidRequest, RetryableError
 from stead.core.events import JobSubmitted, NodeLost, RecoveryDecided, RoundStarted, StepProgress, WorkerFailed
 from stead.core.master import Master, MasterConfig
 from stead.core.platform import NodeSpec
 from stead.core.rpc import HeartbeatInfo, MasterClient, RegisterInfo
-from stead.core.statemachine import JobPhase
+from stead.core.statemachine import JobPhase, NodePhase
 from stead.core.statemachine.job import node_ids
 from stead.testing.platforms import RecordingPlatform
 from stead.testing.swarm import Swarm
@@ -98,3 +98,20 @@ async def test_batched_heartbeats_keep_nodes_alive_and_name_the_ones_to_register
         assert master.state.phase is JobPhase.RUNNING
         assert platform.kills == []
         assert swarm.heartbeat_errors == 0 and len(swarm.latencies) > 0
+
+
+async def test_a_master_running_late_sheds_registrations_with_a_retry_after_and_takes_them_when_it_caught_up(
+        tmp_path: Path) -> None:
+    platform = RecordingPlatform()
+    async with Master(_config(tmp_path, platform)) as master:
+        await master.submit_job(JobSubmitted(job="swarm", min_nodes=1, max_nodes=1, nproc_per_node=1))
+        master.hub.lag_s = 4.0  # what its heartbeat watcher measures while a storm of calls holds the loop up
+        async with MasterClient(master.address, master.token, call_timeout_s=10) as client:
+            info = RegisterInfo(node_id="node-0", incarnation=1, host="h", pid=1, nproc=1)
+            with pytest.raises(RetryableError, match="overloaded") as refused:
+                await client.register(info)
+            assert refused.value.retry_after_s == pytest.approx(8.0)
+            assert master.hub.shed == 1
+            master.hub.lag_s = 0.0
+            await client.register(info)
+        assert master.state.nodes["node-0"].phase is NodePhase.JOINED

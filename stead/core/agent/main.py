@@ -195,8 +195,11 @@ class Agent:
                             return
             except RetryableError as exc:
                 self._log.warning("master_unreachable", error=str(exc), action="workers keep running; retrying")
+                retry_after = exc.retry_after_s
+            else:
+                retry_after = 0.0
             gone_since = time.monotonic() if gone_since is None else gone_since
-            await backoff.wait()
+            await backoff.wait(at_least=retry_after)
             try:
                 await self._register(deadline_s=max(
                     0.0, self.settings.master_gone_timeout_s - (time.monotonic() - gone_since)))

@@ -50,6 +50,7 @@ from stead.core.rpc._proto.stead.v1 import (
     HeartbeatRequest,
     WorkersReport,
 )
+from stead.core.rpc._status import retry_after
 from stead.core.rpc.address import parse_address
 from stead.core.rpc.auth import attach_token, check_token
 from stead.core.rpc.backend import (
@@ -144,8 +145,10 @@ class RpcConnection:
         if exc.status == Status.INVALID_ARGUMENT:
             return InvalidRequest(f"{method}: {detail}")
         if exc.status in _RETRYABLE:
-            return RpcUnavailable(f"{method}: the master at {self.address} answered {exc.status.name}: {detail}; "
-                                  "retry later")
+            unavailable = RpcUnavailable(f"{method}: the master at {self.address} answered {exc.status.name}: "
+                                         f"{detail}; retry later")
+            unavailable.retry_after_s = retry_after(detail)
+            return unavailable
         return PermanentError(f"{method}: the master at {self.address} answered {exc.status.name}: {detail}; "
                               "run the master and the agents with the same stead version")
 

@@ -46,7 +46,17 @@ async def test_retries_with_doubling_delays_capped_at_the_maximum() -> None:
     call = Flaky(5, RpcUnavailable("master down"))
     assert await retrying(call, SETTINGS, sleep=time.sleep, clock=time.clock) == "ok"
     assert call.calls == 6
-    assert time.sleeps == pytest.approx([0.2, 0.4, 0.8, 1.0, 1.0])
+    delays = [0.2, 0.4, 0.8, 1.0, 1.0]  # each wait jittered between half the delay and the delay
+    assert all(d / 2 <= w <= d for w, d in zip(time.sleeps, delays, strict=True)), time.sleeps
+
+
+async def test_a_shedding_master_s_retry_after_is_waited_at_least() -> None:
+    time = FakeTime()
+    busy = RpcUnavailable("master busy")
+    busy.retry_after_s = 1.5
+    call = Flaky(2, busy)
+    assert await retrying(call, SETTINGS, sleep=time.sleep, clock=time.clock) == "ok"
+    assert time.sleeps == [1.5, 1.5]  # more than the jittered 0.2 s and 0.4 s it would have waited
 
 
 async def test_any_retryable_error_is_retried() -> None:
