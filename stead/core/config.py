@@ -74,7 +74,7 @@ class Settings:
     #: a background task of the master (heartbeat watcher, platform events) that failed this many times fails the
     #: master, which stops loudly (its successor replays the log)
     master_task_max_failures: int = setting(3, min=1)
-    #: write a snapshot of the folded state every this many events
+    #: write a snapshot of the folded state every this many events (or every 2 events per node, when more)
     snapshot_every: int = setting(500, min=1)
     #: after a snapshot, the store's change history older than this many revisions is compacted (0: never)
     store_history_keep: int = 100_000

@@ -2,7 +2,8 @@
 
 - :func:`plugin_master`, :func:`make_plugin`, :func:`settle`: a plugin against a real master;
 - :class:`~stead.testing.platforms.RecordingPlatform`: a Platform that runs nothing and records;
-- :mod:`stead.testing.replay`: fold events without IO; :mod:`stead.testing.etcd`: a real etcd server.
+- :mod:`stead.testing.replay`: fold events without IO; :mod:`stead.testing.etcd`: a real etcd server;
+- :class:`~stead.testing.swarm.Swarm`: simulated agents (the real protocol, no workers) by the thousand.
 """
 
 from stead.testing.master import make_plugin, plugin_master, settle
