@@ -271,6 +271,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         stores = {"sqlite": f"sqlite:///{workdir}/{{n}}.db", "etcd": etcd.url}
         for store, template in [(k, v) for k, v in stores.items() if k in args.stores]:
             for n in sizes:
+                if store == "etcd" and n > args.etcd_max:
+                    continue
                 run = Run(store=store, nodes=n, interval=args.interval)
                 name = f"{store}-{n}"
                 await attempt(run, template.format(n=name), name, window_s=max(10.0, 3 * args.interval),
@@ -305,6 +307,7 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=10.0, help="heartbeat interval of the main runs (s)")
     parser.add_argument("--quick", action="store_true", help="N = 100 and 1,000 only")
     parser.add_argument("--sizes", type=int, nargs="*", help="the N of the main runs (default 100 1000 10000)")
+    parser.add_argument("--etcd-max", type=int, default=10000, help="the largest N run on etcd")
     parser.add_argument("--stores", nargs="*", default=["sqlite", "etcd"], choices=["sqlite", "etcd"])
     parser.add_argument("--no-ladder", action="store_true", help="skip the search for the most nodes at 1 s (a "
                                                                   "partial run: prints the figures, not the summary)")

@@ -142,15 +142,6 @@ class AgentHub:
     # -- AgentBackend ---------------------------------------------------------------
 
     async def register(self, info: RegisterInfo) -> RegisterResult:
-        if self.lag_s > self.settings.shed_lag_s:
-            self.shed += 1
-            now = self._clock()
-            if now - self._shed_logged >= 1.0:
-                self._shed_logged = now
-                log.warning("master_shedding_load", lag_s=round(self.lag_s, 2), refused=self.shed,
-                            action="registrations are refused with a retry-after until the master catches up")
-            raise Overloaded(f"the master of job {self.job!r} is overloaded (its loop runs {self.lag_s:.1f} s "
-                             "late); register again after the time it says", retry_after_s=min(30.0, 2 * self.lag_s))
         if not self._check(info.node_id, info.incarnation):
             known = self._state().nodes.get(info.node_id)
             current = f"current incarnation {known.incarnation} is {known.phase.value}" if known else "unknown node"
@@ -158,10 +149,14 @@ class AgentHub:
                 f"node {info.node_id} incarnation {info.incarnation} is not a live node of job {self.job!r} "
                 f"({current}); this agent is stale and should exit"
             )
-        self._node(info.node_id, info.incarnation).seen = self._clock()
         if self._state().nodes[info.node_id].phase is not NodePhase.JOINED:
+            self._shed_if_late()  # a join is an event; an agent registering again (a new master, a lost reply)
+            # is not, and is never refused: the master counts it as joined and waits for its heartbeats
+            self._node(info.node_id, info.incarnation).seen = self._clock()
             await self._submit(NodeJoined(node_id=info.node_id, incarnation=info.incarnation, host=info.host,
                                           nproc=info.nproc))
+        else:
+            self._node(info.node_id, info.incarnation).seen = self._clock()
         host, port = self._store_addr()
         return RegisterResult(
             job=self.job,
@@ -171,6 +166,19 @@ class AgentHub:
             store_port=port,
             progress_interval_s=self.settings.progress_interval_s,
         )
+
+    def _shed_if_late(self) -> None:
+        """Refuse (Overloaded, with a retry-after) while the master's loop runs more than shed_lag_s late."""
+        if self.lag_s <= self.settings.shed_lag_s:
+            return
+        self.shed += 1
+        now = self._clock()
+        if now - self._shed_logged >= 1.0:
+            self._shed_logged = now
+            log.warning("master_shedding_load", lag_s=round(self.lag_s, 2), refused=self.shed,
+                        action="new nodes' registrations are refused with a retry-after until the master catches up")
+        raise Overloaded(f"the master of job {self.job!r} is overloaded (its loop runs {self.lag_s:.1f} s late); "
+                         "register again after the time it says", retry_after_s=min(30.0, 2 * self.lag_s))
 
     async def heartbeat(self, info: HeartbeatInfo) -> bool:
         known = self._beat(info)
