@@ -203,7 +203,7 @@ class MasterClient:
         return HeartbeatStream(self._conn)
 
     async def heartbeat_once(self, info: HeartbeatInfo) -> bool:
-        """One heartbeat as a call of its own (what agents of stead 0.1 sent)."""
+        """One heartbeat as a call of its own (the unary Heartbeat method, which masters serve as well)."""
         with self._conn.errors("AgentService.Heartbeat"):
             reply = await self._stub.heartbeat(heartbeat_to_proto(info), timeout=self._conn.call_timeout_s)
         return reply.known
