@@ -23,9 +23,9 @@ effects of the records after its snapshot; it skips those marked done or failed
 and runs again those left ``running`` by a master that died (effects are
 idempotent by their ids). The many effects of one record (a round's start on every
 member) are claimed with one store write per 64 and marked done the same way:
-two fsyncs for a 1,000-node round on sqlite, not 2,000. An effect that raises or outlasts ``effect_timeout_s``
-becomes an ``EffectFailed`` event for the machine to decide on, never a log line
-only. A store that stays unreachable while the loop must write (past
+32 writes (fsyncs on sqlite) for a 1,000-node round, not 2,000. An effect that
+raises or outlasts ``effect_timeout_s`` becomes an ``EffectFailed`` event for the
+machine to decide on, never a log line only. A store that stays unreachable while the loop must write (past
 ``retry_deadline_s``) stops the reactor with the error: the master fails loudly
 and its successor replays the log.
 """
