@@ -73,6 +73,28 @@ async def test_an_emission_asked_for_twice_before_its_event_is_folded_is_made_on
     assert sum(isinstance(r.event, RoundStarted) for r in records) == 1
 
 
+async def test_a_round_refused_because_a_member_was_lost_meanwhile_is_planned_again() -> None:
+    """The last join plans round 1; the member's loss, persisted in the same write, is folded before the round's
+    start, which is refused. The round must be planned again when the node is back (found at 5,000 simulated
+    nodes: the second plan reused the first one's key and was never made, and the job waited for ever)."""
+    store = await open_store("memory://")
+    spec = JobSubmitted(job="t", min_nodes=2, max_nodes=2, nproc_per_node=1)
+    async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as reactor:
+        await reactor.resume()
+        await reactor.submit(spec)
+        await reactor.submit(NodeJoined(node_id="node-0", incarnation=1))
+        await reactor.submit_many([NodeJoined(node_id="node-1", incarnation=1),
+                                   NodeLost(node_id="node-1", incarnation=1)])
+        assert reactor.state.rdzv.round == 0
+        await reactor.submit(NodeJoined(node_id="node-1", incarnation=2))  # relaunched, back
+        state = await reactor.wait_until(lambda s: s.rdzv.round == 1, timeout_s=10)
+        records = await reactor.log.read()
+    await store.close()
+    assert state.rdzv.members == ("node-0", "node-1") and state.nodes["node-1"].incarnation == 2
+    assert [r.event.type_name for r in records if isinstance(r.event, (RoundStarted, TransitionRejected))] == [
+        "round.started", "transition.rejected", "round.started"]
+
+
 async def test_snapshots_bound_the_replay_and_compact_the_store_history(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'r.db'}"
     settings = Settings(snapshot_every=10, store_history_keep=5)

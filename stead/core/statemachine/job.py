@@ -411,8 +411,8 @@ def _node_event(
             state.spec.health_check, after.incarnation, first))
     new = _with_node(state, after)
     effects = list(result.effects)
-    if isinstance(event, NodeJoined):
-        effects += _plan(new, now=now)
+    if isinstance(event, NodeJoined) and (before is None or before.phase is not NodePhase.JOINED):
+        effects += _plan(new, now=now)  # a node registering again (a new master, a retried call) changes no plan
     went_away = before is not None and before.phase.alive and not after.phase.alive
     if went_away:
         new, more = _node_gone(new, after, now=now)
@@ -471,6 +471,7 @@ def _plan(state: JobState, *, now: float) -> tuple[Effect, ...]:
         restart_count=state.restarts,
         last_call_timeout_s=spec.last_call_timeout_s,
         now=now,
+        seq=state.seq,
     )
 
 
@@ -578,7 +579,7 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
                 nproc_per_node=spec.nproc_per_node,
                 restart_count=state.restarts,
             )
-            return Transition(state, (Emit(key=f"round/{started.round}", event=started),))
+            return Transition(state, (Emit(key=rdzv_machine.round_key(started.round, state.seq), event=started),))
     return Transition(state)  # a timer of a round that has already started
 
 

@@ -22,7 +22,9 @@ from stead.core.events import RoundCompleted, RoundStarted, WorkersStarted, Work
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import Effect, Emit, StartTimer, StartWorkers
 
-__all__ = ["RendezvousEvent", "RendezvousState", "natural_key", "order_members", "plan_round", "transition"]
+__all__ = [
+    "RendezvousEvent", "RendezvousState", "natural_key", "order_members", "plan_round", "round_key", "transition",
+]
 
 RendezvousEvent = RoundStarted | WorkersStarted | RoundCompleted | WorkersSucceeded
 
@@ -54,6 +56,16 @@ def order_members(previous: Sequence[str], joined: Sequence[str], max_nodes: int
     return tuple([*kept, *fresh][:max_nodes])
 
 
+def round_key(round_: int, seq: int) -> str:
+    """The emission key of a round's start, planned at record ``seq``.
+
+    Keyed by the planning record too: records persisted together are folded in order, so a round's start can
+    be folded after the loss of one of its members and be refused; the round is then planned again, at a
+    later record, under a key of its own (a key per round only would make that impossible).
+    """
+    return f"round/{round_}/at/{seq}"
+
+
 def plan_round(
     rdzv: RendezvousState,
     *,
@@ -64,6 +76,7 @@ def plan_round(
     restart_count: int,
     last_call_timeout_s: float,
     now: float,
+    seq: int = 0,
 ) -> tuple[Effect, ...]:
     """Start the next round now, arm the last-call timer, or keep waiting.
 
@@ -81,7 +94,7 @@ def plan_round(
         started = RoundStarted(
             round=upcoming, members=members, nproc_per_node=nproc_per_node, restart_count=restart_count
         )
-        return (Emit(key=f"round/{upcoming}", event=started),)
+        return (Emit(key=round_key(upcoming, seq), event=started),)
     if count >= min_nodes:
         return (StartTimer(name=f"last-call/{upcoming}", at=now + last_call_timeout_s),)
     return ()
