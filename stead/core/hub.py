@@ -65,6 +65,8 @@ log = structlog.get_logger("stead.hub")
 _WATCH_MAX_S = 0.5
 #: registrations are shed while the loop ran late within this many seconds
 _SHED_WINDOW_S = 2.0
+#: the longest wait a shedding master asks for
+_RETRY_AFTER_MAX_S = 30.0
 #: progress is recorded at most once per progress_interval_s, give or take the jitter of the timer that looks
 _PROGRESS_SLACK = 0.9
 
@@ -149,14 +151,13 @@ class AgentHub:
                 f"node {info.node_id} incarnation {info.incarnation} is not a live node of job {self.job!r} "
                 f"({current}); this agent is stale and should exit"
             )
-        if self._state().nodes[info.node_id].phase is not NodePhase.JOINED:
-            self._shed_if_late()  # a join is an event; an agent registering again (a new master, a lost reply)
-            # is not, and is never refused: the master counts it as joined and waits for its heartbeats
-            self._node(info.node_id, info.incarnation).seen = self._clock()
+        joining = self._state().nodes[info.node_id].phase is not NodePhase.JOINED
+        if joining:  # a join is an event; an agent registering again (a new master, a lost reply) is not, and is
+            self._shed_if_late()  # never refused: the master counts it as joined and waits for its heartbeats
+        self._node(info.node_id, info.incarnation).seen = self._clock()
+        if joining:
             await self._submit(NodeJoined(node_id=info.node_id, incarnation=info.incarnation, host=info.host,
                                           nproc=info.nproc))
-        else:
-            self._node(info.node_id, info.incarnation).seen = self._clock()
         host, port = self._store_addr()
         return RegisterResult(
             job=self.job,
@@ -178,7 +179,7 @@ class AgentHub:
             log.warning("master_shedding_load", lag_s=round(self.lag_s, 2), refused=self.shed,
                         action="new nodes' registrations are refused with a retry-after until the master catches up")
         raise Overloaded(f"the master of job {self.job!r} is overloaded (its loop runs {self.lag_s:.1f} s late); "
-                         "register again after the time it says", retry_after_s=min(30.0, 2 * self.lag_s))
+                         "register again after the time it says", retry_after_s=min(_RETRY_AFTER_MAX_S, 2 * self.lag_s))
 
     async def heartbeat(self, info: HeartbeatInfo) -> bool:
         known = self._beat(info)

@@ -202,12 +202,6 @@ class MasterClient:
         """A stream for one node's heartbeats on this client's connection."""
         return HeartbeatStream(self._conn)
 
-    async def heartbeat_once(self, info: HeartbeatInfo) -> bool:
-        """One heartbeat as a call of its own (the unary Heartbeat method, which masters serve as well)."""
-        with self._conn.errors("AgentService.Heartbeat"):
-            reply = await self._stub.heartbeat(heartbeat_to_proto(info), timeout=self._conn.call_timeout_s)
-        return reply.known
-
     async def heartbeats(self, beats: Sequence[HeartbeatInfo]) -> list[str]:
         """Many nodes' heartbeats in one call (an aggregator's); returns the node ids that must register again."""
         batch = HeartbeatBatch(beats=[heartbeat_to_proto(info) for info in beats])

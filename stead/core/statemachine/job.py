@@ -29,11 +29,9 @@ re-arms exactly the timers that were pending.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
 
 from stead.core.events import (
     CheckpointCommitted,
@@ -70,6 +68,7 @@ from stead.core.events import (
 from stead.core.statemachine import health as health_machine
 from stead.core.statemachine import node as node_machine
 from stead.core.statemachine import rendezvous as rdzv_machine
+from stead.core.statemachine._nodes import READY, Incarnations, Ready, is_ready
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import (
     CheckHealth,
@@ -140,84 +139,7 @@ class JobState:
     @property
     def ready(self) -> tuple[str, ...]:
         """The joined nodes that may train: no health check pending for them."""
-        return tuple(n for n, s in self.nodes.items() if _is_ready(s))
-
-
-def _is_ready(node: NodeState | None) -> bool:
-    return node is not None and node.phase is NodePhase.JOINED and not node.unchecked
-
-
-class _ReadyCounts:
-    """``len(state.ready)`` of the last few node mappings the machine made.
-
-    A join changes one node: :func:`_with_node` derives the new mapping's count from the old one's instead of
-    scanning every node, which made a 10,000-node rendezvous quadratic. A memo of a pure function, keyed by the
-    mapping's identity (the entry holds the mapping, so the id cannot be reused while it is kept): the machine
-    stays pure, and a mapping not kept here (a replayed or loaded state) is counted once.
-    """
-
-    def __init__(self, size: int = 8) -> None:
-        self._size = size
-        self._entries: collections.OrderedDict[int, tuple[Mapping[str, NodeState], int]] = collections.OrderedDict()
-
-    def count(self, nodes: Mapping[str, NodeState]) -> int:
-        entry = self._entries.get(id(nodes))
-        if entry is not None and entry[0] is nodes:
-            return entry[1]
-        count = sum(1 for s in nodes.values() if _is_ready(s))
-        self.keep(nodes, count)
-        return count
-
-    def keep(self, nodes: Mapping[str, NodeState], count: int) -> None:
-        self._entries[id(nodes)] = (nodes, count)
-        self._entries.move_to_end(id(nodes))
-        while len(self._entries) > self._size:
-            self._entries.popitem(last=False)
-
-
-_READY = _ReadyCounts()
-
-
-class _Ready(Sequence[str]):
-    """``state.ready``, listed only when something reads more than its length (planning a round asks the length
-    at every join, the names only when the round starts)."""
-
-    def __init__(self, state: JobState) -> None:
-        self._state = state
-        self._names: tuple[str, ...] | None = None
-
-    def __len__(self) -> int:
-        return _READY.count(self._state.nodes) if self._names is None else len(self._names)
-
-    def _list(self) -> tuple[str, ...]:
-        if self._names is None:
-            self._names = self._state.ready
-        return self._names
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._list()[index]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._list())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._list()
-
-
-class _Incarnations(Mapping[str, int]):
-    """node id -> its incarnation, read through from the nodes (not copied at every rendezvous event)."""
-
-    def __init__(self, nodes: Mapping[str, NodeState]) -> None:
-        self._nodes = nodes
-
-    def __getitem__(self, node_id: str) -> int:
-        return self._nodes[node_id].incarnation
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._nodes)
-
-    def __len__(self) -> int:
-        return len(self._nodes)
+        return tuple(n for n, s in self.nodes.items() if is_ready(s))
 
 
 #: events that make sense only for a submitted job
@@ -390,9 +312,9 @@ def _spec_problem(spec: JobSubmitted) -> str:
 
 
 def _with_node(state: JobState, node: NodeState) -> JobState:
-    count = _READY.count(state.nodes) + _is_ready(node) - _is_ready(state.nodes.get(node.node_id))
+    count = READY.count(state.nodes) + is_ready(node) - is_ready(state.nodes.get(node.node_id))
     nodes = {**state.nodes, node.node_id: node}
-    _READY.keep(nodes, count)
+    READY.keep(nodes, count)
     return dataclasses.replace(state, nodes=nodes)
 
 
@@ -464,7 +386,7 @@ def _plan(state: JobState, *, now: float) -> tuple[Effect, ...]:
         return ()
     return health_machine.plan(state) + rdzv_machine.plan_round(
         state.rdzv,
-        joined=_Ready(state),
+        joined=Ready(state),
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
         nproc_per_node=spec.nproc_per_node,
@@ -485,7 +407,7 @@ def _round_started(state: JobState, event: RoundStarted) -> Transition[JobState]
     unchecked = [n for n in event.members if n not in ready]
     if unchecked:
         return reject(state, f"round {event.round} names nodes that have not passed their health check: {unchecked}")
-    result = rdzv_machine.transition(state.rdzv, event, incarnations=_Incarnations(state.nodes))
+    result = rdzv_machine.transition(state.rdzv, event, incarnations=Incarnations(state.nodes))
     if result.rejected is not None:
         return reject(state, result.rejected)
     return Transition(dataclasses.replace(state, phase=JobPhase.RUNNING, rdzv=result.state), result.effects)
@@ -494,7 +416,7 @@ def _round_started(state: JobState, event: RoundStarted) -> Transition[JobState]
 def _rdzv_event(
     state: JobState, event: WorkersStarted | RoundCompleted | WorkersSucceeded
 ) -> Transition[JobState]:
-    result = rdzv_machine.transition(state.rdzv, event, incarnations=_Incarnations(state.nodes))
+    result = rdzv_machine.transition(state.rdzv, event, incarnations=Incarnations(state.nodes))
     if result.rejected is not None:
         return reject(state, result.rejected)
     return Transition(dataclasses.replace(state, rdzv=result.state), result.effects)

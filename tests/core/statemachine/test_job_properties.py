@@ -335,11 +335,11 @@ def test_the_ready_count_kept_across_joins_is_the_count_of_ready_nodes(
         history: tuple[JobSubmitted, list[Event]]) -> None:
     """Planning a round reads how many nodes are ready from a count kept join by join (a scan at every join made
     a 10,000-node rendezvous quadratic); it must be the count a scan gives, at every point of every history."""
-    from stead.core.statemachine import job as job_machine
+    from stead.core.statemachine._nodes import Ready
 
     folder = Folder()
     for event in history[1]:
         for step in folder.feed(event, now=NOW):  # the events the machine emits are folded too
             state = step.result.state
-            assert len(job_machine._Ready(state)) == len(state.ready)
-            assert list(job_machine._Ready(state)) == list(state.ready)
+            assert len(Ready(state)) == len(state.ready)
+            assert list(Ready(state)) == list(state.ready)
