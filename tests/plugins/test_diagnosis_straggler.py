@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 
 import pytest
 from hypothesis import given
@@ -18,7 +19,7 @@ from stead.core.statemachine.job import JobPhase, JobState
 from stead.core.statemachine.rendezvous import RendezvousState
 from stead.core.store import open_store
 from stead.plugins.diagnosis import DiagnosisPlugin, DiagnosisSettings, StragglerDetected
-from stead.plugins.diagnosis.straggler import StragglerWatch
+from stead.plugins.diagnosis.straggler import StragglerWatch, median_without
 
 MEMBERS = ("node-0", "node-1", "node-2")
 
@@ -63,6 +64,14 @@ def test_a_flagged_node_is_cleared_after_a_window_under_the_factor_or_at_once_wh
     w.observe({"node-0": 0.1, "node-1": 0.5}, members=MEMBERS, now=20.0)
     w.observe({"node-0": 0.1, "node-1": 0.5}, members=MEMBERS, now=25.0)
     assert w.observe({"node-0": 0.1}, members=("node-0",), now=26.0) == ([], ["node-1"])
+
+
+@given(st.lists(st.floats(0.0, 100.0), min_size=2, max_size=40), st.data())
+def test_the_median_of_the_others_read_off_one_sorted_list_is_the_median_of_the_others(
+        values: list[float], data: st.DataObject) -> None:
+    index = data.draw(st.integers(0, len(values) - 1))
+    others = values[:index] + values[index + 1:]
+    assert median_without(sorted(values), values[index]) == pytest.approx(statistics.median(others))
 
 
 @given(st.lists(st.floats(0.001, 100.0), min_size=2, max_size=16), st.floats(1.0, 1.49))

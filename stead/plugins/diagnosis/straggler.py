@@ -6,15 +6,17 @@ than ``factor`` times the median of the *other* nodes' figures (so that with two
 the slow one is compared with the fast one, not with an average it drags up). Over for
 ``window_s`` without a break: flagged; under for ``window_s``: cleared; out of the
 round: cleared at once. Pure: figures and the time come in, verdicts go out.
+Each look sorts the figures once and reads every node's "median of the others" off
+that one list: it runs every second over every node (10,000 in a large job).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import statistics
 from collections.abc import Collection, Mapping
 
-__all__ = ["Straggler", "StragglerWatch"]
+__all__ = ["Straggler", "StragglerWatch", "median_without"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +46,11 @@ class StragglerWatch:
         cleared = [n for n in self.flagged if n not in members]
         for node in cleared:
             self._forget(node)
+        ordered = sorted(figures.values())
         for node, figure in figures.items():
-            others = [f for n, f in figures.items() if n != node]
-            if not others:
+            if len(ordered) < 2:
                 continue
-            median = statistics.median(others)
+            median = median_without(ordered, figure)
             over = median > 0 and figure > self.factor * median
             if over:
                 self._under_since.pop(node, None)
@@ -68,3 +70,15 @@ class StragglerWatch:
         self.flagged.pop(node, None)
         self._over_since.pop(node, None)
         self._under_since.pop(node, None)
+
+
+def median_without(ordered: list[float], value: float) -> float:
+    """The median of ``ordered`` (sorted, at least two values) with one occurrence of ``value`` left out."""
+    gone = bisect.bisect_left(ordered, value)
+    count = len(ordered) - 1
+
+    def at(index: int) -> float:  # the index-th of the values left
+        return ordered[index if index < gone else index + 1]
+
+    middle = count // 2
+    return at(middle) if count % 2 else (at(middle - 1) + at(middle)) / 2
