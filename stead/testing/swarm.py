@@ -291,8 +291,9 @@ class Swarm:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
     def _beat_info(self, node: SimNode) -> HeartbeatInfo:
+        # a node that steps reports its own time per step, as an agent does (the master's straggler watch reads it)
         return HeartbeatInfo(node_id=node.node_id, incarnation=node.incarnation, round=node.round, step=node.step,
-                             workers_alive=self._nproc)
+                             workers_alive=self._nproc, step_compute_s=None if node.step is None else 0.1)
 
     async def _beat_batches(self) -> None:
         """As a per-rack aggregator: every interval, the nodes' heartbeats ``batch`` per call, spread out."""
