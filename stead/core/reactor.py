@@ -307,18 +307,16 @@ class Reactor:
         """Many effects of one record (a round's StartWorkers to every member): claimed together and marked done
         together, a store write per ``_MAX_BATCH`` effects instead of two per effect (each an fsync on sqlite)."""
         chunks = [effects[i:i + _MAX_BATCH] for i in range(0, len(effects), _MAX_BATCH)]
-        claimed: list[Effect] = []
+        outcomes: dict[str, bytes] = {}
         async with anyio.create_task_group() as tg:
-            for chunk in chunks:
+            for chunk in chunks:  # each chunk runs once claimed: the first nodes hear at once, not after every write
                 claims = [(self._effect_key(e), _RUNNING) for e in chunk]
-                if await self._write(functools.partial(self.log.store.create_all, claims)):
-                    claimed.extend(chunk)
-                else:  # one of them was claimed already (it should not be): each on its own, as ever
-                    for effect in chunk:
+                claimed = await self._write(functools.partial(self.log.store.create_all, claims))
+                for effect in chunk:
+                    if claimed:
+                        tg.start_soon(self._carry_out, effect, failures, outcomes)
+                    else:  # one of them was claimed already (it should not be): each on its own, as ever
                         tg.start_soon(self._run_effect, effect, False, failures)
-            outcomes: dict[str, bytes] = {}
-            for effect in claimed:
-                tg.start_soon(self._carry_out, effect, failures, outcomes)
         done = list(outcomes.items())
         for i in range(0, len(done), _MAX_BATCH):
             await self._write(functools.partial(self.log.store.put_all, done[i:i + _MAX_BATCH]))
