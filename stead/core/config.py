@@ -111,6 +111,12 @@ class Settings:
     #: the master sheds load while its event loop runs this late: registrations are refused with a retry-after
     #: (10,000 agents coming back at once after a master restart wait their turn instead of timing out)
     shed_lag_s: float = setting(2.0, min=0.01)
+    #: every this often the master freezes the objects that survived the young collections out of CPython's full
+    #: collections (at 10,000 nodes a full collection over them pauses the master for seconds; see
+    #: stead/core/gcsteward.py); 0: the collector is left alone
+    gc_freeze_every_s: float = setting(1.0, min=0.0)
+    #: every this often the master thaws them and runs one full collection, which frees frozen garbage cycles
+    gc_full_every_s: float = setting(600.0, min=1.0)
     #: how many trailing lines of a failed worker's stderr are reported
     error_tail_lines: int = 40
     #: how often the agent samples step progress, and the master records it as an event

@@ -38,6 +38,7 @@ from stead.core.errors import ConfigError, MasterTaskFailed, RetryableError, Sto
 from stead.core.events import Event, JobSubmitted, PluginsStarted, Record
 from stead.core.events.log import EventLog, job_prefix
 from stead.core.executor import Executor, NodeSpecFactory
+from stead.core.gcsteward import steward_gc
 from stead.core.hub import AgentHub
 from stead.core.metrics import JobMetrics, MetricsServer
 from stead.core.platform import NodeSpec, Platform
@@ -272,6 +273,7 @@ class Master:
             tasks.start("platform-events", lambda: self._pump_platform(platform))
         tasks.start("heartbeats", self.hub.watch_heartbeats)
         tasks.start("progress", self.hub.watch_progress)
+        tasks.start("gc", lambda: steward_gc(self.settings))
         await self._reactor.resume(before_acting=self._adopt_nodes)
         self.hub.serving = True
         host = self.plugin_host

@@ -1,0 +1,62 @@
+"""The master's garbage-collector steward: survivors frozen, CPython's full collections its own, frozen cycles freed."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import anyio
+import pytest
+
+from stead.core.config import Settings
+from stead.core.gcsteward import steward_gc
+
+pytestmark = pytest.mark.anyio
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _frozen(obj: object) -> bool:
+    """Tracked by the collector but in none of its generations: in the permanent one."""
+    return gc.is_tracked(obj) and not any(o is obj for o in gc.get_objects())
+
+
+async def test_survivors_are_frozen_while_it_runs_and_the_collector_is_as_it_was_after() -> None:
+    before = gc.get_threshold()
+    survivor = _Cycle()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(steward_gc, Settings(gc_freeze_every_s=0.05))
+        with anyio.fail_after(10):
+            while not _frozen(survivor):
+                await anyio.sleep(0.05)
+        assert gc.get_threshold()[:2] == before[:2] and gc.get_threshold()[2] > 1_000_000  # no full collection
+        tg.cancel_scope.cancel()                                                           # of CPython's own
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0 and not _frozen(survivor)
+
+
+async def test_a_cycle_that_became_garbage_after_it_was_frozen_is_freed_by_the_periodic_full_collection() -> None:
+    cycle = _Cycle()
+    gone = weakref.ref(cycle)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(steward_gc, Settings(gc_freeze_every_s=0.05, gc_full_every_s=1.0))
+        with anyio.fail_after(10):
+            while not _frozen(cycle):
+                await anyio.sleep(0.05)
+        del cycle
+        await anyio.sleep(0.2)
+        assert gone() is not None  # frozen garbage: the young collections cannot free it
+        with anyio.fail_after(10):
+            while gone() is not None:
+                await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+
+
+async def test_zero_leaves_the_collector_alone() -> None:
+    before = gc.get_threshold()
+    with anyio.fail_after(5):
+        await steward_gc(Settings(gc_freeze_every_s=0))
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
