@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from stead.core.config import Settings
@@ -46,7 +48,32 @@ def _spec(node_id: str, incarnation: int, address: str, token_file: str) -> Node
     return NodeSpec(job="", node_id=node_id, incarnation=incarnation, command=("simulated",))
 
 
-async def _serve(args: argparse.Namespace) -> None:
+class _GcPauses:
+    """How long the garbage collector stopped the master, per generation (written next to the store at exit)."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.by_generation: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        #: (time.time() at its end, generation, seconds) of each pause over 100 ms
+        self.long: list[tuple[float, int, float]] = []
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self.started = now
+        else:
+            self.by_generation[info["generation"]].append(now - self.started)
+            if now - self.started > 0.1:
+                self.long.append((time.time(), info["generation"], round(now - self.started, 3)))
+
+    def summary(self) -> dict[str, object]:
+        return {"gc_long_pauses": self.long} | {f"gc{g}_{k}": v for g, pauses in self.by_generation.items()
+                for k, v in (("count", len(pauses)), ("total_s", round(sum(pauses), 4)),
+                             ("max_ms", round(1e3 * max(pauses, default=0.0), 2)))}
+
+
+async def _serve(args: argparse.Namespace, pauses: _GcPauses) -> None:
     settings = Settings.from_mapping({
         "heartbeat_interval_s": args.interval, "heartbeat_timeout_s": args.timeout, "progress_interval_s": 1.0,
         "health_check": "off", "retry_deadline_s": 120.0})
@@ -63,6 +90,8 @@ async def _serve(args: argparse.Namespace) -> None:
                                              join_timeout_s=3600.0))
         print(json.dumps({"address": master.address, "token": master.token, "pid": os.getpid()}), flush=True)
         await stop.wait()
+        # the pauses while it served (not those of its shutdown)
+        (Path(args.workdir) / f"{args.job}.gc.json").write_text(json.dumps(pauses.summary()))
 
 
 def main() -> None:
@@ -77,13 +106,14 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="write cProfile statistics of the master to this file")
     args = parser.parse_args()
     configure_logging("json", level="warning")
+    pauses = _GcPauses()
     if not args.profile:
-        asyncio.run(_serve(args))
+        asyncio.run(_serve(args, pauses))
         return
     import cProfile
 
     with cProfile.Profile() as profile:
-        asyncio.run(_serve(args))
+        asyncio.run(_serve(args, pauses))
     profile.dump_stats(args.profile)
 
 

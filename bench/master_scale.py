@@ -5,7 +5,8 @@ sqlite or etcd store) runs pinned to core 0; simulated agents
 (:class:`stead.testing.swarm.Swarm`, the real agent protocol over loopback, no
 workers) run in this process, pinned to core 1. For each store and N it measures:
 
-- rendezvous: from the first registration to every node holding its rank;
+- rendezvous: from the first registration to every node holding its rank, and the CPU
+  seconds the master and the simulated agents spent meanwhile (which side it waited for);
 - heartbeats at the interval given: round trip p50/p99 as the agents time it, the
   master's CPU (share of one core) and its memory per node;
 - progress: StepProgress records the master wrote per second while every node stepped;
@@ -13,7 +14,9 @@ workers) run in this process, pinned to core 1. For each store and N it measures
   the heartbeat timeout;
 - a mass failure: min(N, 1000) nodes report a worker failure at once: the decisions
   recorded for that round, and the events the store took per second until the next
-  round ran.
+  round ran;
+- the master's garbage-collector pauses while it served: the longest of each generation
+  (and, printed, which part of the run each pause over 100 ms fell in).
 
 Then, at a 1 s interval, the largest N the master holds with p99 < 100 ms, with one
 heartbeat per call and with heartbeats batched per aggregator (100 nodes a call). Last
@@ -160,17 +163,23 @@ async def measure(run: Run, store_url: str, job: str, *, window_s: float, lost: 
     n, interval = run.nodes, run.interval
     timeout = max(3 * interval, 5.0)
     listener = socket.create_server(("127.0.0.1", 0))
+    marks: dict[str, float] = {}
     try:
         async with master(job, n, store_url, interval, timeout, listener, workdir) as m, \
                 Swarm(m.address, m.token, interval_s=interval, batch=batch, call_timeout_s=30.0) as swarm:
             platform = asyncio.create_task(_follow_platform(m, swarm))
             rss0 = _rss(m.pid)
-            started = time.monotonic()
+            marks["start"] = time.time()
+            started, master_cpu0, swarm_cpu0 = time.monotonic(), _cpu_s(m.pid), time.process_time()
             swarm.start(node_ids(n), patience_s=60)  # the master may not have recorded all N yet
             await swarm.wait(lambda s: len(s.assigned(1)) == n, timeout_s=600)
             joined = max(node.registered_at or 0.0 for node in swarm.nodes.values())
             assigned = max(node.assigned_at[1] for node in swarm.nodes.values())
-            run.figures.update(join_s=joined - started, rdzv_s=assigned - started, rdzv_after_join_s=assigned - joined)
+            run.figures.update(join_s=joined - started, rdzv_s=assigned - started, rdzv_after_join_s=assigned - joined,
+                               # which side the rendezvous waited for: CPU seconds of each over it
+                               rdzv_master_cpu_s=_cpu_s(m.pid) - master_cpu0,
+                               rdzv_swarm_cpu_s=time.process_time() - swarm_cpu0)
+            marks["assigned"] = time.time()
             ranks = swarm.assigned(1)
             assert sorted(ranks.values()) == list(range(n)), "ranks are not 0..N-1, each once"
             await asyncio.sleep(min(interval, 2.0))  # every node has beaten once since the round started
@@ -178,6 +187,7 @@ async def measure(run: Run, store_url: str, job: str, *, window_s: float, lost: 
             swarm.latencies.clear()
             swarm.heartbeat_errors = 0
             cpu0, wall0 = _cpu_s(m.pid), time.monotonic()
+            marks["steady"] = time.time()
             step = 0
             at = time.time()
             while time.monotonic() - wall0 < window_s:
@@ -190,6 +200,7 @@ async def measure(run: Run, store_url: str, job: str, *, window_s: float, lost: 
             run.figures.update(hb_p50_ms=_pct(lat, 0.5) * 1e3, hb_p99_ms=_pct(lat, 0.99) * 1e3, hb_calls=len(lat),
                                hb_errors=swarm.heartbeat_errors, master_cpu=cpu,
                                rss_per_node_kb=(_rss(m.pid) - rss0) / n / 1024, progress_window=(at, window_end))
+            marks["steady_end"] = time.time()
             if lost:
                 victim = f"node-{n // 2}"
                 swarm.silence(victim)
@@ -201,6 +212,7 @@ async def measure(run: Run, store_url: str, job: str, *, window_s: float, lost: 
                 current = 2
             else:
                 current = 1
+            marks["mass"] = time.time()
             if mass:
                 failing = node_ids(n)[:mass]
                 t0, at0 = time.monotonic(), time.time()
@@ -211,6 +223,16 @@ async def measure(run: Run, store_url: str, job: str, *, window_s: float, lost: 
             platform.cancel()
     finally:
         listener.close()
+    gc_file = workdir / f"{job}.gc.json"  # the master's garbage-collector pauses, written as it exits
+    if gc_file.exists():
+        gc_figures = json.loads(gc_file.read_text())
+        long = gc_figures.pop("gc_long_pauses")
+        run.figures.update(gc_figures)
+        if long:  # which part of the run each long pause fell in
+            def part(at: float) -> str:
+                return max((k for k, t in marks.items() if t <= at), key=marks.__getitem__, default="start")
+            print(f"{run.store} N={run.nodes}: garbage-collector pauses over 100 ms: " + ", ".join(
+                f"gen{g} {s * 1e3:.0f} ms in {part(at)}" for at, g, s in long), flush=True)
     records = await _records(store_url, job)
     a, b = run.figures.pop("progress_window")
     progress = [r for r in records if isinstance(r.event, StepProgress) and a <= r.at <= b]
@@ -259,6 +281,7 @@ def _row(run: Run, label: str) -> None:
           f"progress {f.get('progress_records_per_s', float('nan')):4.2f}/s  "
           f"lost +{f.get('lost_detect_over_timeout_s', float('nan')):5.2f} s  "
           f"mass {f.get('mass_decisions', '-')} decision(s), {f.get('mass_events_per_s', float('nan')):7.0f} ev/s",
+          f"  gc max {max(f.get(f'gc{g}_max_ms', float('nan')) for g in range(3)):4.0f} ms",
           flush=True)
 
 
