@@ -30,6 +30,7 @@ from stead.core.rpc._proto.stead.v1 import (
     AgentServiceStub,
     CommandsRequest,
     FailureReport,
+    HeartbeatBatch,
     HeartbeatRequest,
     RegisterRequest,
     WorkersReport,
@@ -142,8 +143,16 @@ async def test_every_method_checks_the_token(server: RpcServer, backend: Any) ->
         async for _ in stub.commands(CommandsRequest(node_id="n", incarnation=1), timeout=10):
             pass
 
+    async def beat_stream() -> None:  # another job's agent (or anything else) flooding the heartbeat stream
+        flood = [HeartbeatRequest(node_id=f"n{i}", incarnation=1) for i in range(1000)]
+        async for _ in stub.heartbeat_stream(flood, timeout=10):
+            pass
+
     calls = [
         lambda: stub.heartbeat(HeartbeatRequest(node_id="n", incarnation=1), timeout=10),
+        lambda: stub.heartbeats(HeartbeatBatch(beats=[HeartbeatRequest(node_id=f"n{i}", incarnation=1)
+                                                      for i in range(1000)]), timeout=10),
+        beat_stream,
         lambda: stub.report_failure(FailureReport(node_id="n", incarnation=1), timeout=10),
         lambda: stub.report_workers(WorkersReport(node_id="n", incarnation=1), timeout=10),
         commands,
