@@ -210,7 +210,8 @@ class AgentHub:
         node.phase, node.step_compute_s = info.phase, info.step_compute_s
         node.telemetry = NodeTelemetry(incarnation=node.incarnation, round=node.round, step=node.step,
                                        step_compute_s=node.step_compute_s, rss_bytes=node.rss_bytes,
-                                       cpu_percent=node.cpu_percent, seen=node.seen)
+                                       cpu_percent=node.cpu_percent, seen=node.seen,
+                                       gpu_memory_bytes=info.gpu_memory_bytes, gpu_util_percent=info.gpu_util_percent)
         return True
 
     def _progress_due(self, info: HeartbeatInfo) -> bool:

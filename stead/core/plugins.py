@@ -72,6 +72,9 @@ class NodeTelemetry:
     cpu_percent: float | None
     #: when the heartbeat arrived (the master's monotonic clock)
     seen: float
+    #: memory in use on the node's fullest GPU, bytes, and its GPUs' mean utilisation, percent; None when unknown
+    gpu_memory_bytes: int | None = None
+    gpu_util_percent: float | None = None
 
 
 class PluginContext(Generic[S]):

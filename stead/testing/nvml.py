@@ -142,6 +142,9 @@ class FakeNvml:
         self._failures: dict[int, int] = {}  # GPU index -> the error code every call on it raises
         self._event_sets: dict[int, tuple[set[int], deque[tuple[int, int]]]] = {}  # address -> (GPUs, events)
         self._next_event_set = _EVENT_SET_ADDRESS_BASE
+        self._memory_total = 80 << 30
+        self._used = [0] * gpus  # bytes in use per GPU
+        self._util = [0] * gpus  # utilisation percent per GPU
         #: how many times nvmlShutdown was called
         self.shutdowns = 0
 
@@ -158,6 +161,11 @@ class FakeNvml:
         """GPU ``index`` sees ``count`` more uncorrected ECC errors (the volatile counter rises)."""
         self._script(index)
         self._ecc_counts[index] += count
+
+    def use(self, index: int, *, memory_bytes: int, util_percent: int) -> None:
+        """GPU ``index`` has ``memory_bytes`` in use (of 80 GiB) and was ``util_percent`` busy."""
+        self._script(index)
+        self._used[index], self._util[index] = memory_bytes, util_percent
 
     def lose(self, index: int) -> None:
         """GPU ``index`` falls off the bus: every later call on it raises GPU_IS_LOST."""
@@ -209,6 +217,15 @@ class FakeNvml:
         if errorType != pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED or counterType != pynvml.NVML_VOLATILE_ECC:
             return 0  # only uncorrected volatile errors are scripted
         return self._ecc_counts[index]
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
+        index = self._index(handle)
+        used = self._used[index]
+        return pynvml.c_nvmlMemory_t(total=self._memory_total, free=self._memory_total - used, used=used)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        index = self._index(handle)
+        return pynvml.c_nvmlUtilization_t(gpu=self._util[index], memory=0)
 
     def nvmlEventSetCreate(self) -> Any:
         self._initialised()

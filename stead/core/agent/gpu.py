@@ -150,6 +150,25 @@ class GpuHealth:
         # an XID storm repeats the same event many times: the report needs it once
         return list(dict.fromkeys(problems))
 
+    def usage(self) -> tuple[int | None, float | None]:
+        """(memory in use on the fullest GPU, bytes; the GPUs' mean utilisation, percent), each None when no GPU
+        answered (no GPU, all lost, or NVML refused): an unknown is not a zero."""
+        nvml = self._nvml
+        used: list[int] = []
+        busy: list[float] = []
+        for gpu in self._watched:
+            if gpu.lost:
+                continue
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(gpu.index)
+            except nvml.NVMLError:
+                continue
+            with contextlib.suppress(nvml.NVMLError):
+                used.append(int(nvml.nvmlDeviceGetMemoryInfo(handle).used))
+            with contextlib.suppress(nvml.NVMLError):
+                busy.append(float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+        return (max(used) if used else None), (sum(busy) / len(busy) if busy else None)
+
     def close(self) -> None:
         """Stop watching and release NVML; a second call does nothing."""
         self._watched = []

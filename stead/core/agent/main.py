@@ -298,10 +298,12 @@ class Agent:
             elapsed = 0.0
             assert self._group is not None
             rss, cpu = self._resources.sample(self._group.pids.values())
+            gpu_memory, gpu_util = await self._gpu_usage()
             beat = HeartbeatInfo(node_id=self.node_id, incarnation=self.incarnation, round=self.round, step=step,
                                  workers_alive=self._group.alive, rss_bytes=rss, cpu_percent=cpu,
                                  phase=self._reader.phase() if self._reader is not None else "",
-                                 step_compute_s=self._pace.compute_s(self.nproc))
+                                 step_compute_s=self._pace.compute_s(self.nproc), gpu_memory_bytes=gpu_memory,
+                                 gpu_util_percent=gpu_util)
             try:
                 if not await self.client.heartbeat(beat):
                     self._log.warning("master_forgot_node", action="registering again")
@@ -445,6 +447,14 @@ class Agent:
             problems = await anyio.to_thread.run_sync(self._gpu.check, abandon_on_cancel=True)
             return "; ".join(str(problem) for problem in problems)
         return f"NVML did not answer within {self.settings.rpc_timeout_s:g} s (a GPU may be lost)"
+
+    async def _gpu_usage(self) -> tuple[int | None, float | None]:
+        """The GPUs' memory and utilisation for the heartbeat; unknown (None) without GPU or when NVML is slow."""
+        if not self._gpu.gpus:
+            return None, None
+        with anyio.move_on_after(self.settings.rpc_timeout_s):
+            return await anyio.to_thread.run_sync(self._gpu.usage, abandon_on_cancel=True)
+        return None, None
 
     async def _report(self, call: object) -> None:
         try:

@@ -98,7 +98,8 @@ def heartbeat_to_proto(info: HeartbeatInfo) -> HeartbeatRequest:
     return HeartbeatRequest(node_id=info.node_id, incarnation=info.incarnation, round=info.round,
                             step=NO_STEP if info.step is None else info.step, workers_alive=info.workers_alive,
                             rss_bytes=info.rss_bytes, cpu_percent=info.cpu_percent, phase=info.phase,
-                            step_compute_s=info.step_compute_s)
+                            step_compute_s=info.step_compute_s, gpu_memory_bytes=info.gpu_memory_bytes,
+                            gpu_util_percent=info.gpu_util_percent)
 
 
 def heartbeat_from_proto(message: HeartbeatRequest) -> HeartbeatInfo:
@@ -106,7 +107,8 @@ def heartbeat_from_proto(message: HeartbeatRequest) -> HeartbeatInfo:
                          step=None if message.step == NO_STEP else message.step,
                          workers_alive=message.workers_alive, rss_bytes=message.rss_bytes,
                          cpu_percent=message.cpu_percent, phase=message.phase,
-                         step_compute_s=message.step_compute_s)
+                         step_compute_s=message.step_compute_s, gpu_memory_bytes=message.gpu_memory_bytes,
+                         gpu_util_percent=message.gpu_util_percent)
 
 
 def command_to_proto(command: AgentCommand) -> Command:

@@ -92,8 +92,11 @@ def _check_heartbeat(where: str, message: HeartbeatRequest) -> None:
     _at_least(where, "workers_alive", message.workers_alive, 0, "a count of processes")
     if message.rss_bytes is not None:
         _at_least(where, "rss_bytes", message.rss_bytes, 0, "a memory size; leave it unset when unknown")
-    if message.cpu_percent is not None and not (math.isfinite(message.cpu_percent) and message.cpu_percent >= 0):
-        invalid(f"{where}.cpu_percent is {message.cpu_percent}: send a finite percentage >= 0, or leave it unset")
+    if message.gpu_memory_bytes is not None:
+        _at_least(where, "gpu_memory_bytes", message.gpu_memory_bytes, 0, "a memory size; leave it unset when unknown")
+    for field, value in (("cpu_percent", message.cpu_percent), ("gpu_util_percent", message.gpu_util_percent)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            invalid(f"{where}.{field} is {value}: send a finite percentage >= 0, or leave it unset")
     if message.step_compute_s is not None and not (math.isfinite(message.step_compute_s)
                                                    and message.step_compute_s >= 0):
         invalid(f"{where}.step_compute_s is {message.step_compute_s}: send a finite number of seconds >= 0, or "

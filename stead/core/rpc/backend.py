@@ -92,6 +92,9 @@ class HeartbeatInfo:
     phase: str = ""
     #: seconds per step the node's slowest rank spends on its own work (outside backward()); None before enough steps
     step_compute_s: float | None = None
+    #: memory in use on the node's fullest GPU, bytes, and its GPUs' mean utilisation, percent; None when unknown
+    gpu_memory_bytes: int | None = None
+    gpu_util_percent: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

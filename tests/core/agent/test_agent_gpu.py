@@ -11,7 +11,7 @@ from stead.core.agent.gpu import GpuHealth, GpuProblem
 from stead.testing.nvml import FakeNvml
 
 #: the fake's own scripting API and counters: everything else on it must exist in pynvml
-FAKE_ONLY = {"xid", "ecc", "lose", "fail", "shutdowns", "initialised", "open_event_sets"}
+FAKE_ONLY = {"xid", "ecc", "use", "lose", "fail", "shutdowns", "initialised", "open_event_sets"}
 
 
 @pytest.fixture
@@ -125,12 +125,24 @@ def test_a_gpu_without_ecc_or_xid_events_is_still_watched_for_loss() -> None:
         health.close()
 
 
+def test_usage_is_the_fullest_gpus_memory_and_the_mean_utilisation_of_those_that_answer(
+        nvml: FakeNvml, health: GpuHealth) -> None:
+    nvml.use(0, memory_bytes=10 << 30, util_percent=50)
+    nvml.use(1, memory_bytes=30 << 30, util_percent=100)
+    assert health.usage() == (30 << 30, 75.0)
+    nvml.lose(1)
+    health.check()  # reported lost: no longer asked
+    assert health.usage() == (10 << 30, 50.0)
+    nvml.fail(0, pynvml.NVML_ERROR_UNKNOWN)
+    assert health.usage() == (None, None)  # no GPU answered: unknown, not zero
+
+
 def test_without_a_driver_open_gives_the_reason_and_the_rest_does_nothing() -> None:
     nvml = FakeNvml(driver=False)
     health = GpuHealth(nvml=nvml)
     assert health.open() == "no GPU (NVML: Driver Not Loaded)"
     assert health.gpus == 0
-    assert health.check() == []
+    assert health.check() == [] and health.usage() == (None, None)
     health.close()
     assert nvml.shutdowns == 0  # nvmlInit failed: there is nothing to shut down
 

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.anyio
 
 REGISTER = RegisterInfo(node_id="node-0", incarnation=1, host="host-a", pid=4242, nproc=2)
 HEARTBEAT = HeartbeatInfo(node_id="node-0", incarnation=1, round=0, step=None, workers_alive=2, rss_bytes=1 << 30,
-                          cpu_percent=12.5, step_compute_s=0.125)
+                          cpu_percent=12.5, step_compute_s=0.125, gpu_memory_bytes=3 << 30, gpu_util_percent=87.5)
 FAILURE = FailureInfo(node_id="node-0", incarnation=1, round=2, local_rank=1, rank=3, exit_code=1, signal=None,
                       step=None, error_tail="Traceback ...\nRuntimeError: boom\n", oom="kernel: Killed process 7",
                       gpu="GPU 0: XID 79 (GPU has fallen off the bus)", exited_ok_ranks=(2,))
@@ -124,6 +124,10 @@ async def test_a_health_report_reaches_the_backend_as_the_event_it_is(client: Ma
      "HeartbeatRequest.workers_alive"),
     (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "cpu_percent": float("nan")})),
      "HeartbeatRequest.cpu_percent"),
+    (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "gpu_util_percent": -1.0})),
+     "HeartbeatRequest.gpu_util_percent"),
+    (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "gpu_memory_bytes": -1})),
+     "HeartbeatRequest.gpu_memory_bytes"),
     (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "step_compute_s": -0.5})),
      "HeartbeatRequest.step_compute_s"),
     (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "step_compute_s": float("inf")})),

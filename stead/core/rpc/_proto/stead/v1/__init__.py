@@ -425,6 +425,16 @@ class HeartbeatRequest(betterproto2.Message):
     the other ranks' gradients), median over its recent steps; unset before enough steps.
     """
 
+    gpu_memory_bytes: "int | None" = betterproto2.field(10, betterproto2.TYPE_INT64, optional=True)
+    """
+    Memory in use on the node's fullest GPU, in bytes; unset when unknown (no GPU, NVML did not answer).
+    """
+
+    gpu_util_percent: "float | None" = betterproto2.field(11, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    Mean utilisation of the node's GPUs over NVML's last sample period (0-100); unset when unknown.
+    """
+
 
 default_message_pool.register_message("stead.v1", "HeartbeatRequest", HeartbeatRequest)
 
