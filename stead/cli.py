@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -26,6 +27,8 @@ __all__ = ["main"]
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+#: `stead events --follow` goes on this long after the job's end for what plugins record of it (the scaler's figures)
+_AFTER_END_S = 1.0
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -95,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("events", help="print a job's event log, one line per event")
     _read_job_args(e)
     e.add_argument("--follow", "-f", action="store_true",
-                   help="keep printing new events as they are appended, until the job ends")
+                   help="keep printing new events as they are appended, until the job ends (and what plugins "
+                        "record of its end, such as the scaler's resource figures, within a second after it)")
     e.add_argument("--json", action="store_true",
                    help="one JSON object per event: seq, at (seconds since the epoch), type, data")
     e.add_argument("--from-seq", type=int, default=1, help="start at this sequence number")
@@ -246,10 +250,18 @@ async def _events(args: argparse.Namespace, settings: Settings) -> int:
     try:
         event_log = EventLog(store, args.job)
         if args.follow:
-            async for item in event_log.follow(args.from_seq):
-                print(show(item), flush=True)
-                if isinstance(getattr(item, "event", None), (JobSucceeded, JobFailed, JobStopped)):
-                    break  # the job ended (a later `stead run` of it would resume it: follow that one anew)
+            followed = event_log.follow(args.from_seq)
+            try:
+                async for item in followed:
+                    print(show(item), flush=True)
+                    if isinstance(getattr(item, "event", None), (JobSucceeded, JobFailed, JobStopped)):
+                        break  # the job ended (a later `stead run` of it would resume it: follow that one anew)
+                with contextlib.suppress(TimeoutError):  # what plugins record of the end comes just after it
+                    async with asyncio.timeout(_AFTER_END_S):
+                        async for item in followed:
+                            print(show(item), flush=True)
+            finally:
+                await followed.aclose()
         else:
             items = await event_log.scan(args.from_seq)
             if not items:

@@ -75,7 +75,8 @@ def test_master_resumes_a_stored_job_and_events_and_status_show_it(tmp_path: Pat
     events = _stead("events", "--store", url, "--job", job, cwd=tmp_path)
     assert events.returncode == 0, events.stderr
     lines = events.stdout.splitlines()
-    assert "job.submitted" in lines[0] and "node.joined" in events.stdout and "job.succeeded" in lines[-1]
+    assert "job.submitted" in lines[0] and "node.joined" in events.stdout and "job.succeeded" in lines[-2]
+    assert "scaler.recommended" in lines[-1]  # what the job used, recorded at its end (nothing measured here)
     status = _stead("status", "--store", url, "--job", job, cwd=tmp_path)
     assert status.returncode == 0, status.stderr
     assert "phase      succeeded" in status.stdout and "node-0" in status.stdout
@@ -93,7 +94,8 @@ def test_master_resumes_a_stored_job_and_events_and_status_show_it(tmp_path: Pat
     records = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert [r["seq"] for r in records] == list(range(1, len(lines) + 1))
     assert records[0]["type"] == "job.submitted" and records[0]["data"]["job"] == job
-    assert records[-1]["type"] == "job.succeeded" and all(isinstance(r["at"], float) for r in records)
+    assert [r["type"] for r in records[-2:]] == ["job.succeeded", "scaler.recommended"]
+    assert all(isinstance(r["at"], float) for r in records)
     followed = _stead("events", "--store", url, "--job", job, "--follow", cwd=tmp_path)  # ends with the job
     assert followed.returncode == 0 and followed.stdout.splitlines() == lines
 

@@ -75,6 +75,9 @@ class SimNode:
     round: int = 0
     #: until when (time.monotonic) a refused registration is tried again
     patience_until: float = 0.0
+    #: what its heartbeats say its workers use (memory bytes, CPU percent of one core); None: not reported
+    rss_bytes: int | None = None
+    cpu_percent: float | None = None
 
 
 class Swarm:
@@ -169,6 +172,11 @@ class Swarm:
         else:
             for node in chosen:
                 await one(node)
+
+    def set_usage(self, node_id: str, *, rss_bytes: int | None, cpu_percent: float | None) -> None:
+        """What the node's heartbeats report its workers use, from its next heartbeat on."""
+        node = self.nodes[node_id]
+        node.rss_bytes, node.cpu_percent = rss_bytes, cpu_percent
 
     def set_step(self, step: int) -> None:
         """Every node reports ``step`` from its next heartbeat on."""
@@ -293,7 +301,8 @@ class Swarm:
     def _beat_info(self, node: SimNode) -> HeartbeatInfo:
         # a node that steps reports its own time per step, as an agent does (the master's straggler watch reads it)
         return HeartbeatInfo(node_id=node.node_id, incarnation=node.incarnation, round=node.round, step=node.step,
-                             workers_alive=self._nproc, step_compute_s=None if node.step is None else 0.1)
+                             workers_alive=self._nproc, step_compute_s=None if node.step is None else 0.1,
+                             rss_bytes=node.rss_bytes, cpu_percent=node.cpu_percent)
 
     async def _beat_batches(self) -> None:
         """As a per-rack aggregator: every interval, the nodes' heartbeats ``batch`` per call, spread out."""

@@ -119,9 +119,11 @@ class Running:
 @pytest.fixture(scope="module")
 def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     tmp = tmp_path_factory.mktemp("fuzz")
-    # no background writer (diagnosis's watch): what a call changes in the store is what the call did
+    # no background writer (diagnosis's watch, the scaler's figures): what a call changes in the store is what the
+    # call did
     settings_ = Settings(heartbeat_timeout_s=600.0, rpc_max_message_bytes=MAX_MESSAGE,
-                         plugin_values={"diagnosis": {"hang_detection": "false", "stragglers": "false"}})
+                         plugin_values={"diagnosis": {"hang_detection": "false", "stragglers": "false"},
+                                        "scaler": {"sample_every_s": "86400"}})
     config = MasterConfig(job=JOB, store_url="memory://", settings=settings_, platform=RecordingPlatform(),
                           node_spec=_spec, token_file=str(tmp / "fuzz.token"), tcp_store=False)
     with anyio.from_thread.start_blocking_portal() as portal, \

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 from stead.core.errors import CodecError, LogConflict, LogCorrupt
@@ -133,7 +133,7 @@ class EventLog:
             expected += 1
         return records
 
-    async def follow(self, from_seq: int = 1) -> AsyncIterator[Record | BadRecord]:
+    async def follow(self, from_seq: int = 1) -> AsyncGenerator[Record | BadRecord, None]:
         """Every record from ``from_seq`` on, then new ones as they are appended."""
         revision = await self.store.revision()
         expected = from_seq

@@ -1,0 +1,31 @@
+"""Event kinds of the scaler plugin (``scaler.*``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stead.plugin import Event, event_kind
+
+__all__ = ["ResourcesRecommended"]
+
+
+@event_kind("scaler.recommended")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResourcesRecommended(Event):
+    """What the job's nodes used, and the requests recommended for its next run (recorded when the job ends).
+
+    Figures are per node; a resource no node reported is None (an unknown is not a zero). ``lines``: what
+    ``stead status`` shows, one per resource.
+    """
+
+    samples: int
+    nodes: int
+    memory_peak_bytes: int | None = None
+    memory_p95_bytes: int | None = None
+    memory_recommend_bytes: int | None = None
+    cpu_peak_cores: float | None = None
+    cpu_p95_cores: float | None = None
+    cpu_recommend_cores: float | None = None
+    gpu_memory_peak_bytes: int | None = None
+    gpu_util_median_percent: float | None = None
+    lines: tuple[str, ...] = ()

@@ -1,0 +1,17 @@
+"""The scaler plugin's settings: ``--set scaler.<name>=value`` or ``STEAD_SCALER_<NAME>``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stead.plugin import setting
+
+__all__ = ["ScalerSettings"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScalerSettings:
+    sample_every_s: float = setting(10.0, min=0.05, help="how often the nodes' last reported resource use (memory, "
+                                                          "CPU, GPU) is added to the job's figures")
+    headroom: float = setting(0.2, min=0.0, max=4.0, help="the margin a recommended request adds over what the "
+                                                          "job used (0.2: 20 %)")

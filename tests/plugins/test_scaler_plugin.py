@@ -1,0 +1,79 @@
+"""The scaler plugin against a real master: what simulated nodes report becomes figures and a recommendation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from stead.core.config import Settings
+from stead.core.events import JobSubmitted, JobSucceeded
+from stead.core.master import Master, MasterConfig
+from stead.core.platform import NodeSpec
+from stead.core.rpc import MasterClient
+from stead.core.statemachine import JobPhase
+from stead.core.statemachine.job import node_ids
+from stead.core.top import published_lines
+from stead.plugins.scaler import ResourcesRecommended, ScalerPlugin, ScalerSettings
+from stead.testing.platforms import RecordingPlatform
+from stead.testing.swarm import Swarm
+
+pytestmark = pytest.mark.anyio
+
+GI = 1 << 30
+SETTINGS = Settings(heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0, health_check="off")
+
+
+def _spec(node_id: str, incarnation: int, address: str, token_file: str) -> NodeSpec:
+    return NodeSpec(job="usage", node_id=node_id, incarnation=incarnation, command=("simulated",))
+
+
+async def _run(tmp_path: Path, plugin: ScalerPlugin, *, usage: dict[str, tuple[int | None, float | None]],
+               ) -> tuple[list[ResourcesRecommended], list[str]]:
+    """Three nodes report ``usage`` until the plugin has looked a few times; then the job succeeds."""
+    config = MasterConfig(job="usage", store_url=f"sqlite:///{tmp_path / 'usage.db'}", settings=SETTINGS,
+                          platform=RecordingPlatform(), node_spec=_spec, plugins=[], plugin_objects=[plugin],
+                          tcp_store=False, token_file=str(tmp_path / "usage.token"))
+    nodes = node_ids(3)
+    async with Master(config) as master, Swarm(master.address, master.token) as swarm:
+        await master.submit_job(JobSubmitted(job="usage", min_nodes=3, max_nodes=3, nproc_per_node=1))
+        swarm.start(nodes)
+        await swarm.wait(lambda s: len(s.assigned(1)) == 3)
+        for node_id, (rss, cpu) in usage.items():
+            swarm.set_usage(node_id, rss_bytes=rss, cpu_percent=cpu)
+        looked = plugin.looks
+        with anyio.fail_after(30):
+            while plugin.looks < looked + 9:  # every node's reports seen a few times over  # noqa: ASYNC110 -- the plugin's own clock; no event to wait on
+                await anyio.sleep(0.05)
+        async with MasterClient(master.address, master.token, call_timeout_s=10) as client:
+            for node_id in nodes:
+                await client.report_workers(node_id, 1, 1, "succeeded")
+        await master.reactor.wait_until(lambda s: s.phase is JobPhase.SUCCEEDED, timeout_s=30)
+        with anyio.fail_after(30):
+            while not [r for r in await master.reactor.log.read()  # noqa: ASYNC110 -- the store is read
+                       if isinstance(r.event, ResourcesRecommended)]:
+                await anyio.sleep(0.05)
+        records = await master.reactor.log.read()
+        shown = await published_lines(master.store, "usage")
+    assert any(isinstance(r.event, JobSucceeded) for r in records)
+    return [r.event for r in records if isinstance(r.event, ResourcesRecommended)], shown
+
+
+async def test_the_job_end_records_peaks_and_a_recommendation_and_status_shows_them(tmp_path: Path) -> None:
+    plugin = ScalerPlugin(settings=ScalerSettings(sample_every_s=0.05, headroom=0.2))
+    usage = {"node-0": (3 * GI, 150.0), "node-1": (int(11.2 * GI), 90.0), "node-2": (None, None)}
+    [made], shown = await _run(tmp_path, plugin, usage=usage)
+    assert made.nodes == 2  # node-2 reported nothing: not counted, and not as zeros
+    assert made.memory_peak_bytes == int(11.2 * GI) and made.memory_recommend_bytes == 14 * GI
+    assert made.cpu_peak_cores == pytest.approx(1.5) and made.cpu_recommend_cores == 2.0
+    assert made.gpu_memory_peak_bytes is None and made.gpu_util_median_percent is None  # no GPU: unknown
+    assert made.lines[0] == "memory: peak 11.2Gi, p95 11.2Gi per node; recommend 14Gi"
+    assert any("recommend 14Gi" in line for line in shown), shown
+
+
+async def test_nodes_that_report_nothing_give_no_figures_not_zeros(tmp_path: Path) -> None:
+    plugin = ScalerPlugin(settings=ScalerSettings(sample_every_s=0.05))
+    [made], shown = await _run(tmp_path, plugin, usage={})
+    assert (made.nodes, made.memory_peak_bytes, made.cpu_peak_cores, made.lines) == (0, None, None, ())
+    assert any("no node has reported its use yet" in line for line in shown), shown
