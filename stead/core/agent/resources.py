@@ -33,20 +33,22 @@ class WorkerResources:
                     seen[child.pid] = self._procs.get(child.pid, child)
             except psutil.Error:
                 continue
-        rss, cpu, measured = 0, 0.0, 0
+        rss, cpu, measured, timed = 0, 0.0, 0, 0
         for pid, proc in list(seen.items()):
             try:
                 with proc.oneshot():
                     rss += proc.memory_info().rss
                     cpu += proc.cpu_percent(interval=None)  # since this object's previous call (0.0 the first time)
                 measured += 1
+                timed += pid in self._procs  # measured before: its figure covers a real interval
             except psutil.Error:
                 seen.pop(pid, None)
                 continue
         self._procs = seen
         if not measured:
             return None, None
-        return rss, cpu
+        # processes all seen for the first time (workers just started) have no CPU figure yet: unknown, not 0 %
+        return rss, (cpu if timed else None)
 
     def _proc(self, pid: int) -> psutil.Process | None:
         known = self._procs.get(pid)

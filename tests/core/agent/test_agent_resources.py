@@ -23,7 +23,8 @@ def test_a_busy_worker_and_its_child_are_measured_and_a_gone_one_is_unknown() ->
     worker = subprocess.Popen([sys.executable, "-c", BUSY])
     try:
         resources = WorkerResources()
-        resources.sample([worker.pid])  # CPU is measured between two samples
+        first_rss, first_cpu = resources.sample([worker.pid])  # CPU is measured between two samples
+        assert first_rss is not None and first_cpu is None  # a first look has no CPU figure: unknown, not 0 %
         rss, cpu = None, None
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
