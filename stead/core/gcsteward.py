@@ -15,7 +15,8 @@ starting, would still promote enough between two freezes to start one). A cycle 
 objects frozen before it became garbage would never be collected, so every
 ``gc_full_every_s`` the master thaws everything and runs one full collection (one
 pause, logged with its length). When the master stops it thaws everything, leaving
-the process's collector as it found it.
+the process's collector as it found it (a process running several masters: each
+freezes and thaws the whole process; the last one to stop restores the thresholds).
 """
 
 from __future__ import annotations
@@ -63,4 +64,3 @@ def _collect_all() -> None:
     collected = gc.collect()
     log.info("gc_full_collection", objects=frozen, collected=collected,
              pause_s=round(time.perf_counter() - started, 3))
-
