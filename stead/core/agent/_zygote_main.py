@@ -51,6 +51,7 @@ __all__ = [
     "PythonTarget",
     "STARTUP_ENV",
     "decode",
+    "die_with",
     "encode",
     "main",
     "parse_python_argv",
@@ -99,6 +100,13 @@ def set_pdeathsig(expected_parent: int, signum: int = signal.SIGKILL) -> bool:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
     return os.getppid() == expected_parent
+
+
+def die_with(parent: int) -> None:
+    """SIGKILL when ``parent`` dies, and at once if it died already (since this process was forked): a zygote's
+    workers die of SIGKILL with it whichever came first, the zygote's death or the worker's ``prctl``."""
+    if not set_pdeathsig(parent):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,8 +297,7 @@ class _Zygote:
 
     def become_worker(self, plan: _Plan, argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> int:
         os.setsid()
-        if not set_pdeathsig(self.pid):
-            return 1
+        die_with(self.pid)
         _reset_signals()
         self.sock.close()
         os.close(self.wake_r)

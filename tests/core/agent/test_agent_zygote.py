@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -263,3 +265,29 @@ def test_messages_are_json_not_pickle() -> None:
     assert decode(data)["pid"] == 3
     with pytest.raises(ValueError, match="without an op"):
         decode(b"[1, 2]")
+
+
+_ORPHANED_WORKER = """
+import ctypes, os, time
+from stead.core.agent._zygote_main import die_with
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the orphan is reaped here
+zygote = os.fork()
+if zygote == 0:
+    parent = os.getpid()
+    if os.fork() == 0:  # the worker
+        while os.getppid() == parent:  # its zygote dies between the fork and the worker's prctl
+            time.sleep(0.01)
+        die_with(parent)
+        os._exit(3)
+    os._exit(0)
+os.waitpid(zygote, 0)
+_, status = os.waitpid(-1, 0)
+print(f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}")
+"""
+
+
+def test_a_worker_whose_zygote_died_before_it_asked_for_the_death_signal_dies_of_sigkill_all_the_same() -> None:
+    """The race behind a flaky test: the zygote killed right after a fork; its worker must end as the others do."""
+    done = subprocess.run([sys.executable, "-c", _ORPHANED_WORKER], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"signal {int(signal.SIGKILL)}"
