@@ -55,7 +55,7 @@ def test_master_resumes_a_stored_job_and_events_and_status_show_it(tmp_path: Pat
     token_file = tmp_path / "job.token"
     master = subprocess.Popen(
         [sys.executable, "-m", "stead", "master", "--store", url, "--job", job, "--token-file", str(token_file),
-         "--log-format", "json"],
+         "--log-format", "json", "--set", "heartbeat_timeout_s=120"],  # the played agent sends no heartbeat
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
