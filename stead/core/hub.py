@@ -65,6 +65,8 @@ log = structlog.get_logger("stead.hub")
 _WATCH_MAX_S = 0.5
 #: registrations are shed while the loop ran late within this many seconds
 _SHED_WINDOW_S = 2.0
+#: a shedding master logs it at most this often (a storm of refusals is one line a second, with the count)
+_SHED_LOG_EVERY_S = 1.0
 #: the longest wait a shedding master asks for
 _RETRY_AFTER_MAX_S = 30.0
 #: progress is recorded at most once per progress_interval_s, give or take the jitter of the timer that looks
@@ -79,16 +81,11 @@ class _Node:
     last: AgentCommand | None = None
     round: int = 0
     step: int | None = None
-    #: the workers' resident memory (bytes) and CPU (% of one core) in the last heartbeat; None when unknown
-    rss_bytes: int | None = None
-    cpu_percent: float | None = None
     #: a long phase one of its workers declared; "" when none
     phase: str = ""
-    #: seconds per step the node's slowest rank spends on its own work; None when not measured yet
-    step_compute_s: float | None = None
     #: its phase changed since the progress was last looked at
     phase_changed: bool = False
-    #: what its last heartbeat said, for plugins; None before the first
+    #: what its last heartbeat said (resources, its own time per step), for plugins; None before the first
     telemetry: NodeTelemetry | None = None
 
 
@@ -174,7 +171,7 @@ class AgentHub:
             return
         self.shed += 1
         now = self._clock()
-        if now - self._shed_logged >= 1.0:
+        if now - self._shed_logged >= _SHED_LOG_EVERY_S:
             self._shed_logged = now
             log.warning("master_shedding_load", lag_s=round(self.lag_s, 2), refused=self.shed,
                         action="new nodes' registrations are refused with a retry-after until the master catches up")
@@ -205,12 +202,10 @@ class AgentHub:
         node = self._node(info.node_id, info.incarnation)
         node.seen = self._clock()
         node.phase_changed = node.phase_changed or info.phase != node.phase
-        node.round, node.step = info.round, info.step
-        node.rss_bytes, node.cpu_percent = info.rss_bytes, info.cpu_percent
-        node.phase, node.step_compute_s = info.phase, info.step_compute_s
-        node.telemetry = NodeTelemetry(incarnation=node.incarnation, round=node.round, step=node.step,
-                                       step_compute_s=node.step_compute_s, rss_bytes=node.rss_bytes,
-                                       cpu_percent=node.cpu_percent, seen=node.seen,
+        node.round, node.step, node.phase = info.round, info.step, info.phase
+        node.telemetry = NodeTelemetry(incarnation=node.incarnation, round=info.round, step=info.step,
+                                       step_compute_s=info.step_compute_s, rss_bytes=info.rss_bytes,
+                                       cpu_percent=info.cpu_percent, seen=node.seen,
                                        gpu_memory_bytes=info.gpu_memory_bytes, gpu_util_percent=info.gpu_util_percent)
         return True
 
