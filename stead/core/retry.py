@@ -42,10 +42,9 @@ async def retrying(
     After ``deadline_s`` (default ``settings.retry_deadline_s``) the last error is raised.
     Other errors are raised at once.
     """
-    rng = rng or random.Random()
+    backoff = Backoff(settings, rng=rng)
     limit = settings.retry_deadline_s if deadline_s is None else deadline_s
     deadline = clock() + limit
-    delay = settings.retry_initial_s
     attempt = 0
     while True:
         attempt += 1
@@ -57,12 +56,9 @@ async def retrying(
                 log.error("retry_gave_up", what=what, attempts=attempt, error=str(exc))
                 exc.add_note(f"gave up after {attempt} attempts over {limit:g} s")
                 raise
-            # jittered (many agents that lost their master at once must not come back in step), and never sooner
-            # than a shedding master asked
-            pause = min(max(min(delay, settings.retry_max_s) * rng.uniform(0.5, 1.0), exc.retry_after_s), remaining)
+            pause = min(backoff.next(at_least=exc.retry_after_s), remaining)
             log.warning("retrying", what=what, attempt=attempt, delay_s=round(pause, 3), error=str(exc))
             await sleep(pause)
-            delay = min(delay * 2, settings.retry_max_s)
 
 
 class Backoff:
@@ -75,10 +71,16 @@ class Backoff:
         self._rng = rng or random.Random()
         self.delay = settings.retry_initial_s
 
-    async def wait(self, *, at_least: float = 0.0) -> None:
-        """Sleep the next delay (jittered), and at least ``at_least`` (a shedding master's retry-after)."""
-        await anyio.sleep(max(self.delay * self._rng.uniform(0.5, 1.0), at_least))
+    def next(self, *, at_least: float = 0.0) -> float:
+        """The next pause: the delay jittered, never shorter than ``at_least`` (a shedding master's retry-after);
+        the delay doubles for the one after."""
+        pause = max(min(self.delay, self._settings.retry_max_s) * self._rng.uniform(0.5, 1.0), at_least)
         self.delay = min(self.delay * 2, self._settings.retry_max_s)
+        return pause
+
+    async def wait(self, *, at_least: float = 0.0) -> None:
+        """Sleep the next pause (see :meth:`next`)."""
+        await anyio.sleep(self.next(at_least=at_least))
 
     def reset(self) -> None:
         self.delay = self._settings.retry_initial_s

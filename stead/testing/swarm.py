@@ -29,8 +29,10 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Self
 
+from stead.core.config import Settings
 from stead.core.errors import InvalidRequest, RetryableError, SteadError
 from stead.core.platform import NodeSpec
+from stead.core.retry import Backoff
 from stead.core.rpc import (
     FailureInfo,
     HeartbeatInfo,
@@ -45,8 +47,9 @@ from stead.testing.platforms import RecordingPlatform
 
 __all__ = ["SimNode", "Swarm", "SwarmPlatform"]
 
-#: the first and the longest wait between a node's attempts to register
-_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.1, 5.0
+#: the first wait between a node's attempts to register, and the longest
+_BACKOFF_FIRST_S = 0.1
+_BACKOFF = Settings(retry_initial_s=_BACKOFF_FIRST_S, retry_max_s=5.0)
 
 
 @dataclasses.dataclass
@@ -227,7 +230,7 @@ class Swarm:
     async def _register(self, node: SimNode, client: MasterClient) -> float:
         info = RegisterInfo(node_id=node.node_id, incarnation=node.incarnation, host="simulated", pid=1,
                             nproc=self._nproc)
-        delay = _BACKOFF_FIRST_S
+        backoff = Backoff(_BACKOFF, rng=self._rng)  # as an agent backs off (jittered, at least the retry-after)
         while True:
             try:
                 reply = await client.register(info)
@@ -238,8 +241,7 @@ class Swarm:
                 await asyncio.sleep(_BACKOFF_FIRST_S)
             except RetryableError as exc:  # the master is away, starting, or shedding load: jittered backoff
                 node.refusals += 1
-                await asyncio.sleep(max(exc.retry_after_s, self._rng.uniform(0, delay)))
-                delay = min(delay * 2, _BACKOFF_MAX_S)
+                await backoff.wait(at_least=exc.retry_after_s)
         node.registered_at = time.monotonic()
         node.registrations += 1
         self._notify()
