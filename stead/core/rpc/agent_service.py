@@ -80,9 +80,16 @@ def _check_node(where: str, node_id: str, incarnation: int) -> None:
         invalid(f"{where}.incarnation is {incarnation}: incarnations start at 1; pass the node's launch count")
 
 
-def _at_least(where: str, field: str, value: int, minimum: int, meaning: str) -> None:
-    if value < minimum:
+def _at_least(where: str, field: str, value: int | None, minimum: int, meaning: str) -> None:
+    """``value`` (None: an optional field left unset, which is fine) is at least ``minimum``."""
+    if value is not None and value < minimum:
         invalid(f"{where}.{field} is {value}: it must be at least {minimum} ({meaning})")
+
+
+def _finite_figure(where: str, field: str, value: float | None, unit: str) -> None:
+    """An optional measured figure: unset, or finite and >= 0."""
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        invalid(f"{where}.{field} is {value}: send a finite {unit} >= 0, or leave it unset")
 
 
 def _check_heartbeat(where: str, message: HeartbeatRequest) -> None:
@@ -90,17 +97,12 @@ def _check_heartbeat(where: str, message: HeartbeatRequest) -> None:
     _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
     _at_least(where, "step", message.step, NO_STEP, f"a training step, or {NO_STEP} before the first one")
     _at_least(where, "workers_alive", message.workers_alive, 0, "a count of processes")
-    if message.rss_bytes is not None:
-        _at_least(where, "rss_bytes", message.rss_bytes, 0, "a memory size; leave it unset when unknown")
-    if message.gpu_memory_bytes is not None:
-        _at_least(where, "gpu_memory_bytes", message.gpu_memory_bytes, 0, "a memory size; leave it unset when unknown")
-    for field, value in (("cpu_percent", message.cpu_percent), ("gpu_util_percent", message.gpu_util_percent)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            invalid(f"{where}.{field} is {value}: send a finite percentage >= 0, or leave it unset")
-    if message.step_compute_s is not None and not (math.isfinite(message.step_compute_s)
-                                                   and message.step_compute_s >= 0):
-        invalid(f"{where}.step_compute_s is {message.step_compute_s}: send a finite number of seconds >= 0, or "
-                "leave it unset")
+    memory = "a memory size; leave it unset when unknown"
+    _at_least(where, "rss_bytes", message.rss_bytes, 0, memory)
+    _at_least(where, "gpu_memory_bytes", message.gpu_memory_bytes, 0, memory)
+    _finite_figure(where, "cpu_percent", message.cpu_percent, "percentage")
+    _finite_figure(where, "gpu_util_percent", message.gpu_util_percent, "percentage")
+    _finite_figure(where, "step_compute_s", message.step_compute_s, "number of seconds")
 
 
 class AgentServicer(AgentServiceBase):
@@ -161,10 +163,8 @@ class AgentServicer(AgentServiceBase):
         _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
         _at_least(where, "local_rank", message.local_rank, 0, "ranks count from 0")
         _at_least(where, "rank", message.rank, 0, "ranks count from 0")
-        if message.signal is not None:
-            _at_least(where, "signal", message.signal, 1, "a signal number; leave it unset when none")
-        if message.step is not None:
-            _at_least(where, "step", message.step, 0, "a training step; leave it unset when none")
+        _at_least(where, "signal", message.signal, 1, "a signal number; leave it unset when none")
+        _at_least(where, "step", message.step, 0, "a training step; leave it unset when none")
         for name, text in (("oom", message.oom), ("gpu", message.gpu)):
             if len(text) > MAX_EVIDENCE_CHARS:
                 invalid(f"{where}.{name} has {len(text)} characters: an evidence line is at most "
