@@ -44,6 +44,7 @@ from stead.core.rpc._proto.stead.v1 import (
 )
 from stead.core.rpc._status import backend_errors, invalid
 from stead.core.rpc.backend import (
+    HEARTBEAT_STREAM_ROUTE,
     MAX_BATCH_BEATS,
     MAX_ERROR_TAIL_CHARS,
     MAX_EVIDENCE_CHARS,
@@ -54,7 +55,6 @@ from stead.core.rpc.backend import (
 __all__ = ["AgentServicer", "check_node_id"]
 
 _COMMANDS_ROUTE = "/stead.v1.AgentService/Commands"
-_BEATS_ROUTE = "/stead.v1.AgentService/HeartbeatStream"
 _MAX_NODE_ID = 253  # the longest DNS name, so that a Kubernetes pod name always fits
 _BAD_NODE_ID_CHARS = frozenset(" /\\")
 #: bounds on a StacksReport: workers per node, characters per worker's dump
@@ -232,14 +232,15 @@ class AgentServicer(AgentServiceBase):
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         mapping = super().__mapping__()
-        for route, serve in ((_COMMANDS_ROUTE, self._serve_commands), (_BEATS_ROUTE, self._serve_beats)):
+        for route, serve in ((_COMMANDS_ROUTE, self._serve_commands), (HEARTBEAT_STREAM_ROUTE, self._serve_beats)):
             generated = mapping[route]
             mapping[route] = grpclib.const.Handler(serve, generated.cardinality, generated.request_type,
                                                    generated.reply_type)
         return mapping
 
     async def _serve_beats(self, stream: Stream[HeartbeatRequest, HeartbeatReply]) -> None:
-        """One agent's heartbeats, a reply to each, until the agent ends the call (a bad one ends it too)."""
+        """One agent's heartbeats, a reply to each, until the agent ends the call: a bad heartbeat is answered
+        with its error and the call stays open; a master that cannot serve one ends the call."""
         async for message in stream:
             try:
                 _check_heartbeat("HeartbeatRequest", message)

@@ -19,6 +19,7 @@ __all__ = [
     "CheckHealthCmd",
     "DumpStacksCmd",
     "FailureInfo",
+    "HEARTBEAT_STREAM_ROUTE",
     "HeartbeatInfo",
     "MAX_BATCH_BEATS",
     "MAX_ERROR_TAIL_CHARS",
@@ -44,6 +45,8 @@ MAX_EVIDENCE_CHARS = 4096
 MAX_ERROR_TAIL_CHARS = 32 * 1024
 #: the most heartbeats one Heartbeats call may carry (an aggregator for a rack, or a few racks)
 MAX_BATCH_BEATS = 10_000
+#: the HeartbeatStream call's route: the client opens it and the servicer serves it by hand, not through the stubs
+HEARTBEAT_STREAM_ROUTE = "/stead.v1.AgentService/HeartbeatStream"
 #: the longest host name an agent may announce (a DNS name)
 MAX_HOST_CHARS = 253
 

@@ -54,6 +54,7 @@ from stead.core.rpc._status import retry_after
 from stead.core.rpc.address import parse_address
 from stead.core.rpc.auth import attach_token, check_token
 from stead.core.rpc.backend import (
+    HEARTBEAT_STREAM_ROUTE,
     AgentCommand,
     FailureInfo,
     HeartbeatInfo,
@@ -279,7 +280,7 @@ class HeartbeatStream:
                 with self._conn.errors(self._METHOD):
                     async with asyncio.timeout(self._conn.call_timeout_s):
                         if self._stream is None:
-                            call = self._conn.channel.request(_BEATS_PATH, Cardinality.STREAM_STREAM,
+                            call = self._conn.channel.request(HEARTBEAT_STREAM_ROUTE, Cardinality.STREAM_STREAM,
                                                               HeartbeatRequest, HeartbeatReply)
                             self._stream = await call.__aenter__()
                             self._call = call
@@ -309,8 +310,6 @@ class HeartbeatStream:
 
 #: the longest a broken heartbeat call is waited for while it is closed
 _DROP_TIMEOUT_S = 1.0
-#: the HeartbeatStream method's path
-_BEATS_PATH = "/stead.v1.AgentService/HeartbeatStream"
 
 
 def _take_back_cancels(task: asyncio.Task[object] | None, before: int) -> None:
