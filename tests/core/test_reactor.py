@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -35,20 +37,29 @@ class _Nothing:
         return None
 
 
-async def test_a_last_call_timer_armed_again_after_firing_starts_the_round() -> None:
+@contextlib.asynccontextmanager
+async def _one_joined(spec: JobSubmitted) -> AsyncIterator[Reactor]:
+    """A reactor on a memory store with ``spec`` submitted and node-0 joined."""
     store = await open_store("memory://")
+    try:
+        async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as reactor:
+            await reactor.resume()
+            await reactor.submit(spec)
+            await reactor.submit(NodeJoined(node_id="node-0", incarnation=1))
+            yield reactor
+    finally:
+        await store.close()
+
+
+async def test_a_last_call_timer_armed_again_after_firing_starts_the_round() -> None:
     spec = JobSubmitted(job="t", min_nodes=2, max_nodes=3, nproc_per_node=1, last_call_timeout_s=0.05)
-    async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as reactor:
-        await reactor.resume()
-        await reactor.submit(spec)
-        await reactor.submit(NodeJoined(node_id="node-0", incarnation=1))
+    async with _one_joined(spec) as reactor:
         await reactor.submit(NodeJoined(node_id="node-1", incarnation=1))  # MIN joined: last call armed
         await reactor.submit(NodeLost(node_id="node-1", incarnation=1))  # fires with one node: no round
         await reactor.wait_until(lambda s: "last-call/1" not in s.timers)
         await reactor.submit(NodeJoined(node_id="node-1", incarnation=2))  # MIN again: armed again
         state = await reactor.wait_until(lambda s: s.rdzv.round == 1)
         records = await reactor.log.read()
-    await store.close()
     assert state.rdzv.members == ("node-0", "node-1")
     assert sum(isinstance(r.event, RoundStarted) for r in records) == 1
 
@@ -57,18 +68,12 @@ async def test_an_emission_asked_for_twice_before_its_event_is_folded_is_made_on
     """The last node's NodeJoined twice in one write (a registration retried while the first was queued): each
     asks for round 1 before its RoundStarted is folded. The master must start the round once, not die on the
     second emission's effect key (it did, at 1,000 simulated nodes)."""
-    store = await open_store("memory://")
-    spec = JobSubmitted(job="t", min_nodes=2, max_nodes=2, nproc_per_node=1)
-    async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as reactor:
-        await reactor.resume()
-        await reactor.submit(spec)
-        await reactor.submit(NodeJoined(node_id="node-0", incarnation=1))
+    async with _one_joined(JobSubmitted(job="t", min_nodes=2, max_nodes=2, nproc_per_node=1)) as reactor:
         last = NodeJoined(node_id="node-1", incarnation=1)
         await reactor.submit_many([last, last])
         state = await reactor.wait_until(lambda s: s.rdzv.round == 1)
         await reactor.submit(StepProgress(round=1, step=1))  # the reactor still runs
         records = await reactor.log.read()
-    await store.close()
     assert state.phase is JobPhase.RUNNING
     assert sum(isinstance(r.event, RoundStarted) for r in records) == 1
 
@@ -77,19 +82,13 @@ async def test_a_round_refused_because_a_member_was_lost_meanwhile_is_planned_ag
     """The last join plans round 1; the member's loss, persisted in the same write, is folded before the round's
     start, which is refused. The round must be planned again when the node is back (found at 5,000 simulated
     nodes: the second plan reused the first one's key and was never made, and the job waited for ever)."""
-    store = await open_store("memory://")
-    spec = JobSubmitted(job="t", min_nodes=2, max_nodes=2, nproc_per_node=1)
-    async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as reactor:
-        await reactor.resume()
-        await reactor.submit(spec)
-        await reactor.submit(NodeJoined(node_id="node-0", incarnation=1))
+    async with _one_joined(JobSubmitted(job="t", min_nodes=2, max_nodes=2, nproc_per_node=1)) as reactor:
         await reactor.submit_many([NodeJoined(node_id="node-1", incarnation=1),
                                    NodeLost(node_id="node-1", incarnation=1)])
         assert reactor.state.rdzv.round == 0
         await reactor.submit(NodeJoined(node_id="node-1", incarnation=2))  # relaunched, back
         state = await reactor.wait_until(lambda s: s.rdzv.round == 1, timeout_s=10)
         records = await reactor.log.read()
-    await store.close()
     assert state.rdzv.members == ("node-0", "node-1") and state.nodes["node-1"].incarnation == 2
     assert [r.event.type_name for r in records if isinstance(r.event, (RoundStarted, TransitionRejected))] == [
         "round.started", "transition.rejected", "round.started"]
