@@ -4,7 +4,8 @@ Everything is computed from the event log when scraped, so a metric never disagr
 ``stead status``: the goodput ledger (:mod:`stead.core.goodput`) gives the goodput, the
 wall time by part and the recovery phases (a histogram over the job's recoveries: the same
 figures as the recovery traces); the records give the restarts by failure class and
-action, the checkpoints committed and persisted; the folded state gives the nodes by
+action, the checkpoints committed and persisted with their save and persist times (the
+slowest rank's, as the checkpoint records carry them); the folded state gives the nodes by
 phase, the step and the step rate.
 
 A master that takes over a running job reads the log it replays, so its metrics cover
@@ -111,6 +112,15 @@ class JobMetrics(Collector):
         checkpoints.add_metric([self.job, "memory"], kinds[CheckpointCommitted.type_name])
         checkpoints.add_metric([self.job, "disk"], kinds["ckpt.persisted"])
         yield checkpoints
+        took = HistogramMetricFamily("stead_checkpoint_seconds", "Checkpoint times: save (the in-memory copy, the "
+                                     "training loop's stall) and persist (writing to disk), the slowest rank's",
+                                     labels=["job", "stage"])
+        for stage, kind, field in (("save", CheckpointCommitted.type_name, "save_s"),
+                                   ("persist", "ckpt.persisted", "persist_s")):
+            values = [v for r in records if isinstance(r, Record) and r.event.type_name == kind
+                      for v in [getattr(r.event, field, None)] if isinstance(v, float)]
+            took.add_metric([self.job, stage], _buckets(values), sum_value=sum(values))
+        yield took
 
         nodes = GaugeMetricFamily("stead_nodes", "The job's nodes by phase", labels=["job", "phase"])
         by_phase = Counter(node.phase for node in state.nodes.values())

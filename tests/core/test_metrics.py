@@ -7,10 +7,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stead.core.config import Settings
 from stead.core.events import (
+    CheckpointCommitted,
     JobSubmitted,
     Record,
     RecoveryAction,
@@ -24,6 +26,7 @@ from stead.core.master import Master, MasterConfig
 from stead.core.metrics import JobMetrics, MetricsServer
 from stead.core.platform import NodeSpec
 from stead.core.statemachine import JobState, NodePhase, NodeState
+from stead.plugins.ckpt.events import CheckpointPersisted
 from stead.testing.platforms import RecordingPlatform
 
 pytestmark = pytest.mark.anyio
@@ -77,6 +80,29 @@ def test_the_metrics_are_the_ledger_the_decisions_and_the_state_of_the_log() -> 
     assert got["stead_nodes"][(("job", "m"), ("phase", "joined"))] == 2.0
     assert got["stead_step"][job] == 7.0 and got["stead_restarts"][job] == 1.0
     assert got["stead_step_rate"][job] == pytest.approx(2.0)
+
+
+
+def test_checkpoint_save_and_persist_times_are_histograms_of_what_the_records_carry() -> None:
+    records = [Record(seq=1, at=0.0, event=SPEC), Record(seq=2, at=1.0, event=CheckpointCommitted(step=1, save_s=0.2)),
+               Record(seq=3, at=2.0, event=CheckpointCommitted(step=2, save_s=0.04)),
+               Record(seq=4, at=2.5, event=CheckpointCommitted(step=3)),  # an agent that timed nothing
+               Record(seq=5, at=3.0, event=CheckpointPersisted(step=2, path="p", world_size=1, persist_s=3.5))]
+    metrics = JobMetrics("met", JobState, clock=lambda: 4.0)
+    metrics.seed(records)
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    got = {f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples}
+           for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    took = got["stead_checkpoint_seconds"]
+
+    def count(stage: str, le: str) -> float:
+        return took[(("job", "met"), ("le", le), ("stage", stage))]
+
+    assert count("save", "0.05") == 1.0 and count("save", "0.25") == 2.0
+    assert count("save", "+Inf") == 2.0  # counted: the two that said how long
+    assert count("persist", "2.5") == 0.0 and count("persist", "5") == 1.0
+    assert got["stead_checkpoints"][(("job", "met"), ("tier", "memory"))] == 3.0
 
 
 async def test_a_master_serves_its_metrics_and_frees_the_port_when_it_stops(tmp_path: Path) -> None:

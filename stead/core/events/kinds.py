@@ -404,6 +404,8 @@ class HealthChecked(Event):
 class CheckpointCommitted(Event):
     step: int
     tier: str = "memory"
+    #: how long the slowest rank's save() took to copy the step (None: not reported)
+    save_s: float | None = None
 
 
 @event_kind("plugin.failed")

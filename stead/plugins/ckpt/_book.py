@@ -11,6 +11,9 @@ a fresh set of holdings (memory written in earlier rounds is not reported again)
 
 Disk reports count the ranks that wrote each step; the step is persisted when all
 ranks of the world did.
+
+Reports may say how long a rank took (its save() copy, its disk write). A step is
+as slow as its slowest rank, so the book keeps the longest of each step.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-__all__ = ["Book", "Holding", "disk_report", "memory_report", "released"]
+__all__ = ["Book", "Holding", "disk_report", "memory_report", "released", "save_seconds"]
 
 _DISK_STEPS_KEPT = 32
 
@@ -27,6 +30,8 @@ _DISK_STEPS_KEPT = 32
 class Holding:
     passed: int
     steps: frozenset[int]
+    #: step -> seconds the rank's save() took to copy it (where known)
+    seconds: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +48,8 @@ class Book:
     #: disk: step -> ranks that wrote it, and the world size they wrote it in
     disk: Mapping[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     disk_world: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    #: disk: step -> the longest write among the ranks that reported one
+    disk_s: Mapping[int, float] = dataclasses.field(default_factory=dict)
     persisted: int = -1
 
 
@@ -79,15 +86,26 @@ def released(book: Book, ranks: Iterable[int]) -> dict[int, int]:
     return out
 
 
-def disk_report(book: Book, *, step: int, world_size: int, ranks: Iterable[int]) -> tuple[Book, bool]:
-    """Fold in ranks that wrote ``step``; True when this report completes the step on disk."""
-    before = book.disk.get(step, frozenset()) if book.disk_world.get(step) == world_size else frozenset()
+def save_seconds(book: Book, step: int) -> float | None:
+    """How long the slowest rank of the book's round took to copy ``step`` (None: no rank said)."""
+    return max((h.seconds[step] for h in book.holdings.values() if step in h.seconds), default=None)
+
+
+def disk_report(book: Book, *, step: int, world_size: int, ranks: Iterable[int],
+                seconds: float | None = None) -> tuple[Book, bool]:
+    """Fold in ranks that wrote ``step`` (the slowest of them in ``seconds``); True when it completes the step."""
+    same_world = book.disk_world.get(step) == world_size
+    before = book.disk.get(step, frozenset()) if same_world else frozenset()
     after = before | frozenset(ranks)
     complete = len(before) < world_size <= len(after) and all(r in after for r in range(world_size))
+    slowest = [t for t in (seconds, book.disk_s.get(step) if same_world else None) if t is not None]
     keep = sorted({*book.disk, step})[-_DISK_STEPS_KEPT:]  # the book stays small on a long job
     disk = {s: (after if s == step else book.disk[s]) for s in keep}
-    book = dataclasses.replace(book, disk=disk, disk_world={s: (world_size if s == step else book.disk_world[s])
-                                                            for s in keep})
+    disk_s = {s: t for s, t in book.disk_s.items() if s in keep and s != step}
+    if slowest:
+        disk_s[step] = max(slowest)
+    book = dataclasses.replace(book, disk=disk, disk_s=disk_s,
+                               disk_world={s: (world_size if s == step else book.disk_world[s]) for s in keep})
     if complete:
         book = dataclasses.replace(book, persisted=max(book.persisted, step))
     return book, complete

@@ -12,10 +12,14 @@ __all__ = ["CheckpointClient", "Committed", "Saved"]
 
 @dataclasses.dataclass(frozen=True)
 class Saved:
-    """A rank's state for a report: the newest step it passed and the steps it holds."""
+    """A rank's state for a report: the newest step it passed, the steps it holds, and what they took.
+
+    ``seconds``: step -> seconds (memory: the copy in save(); disk: writing the step's files).
+    """
 
     step: int
     held: frozenset[int] = frozenset()
+    seconds: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +47,8 @@ class CheckpointClient:
                            path: str = "") -> Committed:
         request = proto.ReportSavedRequest(
             node_id=self.node_id, incarnation=self.incarnation, round=round_, world_size=world_size, tier=tier,
-            ranks=[proto.RankSaved(rank=r, step=s.step, held_steps=sorted(s.held)) for r, s in sorted(ranks.items())],
+            ranks=[proto.RankSaved(rank=r, step=s.step, held_steps=sorted(s.held), seconds=dict(s.seconds))
+                   for r, s in sorted(ranks.items())],
             path=path)
         with self._conn.errors("CheckpointService.ReportSaved"):
             reply = await self._stub.report_saved(request, timeout=self._conn.call_timeout_s)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +214,7 @@ class NodeCheckpoints:
                 return state, {"ok": True}
             case "saved":
                 self._saved(state, int(message["slot"]), int(message["step"]), int(message["seq"]),
-                            bool(message.get("persist")))
+                            bool(message.get("persist")), _seconds(message.get("seconds")))
             case "skipped":
                 state.passed = max(state.passed, int(message["step"]))
                 self._dirty.set()
@@ -275,9 +276,12 @@ class NodeCheckpoints:
                 unlink_quietly(self.names.data(state.local_rank, index, old.gen))
             log.debug("ckpt_slot_allocated", local_rank=state.local_rank, slot=index, bytes=capacity)
 
-    def _saved(self, state: RankMemory, index: int, step: int, seq: int, persist: bool) -> None:
+    def _saved(self, state: RankMemory, index: int, step: int, seq: int, persist: bool,
+               seconds: float | None) -> None:
         state.passed = max(state.passed, step)
         state.newest_saved = (index, seq)
+        if seconds is not None:
+            state.save_s[step] = seconds
         if persist:
             self._want_persist(state, PersistJob(step=step, round=state.round, reason="requested"))
         self._spawn(self._checksum, state, index, seq)
@@ -304,9 +308,12 @@ class NodeCheckpoints:
             log.warning("ckpt_report_failed", error=str(exc))
 
     async def _send_report(self, ranks: list[RankMemory]) -> None:
+        report = {}
         for state in ranks:
-            state.passed = max(state.passed, *state.held(), -1)
-        report = {s.rank: Saved(step=s.passed, held=s.held()) for s in ranks}
+            held = state.held()
+            state.passed = max(state.passed, *held, -1)
+            state.save_s = {step: s for step, s in state.save_s.items() if step in held}
+            report[state.rank] = Saved(step=state.passed, held=held, seconds=state.save_s)
         round_ = ranks[0].round
         reply = await self._client.report_saved(round_=round_, world_size=ranks[0].world, tier="memory",
                                                 ranks=report)
@@ -507,24 +514,25 @@ class NodeCheckpoints:
                 continue
             batch, self._persists = self._persists, []
             self._persisting = True
-            written: dict[int, list[RankMemory]] = {}
+            written: dict[int, list[tuple[RankMemory, float]]] = {}
             try:
                 for state in batch:
                     state.writing = True
                 for state in batch:
                     job = state.persist
+                    started = time.perf_counter()
                     if job is not None and await self._persist_one(state, job):
-                        written.setdefault(job.step, []).append(state)
-                for step, states in written.items():
-                    world = states[0].world
+                        written.setdefault(job.step, []).append((state, time.perf_counter() - started))
+                for step, wrote in written.items():
+                    world = wrote[0][0].world
                     complete = await anyio.to_thread.run_sync(_finish, self.root, step, world,
                                                               self.ckpt.keep_last)
                     if complete:
                         log.info("ckpt_step_on_disk", step=step, path=str(_disk.step_dir(self.root, step)))
-                    for state in states:
+                    for state, _ in wrote:
                         state.persisted = max(state.persisted, step)
                         state.notify()
-                    await self._report_disk(step, [s.rank for s in states], world)
+                    await self._report_disk(step, {state.rank: seconds for state, seconds in wrote}, world)
             finally:
                 for state in batch:
                     state.writing = state.queued = False
@@ -570,10 +578,11 @@ class NodeCheckpoints:
 
     # -- reports to the master -----------------------------------------------------------------------
 
-    async def _report_disk(self, step: int, ranks: list[int], world: int) -> None:
+    async def _report_disk(self, step: int, ranks: dict[int, float], world: int) -> None:
+        """Tell the master that ``ranks`` wrote ``step`` (rank -> seconds the write took)."""
         try:
             await self._client.report_saved(round_=self._round_of(), world_size=world, tier="disk",
-                                            ranks={r: Saved(step=step) for r in ranks},
+                                            ranks={r: Saved(step=step, seconds={step: s}) for r, s in ranks.items()},
                                             path=str(_disk.step_dir(self.root, step)))
         except SteadError as exc:
             log.warning("ckpt_report_failed", what="disk", step=step, error=str(exc))
@@ -592,3 +601,9 @@ class NodeCheckpoints:
         except SteadError as exc:
             log.warning("ckpt_report_failed", what="corrupt", error=str(exc))
 
+
+def _seconds(value: object) -> float | None:
+    """A worker's reported duration, or None when it sent none (an older worker) or nonsense."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if 0.0 <= value < float("inf") else None

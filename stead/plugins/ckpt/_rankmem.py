@@ -49,6 +49,8 @@ class RankMemory:
     persist_failed: int = -1
     changed: anyio.Event = dataclasses.field(default_factory=anyio.Event)
     newest_saved: tuple[int, int] = (-1, -1)
+    #: step -> seconds its save() took to copy it (held steps only)
+    save_s: dict[int, float] = dataclasses.field(default_factory=dict)
     checksumming: dict[tuple[int, int], anyio.Event] = dataclasses.field(default_factory=dict)
 
     def held(self) -> frozenset[int]:

@@ -17,6 +17,8 @@ class CheckpointPersisted(Event):
     step: int
     path: str
     world_size: int
+    #: how long the slowest rank took to write its files (None: not reported)
+    persist_s: float | None = None
 
 
 @event_kind("ckpt.corrupt")

@@ -16,7 +16,7 @@ import json
 import structlog
 
 from stead.plugin import CheckpointCommitted, Plugin, PluginContext, backend_errors, invalid, proto
-from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, released
+from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, released, save_seconds
 from stead.plugins.ckpt.events import CheckpointCorrupt, CheckpointPersisted, CheckpointRestored
 from stead.plugins.ckpt.settings import CheckpointSettings
 
@@ -69,7 +69,7 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         async with self._lock:
             book, step = memory_report(self.book, round_=round_, world_size=world_size, ranks=ranks)
             if step is not None:
-                await self.ctx.emit(CheckpointCommitted(step=step, tier="memory"))
+                await self.ctx.emit(CheckpointCommitted(step=step, tier="memory", save_s=save_seconds(book, step)))
                 await self._save(book)
                 log.debug("ckpt_committed", step=step, round=round_)
             self.book = book
@@ -77,11 +77,13 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         await self._notify()
         return answer
 
-    async def disk_report(self, *, step: int, world_size: int, ranks: list[int], path: str) -> None:
+    async def disk_report(self, *, step: int, world_size: int, ranks: list[int], path: str,
+                          seconds: float | None = None) -> None:
         async with self._lock:
-            book, complete = disk_report(self.book, step=step, world_size=world_size, ranks=ranks)
+            book, complete = disk_report(self.book, step=step, world_size=world_size, ranks=ranks, seconds=seconds)
             if complete:
-                await self.ctx.emit(CheckpointPersisted(step=step, path=path, world_size=world_size))
+                await self.ctx.emit(CheckpointPersisted(step=step, path=path, world_size=world_size,
+                                                        persist_s=book.disk_s.get(step)))
                 await self._save(book)
                 log.info("ckpt_persisted", step=step, path=path)
             self.book = book
@@ -151,14 +153,21 @@ class CheckpointServicer(proto.CheckpointServiceBase):
             invalid(f"tier={message.tier!r} must be one of {TIERS}")
         if message.round < 0:
             invalid(f"round={message.round} must not be negative")
+        for r in message.ranks:
+            for step, seconds in r.seconds.items():
+                if not 0.0 <= seconds < float("inf"):
+                    invalid(f"seconds[{step}]={seconds} of rank {r.rank} must be a finite, non-negative duration")
         with backend_errors("CheckpointService.ReportSaved"):
             if message.tier == "disk":
                 steps = {r.step for r in message.ranks}
                 for step in steps:
-                    await self._plugin.disk_report(step=step, world_size=message.world_size, path=message.path,
-                                                   ranks=[r.rank for r in message.ranks if r.step == step])
+                    wrote = [r for r in message.ranks if r.step == step]
+                    await self._plugin.disk_report(
+                        step=step, world_size=message.world_size, path=message.path, ranks=[r.rank for r in wrote],
+                        seconds=max((r.seconds[step] for r in wrote if step in r.seconds), default=None))
                 return proto.ReportSavedReply(committed_step=-1)
-            holdings = {r.rank: Holding(passed=r.step, steps=frozenset(r.held_steps)) for r in message.ranks}
+            holdings = {r.rank: Holding(passed=r.step, steps=frozenset(r.held_steps), seconds=dict(r.seconds))
+                        for r in message.ranks}
             step, freed = await self._plugin.memory_report(round_=message.round, world_size=message.world_size,
                                                            ranks=holdings)
         released = [proto.RankStep(rank=r, step=s) for r, s in freed.items()]

@@ -173,6 +173,7 @@ class FlashCheckpointer:
             if persist:
                 self._save_to_disk(step, state_dict)
             return persist
+        started = time.perf_counter()
         self._finish_previous()
         encoded = encode(state_dict)
         layout = self._plan(encoded)
@@ -198,7 +199,8 @@ class FlashCheckpointer:
         except BaseException:
             control.abandon_write(target)
             raise
-        finish = dict(index=target, seq=seq, step=step, layout=layout, document=document, persist=persist)
+        finish = dict(index=target, seq=seq, step=step, layout=layout, document=document, persist=persist,
+                      started=started)
         if pending_cuda is not None and self.copy_mode == "overlap":
             self._finishing = threading.Thread(target=self._finish_after, args=(pending_cuda, finish),
                                                name="stead-ckpt-finish", daemon=True)
@@ -441,7 +443,7 @@ class FlashCheckpointer:
             self._finishing = None
 
     def _publish(self, *, index: int, seq: int, step: int, layout: SlotLayout, document: bytes,
-                 persist: bool) -> None:
+                 persist: bool, started: float) -> None:
         self._ctl.end_write(index, seq=seq, step=step, round_=self.round, rank=self.rank, world=self.world_size,
                             data_bytes=layout.data_bytes, n_tensors=layout.n_tensors, checks_off=layout.checks_off,
                             layout_off=layout.layout_off, layout_len=len(document), layout_sum=checksum(document))
@@ -449,7 +451,9 @@ class FlashCheckpointer:
         if persist:
             self._persist_requested = step
         assert self._link is not None
-        self._link.notify({"op": "saved", "slot": index, "step": step, "seq": seq + 1, "persist": persist})
+        # seconds from save() to a complete copy: the step's stall (with a CUDA overlap, partly behind the next step)
+        self._link.notify({"op": "saved", "slot": index, "step": step, "seq": seq + 1, "persist": persist,
+                           "seconds": time.perf_counter() - started})
 
     def _save_to_disk(self, step: int, state_dict: Mapping[str, Any]) -> None:
         encoded = encode(state_dict)

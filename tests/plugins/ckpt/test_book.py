@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, released
+from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, released, save_seconds
 
 
 def h(passed: int, *steps: int) -> Holding:
@@ -47,6 +47,22 @@ def test_a_step_is_on_disk_when_every_rank_of_its_world_wrote_it() -> None:
     assert complete and book.persisted == 10
     book, complete = disk_report(book, step=10, world_size=2, ranks=[0])
     assert not complete  # reported once
+
+
+def test_a_step_takes_as_long_as_its_slowest_rank_to_save_and_to_write() -> None:
+    book, _ = memory_report(Book(), round_=1, world_size=3, ranks={
+        0: Holding(passed=2, steps=frozenset({1, 2}), seconds={1: 0.4, 2: 0.1}),
+        1: Holding(passed=2, steps=frozenset({2}), seconds={2: 0.3}),
+        2: h(2, 2)})  # a rank that reports no time (an older agent) is not counted as zero
+    assert book.round_step == 2
+    assert save_seconds(book, 2) == 0.3 and save_seconds(book, 1) == 0.4 and save_seconds(book, 7) is None
+    book, _ = disk_report(book, step=2, world_size=2, ranks=[0], seconds=1.5)
+    book, complete = disk_report(book, step=2, world_size=2, ranks=[1], seconds=0.5)
+    assert complete and book.disk_s == {2: 1.5}
+    book, _ = disk_report(book, step=2, world_size=4, ranks=[0], seconds=0.2)  # a new world writes it afresh
+    assert book.disk_s == {2: 0.2}
+    book, _ = disk_report(book, step=3, world_size=1, ranks=[0])
+    assert book.disk_s == {2: 0.2}  # no time said, none kept
 
 
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 8), st.sets(st.integers(0, 8), max_size=2)),

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from stead.core.events import CheckpointCommitted
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._mapped import MappedSlot
 from stead.plugins.ckpt._shm import SHM_DIR, segment_names
@@ -100,8 +101,9 @@ def test_a_step_is_committed_only_once_every_rank_holds_it(cluster: Cluster) -> 
         assert rank0._ctl.committed == (-1, -1) or rank0._ctl.committed[0] in (-1, 1)
         assert rank0.save(2, state)  # waits until step 1 is committed, then writes the other slot
         assert rank0._ctl.committed == (1, 1)
-    commits = [e for e in cluster.events if e.type_name == "checkpoint.committed"]
-    assert [c.step for c in commits] == [1]  # type: ignore[attr-defined]
+    commits = [e for e in cluster.events if isinstance(e, CheckpointCommitted)]
+    assert [c.step for c in commits] == [1]
+    assert commits[0].save_s is not None and commits[0].save_s > 0  # the slower rank's copy, as its worker timed it
 
 
 def test_a_worker_dying_mid_copy_leaves_the_committed_step_intact(
@@ -180,7 +182,8 @@ def test_persisted_steps_load_with_plain_torch_distributed_checkpoint(cluster: C
     assert torch.equal(target["optim"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     assert target["epoch"] == 7 and target["tags"] == ["x", "y"]
     cluster.settle()
-    assert any(isinstance(e, CheckpointPersisted) and e.step == 5 for e in cluster.events)
+    persisted = [e for e in cluster.events if isinstance(e, CheckpointPersisted) and e.step == 5]
+    assert persisted and persisted[0].persist_s is not None and persisted[0].persist_s > 0
 
 
 def test_a_worker_failure_persists_the_committed_step(cluster: Cluster, tmp_path: Path) -> None:

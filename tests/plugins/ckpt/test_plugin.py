@@ -45,7 +45,7 @@ async def test_the_plugin_is_valid_and_serves_commits_that_survive_a_master_rest
             node0 = CheckpointClient(conn, node_id="node-0", incarnation=1)
             node1 = CheckpointClient(conn, node_id="node-1", incarnation=1)
             waited = {}
-            held_3 = Saved(3, frozenset({3}))
+            held_3 = Saved(3, frozenset({3}), seconds={3: 0.25})
 
             async def wait_for_commit() -> None:
                 waited["reply"] = await node0.get_committed(round_=1, after_step=-1, wait_s=10, ranks=[0])
@@ -55,10 +55,12 @@ async def test_the_plugin_is_valid_and_serves_commits_that_survive_a_master_rest
                 assert reply.round_step == -1
                 tg.start_soon(wait_for_commit)
                 await anyio.sleep(0.1)
-                reply = await node1.report_saved(round_=1, world_size=2, tier="memory", ranks={1: held_3})
+                reply = await node1.report_saved(round_=1, world_size=2, tier="memory",
+                                                 ranks={1: Saved(3, frozenset({3}), seconds={3: 0.5})})
                 assert reply.round_step == 3
             assert waited["reply"].round_step == 3 and waited["reply"].step == 3
-            assert [e for e in events if isinstance(e, CheckpointCommitted)] == [CheckpointCommitted(step=3)]
+            commits = [e for e in events if isinstance(e, CheckpointCommitted)]
+            assert commits == [CheckpointCommitted(step=3, save_s=0.5)]  # the slower rank's copy
 
             channel = Channel(server.host, server.port)
             attach_token(channel, token)
@@ -66,7 +68,9 @@ async def test_the_plugin_is_valid_and_serves_commits_that_survive_a_master_rest
                 for bad in (ReportSavedRequest(node_id="n", round=1, world_size=0, tier="memory"),
                             ReportSavedRequest(node_id="n", round=1, world_size=2, tier="tape"),
                             ReportSavedRequest(node_id="n", round=1, world_size=2, tier="memory",
-                                               ranks=[RankSaved(rank=5, step=1)])):
+                                               ranks=[RankSaved(rank=5, step=1)]),
+                            ReportSavedRequest(node_id="n", round=1, world_size=1, tier="disk",
+                                               ranks=[RankSaved(rank=0, step=1, seconds={1: -2.0})])):
                     with pytest.raises(GRPCError) as caught:
                         await CheckpointServiceStub(channel).report_saved(bad, timeout=5)
                     assert caught.value.status == Status.INVALID_ARGUMENT

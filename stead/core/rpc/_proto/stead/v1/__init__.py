@@ -553,6 +553,15 @@ class RankSaved(betterproto2.Message):
     memory: every complete step the rank holds now, written in this round.
     """
 
+    seconds: "dict[int, float]" = betterproto2.field(
+        4, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_INT64, betterproto2.TYPE_DOUBLE)
+    )
+    """
+    Seconds per step, where the agent knows them. memory: how long each held step's
+    save() took to copy it (the worker's stall); disk: how long the rank took to
+    write the step's files.
+    """
+
 
 default_message_pool.register_message("stead.v1", "RankSaved", RankSaved)
 
