@@ -22,6 +22,7 @@ __all__ = [
     "JobStopped",
     "JobSubmitted",
     "JobSucceeded",
+    "MembershipDecided",
     "NodeExited",
     "NodeHealthReported",
     "NodeJoined",
@@ -75,6 +76,10 @@ class JobSubmitted(Event):
     health_timeout_s: float = 60.0
     #: a node whose matmul takes more than this many times the other nodes' median fails its check
     health_slow_factor: float = 2.0
+    #: nodes to start with, within MIN:MAX (None: MAX); the scaler changes the target later (MembershipDecided)
+    start_nodes: int | None = None
+    #: a resize waits for the next checkpoint commit (a step boundary) at most this long, then goes ahead
+    resize_wait_s: float = 30.0
 
 
 @event_kind("job.resumed")
@@ -264,6 +269,17 @@ class RelaunchRequested(Event):
 
     node_id: str
     incarnation: int
+    reason: str
+    by: str
+
+
+@event_kind("membership.decided")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MembershipDecided(Event):
+    """How many nodes the job should run on, within MIN:MAX: nodes are requested or retired to match, and a
+    running round is resized at its next step boundary. Decided by the scaler's policy (``by``)."""
+
+    target: int
     reason: str
     by: str
 

@@ -44,6 +44,7 @@ from stead.core.events import (
     JobStopped,
     JobSubmitted,
     JobSucceeded,
+    MembershipDecided,
     NodeExited,
     NodeHealthReported,
     NodeJoined,
@@ -66,6 +67,7 @@ from stead.core.events import (
     WorkersSucceeded,
 )
 from stead.core.statemachine import health as health_machine
+from stead.core.statemachine import membership
 from stead.core.statemachine import node as node_machine
 from stead.core.statemachine import rendezvous as rdzv_machine
 from stead.core.statemachine._nodes import READY, Incarnations, Ready, is_ready
@@ -129,6 +131,12 @@ class JobState:
     excluded_hosts: frozenset[str] = frozenset()
     #: the nodes' health checks (see :mod:`.health`)
     health: HealthState = dataclasses.field(default_factory=HealthState)
+    #: the nodes the job aims at, as the scaler last decided (None: the spec's start_nodes, else MAX)
+    target: int | None = None
+    #: nodes stopped because the job shrank: never relaunched (requested again when it grows)
+    retired: frozenset[str] = frozenset()
+    #: the running round changes size at the next checkpoint commit (or when resize_wait_s runs out)
+    resizing: bool = False
     #: seq of the last event folded in (0 before any)
     seq: int = 0
 
@@ -146,7 +154,7 @@ class JobState:
 _NEEDS_JOB = (NodeRequested, NodeStarted, NodeJoined, NodeLost, NodeExited, RoundStarted, RoundCompleted,
               WorkersStarted, WorkersSucceeded, WorkerFailed, RecoveryDecided, TimerFired, StepProgress,
               CheckpointCommitted, JobSucceeded, EffectFailed, RestartRequested, RelaunchRequested,
-              StacksRequested, HealthCheckStarted, NodeHealthReported, HealthChecked)
+              StacksRequested, HealthCheckStarted, NodeHealthReported, HealthChecked, MembershipDecided)
 
 
 def node_ids(count: int) -> tuple[str, ...]:
@@ -220,6 +228,8 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
             return _relaunch_requested(state, event, now=now)
         case StacksRequested():
             return _stacks_requested(state, event, seq=state.seq)
+        case MembershipDecided():
+            return _membership_decided(state, event, now=now)
         case HealthCheckStarted() | NodeHealthReported() | HealthChecked():
             return _health_event(state, event, now=now)
         case TimerFired():
@@ -228,7 +238,10 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
             return Transition(dataclasses.replace(state, step=max(event.step, state.step or 0)))
         case CheckpointCommitted():
             # the latest commit, not the highest: after a rollback to an older step, that step is in force
-            return Transition(dataclasses.replace(state, checkpoint_step=event.step))
+            committed = dataclasses.replace(state, checkpoint_step=event.step)
+            if state.resizing:  # a step boundary every rank holds: the waiting resize goes now
+                return _resize(committed, now=now)
+            return Transition(committed)
         case JobSucceeded() | JobFailed() | JobStopped():
             return _end(state, event)
         case _:
@@ -252,7 +265,7 @@ def _submit(state: JobState, event: JobSubmitted, *, now: float) -> Transition[J
         return reject(state, f"job {event.job!r} cannot run: {problem}")
     effects: list[Effect] = [
         Emit(key=f"request/{node}/1", event=NodeRequested(node_id=node, incarnation=1))
-        for node in node_ids(event.max_nodes)
+        for node in node_ids(event.start_nodes or event.max_nodes)
     ]
     effects.append(StartTimer(name=_join_timer(state), at=now + event.join_timeout_s))
     return Transition(dataclasses.replace(state, phase=JobPhase.STARTING, spec=event), tuple(effects))
@@ -279,8 +292,8 @@ def _resume(state: JobState, event: JobResumed, *, now: float) -> Transition[Job
         state, phase=JobPhase.STARTING, spec=event.submitted(), nodes=nodes, restarts=0, awaiting_decision=False,
         last_failure=None, reason="", message="", timers={}, life=life,
         rdzv=RendezvousState(round=state.rdzv.round), health=HealthState(check=state.health.check),
-        resumed_at={n: s.incarnation for n, s in nodes.items()})
-    for node_id in node_ids(event.max_nodes):
+        resumed_at={n: s.incarnation for n, s in nodes.items()}, target=None, retired=frozenset(), resizing=False)
+    for node_id in node_ids(event.start_nodes or event.max_nodes):
         incarnation = nodes[node_id].incarnation + 1 if node_id in nodes else 1
         effects.append(Emit(key=f"request/{node_id}/{incarnation}",
                             event=NodeRequested(node_id=node_id, incarnation=incarnation)))
@@ -300,6 +313,8 @@ def _join_timer(state: JobState) -> str:
 def _spec_problem(spec: JobSubmitted) -> str:
     if spec.min_nodes < 1 or spec.max_nodes < spec.min_nodes:
         return f"nodes {spec.min_nodes}:{spec.max_nodes} must satisfy 1 <= MIN <= MAX"
+    if spec.start_nodes is not None and not spec.min_nodes <= spec.start_nodes <= spec.max_nodes:
+        return f"start_nodes {spec.start_nodes} must be within MIN:MAX {spec.min_nodes}:{spec.max_nodes}"
     if spec.nproc_per_node < 1:
         return f"nproc_per_node {spec.nproc_per_node} must be at least 1"
     if spec.max_restarts < 0 or spec.max_node_relaunches < 0:
@@ -334,7 +349,9 @@ def _node_event(
     new = _with_node(state, after)
     effects = list(result.effects)
     if isinstance(event, NodeJoined) and (before is None or before.phase is not NodePhase.JOINED):
-        effects += _plan(new, now=now)  # a node registering again (a new master, a retried call) changes no plan
+        # (a node registering again, for a new master or a retried call, changes no plan)
+        new, planned = _plan_or_grow(new, now=now)
+        effects += planned
     went_away = before is not None and before.phase.alive and not after.phase.alive
     if went_away:
         new, more = _node_gone(new, after, now=now)
@@ -349,6 +366,8 @@ def _node_gone(state: JobState, node: NodeState, *, now: float) -> tuple[JobStat
     spec = state.spec
     assert spec is not None
     effects: list[Effect] = []
+    if node.node_id in state.retired:
+        return state, effects  # stopped because the job shrank: not relaunched, not a failure
     if node.node_id in state.rdzv.members and state.rdzv.active:
         reason = f"node {node.node_id} {node.phase.value}"
         effects += [
@@ -365,8 +384,10 @@ def _node_gone(state: JobState, node: NodeState, *, now: float) -> tuple[JobStat
         relaunch = NodeRequested(node_id=node.node_id, incarnation=node.incarnation + 1,
                                  avoid_hosts=tuple(sorted(state.excluded_hosts)))
         effects.append(Emit(key=f"request/{node.node_id}/{node.incarnation + 1}", event=relaunch))
+        # the replacement must join in time, or the job goes on without it (at least MIN) or fails (fewer)
+        effects.append(StartTimer(name=_rejoin_timer(relaunch), at=now + spec.join_timeout_s))
         return state, effects
-    alive = sum(1 for s in state.nodes.values() if s.phase.alive)
+    alive = sum(1 for n, s in state.nodes.items() if s.phase.alive and n not in state.retired)
     if alive < spec.min_nodes:
         failed = JobFailed(
             reason=f"node {node.node_id} was {node.phase.value} "
@@ -386,9 +407,9 @@ def _plan(state: JobState, *, now: float) -> tuple[Effect, ...]:
         return ()
     return health_machine.plan(state) + rdzv_machine.plan_round(
         state.rdzv,
-        joined=Ready(state),
+        joined=membership.available(state) if state.retired else Ready(state),
         min_nodes=spec.min_nodes,
-        max_nodes=spec.max_nodes,
+        max_nodes=membership.target(state),
         nproc_per_node=spec.nproc_per_node,
         restart_count=state.restarts,
         last_call_timeout_s=spec.last_call_timeout_s,
@@ -407,10 +428,14 @@ def _round_started(state: JobState, event: RoundStarted) -> Transition[JobState]
     unchecked = [n for n in event.members if n not in ready]
     if unchecked:
         return reject(state, f"round {event.round} names nodes that have not passed their health check: {unchecked}")
+    retired = [n for n in event.members if n in state.retired]
+    if retired:
+        return reject(state, f"round {event.round} names nodes retired when the job shrank: {retired}")
     result = rdzv_machine.transition(state.rdzv, event, incarnations=Incarnations(state.nodes))
     if result.rejected is not None:
         return reject(state, result.rejected)
-    return Transition(dataclasses.replace(state, phase=JobPhase.RUNNING, rdzv=result.state), result.effects)
+    started = dataclasses.replace(state, phase=JobPhase.RUNNING, rdzv=result.state, resizing=False)
+    return Transition(started, result.effects)
 
 
 def _rdzv_event(
@@ -491,10 +516,14 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
         return Transition(state)
     if event.name == f"health/{state.health.check}" and state.health.running:
         return Transition(state, health_machine.verdict(state))
+    if event.name == f"resize/{state.rdzv.round}" and state.resizing:
+        return _resize(state, now=now)
+    if event.name.startswith("rejoin/"):
+        return _rejoin_timeout(state, event.name)
     if event.name == f"last-call/{state.rdzv.round + 1}" and not state.rdzv.active and not state.awaiting_decision:
-        joined = state.ready
+        joined = membership.available(state)
         if len(joined) >= spec.min_nodes and state.phase in (JobPhase.STARTING, JobPhase.RECOVERING):
-            members = rdzv_machine.order_members(state.rdzv.members, joined, spec.max_nodes)
+            members = rdzv_machine.order_members(state.rdzv.members, joined, membership.target(state))
             started = RoundStarted(
                 round=state.rdzv.round + 1,
                 members=members,
@@ -633,6 +662,99 @@ def _health_checked(state: JobState, event: HealthChecked, *, now: float) -> Tra
                         reason=f"failed its health check: {verdict.reason}")
         result = _node_event(new, lost, now=now)
         new, effects = result.state, effects + list(result.effects)
-    effects += _plan(new, now=now)
+    new, more = _plan_or_grow(new, now=now)
+    effects += more
     unique = {effect.id: effect for effect in effects}  # a node's loss may have planned the same round already
     return Transition(new, tuple(unique.values()))
+
+
+# -- membership: the target within MIN:MAX, resizing a running round (the rest is in :mod:`.membership`) -----
+
+
+def _membership_decided(state: JobState, event: MembershipDecided, *, now: float) -> Transition[JobState]:
+    """Aim at ``event.target`` nodes: request the missing ones, retire the surplus, resize the running round."""
+    spec = state.spec
+    assert spec is not None
+    if not spec.min_nodes <= event.target <= spec.max_nodes:
+        return reject(state, f"{event.by} decided {event.target} nodes, outside MIN:MAX {spec.min_nodes}:"
+                             f"{spec.max_nodes}; the job stays at {membership.target(state)}")
+    new = dataclasses.replace(state, target=event.target)
+    made = membership.requests(new, event.target, avoid_hosts=tuple(sorted(state.excluded_hosts)))
+    new = dataclasses.replace(new, retired=new.retired - {r.node_id for r in made})
+    effects: list[Effect] = [Emit(key=f"request/{r.node_id}/{r.incarnation}", event=r) for r in made]
+    if new.phase is JobPhase.RUNNING:
+        new, more = _maybe_resize(new, now=now)
+        return Transition(new, (*effects, *more))
+    new, more = _retire(new, reason=f"the job shrank to {event.target} nodes")
+    return Transition(new, (*effects, *more, *_plan(new, now=now)))
+
+
+def _plan_or_grow(state: JobState, *, now: float) -> tuple[JobState, tuple[Effect, ...]]:
+    """A node became ready: plan the next round, or grow the running one."""
+    if state.phase is JobPhase.RUNNING:
+        return _maybe_resize(state, now=now)
+    return state, _plan(state, now=now)
+
+
+def _maybe_resize(state: JobState, *, now: float) -> tuple[JobState, tuple[Effect, ...]]:
+    """Resize the running round when it is not the size it should be: now, or at the next checkpoint commit."""
+    assert state.spec is not None
+    if state.resizing or state.awaiting_decision or not state.rdzv.active or membership.resize_reason(state) is None:
+        return state, ()
+    if state.checkpoint_step is None:  # the job does not checkpoint: no boundary to wait for
+        result = _resize(state, now=now)
+        return result.state, result.effects
+    timer = StartTimer(name=f"resize/{state.rdzv.round}", at=now + state.spec.resize_wait_s)
+    return dataclasses.replace(state, resizing=True), (timer,)
+
+
+def _resize(state: JobState, *, now: float) -> Transition[JobState]:
+    """Stop the running round, retire the surplus and start the next round at the new size (no restart spent)."""
+    reason = membership.resize_reason(state)
+    if reason is None or not state.rdzv.active:
+        return Transition(dataclasses.replace(state, resizing=False))  # nothing to change any more
+    new, retired = _retire(state, reason=reason)
+    stops = tuple(
+        StopWorkers(node_id=m, incarnation=new.nodes[m].incarnation, round=new.rdzv.round, reason=reason)
+        for m in new.rdzv.members if new.nodes[m].phase is NodePhase.JOINED and m not in new.retired)
+    new = dataclasses.replace(new, phase=JobPhase.RECOVERING, resizing=False,
+                              rdzv=dataclasses.replace(new.rdzv, active=False))
+    return Transition(new, (*stops, *retired, *_plan(new, now=now)))
+
+
+def _retire(state: JobState, *, reason: str) -> tuple[JobState, tuple[Effect, ...]]:
+    """Stop the live nodes beyond the target: a joined one is told to stop, one still starting is dropped."""
+    extra = membership.surplus(state, membership.target(state))
+    if not extra:
+        return state, ()
+    effects: list[Effect] = []
+    for node_id in extra:
+        node = state.nodes[node_id]
+        if node.phase is NodePhase.JOINED:
+            effects.append(StopNode(node_id=node_id, incarnation=node.incarnation, reason=reason))
+        else:
+            lost = NodeLost(node_id=node_id, incarnation=node.incarnation, reason=f"retired: {reason}")
+            effects.append(Emit(key=f"retire/{node_id}/{node.incarnation}", event=lost))
+    return dataclasses.replace(state, retired=state.retired | set(extra)), tuple(effects)
+
+
+def _rejoin_timer(request: NodeRequested) -> str:
+    return f"rejoin/{request.node_id}/{request.incarnation}"
+
+
+def _rejoin_timeout(state: JobState, name: str) -> Transition[JobState]:
+    """A relaunched node did not join in time: below MIN with no round running, the job fails."""
+    spec = state.spec
+    assert spec is not None
+    _, node_id, incarnation = name.split("/")
+    node = state.nodes.get(node_id)
+    if (node is None or node.incarnation != int(incarnation) or not node.phase.alive
+            or node.phase is NodePhase.JOINED or state.rdzv.active or state.phase is not JobPhase.RECOVERING):
+        return Transition(state)  # it joined, was replaced again, or the job goes on without it
+    ready = len(membership.available(state))
+    if ready >= spec.min_nodes:
+        return Transition(state)
+    failed = JobFailed(reason=f"node {node_id} was not replaced within {spec.join_timeout_s:g} s (join_timeout_s) "
+                              f"and only {ready} of at least {spec.min_nodes} nodes are ready; check the platform's "
+                              "capacity and the node's log, or lower --nnodes MIN", node_id=node_id)
+    return Transition(state, (Emit(key=_end_key(state), event=failed),))
