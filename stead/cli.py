@@ -124,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--plain", action="store_true", help="print lines, never redraw (the default when piped)")
     _add_common(t)
 
+    sc = sub.add_parser("scale", help="change how many nodes a running job runs on, within its MIN:MAX",
+                        description="Ask a running job for N nodes (within the --nnodes MIN:MAX it started with). "
+                        "The scaler's policy decides the target (capped by --set capacity_nodes); nodes are "
+                        "requested or retired to match, and the running round changes size at its next "
+                        "checkpoint commit, with no restart spent. Prints the target decided.")
+    _read_job_args(sc)
+    sc.add_argument("--nodes", type=int, required=True, metavar="N", help="how many nodes the job should run on")
+    sc.add_argument("--reason", default="", help="why, recorded with the request in the job's events")
+    _add_common(sc)
+
     r = sub.add_parser("report", help="write a job's report: one HTML file with its timeline, step rate and goodput",
                        description="Write one self-contained HTML file (it opens with no network) with the job's "
                        "timeline (rounds, nodes, recoveries in their phases, failures, checkpoints), its step rate "
@@ -208,6 +218,8 @@ async def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
         return await _status(args, settings)
     if args.command == "report":
         return await _report(args, settings)
+    if args.command == "scale":
+        return await _scale(args, settings)
     raise ConfigError(f"unknown command {args.command!r}; see `stead --help`")
 
 
@@ -357,6 +369,40 @@ async def _report(args: argparse.Namespace, settings: Settings) -> int:
           f"{len(book.recoveries)} recoveries")
     for what in drawn.missing:
         print(f"  (not shown: {what})")
+    return 0
+
+
+async def _scale(args: argparse.Namespace, settings: Settings) -> int:
+    from stead.core.events import Record
+    from stead.core.events.log import job_prefix
+    from stead.core.statemachine import fold_all
+    from stead.plugins.scaler.client import request_scale
+
+    store = await _open_existing(args, settings)
+    try:
+        records = await _job_records(store, args)
+        master = await store.get(f"{job_prefix(args.job)}master")
+        token = await store.get(f"{job_prefix(args.job)}token")
+    finally:
+        await store.close()
+    state = fold_all([r for r in records if isinstance(r, Record)])
+    spec = state.spec
+    if spec is None or state.phase.terminal:
+        raise PermanentError(f"job {args.job!r} is {state.phase.value}{f' ({state.reason})' if state.reason else ''}; "
+                             "only a running job can be scaled (stead run with the same --job-name resumes it)")
+    if not spec.min_nodes <= args.nodes <= spec.max_nodes:
+        raise ConfigError(f"--nodes {args.nodes} is outside job {args.job!r}'s MIN:MAX {spec.min_nodes}:"
+                          f"{spec.max_nodes}; a job's range is fixed when it starts (stead run --nnodes MIN:MAX)")
+    try:
+        address = json.loads(master.value)["address"] if master is not None else None
+    except (ValueError, KeyError, TypeError):
+        address = None
+    if not address or token is None:
+        raise PermanentError(f"job {args.job!r} has no master on record in {store.url}; is it running?")
+    result = await request_scale(address, token.value.decode(), nodes=args.nodes, by="stead scale",
+                                 reason=args.reason, timeout_s=settings.rpc_timeout_s)
+    was = f" (was {result.previous})" if result.previous != result.target else " (unchanged)"
+    print(f"job {args.job!r}: target {result.target} nodes{was}: {result.reason}")
     return 0
 
 

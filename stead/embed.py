@@ -15,7 +15,8 @@
 :class:`JobSpec` holds what `stead run`'s flags say, typed; :func:`run` starts a
 master for it (store, plugins, RPC server, platform) and submits the job (or
 resumes it, when its store already holds it); :class:`Job` is the handle: the
-state, waiting for a phase or any condition, stopping. Leaving the block stops
+state, waiting for a phase or any condition, resizing within MIN:MAX
+(:meth:`Job.scale`, what `stead scale` does), stopping. Leaving the block stops
 the master and the nodes it launched. Bad input raises
 :class:`~stead.core.errors.ConfigError` before anything starts.
 """
@@ -31,8 +32,10 @@ from stead.core.launch import RunConfig, parse_run_args
 from stead.core.master import Master, MasterConfig
 from stead.core.runner import started_job
 from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState
+from stead.plugins.scaler.client import ScaleResult, request_scale
 
-__all__ = ["Job", "JobPhase", "JobSpec", "JobState", "Master", "MasterConfig", "NodePhase", "NodeState", "run"]
+__all__ = ["Job", "JobPhase", "JobSpec", "JobState", "Master", "MasterConfig", "NodePhase", "NodeState", "ScaleResult",
+           "run"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,6 +109,12 @@ class Job:
                    timeout_s: float | None = None) -> JobState:
         """The state once the job is in phase ``until`` (or ended), ``until(state)`` holds, or (None) it ended."""
         return await self.master.wait(until, timeout_s=timeout_s)
+
+    async def scale(self, nodes: int, *, reason: str = "", by: str = "the embedding program") -> ScaleResult:
+        """Ask for ``nodes`` nodes (within MIN:MAX), as `stead scale` does: the scaler's policy decides the
+        target, which the result holds; a refusal (out of range, the job ended) raises InvalidRequest."""
+        return await request_scale(self.master.address, self.master.token, nodes=nodes, by=by, reason=reason,
+                                   timeout_s=self.master.settings.rpc_timeout_s)
 
     async def stop(self, reason: str = "stopped by the embedding program") -> JobState:
         """Stop the job (its workers are told to stop; ``job.stopped`` is recorded) and wait until it ended."""

@@ -70,6 +70,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
     from stead.core.config import (
         setting as setting,
     )
+    from stead.core.entrypoints import (
+        load_named as load_named,
+    )
     from stead.core.errors import (
         CodecError as CodecError,
     )
@@ -123,6 +126,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
     )
     from stead.core.events import (
         JobSucceeded as JobSucceeded,
+    )
+    from stead.core.events import (
+        MembershipDecided as MembershipDecided,
     )
     from stead.core.events import (
         NodeExited as NodeExited,
@@ -267,10 +273,12 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
 _WHERE = {
     "stead.core.agent.extensions": ("AgentContext", "AgentExtension", "RoundInfo"),
     "stead.core.config": ("Settings", "env_name", "load_settings", "setting"),
+    "stead.core.entrypoints": ("load_named",),
     "stead.core.errors": ("CodecError", "ConfigError", "InvalidRequest", "LogCorrupt", "PermanentError", "PluginError",
                           "RetryableError", "RpcUnavailable", "SteadError", "StoreError", "StoreUnavailable"),
     "stead.core.events": ("CheckpointCommitted", "EffectFailed", "Event", "JobFailed", "JobStopped", "JobSubmitted",
-                          "JobSucceeded", "NodeExited", "NodeJoined", "NodeLost", "NodeRequested", "NodeStarted",
+                          "JobSucceeded", "MembershipDecided", "NodeExited", "NodeJoined", "NodeLost", "NodeRequested",
+                          "NodeStarted",
                           "PluginFailed", "PluginsStarted", "Record", "RecoveryAction", "RecoveryDecided",
                           "RelaunchRequested", "RestartRequested", "RoundCompleted", "RoundStarted", "StackSample",
                           "StacksDumped", "StacksRequested", "StepProgress",
@@ -307,6 +315,7 @@ __all__ = [
     "JobSucceeded",
     "KeyValue",
     "LogCorrupt",
+    "MembershipDecided",
     "NoSettings",
     "NodeExited",
     "NodeJoined",
@@ -355,6 +364,7 @@ __all__ = [
     "event_kind",
     "invalid",
     "last_exception",
+    "load_named",
     "load_settings",
     "proto",
     "read_token_file",

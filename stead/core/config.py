@@ -117,6 +117,12 @@ class Settings:
     gc_freeze_every_s: float = setting(1.0, min=0.0)
     #: every this often the master thaws them and runs one full collection, which frees frozen garbage cycles
     gc_full_every_s: float = setting(600.0, min=1.0)
+    #: the most nodes the platform may run for one job at once (0: no cap): `stead run` starts with at most this
+    #: many and the scaler never aims at more (on the local platform: what this machine can hold)
+    capacity_nodes: int = setting(0, min=0)
+    #: a running round changes size (`stead scale`, a node that became available) at the next checkpoint commit,
+    #: a step boundary every rank holds; when none comes within this long it changes size anyway
+    resize_wait_s: float = setting(30.0, min=0.0)
     #: how many trailing lines of a failed worker's stderr are reported
     error_tail_lines: int = 40
     #: how often the agent samples step progress, and the master records it as an event

@@ -91,6 +91,7 @@ def status_json(job: str, state: JobState, *, diagnoses: Mapping[str, str] | Non
     return {
         "job": job, "phase": state.phase.value, "reason": state.reason,
         "min_nodes": spec.min_nodes if spec else None, "max_nodes": spec.max_nodes if spec else None,
+        "target_nodes": state.target_nodes if spec else None,
         "nproc_per_node": spec.nproc_per_node if spec else None,
         "round": state.rdzv.round, "members": list(state.rdzv.members), "step": state.step,
         "restarts": state.restarts, "max_restarts": spec.max_restarts if spec else 0,
@@ -112,7 +113,8 @@ def format_status(job: str, state: JobState, *, diagnoses: Mapping[str, str] | N
     spec = state.spec
     lines = [f"job        {job}", f"phase      {state.phase.value}" + (f"  ({state.reason})" if state.reason else "")]
     if spec is not None:
-        lines.append(f"shape      nodes {spec.min_nodes}:{spec.max_nodes} x {spec.nproc_per_node} proc")
+        target = f", target {state.target_nodes}" if spec.min_nodes != spec.max_nodes else ""
+        lines.append(f"shape      nodes {spec.min_nodes}:{spec.max_nodes}{target} x {spec.nproc_per_node} proc")
     members = f"  members {', '.join(state.rdzv.members)}" if state.rdzv.members else ""
     lines.append(f"round      {state.rdzv.round}{members}")
     lines.append(f"step       {state.step if state.step is not None else '-'}")

@@ -72,6 +72,8 @@ class RunConfig:
     max_restarts: int
     #: how many times a lost or killed node is relaunched (JobSubmitted.max_node_relaunches)
     max_node_relaunches: int
+    #: the nodes to start with (--start-nodes, capped by capacity_nodes); None: MAX
+    start_nodes: int | None
     monitor_interval_s: float
     join_timeout_s: float
     last_call_timeout_s: float
@@ -167,6 +169,9 @@ def _add_torchrun_flags(group: argparse._ArgumentGroup) -> None:
     add("--max-node-relaunches", "--max_node_relaunches", type=int, default=3, metavar="N",
         help="relaunch a lost or killed node (a new agent) at most N times before the job goes on without it, "
              "or fails below the minimum node count (default 3)")
+    add("--start-nodes", "--start_nodes", type=int, default=None, metavar="N",
+        help="with --nnodes MIN:MAX, start on N nodes (default MAX, or fewer when --set capacity_nodes caps it); "
+             "`stead scale --job NAME --nodes N` changes it while the job runs")
     add("--monitor-interval", "--monitor_interval", type=float, default=0.1, metavar="SECONDS",
         help="accepted for torchrun compatibility and ignored: stead's agent learns of a worker's exit at once "
              "(it waits on the process, it does not poll)")
@@ -288,6 +293,7 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
     check_plugin_settings(settings)
     _check_platform(ns.platform)
     plugins, disabled = parse_plugins(ns.plugins, ns.no_plugin)
+    start_nodes = _start_nodes(ns.start_nodes, min_nodes, max_nodes, settings.capacity_nodes)
 
     job_name = _job_name(ns.job_name, ns.rdzv_id, ns.training_script)
     store_url = ns.store if ns.store is not None else f"sqlite:///.stead/{job_name}.db"
@@ -305,6 +311,7 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
         nproc_per_node=nproc,
         max_restarts=ns.max_restarts,
         max_node_relaunches=ns.max_node_relaunches,
+        start_nodes=start_nodes,
         monitor_interval_s=ns.monitor_interval,
         join_timeout_s=settings.join_timeout_s,
         last_call_timeout_s=settings.last_call_timeout_s,
@@ -369,6 +376,19 @@ def parse_plugins(enabled: str | None, disabled: Sequence[str]) -> tuple[tuple[s
 def _check_at_least(value: int, minimum: int, flag: str) -> None:
     if value < minimum:
         raise ConfigError(f"{flag} must be at least {minimum}, got {value}")
+
+
+def _start_nodes(start: int | None, min_nodes: int, max_nodes: int, capacity: int) -> int | None:
+    """The nodes to start with: --start-nodes (within MIN:MAX), capped by capacity_nodes; None: MAX."""
+    if start is not None and not min_nodes <= start <= max_nodes:
+        raise ConfigError(f"--start-nodes {start} is outside --nnodes {min_nodes}:{max_nodes}; give a count within "
+                          "MIN:MAX")
+    if capacity and capacity < min_nodes:
+        raise ConfigError(f"capacity_nodes={capacity} is below the job's minimum of {min_nodes} nodes; raise "
+                          "capacity_nodes or lower --nnodes MIN")
+    if capacity and capacity < (start or max_nodes):
+        return capacity
+    return start
 
 
 def _parse_nnodes(value: str) -> tuple[int, int]:

@@ -32,7 +32,12 @@ from stead.core.events import JobSubmitted
 from stead.core.master import Master, MasterConfig
 from stead.core.platform import NodeSpec
 from stead.core.rpc import MasterClient, RegisterInfo, attach_token
-from stead.core.rpc._proto.stead.v1 import AgentServiceBase, CheckpointServiceBase, ShardServiceBase
+from stead.core.rpc._proto.stead.v1 import (
+    AgentServiceBase,
+    CheckpointServiceBase,
+    ScalerServiceBase,
+    ShardServiceBase,
+)
 from stead.testing.platforms import RecordingPlatform
 
 EXAMPLES = int(os.environ.get("STEAD_FUZZ_EXAMPLES", "120"))
@@ -43,7 +48,7 @@ CALLER_ERRORS = {Status.INVALID_ARGUMENT, Status.RESOURCE_EXHAUSTED, Status.FAIL
                  Status.UNAVAILABLE, Status.OUT_OF_RANGE, Status.ALREADY_EXISTS}
 
 ROUTES: dict[str, Handler] = {}
-for base in (AgentServiceBase, CheckpointServiceBase, ShardServiceBase):
+for base in (AgentServiceBase, CheckpointServiceBase, ShardServiceBase, ScalerServiceBase):
     ROUTES.update(base().__mapping__())  # type: ignore[abstract]
 
 _INT32 = (-(2**31), 2**31 - 1)
@@ -123,7 +128,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     # call did
     settings_ = Settings(heartbeat_timeout_s=600.0, rpc_max_message_bytes=MAX_MESSAGE,
                          plugin_values={"diagnosis": {"hang_detection": "false", "stragglers": "false"},
-                                        "scaler": {"sample_every_s": "86400"}})
+                                        "scaler": {"sample_every_s": "86400", "policy_every_s": "86400"}})
     config = MasterConfig(job=JOB, store_url="memory://", settings=settings_, platform=RecordingPlatform(),
                           node_spec=_spec, token_file=str(tmp / "fuzz.token"), tcp_store=False)
     with anyio.from_thread.start_blocking_portal() as portal, \
@@ -234,5 +239,5 @@ def test_the_fuzz_strategies_fill_nested_messages() -> None:
 
 def test_every_served_route_is_fuzzed() -> None:
     assert {r.rsplit("/", 1)[0] for r in ROUTES} == {"/stead.v1.AgentService", "/stead.v1.CheckpointService",
-                                                     "/stead.v1.ShardService"}
-    assert len(ROUTES) == 18
+                                                     "/stead.v1.ShardService", "/stead.v1.ScalerService"}
+    assert len(ROUTES) == 19

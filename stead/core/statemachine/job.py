@@ -145,6 +145,11 @@ class JobState:
         return tuple(n for n, s in self.nodes.items() if s.phase is NodePhase.JOINED)
 
     @property
+    def target_nodes(self) -> int:
+        """The nodes the job aims at now (see :mod:`.membership`); 0 before it was submitted."""
+        return membership.target(self)
+
+    @property
     def ready(self) -> tuple[str, ...]:
         """The joined nodes that may train: no health check pending for them."""
         return tuple(n for n, s in self.nodes.items() if is_ready(s))

@@ -8,8 +8,11 @@ shows the peaks, percentiles and recommendations so far (:mod:`.recommend`: e.g.
 the scaler records them as ``scaler.recommended``. The figures live under the
 plugin's store key ``usage``, so a master that takes over the job carries them on.
 
-Membership decisions (growing and shrinking a running job within MIN:MAX) are
-the scaler's to make too; they are not built yet.
+It also owns membership: how many nodes the job runs on, within MIN:MAX. Its
+policy (:mod:`.membership`, pluggable) decides a target after each ``stead scale``
+request (served here, ``ScalerService.Scale``), after a node is lost or exits, and
+every ``policy_every_s``; the decision is recorded as ``membership.decided`` and the
+job machine requests or retires nodes and resizes the running round to match.
 """
 
 from __future__ import annotations
@@ -19,13 +22,28 @@ import contextlib
 import json
 import time
 
-from stead.plugin import JobFailed, JobStopped, JobSucceeded, Plugin, PluginContext, Record
-from stead.plugins.scaler.events import ResourcesRecommended
+from stead.plugin import (
+    JobFailed,
+    JobStopped,
+    JobSucceeded,
+    MembershipDecided,
+    NodeExited,
+    NodeLost,
+    Plugin,
+    PluginContext,
+    Record,
+    RoundStarted,
+    backend_errors,
+    invalid,
+    proto,
+)
+from stead.plugins.scaler.events import DecisionRejected, ResourcesRecommended, ScaleRequested
+from stead.plugins.scaler.membership import Decision, MembershipPolicy, MembershipView, check, load_policy
 from stead.plugins.scaler.recommend import Recommendation, recommend
 from stead.plugins.scaler.settings import ScalerSettings
 from stead.plugins.scaler.usage import UsageBook
 
-__all__ = ["ResourcesRecommended", "ScalerPlugin", "ScalerSettings"]
+__all__ = ["Decision", "MembershipView", "ResourcesRecommended", "ScaleRequested", "ScalerPlugin", "ScalerSettings"]
 
 Ctx = PluginContext[ScalerSettings]
 
@@ -33,7 +51,7 @@ Ctx = PluginContext[ScalerSettings]
 class ScalerPlugin(Plugin[ScalerSettings]):
     name = "scaler"
     settings_class = ScalerSettings
-    subscriptions = (JobSucceeded, JobFailed, JobStopped)
+    subscriptions = (JobSucceeded, JobFailed, JobStopped, NodeLost, NodeExited, RoundStarted)
 
     def __init__(self, *, settings: ScalerSettings | None = None) -> None:
         super().__init__(settings=settings or ScalerSettings())
@@ -44,6 +62,13 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         #: heartbeats looked at so far (one per node and look, whatever they reported)
         self.looks = 0
         self._saved_looks = -1
+        self.policy: MembershipPolicy | None = None
+        #: the latest request (None: none yet) and the nodes lost or exited while the job ran
+        self.requested: int | None = None
+        self.losses = 0
+        self._last_rejected = ""
+        self._deciding = asyncio.Lock()
+        self._decide_task: asyncio.Task[None] | None = None
 
     async def start(self, *, ctx: Ctx) -> None:
         kv = await ctx.store.get(ctx.key("usage"))
@@ -52,9 +77,24 @@ class ScalerPlugin(Plugin[ScalerSettings]):
                 self.book = UsageBook.from_json(json.loads(kv.value))
             except (ValueError, TypeError, KeyError, AttributeError) as exc:  # figures are advice: start afresh
                 ctx.log.warning("scaler_usage_unreadable", error=repr(exc), action="counting from now on")
+        self.policy = load_policy(self.settings.policy)
+        kv = await ctx.store.get(ctx.key("membership"))
+        if kv is not None:
+            try:
+                saved = json.loads(kv.value)
+                self.requested = None if saved["requested"] is None else int(saved["requested"])
+                self.losses = int(saved["losses"])
+            except (ValueError, TypeError, KeyError) as exc:
+                ctx.log.warning("scaler_membership_unreadable", error=repr(exc), action="no request in force")
+        ctx.add_rpc_handler(ScalerServicer(self, ctx))
         self._watch = asyncio.create_task(self._sample_every(ctx), name="scaler-sample")
+        self._decide_task = asyncio.create_task(self._decide_every(ctx), name="scaler-decide")
 
     async def stop(self, *, ctx: Ctx) -> None:
+        if self._decide_task is not None:
+            self._decide_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._decide_task
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -63,7 +103,13 @@ class ScalerPlugin(Plugin[ScalerSettings]):
             await self._save(ctx)
 
     async def handle(self, *, record: Record, ctx: Ctx) -> None:
-        """The job ended: record what it used and what to request next time, once per run of the job."""
+        """A node went away: ask the policy again; the job ended: record what it used, once per run of the job."""
+        if isinstance(record.event, (NodeLost, NodeExited, RoundStarted)):
+            if isinstance(record.event, (NodeLost, NodeExited)) and not ctx.state.phase.terminal:
+                self.losses += 1
+                await self._save_membership(ctx)
+            await self.decide(ctx)
+            return
         life = ctx.state.life
         done = await ctx.store.get(ctx.key("recommended"))
         if done is not None and done.value == str(life).encode():
@@ -124,3 +170,92 @@ class ScalerPlugin(Plugin[ScalerSettings]):
                    if lines else ["resources: no node has reported its use yet"])
         await ctx.store.put(ctx.key("usage"), json.dumps(self.book.to_json()).encode())
         await ctx.store.put(ctx.key("status"), json.dumps({"summary": summary, "at": time.time()}).encode())
+
+    # -- membership ----------------------------------------------------------------------------------------
+
+    def view(self, ctx: Ctx) -> MembershipView | None:
+        state = ctx.current_state()
+        spec = state.spec
+        if spec is None or state.phase.terminal:
+            return None
+        capacity = ctx.stead_settings.capacity_nodes or None
+        live = sum(1 for n, s in state.nodes.items() if s.phase.alive and n not in state.retired)
+        return MembershipView(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, target=state.target_nodes,
+                              requested=self.requested, capacity=capacity, live=live,
+                              ready=sum(1 for n in state.ready if n not in state.retired),
+                              members=len(state.rdzv.members) if state.rdzv.active else 0, losses=self.losses,
+                              phase=state.phase.value)
+
+    async def request(self, ctx: Ctx, *, nodes: int, by: str, reason: str) -> tuple[int, int, str]:
+        """Someone asks for ``nodes`` nodes: checked, recorded, decided; (target, previous target, why)."""
+        state = ctx.current_state()
+        spec = state.spec
+        if spec is None:
+            invalid(f"job {ctx.job!r} has not been submitted yet; wait until it runs")
+        if state.phase.terminal:
+            invalid(f"job {ctx.job!r} has {state.phase.value}; only a running job can be scaled (stead run resumes it)")
+        if not spec.min_nodes <= nodes <= spec.max_nodes:
+            invalid(f"--nodes {nodes} is outside the job's MIN:MAX {spec.min_nodes}:{spec.max_nodes}; a job's range "
+                    "is fixed when it starts (stead run --nnodes MIN:MAX)")
+        previous = state.target_nodes
+        await ctx.emit(ScaleRequested(nodes=nodes, by=by or "unnamed", reason=reason))
+        self.requested = nodes
+        await self._save_membership(ctx)
+        target, why = await self.decide(ctx)
+        return target, previous, why
+
+    async def decide(self, ctx: Ctx) -> tuple[int, str]:
+        """Ask the policy; record its decision (or its refusal); the target in force afterwards, and why."""
+        async with self._deciding:
+            view = self.view(ctx)
+            if view is None or self.policy is None:
+                return 0, "the job is not running"
+            try:
+                decision: object = self.policy.decide(view)
+            except Exception as exc:
+                ctx.log.exception("scaler_policy_failed", policy=self.settings.policy)
+                return await self._rejected(ctx, view, returned=repr(exc), reason="the policy raised an exception")
+            problem = check(decision, view)
+            if problem:
+                return await self._rejected(ctx, view, returned=repr(decision), reason=problem)
+            if not isinstance(decision, Decision) or decision.target == view.target:
+                return view.target, "unchanged"
+            self._last_rejected = ""
+            await ctx.emit(MembershipDecided(target=decision.target, reason=decision.reason,
+                                             by=f"scaler ({self.settings.policy} policy)"))
+            ctx.log.info("scaler_decided", target=decision.target, previous=view.target, reason=decision.reason)
+            return decision.target, decision.reason
+
+    async def _rejected(self, ctx: Ctx, view: MembershipView, *, returned: str, reason: str) -> tuple[int, str]:
+        why = f"the {self.settings.policy} policy {reason}; the job keeps {view.target} nodes"
+        if why != self._last_rejected:  # a policy that keeps returning the same nonsense is recorded once
+            self._last_rejected = why
+            ctx.log.error("scaler_decision_rejected", policy=self.settings.policy, returned=returned, reason=reason)
+            await ctx.emit(DecisionRejected(policy=self.settings.policy, returned=returned[:500], reason=why))
+        return view.target, why
+
+    async def _decide_every(self, ctx: Ctx) -> None:
+        while True:
+            await asyncio.sleep(self.settings.policy_every_s)
+            try:  # one look's failure is logged; the policy is asked again next time
+                await self.decide(ctx)
+            except Exception as exc:
+                ctx.log.exception("scaler_decide_failed", error=repr(exc))
+
+    async def _save_membership(self, ctx: Ctx) -> None:
+        saved = {"requested": self.requested, "losses": self.losses}
+        await ctx.store.put(ctx.key("membership"), json.dumps(saved).encode())
+
+
+class ScalerServicer(proto.ScalerServiceBase):
+    """ScalerService: ``stead scale`` and the embedding API (every call authenticated by the RpcServer)."""
+
+    def __init__(self, plugin: ScalerPlugin, ctx: Ctx) -> None:
+        self._plugin = plugin
+        self._ctx = ctx
+
+    async def scale(self, message: proto.ScaleRequest) -> proto.ScaleReply:
+        with backend_errors("ScalerService.Scale"):
+            target, previous, why = await self._plugin.request(self._ctx, nodes=message.nodes, by=message.by[:200],
+                                                               reason=message.reason[:500])
+        return proto.ScaleReply(target=target, previous=previous, reason=why)

@@ -6,7 +6,7 @@ import dataclasses
 
 from stead.plugin import Event, event_kind
 
-__all__ = ["ResourcesRecommended"]
+__all__ = ["DecisionRejected", "ResourcesRecommended", "ScaleRequested"]
 
 
 @event_kind("scaler.recommended")
@@ -29,3 +29,23 @@ class ResourcesRecommended(Event):
     gpu_memory_peak_bytes: int | None = None
     gpu_util_median_percent: float | None = None
     lines: tuple[str, ...] = ()
+
+
+@event_kind("scaler.requested")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScaleRequested(Event):
+    """Someone asked for ``nodes`` nodes (``stead scale``, the RPC, the embedding API); the policy decides next."""
+
+    nodes: int
+    by: str
+    reason: str = ""
+
+
+@event_kind("scaler.rejected")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecisionRejected(Event):
+    """The membership policy returned something that cannot be a target (or raised): the job keeps its size."""
+
+    policy: str
+    returned: str
+    reason: str

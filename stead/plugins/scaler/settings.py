@@ -15,3 +15,8 @@ class ScalerSettings:
                                                           "CPU, GPU) is added to the job's figures")
     headroom: float = setting(0.2, min=0.0, max=4.0, help="the margin a recommended request adds over what the "
                                                           "job used (0.2: 20 %)")
+    policy: str = setting("default", help="the membership policy that decides how many nodes the job runs on: "
+                                          "default (what stead run or stead scale asked for, capped by "
+                                          "capacity_nodes), or one installed under stead.scaler_policies")
+    policy_every_s: float = setting(10.0, min=0.05, help="how often the membership policy is asked again, "
+                                                         "besides after each request and each lost node")

@@ -1,0 +1,126 @@
+"""The scaler's membership: its policy (tables), and `stead scale`'s RPC against a real master with simulated nodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stead.core.config import Settings
+from stead.core.errors import ConfigError, InvalidRequest
+from stead.core.events import JobSubmitted, MembershipDecided, TransitionRejected
+from stead.core.master import Master, MasterConfig
+from stead.core.platform import NodeSpec
+from stead.core.rpc import MasterClient
+from stead.core.statemachine import JobPhase
+from stead.plugins.scaler import ScalerPlugin, ScalerSettings
+from stead.plugins.scaler.client import request_scale
+from stead.plugins.scaler.events import DecisionRejected, ScaleRequested
+from stead.plugins.scaler.membership import Decision, DefaultPolicy, MembershipView, check, load_policy
+from stead.testing.platforms import RecordingPlatform
+from stead.testing.swarm import Swarm
+
+
+def view(**kw: object) -> MembershipView:
+    base: dict[str, object] = dict(min_nodes=1, max_nodes=4, target=2, requested=None, capacity=None, live=2,
+                                   ready=2, members=2, losses=0, phase="running")
+    return MembershipView(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("seen", "decided"), [
+    (view(), None),  # nothing asked: the target stays
+    (view(requested=3), Decision(3, "3 nodes requested")),
+    (view(requested=2), None),
+    (view(requested=4, capacity=3),
+     Decision(3, "4 nodes requested, capped by the platform's capacity (3, capacity_nodes)")),
+    (view(target=4, capacity=3), Decision(3, "4 nodes to start with, capped by the platform's capacity "
+                                             "(3, capacity_nodes)")),
+    (view(min_nodes=2, requested=3, capacity=1, target=3),
+     Decision(2, "3 nodes requested, capped by the platform's capacity (1, capacity_nodes)")),  # never below MIN
+])
+def test_the_default_policy_aims_at_the_request_capped_by_capacity_within_min_max(
+        seen: MembershipView, decided: Decision | None) -> None:
+    assert DefaultPolicy().decide(seen) == decided
+
+
+@pytest.mark.parametrize(("returned", "problem"), [
+    (None, ""),
+    (Decision(3, "ok"), ""),
+    (Decision(-1, "x"), "decided -1 nodes, outside the job's MIN:MAX 1:4"),
+    (Decision(5, "x"), "decided 5 nodes, outside the job's MIN:MAX 1:4"),
+    (Decision(True, "x"), "decided a target of True, not a whole number of nodes"),  # type: ignore[arg-type]
+    (Decision(2.5, "x"), "decided a target of 2.5, not a whole number of nodes"),  # type: ignore[arg-type]
+    (3, "returned 3, not a Decision or None"),
+])
+def test_a_decision_is_checked_before_it_is_recorded(returned: object, problem: str) -> None:
+    assert check(returned, view()) == problem
+
+
+def test_policies_load_by_name_and_an_unknown_one_is_a_clear_error() -> None:
+    assert isinstance(load_policy("default"), DefaultPolicy)
+    with pytest.raises(ConfigError, match=r"scaler policy 'cheapest' is not installed \(installed: default\)"):
+        load_policy("cheapest")
+
+
+class Nonsense:
+    def decide(self, view: MembershipView) -> Decision | None:
+        return Decision(view.max_nodes + 7, "more is better")
+
+
+SETTINGS = Settings(heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0, health_check="off", capacity_nodes=2,
+                    last_call_timeout_s=0.2)
+
+
+def _spec(node_id: str, incarnation: int, address: str, token_file: str) -> NodeSpec:
+    return NodeSpec(job="elastic", node_id=node_id, incarnation=incarnation, command=("simulated",))
+
+
+@pytest.mark.anyio
+async def test_stead_scale_grows_and_shrinks_a_running_job_and_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+    plugin = ScalerPlugin(settings=ScalerSettings(policy_every_s=3600))
+    platform = RecordingPlatform()
+    config = MasterConfig(job="elastic", store_url=f"sqlite:///{tmp_path / 'e.db'}", settings=SETTINGS,
+                          platform=platform, node_spec=_spec, plugins=[], plugin_objects=[plugin], tcp_store=False,
+                          token_file=str(tmp_path / "e.token"))
+    async with Master(config) as master, Swarm(master.address, master.token) as swarm:
+        await master.submit_job(JobSubmitted(job="elastic", min_nodes=1, max_nodes=3, nproc_per_node=1,
+                                             start_nodes=1))
+        swarm.start(["node-0"])
+        await swarm.wait(lambda s: len(s.assigned(1)) == 1)
+
+        async def scale(nodes: int) -> tuple[int, int, str]:
+            got = await request_scale(master.address, master.token, nodes=nodes, by="test", reason="more data")
+            return got.target, got.previous, got.reason
+
+        target, previous, why = await scale(3)  # capacity_nodes=2 caps it
+        assert (target, previous) == (2, 1) and "capped by the platform's capacity (2" in why
+        await master.reactor.wait_until(lambda s: "node-1" in s.nodes, timeout_s=30)
+        swarm.start(["node-1"])
+        await swarm.wait(lambda s: len(s.assigned(2)) == 2)  # the round grew: node-0 kept rank 0
+        assert swarm.assigned(2) == {"node-0": 0, "node-1": 1} and master.state.restarts == 0
+
+        with pytest.raises(InvalidRequest, match=r"--nodes 5 is outside the job's MIN:MAX 1:3"):
+            await scale(5)
+        with pytest.raises(InvalidRequest, match=r"--nodes 0 is outside"):
+            await scale(0)
+
+        assert await scale(1) == (1, 2, "1 nodes requested")
+        await swarm.wait(lambda s: len(s.assigned(3)) == 1)
+        assert master.state.rdzv.members == ("node-0",) and "node-1" in master.state.retired
+
+        plugin.policy = Nonsense()  # a third party's policy gone wrong: refused, recorded, the job keeps its size
+        target, _, why = await scale(2)
+        assert target == 1 and "outside the job's MIN:MAX 1:3" in why and "keeps 1 nodes" in why
+        assert master.state.target_nodes == 1 and master.state.phase is JobPhase.RUNNING
+
+        async with MasterClient(master.address, master.token, call_timeout_s=10) as client:
+            await client.report_workers("node-0", 1, 3, "succeeded")
+        await master.reactor.wait_until(lambda s: s.phase is JobPhase.SUCCEEDED, timeout_s=30)
+        with pytest.raises(InvalidRequest, match=r"job 'elastic' has succeeded; only a running job can be scaled"):
+            await scale(2)
+        events = [r.event for r in await master.reactor.log.read()]
+    assert [e.nodes for e in events if isinstance(e, ScaleRequested)] == [3, 1, 2]
+    assert [e.target for e in events if isinstance(e, MembershipDecided)] == [2, 1]
+    [rejected] = [e for e in events if isinstance(e, DecisionRejected)]
+    assert rejected.policy == "default" and "Decision(target=10" in rejected.returned
+    assert not [e for e in events if isinstance(e, TransitionRejected)]
