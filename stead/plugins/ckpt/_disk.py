@@ -51,6 +51,7 @@ __all__ = [
     "read_tensor_into",
     "read_tracker",
     "step_dir",
+    "written_ranks",
     "write_rank",
 ]
 
@@ -62,6 +63,7 @@ FORMAT = 2
 #: format 1: tensor checksums are sum64, the manifest has no digest (read, never written)
 _LEGACY = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_RANK_MANIFEST = re.compile(r"^rank_(\d+)\.json$")
 _MANIFEST = re.compile(r"^rank_(\d+)\.json$")
 
 
@@ -302,8 +304,9 @@ def read_tensor_into(manifest: Manifest, handle: Any, index: int, target: memory
         raise CheckpointError(f"{manifest.dir / manifest.data_file}: tensor {index} fails its checksum (corrupt)")
 
 
-def candidates(root: Path, rank: int) -> list[int]:
-    """Steps for which ``rank`` wrote its manifest, newest first."""
+def candidates(root: Path, rank: int, *, any_rank: bool = False) -> list[int]:
+    """Steps for which ``rank`` wrote its manifest (with ``any_rank``: or any rank did, so that a rank of a resized
+    job, or a replacement, finds them too), newest first."""
     try:
         entries = list(root.iterdir())
     except OSError:
@@ -311,9 +314,18 @@ def candidates(root: Path, rank: int) -> list[int]:
     steps = []
     for entry in entries:
         match = _STEP_DIR.match(entry.name)
-        if match and (entry / f"rank_{rank}.json").is_file():
+        if match and ((entry / f"rank_{rank}.json").is_file() or (any_rank and written_ranks(root, int(match[1])))):
             steps.append(int(match[1]))
     return sorted(steps, reverse=True)
+
+
+def written_ranks(root: Path, step: int) -> list[int]:
+    """The ranks whose manifest of ``step`` is on disk, in order."""
+    try:
+        names = [entry.name for entry in step_dir(root, step).iterdir()]
+    except OSError:
+        return []
+    return sorted(int(match[1]) for name in names if (match := _RANK_MANIFEST.match(name)))
 
 
 def is_complete(root: Path, step: int) -> bool:

@@ -49,6 +49,11 @@ from stead.plugins.ckpt.settings import CheckpointSettings
 
 __all__ = ["NodeCheckpoints"]
 
+#: how often an agent looks whether a step it waits for is on disk yet
+_DISK_POLL_S = 0.02
+#: once its own parts are written, how long an agent waits for other nodes' parts of a step that stays incomplete
+_DISK_SETTLE_S = 1.0
+
 log = structlog.get_logger("stead.plugins.ckpt")
 
 _MAX_LINE = 1 << 20
@@ -163,7 +168,43 @@ class NodeCheckpoints:
                 self._spawn(self._verify, state, slot)
         if info.restart_count > 0 or info.round > 1:
             self._persist_committed("restart")
+        if self.hint[0] >= 0 and self.ckpt.persist_on_failure and not self._restorable_from_memory(info):
+            await self._until_on_disk(self.hint[0])
         log.debug("ckpt_round", round=info.round, restore_step=self.hint[0], restore_round=self.hint[1])
+
+    def _restorable_from_memory(self, info: RoundInfo) -> bool:
+        """Whether every local rank of the new round holds the step to restore, saved as that same rank.
+
+        Not after a resize (the ranks and the world size changed) nor on a node new to the job: its workers
+        read the step from disk, so they must not start before the nodes that hold it have written it.
+        """
+        for local_rank in range(info.nproc_per_node):
+            state = self._ranks.get(local_rank)
+            slot = state.slot_holding(*self.hint) if state is not None else None
+            if slot is None or (slot.rank, slot.world) != (info.node_rank * info.nproc_per_node + local_rank,
+                                                          info.world_size):
+                return False
+        return True
+
+    async def _until_on_disk(self, step: int) -> None:
+        """Wait until every rank's part of ``step`` is on disk, or, once this node's own parts are, until no more
+        come for ``_DISK_SETTLE_S`` (a lost node never writes its part: a replicated state needs one copy);
+        ``persist_grace_s`` at most."""
+        waited, seen, quiet = 0.0, -1, 0.0
+        while not await anyio.to_thread.run_sync(_disk.is_complete, self.root, step):
+            written = len(await anyio.to_thread.run_sync(_disk.written_ranks, self.root, step))
+            mine_done = not self._persisting and all(s.persist is None for s in self._ranks.values())
+            quiet = quiet + _DISK_POLL_S if written == seen and mine_done else 0.0
+            seen = written
+            if waited >= self.ckpt.persist_grace_s or (written and quiet >= _DISK_SETTLE_S):
+                log.info("ckpt_partly_on_disk", step=step, ranks_written=written, waited_s=round(waited, 2),
+                         effect="the workers restore it if it is replicated, else an older step")
+                return
+            if waited == 0.0:
+                log.info("ckpt_waiting_for_disk", step=step, reason="the round's ranks differ from the ones that "
+                         "hold it in memory (a resize or a new node): the workers read it from disk")
+            await anyio.sleep(_DISK_POLL_S)
+            waited += _DISK_POLL_S
 
     async def after_failure(self) -> None:
         """A worker failed: persist the newest committed step, if it is not on disk yet."""

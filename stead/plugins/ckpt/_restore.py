@@ -10,14 +10,10 @@ import torch
 from stead.plugins.ckpt._codec import TensorMeta, decode, dtype_from_name, find, local_part
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 
-__all__ = ["Template", "Unusable", "as_dict", "check_template", "destination"]
+__all__ = ["Template", "as_dict", "check_template", "destination"]
 
 #: what load() restores into: a state dict, or a function of the checkpoint's structure returning one
 Template = Mapping[str, Any] | Callable[[Any], Mapping[str, Any] | None] | None
-
-
-class Unusable(Exception):
-    """A persisted step this rank cannot use (another world size)."""
 
 
 def as_dict(value: Any) -> dict[Any, Any]:

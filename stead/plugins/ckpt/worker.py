@@ -43,11 +43,11 @@ from stead.core.agent.progress import resume_steps_at
 from stead.plugin import load_settings
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._checksum import checksum
-from stead.plugins.ckpt._codec import Encoded, TensorMeta, decode, encode, find
+from stead.plugins.ckpt._codec import Encoded, TensorMeta, decode, dtype_from_name, encode, find
 from stead.plugins.ckpt._layout import LayoutDoc, SlotLayout, parse_document, plan
 from stead.plugins.ckpt._link import SOCKET_ENV, AgentLink
 from stead.plugins.ckpt._mapped import MappedSlot
-from stead.plugins.ckpt._restore import Template, Unusable, as_dict, check_template, destination
+from stead.plugins.ckpt._restore import Template, as_dict, check_template, destination
 from stead.plugins.ckpt._shm import Control, SlotInfo, VerifyState
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 from stead.plugins.ckpt.settings import CheckpointSettings
@@ -57,6 +57,8 @@ __all__ = ["FlashCheckpointer", "STEP_ENV"]
 log = structlog.get_logger("stead.ckpt")
 
 STEP_ENV = "STEAD_CKPT_STEP"
+#: how many other ranks' copies of a step a rank compares before it takes one as a replicated state
+_REPLICA_CHECKS = 3
 ROUND_ENV = "STEAD_CKPT_ROUND"
 PATH_ENV = "STEAD_CKPT_PATH"
 #: how the sleep between two looks at the control block grows while a save waits for a commit
@@ -567,29 +569,27 @@ class FlashCheckpointer:
                            strict: bool) -> tuple[tuple[int, dict[Any, Any]] | None, str]:
         bound = 1 << 62
         while True:
-            mine = next((s for s in _disk.candidates(self.path, self.rank) if s <= bound), -1)
+            mine = next((s for s in _disk.candidates(self.path, self.rank, any_rank=True) if s <= bound), -1)
             agreed = self._all_min(mine)
             if agreed < 0:
                 return None, "none"
             state: dict[Any, Any] | None = None
             tier = "disk"
             manifest: _disk.Manifest | None = None
+            resharded = False
             try:
-                manifest = _disk.read_manifest(self.path, agreed, self.rank)
-                if manifest.world != self.world_size:
-                    raise Unusable(f"step {agreed} was saved by {manifest.world} ranks, this job has "
-                                   f"{self.world_size}: load it with torch.distributed.checkpoint.load")
+                manifest = self._manifest_for(agreed)
+                resharded = manifest.world != self.world_size
             except FileNotFoundError:
                 manifest = None  # this rank never wrote the step: the ranks try an older one together
-            except Unusable as exc:
-                log.warning("ckpt_disk_unusable", step=agreed, rank=self.rank, reason=str(exc))
-                manifest = None
             except CheckpointError as exc:
                 self._report_corrupt(agreed, "disk", str(exc))
                 manifest = None
             if not self._all_agree(manifest is not None) or manifest is None:
                 bound = agreed - 1
                 continue
+            if not self._all_agree(not resharded):  # the world changed and the state has shards: DCP reshards them
+                return (agreed, self._read_resharded(manifest, given)), "disk"
             template = self._agreed_template(given, manifest.tree, manifest.tensors, strict, agreed)
             try:
                 if memory is not None and (memory[1].step, memory[1].round) == (manifest.step, manifest.round):
@@ -606,6 +606,70 @@ class FlashCheckpointer:
             if self._all_agree(state is not None) and state is not None:
                 return (agreed, state), tier
             bound = agreed - 1
+
+    def _manifest_for(self, step: int) -> _disk.Manifest:
+        """The manifest this rank restores ``step`` from (FileNotFoundError: it cannot; the ranks try an older one).
+
+        Its own, when it wrote the step in this world size. Otherwise (the job was resized, or this rank's node
+        is new) another rank's copy of a *replicated* state (DDP: every rank saved the same tree and tensors,
+        which their checksums show: at least two copies agree, or every rank's is there), returned with this
+        world's size; or, when some tensor is a shard, the first manifest as saved, to be resharded (the step
+        must then be complete in its old world size).
+        """
+        try:
+            own: _disk.Manifest | None = _disk.read_manifest(self.path, step, self.rank)
+            if own is not None and own.world == self.world_size:
+                return own
+        except FileNotFoundError:
+            own = None
+        others = [r for r in _disk.written_ranks(self.path, step) if r != self.rank][:_REPLICA_CHECKS]
+        copies = [*([own] if own is not None else []), *(_disk.read_manifest(self.path, step, r) for r in others)]
+        if not copies:
+            raise FileNotFoundError(f"no rank wrote step {step}")
+        first = copies[0]
+        complete = _disk.is_complete(self.path, step)
+        if any(TensorMeta.from_json(t, where=str(first.dir)).sharded for t in first.tensors):
+            if first.world == self.world_size or not complete:
+                raise FileNotFoundError(f"step {step} lacks the shards of ranks that did not write it")
+            return first
+        sums = [[t["checksum"] for t in c.tensors] for c in copies]
+        replicated = all(c.tree == first.tree and s == sums[0] for c, s in zip(copies, sums, strict=True))
+        if not replicated or (len(copies) < 2 and first.world > 1 and not complete):
+            raise FileNotFoundError(f"step {step}: this rank's own state is not on disk and the other ranks' "
+                                    "copies are not known to be the same (not a replicated state)")
+        log.info("ckpt_restore_from_another_rank", step=step, saved_world=first.world, world=self.world_size,
+                 rank=self.rank, reading_rank=first.rank)
+        return dataclasses.replace(first, world=self.world_size)
+
+    def _read_resharded(self, manifest: _disk.Manifest, given: Template) -> dict[Any, Any]:
+        """Restore ``manifest``'s step, saved by another world size with shards, through torch.distributed.checkpoint:
+        into the caller's tensors (DTensors resharded), the replicated tensors and plain values alongside."""
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        where = f"step {manifest.step}"
+        metas = [TensorMeta.from_json(t, where=where) for t in manifest.tensors]
+        skeleton = decode(manifest.tree, lambda i, _path: metas[i], where=where)
+        template = given(skeleton) if callable(given) else given
+
+        def leaf(index: int, path: tuple[object, ...]) -> Any:
+            existing = find(template, path) if template is not None else None
+            if isinstance(existing, torch.Tensor):
+                return existing
+            if metas[index].sharded:
+                raise StateMismatch(f"step {manifest.step} was saved by {manifest.world} ranks and this job has "
+                                    f"{self.world_size}: its shard at {list(path)} can only be resharded into the "
+                                    "current state dict (with its DTensors); pass it to load()")
+            return torch.empty(metas[index].shape, dtype=dtype_from_name(metas[index].dtype, where=where))
+
+        target = decode(manifest.tree, leaf, where=where)
+        log.info("ckpt_resharding", step=manifest.step, saved_world=manifest.world, world=self.world_size,
+                 rank=self.rank)
+        try:
+            dcp_load(target, checkpoint_id=str(_disk.step_dir(self.path, manifest.step)))
+        except Exception as exc:  # DCP's own errors (a missing key, a shape it cannot reshard) say what is wrong
+            raise StateMismatch(f"step {manifest.step} (saved by {manifest.world} ranks) could not be resharded "
+                                f"into this job's {self.world_size} ranks: {exc}") from exc
+        return as_dict(target)
 
     def _read_disk(self, manifest: _disk.Manifest, template: Mapping[str, Any] | None) -> dict[Any, Any]:
         metas = [TensorMeta.from_json(t, where=str(manifest.dir)) for t in manifest.tensors]

@@ -378,3 +378,42 @@ def test_two_nodes_commit_together_and_a_step_is_on_disk_once_every_rank_wrote_i
         with cluster.worker(node_id=node, rank=rank, world=2, local_rank=0, round_=2) as ckpt:
             restored = ckpt.load()
         assert restored is not None and torch.equal(restored[1]["w"], torch.full((4,), 10.0 + rank))
+
+
+def _two_nodes_persist(cluster: Cluster, values: tuple[float, float]) -> None:
+    """Round 1: node-0 and node-1 (one rank each) save step 1 (rank r: ``values[r]``) and write it to disk."""
+    for node, rank in (("node-0", 0), ("node-1", 1)):
+        cluster.agent(node)
+        cluster.round(1, node_id=node, world=2, node_rank=rank)
+    with cluster.worker(node_id="node-0", rank=0, world=2, local_rank=0) as rank0, \
+            cluster.worker(node_id="node-1", rank=1, world=2, local_rank=0) as rank1:
+        assert rank0.save(1, {"w": torch.full((4,), values[0]), "epoch": 3}, persist=True)
+        assert rank1.save(1, {"w": torch.full((4,), values[1]), "epoch": 3}, persist=True)
+        assert rank0.wait_persisted(timeout=30) == 1 and rank1.wait_persisted(timeout=30) == 1
+
+
+def _grown_to_three(cluster: Cluster) -> list[tuple[int, dict[str, Any]] | None]:
+    """Round 2 on three nodes (a resize): what each rank's load() gives."""
+    cluster.agent("node-2")
+    for rank, node in enumerate(("node-0", "node-1", "node-2")):
+        cluster.round(2, node_id=node, world=3, node_rank=rank, restart_count=0)
+    got = []
+    for rank, node in enumerate(("node-0", "node-1", "node-2")):
+        with cluster.worker(node_id=node, rank=rank, world=3, local_rank=0, round_=2) as ckpt:
+            got.append(ckpt.load())
+    return got
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_after_a_resize_every_rank_restores_a_replicated_state_saved_by_the_old_world(cluster: Cluster) -> None:
+    _two_nodes_persist(cluster, (7.0, 7.0))  # DDP: every rank saved the same state
+    for restored in _grown_to_three(cluster):
+        assert restored is not None and restored[0] == 1 and restored[1]["epoch"] == 3
+        assert torch.equal(restored[1]["w"], torch.full((4,), 7.0))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_after_a_resize_a_state_that_differs_between_ranks_is_never_taken_from_another_rank(
+        cluster: Cluster) -> None:
+    _two_nodes_persist(cluster, (7.0, 8.0))  # per-rank state (not sharded, not replicated): no rank's copy fits
+    assert _grown_to_three(cluster) == [None, None, None]

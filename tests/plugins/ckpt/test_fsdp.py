@@ -1,4 +1,5 @@
-"""FSDP2 (DTensor) state: each of two gloo ranks saves only its shard, restores it, and DCP reads the files."""
+"""FSDP2 (DTensor) state: each of two gloo ranks saves only its shard, restores it, DCP reads the files, and a
+resized job (one rank) gets the shards resharded."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ SCRIPT = textwrap.dedent("""
 
     phase, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0 if phase == "save" else 1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))  # 5 rows: uneven shards
     fully_shard(model, mesh=mesh)
@@ -46,7 +47,7 @@ SCRIPT = textwrap.dedent("""
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         full = {k: v.full_tensor() for k, v in get_state_dict(model, opt)[0].items()}
         expected = torch.load(out, weights_only=True)
-        assert step == 2 and state["epoch"] == 4, (step, state["epoch"])
+        assert step == 2 and state["epoch"] == 4, (step, state.get("epoch"))
         assert all(torch.equal(full[k], expected[k]) for k in expected), "restored weights differ"
         print("restored", step, flush=True)
     ckpt.close()
@@ -60,14 +61,14 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _run_ranks(cluster: Cluster, script: Path, phase: str, out: Path, round_: int) -> list[str]:
+def _run_ranks(cluster: Cluster, script: Path, phase: str, out: Path, round_: int, world: int = 2) -> list[str]:
     ext = cluster.agents["node-0"]
     port = _free_port()
     procs = []
-    for rank in range(2):
+    for rank in range(world):
         env = {**ext.worker_env(round=round_, local_rank=rank), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "STEAD_ROUND": str(round_),
-               "STEAD_JOB": cluster.job, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+               "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "STEAD_ROUND": str(round_), "STEAD_JOB": cluster.job, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
         procs.append(subprocess.Popen([sys.executable, str(script), phase, str(out)], env=env, cwd=script.parent,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
@@ -97,3 +98,6 @@ def test_fsdp2_shards_are_saved_per_rank_restored_in_place_and_readable_by_dcp(c
     dcp.load(target, checkpoint_id=str(tmp_path / "ckpt" / cluster.job / "step_2"), no_dist=True)
     assert all(torch.equal(target["model"][k], expected[k]) for k in expected)
     assert target["epoch"] == 4
+    cluster.round(3, world=1, nproc=1)  # the job shrank to one rank: the two shards are resharded into one
+    [resharded] = _run_ranks(cluster, script, "restore", out, 3, world=1)
+    assert "restored 2" in resharded and "ckpt_resharding" in resharded, resharded
