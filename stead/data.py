@@ -14,22 +14,48 @@
             if step % 100 == 0:
                 save({..., "sampler": sampler.state_dict()})   # every rank together
 
-See :mod:`stead.plugins.sharding` for how samples stay exactly-once across failures.
+See :mod:`stead.plugins.sharding` for how samples stay exactly-once across failures
+and world-size changes. When the job is resized (``stead scale``), keep the global
+batch constant with :func:`accumulation_steps`::
+
+    accum = accumulation_steps(global_batch=512, micro_batch=16)   # WORLD_SIZE 8: 4; WORLD_SIZE 16: 2
+
 Importing this module is cheap: the samplers (and torch) load on first use.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["ShardedSampler", "StreamSampler"]
+__all__ = ["ShardedSampler", "StreamSampler", "accumulation_steps"]
 
 if TYPE_CHECKING:
     from stead.plugins.sharding.sampler import ShardedSampler, StreamSampler
 
 
+def accumulation_steps(global_batch: int, micro_batch: int, world_size: int | None = None) -> int:
+    """Gradient accumulation steps per optimizer step that keep ``global_batch`` constant at this world size.
+
+    ``global_batch = micro_batch * world_size * steps``; ``world_size`` defaults to ``WORLD_SIZE`` (what the
+    current round has: call it again after a resize). A global batch the world cannot split evenly raises
+    ValueError naming the world sizes that can.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    for name, value in (("global_batch", global_batch), ("micro_batch", micro_batch), ("world_size", world)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive whole number")
+    steps, rest = divmod(global_batch, micro_batch * world)
+    if rest or not steps:
+        fits = [w for w in range(1, global_batch // micro_batch + 1) if global_batch % (micro_batch * w) == 0]
+        raise ValueError(f"a global batch of {global_batch} cannot be split into micro batches of {micro_batch} on "
+                         f"{world} ranks; world sizes that can: {fits} (set the job's --nnodes MIN:MAX and "
+                         "--nproc-per-node so that every size it may run at is one of them)")
+    return steps
+
+
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name in ("ShardedSampler", "StreamSampler"):
         from stead.plugins.sharding import sampler
 
         return getattr(sampler, name)
