@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from stead.core.events import JobSubmitted
+from stead.core.events import JobStopped, JobSubmitted
 from stead.core.events.log import EventLog
 from stead.core.goodput import PARTS
 from stead.core.rpc import MasterClient, RegisterInfo, read_token_file
@@ -101,12 +101,13 @@ def test_master_resumes_a_stored_job_and_events_and_status_show_it(tmp_path: Pat
 
 
 def test_read_only_commands_on_an_unknown_job_say_so_and_create_nothing(tmp_path: Path) -> None:
-    for command in ("status", "events", "top", "report"):
-        result = _stead(command, "--store", f"sqlite:///{tmp_path / 'x.db'}", "--job", "nope", cwd=tmp_path)
+    for command in ("status", "events", "top", "report", "scale"):
+        more = ("--nodes", "2") if command == "scale" else ()
+        result = _stead(command, "--store", f"sqlite:///{tmp_path / 'x.db'}", "--job", "nope", *more, cwd=tmp_path)
         assert result.returncode == 2
         assert "no job 'nope' here" in result.stderr and "does not exist" in result.stderr
         assert "Traceback" not in result.stderr
-        default = _stead(command, "--job", "nope", cwd=tmp_path)
+        default = _stead(command, "--job", "nope", *more, cwd=tmp_path)
         assert default.returncode == 2 and ".stead/nope.db does not exist" in default.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
@@ -126,7 +127,30 @@ def test_a_bad_setting_is_a_clear_error(tmp_path: Path) -> None:
 def test_help_explains_the_commands(tmp_path: Path) -> None:
     result = _stead("--help", cwd=tmp_path)
     assert result.returncode == 0
-    for command in ("run", "master", "agent", "events", "status", "top", "report"):
+    for command in ("run", "master", "agent", "events", "status", "top", "report", "scale"):
         assert command in result.stdout
     run_help = _stead("run", "--help", cwd=tmp_path)
     assert run_help.returncode == 0 and "--nproc-per-node" in run_help.stdout and "--max-restarts" in run_help.stdout
+
+
+async def _seed_ended(url: str, job: str) -> None:
+    store = await open_store(url)
+    try:
+        log = EventLog(store, job)
+        await log.append(JobSubmitted(job=job, min_nodes=1, max_nodes=3, nproc_per_node=1))
+        await log.append(JobStopped(reason="stopped by hand"))
+    finally:
+        await store.close()
+
+
+def test_scale_refuses_a_finished_job_and_nodes_outside_min_max_saying_why(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'ended.db'}"
+    anyio.run(_seed_ended, url, "ended")
+    finished = _stead("scale", "--store", url, "--job", "ended", "--nodes", "2", cwd=tmp_path)
+    assert finished.returncode == 1 and "Traceback" not in finished.stderr
+    assert "job 'ended' is stopped (stopped by hand); only a running job can be scaled" in finished.stderr
+    missing = _stead("scale", "--store", url, "--job", "ended", cwd=tmp_path)
+    assert missing.returncode == 2 and "--nodes" in missing.stderr
+    anyio.run(_seed, url, "open")  # submitted, its range 1:1
+    outside = _stead("scale", "--store", url, "--job", "open", "--nodes", "5", cwd=tmp_path)
+    assert outside.returncode == 2 and "--nodes 5 is outside job 'open''s MIN:MAX 1:1" in outside.stderr
