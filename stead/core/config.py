@@ -123,6 +123,9 @@ class Settings:
     #: a running round changes size (`stead scale`, a node that became available) at the next checkpoint commit,
     #: a step boundary every rank holds; when none comes within this long it changes size anyway
     resize_wait_s: float = setting(30.0, min=0.0)
+    #: a running round grows once for the nodes that become ready within this long of the first (they were asked
+    #: for together), instead of once per node; the job trains meanwhile
+    grow_window_s: float = setting(5.0, min=0.0)
     #: how many trailing lines of a failed worker's stderr are reported
     error_tail_lines: int = 40
     #: how often the agent samples step progress, and the master records it as an event

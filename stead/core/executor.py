@@ -16,7 +16,7 @@ import structlog
 
 from stead.core.errors import EffectDeclined, PlatformError
 from stead.core.hub import AgentHub
-from stead.core.platform import NodeSpec, Platform
+from stead.core.platform import WARM_FIRST_ENV, NodeSpec, Platform
 from stead.core.statemachine import (
     CheckHealth,
     DumpStacks,
@@ -69,6 +69,8 @@ class Executor:
                 assert spec is not None
                 if effect.avoid_hosts:
                     spec = dataclasses.replace(spec, avoid_hosts=effect.avoid_hosts)
+                if effect.warm_first:
+                    spec = dataclasses.replace(spec, env={**spec.env, WARM_FIRST_ENV: "1"})
                 try:
                     await self.platform.launch(spec)
                 except OSError as exc:

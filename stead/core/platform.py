@@ -13,13 +13,16 @@ from typing import Protocol, runtime_checkable
 
 from stead.core.events import NodeExited, NodeStarted
 
-__all__ = ["AGENT_IDENTITY_ENV", "NodeSpec", "Platform", "PlatformEvent", "agent_title"]
+__all__ = ["AGENT_IDENTITY_ENV", "WARM_FIRST_ENV", "NodeSpec", "Platform", "PlatformEvent", "agent_title"]
 
 PlatformEvent = NodeStarted | NodeExited
 
 #: in an agent's environment (``JOB/NODE/INCARNATION``): which node incarnation it runs, for a platform that adopts
 #: agents by pid and for the workers it starts
 AGENT_IDENTITY_ENV = "STEAD_LOCAL_NODE"
+#: "1" in the environment of an agent that grows a running job: it joins once its zygote imported everything the
+#: workers import (torch._dynamo too), so that the resized round does not wait for a cold node
+WARM_FIRST_ENV = "STEAD_WARM_FIRST"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

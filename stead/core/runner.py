@@ -80,6 +80,7 @@ def job_submitted(config: RunConfig) -> JobSubmitted:
         decision_timeout_s=config.settings.decision_timeout_s, health_check=health_mode(config),
         health_timeout_s=config.settings.health_timeout_s, health_slow_factor=config.settings.health_slow_factor,
         start_nodes=config.start_nodes, resize_wait_s=config.settings.resize_wait_s,
+        grow_window_s=config.settings.grow_window_s,
     )
 
 

@@ -38,6 +38,7 @@ from stead.core.config import Settings, settings_env
 from stead.core.errors import ConfigError, InvalidRequest, RetryableError
 from stead.core.events import NodeHealthReported, PeerCollective
 from stead.core.launch import RunConfig, Streams, parse_run_args, worker_env
+from stead.core.platform import WARM_FIRST_ENV
 from stead.core.retry import Backoff
 from stead.core.rpc import (
     CheckHealthCmd,
@@ -123,6 +124,7 @@ class Agent:
                            else Zygote(self.settings, preload=preload, env=zygote_env(self.config)))
                 async with started as zygote, WorkerGroup(self.settings, zygote=zygote) as group:
                     self._group, self._zygote = group, zygote
+                    await self._until_warm(zygote)
                     try:
                         job = await self._register()
                     except RetryableError as exc:
@@ -146,6 +148,18 @@ class Agent:
                     await self.extensions.call("stop", job_ended=self._job_ended)
         self._log.info("agent_exiting", master_gone=self.master_gone)
         return EXIT_MASTER_GONE if self.master_gone else 0
+
+    async def _until_warm(self, zygote: Zygote | None) -> None:
+        """Join once the zygote has imported torch (``zygote_wait_s`` at most): a node that joins a running job
+        makes it resize, and workers that wait for a cold zygote would stall every rank of the new round."""
+        if zygote is None or not zygote.starting:
+            return
+        self._log.info("agent_warming", reason="the node joins once its workers can start at once")
+        with anyio.move_on_after(self.settings.zygote_wait_s):
+            if await zygote.wait_ready() and os.environ.get(WARM_FIRST_ENV) == "1" and not self.config.no_python:
+                late = [m for m in ZYGOTE_LATE_PRELOAD if m not in self._preloaded]  # what DDP imports on its start
+                self._preloaded.update(late)
+                await zygote.preload(late)
 
     # -- master ------------------------------------------------------------------
 

@@ -80,6 +80,8 @@ class JobSubmitted(Event):
     start_nodes: int | None = None
     #: a resize waits for the next checkpoint commit (a step boundary) at most this long, then goes ahead
     resize_wait_s: float = 30.0
+    #: a running round grows by every node that becomes ready within this long of the first one
+    grow_window_s: float = 5.0
 
 
 @event_kind("job.resumed")
@@ -133,6 +135,8 @@ class NodeRequested(Event):
     incarnation: int
     #: hosts the node must not be placed on (a host excluded as faulty); a platform with one host says so
     avoid_hosts: tuple[str, ...] = ()
+    #: it grows a running job: its agent joins once fully warm, so that the resized round does not wait for it
+    warm_first: bool = False
 
 
 @event_kind("node.started")

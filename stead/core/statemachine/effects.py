@@ -22,6 +22,8 @@ class LaunchNode:
     incarnation: int
     #: hosts to keep the node off (excluded as faulty)
     avoid_hosts: tuple[str, ...] = ()
+    #: the agent joins once fully warm (see NodeRequested.warm_first)
+    warm_first: bool = False
 
     kind: ClassVar[str] = "launch-node"
 

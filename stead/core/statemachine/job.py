@@ -420,6 +420,7 @@ def _plan(state: JobState, *, now: float) -> tuple[Effect, ...]:
         last_call_timeout_s=spec.last_call_timeout_s,
         now=now,
         seq=state.seq,
+        gone=[m for m in state.rdzv.members if m in state.retired or not state.nodes[m].phase.alive],
     )
 
 
@@ -523,6 +524,9 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
         return Transition(state, health_machine.verdict(state))
     if event.name == f"resize/{state.rdzv.round}" and state.resizing:
         return _resize(state, now=now)
+    if event.name == f"grow/{state.rdzv.round}" and state.phase is JobPhase.RUNNING:
+        grown, effects = _maybe_resize(state, now=now, gathered=True)
+        return Transition(grown, effects)
     if event.name.startswith("rejoin/"):
         return _rejoin_timeout(state, event.name)
     if event.name == f"last-call/{state.rdzv.round + 1}" and not state.rdzv.active and not state.awaiting_decision:
@@ -701,11 +705,20 @@ def _plan_or_grow(state: JobState, *, now: float) -> tuple[JobState, tuple[Effec
     return state, _plan(state, now=now)
 
 
-def _maybe_resize(state: JobState, *, now: float) -> tuple[JobState, tuple[Effect, ...]]:
-    """Resize the running round when it is not the size it should be: now, or at the next checkpoint commit."""
+def _maybe_resize(state: JobState, *, now: float, gathered: bool = False) -> tuple[JobState, tuple[Effect, ...]]:
+    """Resize the running round when it is not the size it should be: now, or at the next checkpoint commit.
+
+    A round grows by every node that comes within ``grow_window_s`` of the first (``gathered``: that window is
+    over), not by one resize per node.
+    """
     assert state.spec is not None
     if state.resizing or state.awaiting_decision or not state.rdzv.active or membership.resize_reason(state) is None:
         return state, ()
+    window = f"grow/{state.rdzv.round}"
+    if not gathered and membership.growing(state) and membership.coming(state):
+        if window in state.timers:
+            return state, ()  # more nodes are on their way: the window's end resizes for all of them
+        return state, (StartTimer(name=window, at=now + state.spec.grow_window_s),)
     if state.checkpoint_step is None:  # the job does not checkpoint: no boundary to wait for
         result = _resize(state, now=now)
         return result.state, result.effects

@@ -15,7 +15,8 @@ functions say what a target means for the nodes:
 
 The job machine carries a resize out at a step boundary: when the job checkpoints,
 at its next commit (every rank holds that step, so nothing after it is lost),
-within ``resize_wait_s``; then it stops the round's workers and starts the next
+within ``resize_wait_s``, and a growing round first gives the other nodes asked for
+``grow_window_s`` to come, so that it grows once; then it stops the round's workers and starts the next
 round at once (every kept member is there: no last call). A resize spends no
 restart.
 """
@@ -33,7 +34,7 @@ from stead.core.statemachine.rendezvous import natural_key
 if TYPE_CHECKING:
     from stead.core.statemachine.job import JobState
 
-__all__ = ["available", "requests", "resize_reason", "surplus", "target"]
+__all__ = ["available", "coming", "growing", "requests", "resize_reason", "surplus", "target"]
 
 
 def target(state: JobState) -> int:
@@ -49,8 +50,22 @@ def available(state: JobState) -> list[str]:
     return [n for n, s in state.nodes.items() if is_ready(s) and n not in state.retired]
 
 
+def growing(state: JobState) -> bool:
+    """The running round has fewer members than the target and more nodes are ready."""
+    members = len(state.rdzv.members)
+    return members < target(state) and len(available(state)) > members
+
+
+def coming(state: JobState) -> bool:
+    """Some live, unretired node is not ready yet (starting, or awaiting its health check) and the target wants it."""
+    ready = len(available(state))
+    waiting = sum(1 for n, s in state.nodes.items() if s.phase.alive and n not in state.retired and not is_ready(s))
+    return waiting > 0 and ready < target(state)
+
+
 def requests(state: JobState, count: int, *, avoid_hosts: tuple[str, ...] = ()) -> list[NodeRequested]:
-    """Node requests that bring the live, unretired nodes up to ``count`` (lowest free ids first)."""
+    """Node requests that bring the live, unretired nodes up to ``count`` (lowest free ids first); nodes that grow
+    a running round join once fully warm (``warm_first``)."""
     assert state.spec is not None
     live = sum(1 for n, s in state.nodes.items() if s.phase.alive and n not in state.retired)
     wanted = count - live
@@ -63,7 +78,8 @@ def requests(state: JobState, count: int, *, avoid_hosts: tuple[str, ...] = ()) 
         if node is not None and node.phase.alive:
             continue  # live (counted), or retired and still stopping: its id is taken until it exits
         incarnation = node.incarnation + 1 if node is not None else 1
-        made.append(NodeRequested(node_id=node_id, incarnation=incarnation, avoid_hosts=avoid_hosts))
+        made.append(NodeRequested(node_id=node_id, incarnation=incarnation, avoid_hosts=avoid_hosts,
+                                  warm_first=state.rdzv.active))
     return made
 
 
@@ -88,6 +104,6 @@ def resize_reason(state: JobState) -> str | None:
     if members > wanted:
         return f"scaling down from {members} to {wanted} nodes"
     ready = len(available(state))
-    if members < wanted and ready > members:
+    if growing(state):
         return f"growing from {members} to {min(ready, wanted)} nodes (target {wanted})"
     return None

@@ -67,7 +67,7 @@ def transition(node: NodeState | None, event: NodeEvent, *, now: float) -> Trans
             return reject(node, f"node {event.node_id} is still {node.phase.value}; it must be lost or exit first")
         fresh = NodeState(node_id=event.node_id, incarnation=event.incarnation)
         return Transition(fresh, (LaunchNode(node_id=event.node_id, incarnation=event.incarnation,
-                                             avoid_hosts=event.avoid_hosts),))
+                                             avoid_hosts=event.avoid_hosts, warm_first=event.warm_first),))
     if node is None:
         return reject(node, f"node {event.node_id} was never requested")
     if is_stale(node, event):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from stead.core.events import RoundCompleted, RoundStarted, WorkersStarted, WorkersSucceeded
 from stead.core.statemachine.base import Transition, reject
@@ -77,18 +77,21 @@ def plan_round(
     last_call_timeout_s: float,
     now: float,
     seq: int = 0,
+    gone: Collection[str] = (),
 ) -> tuple[Effect, ...]:
     """Start the next round now, arm the last-call timer, or keep waiting.
 
     A round starts at once when MAX nodes are here, or when every member of the
-    previous round is still here (a restart needs no last call); with at least
+    previous round is still here (a restart needs no last call), not counting the
+    members ``gone`` for good (lost and not replaced, or retired); with at least
     MIN nodes it starts when the last-call timer fires.
     """
     if rdzv.active:
         return ()
     upcoming = rdzv.round + 1
     count = len(joined)  # the names are listed only when a round may start
-    previous_all_here = bool(rdzv.members) and count >= min_nodes and set(rdzv.members) <= set(joined)
+    previous_all_here = (bool(rdzv.members) and count >= min_nodes and len(gone) < len(rdzv.members)
+                         and set(rdzv.members) - set(gone) <= set(joined))
     if count >= max_nodes or previous_all_here:
         members = order_members(rdzv.members, joined, max_nodes)
         started = RoundStarted(

@@ -51,8 +51,8 @@ __all__ = ["NodeCheckpoints"]
 
 #: how often an agent looks whether a step it waits for is on disk yet
 _DISK_POLL_S = 0.02
-#: once its own parts are written, how long an agent waits for other nodes' parts of a step that stays incomplete
-_DISK_SETTLE_S = 1.0
+#: once its own parts are written, how long (at least) an agent waits for more parts of a step that stays incomplete
+_DISK_SETTLE_S = 0.2
 
 log = structlog.get_logger("stead.plugins.ckpt")
 
@@ -187,16 +187,19 @@ class NodeCheckpoints:
         return True
 
     async def _until_on_disk(self, step: int) -> None:
-        """Wait until every rank's part of ``step`` is on disk, or, once this node's own parts are, until no more
-        come for ``_DISK_SETTLE_S`` (a lost node never writes its part: a replicated state needs one copy);
-        ``persist_grace_s`` at most."""
-        waited, seen, quiet = 0.0, -1, 0.0
+        """Wait until every rank's part of ``step`` is on disk or, once this node's own parts are, until no new part
+        came for as long as the first one took (``_DISK_SETTLE_S`` at least): a lost node never writes its part,
+        and a replicated state needs only some copies. ``persist_grace_s`` at most."""
+        waited, seen, quiet, first_after = 0.0, 0, 0.0, None
         while not await anyio.to_thread.run_sync(_disk.is_complete, self.root, step):
             written = len(await anyio.to_thread.run_sync(_disk.written_ranks, self.root, step))
+            if written and first_after is None:
+                first_after = waited
             mine_done = not self._persisting and all(s.persist is None for s in self._ranks.values())
             quiet = quiet + _DISK_POLL_S if written == seen and mine_done else 0.0
             seen = written
-            if waited >= self.ckpt.persist_grace_s or (written and quiet >= _DISK_SETTLE_S):
+            settled = first_after is not None and quiet >= max(_DISK_SETTLE_S, first_after)
+            if waited >= self.ckpt.persist_grace_s or settled:
                 log.info("ckpt_partly_on_disk", step=step, ranks_written=written, waited_s=round(waited, 2),
                          effect="the workers restore it if it is replicated, else an older step")
                 return

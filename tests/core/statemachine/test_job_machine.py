@@ -154,7 +154,7 @@ def test_start_states_are_what_their_names_say() -> None:
     assert (RUNNING_AFTER_RELAUNCH.phase, RUNNING_AFTER_RELAUNCH.rdzv.round) == (JobPhase.RUNNING, 2)
     assert (E_TWO_JOINED.phase, E_RUNNING_TWO.phase, E_RUNNING_TWO.rdzv.members) == (
         JobPhase.STARTING, JobPhase.RUNNING, MEMBERS)
-    assert (E0_SHRUNK.phase, E0_SHRUNK.rdzv.active) == (JobPhase.RECOVERING, False)
+    assert (E0_SHRUNK.phase, E0_SHRUNK.rdzv.round, E0_SHRUNK.rdzv.members) == (JobPhase.RUNNING, 2, MEMBERS)
     assert [s.phase for s in (SUCCEEDED, STOPPED, FAILED)] == [JobPhase.SUCCEEDED, JobPhase.STOPPED, JobPhase.FAILED]
 
 
@@ -297,12 +297,12 @@ ALLOWED: list[tuple[str, JobState, Event, JobPhase, dict[str, object], EffectIds
     ("relaunch budget spent and fewer than MIN alive: JobFailed", RUNNING_AFTER_RELAUNCH,
      NodeLost(node_id="node-1", incarnation=2), JobPhase.RECOVERING, {"nodes.node-1.phase": NodePhase.LOST},
      [(KillNode, "kill/node-1/2"), (StopWorkers, "stop-workers/2/node-0"), (Emit, "emit/job-end")]),
-    ("relaunch budget spent but MIN alive: last call with the survivors", E0_RUNNING_THREE,
+    ("relaunch budget spent but MIN alive: the survivors' round at once (no one else is coming)", E0_RUNNING_THREE,
      NodeLost(node_id="node-2", incarnation=1), JobPhase.RECOVERING, {"rdzv.active": False},
      [(KillNode, "kill/node-2/1"), (StopWorkers, "stop-workers/1/node-0"), (StopWorkers, "stop-workers/1/node-1"),
-      (StartTimer, "timer/last-call/2")]),
-    ("last call after a shrink: round 2 with the survivors", E0_SHRUNK, TimerFired(name="last-call/2"),
-     JobPhase.RECOVERING, {"rdzv.round": 1}, [(Emit, "emit/round/2")]),
+      (Emit, "emit/round/2")]),
+    ("a last call after the shrink is stale: ignored", E0_SHRUNK, TimerFired(name="last-call/2"),
+     JobPhase.RUNNING, {"rdzv.round": 2}, []),
     ("elastic: MIN joined arms the last call", E_ONE_JOINED_ONE_STARTED, NodeJoined(node_id="node-1", incarnation=1),
      JobPhase.STARTING, {"joined": MEMBERS}, [(StartTimer, "timer/last-call/1")]),
     ("elastic: last call fires, round 1 with those joined", E_TWO_JOINED, TimerFired(name="last-call/1"),

@@ -53,7 +53,7 @@ def ids(effects: tuple[object, ...]) -> list[str]:
 
 ONE = after(SPEC, *up("node-0"))
 TO_THREE = after(scale(3), start=ONE)
-TWO_RUNNING = after(*up("node-1"), start=TO_THREE)
+TWO_RUNNING = after(*up("node-1"), TimerFired(name="grow/1"), start=TO_THREE)  # node-2 was not there in time
 THREE_RUNNING = after(*up("node-2"), start=TWO_RUNNING)
 
 
@@ -63,7 +63,7 @@ def test_a_job_with_start_nodes_requests_that_many_and_starts_on_them_at_once() 
     assert ONE.phase is JobPhase.RUNNING and ONE.rdzv.members == ("node-0",)  # its target is here: no last call
 
 
-def test_scaling_up_requests_the_missing_nodes_and_each_one_grows_the_running_round() -> None:
+def test_scaling_up_requests_the_missing_nodes_and_the_running_round_grows_by_those_that_come() -> None:
     result = transition(ONE, scale(3), now=NOW)
     assert ids(result.effects) == ["emit/request/node-1/1", "emit/request/node-2/1"]
     assert result.state.phase is JobPhase.RUNNING and result.state.target == 3
@@ -72,16 +72,22 @@ def test_scaling_up_requests_the_missing_nodes_and_each_one_grows_the_running_ro
     assert THREE_RUNNING.restarts == 0  # a resize spends no restart
 
 
-def test_a_joining_node_resizes_at_once_when_the_job_has_no_checkpoint() -> None:
-    result = transition(after(NodeStarted(node_id="node-1", incarnation=1), start=TO_THREE),
-                        NodeJoined(node_id="node-1", incarnation=1), now=NOW)
-    assert ids(result.effects) == ["stop-workers/1/node-0", "emit/round/2"]
-    assert result.state.phase is JobPhase.RECOVERING and not result.state.resizing
+def test_a_round_grows_once_for_the_nodes_that_come_within_the_last_call() -> None:
+    first = transition(after(NodeStarted(node_id="node-1", incarnation=1), start=TO_THREE),
+                       NodeJoined(node_id="node-1", incarnation=1), now=NOW)
+    assert first.effects == (StartTimer(name="grow/1", at=NOW + SPEC.grow_window_s),)  # node-2 is coming
+    both = transition(after(*up("node-1"), NodeStarted(node_id="node-2", incarnation=1), start=TO_THREE),
+                      NodeJoined(node_id="node-2", incarnation=1), now=NOW)
+    assert ids(both.effects) == ["stop-workers/1/node-0", "emit/round/2"]  # no checkpoint: no boundary to wait for
+    assert both.state.phase is JobPhase.RECOVERING and not both.state.resizing
+    late = transition(after(*up("node-1"), start=TO_THREE), TimerFired(name="grow/1"), now=NOW + 5)
+    assert ids(late.effects) == ["stop-workers/1/node-0", "emit/round/2"]  # the window ended: grow by node-1
 
 
 def test_with_checkpoints_a_resize_waits_for_the_next_commit() -> None:
-    saving = after(CheckpointCommitted(step=5), NodeStarted(node_id="node-1", incarnation=1), start=TO_THREE)
-    waiting = transition(saving, NodeJoined(node_id="node-1", incarnation=1), now=NOW)
+    saving = after(CheckpointCommitted(step=5), *up("node-1"), NodeStarted(node_id="node-2", incarnation=1),
+                   start=TO_THREE)
+    waiting = transition(saving, NodeJoined(node_id="node-2", incarnation=1), now=NOW)
     assert waiting.effects == (StartTimer(name="resize/1", at=NOW + SPEC.resize_wait_s),)
     assert waiting.state.resizing and waiting.state.phase is JobPhase.RUNNING
     committed = transition(waiting.state, CheckpointCommitted(step=6), now=NOW)
@@ -158,6 +164,7 @@ ACTIONS = st.lists(st.one_of(
     st.tuples(st.just("exit"), st.integers(0, 2)),
     st.tuples(st.just("commit"), st.integers(0, 100)),
     st.tuples(st.just("timer"), st.integers(0, 5)),
+    st.tuples(st.just("grow"), st.integers(0, 5)),
 ), max_size=40)
 
 
@@ -177,6 +184,8 @@ def test_rounds_stay_within_min_max_and_never_hold_a_retired_node(actions: list[
             event = NodeExited(node_id=node, incarnation=current.incarnation, exit_code=0)
         elif kind == "commit":
             event = CheckpointCommitted(step=value)
+        elif kind == "grow":
+            event = TimerFired(name=f"grow/{value}")
         else:
             event = TimerFired(name=f"resize/{value}")
         state, _, _ = fold([event], now=NOW, start=state)
