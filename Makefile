@@ -75,6 +75,7 @@ bench: $(STAMP) etcd
 	-$(BIN)/python bench/startup.py
 	-$(BIN)/python bench/failover.py
 	-$(BIN)/python bench/goodput.py
+	-$(BIN)/python bench/scale.py
 	-$(BIN)/python bench/master_scale.py --etcd-max 1000
 
 bench-quick: $(STAMP) etcd

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from stead.data import accumulation_steps
@@ -27,3 +30,16 @@ def test_the_world_size_defaults_to_the_rounds(monkeypatch: pytest.MonkeyPatch) 
 def test_a_batch_the_world_cannot_split_is_a_clear_error(args: tuple[int, int, int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         accumulation_steps(*args)
+
+
+def test_the_readme_global_batch_snippet_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    [code] = re.findall(r"<!-- run: global-batch -->\n```python\n(.*?)```", readme, flags=re.S)
+    for world, accum in (("8", 3), ("12", 2)):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        scope: dict[str, object] = {}
+        exec(code, scope)
+        assert scope["accum"] == accum
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    with pytest.raises(ValueError, match="on 5 ranks"):
+        exec(code, {})

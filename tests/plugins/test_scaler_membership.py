@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,18 @@ def test_policies_load_by_name_and_an_unknown_one_is_a_clear_error() -> None:
     assert isinstance(load_policy("default"), DefaultPolicy)
     with pytest.raises(ConfigError, match=r"scaler policy 'cheapest' is not installed \(installed: default\)"):
         load_policy("cheapest")
+
+
+def test_the_readme_policy_example_decides_as_it_says() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    [code] = re.findall(r"<!-- run: scaler-policy -->\n```python\n(.*?)```", readme, flags=re.S)
+    scope: dict[str, object] = {}
+    exec(code, scope)
+    policy = scope["AtLeastHalf"]()  # type: ignore[operator]
+    assert policy.decide(view(requested=1, target=3)) == Decision(2, "at least half of MAX")  # MAX 4: not below 2
+    assert policy.decide(view(requested=3)) == Decision(3, "at least half of MAX")
+    assert policy.decide(view()) is None
+    assert check(policy.decide(view(requested=4)), view()) == ""
 
 
 class Nonsense:
