@@ -764,9 +764,9 @@ def _rejoin_timeout(state: JobState, name: str) -> Transition[JobState]:
     """A relaunched node did not join in time: below MIN with no round running, the job fails."""
     spec = state.spec
     assert spec is not None
-    _, node_id, incarnation = name.split("/")
+    _, node_id, incarnation = (*name.split("/", 2), "", "")[:3]
     node = state.nodes.get(node_id)
-    if (node is None or node.incarnation != int(incarnation) or not node.phase.alive
+    if (node is None or str(node.incarnation) != incarnation or not node.phase.alive
             or node.phase is NodePhase.JOINED or state.rdzv.active or state.phase is not JobPhase.RECOVERING):
         return Transition(state)  # it joined, was replaced again, or the job goes on without it
     ready = len(membership.available(state))
