@@ -28,10 +28,28 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["ShardedSampler", "StreamSampler", "accumulation_steps"]
+__all__ = ["ShardedSampler", "StreamSampler", "accumulation_steps", "batch_size"]
 
 if TYPE_CHECKING:
     from stead.plugins.sharding.sampler import ShardedSampler, StreamSampler
+
+
+def batch_size(default: int) -> int:
+    """The per-worker batch to use: ``default``, scaled down after the job's workers ran out of memory.
+
+    The scaler answers an out-of-memory failure with a smaller batch hint (``STEAD_BATCH_SCALE``, see
+    ``scaler.oom_batch_factor``); a script opts in by sizing its batches with this (and keeps its global batch
+    with :func:`accumulation_steps`). Never below 1; without stead, ``default``.
+    """
+    if isinstance(default, bool) or not isinstance(default, int) or default < 1:
+        raise ValueError(f"default={default!r} must be a positive whole number")
+    try:
+        scale = float(os.environ.get("STEAD_BATCH_SCALE", "1"))
+    except ValueError:
+        scale = 1.0
+    if not 0 < scale <= 1:
+        scale = 1.0
+    return max(1, int(default * scale))
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int | None = None) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stead.data import accumulation_steps
+from stead.data import accumulation_steps, batch_size
 
 
 @pytest.mark.parametrize(("world", "steps"), [(1, 12), (2, 6), (4, 3), (6, 2), (12, 1)])
@@ -43,3 +43,16 @@ def test_the_readme_global_batch_snippet_runs(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("WORLD_SIZE", "5")
     with pytest.raises(ValueError, match="on 5 ranks"):
         exec(code, {})
+
+
+@pytest.mark.parametrize(("scale", "size"), [(None, 32), ("1", 32), ("0.5", 16), ("0.25", 8), ("0.001", 1),
+                                             ("nonsense", 32), ("3", 32), ("0", 32)])
+def test_the_batch_hint_scales_the_batch_never_below_one(monkeypatch: pytest.MonkeyPatch, scale: str | None,
+                                                           size: int) -> None:
+    if scale is None:
+        monkeypatch.delenv("STEAD_BATCH_SCALE", raising=False)
+    else:
+        monkeypatch.setenv("STEAD_BATCH_SCALE", scale)
+    assert batch_size(32) == size
+    with pytest.raises(ValueError, match="default=0 must be a positive whole number"):
+        batch_size(0)

@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
+from stead.core.agent.extensions import AgentContext, RoundInfo
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, InvalidRequest
-from stead.core.events import JobSubmitted, MembershipDecided, TransitionRejected
+from stead.core.events import (
+    Event,
+    JobSubmitted,
+    MembershipDecided,
+    Record,
+    RecoveryAction,
+    RecoveryDecided,
+    TransitionRejected,
+)
 from stead.core.master import Master, MasterConfig
 from stead.core.platform import NodeSpec
-from stead.core.rpc import MasterClient
-from stead.core.statemachine import JobPhase
+from stead.core.plugins import PluginContext
+from stead.core.rpc import MasterClient, RpcServer, new_token, write_token_file
+from stead.core.statemachine import JobPhase, JobState
+from stead.core.store import open_store
 from stead.plugins.scaler import ScalerPlugin, ScalerSettings
+from stead.plugins.scaler.agent import ScalerAgentExtension
 from stead.plugins.scaler.client import request_scale
-from stead.plugins.scaler.events import DecisionRejected, ScaleRequested
+from stead.plugins.scaler.events import DecisionRejected, OomAnswered, ScaleRequested
 from stead.plugins.scaler.membership import Decision, DefaultPolicy, MembershipView, check, load_policy
 from stead.testing.platforms import RecordingPlatform
 from stead.testing.swarm import Swarm
@@ -137,3 +150,53 @@ async def test_stead_scale_grows_and_shrinks_a_running_job_and_refuses_what_it_c
     [rejected] = [e for e in events if isinstance(e, DecisionRejected)]
     assert rejected.policy == "default" and "Decision(target=10" in rejected.returned
     assert not [e for e in events if isinstance(e, TransitionRejected)]
+
+
+@pytest.mark.anyio
+async def test_an_oom_halves_the_batch_hint_within_its_budget_and_agents_pass_it_to_workers(tmp_path: Path) -> None:
+    store = await open_store("memory://")
+    events: list[Event] = []
+
+    async def emit(event: Event) -> Record:
+        events.append(event)
+        return Record(seq=len(events), at=0.0, event=event)
+
+    settings = ScalerSettings(oom_budget=2, oom_batch_factor=0.5)
+
+    def context(handlers: list[object]) -> PluginContext[ScalerSettings]:
+        return PluginContext(plugin="scaler", job="j", settings=settings, stead_settings=Settings(), store=store,
+                             state=JobState, emit=emit, add_rpc_handler=handlers.append)
+
+    handlers: list[object] = []
+    plugin = ScalerPlugin(settings=settings)
+    await plugin.start(ctx=context(handlers))
+    oom = RecoveryDecided(round=1, action=RecoveryAction.RESTART, reason="r", rank=3, failure_class="oom")
+    for seq in (7, 7, 9, 12):  # seq 7 twice: a master that took over replays it, answered once
+        await plugin.handle(record=Record(seq=seq, at=0.0, event=oom), ctx=context([]))
+    await plugin.handle(record=Record(seq=13, at=0.0, event=dataclasses.replace(oom, failure_class="transient")),
+                        ctx=context([]))
+    answered = [e for e in events if isinstance(e, OomAnswered)]
+    assert [(e.ooms, e.batch_scale) for e in answered] == [(1, 0.5), (2, 0.25), (3, 0.25)]
+    assert "STEAD_BATCH_SCALE=0.25" in answered[1].reason and "oom_budget 2 spent" in answered[2].reason
+
+    token = new_token()
+    token_file = tmp_path / "token"
+    write_token_file(token_file, token)
+    async with RpcServer(handlers, token=token) as server:  # type: ignore[arg-type]
+        ext = ScalerAgentExtension(settings=settings)
+        ctx = AgentContext(job="j", node_id="node-0", incarnation=1, nproc=1, settings=Settings(),
+                           client=MasterClient(server.address, token, call_timeout_s=5),
+                           master_address=server.address, token_file=str(token_file), workdir=tmp_path)
+        await ext.start(ctx=ctx)
+        assert await ext.worker_env(round=1, local_rank=0) == {}  # nothing asked yet: unchanged batches
+        await ext.before_round(round=RoundInfo(id="start/2", round=2, node_rank=0, nnodes=1, nproc_per_node=1,
+                                               world_size=1, restart_count=1, master_addr="127.0.0.1",
+                                               master_port=1))
+        assert await ext.worker_env(round=2, local_rank=0) == {"STEAD_BATCH_SCALE": "0.25"}
+        await ext.stop(job_ended=True)
+    await plugin.stop(ctx=context([]))
+    restarted = ScalerPlugin(settings=settings)  # a master that takes over keeps the scale
+    await restarted.start(ctx=context([]))
+    assert (restarted.ooms, restarted.batch_scale) == (3, 0.25)
+    await restarted.stop(ctx=context([]))
+    await store.close()

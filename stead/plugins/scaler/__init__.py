@@ -13,6 +13,12 @@ policy (:mod:`.membership`, pluggable) decides a target after each ``stead scale
 request (served here, ``ScalerService.Scale``), after a node is lost or exits, and
 every ``policy_every_s``; the decision is recorded as ``membership.decided`` and the
 job machine requests or retires nodes and resizes the running round to match.
+
+A failure the diagnosis classifies as out of memory is answered on the local platform
+by a smaller per-worker batch hint (``oom_batch_factor`` per OOM, ``oom_budget`` of
+them, recorded as ``scaler.oom``): agents pass it to the next rounds' workers as
+``STEAD_BATCH_SCALE`` (:class:`.agent.ScalerAgentExtension`), which scripts opt into with
+``stead.data.batch_size``.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ from stead.plugin import (
     Plugin,
     PluginContext,
     Record,
+    RecoveryAction,
+    RecoveryDecided,
     RoundStarted,
     backend_errors,
     invalid,
     proto,
 )
-from stead.plugins.scaler.events import DecisionRejected, ResourcesRecommended, ScaleRequested
+from stead.plugins.scaler.events import DecisionRejected, OomAnswered, ResourcesRecommended, ScaleRequested
 from stead.plugins.scaler.membership import Decision, MembershipPolicy, MembershipView, check, load_policy
 from stead.plugins.scaler.recommend import Recommendation, recommend
 from stead.plugins.scaler.settings import ScalerSettings
@@ -51,7 +59,7 @@ Ctx = PluginContext[ScalerSettings]
 class ScalerPlugin(Plugin[ScalerSettings]):
     name = "scaler"
     settings_class = ScalerSettings
-    subscriptions = (JobSucceeded, JobFailed, JobStopped, NodeLost, NodeExited, RoundStarted)
+    subscriptions = (JobSucceeded, JobFailed, JobStopped, NodeLost, NodeExited, RoundStarted, RecoveryDecided)
 
     def __init__(self, *, settings: ScalerSettings | None = None) -> None:
         super().__init__(settings=settings or ScalerSettings())
@@ -66,6 +74,10 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         #: the latest request (None: none yet) and the nodes lost or exited while the job ran
         self.requested: int | None = None
         self.losses = 0
+        #: out-of-memory failures answered, and the batch scale they led to
+        self.ooms = 0
+        self.batch_scale = 1.0
+        self._oom_seq = 0  # the last OOM decision answered (a master that takes over replays the log)
         self._last_rejected = ""
         self._deciding = asyncio.Lock()
         self._decide_task: asyncio.Task[None] | None = None
@@ -84,6 +96,8 @@ class ScalerPlugin(Plugin[ScalerSettings]):
                 saved = json.loads(kv.value)
                 self.requested = None if saved["requested"] is None else int(saved["requested"])
                 self.losses = int(saved["losses"])
+                self.ooms, self.batch_scale = int(saved.get("ooms", 0)), float(saved.get("batch_scale", 1.0))
+                self._oom_seq = int(saved.get("oom_seq", 0))
             except (ValueError, TypeError, KeyError) as exc:
                 ctx.log.warning("scaler_membership_unreadable", error=repr(exc), action="no request in force")
         ctx.add_rpc_handler(ScalerServicer(self, ctx))
@@ -103,7 +117,14 @@ class ScalerPlugin(Plugin[ScalerSettings]):
             await self._save(ctx)
 
     async def handle(self, *, record: Record, ctx: Ctx) -> None:
-        """A node went away: ask the policy again; the job ended: record what it used, once per run of the job."""
+        """A node went away: ask the policy again; an OOM: shrink the batch hint; the job ended: record what it
+        used, once per run of the job."""
+        if isinstance(record.event, RecoveryDecided):
+            if (record.event.failure_class == "oom" and record.event.action is RecoveryAction.RESTART
+                    and (record.seq or 0) > self._oom_seq):
+                self._oom_seq = record.seq or 0
+                await self.out_of_memory(ctx, record.event)
+            return
         if isinstance(record.event, (NodeLost, NodeExited, RoundStarted)):
             if isinstance(record.event, (NodeLost, NodeExited)) and not ctx.state.phase.terminal:
                 self.losses += 1
@@ -242,8 +263,23 @@ class ScalerPlugin(Plugin[ScalerSettings]):
             except Exception as exc:
                 ctx.log.exception("scaler_decide_failed", error=repr(exc))
 
+    async def out_of_memory(self, ctx: Ctx, decided: RecoveryDecided) -> None:
+        """Answer an OOM: a smaller batch hint for the next rounds, within the budget; recorded either way."""
+        self.ooms += 1
+        if self.ooms <= self.settings.oom_budget:
+            self.batch_scale *= self.settings.oom_batch_factor
+            reason = (f"out of memory in rank {decided.rank} (round {decided.round}): the workers restart with "
+                      f"STEAD_BATCH_SCALE={self.batch_scale:g} (scripts opt in with stead.data.batch_size)")
+        else:
+            reason = (f"out of memory again (OOM {self.ooms}, oom_budget {self.settings.oom_budget} spent): the "
+                      f"workers restart with the same STEAD_BATCH_SCALE={self.batch_scale:g}")
+        ctx.log.warning("scaler_oom", ooms=self.ooms, batch_scale=self.batch_scale, rank=decided.rank)
+        await self._save_membership(ctx)
+        await ctx.emit(OomAnswered(ooms=self.ooms, batch_scale=self.batch_scale, reason=reason))
+
     async def _save_membership(self, ctx: Ctx) -> None:
-        saved = {"requested": self.requested, "losses": self.losses}
+        saved = {"requested": self.requested, "losses": self.losses, "ooms": self.ooms,
+                 "batch_scale": self.batch_scale, "oom_seq": self._oom_seq}
         await ctx.store.put(ctx.key("membership"), json.dumps(saved).encode())
 
 
@@ -259,3 +295,6 @@ class ScalerServicer(proto.ScalerServiceBase):
             target, previous, why = await self._plugin.request(self._ctx, nodes=message.nodes, by=message.by[:200],
                                                                reason=message.reason[:500])
         return proto.ScaleReply(target=target, previous=previous, reason=why)
+
+    async def batch_hint(self, message: proto.BatchHintRequest) -> proto.BatchHintReply:
+        return proto.BatchHintReply(batch_scale=self._plugin.batch_scale, ooms=self._plugin.ooms)

@@ -6,7 +6,7 @@ import dataclasses
 
 from stead.plugin import Event, event_kind
 
-__all__ = ["DecisionRejected", "ResourcesRecommended", "ScaleRequested"]
+__all__ = ["DecisionRejected", "OomAnswered", "ResourcesRecommended", "ScaleRequested"]
 
 
 @event_kind("scaler.recommended")
@@ -48,4 +48,15 @@ class DecisionRejected(Event):
 
     policy: str
     returned: str
+    reason: str
+
+
+@event_kind("scaler.oom")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OomAnswered(Event):
+    """A worker ran out of memory (``ooms`` so far): the next rounds' workers get ``batch_scale`` (as
+    STEAD_BATCH_SCALE, read by ``stead.data.batch_size``), halved per OOM until ``scaler.oom_budget`` is spent."""
+
+    ooms: int
+    batch_scale: float
     reason: str

@@ -20,3 +20,9 @@ class ScalerSettings:
                                           "capacity_nodes), or one installed under stead.scaler_policies")
     policy_every_s: float = setting(10.0, min=0.05, help="how often the membership policy is asked again, "
                                                          "besides after each request and each lost node")
+    oom_batch_factor: float = setting(0.5, min=0.01, max=1.0, help="after a worker ran out of memory, the "
+                                                                    "per-worker batch hint (STEAD_BATCH_SCALE) is "
+                                                                    "multiplied by this (scripts opt in with "
+                                                                    "stead.data.batch_size)")
+    oom_budget: int = setting(2, min=0, help="how many out-of-memory failures shrink the batch hint; later ones "
+                                             "restart with the same hint (the restart budget decides)")

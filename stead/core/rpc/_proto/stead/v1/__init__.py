@@ -7,6 +7,8 @@ __all__ = (
     "Ack",
     "AgentServiceBase",
     "AgentServiceStub",
+    "BatchHintReply",
+    "BatchHintRequest",
     "CheckHealth",
     "CheckpointServiceBase",
     "CheckpointServiceStub",
@@ -108,6 +110,32 @@ class Ack(betterproto2.Message):
 
 
 default_message_pool.register_message("stead.v1", "Ack", Ack)
+
+
+@dataclass(eq=False, repr=False)
+class BatchHintReply(betterproto2.Message):
+    batch_scale: "float" = betterproto2.field(1, betterproto2.TYPE_DOUBLE)
+    """
+    Multiply the per-worker batch by this (1: unchanged); workers see it as STEAD_BATCH_SCALE.
+    """
+
+    ooms: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+    """
+    Out-of-memory failures answered so far.
+    """
+
+
+default_message_pool.register_message("stead.v1", "BatchHintReply", BatchHintReply)
+
+
+@dataclass(eq=False, repr=False)
+class BatchHintRequest(betterproto2.Message):
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    round: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+
+
+default_message_pool.register_message("stead.v1", "BatchHintRequest", BatchHintRequest)
 
 
 @dataclass(eq=False, repr=False)
@@ -1260,6 +1288,27 @@ class ScalerServiceStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         )
 
+    async def batch_hint(
+        self,
+        message: "BatchHintRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "BatchHintReply":
+        """
+        What an agent passes its workers before a round: the batch scale the job's OOMs led to.
+        """
+
+        return await self._unary_unary(
+            "/stead.v1.ScalerService/BatchHint",
+            message,
+            BatchHintReply,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
 
 class ShardServiceStub(betterproto2_grpclib.ServiceStub):
     async def register_dataset(
@@ -1647,10 +1696,23 @@ class ScalerServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
+    async def batch_hint(self, message: "BatchHintRequest") -> "BatchHintReply":
+        """
+        What an agent passes its workers before a round: the batch scale the job's OOMs led to.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_scale(self, stream: "grpclib.server.Stream[ScaleRequest, ScaleReply]") -> None:
         request = await stream.recv_message()
         assert request is not None
         response = await self.scale(request)
+        await stream.send_message(response)
+
+    async def __rpc_batch_hint(self, stream: "grpclib.server.Stream[BatchHintRequest, BatchHintReply]") -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.batch_hint(request)
         await stream.send_message(response)
 
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
@@ -1660,6 +1722,12 @@ class ScalerServiceBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 ScaleRequest,
                 ScaleReply,
+            ),
+            "/stead.v1.ScalerService/BatchHint": grpclib.const.Handler(
+                self.__rpc_batch_hint,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                BatchHintRequest,
+                BatchHintReply,
             ),
         }
 
