@@ -147,3 +147,30 @@ def test_a_job_grows_with_stead_scale_shrinks_on_a_lost_node_and_keeps_its_weigh
     gone = [*job.records("grow", "node.lost"), *job.records("grow", "node.exited")]
     assert gone[0]["node_id"] == "node-2"  # killed mid-run (its agent's exit, or its silence), and not replaced
     assert not [r for r in job.records("grow", "node.requested") if r["incarnation"] > 1]
+
+
+OOM_TRAIN = """
+import os, sys
+import torch, torch.distributed as dist
+from stead.data import batch_size
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+batch = batch_size(32)
+if rank == 1 and batch > 8:  # what fits in this worker's memory: 8 samples
+    raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {batch * 64} MiB for a batch of {batch}")
+dist.all_reduce(torch.ones(1))
+if rank == 0:
+    print(f"trained with batch {batch}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_an_out_of_memory_worker_restarts_with_half_the_batch_until_it_fits(run_job: Any) -> None:
+    job = run_job(OOM_TRAIN, job="oom", flags=("--nproc-per-node", "2", "--max-restarts", "3"))
+    assert job.returncode == 0, job.stderr[-6000:]
+    assert "trained with batch 8" in job.stdout
+    answered = job.records("oom", "scaler.oom")
+    assert [(a["ooms"], a["batch_scale"]) for a in answered] == [(1, 0.5), (2, 0.25)]
+    decided = job.records("oom", "recovery.decided")
+    assert [d["failure_class"] for d in decided] == ["oom", "oom"] and all(d["action"] == "restart" for d in decided)

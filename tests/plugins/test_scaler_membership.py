@@ -18,6 +18,7 @@ from stead.core.events import (
     Record,
     RecoveryAction,
     RecoveryDecided,
+    RoundStarted,
     TransitionRejected,
 )
 from stead.core.master import Master, MasterConfig
@@ -179,6 +180,9 @@ async def test_an_oom_halves_the_batch_hint_within_its_budget_and_agents_pass_it
     assert [(e.ooms, e.batch_scale) for e in answered] == [(1, 0.5), (2, 0.25), (3, 0.25)]
     assert "STEAD_BATCH_SCALE=0.25" in answered[1].reason and "oom_budget 2 spent" in answered[2].reason
 
+    await plugin.handle(record=Record(seq=14, at=0.0, event=RoundStarted(round=2, members=("node-0",),
+                                                                        nproc_per_node=1, restart_count=1)),
+                        ctx=context([]))  # the round the OOM restarted: its workers get the new scale at once
     token = new_token()
     token_file = tmp_path / "token"
     write_token_file(token_file, token)

@@ -78,6 +78,9 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         self.ooms = 0
         self.batch_scale = 1.0
         self._oom_seq = 0  # the last OOM decision answered (a master that takes over replays the log)
+        #: the newest round whose start this plugin handled: every decision before it is answered
+        self._round_seen = 0
+        self._round_changed = asyncio.Condition()
         self._last_rejected = ""
         self._deciding = asyncio.Lock()
         self._decide_task: asyncio.Task[None] | None = None
@@ -125,6 +128,10 @@ class ScalerPlugin(Plugin[ScalerSettings]):
                 self._oom_seq = record.seq or 0
                 await self.out_of_memory(ctx, record.event)
             return
+        if isinstance(record.event, RoundStarted):
+            async with self._round_changed:
+                self._round_seen = max(self._round_seen, record.event.round)
+                self._round_changed.notify_all()
         if isinstance(record.event, (NodeLost, NodeExited, RoundStarted)):
             if isinstance(record.event, (NodeLost, NodeExited)) and not ctx.state.phase.terminal:
                 self.losses += 1
@@ -263,6 +270,14 @@ class ScalerPlugin(Plugin[ScalerSettings]):
             except Exception as exc:
                 ctx.log.exception("scaler_decide_failed", error=repr(exc))
 
+    async def batch_hint(self, round_: int, *, wait_s: float) -> float:
+        """The batch scale for the workers of ``round_``: once the plugin has seen that round start (so the OOM
+        that led to it was answered), or after ``wait_s``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s), self._round_changed:
+                await self._round_changed.wait_for(lambda: self._round_seen >= round_)
+        return self.batch_scale
+
     async def out_of_memory(self, ctx: Ctx, decided: RecoveryDecided) -> None:
         """Answer an OOM: a smaller batch hint for the next rounds, within the budget; recorded either way."""
         self.ooms += 1
@@ -297,4 +312,6 @@ class ScalerServicer(proto.ScalerServiceBase):
         return proto.ScaleReply(target=target, previous=previous, reason=why)
 
     async def batch_hint(self, message: proto.BatchHintRequest) -> proto.BatchHintReply:
-        return proto.BatchHintReply(batch_scale=self._plugin.batch_scale, ooms=self._plugin.ooms)
+        wait = self._ctx.stead_settings.rpc_timeout_s / 2  # the agent's call times out after rpc_timeout_s
+        scale = await self._plugin.batch_hint(message.round, wait_s=wait)
+        return proto.BatchHintReply(batch_scale=scale, ooms=self._plugin.ooms)
