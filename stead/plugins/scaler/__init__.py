@@ -55,6 +55,9 @@ __all__ = ["Decision", "MembershipView", "ResourcesRecommended", "ScaleRequested
 
 Ctx = PluginContext[ScalerSettings]
 
+#: after a node is lost or a round starts, the policy looks again this much later, once for the whole burst
+_BURST_S = 0.2
+
 
 class ScalerPlugin(Plugin[ScalerSettings]):
     name = "scaler"
@@ -84,6 +87,8 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         self._last_rejected = ""
         self._deciding = asyncio.Lock()
         self._decide_task: asyncio.Task[None] | None = None
+        #: set by the events that call for a new look (a node gone, a round started): one look for many of them
+        self._wake = asyncio.Event()
 
     async def start(self, *, ctx: Ctx) -> None:
         kv = await ctx.store.get(ctx.key("usage"))
@@ -135,8 +140,7 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         if isinstance(record.event, (NodeLost, NodeExited, RoundStarted)):
             if isinstance(record.event, (NodeLost, NodeExited)) and not ctx.state.phase.terminal:
                 self.losses += 1
-                await self._save_membership(ctx)
-            await self.decide(ctx)
+            self._wake.set()  # the policy looks again shortly, once for a burst (a mass failure is many losses)
             return
         life = ctx.state.life
         done = await ctx.store.get(ctx.key("recommended"))
@@ -263,9 +267,17 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         return view.target, why
 
     async def _decide_every(self, ctx: Ctx) -> None:
+        saved_losses = self.losses
         while True:
-            await asyncio.sleep(self.settings.policy_every_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.policy_every_s):
+                    await self._wake.wait()
+                    await asyncio.sleep(_BURST_S)
+            self._wake.clear()
             try:  # one look's failure is logged; the policy is asked again next time
+                if self.losses != saved_losses:
+                    saved_losses = self.losses
+                    await self._save_membership(ctx)
                 await self.decide(ctx)
             except Exception as exc:
                 ctx.log.exception("scaler_decide_failed", error=repr(exc))
