@@ -1,16 +1,16 @@
 """Membership policies: how many nodes a job should run on, within MIN:MAX.
 
-The scaler asks its policy after every ``stead scale`` request, after nodes are lost
-or exit, and every ``scaler.policy_every_s``. A policy is a plain object with a
+The scaler asks its policy after every ``stead scale`` request, shortly after nodes are
+lost or exit and rounds start (once per burst), and every ``scaler.policy_every_s``. A policy is a plain object with a
 ``decide(view)`` method (:class:`MembershipPolicy`) returning a :class:`Decision`, or
 None to keep the target; third parties register theirs under the entry point group
 ``stead.scaler_policies`` and pick it with ``--set scaler.policy=NAME``.
 
 The default policy aims at what was asked for (``stead run``'s start, then the latest
 ``stead scale``), capped by what the platform may run (``capacity_nodes``) and kept
-within MIN:MAX. Growing as nodes become ready, shrinking after a lost node could not be
-replaced (the last call) and failing below MIN after ``join_timeout_s`` are the job
-machine's, for every policy.
+within MIN:MAX. Growing as nodes become ready, going on with the survivors of a lost
+node that cannot be replaced, and failing below MIN after ``join_timeout_s`` are the
+job machine's, for every policy.
 
 A decision is checked before it is recorded: anything but an int within MIN:MAX is
 refused (``scaler.rejected`` names the policy and what it returned) and the job keeps
