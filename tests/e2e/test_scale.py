@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +176,40 @@ def test_an_out_of_memory_worker_restarts_with_half_the_batch_until_it_fits(run_
     assert [(a["ooms"], a["batch_scale"]) for a in answered] == [(1, 0.5), (2, 0.25)]
     decided = job.records("oom", "recovery.decided")
     assert [d["failure_class"] for d in decided] == ["oom", "oom"] and all(d["action"] == "restart" for d in decided)
+
+
+EMBEDDED = """
+import asyncio, sys
+import stead.embed as embed
+from stead.core.errors import InvalidRequest
+
+async def main(train, workdir):
+    spec = embed.JobSpec(entrypoint=(train, "--steps", "100000", "--step-time", "0.02"), nnodes="1:2",
+                         job_name="embedded-scale", store_url=f"sqlite:///{workdir}/state.db",
+                         extra_args=("--start-nodes", "1"))
+    async with embed.run(spec, token_file=f"{workdir}/token") as job:
+        await job.wait(embed.JobPhase.RUNNING, timeout_s=120)
+        try:
+            await job.scale(3)
+        except InvalidRequest as exc:
+            print("refused:", exc)
+        got = await job.scale(2, reason="more data")
+        print(f"scaled: target {got.target} (was {got.previous})")
+        grown = await job.wait(lambda s: s.rdzv.active and len(s.rdzv.members) == 2, timeout_s=120)
+        print(f"grown: round {grown.rdzv.round} with {','.join(grown.rdzv.members)}")
+        final = await job.stop()
+        print("ended:", final.phase.value)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def test_the_embedding_api_scales_a_running_job(tmp_path: Path) -> None:
+    (tmp_path / "embedded.py").write_text(EMBEDDED)
+    train = Path(__file__).resolve().parents[2] / "examples" / "train.py"
+    out = subprocess.run([sys.executable, "embedded.py", str(train), str(tmp_path)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "refused: ScalerService.Scale: --nodes 3 is outside the job's MIN:MAX 1:2" in out.stdout, out.stdout
+    assert "scaled: target 2 (was 1)" in out.stdout
+    assert "grown: round 2 with node-0,node-1" in out.stdout and "ended: stopped" in out.stdout
