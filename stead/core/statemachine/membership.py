@@ -87,7 +87,8 @@ def surplus(state: JobState, count: int) -> list[str]:
     """The live, unretired nodes beyond the first ``count`` in keeping order (members, ready, the rest)."""
     nodes: Mapping[str, NodeState] = state.nodes
     live = [n for n, s in nodes.items() if s.phase.alive and n not in state.retired]
-    members = [n for n in state.rdzv.members if n in set(live)]
+    alive = set(live)
+    members = [n for n in state.rdzv.members if n in alive]
     kept = set(members)
 
     def rank(node_id: str) -> tuple[int, tuple[object, ...]]:
