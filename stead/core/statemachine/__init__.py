@@ -14,9 +14,10 @@ from stead.core.statemachine.effects import (
     StopWorkers,
 )
 from stead.core.statemachine.fold import fold, fold_all
-from stead.core.statemachine.job import JobPhase, JobState, transition
+from stead.core.statemachine.job import transition
 from stead.core.statemachine.node import NodePhase, NodeState
 from stead.core.statemachine.rendezvous import RendezvousState
+from stead.core.statemachine.state import JobPhase, JobState
 
 __all__ = [
     "CheckHealth",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from stead.core.statemachine.node import NodePhase, NodeState
 
 if TYPE_CHECKING:
-    from stead.core.statemachine.job import JobState
+    from stead.core.statemachine.state import JobState
 
 __all__ = ["READY", "Incarnations", "Ready", "is_ready"]
 

@@ -29,7 +29,7 @@ from stead.core.statemachine.node import NodePhase
 from stead.core.statemachine.rendezvous import natural_key
 
 if TYPE_CHECKING:
-    from stead.core.statemachine.job import JobState
+    from stead.core.statemachine.state import JobState
 
 __all__ = ["HEALTH_MODES", "HealthState", "due", "judge", "needs_check", "participants", "plan", "record", "stages",
            "start", "verdict"]

@@ -30,8 +30,6 @@ re-arms exactly the timers that were pending.
 from __future__ import annotations
 
 import dataclasses
-import enum
-from collections.abc import Mapping
 
 from stead.core.events import (
     CheckpointCommitted,
@@ -67,10 +65,10 @@ from stead.core.events import (
     WorkersSucceeded,
 )
 from stead.core.statemachine import health as health_machine
-from stead.core.statemachine import membership
+from stead.core.statemachine import membership, rounds
 from stead.core.statemachine import node as node_machine
 from stead.core.statemachine import rendezvous as rdzv_machine
-from stead.core.statemachine._nodes import READY, Incarnations, Ready, is_ready
+from stead.core.statemachine._nodes import READY, Incarnations, is_ready
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import (
     CheckHealth,
@@ -87,72 +85,9 @@ from stead.core.statemachine.health import HealthState
 from stead.core.statemachine.node import NodePhase, NodeState
 from stead.core.statemachine.policy import default_decision
 from stead.core.statemachine.rendezvous import RendezvousState
+from stead.core.statemachine.state import JobPhase, JobState
 
 __all__ = ["JobPhase", "JobState", "node_ids", "transition"]
-
-
-class JobPhase(enum.Enum):
-    NEW = "new"
-    STARTING = "starting"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class JobState:
-    phase: JobPhase = JobPhase.NEW
-    spec: JobSubmitted | None = None
-    nodes: Mapping[str, NodeState] = dataclasses.field(default_factory=dict)
-    rdzv: RendezvousState = dataclasses.field(default_factory=RendezvousState)
-    restarts: int = 0
-    #: a worker failure of the current round waits for the diagnosis' decision
-    awaiting_decision: bool = False
-    last_failure: WorkerFailed | None = None
-    step: int | None = None
-    checkpoint_step: int | None = None
-    reason: str = ""
-    message: str = ""
-    #: the running plugins that decide worker failures; None until a master announced its plugins
-    deciders: frozenset[str] | None = None
-    #: armed timers: name -> wall-clock time it fires
-    timers: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    #: how many times the job was resumed (``JobResumed``): once-per-run effects are keyed by it
-    life: int = 0
-    #: each node's incarnation when the job was last resumed: its relaunch budget counts from there
-    resumed_at: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    #: hosts a relaunch decision excluded (a faulty GPU, say): relaunched nodes avoid them
-    excluded_hosts: frozenset[str] = frozenset()
-    #: the nodes' health checks (see :mod:`.health`)
-    health: HealthState = dataclasses.field(default_factory=HealthState)
-    #: the nodes the job aims at, as the scaler last decided (None: the spec's start_nodes, else MAX)
-    target: int | None = None
-    #: nodes stopped because the job shrank: never relaunched (requested again when it grows)
-    retired: frozenset[str] = frozenset()
-    #: the running round changes size at the next checkpoint commit (or when resize_wait_s runs out)
-    resizing: bool = False
-    #: seq of the last event folded in (0 before any)
-    seq: int = 0
-
-    @property
-    def joined(self) -> tuple[str, ...]:
-        return tuple(n for n, s in self.nodes.items() if s.phase is NodePhase.JOINED)
-
-    @property
-    def target_nodes(self) -> int:
-        """The nodes the job aims at now (see :mod:`.membership`); 0 before it was submitted."""
-        return membership.target(self)
-
-    @property
-    def ready(self) -> tuple[str, ...]:
-        """The joined nodes that may train: no health check pending for them."""
-        return tuple(n for n, s in self.nodes.items() if is_ready(s))
 
 
 #: events that make sense only for a submitted job
@@ -215,7 +150,7 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
         case WorkersSucceeded():
             result = _rdzv_event(state, event)
             if result.rejected is None and result.state.rdzv.all_succeeded:
-                done = Emit(key=_end_key(state), event=JobSucceeded())
+                done = Emit(key=state.end_key, event=JobSucceeded())
                 return Transition(result.state, (*result.effects, done))
             return result
         case WorkerFailed():
@@ -234,7 +169,7 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
         case StacksRequested():
             return _stacks_requested(state, event, seq=state.seq)
         case MembershipDecided():
-            return _membership_decided(state, event, now=now)
+            return rounds.decided(state, event, now=now)
         case HealthCheckStarted() | NodeHealthReported() | HealthChecked():
             return _health_event(state, event, now=now)
         case TimerFired():
@@ -245,7 +180,7 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
             # the latest commit, not the highest: after a rollback to an older step, that step is in force
             committed = dataclasses.replace(state, checkpoint_step=event.step)
             if state.resizing:  # a step boundary every rank holds: the waiting resize goes now
-                return _resize(committed, now=now)
+                return rounds.resize(committed, now=now)
             return Transition(committed)
         case JobSucceeded() | JobFailed() | JobStopped():
             return _end(state, event)
@@ -306,11 +241,6 @@ def _resume(state: JobState, event: JobResumed, *, now: float) -> Transition[Job
     return Transition(resumed, tuple(effects))
 
 
-def _end_key(state: JobState) -> str:
-    """The key of the job's end: one per run of the job (a resumed job ends again)."""
-    return "job-end" if state.life == 0 else f"job-end/{state.life}"
-
-
 def _join_timer(state: JobState) -> str:
     return "join-timeout" if state.life == 0 else f"join-timeout/{state.life}"
 
@@ -355,7 +285,7 @@ def _node_event(
     effects = list(result.effects)
     if isinstance(event, NodeJoined) and (before is None or before.phase is not NodePhase.JOINED):
         # (a node registering again, for a new master or a retried call, changes no plan)
-        new, planned = _plan_or_grow(new, now=now)
+        new, planned = rounds.plan_or_grow(new, now=now)
         effects += planned
     went_away = before is not None and before.phase.alive and not after.phase.alive
     if went_away:
@@ -390,7 +320,7 @@ def _node_gone(state: JobState, node: NodeState, *, now: float) -> tuple[JobStat
                                  avoid_hosts=tuple(sorted(state.excluded_hosts)))
         effects.append(Emit(key=f"request/{node.node_id}/{node.incarnation + 1}", event=relaunch))
         # the replacement must join in time, or the job goes on without it (at least MIN) or fails (fewer)
-        effects.append(StartTimer(name=_rejoin_timer(relaunch), at=now + spec.join_timeout_s))
+        effects.append(StartTimer(name=rounds.rejoin_timer(relaunch), at=now + spec.join_timeout_s))
         return state, effects
     alive = sum(1 for n, s in state.nodes.items() if s.phase.alive and n not in state.retired)
     if alive < spec.min_nodes:
@@ -401,27 +331,9 @@ def _node_gone(state: JobState, node: NodeState, *, now: float) -> tuple[JobStat
             "nodes remain",
             node_id=node.node_id,
         )
-        effects.append(Emit(key=_end_key(state), event=failed))
+        effects.append(Emit(key=state.end_key, event=failed))
         return state, effects
-    return state, effects + list(_plan(state, now=now))
-
-
-def _plan(state: JobState, *, now: float) -> tuple[Effect, ...]:
-    spec = state.spec
-    if spec is None or state.awaiting_decision or state.phase not in (JobPhase.STARTING, JobPhase.RECOVERING):
-        return ()
-    return health_machine.plan(state) + rdzv_machine.plan_round(
-        state.rdzv,
-        joined=membership.available(state) if state.retired else Ready(state),
-        min_nodes=spec.min_nodes,
-        max_nodes=membership.target(state),
-        nproc_per_node=spec.nproc_per_node,
-        restart_count=state.restarts,
-        last_call_timeout_s=spec.last_call_timeout_s,
-        now=now,
-        seq=state.seq,
-        gone=[m for m in state.rdzv.members if m in state.retired or not state.nodes[m].phase.alive],
-    )
+    return state, effects + list(rounds.plan(state, now=now))
 
 
 def _round_started(state: JobState, event: RoundStarted) -> Transition[JobState]:
@@ -490,7 +402,7 @@ def _decided(state: JobState, event: RecoveryDecided, *, now: float) -> Transiti
             node_id=event.node_id if event.node_id is not None else (failure.node_id if failure else None),
             rank=event.rank if event.rank is not None else (failure.rank if failure else None),
         )
-        ended = Emit(key=_end_key(state), event=failed)
+        ended = Emit(key=state.end_key, event=failed)
         return Transition(dataclasses.replace(state, awaiting_decision=False), (ended,))
     restarted = dataclasses.replace(state, awaiting_decision=False, restarts=state.restarts + 1)
     node = state.nodes.get(event.node_id or "")
@@ -502,7 +414,7 @@ def _decided(state: JobState, event: RecoveryDecided, *, now: float) -> Transiti
         lost = NodeLost(node_id=node.node_id, incarnation=node.incarnation, reason=f"relaunched: {event.reason}")
         return _node_event(restarted, lost, now=now)
     restarted = dataclasses.replace(restarted, rdzv=dataclasses.replace(state.rdzv, active=False))
-    return Transition(restarted, _plan(restarted, now=now))
+    return Transition(restarted, rounds.plan(restarted, now=now))
 
 
 def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobState]:
@@ -518,17 +430,17 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
                 f"{_awaiting_check(state)} within "
                 f"{spec.join_timeout_s:g} s; check the nodes' logs or raise the join timeout (--rdzv-conf)"
             )
-            return Transition(state, (Emit(key=_end_key(state), event=failed),))
+            return Transition(state, (Emit(key=state.end_key, event=failed),))
         return Transition(state)
     if event.name == f"health/{state.health.check}" and state.health.running:
         return Transition(state, health_machine.verdict(state))
     if event.name == f"resize/{state.rdzv.round}" and state.resizing:
-        return _resize(state, now=now)
+        return rounds.resize(state, now=now)
     if event.name == f"grow/{state.rdzv.round}" and state.phase is JobPhase.RUNNING:
-        grown, effects = _maybe_resize(state, now=now, gathered=True)
+        grown, effects = rounds.maybe_resize(state, now=now, gathered=True)
         return Transition(grown, effects)
     if event.name.startswith("rejoin/"):
-        return _rejoin_timeout(state, event.name)
+        return rounds.rejoin_timeout(state, event.name)
     if event.name == f"last-call/{state.rdzv.round + 1}" and not state.rdzv.active and not state.awaiting_decision:
         joined = membership.available(state)
         if len(joined) >= spec.min_nodes and state.phase in (JobPhase.STARTING, JobPhase.RECOVERING):
@@ -624,14 +536,14 @@ def _round_broken(state: JobState, reason: str, *, now: float) -> Transition[Job
     assert state.spec is not None
     if state.restarts >= state.spec.max_restarts:
         failed = JobFailed(reason=f"max restarts exhausted ({state.spec.max_restarts}); last failure: {reason}")
-        return Transition(state, (Emit(key=_end_key(state), event=failed),))
+        return Transition(state, (Emit(key=state.end_key, event=failed),))
     stops: list[Effect] = [
         StopWorkers(node_id=m, incarnation=state.nodes[m].incarnation, round=state.rdzv.round, reason=reason)
         for m in state.rdzv.members if m in state.nodes and state.nodes[m].phase is NodePhase.JOINED
     ]
     broken = dataclasses.replace(state, phase=JobPhase.RECOVERING, restarts=state.restarts + 1,
                                  rdzv=dataclasses.replace(state.rdzv, active=False))
-    return Transition(broken, (*stops, *_plan(broken, now=now)))
+    return Transition(broken, (*stops, *rounds.plan(broken, now=now)))
 
 
 # -- health checks (the rest is in :mod:`.health`) -------------------------------------------
@@ -671,108 +583,7 @@ def _health_checked(state: JobState, event: HealthChecked, *, now: float) -> Tra
                         reason=f"failed its health check: {verdict.reason}")
         result = _node_event(new, lost, now=now)
         new, effects = result.state, effects + list(result.effects)
-    new, more = _plan_or_grow(new, now=now)
+    new, more = rounds.plan_or_grow(new, now=now)
     effects += more
     unique = {effect.id: effect for effect in effects}  # a node's loss may have planned the same round already
     return Transition(new, tuple(unique.values()))
-
-
-# -- membership: the target within MIN:MAX, resizing a running round (the rest is in :mod:`.membership`) -----
-
-
-def _membership_decided(state: JobState, event: MembershipDecided, *, now: float) -> Transition[JobState]:
-    """Aim at ``event.target`` nodes: request the missing ones, retire the surplus, resize the running round."""
-    spec = state.spec
-    assert spec is not None
-    if not spec.min_nodes <= event.target <= spec.max_nodes:
-        return reject(state, f"{event.by} decided {event.target} nodes, outside MIN:MAX {spec.min_nodes}:"
-                             f"{spec.max_nodes}; the job stays at {membership.target(state)}")
-    new = dataclasses.replace(state, target=event.target)
-    made = membership.requests(new, event.target, avoid_hosts=tuple(sorted(state.excluded_hosts)))
-    new = dataclasses.replace(new, retired=new.retired - {r.node_id for r in made})
-    effects: list[Effect] = [Emit(key=f"request/{r.node_id}/{r.incarnation}", event=r) for r in made]
-    if new.phase is JobPhase.RUNNING:
-        new, more = _maybe_resize(new, now=now)
-        return Transition(new, (*effects, *more))
-    new, more = _retire(new, reason=f"the job shrank to {event.target} nodes")
-    return Transition(new, (*effects, *more, *_plan(new, now=now)))
-
-
-def _plan_or_grow(state: JobState, *, now: float) -> tuple[JobState, tuple[Effect, ...]]:
-    """A node became ready: plan the next round, or grow the running one."""
-    if state.phase is JobPhase.RUNNING:
-        return _maybe_resize(state, now=now)
-    return state, _plan(state, now=now)
-
-
-def _maybe_resize(state: JobState, *, now: float, gathered: bool = False) -> tuple[JobState, tuple[Effect, ...]]:
-    """Resize the running round when it is not the size it should be: now, or at the next checkpoint commit.
-
-    A round grows by every node that comes within ``grow_window_s`` of the first (``gathered``: that window is
-    over), not by one resize per node.
-    """
-    assert state.spec is not None
-    if state.resizing or state.awaiting_decision or not state.rdzv.active or membership.resize_reason(state) is None:
-        return state, ()
-    window = f"grow/{state.rdzv.round}"
-    if not gathered and membership.growing(state) and membership.coming(state):
-        if window in state.timers:
-            return state, ()  # more nodes are on their way: the window's end resizes for all of them
-        return state, (StartTimer(name=window, at=now + state.spec.grow_window_s),)
-    if state.checkpoint_step is None:  # the job does not checkpoint: no boundary to wait for
-        result = _resize(state, now=now)
-        return result.state, result.effects
-    timer = StartTimer(name=f"resize/{state.rdzv.round}", at=now + state.spec.resize_wait_s)
-    return dataclasses.replace(state, resizing=True), (timer,)
-
-
-def _resize(state: JobState, *, now: float) -> Transition[JobState]:
-    """Stop the running round, retire the surplus and start the next round at the new size (no restart spent)."""
-    reason = membership.resize_reason(state)
-    if reason is None or not state.rdzv.active:
-        return Transition(dataclasses.replace(state, resizing=False))  # nothing to change any more
-    new, retired = _retire(state, reason=reason)
-    stops = tuple(
-        StopWorkers(node_id=m, incarnation=new.nodes[m].incarnation, round=new.rdzv.round, reason=reason)
-        for m in new.rdzv.members if new.nodes[m].phase is NodePhase.JOINED and m not in new.retired)
-    new = dataclasses.replace(new, phase=JobPhase.RECOVERING, resizing=False,
-                              rdzv=dataclasses.replace(new.rdzv, active=False))
-    return Transition(new, (*stops, *retired, *_plan(new, now=now)))
-
-
-def _retire(state: JobState, *, reason: str) -> tuple[JobState, tuple[Effect, ...]]:
-    """Stop the live nodes beyond the target: a joined one is told to stop, one still starting is dropped."""
-    extra = membership.surplus(state, membership.target(state))
-    if not extra:
-        return state, ()
-    effects: list[Effect] = []
-    for node_id in extra:
-        node = state.nodes[node_id]
-        if node.phase is NodePhase.JOINED:
-            effects.append(StopNode(node_id=node_id, incarnation=node.incarnation, reason=reason))
-        else:
-            lost = NodeLost(node_id=node_id, incarnation=node.incarnation, reason=f"retired: {reason}")
-            effects.append(Emit(key=f"retire/{node_id}/{node.incarnation}", event=lost))
-    return dataclasses.replace(state, retired=state.retired | set(extra)), tuple(effects)
-
-
-def _rejoin_timer(request: NodeRequested) -> str:
-    return f"rejoin/{request.node_id}/{request.incarnation}"
-
-
-def _rejoin_timeout(state: JobState, name: str) -> Transition[JobState]:
-    """A relaunched node did not join in time: below MIN with no round running, the job fails."""
-    spec = state.spec
-    assert spec is not None
-    _, node_id, incarnation = (*name.split("/", 2), "", "")[:3]
-    node = state.nodes.get(node_id)
-    if (node is None or str(node.incarnation) != incarnation or not node.phase.alive
-            or node.phase is NodePhase.JOINED or state.rdzv.active or state.phase is not JobPhase.RECOVERING):
-        return Transition(state)  # it joined, was replaced again, or the job goes on without it
-    ready = len(membership.available(state))
-    if ready >= spec.min_nodes:
-        return Transition(state)
-    failed = JobFailed(reason=f"node {node_id} was not replaced within {spec.join_timeout_s:g} s (join_timeout_s) "
-                              f"and only {ready} of at least {spec.min_nodes} nodes are ready; check the platform's "
-                              "capacity and the node's log, or lower --nnodes MIN", node_id=node_id)
-    return Transition(state, (Emit(key=_end_key(state), event=failed),))

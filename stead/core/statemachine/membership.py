@@ -32,7 +32,7 @@ from stead.core.statemachine.node import NodePhase, NodeState
 from stead.core.statemachine.rendezvous import natural_key
 
 if TYPE_CHECKING:
-    from stead.core.statemachine.job import JobState
+    from stead.core.statemachine.state import JobState
 
 __all__ = ["available", "coming", "growing", "requests", "resize_reason", "surplus", "target"]
 

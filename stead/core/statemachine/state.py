@@ -1,0 +1,85 @@
+"""The job's state: what the job machine (:mod:`.job`) folds its events into. Frozen; changed with replace."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+
+from stead.core.events import JobSubmitted, WorkerFailed
+from stead.core.statemachine import membership
+from stead.core.statemachine._nodes import is_ready
+from stead.core.statemachine.health import HealthState
+from stead.core.statemachine.node import NodePhase, NodeState
+from stead.core.statemachine.rendezvous import RendezvousState
+
+__all__ = ["JobPhase", "JobState"]
+
+
+class JobPhase(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobState:
+    phase: JobPhase = JobPhase.NEW
+    spec: JobSubmitted | None = None
+    nodes: Mapping[str, NodeState] = dataclasses.field(default_factory=dict)
+    rdzv: RendezvousState = dataclasses.field(default_factory=RendezvousState)
+    restarts: int = 0
+    #: a worker failure of the current round waits for the diagnosis' decision
+    awaiting_decision: bool = False
+    last_failure: WorkerFailed | None = None
+    step: int | None = None
+    checkpoint_step: int | None = None
+    reason: str = ""
+    message: str = ""
+    #: the running plugins that decide worker failures; None until a master announced its plugins
+    deciders: frozenset[str] | None = None
+    #: armed timers: name -> wall-clock time it fires
+    timers: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    #: how many times the job was resumed (``JobResumed``): once-per-run effects are keyed by it
+    life: int = 0
+    #: each node's incarnation when the job was last resumed: its relaunch budget counts from there
+    resumed_at: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: hosts a relaunch decision excluded (a faulty GPU, say): relaunched nodes avoid them
+    excluded_hosts: frozenset[str] = frozenset()
+    #: the nodes' health checks (see :mod:`.health`)
+    health: HealthState = dataclasses.field(default_factory=HealthState)
+    #: the nodes the job aims at, as the scaler last decided (None: the spec's start_nodes, else MAX)
+    target: int | None = None
+    #: nodes stopped because the job shrank: never relaunched (requested again when it grows)
+    retired: frozenset[str] = frozenset()
+    #: the running round changes size at the next checkpoint commit (or when resize_wait_s runs out)
+    resizing: bool = False
+    #: seq of the last event folded in (0 before any)
+    seq: int = 0
+
+    @property
+    def joined(self) -> tuple[str, ...]:
+        return tuple(n for n, s in self.nodes.items() if s.phase is NodePhase.JOINED)
+
+    @property
+    def target_nodes(self) -> int:
+        """The nodes the job aims at now (see :mod:`.membership`); 0 before it was submitted."""
+        return membership.target(self)
+
+    @property
+    def end_key(self) -> str:
+        """The emission key of the job's end: one per run of the job (a resumed job ends again)."""
+        return "job-end" if self.life == 0 else f"job-end/{self.life}"
+
+    @property
+    def ready(self) -> tuple[str, ...]:
+        """The joined nodes that may train: no health check pending for them."""
+        return tuple(n for n, s in self.nodes.items() if is_ready(s))
