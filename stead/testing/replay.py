@@ -25,11 +25,11 @@ import dataclasses
 from collections import deque
 from collections.abc import Iterable
 
-from stead.core.events import Event, Record, TransitionRejected
+from stead.core.events import Event, NodeJoined, NodeStarted, Record, TransitionRejected
 from stead.core.statemachine import Effect, Emit, JobState, Transition
 from stead.core.statemachine import fold as fold_record
 
-__all__ = ["DuplicateEmit", "Folder", "Replay", "Step", "fold", "replay"]
+__all__ = ["DuplicateEmit", "Folder", "Replay", "Step", "fold", "folded", "node_up", "replay"]
 
 #: follow-up events one input may cause before the fold is declared a loop
 MAX_FOLLOW_UPS = 10_000
@@ -162,3 +162,16 @@ def fold(
     """Fold ``events`` like :func:`replay`; return the final state, every effect and every rejection reason."""
     result = replay(events, now=now, start=start, follow_emits=follow_emits)
     return result.state, list(result.effects), list(result.rejections)
+
+
+def folded(*events: Event, now: float = 0.0, start: JobState | None = None, follow_emits: bool = True) -> JobState:
+    """The state after ``events``, which must all be accepted (a test's history; AssertionError names a refusal)."""
+    state, _, rejections = fold(events, now=now, start=start, follow_emits=follow_emits)
+    assert rejections == [], f"the history of a test state was rejected: {rejections}"
+    return state
+
+
+def node_up(node_id: str, incarnation: int = 1) -> tuple[NodeStarted, NodeJoined]:
+    """A node's agent started (on host ``host-<node_id>``) and joined."""
+    return (NodeStarted(node_id=node_id, incarnation=incarnation, host=f"host-{node_id}"),
+            NodeJoined(node_id=node_id, incarnation=incarnation))

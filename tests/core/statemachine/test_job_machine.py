@@ -58,7 +58,7 @@ from stead.core.statemachine import (
     transition,
 )
 from stead.core.statemachine.rendezvous import round_key
-from stead.testing.replay import fold
+from stead.testing.replay import folded, node_up
 
 NOW = 1000.0
 SPEC = JobSubmitted(job="j", min_nodes=2, max_nodes=2, nproc_per_node=2, max_restarts=1, max_node_relaunches=1,
@@ -70,13 +70,10 @@ TAIL = "Traceback (most recent call last):\nRuntimeError: NCCL timeout"
 
 
 def after(*events: Event, follow: bool = True, start: JobState | None = None) -> JobState:
-    state, _, rejections = fold(events, now=NOW, start=start, follow_emits=follow)
-    assert rejections == [], f"the history of a test state was rejected: {rejections}"
-    return state
+    return folded(*events, now=NOW, start=start, follow_emits=follow)
 
 
-def up(node: str, inc: int = 1) -> tuple[Event, Event]:
-    return NodeStarted(node_id=node, incarnation=inc, host=f"host-{node}"), NodeJoined(node_id=node, incarnation=inc)
+up = node_up
 
 
 def failed(node: str = "node-0", round: int = 1, rank: int = 1) -> WorkerFailed:

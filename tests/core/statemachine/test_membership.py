@@ -26,7 +26,7 @@ from stead.core.events import (
 )
 from stead.core.statemachine import Emit, JobPhase, JobState, NodePhase, StartTimer, StopNode, transition
 from stead.core.statemachine.membership import requests, surplus, target
-from stead.testing.replay import fold
+from stead.testing.replay import fold, folded, node_up
 
 NOW = 1000.0
 SPEC = JobSubmitted(job="j", min_nodes=1, max_nodes=3, nproc_per_node=2, max_restarts=0, max_node_relaunches=1,
@@ -34,13 +34,10 @@ SPEC = JobSubmitted(job="j", min_nodes=1, max_nodes=3, nproc_per_node=2, max_res
 
 
 def after(*events: Event, start: JobState | None = None) -> JobState:
-    state, _, rejections = fold(events, now=NOW, start=start)
-    assert rejections == [], f"the history of a test state was rejected: {rejections}"
-    return state
+    return folded(*events, now=NOW, start=start)
 
 
-def up(node: str, inc: int = 1) -> tuple[Event, Event]:
-    return NodeStarted(node_id=node, incarnation=inc, host=f"host-{node}"), NodeJoined(node_id=node, incarnation=inc)
+up = node_up
 
 
 def scale(n: int) -> MembershipDecided:
