@@ -105,6 +105,6 @@ def resize_reason(state: JobState) -> str | None:
     if members > wanted:
         return f"scaling down from {members} to {wanted} nodes"
     ready = len(available(state))
-    if growing(state):
+    if members < wanted and ready > members:  # growing(), with the count already taken
         return f"growing from {members} to {min(ready, wanted)} nodes (target {wanted})"
     return None

@@ -46,6 +46,7 @@ __all__ = [
     "Manifest",
     "candidates",
     "finish_step",
+    "progress",
     "is_complete",
     "read_manifest",
     "read_tensor_into",
@@ -321,11 +322,16 @@ def candidates(root: Path, rank: int, *, any_rank: bool = False) -> list[int]:
 
 def written_ranks(root: Path, step: int) -> list[int]:
     """The ranks whose manifest of ``step`` is on disk, in order."""
+    return progress(root, step)[1]
+
+
+def progress(root: Path, step: int) -> tuple[bool, list[int]]:
+    """Whether ``step`` is complete on disk, and the ranks whose manifest of it is there (one directory read)."""
     try:
         names = [entry.name for entry in step_dir(root, step).iterdir()]
     except OSError:
-        return []
-    return sorted(int(match[1]) for name in names if (match := _RANK_MANIFEST.match(name)))
+        return False, []
+    return METADATA in names, sorted(int(match[1]) for name in names if (match := _RANK_MANIFEST.match(name)))
 
 
 def is_complete(root: Path, step: int) -> bool:

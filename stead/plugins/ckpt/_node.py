@@ -191,8 +191,11 @@ class NodeCheckpoints:
         came for as long as the first one took (``_DISK_SETTLE_S`` at least): a lost node never writes its part,
         and a replicated state needs only some copies. ``persist_grace_s`` at most."""
         waited, seen, quiet, first_after = 0.0, 0, 0.0, None
-        while not await anyio.to_thread.run_sync(_disk.is_complete, self.root, step):
-            written = len(await anyio.to_thread.run_sync(_disk.written_ranks, self.root, step))
+        while True:
+            complete, ranks = await anyio.to_thread.run_sync(_disk.progress, self.root, step)
+            if complete:
+                return
+            written = len(ranks)
             if written and first_after is None:
                 first_after = waited
             mine_done = not self._persisting and all(s.persist is None for s in self._ranks.values())
