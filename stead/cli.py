@@ -398,7 +398,9 @@ async def _scale(args: argparse.Namespace, settings: Settings) -> int:
     except (ValueError, KeyError, TypeError):
         address = None
     if not address or token is None:
-        raise PermanentError(f"job {args.job!r} has no master on record in {store.url}; is it running?")
+        raise PermanentError(f"job {args.job!r} has no master on record in {store.url}: it is not running yet, or "
+                             "its master has not announced itself; run `stead status` to see it, and scale it once "
+                             "it runs")
     result = await request_scale(address, token.value.decode(), nodes=args.nodes, by="stead scale",
                                  reason=args.reason, timeout_s=settings.rpc_timeout_s)
     was = f" (was {result.previous})" if result.previous != result.target else " (unchanged)"
