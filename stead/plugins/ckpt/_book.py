@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-__all__ = ["Book", "Holding", "disk_report", "memory_report", "opened", "released", "save_seconds"]
+__all__ = ["Book", "Holding", "disk_report", "memory_report", "released", "save_seconds"]
 
 _DISK_STEPS_KEPT = 32
 
@@ -51,17 +51,6 @@ class Book:
     #: disk: step -> the longest write among the ranks that reported one
     disk_s: Mapping[int, float] = dataclasses.field(default_factory=dict)
     persisted: int = -1
-
-
-def opened(book: Book, round_: int) -> Book:
-    """A node of round ``round_`` asks what to restore: from now on the rounds before it commit nothing.
-
-    Their workers may still save for a moment after the next round was planned (they are being stopped):
-    a commit then would give the new round's nodes different steps to restore, depending on when each asked.
-    """
-    if round_ <= book.round:
-        return book
-    return dataclasses.replace(book, round=round_, world_size=0, holdings={}, round_step=-1)
 
 
 def memory_report(book: Book, *, round_: int, world_size: int,

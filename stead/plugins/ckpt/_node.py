@@ -10,6 +10,7 @@ anything else: blocking work runs in worker threads.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import time
@@ -187,11 +188,18 @@ class NodeCheckpoints:
         return True
 
     async def _until_on_disk(self, step: int) -> None:
-        """Wait until every rank's part of ``step`` is on disk or, once this node's own parts are, until no new part
-        came for as long as the first one took (``_DISK_SETTLE_S`` at least): a lost node never writes its part,
-        and a replicated state needs only some copies. ``persist_grace_s`` at most."""
+        """Wait until every rank's part of ``step`` (or of a newer step some rank writes) is on disk or, once this
+        node's own parts are, until no new part came for as long as the first one took (``_DISK_SETTLE_S`` at
+        least): a lost node never writes its part, and a replicated state needs only some copies.
+        ``persist_grace_s`` at most."""
         waited, seen, quiet, first_after = 0.0, 0, 0.0, None
         while True:
+            # a newer step being written is the one to wait for: this agent's hint may be a commit behind the
+            # others' (their workers saved once more before they stopped), and the workers restore the newest
+            newest = max(step, *await anyio.to_thread.run_sync(functools.partial(
+                _disk.candidates, self.root, -1, any_rank=True)))
+            if newest != step:
+                step, seen, quiet = newest, 0, 0.0
             complete, ranks = await anyio.to_thread.run_sync(_disk.progress, self.root, step)
             if complete:
                 return

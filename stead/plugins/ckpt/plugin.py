@@ -16,7 +16,7 @@ import json
 import structlog
 
 from stead.plugin import CheckpointCommitted, Plugin, PluginContext, backend_errors, invalid, proto
-from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, opened, released, save_seconds
+from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, released, save_seconds
 from stead.plugins.ckpt.events import CheckpointCorrupt, CheckpointPersisted, CheckpointRestored
 from stead.plugins.ckpt.settings import CheckpointSettings
 
@@ -95,8 +95,6 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
             book = self.book
             return (book.round == round_ and book.round_step > after_step) or bool(released(book, ranks))
 
-        async with self._lock:  # the step to restore is the same for every node of the round
-            self.book = opened(self.book, round_)
         wait = min(max(wait_s, 0.0), self.settings.commit_poll_s)
         if wait > 0 and not ready():
             async with self._changed:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, opened, released, save_seconds
+from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, released, save_seconds
 
 
 def h(passed: int, *steps: int) -> Holding:
@@ -63,17 +63,6 @@ def test_a_step_takes_as_long_as_its_slowest_rank_to_save_and_to_write() -> None
     assert book.disk_s == {2: 0.2}
     book, _ = disk_report(book, step=3, world_size=1, ranks=[0])
     assert book.disk_s == {2: 0.2}  # no time said, none kept
-
-
-def test_once_a_node_of_the_next_round_asked_what_to_restore_the_old_round_commits_nothing() -> None:
-    book, _ = memory_report(Book(), round_=1, world_size=2, ranks={0: h(4, 4), 1: h(4, 4)})
-    assert book.step == 4
-    book = opened(book, 2)  # a node of round 2 asked: it restores step 4, and so must every other node
-    stale, step = memory_report(book, round_=1, world_size=2, ranks={0: h(5, 4, 5), 1: h(5, 4, 5)})
-    assert step is None and stale.step == 4
-    assert opened(book, 2) is book and opened(book, 1) is book
-    book, step = memory_report(book, round_=2, world_size=3, ranks={r: h(6, 6) for r in range(3)})
-    assert step == 6 and book.step_round == 2
 
 
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 8), st.sets(st.integers(0, 8), max_size=2)),
