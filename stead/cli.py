@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only these plugins (default: every installed one)")
     m.add_argument("--no-plugin", action="append", default=[], metavar="NAME", dest="no_plugin",
                    help="do not run this plugin (repeatable)")
+    m.add_argument("--platform", default=None, metavar="NAME",
+                   help="launch the job's nodes on this platform ('local', 'k8s'): the master runs the job given "
+                        "by the `stead run` arguments after `--` (in a Kubernetes pod, say), taking it over where "
+                        "an earlier master left it; SIGTERM leaves the nodes running for the next master")
+    m.add_argument("run_args", nargs="*", metavar="-- RUN_ARGS",
+                   help="with --platform: the job's `stead run` arguments (flags and the training script)")
     _add_common(m)
 
     a = sub.add_parser("agent", help="run one node's agent (normally started by the platform)")
@@ -231,6 +237,8 @@ async def _master(args: argparse.Namespace, settings: Settings) -> int:
     if args.metrics_port < -1 or args.metrics_port > 65535:
         raise ConfigError(f"--metrics-port {args.metrics_port} is not a port: use 1-65535, 0 (a free one) or -1 "
                           "(no metrics)")
+    if args.platform is not None or args.run_args:
+        return await _master_of_run(args)
     config = MasterConfig(job=args.job, store_url=args.store, settings=settings, host=args.host, port=args.port,
                           token_file=args.token_file, plugins=plugins, disabled_plugins=disabled,
                           metrics_port=args.metrics_port)
@@ -244,6 +252,30 @@ async def _master(args: argparse.Namespace, settings: Settings) -> int:
         state = await master.wait()
         print(f"job {args.job!r} {state.phase.value}: {state.reason}", flush=True)
         return 0 if state.phase is JobPhase.SUCCEEDED else EXIT_FAILED
+
+
+async def _master_of_run(args: argparse.Namespace) -> int:
+    """`stead master --platform NAME -- RUN_ARGS`: the master of the job those `stead run` arguments describe."""
+    from stead.core.launch import parse_run_args
+    from stead.core.master import JOB_TOKEN_ENV
+    from stead.core.runner import serve_job
+
+    if not args.run_args:
+        raise ConfigError("stead master --platform needs the job's `stead run` arguments after `--`, e.g. "
+                          "stead master --job demo --store etcd://etcd:2379 --platform k8s -- --nnodes 2 train.py")
+    if args.platform is None:
+        raise ConfigError("stead master with `stead run` arguments needs --platform NAME (where to launch nodes)")
+    argv = ["--job-name", args.job, "--store", args.store, "--platform", args.platform,
+            *(f"--set={item}" for item in args.overrides), "--log-format", args.log_format,
+            "--log-level", args.log_level, *args.run_args]
+    config = parse_run_args(argv)
+    state = await serve_job(config, argv, host=args.host, port=args.port, token=os.environ.get(JOB_TOKEN_ENV) or None,
+                            metrics_port=args.metrics_port)
+    if state is None:
+        print(f"stead master for job {args.job!r} left while the job runs: its next master takes it over", flush=True)
+        return 0
+    print(f"job {args.job!r} {state.phase.value}: {state.reason}", flush=True)
+    return 0 if state.phase is JobPhase.SUCCEEDED else EXIT_FAILED
 
 
 async def _events(args: argparse.Namespace, settings: Settings) -> int:

@@ -140,6 +140,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
         NodeLost as NodeLost,
     )
     from stead.core.events import (
+        NodePending as NodePending,
+    )
+    from stead.core.events import (
         NodeRequested as NodeRequested,
     )
     from stead.core.events import (
@@ -277,8 +280,8 @@ _WHERE = {
     "stead.core.errors": ("CodecError", "ConfigError", "InvalidRequest", "LogCorrupt", "PermanentError", "PluginError",
                           "RetryableError", "RpcUnavailable", "SteadError", "StoreError", "StoreUnavailable"),
     "stead.core.events": ("CheckpointCommitted", "EffectFailed", "Event", "JobFailed", "JobStopped", "JobSubmitted",
-                          "JobSucceeded", "MembershipDecided", "NodeExited", "NodeJoined", "NodeLost", "NodeRequested",
-                          "NodeStarted",
+                          "JobSucceeded", "MembershipDecided", "NodeExited", "NodeJoined", "NodeLost", "NodePending",
+                          "NodeRequested", "NodeStarted",
                           "PluginFailed", "PluginsStarted", "Record", "RecoveryAction", "RecoveryDecided",
                           "RelaunchRequested", "RestartRequested", "RoundCompleted", "RoundStarted", "StackSample",
                           "StacksDumped", "StacksRequested", "StepProgress",
@@ -320,6 +323,7 @@ __all__ = [
     "NodeExited",
     "NodeJoined",
     "NodeLost",
+    "NodePending",
     "NodePhase",
     "NodeRequested",
     "NodeStarted",

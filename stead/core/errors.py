@@ -8,6 +8,7 @@ connection) and *permanent* (bad input, corrupt data: retrying will not help)::
     ├── RetryableError
     │   ├── StoreUnavailable        the state store cannot be reached
     │   ├── RpcUnavailable          the master cannot be reached over RPC
+    │   ├── PlatformUnavailable     the platform's API (Kubernetes) cannot be reached
     │   ├── ReactorStopped          the master stopped before it recorded a submitted event
     │   └── MasterTaskFailed        a background task of the master kept failing: the master stopped
     └── PermanentError
@@ -18,6 +19,7 @@ connection) and *permanent* (bad input, corrupt data: retrying will not help)::
         ├── StoreError              the store refused an operation
         ├── PluginError             a plugin failed to load or validate
         ├── PlatformError           the platform could not launch or kill a node
+        │   └── PlatformRejected    the platform refuses the node as specified: retrying cannot help
         ├── Unauthenticated         an RPC carried a missing or wrong job token
         └── InvalidRequest          an RPC or API call carried bad arguments
 """
@@ -35,6 +37,8 @@ __all__ = [
     "Overloaded",
     "PermanentError",
     "PlatformError",
+    "PlatformRejected",
+    "PlatformUnavailable",
     "PluginError",
     "ReactorStopped",
     "RetryableError",
@@ -67,6 +71,10 @@ class StoreUnavailable(RetryableError):
 
 class RpcUnavailable(RetryableError):
     """The master's RPC endpoint could not be reached."""
+
+
+class PlatformUnavailable(RetryableError):
+    """The platform's API (the Kubernetes API server) could not be reached or timed out."""
 
 
 class Overloaded(RetryableError):
@@ -111,6 +119,11 @@ class PluginError(PermanentError):
 
 class PlatformError(PermanentError):
     """The platform could not carry out a launch or kill."""
+
+
+class PlatformRejected(PlatformError):
+    """The platform refuses the node as it is specified (an invalid resource request, a name it does not allow,
+    no permission): launching it again would fail the same way."""
 
 
 class EffectDeclined(PermanentError):

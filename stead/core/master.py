@@ -52,9 +52,13 @@ from stead.core.tasks import TaskOwner
 from stead.core.tcpstore import RoundStores
 from stead.core.tracing import RecoveryTracer
 
-__all__ = ["Master", "MasterConfig", "MasterTaskFailed", "NodeSpecFactory", "open_store_retrying"]
+__all__ = ["JOB_TOKEN_ENV", "Master", "MasterConfig", "MasterTaskFailed", "NodeSpecFactory", "open_store_retrying"]
 
 log = structlog.get_logger("stead.master")
+
+#: where a master started for a job (`stead master --platform ... -- RUN_ARGS`) finds the job's token when it is
+#: given to it (a Kubernetes Secret); absent: the token on record in the store, or a new one
+JOB_TOKEN_ENV = "STEAD_JOB_TOKEN"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -207,9 +211,12 @@ class Master:
     async def _job_token(self) -> str:
         """The job's token, kept in its store: a master that takes over a job (after a crash, or a standby)
         answers the agents and workers that still run with the token they hold."""
-        if self.config.token:
-            return self.config.token
         store, key = self.store, f"{job_prefix(self.config.job)}token"
+        if self.config.token:  # given (from a Kubernetes Secret): on record too, for `stead scale` and a takeover
+            given = check_token(self.config.token).encode()
+            await retrying(lambda: store.compare_and_put(key, given, expected_mod_revision=0), self.settings,
+                           what=f"job token of {self.config.job}")
+            return self.config.token
         while True:
             kv = await retrying(lambda: store.get(key), self.settings, what=f"job token of {self.config.job}")
             if kv is not None:

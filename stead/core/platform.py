@@ -11,11 +11,11 @@ import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol, runtime_checkable
 
-from stead.core.events import NodeExited, NodeStarted
+from stead.core.events import NodeExited, NodePending, NodeStarted
 
-__all__ = ["AGENT_IDENTITY_ENV", "WARM_FIRST_ENV", "NodeSpec", "Platform", "PlatformEvent", "agent_title"]
+__all__ = ["AGENT_IDENTITY_ENV", "HOST_ENV", "WARM_FIRST_ENV", "NodeSpec", "Platform", "PlatformEvent", "agent_title"]
 
-PlatformEvent = NodeStarted | NodeExited
+PlatformEvent = NodeStarted | NodeExited | NodePending
 
 #: in an agent's environment (``JOB/NODE/INCARNATION``): which node incarnation it runs, for a platform that adopts
 #: agents by pid and for the workers it starts
@@ -23,6 +23,9 @@ AGENT_IDENTITY_ENV = "STEAD_LOCAL_NODE"
 #: "1" in the environment of an agent that grows a running job: it joins once its zygote imported everything the
 #: workers import (torch._dynamo too), so that the resized round does not wait for a cold node
 WARM_FIRST_ENV = "STEAD_WARM_FIRST"
+#: in an agent's environment: the host it runs on as the platform names it (a Kubernetes node, where the agent's
+#: own host name is its pod's); what it reports when it registers, and what a faulty host's exclusion names
+HOST_ENV = "STEAD_NODE_HOST"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,6 +85,7 @@ class Platform(Protocol):
         """
 
     def events(self) -> AsyncIterator[PlatformEvent]:
-        """NodeStarted / NodeExited as they happen, for every launched node."""
+        """NodeStarted / NodeExited as they happen, for every launched node (and NodePending for one the platform
+        cannot find room for, where it can tell)."""
 
 

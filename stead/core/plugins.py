@@ -242,14 +242,21 @@ def load_plugins(*, settings: Settings, enabled: Sequence[str] | None = None,
     return load_group(GROUP, what="plugin", enabled=enabled, disabled=disabled, validate=build)
 
 
+#: where the platforms' entry points are: a platform's factory may declare a settings_class like a plugin
+PLATFORM_GROUP = "stead.platforms"
+
+
 def check_plugin_settings(settings: Settings, *, group: str = GROUP) -> None:
-    """Every ``--set plugin.name=value`` names an installed plugin and one of its settings, with a valid value."""
+    """Every ``--set plugin.name=value`` names an installed plugin (or platform with settings) and one of its
+    settings, with a valid value."""
     names = installed(group)
+    platforms = installed(PLATFORM_GROUP) if group == GROUP else []
     for plugin in settings.plugin_values:
-        if plugin not in names:
+        if plugin not in names and plugin not in platforms:
             raise ConfigError(f"--set {plugin}.…: no plugin {plugin!r} is installed (installed: "
-                              f"{', '.join(names) or 'none'})")
-        _, factory, _ = load_named(group, plugin, what="plugin")
+                              f"{', '.join(names) or 'none'}; platforms: {', '.join(platforms) or 'none'})")
+        where = group if plugin in names else PLATFORM_GROUP
+        _, factory, _ = load_named(where, plugin, what="plugin" if where == group else "platform")
         cls = _settings_class(plugin, factory)
         if cls is None:
             raise ConfigError(f"--set {plugin}.{next(iter(settings.plugin_values[plugin]))}: the {plugin} plugin "

@@ -51,6 +51,7 @@ from stead.core.errors import (
     EffectDeclined,
     LogConflict,
     LogCorrupt,
+    PlatformRejected,
     ReactorStopped,
     RetryableError,
     SteadError,
@@ -368,6 +369,7 @@ class Reactor:
                      if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}")
             log.error("effect_failed", job=self.log.job, effect=effect.id, error=error)
             failures.append(EffectFailed(effect_id=effect.id, kind=effect.kind, error=error,
+                                         permanent=isinstance(exc, PlatformRejected),
                                          node_id=getattr(effect, "node_id", None),
                                          incarnation=getattr(effect, "incarnation", None),
                                          round=getattr(effect, "round", None)))

@@ -34,7 +34,7 @@ from stead.core.platform import NodeSpec, Platform
 from stead.core.statemachine import JobPhase, JobState
 from stead.core.supervisor import EXIT_MASTER_CRASHED, LISTEN_FD_ENV, STOP_ENV, TAKEOVER_ENV, supervise
 
-__all__ = ["agent_spec_factory", "job_submitted", "load_platform", "main", "run_job", "started_job"]
+__all__ = ["agent_spec_factory", "job_submitted", "load_platform", "main", "run_job", "serve_job", "started_job"]
 
 log = structlog.get_logger("stead.run")
 
@@ -46,6 +46,13 @@ async def load_platform(name: str, settings: Settings) -> Platform:
     if inspect.isawaitable(platform):
         platform = await platform
     return platform  # type: ignore[no-any-return]
+
+
+def platform_launcher(name: str) -> Any:
+    """The platform's own way to run a whole job (``launch_job(config, argv) -> exit code``: its master runs in
+    the platform, as a Kubernetes pod), or None when `stead run` runs the master here."""
+    _, factory, _ = load_named(PLATFORM_GROUP, name, what="platform", hint="pick one with --platform")
+    return getattr(factory, "launch_job", None)
 
 
 def _pinned_argv(argv: Sequence[str], config: RunConfig) -> list[str]:
@@ -97,12 +104,12 @@ def health_mode(config: RunConfig) -> str:
 
 @contextlib.asynccontextmanager
 async def started_job(config: RunConfig, argv: Sequence[str], *, token_file: str | None = None,
-                      host: str = "127.0.0.1", listen_fd: int | None = None,
-                      takeover: bool = False) -> AsyncIterator[Master]:
+                      host: str = "127.0.0.1", port: int = 0, listen_fd: int | None = None, token: str | None = None,
+                      takeover: bool = False, metrics_port: int | None = None) -> AsyncIterator[Master]:
     """A master running the job ``config`` describes (``argv``: its `stead run` arguments), submitted.
 
     ``takeover``: this master replaces one that died while the job ran; a job that is running is taken over
-    as it is (its nodes adopted), not resumed.
+    as it is (its nodes adopted), not resumed. ``token``: the job's token when it is given (a Kubernetes Secret).
     """
     settings = config.settings
     store = await open_store_retrying(config.store_url, settings)  # fail early and clearly when it is down
@@ -111,7 +118,8 @@ async def started_job(config: RunConfig, argv: Sequence[str], *, token_file: str
     master_config = MasterConfig(
         job=config.job_name, store_url=config.store_url, settings=settings, platform=platform,
         node_spec=agent_spec_factory(config, argv), plugins=config.plugins, disabled_plugins=config.disabled_plugins,
-        token_file=token_file, host=host, listen_fd=listen_fd, metrics_port=settings.metrics_port,
+        token_file=token_file, host=host, port=port, listen_fd=listen_fd, token=token,
+        metrics_port=settings.metrics_port if metrics_port is None else metrics_port,
     )
     async with Master(master_config) as master:
         submitted = job_submitted(config)
@@ -182,6 +190,48 @@ async def run_job(config: RunConfig, argv: Sequence[str], *, listen_fd: int | No
         return master.state
 
 
+async def serve_job(config: RunConfig, argv: Sequence[str], *, host: str, port: int, token: str | None,
+                    metrics_port: int) -> JobState | None:
+    """`stead master --platform NAME -- RUN_ARGS`: this process is the job's master for as long as it runs (in a
+    Kubernetes pod, say), taking the job over where an earlier master left it.
+
+    SIGINT stops the job. SIGTERM (the master's pod deleted or evicted) does not: the master leaves, its
+    platform detached so that the nodes keep training, and the next master adopts them; returns None then.
+    """
+    async with started_job(config, argv, host=host, port=port, token=token, takeover=True,
+                           metrics_port=metrics_port) as master:
+        print(f"stead master for job {config.job_name!r} listening on {master.address}", flush=True)
+        loop = asyncio.get_running_loop()
+        leaving = asyncio.Event()
+
+        def leave() -> None:
+            detach = getattr(master.config.platform, "detach", None)
+            if callable(detach):
+                detach()
+            log.warning("master_leaving", job=config.job_name, reason="SIGTERM",
+                        hint="the job goes on; its next master adopts the nodes")
+            leaving.set()
+
+        loop.add_signal_handler(signal.SIGTERM, leave)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                helpers = [tasks.create_task(_report_waiting(master)), tasks.create_task(_stop_on_signal(
+                    master, signals=(signal.SIGINT,)))]
+                ended = tasks.create_task(master.wait())
+                left = tasks.create_task(leaving.wait())
+                await asyncio.wait([ended, left], return_when=asyncio.FIRST_COMPLETED)
+                for task in (*helpers, ended, left):
+                    task.cancel()
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+        if leaving.is_set():
+            return None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(config.settings.shutdown_grace_s):
+                await master.reactor.wait_until(lambda s: not any(n.phase.alive for n in s.nodes.values()))
+        return master.state
+
+
 #: how often `stead run` says what it is waiting for while nodes have not joined
 WAITING_REPORT_S = 10.0
 
@@ -197,7 +247,8 @@ async def _report_waiting(master: Master) -> None:
                      min_nodes=state.spec.min_nodes, max_nodes=state.spec.max_nodes, pending=pending)
 
 
-async def _stop_on_signal(master: Master) -> None:
+async def _stop_on_signal(master: Master, *,
+                          signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
     """SIGINT/SIGTERM stop the job cleanly (workers told to stop, event recorded); a second one kills."""
     loop = asyncio.get_running_loop()
     received: asyncio.Future[int] = loop.create_future()
@@ -206,12 +257,12 @@ async def _stop_on_signal(master: Master) -> None:
         if not received.done():
             received.set_result(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in signals:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
         signum = await received
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             loop.remove_signal_handler(sig)
     name = signal.Signals(signum).name
     print(f"stead: {name}: stopping job {master.config.job}; press Ctrl-C again to kill it", file=sys.stderr)
@@ -247,6 +298,13 @@ def main(argv: Sequence[str]) -> int:
         print(f"stead run: error: {exc}", file=sys.stderr)
         return 2
     listen_fd = os.environ.pop(LISTEN_FD_ENV, None)
+    launcher = platform_launcher(config.platform)
+    if launcher is not None:  # the job's master runs where the platform puts it (a Kubernetes pod), not here
+        try:
+            return int(asyncio.run(launcher(config, argv)))
+        except KeyboardInterrupt:
+            print(f"stead: stopped following job {config.job_name}; it goes on where it runs", file=sys.stderr)
+            return 130
     if listen_fd is None:
         return supervise(argv, config.settings)
     takeover = os.environ.pop(TAKEOVER_ENV, None) is not None

@@ -18,7 +18,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from stead.core.errors import PlatformError
-from stead.core.events import NodeExited, NodeStarted
+from stead.core.events import NodeExited, NodePending, NodeStarted
 from stead.core.platform import NodeSpec, PlatformEvent
 
 __all__ = ["RecordingPlatform"]
@@ -117,6 +117,8 @@ class RecordingPlatform:
                 self._running.add(key)
             case NodeExited():
                 self._running.discard(key)
+            case NodePending():
+                pass  # still wanted, not running
             case _:
                 assert_never(event)
         self._send.send_nowait(event)

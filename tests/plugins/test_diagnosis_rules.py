@@ -111,6 +111,11 @@ CASES = [
      FailureClass.OOM, "platform-oom-killed"),
     ("an agent that exited", Facts.of_node(NodeExited(node_id="n", incarnation=1, exit_code=1)),
      FailureClass.NODE_LOST, "node-lost"),
+    ("a pod whose container was OOM-killed", Facts.of_node(NodeExited(node_id="n", incarnation=1, signal=9,
+                                                                      reason="OOMKilled")),
+     FailureClass.OOM, "platform-oom-killed"),
+    ("an evicted pod", Facts.of_node(NodeExited(node_id="n", incarnation=1, reason="Evicted: low on memory")),
+     FailureClass.NODE_LOST, "node-lost"),
 ]
 
 

@@ -38,7 +38,7 @@ from stead.core.config import Settings, settings_env
 from stead.core.errors import ConfigError, InvalidRequest, RetryableError
 from stead.core.events import NodeHealthReported, PeerCollective
 from stead.core.launch import RunConfig, Streams, parse_run_args, worker_env
-from stead.core.platform import WARM_FIRST_ENV
+from stead.core.platform import HOST_ENV, WARM_FIRST_ENV
 from stead.core.retry import Backoff
 from stead.core.rpc import (
     CheckHealthCmd,
@@ -165,7 +165,8 @@ class Agent:
 
     async def _register(self, *, deadline_s: float | None = None) -> str:
         """Register (again), retrying for ``deadline_s`` (default: master_gone_timeout_s); RetryableError after."""
-        info = RegisterInfo(node_id=self.node_id, incarnation=self.incarnation, host=socket.gethostname(),
+        host = os.environ.get(HOST_ENV) or socket.gethostname()  # a pod's host name is the pod's: the platform's
+        info = RegisterInfo(node_id=self.node_id, incarnation=self.incarnation, host=host,
                             pid=os.getpid(), nproc=self.nproc)
         deadline = self.settings.master_gone_timeout_s if deadline_s is None else deadline_s
         reply = await retrying(lambda: self.client.register(info), self.settings, what="register",

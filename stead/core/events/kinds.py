@@ -24,6 +24,7 @@ __all__ = [
     "JobSucceeded",
     "MembershipDecided",
     "NodeExited",
+    "NodePending",
     "NodeHealthReported",
     "NodeJoined",
     "NodeLost",
@@ -180,6 +181,25 @@ class NodeExited(Event):
     incarnation: int
     exit_code: int | None = None
     signal: int | None = None
+    #: what the platform says of the end ("OOMKilled", "Evicted: ...", "NodeLost: ...", "pod deleted"); "" when it
+    #: says nothing more than the exit code (the diagnosis rules match it as ``platform_reason``)
+    reason: str = ""
+    #: the node cannot start as specified (an image that does not exist, a configuration the platform refuses): a
+    #: relaunch would fail the same way, so the job fails with ``reason`` instead of spending its relaunches
+    permanent: bool = False
+
+
+@event_kind("node.pending")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodePending(Event):
+    """The platform has not found room for the node for ``pending_s`` (no capacity, every host excluded): the
+    node is capacity that is not there, which the scaler decides about instead of a rendezvous timing out."""
+
+    node_id: str
+    incarnation: int
+    pending_s: float
+    #: the platform's reason and message ("Unschedulable: 0/3 nodes are available: ...")
+    reason: str = ""
 
 
 # -- workers and rounds --------------------------------------------------------
@@ -455,6 +475,8 @@ class EffectFailed(Event):
     #: ``launch-node``, ``kill-node``, ``start-workers``, ``stop-workers`` or ``stop-node``
     kind: str
     error: str
+    #: the platform refused it as specified (``PlatformRejected``): carrying it out again cannot succeed
+    permanent: bool = False
     node_id: str | None = None
     incarnation: int | None = None
     round: int | None = None

@@ -288,12 +288,22 @@ def _node_event(
         new, planned = rounds.plan_or_grow(new, now=now)
         effects += planned
     went_away = before is not None and before.phase.alive and not after.phase.alive
+    if went_away and isinstance(event, NodeExited) and event.permanent and after.node_id not in new.retired:
+        return Transition(new, (*effects, _cannot_start(new, after.node_id, event.reason)))
     if went_away:
         new, more = _node_gone(new, after, now=now)
         effects += more
         if after.node_id in new.health.nodes:
             effects += health_machine.due(new)
     return Transition(new, tuple(effects))
+
+
+def _cannot_start(state: JobState, node_id: str, why: str) -> Emit:
+    """The job fails at once: the platform cannot start this node as it is specified, and a relaunch of the same
+    spec would fail the same way (rather than spend every relaunch, and the user's time, on it)."""
+    failed = JobFailed(reason=f"node {node_id} cannot be started: {why}; fix the job's specification (image, "
+                              "command, resources) and run it again", node_id=node_id)
+    return Emit(key=state.end_key, event=failed)
 
 
 def _node_gone(state: JobState, node: NodeState, *, now: float) -> tuple[JobState, list[Effect]]:
@@ -492,6 +502,10 @@ def _effect_failed(state: JobState, event: EffectFailed, *, now: float) -> Trans
         node = state.nodes.get(event.node_id)
         if node is None or node.incarnation != event.incarnation or not node.phase.alive:
             return Transition(state)  # about a node that is already gone or replaced
+        if event.permanent:
+            gone = NodeExited(node_id=event.node_id, incarnation=event.incarnation, reason=event.error,
+                              permanent=True)
+            return _node_event(state, gone, now=now)
         lost = NodeLost(node_id=event.node_id, incarnation=event.incarnation,
                         reason=f"its launch failed: {event.error}")
         return _node_event(state, lost, now=now)

@@ -79,7 +79,7 @@ def transition(node: NodeState | None, event: NodeEvent, *, now: float) -> Trans
             if node.phase is NodePhase.REQUESTED:
                 return Transition(dataclasses.replace(node, phase=NodePhase.STARTED, host=event.host, pid=event.pid))
             if node.phase is NodePhase.JOINED:  # the agent registered before the platform's report arrived
-                return Transition(dataclasses.replace(node, pid=event.pid))
+                return Transition(dataclasses.replace(node, pid=event.pid, host=event.host or node.host))
             return reject(node, f"node {node.node_id} cannot start: it is {node.phase.value}")
         case NodeJoined():
             if node.phase in (NodePhase.REQUESTED, NodePhase.STARTED):

@@ -55,7 +55,9 @@ __all__ = [
     "unlink_quietly",
 ]
 
-SHM_DIR = Path("/dev/shm")
+#: the tmpfs holding the segments: ``ckpt.shm_dir``, read from its environment variable at import, which every
+#: process of a node (agent and workers) has the same (a container's /dev/shm is the default)
+SHM_DIR = Path(os.environ.get("STEAD_CKPT_SHM_DIR") or "/dev/shm")
 CONTROL_BYTES = 4096
 MAGIC = b"STEADCK1"
 VERSION = 1
@@ -198,7 +200,8 @@ def create_segment(name: str, size: int, *, reserve: int | None = None) -> None:
     try:
         free = free_bytes()
     except OSError as exc:
-        raise CheckpointError(f"{SHM_DIR} is not usable ({exc}); flash checkpoints need a tmpfs at /dev/shm") \
+        raise CheckpointError(f"{SHM_DIR} is not usable ({exc}); flash checkpoints need a tmpfs there (/dev/shm, "
+                              "or ckpt.shm_dir)") \
             from exc
     if need > free:
         raise SharedMemoryTooSmall(shm_too_small_message(need, free))

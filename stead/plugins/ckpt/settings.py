@@ -30,5 +30,8 @@ class CheckpointSettings:
                                                "agent writes the newest committed step to disk (if not there yet) "
                                                "before it frees the memory, within persist_grace_s; a relaunched "
                                                "job resumes from it")
+    shm_dir: str = setting("/dev/shm", help="the tmpfs that holds the checkpoints' shared memory; every process of "
+                                            "a node reads it from STEAD_CKPT_SHM_DIR when it starts, so set it in "
+                                            "the node's environment")
     shm_namespace: str = setting("", help="a tag in every shared-memory segment's name, so that jobs of the same name "
                                           "on one host (two users, two test runs) never share or remove each other's")

@@ -117,7 +117,7 @@ class Facts:
     def of_node(cls, event: NodeLost | NodeExited) -> Facts:
         if isinstance(event, NodeLost):
             return cls(on="node", platform_reason=event.reason)
-        return cls(on="node", exit_code=event.exit_code, signal=event.signal)
+        return cls(on="node", exit_code=event.exit_code, signal=event.signal, platform_reason=event.reason)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -25,6 +25,7 @@ from stead.core.events import (
     NodeExited,
     NodeJoined,
     NodeLost,
+    NodePending,
     NodeRequested,
     NodeStarted,
     PluginFailed,
@@ -598,3 +599,28 @@ def test_a_relaunched_node_is_launched_away_from_the_excluded_hosts() -> None:
     fresh = transition(after(NodeLost(node_id="node-0", incarnation=1), start=RUNNING, follow=False),
                        NodeRequested(node_id="node-0", incarnation=2, avoid_hosts=("h",)), now=NOW)
     assert LaunchNode(node_id="node-0", incarnation=2, avoid_hosts=("h",)) in fresh.effects
+
+
+def test_a_node_the_platform_cannot_start_fails_the_job_at_once_with_its_reason() -> None:
+    exited = NodeExited(node_id="node-1", incarnation=1, reason="ErrImagePull: no such image", permanent=True)
+    result = transition(RUNNING, exited, now=NOW)
+    (*_, effect) = result.effects
+    assert isinstance(effect, Emit) and isinstance(effect.event, JobFailed)
+    assert effect.event.node_id == "node-1"
+    assert "node node-1 cannot be started: ErrImagePull: no such image" in effect.event.reason
+    assert not any(isinstance(e, Emit) and isinstance(e.event, NodeRequested) for e in result.effects)
+
+
+def test_a_launch_the_platform_refuses_as_specified_fails_the_job_instead_of_relaunching() -> None:
+    refused = dataclasses.replace(effect_failed("launch-node", "node-1"), error="PlatformRejected: memory 'lots'",
+                                  permanent=True)
+    (effect,) = transition(after(SPEC, *up("node-0")), refused, now=NOW).effects
+    assert isinstance(effect, Emit) and isinstance(effect.event, JobFailed)
+    assert "memory 'lots'" in effect.event.reason and "fix the job's specification" in effect.event.reason
+    transient = transition(after(SPEC, *up("node-0")), effect_failed("launch-node", "node-1"), now=NOW)
+    assert any(isinstance(e, Emit) and isinstance(e.event, NodeRequested) for e in transient.effects)
+
+
+def test_a_pending_node_changes_nothing_the_job_machine_tracks() -> None:
+    pending = NodePending(node_id="node-1", incarnation=1, pending_s=120.0, reason="Unschedulable: 0/3 nodes")
+    assert transition(STARTING, pending, now=NOW).state == STARTING

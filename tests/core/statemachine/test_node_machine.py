@@ -58,8 +58,10 @@ ALLOWED: list[tuple[str, NodeState | None, NodeEvent, NodeState, tuple[object, .
      node(NodePhase.JOINED, host="h2"), ()),
     ("NodeJoined before NodeStarted", node(NodePhase.REQUESTED), joined(host="h3"),
      node(NodePhase.JOINED, host="h3"), ()),
-    ("late NodeStarted after join keeps JOINED, records pid", node(NodePhase.JOINED, host="h3"), started(pid=7),
-     node(NodePhase.JOINED, host="h3", pid=7), ()),
+    ("late NodeStarted after join keeps JOINED, records pid and the platform's host", node(NodePhase.JOINED,
+     host="h3"), started(pid=7), node(NodePhase.JOINED, host="h1", pid=7), ()),
+    ("late NodeStarted naming no host keeps the agent's", node(NodePhase.JOINED, host="h3"),
+     NodeStarted(node_id=N, incarnation=1, pid=7), node(NodePhase.JOINED, host="h3", pid=7), ()),
     ("re-registration after a master restart", node(NodePhase.JOINED, host="h"), joined(host="other"),
      node(NodePhase.JOINED, host="h"), ()),
     *[(f"{p.value} node lost is killed", node(p), lost(), node(NodePhase.LOST), (KillNode(node_id=N, incarnation=1),))
