@@ -146,6 +146,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
         NodeRequested as NodeRequested,
     )
     from stead.core.events import (
+        NodeResourcesDecided as NodeResourcesDecided,
+    )
+    from stead.core.events import (
         NodeStarted as NodeStarted,
     )
     from stead.core.events import (
@@ -281,7 +284,7 @@ _WHERE = {
                           "RetryableError", "RpcUnavailable", "SteadError", "StoreError", "StoreUnavailable"),
     "stead.core.events": ("CheckpointCommitted", "EffectFailed", "Event", "JobFailed", "JobStopped", "JobSubmitted",
                           "JobSucceeded", "MembershipDecided", "NodeExited", "NodeJoined", "NodeLost", "NodePending",
-                          "NodeRequested", "NodeStarted",
+                          "NodeRequested", "NodeResourcesDecided", "NodeStarted",
                           "PluginFailed", "PluginsStarted", "Record", "RecoveryAction", "RecoveryDecided",
                           "RelaunchRequested", "RestartRequested", "RoundCompleted", "RoundStarted", "StackSample",
                           "StacksDumped", "StacksRequested", "StepProgress",
@@ -326,6 +329,7 @@ __all__ = [
     "NodePending",
     "NodePhase",
     "NodeRequested",
+    "NodeResourcesDecided",
     "NodeStarted",
     "NodeState",
     "NodeTelemetry",

@@ -71,6 +71,8 @@ class Executor:
                     spec = dataclasses.replace(spec, avoid_hosts=effect.avoid_hosts)
                 if effect.warm_first:
                     spec = dataclasses.replace(spec, env={**spec.env, WARM_FIRST_ENV: "1"})
+                if effect.resources:
+                    spec = dataclasses.replace(spec, resources={**spec.resources, **dict(effect.resources)})
                 try:
                     await self.platform.launch(spec)
                 except OSError as exc:

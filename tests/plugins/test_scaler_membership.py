@@ -15,6 +15,8 @@ from stead.core.events import (
     Event,
     JobSubmitted,
     MembershipDecided,
+    NodeExited,
+    NodeResourcesDecided,
     Record,
     RecoveryAction,
     RecoveryDecided,
@@ -25,7 +27,7 @@ from stead.core.master import Master, MasterConfig
 from stead.core.platform import NodeSpec
 from stead.core.plugins import PluginContext
 from stead.core.rpc import MasterClient, RpcServer, new_token, write_token_file
-from stead.core.statemachine import JobPhase, JobState
+from stead.core.statemachine import JobPhase, JobState, NodeState
 from stead.core.store import open_store
 from stead.plugins.scaler import ScalerPlugin, ScalerSettings
 from stead.plugins.scaler.agent import ScalerAgentExtension
@@ -203,4 +205,48 @@ async def test_an_oom_halves_the_batch_hint_within_its_budget_and_agents_pass_it
     await restarted.start(ctx=context([]))
     assert (restarted.ooms, restarted.batch_scale) == (3, 0.25)
     await restarted.stop(ctx=context([]))
+    await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_node_killed_for_its_memory_gets_more_within_the_budget_and_the_cap() -> None:
+    store = await open_store("memory://")
+    events: list[Event] = []
+
+    async def emit(event: Event) -> Record:
+        events.append(event)
+        return Record(seq=len(events), at=0.0, event=event)
+
+    settings = ScalerSettings(oom_memory_factor=1.5, oom_memory_budget=2, max_memory="16Gi")
+    running = JobState(phase=JobPhase.RUNNING, nodes={
+        "node-0": NodeState(node_id="node-0", incarnation=1, resources=(("cpu", "4"), ("memory", "8Gi"))),
+        "node-1": NodeState(node_id="node-1", incarnation=1)})
+
+    def context(state: JobState) -> PluginContext[ScalerSettings]:
+        return PluginContext(plugin="scaler", job="j", settings=settings, stead_settings=Settings(), store=store,
+                             state=lambda: state, emit=emit, add_rpc_handler=lambda _: None)
+
+    plugin = ScalerPlugin(settings=settings)
+    await plugin.start(ctx=context(running))
+    limits = ["8Gi", "12Gi", "16Gi", "16Gi"]
+    for seq, limit in enumerate(limits, start=10):  # each relaunch reports the limit it got
+        state = dataclasses.replace(running, nodes={**running.nodes, "node-0": NodeState(
+            node_id="node-0", incarnation=seq, resources=(("cpu", "4"), ("memory", limit)))})
+        killed = NodeExited(node_id="node-0", incarnation=seq, signal=9, reason="OOMKilled", oom=True)
+        await plugin.handle(record=Record(seq=seq, at=0.0, event=killed), ctx=context(state))
+    await plugin.handle(record=Record(seq=13, at=0.0, event=killed), ctx=context(state))  # replayed: answered once
+    await plugin.handle(record=Record(seq=20, at=0.0, event=NodeExited(node_id="node-1", incarnation=1, oom=True)),
+                        ctx=context(running))
+    decided = [e for e in events if isinstance(e, NodeResourcesDecided)]
+    assert [dict(e.resources).get("memory") for e in decided] == ["12Gi", "16Gi", "16Gi", "16Gi", None]
+    assert all(dict(e.resources).get("cpu") == "4" for e in decided[:4])
+    assert "relaunched with 12Gi (x1.5, raise 1 of 2)" in decided[0].reason
+    assert "already at max_memory" in decided[2].reason or "budget" in decided[2].reason
+    assert "oom_memory_budget 2 spent" in decided[3].reason
+    assert "no memory limit to raise" in decided[4].reason and decided[4].node_id == "node-1"
+    await plugin.stop(ctx=context(running))
+    restarted = ScalerPlugin(settings=settings)  # a master that takes over keeps the count
+    await restarted.start(ctx=context(running))
+    assert restarted.memory_raises == {"node-0": 2}
+    await restarted.stop(ctx=context(running))
     await store.close()

@@ -25,6 +25,7 @@ __all__ = [
     "MembershipDecided",
     "NodeExited",
     "NodePending",
+    "NodeResourcesDecided",
     "NodeHealthReported",
     "NodeJoined",
     "NodeLost",
@@ -138,6 +139,9 @@ class NodeRequested(Event):
     avoid_hosts: tuple[str, ...] = ()
     #: it grows a running job: its agent joins once fully warm, so that the resized round does not wait for it
     warm_first: bool = False
+    #: what its platform gives it, where that differs from the job's own (``(("memory", "12Gi"),)``: a larger
+    #: memory limit after an out-of-memory kill); empty: the job's own
+    resources: tuple[tuple[str, str], ...] = ()
 
 
 @event_kind("node.started")
@@ -149,6 +153,8 @@ class NodeStarted(Event):
     incarnation: int
     host: str = ""
     pid: int | None = None
+    #: what the platform gave it, where it tells (a pod's memory and CPU limits): ``(("memory", "8Gi"), ...)``
+    resources: tuple[tuple[str, str], ...] = ()
 
 
 @event_kind("node.joined")
@@ -187,6 +193,23 @@ class NodeExited(Event):
     #: the node cannot start as specified (an image that does not exist, a configuration the platform refuses): a
     #: relaunch would fail the same way, so the job fails with ``reason`` instead of spending its relaunches
     permanent: bool = False
+    #: the platform killed it for using more memory than it was given (a pod's OOMKilled): its relaunch waits (up
+    #: to decision_timeout_s) for a plugin to decide its resources (NodeResourcesDecided)
+    oom: bool = False
+
+
+@event_kind("node.resources_decided")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeResourcesDecided(Event):
+    """What a node's next incarnation gets (the scaler: more memory after an out-of-memory kill); the relaunch that
+    waited for this decision goes out with it. Empty ``resources``: the same as before."""
+
+    node_id: str
+    #: the incarnation that ended
+    incarnation: int
+    resources: tuple[tuple[str, str], ...] = ()
+    reason: str = ""
+    by: str = ""
 
 
 @event_kind("node.pending")

@@ -24,6 +24,8 @@ class LaunchNode:
     avoid_hosts: tuple[str, ...] = ()
     #: the agent joins once fully warm (see NodeRequested.warm_first)
     warm_first: bool = False
+    #: what the platform gives it where that differs from the job's own (see NodeRequested.resources)
+    resources: tuple[tuple[str, str], ...] = ()
 
     kind: ClassVar[str] = "launch-node"
 

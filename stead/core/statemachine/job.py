@@ -48,6 +48,7 @@ from stead.core.events import (
     NodeJoined,
     NodeLost,
     NodeRequested,
+    NodeResourcesDecided,
     NodeStarted,
     PluginFailed,
     PluginsStarted,
@@ -94,7 +95,8 @@ __all__ = ["JobPhase", "JobState", "node_ids", "transition"]
 _NEEDS_JOB = (NodeRequested, NodeStarted, NodeJoined, NodeLost, NodeExited, RoundStarted, RoundCompleted,
               WorkersStarted, WorkersSucceeded, WorkerFailed, RecoveryDecided, TimerFired, StepProgress,
               CheckpointCommitted, JobSucceeded, EffectFailed, RestartRequested, RelaunchRequested,
-              StacksRequested, HealthCheckStarted, NodeHealthReported, HealthChecked, MembershipDecided)
+              StacksRequested, HealthCheckStarted, NodeHealthReported, HealthChecked, MembershipDecided,
+              NodeResourcesDecided)
 
 
 def node_ids(count: int) -> tuple[str, ...]:
@@ -170,6 +172,8 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
             return _stacks_requested(state, event, seq=state.seq)
         case MembershipDecided():
             return rounds.decided(state, event, now=now)
+        case NodeResourcesDecided():
+            return _resources_decided(state, event, now=now)
         case HealthCheckStarted() | NodeHealthReported() | HealthChecked():
             return _health_event(state, event, now=now)
         case TimerFired():
@@ -232,7 +236,8 @@ def _resume(state: JobState, event: JobResumed, *, now: float) -> Transition[Job
         state, phase=JobPhase.STARTING, spec=event.submitted(), nodes=nodes, restarts=0, awaiting_decision=False,
         last_failure=None, reason="", message="", timers={}, life=life,
         rdzv=RendezvousState(round=state.rdzv.round), health=HealthState(check=state.health.check),
-        resumed_at={n: s.incarnation for n, s in nodes.items()}, target=None, retired=frozenset(), resizing=False)
+        resumed_at={n: s.incarnation for n, s in nodes.items()}, target=None, retired=frozenset(), resizing=False,
+        awaiting_resources=frozenset())
     for node_id in node_ids(event.start_nodes or event.max_nodes):
         incarnation = nodes[node_id].incarnation + 1 if node_id in nodes else 1
         effects.append(Emit(key=f"request/{node_id}/{incarnation}",
@@ -291,11 +296,36 @@ def _node_event(
     if went_away and isinstance(event, NodeExited) and event.permanent and after.node_id not in new.retired:
         return Transition(new, (*effects, _cannot_start(new, after.node_id, event.reason)))
     if went_away:
-        new, more = _node_gone(new, after, now=now)
+        new, more = _node_gone(new, after, now=now, oom=isinstance(event, NodeExited) and event.oom)
         effects += more
         if after.node_id in new.health.nodes:
             effects += health_machine.due(new)
     return Transition(new, tuple(effects))
+
+
+def _relaunch(state: JobState, node: NodeState, resources: tuple[tuple[str, str], ...], *,
+              now: float) -> list[Effect]:
+    """The node's next incarnation, away from the excluded hosts, with ``resources``; it must join in time, or the
+    job goes on without it (at least MIN) or fails (fewer)."""
+    assert state.spec is not None
+    relaunch = NodeRequested(node_id=node.node_id, incarnation=node.incarnation + 1,
+                             avoid_hosts=tuple(sorted(state.excluded_hosts)), resources=resources)
+    return [Emit(key=f"request/{node.node_id}/{node.incarnation + 1}", event=relaunch),
+            StartTimer(name=rounds.rejoin_timer(relaunch), at=now + state.spec.join_timeout_s)]
+
+
+def _resources_timer(node: NodeState) -> str:
+    return f"resources/{node.node_id}/{node.incarnation}"
+
+
+def _resources_decided(state: JobState, event: NodeResourcesDecided, *, now: float) -> Transition[JobState]:
+    """The relaunch of a node killed for its memory goes out with the resources decided for it."""
+    node = state.nodes.get(event.node_id)
+    if node is None or node.incarnation != event.incarnation or event.node_id not in state.awaiting_resources:
+        return reject(state, f"no relaunch of node {event.node_id} incarnation {event.incarnation} waits for its "
+                             "resources")
+    waiting = dataclasses.replace(state, awaiting_resources=state.awaiting_resources - {event.node_id})
+    return Transition(waiting, tuple(_relaunch(waiting, node, event.resources or node.resources, now=now)))
 
 
 def _cannot_start(state: JobState, node_id: str, why: str) -> Emit:
@@ -306,8 +336,10 @@ def _cannot_start(state: JobState, node_id: str, why: str) -> Emit:
     return Emit(key=state.end_key, event=failed)
 
 
-def _node_gone(state: JobState, node: NodeState, *, now: float) -> tuple[JobState, list[Effect]]:
-    """A live node was lost or exited: break its round, relaunch it or fail the job."""
+def _node_gone(state: JobState, node: NodeState, *, now: float, oom: bool = False) -> tuple[JobState, list[Effect]]:
+    """A live node was lost or exited: break its round, relaunch it or fail the job. A node its platform killed
+    for its memory (``oom``) is relaunched once its resources are decided (NodeResourcesDecided), or after
+    decision_timeout_s with the same ones."""
     spec = state.spec
     assert spec is not None
     effects: list[Effect] = []
@@ -326,12 +358,10 @@ def _node_gone(state: JobState, node: NodeState, *, now: float) -> tuple[JobStat
             rdzv=dataclasses.replace(state.rdzv, active=False),
         )
     if node.incarnation - state.resumed_at.get(node.node_id, 0) <= spec.max_node_relaunches:
-        relaunch = NodeRequested(node_id=node.node_id, incarnation=node.incarnation + 1,
-                                 avoid_hosts=tuple(sorted(state.excluded_hosts)))
-        effects.append(Emit(key=f"request/{node.node_id}/{node.incarnation + 1}", event=relaunch))
-        # the replacement must join in time, or the job goes on without it (at least MIN) or fails (fewer)
-        effects.append(StartTimer(name=rounds.rejoin_timer(relaunch), at=now + spec.join_timeout_s))
-        return state, effects
+        if oom:
+            effects.append(StartTimer(name=_resources_timer(node), at=now + spec.decision_timeout_s))
+            return dataclasses.replace(state, awaiting_resources=state.awaiting_resources | {node.node_id}), effects
+        return state, effects + _relaunch(state, node, node.resources, now=now)
     alive = sum(1 for n, s in state.nodes.items() if s.phase.alive and n not in state.retired)
     if alive < spec.min_nodes:
         failed = JobFailed(
@@ -451,6 +481,13 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
         return Transition(grown, effects)
     if event.name.startswith("rejoin/"):
         return rounds.rejoin_timeout(state, event.name)
+    if event.name.startswith("resources/"):  # no plugin decided the resources in time: the same ones
+        node_id = event.name.split("/")[1]
+        node = state.nodes.get(node_id)
+        if node is not None and node_id in state.awaiting_resources and event.name == _resources_timer(node):
+            waiting = dataclasses.replace(state, awaiting_resources=state.awaiting_resources - {node_id})
+            return Transition(waiting, tuple(_relaunch(waiting, node, node.resources, now=now)))
+        return Transition(state)
     if event.name == f"last-call/{state.rdzv.round + 1}" and not state.rdzv.active and not state.awaiting_decision:
         joined = membership.available(state)
         if len(joined) >= spec.min_nodes and state.phase in (JobPhase.STARTING, JobPhase.RECOVERING):

@@ -49,6 +49,8 @@ class NodeState:
     signal: int | None = None
     #: joined, but a health check must pass before it trains
     unchecked: bool = False
+    #: what its platform gives it: as requested (NodeRequested), then as the platform says (NodeStarted)
+    resources: tuple[tuple[str, str], ...] = ()
 
 
 def is_stale(node: NodeState | None, event: Event) -> bool:
@@ -65,9 +67,10 @@ def transition(node: NodeState | None, event: NodeEvent, *, now: float) -> Trans
             return reject(node, f"node {event.node_id} incarnation {event.incarnation} was already requested")
         if node is not None and node.phase.alive:
             return reject(node, f"node {event.node_id} is still {node.phase.value}; it must be lost or exit first")
-        fresh = NodeState(node_id=event.node_id, incarnation=event.incarnation)
+        fresh = NodeState(node_id=event.node_id, incarnation=event.incarnation, resources=event.resources)
         return Transition(fresh, (LaunchNode(node_id=event.node_id, incarnation=event.incarnation,
-                                             avoid_hosts=event.avoid_hosts, warm_first=event.warm_first),))
+                                             avoid_hosts=event.avoid_hosts, warm_first=event.warm_first,
+                                             resources=event.resources),))
     if node is None:
         return reject(node, f"node {event.node_id} was never requested")
     if is_stale(node, event):
@@ -76,10 +79,13 @@ def transition(node: NodeState | None, event: NodeEvent, *, now: float) -> Trans
         return reject(node, f"node {event.node_id} incarnation {event.incarnation} was never requested")
     match event:
         case NodeStarted():
+            resources = event.resources or node.resources
             if node.phase is NodePhase.REQUESTED:
-                return Transition(dataclasses.replace(node, phase=NodePhase.STARTED, host=event.host, pid=event.pid))
+                return Transition(dataclasses.replace(node, phase=NodePhase.STARTED, host=event.host, pid=event.pid,
+                                                      resources=resources))
             if node.phase is NodePhase.JOINED:  # the agent registered before the platform's report arrived
-                return Transition(dataclasses.replace(node, pid=event.pid, host=event.host or node.host))
+                return Transition(dataclasses.replace(node, pid=event.pid, host=event.host or node.host,
+                                                      resources=resources))
             return reject(node, f"node {node.node_id} cannot start: it is {node.phase.value}")
         case NodeJoined():
             if node.phase in (NodePhase.REQUESTED, NodePhase.STARTED):

@@ -62,6 +62,9 @@ class JobState:
     retired: frozenset[str] = frozenset()
     #: the running round changes size at the next checkpoint commit (or when resize_wait_s runs out)
     resizing: bool = False
+    #: nodes killed for using too much memory whose relaunch waits for their resources to be decided
+    #: (NodeResourcesDecided, or decision_timeout_s)
+    awaiting_resources: frozenset[str] = frozenset()
     #: seq of the last event folded in (0 before any)
     seq: int = 0
 

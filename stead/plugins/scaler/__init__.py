@@ -14,6 +14,12 @@ request (served here, ``ScalerService.Scale``), after a node is lost or exits, a
 every ``policy_every_s``; the decision is recorded as ``membership.decided`` and the
 job machine requests or retires nodes and resizes the running round to match.
 
+A node its platform killed for its memory (a Kubernetes pod's ``OOMKilled``) waits
+for its resources before it is relaunched: the scaler multiplies its memory limit
+by ``oom_memory_factor`` (capped by ``max_memory``, at most ``oom_memory_budget``
+times per node) and records it as ``node.resources_decided``, which the job
+machine relaunches it with.
+
 A failure the diagnosis classifies as out of memory is answered on the local platform
 by a smaller per-worker batch hint (``oom_batch_factor`` per OOM, ``oom_budget`` of
 them, recorded as ``scaler.oom``): agents pass it to the next rounds' workers as
@@ -26,8 +32,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 
+from stead.core.quantity import QuantityError, format_bytes, parse_quantity
 from stead.plugin import (
     JobFailed,
     JobStopped,
@@ -35,6 +43,7 @@ from stead.plugin import (
     MembershipDecided,
     NodeExited,
     NodeLost,
+    NodeResourcesDecided,
     Plugin,
     PluginContext,
     Record,
@@ -81,6 +90,9 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         self.ooms = 0
         self.batch_scale = 1.0
         self._oom_seq = 0  # the last OOM decision answered (a master that takes over replays the log)
+        #: node id -> how many times its memory limit was raised; the last out-of-memory kill answered
+        self.memory_raises: dict[str, int] = {}
+        self._kill_seq = 0
         #: the newest round whose start this plugin handled: every decision before it is answered
         self._round_seen = 0
         self._round_changed = asyncio.Condition()
@@ -106,6 +118,8 @@ class ScalerPlugin(Plugin[ScalerSettings]):
                 self.losses = int(saved["losses"])
                 self.ooms, self.batch_scale = int(saved.get("ooms", 0)), float(saved.get("batch_scale", 1.0))
                 self._oom_seq = int(saved.get("oom_seq", 0))
+                self.memory_raises = {str(k): int(v) for k, v in (saved.get("memory_raises") or {}).items()}
+                self._kill_seq = int(saved.get("kill_seq", 0))
             except (ValueError, TypeError, KeyError) as exc:
                 ctx.log.warning("scaler_membership_unreadable", error=repr(exc), action="no request in force")
         ctx.add_rpc_handler(ScalerServicer(self, ctx))
@@ -133,6 +147,10 @@ class ScalerPlugin(Plugin[ScalerSettings]):
                 self._oom_seq = record.seq or 0
                 await self.out_of_memory(ctx, record.event)
             return
+        if isinstance(record.event, NodeExited) and record.event.oom and (record.seq or 0) > self._kill_seq:
+            self._kill_seq = record.seq or 0
+            if not ctx.state.phase.terminal:
+                await self.more_memory(ctx, record.event)
         if isinstance(record.event, RoundStarted):
             async with self._round_changed:
                 self._round_seen = max(self._round_seen, record.event.round)
@@ -304,9 +322,43 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         await self._save_membership(ctx)
         await ctx.emit(OomAnswered(ooms=self.ooms, batch_scale=self.batch_scale, reason=reason))
 
+    async def more_memory(self, ctx: Ctx, exited: NodeExited) -> None:
+        """A node killed for its memory: its next incarnation gets more (within the budget and the cap)."""
+        node = ctx.state.nodes.get(exited.node_id)
+        given = dict(node.resources) if node is not None else {}
+        raised = self.memory_raises.get(exited.node_id, 0)
+        resources: tuple[tuple[str, str], ...] = tuple(sorted(given.items()))
+        memory = given.get("memory", "")
+        try:
+            limit = float(parse_quantity(memory)) if memory else 0.0
+            cap = float(parse_quantity(self.settings.max_memory)) if self.settings.max_memory else math.inf
+        except QuantityError as exc:
+            limit, cap, memory = 0.0, math.inf, ""
+            ctx.log.warning("scaler_memory_unreadable", node=exited.node_id, error=str(exc))
+        if not memory:
+            reason = ("it was killed for its memory but had no memory limit to raise: relaunched as it was (give "
+                      "the job a memory request, e.g. --set k8s.memory=32Gi)")
+        elif raised >= self.settings.oom_memory_budget:
+            reason = (f"killed for its memory again with {memory} (oom_memory_budget {self.settings.oom_memory_budget}"
+                      " spent): relaunched with the same limit")
+        elif limit >= cap:
+            reason = f"killed for its memory with {memory}, already at max_memory: relaunched with the same limit"
+        else:
+            more = format_bytes(min(limit * self.settings.oom_memory_factor, cap))
+            resources = tuple(sorted({**given, "memory": more}.items()))
+            self.memory_raises[exited.node_id] = raised + 1
+            factor = self.settings.oom_memory_factor
+            reason = (f"killed for its memory with {memory}: relaunched with {more} (x{factor:g}, raise {raised + 1} "
+                      f"of {self.settings.oom_memory_budget})")
+        ctx.log.warning("scaler_more_memory", node=exited.node_id, incarnation=exited.incarnation, reason=reason)
+        await self._save_membership(ctx)
+        await ctx.emit(NodeResourcesDecided(node_id=exited.node_id, incarnation=exited.incarnation,
+                                            resources=resources, reason=reason, by="scaler"))
+
     async def _save_membership(self, ctx: Ctx) -> None:
         saved = {"requested": self.requested, "losses": self.losses, "ooms": self.ooms,
-                 "batch_scale": self.batch_scale, "oom_seq": self._oom_seq}
+                 "batch_scale": self.batch_scale, "oom_seq": self._oom_seq, "memory_raises": self.memory_raises,
+                 "kill_seq": self._kill_seq}
         await ctx.store.put(ctx.key("membership"), json.dumps(saved).encode())
 
 

@@ -26,3 +26,11 @@ class ScalerSettings:
                                                                     "stead.data.batch_size)")
     oom_budget: int = setting(2, min=0, help="how many out-of-memory failures shrink the batch hint; later ones "
                                              "restart with the same hint (the restart budget decides)")
+    oom_memory_factor: float = setting(1.5, min=1.0, max=16.0, help="a node its platform killed for its memory (a "
+                                                                     "pod's OOMKilled) is relaunched with its "
+                                                                     "memory limit multiplied by this")
+    oom_memory_budget: int = setting(2, min=0, help="how many times a node's memory limit is raised; later "
+                                                    "out-of-memory kills relaunch it with the same limit (the "
+                                                    "relaunch budget decides)")
+    max_memory: str = setting("", help="the highest memory limit a raise goes to, as a quantity (e.g. 512Gi); "
+                                       "empty: no cap but the budget")

@@ -27,6 +27,7 @@ from stead.core.events import (
     NodeLost,
     NodePending,
     NodeRequested,
+    NodeResourcesDecided,
     NodeStarted,
     PluginFailed,
     PluginsStarted,
@@ -624,3 +625,30 @@ def test_a_launch_the_platform_refuses_as_specified_fails_the_job_instead_of_rel
 def test_a_pending_node_changes_nothing_the_job_machine_tracks() -> None:
     pending = NodePending(node_id="node-1", incarnation=1, pending_s=120.0, reason="Unschedulable: 0/3 nodes")
     assert transition(STARTING, pending, now=NOW).state == STARTING
+
+
+def test_a_node_killed_for_its_memory_is_relaunched_with_the_resources_decided_for_it() -> None:
+    oom = NodeExited(node_id="node-1", incarnation=1, signal=9, reason="OOMKilled", oom=True)
+    waiting = transition(RUNNING, oom, now=NOW)
+    assert waiting.state.awaiting_resources == frozenset({"node-1"})
+    assert StartTimer(name="resources/node-1/1", at=NOW + SPEC.decision_timeout_s) in waiting.effects
+    assert not any(isinstance(e, Emit) and isinstance(e.event, NodeRequested) for e in waiting.effects)
+    more = NodeResourcesDecided(node_id="node-1", incarnation=1, resources=(("memory", "12Gi"),), reason="x1.5")
+    decided_ = transition(waiting.state, more, now=NOW)
+    request = next(e.event for e in decided_.effects if isinstance(e, Emit))
+    assert request == NodeRequested(node_id="node-1", incarnation=2, resources=(("memory", "12Gi"),))
+    assert decided_.state.awaiting_resources == frozenset()
+    launched = transition(decided_.state, request, now=NOW)
+    assert LaunchNode(node_id="node-1", incarnation=2, resources=(("memory", "12Gi"),)) in launched.effects
+    assert transition(decided_.state, more, now=NOW).rejected is not None  # decided once
+    assert transition(decided_.state, TimerFired(name="resources/node-1/1"), now=NOW).effects == ()
+
+
+def test_with_no_decision_in_time_the_node_is_relaunched_with_what_it_had() -> None:
+    started = after(NodeStarted(node_id="node-1", incarnation=1, host="h", resources=(("memory", "8Gi"),)),
+                    start=RUNNING)
+    assert started.nodes["node-1"].resources == (("memory", "8Gi"),)
+    waiting = transition(started, NodeExited(node_id="node-1", incarnation=1, oom=True), now=NOW).state
+    late = transition(waiting, TimerFired(name="resources/node-1/1"), now=NOW)
+    request = next(e.event for e in late.effects if isinstance(e, Emit))
+    assert request == NodeRequested(node_id="node-1", incarnation=2, resources=(("memory", "8Gi"),))
