@@ -16,6 +16,7 @@ from stead.core.events import (
     JobSubmitted,
     MembershipDecided,
     NodeExited,
+    NodePending,
     NodeResourcesDecided,
     Record,
     RecoveryAction,
@@ -27,12 +28,12 @@ from stead.core.master import Master, MasterConfig
 from stead.core.platform import NodeSpec
 from stead.core.plugins import PluginContext
 from stead.core.rpc import MasterClient, RpcServer, new_token, write_token_file
-from stead.core.statemachine import JobPhase, JobState, NodeState
+from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState
 from stead.core.store import open_store
 from stead.plugins.scaler import ScalerPlugin, ScalerSettings
 from stead.plugins.scaler.agent import ScalerAgentExtension
 from stead.plugins.scaler.client import request_scale
-from stead.plugins.scaler.events import DecisionRejected, OomAnswered, ScaleRequested
+from stead.plugins.scaler.events import DecisionRejected, OomAnswered, PendingAnswered, ScaleRequested
 from stead.plugins.scaler.membership import Decision, DefaultPolicy, MembershipView, check, load_policy
 from stead.testing.platforms import RecordingPlatform
 from stead.testing.swarm import Swarm
@@ -249,4 +250,40 @@ async def test_a_node_killed_for_its_memory_gets_more_within_the_budget_and_the_
     await restarted.start(ctx=context(running))
     assert restarted.memory_raises == {"node-0": 2}
     await restarted.stop(ctx=context(running))
+    await store.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("min_nodes", "decision", "target"), [(1, "give_up", 1), (2, "wait", None)])
+async def test_a_node_the_platform_has_no_room_for_is_given_up_while_min_holds(min_nodes: int, decision: str,
+                                                                              target: int | None) -> None:
+    store = await open_store("memory://")
+    events: list[Event] = []
+
+    async def emit(event: Event) -> Record:
+        events.append(event)
+        return Record(seq=len(events), at=0.0, event=event)
+
+    spec = JobSubmitted(job="j", min_nodes=min_nodes, max_nodes=2, nproc_per_node=1)
+    state = JobState(phase=JobPhase.RUNNING, spec=spec, nodes={
+        "node-0": NodeState(node_id="node-0", incarnation=1, phase=NodePhase.JOINED),
+        "node-1": NodeState(node_id="node-1", incarnation=1, pending="not scheduled for 120 s: Unschedulable")})
+    settings = ScalerSettings(pending_retry_s=300.0)
+    ctx = PluginContext(plugin="scaler", job="j", settings=settings, stead_settings=Settings(), store=store,
+                        state=lambda: state, emit=emit, add_rpc_handler=lambda _: None)
+    plugin = ScalerPlugin(settings=settings)
+    await plugin.start(ctx=ctx)
+    pending = NodePending(node_id="node-1", incarnation=1, pending_s=120.0, reason="Unschedulable: 0/3 nodes")
+    await plugin.handle(record=Record(seq=5, at=0.0, event=pending), ctx=ctx)
+    [answered] = [e for e in events if isinstance(e, PendingAnswered)]
+    assert answered.decision == decision and "Unschedulable: 0/3 nodes" in answered.reason
+    decided = [e.target for e in events if isinstance(e, MembershipDecided)]
+    assert decided == ([target] if target is not None else [])
+    if target is not None:
+        assert "asks for more again in 300 s" in answered.reason
+        view = plugin.view(ctx)
+        assert view is not None and view.capacity == 1 and "room" in view.capacity_source
+    else:
+        assert "fails after join_timeout_s" in answered.reason
+    await plugin.stop(ctx=ctx)
     await store.close()

@@ -47,6 +47,7 @@ from stead.core.events import (
     NodeHealthReported,
     NodeJoined,
     NodeLost,
+    NodePending,
     NodeRequested,
     NodeResourcesDecided,
     NodeStarted,
@@ -174,6 +175,12 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
             return rounds.decided(state, event, now=now)
         case NodeResourcesDecided():
             return _resources_decided(state, event, now=now)
+        case NodePending():
+            node = state.nodes.get(event.node_id)
+            if node is None or node.incarnation != event.incarnation or node.phase is not NodePhase.REQUESTED:
+                return Transition(state)  # it started meanwhile, or was replaced: nothing pends
+            return Transition(_with_node(state, dataclasses.replace(
+                node, pending=f"not scheduled for {event.pending_s:.0f} s: {event.reason}")))
         case HealthCheckStarted() | NodeHealthReported() | HealthChecked():
             return _health_event(state, event, now=now)
         case TimerFired():
@@ -468,7 +475,8 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
             failed = JobFailed(
                 reason=f"only {len(state.ready)} of at least {spec.min_nodes} nodes joined"
                 f"{_awaiting_check(state)} within "
-                f"{spec.join_timeout_s:g} s; check the nodes' logs or raise the join timeout (--rdzv-conf)"
+                f"{spec.join_timeout_s:g} s{_pending(state)}; check the nodes' logs or raise the join timeout "
+                "(--rdzv-conf)"
             )
             return Transition(state, (Emit(key=state.end_key, event=failed),))
         return Transition(state)
@@ -500,6 +508,12 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
             )
             return Transition(state, (Emit(key=rdzv_machine.round_key(started.round, state.seq), event=started),))
     return Transition(state)  # a timer of a round that has already started
+
+
+def _pending(state: JobState) -> str:
+    """What the platform said of the nodes it found no room for (", node-1 not scheduled for 120 s: ...")."""
+    said = [f"{n} {s.pending}" for n, s in state.nodes.items() if s.pending and s.phase is NodePhase.REQUESTED]
+    return "".join(f"; {line}" for line in said)
 
 
 def _awaiting_check(state: JobState) -> str:

@@ -51,6 +51,8 @@ class NodeState:
     unchecked: bool = False
     #: what its platform gives it: as requested (NodeRequested), then as the platform says (NodeStarted)
     resources: tuple[tuple[str, str], ...] = ()
+    #: why the platform has found no room for it yet (NodePending); "" once it started, or when none was said
+    pending: str = ""
 
 
 def is_stale(node: NodeState | None, event: Event) -> bool:
@@ -82,7 +84,7 @@ def transition(node: NodeState | None, event: NodeEvent, *, now: float) -> Trans
             resources = event.resources or node.resources
             if node.phase is NodePhase.REQUESTED:
                 return Transition(dataclasses.replace(node, phase=NodePhase.STARTED, host=event.host, pid=event.pid,
-                                                      resources=resources))
+                                                      resources=resources, pending=""))
             if node.phase is NodePhase.JOINED:  # the agent registered before the platform's report arrived
                 return Transition(dataclasses.replace(node, pid=event.pid, host=event.host or node.host,
                                                       resources=resources))

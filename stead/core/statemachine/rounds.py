@@ -56,8 +56,11 @@ def decided(state: JobState, event: MembershipDecided, *, now: float) -> Transit
     new = dataclasses.replace(new, retired=new.retired - {r.node_id for r in made})
     effects: list[Effect] = [Emit(key=f"request/{r.node_id}/{r.incarnation}", event=r) for r in made]
     if new.phase is JobPhase.RUNNING:
+        gone: tuple[Effect, ...] = ()
+        if len(new.rdzv.members) <= event.target:  # only nodes outside the round are surplus: they go now
+            new, gone = retire(new, reason=f"the job shrank to {event.target} nodes")
         new, more = maybe_resize(new, now=now)
-        return Transition(new, (*effects, *more))
+        return Transition(new, (*effects, *gone, *more))
     new, more = retire(new, reason=f"the job shrank to {event.target} nodes")
     return Transition(new, (*effects, *more, *plan(new, now=now)))
 
@@ -136,7 +139,8 @@ def rejoin_timeout(state: JobState, name: str) -> Transition[JobState]:
     ready = len(membership.available(state))
     if ready >= spec.min_nodes:
         return Transition(state)
-    failed = JobFailed(reason=f"node {node_id} was not replaced within {spec.join_timeout_s:g} s (join_timeout_s) "
-                              f"and only {ready} of at least {spec.min_nodes} nodes are ready; check the platform's "
-                              "capacity and the node's log, or lower --nnodes MIN", node_id=node_id)
+    pending = f" ({node.pending})" if node.pending else ""
+    failed = JobFailed(reason=f"node {node_id} was not replaced within {spec.join_timeout_s:g} s (join_timeout_s)"
+                              f"{pending} and only {ready} of at least {spec.min_nodes} nodes are ready; check the "
+                              "platform's capacity and the node's log, or lower --nnodes MIN", node_id=node_id)
     return Transition(state, (Emit(key=state.end_key, event=failed),))

@@ -43,6 +43,7 @@ from stead.plugin import (
     MembershipDecided,
     NodeExited,
     NodeLost,
+    NodePending,
     NodeResourcesDecided,
     Plugin,
     PluginContext,
@@ -54,7 +55,13 @@ from stead.plugin import (
     invalid,
     proto,
 )
-from stead.plugins.scaler.events import DecisionRejected, OomAnswered, ResourcesRecommended, ScaleRequested
+from stead.plugins.scaler.events import (
+    DecisionRejected,
+    OomAnswered,
+    PendingAnswered,
+    ResourcesRecommended,
+    ScaleRequested,
+)
 from stead.plugins.scaler.membership import Decision, MembershipPolicy, MembershipView, check, load_policy
 from stead.plugins.scaler.recommend import Recommendation, recommend
 from stead.plugins.scaler.settings import ScalerSettings
@@ -71,7 +78,8 @@ _BURST_S = 0.2
 class ScalerPlugin(Plugin[ScalerSettings]):
     name = "scaler"
     settings_class = ScalerSettings
-    subscriptions = (JobSucceeded, JobFailed, JobStopped, NodeLost, NodeExited, RoundStarted, RecoveryDecided)
+    subscriptions = (JobSucceeded, JobFailed, JobStopped, NodeLost, NodeExited, NodePending, RoundStarted,
+                     RecoveryDecided)
 
     def __init__(self, *, settings: ScalerSettings | None = None) -> None:
         super().__init__(settings=settings or ScalerSettings())
@@ -93,6 +101,8 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         #: node id -> how many times its memory limit was raised; the last out-of-memory kill answered
         self.memory_raises: dict[str, int] = {}
         self._kill_seq = 0
+        #: while the platform has no room for some nodes: how many it has room for, until when (time.time())
+        self._room: tuple[int, float] | None = None
         #: the newest round whose start this plugin handled: every decision before it is answered
         self._round_seen = 0
         self._round_changed = asyncio.Condition()
@@ -146,6 +156,10 @@ class ScalerPlugin(Plugin[ScalerSettings]):
                     and (record.seq or 0) > self._oom_seq):
                 self._oom_seq = record.seq or 0
                 await self.out_of_memory(ctx, record.event)
+            return
+        if isinstance(record.event, NodePending):
+            if not ctx.state.phase.terminal:
+                await self.no_room(ctx, record.event)
             return
         if isinstance(record.event, NodeExited) and record.event.oom and (record.seq or 0) > self._kill_seq:
             self._kill_seq = record.seq or 0
@@ -229,9 +243,12 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         if spec is None or state.phase.terminal:
             return None
         capacity = ctx.stead_settings.capacity_nodes or None
+        source = "capacity_nodes"
+        if self._room is not None and time.time() < self._room[1] and (capacity is None or self._room[0] < capacity):
+            capacity, source = self._room[0], "the nodes the platform has room for now"
         live = sum(1 for n, s in state.nodes.items() if s.phase.alive and n not in state.retired)
         return MembershipView(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, target=state.target_nodes,
-                              requested=self.requested, capacity=capacity, live=live,
+                              requested=self.requested, capacity=capacity, capacity_source=source, live=live,
                               ready=sum(1 for n in state.ready if n not in state.retired),
                               members=len(state.rdzv.members) if state.rdzv.active else 0, losses=self.losses,
                               phase=state.phase.value)
@@ -321,6 +338,34 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         ctx.log.warning("scaler_oom", ooms=self.ooms, batch_scale=self.batch_scale, rank=decided.rank)
         await self._save_membership(ctx)
         await ctx.emit(OomAnswered(ooms=self.ooms, batch_scale=self.batch_scale, reason=reason))
+
+    async def no_room(self, ctx: Ctx, pending: NodePending) -> None:
+        """The platform has no room for a node: go on without the nodes it has no room for while MIN hold (asked
+        again after pending_retry_s), else wait for them; recorded either way."""
+        state = ctx.current_state()
+        node = state.nodes.get(pending.node_id)
+        spec = state.spec
+        if spec is None or node is None or node.incarnation != pending.incarnation or node.phase.value != "requested":
+            return  # it started meanwhile, or was replaced
+        live = [n for n, s in state.nodes.items() if s.phase.alive and n not in state.retired]
+        waiting = [n for n in live if state.nodes[n].phase.value == "requested" and state.nodes[n].pending]
+        room = len(live) - max(1, len(waiting))
+        retry = self.settings.pending_retry_s
+        if room >= spec.min_nodes:
+            self._room = (room, time.time() + retry)
+            decision = "give_up"
+            reason = (f"{pending.node_id} got no room for {pending.pending_s:.0f} s ({pending.reason}): the job goes "
+                      f"on with {room} node(s) and asks for more again in {retry:g} s (scaler.pending_retry_s)")
+        else:
+            decision = "wait"
+            reason = (f"{pending.node_id} got no room for {pending.pending_s:.0f} s ({pending.reason}): MIN "
+                      f"{spec.min_nodes} needs it, so the job waits (it fails after join_timeout_s="
+                      f"{spec.join_timeout_s:g} s if it gets none)")
+        ctx.log.warning("scaler_no_room", node=pending.node_id, decision=decision, room=room)
+        await ctx.emit(PendingAnswered(node_id=pending.node_id, incarnation=pending.incarnation, decision=decision,
+                                       reason=reason))
+        if decision == "give_up":
+            await self.decide(ctx)
 
     async def more_memory(self, ctx: Ctx, exited: NodeExited) -> None:
         """A node killed for its memory: its next incarnation gets more (within the budget and the cap)."""

@@ -6,7 +6,7 @@ import dataclasses
 
 from stead.plugin import Event, event_kind
 
-__all__ = ["DecisionRejected", "OomAnswered", "ResourcesRecommended", "ScaleRequested"]
+__all__ = ["DecisionRejected", "OomAnswered", "PendingAnswered", "ResourcesRecommended", "ScaleRequested"]
 
 
 @event_kind("scaler.recommended")
@@ -59,4 +59,18 @@ class OomAnswered(Event):
 
     ooms: int
     batch_scale: float
+    reason: str
+
+
+@event_kind("scaler.pending")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PendingAnswered(Event):
+    """The platform has had no room for a node (node.pending): the scaler goes on without it while MIN hold
+    (``decision`` "give_up": the target drops to the nodes that have room, asked again after
+    ``scaler.pending_retry_s``) or waits (``decision`` "wait": MIN needs it; the job fails after join_timeout_s
+    if it gets none)."""
+
+    node_id: str
+    incarnation: int
+    decision: str
     reason: str

@@ -7,8 +7,9 @@ None to keep the target; third parties register theirs under the entry point gro
 ``stead.scaler_policies`` and pick it with ``--set scaler.policy=NAME``.
 
 The default policy aims at what was asked for (``stead run``'s start, then the latest
-``stead scale``), capped by what the platform may run (``capacity_nodes``) and kept
-within MIN:MAX. Growing as nodes become ready, going on with the survivors of a lost
+``stead scale``), capped by what the platform may run (``capacity_nodes``, or fewer while
+the platform has no room for some nodes: NodePending, for ``scaler.pending_retry_s``) and
+kept within MIN:MAX. Growing as nodes become ready, going on with the survivors of a lost
 node that cannot be replaced, and failing below MIN after ``join_timeout_s`` are the
 job machine's, for every policy.
 
@@ -48,6 +49,8 @@ class MembershipView:
     #: nodes lost or exited while the job ran, so far
     losses: int
     phase: str
+    #: where ``capacity`` comes from: the capacity_nodes setting, or the platform having no room for more
+    capacity_source: str = "capacity_nodes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,8 @@ class DefaultPolicy:
         wanted = view.requested if view.requested is not None else view.target
         why = f"{wanted} nodes requested" if view.requested is not None else f"{wanted} nodes to start with"
         if view.capacity is not None and wanted > view.capacity:
-            wanted, why = view.capacity, f"{why}, capped by the platform's capacity ({view.capacity}, capacity_nodes)"
+            wanted, why = view.capacity, (f"{why}, capped by the platform's capacity ({view.capacity}, "
+                                          f"{view.capacity_source})")
         wanted = max(view.min_nodes, min(view.max_nodes, wanted))
         return None if wanted == view.target else Decision(wanted, why)
 

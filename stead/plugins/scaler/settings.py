@@ -32,5 +32,8 @@ class ScalerSettings:
     oom_memory_budget: int = setting(2, min=0, help="how many times a node's memory limit is raised; later "
                                                     "out-of-memory kills relaunch it with the same limit (the "
                                                     "relaunch budget decides)")
+    pending_retry_s: float = setting(300.0, min=0.001, help="a node the platform has no room for (node.pending) "
+                                                             "is given up while the job has MIN nodes without it, "
+                                                             "and asked for again this much later")
     max_memory: str = setting("", help="the highest memory limit a raise goes to, as a quantity (e.g. 512Gi); "
                                        "empty: no cap but the budget")

@@ -622,9 +622,17 @@ def test_a_launch_the_platform_refuses_as_specified_fails_the_job_instead_of_rel
     assert any(isinstance(e, Emit) and isinstance(e.event, NodeRequested) for e in transient.effects)
 
 
-def test_a_pending_node_changes_nothing_the_job_machine_tracks() -> None:
+def test_a_pending_node_is_noted_and_a_join_timeout_says_what_the_platform_said_of_it() -> None:
     pending = NodePending(node_id="node-1", incarnation=1, pending_s=120.0, reason="Unschedulable: 0/3 nodes")
-    assert transition(STARTING, pending, now=NOW).state == STARTING
+    noted = transition(ONE_JOINED, pending, now=NOW).state
+    assert noted.nodes["node-1"].pending == "not scheduled for 120 s: Unschedulable: 0/3 nodes"
+    assert noted.phase is ONE_JOINED.phase and noted.nodes["node-0"] == ONE_JOINED.nodes["node-0"]
+    (effect,) = transition(noted, TimerFired(name="join-timeout"), now=NOW).effects
+    assert isinstance(effect, Emit) and isinstance(effect.event, JobFailed)
+    assert "node-1 not scheduled for 120 s: Unschedulable: 0/3 nodes" in effect.event.reason
+    started = transition(noted, NodeStarted(node_id="node-1", incarnation=1, host="h"), now=NOW).state
+    assert started.nodes["node-1"].pending == ""
+    assert transition(started, pending, now=NOW).state == started  # stale: it started since
 
 
 def test_a_node_killed_for_its_memory_is_relaunched_with_the_resources_decided_for_it() -> None:

@@ -192,3 +192,14 @@ def test_rounds_stay_within_min_max_and_never_hold_a_retired_node(actions: list[
             assert len(state.rdzv.members) <= target(state) or state.resizing  # (shrinks at the next commit)
         live = [n for n, s in state.nodes.items() if s.phase.alive and n not in state.retired]
         assert len(live) <= SPEC.max_nodes
+
+
+def test_a_running_job_gives_up_a_node_that_never_got_room_and_asks_for_it_again_later() -> None:
+    waiting_for_room = after(scale(2), start=ONE)  # node-1 requested: the platform has no room for it
+    gave_up = transition(waiting_for_room, scale(1), now=NOW)
+    assert ids(gave_up.effects) == ["emit/retire/node-1/1"]  # not in the round: dropped at once, no resize
+    assert gave_up.state.rdzv.active and gave_up.state.rdzv.round == 1
+    dropped = after(scale(1), start=waiting_for_room)
+    assert dropped.nodes["node-1"].phase is NodePhase.LOST and dropped.phase is JobPhase.RUNNING
+    again = transition(after(NodeExited(node_id="node-1", incarnation=1), start=dropped), scale(2), now=NOW)
+    assert ids(again.effects) == ["emit/request/node-1/2"]
