@@ -196,8 +196,8 @@ class NodeCheckpoints:
         while True:
             # a newer step being written is the one to wait for: this agent's hint may be a commit behind the
             # others' (their workers saved once more before they stopped), and the workers restore the newest
-            newest = max(step, *await anyio.to_thread.run_sync(functools.partial(
-                _disk.candidates, self.root, -1, any_rank=True)))
+            newest = max([step, *await anyio.to_thread.run_sync(functools.partial(
+                _disk.candidates, self.root, -1, any_rank=True))])
             if newest != step:
                 step, seen, quiet = newest, 0, 0.0
             complete, ranks = await anyio.to_thread.run_sync(_disk.progress, self.root, step)
