@@ -149,6 +149,25 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--output", "-o", default=None, metavar="PATH",
                    help="where to write it (default: .stead/<job>-report.html)")
     _add_common(r)
+
+    k = sub.add_parser("k8s", help="Kubernetes: the manifests to install stead on a cluster, and its operator",
+                       description="Run jobs on Kubernetes: `stead run --platform k8s ...` from a laptop (no CRD "
+                       "needed), or a SteadJob resource that the operator runs. `stead k8s manifests` prints "
+                       "what a cluster needs (CRD, RBAC, operator, optional etcd, an example job).")
+    k8s = k.add_subparsers(dest="k8s_command", metavar="K8S_COMMAND")
+    km = k8s.add_parser("manifests", help="print the CRD, RBAC, operator Deployment (and etcd, an example job)")
+    from stead.platforms.k8s.manifests import add_arguments
+
+    add_arguments(km)
+    ko = k8s.add_parser("operator", help="run the operator: SteadJob resources become running jobs",
+                        description="Watch SteadJob resources and run each: its token Secret, master Service, "
+                        "NetworkPolicy and master pod (which runs the node pods); a master pod deleted while the "
+                        "job runs is replaced; the job's phase, step, restarts and goodput go to its status.")
+    ko.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                    help="serve only this namespace (repeatable; default: every namespace)")
+    ko.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
+                    help="serve kopf's liveness probe here (default: http://0.0.0.0:8080/healthz; '' for none)")
+    _add_common(ko)
     return parser
 
 
@@ -183,6 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from stead.core.runner import main as run_main
 
         return run_main(argv[1:])
+    if argv[:2] == ["k8s", "manifests"]:  # output only: no logging, no settings
+        from stead.platforms.k8s.manifests import main as manifests_main
+
+        return manifests_main(argv[2:], prog="stead k8s manifests")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -226,6 +249,8 @@ async def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
         return await _report(args, settings)
     if args.command == "scale":
         return await _scale(args, settings)
+    if args.command == "k8s":
+        return await _k8s(args, settings)
     raise ConfigError(f"unknown command {args.command!r}; see `stead --help`")
 
 
@@ -276,6 +301,19 @@ async def _master_of_run(args: argparse.Namespace) -> int:
         return 0
     print(f"job {args.job!r} {state.phase.value}: {state.reason}", flush=True)
     return 0 if state.phase is JobPhase.SUCCEEDED else EXIT_FAILED
+
+
+async def _k8s(args: argparse.Namespace, settings: Settings) -> int:
+    from stead.core.config import load_settings
+    from stead.platforms.k8s import operator
+    from stead.platforms.k8s.settings import K8sSettings
+
+    if args.k8s_command != "operator":
+        raise ConfigError("stead k8s needs a command: manifests or operator (see `stead k8s --help`)")
+    base = load_settings(K8sSettings, "k8s", settings)
+    print(f"stead operator: serving SteadJobs in {', '.join(args.namespace) or 'every namespace'}", flush=True)
+    await operator.run(base, namespaces=args.namespace, liveness=args.liveness or None)
+    return 0
 
 
 async def _events(args: argparse.Namespace, settings: Settings) -> int:

@@ -31,7 +31,7 @@ from stead.core.entrypoints import installed
 from stead.core.errors import ConfigError, InvalidRequest
 from stead.core.logging import LOG_LEVELS, TRACE_CHOICES, TRACE_HELP
 from stead.core.plugins import GROUP as PLUGIN_GROUP
-from stead.core.plugins import check_plugin_settings
+from stead.core.plugins import PLATFORM_GROUP, check_plugin_settings
 
 __all__ = ["PLATFORM_GROUP", "RunConfig", "Streams", "build_parser", "gpu_count", "parse_run_args", "worker_env"]
 
@@ -48,7 +48,6 @@ RDZV_CONF_SETTINGS: Mapping[str, str] = {
 RDZV_CONF_IGNORED = frozenset({"close_timeout", "is_host", "keep_alive_max_attempt", "read_timeout",
                                "store_type", "timeout"})
 
-PLATFORM_GROUP = "stead.platforms"
 _JOB_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _STORE_URL = re.compile(r"[a-z][a-z0-9+.-]*://.*")
 
@@ -353,9 +352,6 @@ def _check_platform(name: str) -> None:
     platforms = installed(PLATFORM_GROUP)
     if name in platforms:
         return
-    if name == "k8s":
-        raise ConfigError("--platform k8s: the Kubernetes platform is not available in this stead version yet; "
-                          "use --platform local")
     raise ConfigError(f"--platform {name!r} is not installed (installed: {', '.join(platforms) or 'none'}); "
                       "pick one of them")
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -57,13 +58,16 @@ from stead.core.rpc import (
 )
 from stead.core.rpc.backend import MAX_EVIDENCE_CHARS
 
-__all__ = ["EXIT_MASTER_GONE", "RUN_ARGV_ENV", "ZYGOTE_LATE_PRELOAD", "ZYGOTE_PRELOAD", "Agent", "clean_up_after",
-           "load_run_config", "run_agent", "zygote_env"]
+__all__ = ["EXIT_MASTER_GONE", "EXIT_TERMINATED", "RUN_ARGV_ENV", "ZYGOTE_LATE_PRELOAD", "ZYGOTE_PRELOAD", "Agent",
+           "clean_up_after", "load_run_config", "run_agent", "zygote_env"]
 
 log = structlog.get_logger("stead.agent")
 
 #: the agent's exit code when it gave up on a master gone for longer than master_gone_timeout_s
 EXIT_MASTER_GONE = 3
+#: the agent's exit code after SIGTERM (its node taken away: a pod deleted, preempted, evicted), as a process killed
+#: by SIGTERM reports it: it stopped its workers and its extensions persisted the newest checkpoint first
+EXIT_TERMINATED = 128 + signal.SIGTERM
 #: the `stead run` arguments of the job, as JSON, so every agent builds the same RunConfig
 RUN_ARGV_ENV = "STEAD_RUN_ARGV"
 #: what the zygote imports before forking the first workers; none runs a torch op or starts a thread
@@ -90,6 +94,8 @@ class Agent:
         self._job_ended = False
         #: set when the agent gave up on its master (gone past master_gone_timeout_s)
         self.master_gone = False
+        #: set when SIGTERM stopped the agent (see _stop_on_sigterm)
+        self.terminated = False
         self.config = config
         self.node_id = node_id
         self.incarnation = incarnation
@@ -115,7 +121,7 @@ class Agent:
 
     async def run(self) -> int:
         preload = ZYGOTE_PRELOAD if not self.config.no_python else ()
-        with ProgressFiles(range(self.nproc)) as progress:
+        with ProgressFiles(range(self.nproc)) as progress, anyio.open_signal_receiver(signal.SIGTERM) as sigterm:
             self._progress = progress
             self._reader = ProgressReader(progress.paths)
             self._oom.open()
@@ -138,6 +144,7 @@ class Agent:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._open_gpus)  # off the start-up path: NVML takes ~0.1 s even to say none
                         tg.start_soon(self._heartbeats)
+                        tg.start_soon(self._stop_on_sigterm, sigterm, tg.cancel_scope)
                         await self._obey(tg)
                         tg.cancel_scope.cancel()
             finally:
@@ -146,8 +153,21 @@ class Agent:
                 self._gpu.close()
                 with anyio.CancelScope(shield=True):
                     await self.extensions.call("stop", job_ended=self._job_ended)
-        self._log.info("agent_exiting", master_gone=self.master_gone)
-        return EXIT_MASTER_GONE if self.master_gone else 0
+        self._log.info("agent_exiting", master_gone=self.master_gone, terminated=self.terminated)
+        return EXIT_TERMINATED if self.terminated else EXIT_MASTER_GONE if self.master_gone else 0
+
+    async def _stop_on_sigterm(self, signals: AsyncIterator[int], scope: anyio.CancelScope) -> None:
+        """SIGTERM takes the node away (its pod deleted, preempted or evicted; the local platform closing): the
+        workers stop, then the extensions' stop persists the newest checkpoint, within the platform's grace period.
+        The master learns of it from the platform, not from here."""
+        async for _ in signals:
+            self.terminated = True
+            self._log.warning("agent_terminated", reason="SIGTERM", round=self.round,
+                              action="stopping the workers; the newest checkpoint is persisted before exiting")
+            with anyio.CancelScope(shield=True):
+                await self._stop_workers("the node is being stopped (SIGTERM)")
+            scope.cancel()
+            return
 
     async def _until_warm(self, zygote: Zygote | None) -> None:
         """Join once the zygote has imported torch (``zygote_wait_s`` at most): a node that joins a running job

@@ -1,0 +1,237 @@
+"""The SteadJob CustomResourceDefinition: ``stead run`` as a Kubernetes resource.
+
+Every field of ``spec`` mirrors a ``stead run`` flag (or a pod setting a job on
+Kubernetes needs: image, resources, ``/dev/shm``, the checkpoint volume), with
+``stead run``'s default, so that a user who knows the command line can read
+the resource. The schema is *structural* (every field typed, free-form parts
+marked ``x-kubernetes-preserve-unknown-fields``), which the API server requires
+for defaulting and pruning; the API server then validates jobs before the
+operator ever sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stead.platforms.k8s.names import API_GROUP, API_VERSION, JOB_KIND, JOB_PLURAL
+
+__all__ = ["JOB_NAME_MAX", "JOB_NAME_PATTERN", "MASTER_ACCOUNT", "PHASES", "custom_resource_definition"]
+
+#: the ServiceAccount (and Role, RoleBinding) job masters run as: spec.serviceAccountName's default
+MASTER_ACCOUNT = "stead-master"
+
+#: a job's name: its master's Service is ``<job>-master`` (names.master_name), and a Service name is a DNS-1035
+#: label (a letter first, at most 63 characters), so the job name is one too, 7 characters shorter
+JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+JOB_NAME_MAX = 63 - len("-master")
+
+#: the job's phases as the operator reports them in ``status.phase``
+PHASES = ("Pending", "Running", "Recovering", "Succeeded", "Failed", "Stopped", "Suspended")
+
+#: a Kubernetes resource.Quantity in its string form (as controller-gen renders it for built-in types)
+_QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+                     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+_NNODES_PATTERN = r"^[1-9][0-9]{0,5}(:[1-9][0-9]{0,5})?$"
+_STORE_PATTERN = r"^etcd://[^\s/,]+(,[^\s/,]+)*$"
+
+Schema = dict[str, Any]
+
+
+def _string(description: str, **checks: Any) -> Schema:
+    return {"description": description, "type": "string", **checks}
+
+
+def _integer(description: str, *, minimum: int | None = None, default: int | None = None) -> Schema:
+    node: Schema = {"description": description, "type": "integer"}
+    if minimum is not None:
+        node["minimum"] = minimum
+    if default is not None:
+        node["default"] = default
+    return node
+
+
+def _boolean(description: str, *, default: bool) -> Schema:
+    return {"description": description, "type": "boolean", "default": default}
+
+
+def _quantity(description: str, *, default: str | None = None) -> Schema:
+    node: Schema = {"description": description, "anyOf": [{"type": "integer"}, {"type": "string"}],
+                    "pattern": _QUANTITY_PATTERN, "x-kubernetes-int-or-string": True}
+    if default is not None:
+        node["default"] = default
+    return node
+
+
+def _string_map(description: str) -> Schema:
+    return {"description": description, "type": "object", "additionalProperties": {"type": "string"}}
+
+
+def _string_list(description: str, **checks: Any) -> Schema:
+    return {"description": description, "type": "array", "items": {"type": "string"}, **checks}
+
+
+def _free_object(description: str) -> Schema:
+    return {"description": description, "type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+def _object(description: str, properties: dict[str, Schema], *, required: tuple[str, ...] = ()) -> Schema:
+    node: Schema = {"description": description, "type": "object"}
+    if required:
+        node["required"] = list(required)
+    node["properties"] = properties
+    return node
+
+
+def _resource_requirements(description: str) -> Schema:
+    return _object(description, {
+        "requests": {"description": "the least the container needs (the scheduler reserves it), by resource name: "
+                                    "cpu, memory, nvidia.com/gpu, ...",
+                     "type": "object", "additionalProperties": _quantity("a quantity, e.g. 4, 500m, 16Gi")},
+        "limits": {"description": "the most the container may use, by resource name (a GPU's request equals its "
+                                  "limit)",
+                   "type": "object", "additionalProperties": _quantity("a quantity, e.g. 4, 500m, 16Gi")},
+    })
+
+
+def _spec() -> Schema:
+    return _object("The job: what `stead run` would be told, and the pods its nodes run in.", {
+        "nnodes": _string("Number of nodes N, or the elastic range MIN:MAX: the job runs with any count in the range "
+                          "(stead run --nnodes).", pattern=_NNODES_PATTERN, maxLength=13, default="1"),
+        "nprocPerNode": _integer("Worker processes per node, usually one per GPU of the node's pod "
+                                 "(stead run --nproc-per-node).", minimum=1, default=1),
+        "maxRestarts": _integer("Restart the workers at most this many times after failures before the job fails "
+                                "(stead run --max-restarts; torchrun's default 0).", minimum=0, default=0),
+        "maxNodeRelaunches": _integer("Relaunch a lost or killed node (a new pod) at most this many times before the "
+                                      "job goes on without it, or fails below MIN nodes "
+                                      "(stead run --max-node-relaunches).", minimum=0, default=3),
+        "startNodes": _integer("With nnodes MIN:MAX, start on this many nodes (default MAX); "
+                               "`stead scale` changes it while the job runs (stead run --start-nodes).", minimum=1),
+        "image": _string("The container image of the job's pods: stead, torch and the training script installed.",
+                         minLength=1),
+        "imagePullPolicy": _string("When the kubelet pulls the image (k8s.image_pull_policy).",
+                                   enum=["Always", "IfNotPresent", "Never"], default="IfNotPresent"),
+        "command": _string_list("The training script and its arguments, as `stead run` takes them after its flags, "
+                                "e.g. [train.py, --epochs, '3']; a module name with module: true.", minItems=1),
+        "module": _boolean("Run the script as a module, like python -m (stead run --module).", default=False),
+        "runArgs": _string_list("Further `stead run` flags, placed before the script, "
+                                "e.g. [--set, ckpt.keep_last=3]."),
+        "settings": _string_map("stead settings by name, each passed as --set NAME=VALUE "
+                                "(e.g. heartbeat_timeout_s: '10', ckpt.keep_last: '3')."),
+        "resources": _resource_requirements("Compute resources of each node's pod (the node container)."),
+        "shmSize": _quantity("Size of the memory-backed /dev/shm of each node's pod, which holds the flash "
+                             "checkpoints (two copies of each local rank's state) and torch's shared tensors.",
+                             default="1Gi"),
+        "checkpointVolume": _object("Where persisted checkpoints go: a PersistentVolumeClaim every node mounts, so "
+                                    "it must be ReadWriteMany.", {
+                                        "claimName": _string("Name of the PersistentVolumeClaim (ReadWriteMany) in "
+                                                             "the job's namespace.", minLength=1),
+                                        "mountPath": _string("Where the nodes mount it; the ckpt.dir setting points "
+                                                             "there.", pattern="^/", default="/stead/checkpoints"),
+                                    }, required=("claimName",)),
+        "store": _string("The state store, etcd://HOST:PORT[,HOST:PORT] (stead run --store); the event log that "
+                         "lets a restarted master pick the job up lives there. Required unless the operator runs "
+                         "with a default store.", pattern=_STORE_PATTERN),
+        "env": {"description": "Environment variables of the node containers (Kubernetes EnvVar: name with value or "
+                               "valueFrom).",
+                "type": "array",
+                "items": _object("One environment variable.", {
+                    "name": _string("The variable's name.", minLength=1),
+                    "value": _string("Its value."),
+                    "valueFrom": _free_object("Where its value comes from (a Kubernetes EnvVarSource: "
+                                              "secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef)."),
+                }, required=("name",))},
+        "serviceAccountName": _string("ServiceAccount the job's master pod runs as (k8s.service_account); its Role "
+                                      "must allow what stead-master's does. Node pods never call the API: they get "
+                                      "no token.", minLength=1, default=MASTER_ACCOUNT),
+        "terminationGracePeriodSeconds": _integer("Time a node pod gets between SIGTERM and SIGKILL: the agent "
+                                                  "writes the newest checkpoint to disk in it (k8s.grace_period_s).",
+                                                  minimum=1, default=60),
+        "ptrace": _boolean("Give the node containers CAP_SYS_PTRACE, so that stacks of hung workers can be dumped.",
+                           default=False),
+        "nodeSelector": _string_map("Labels a Kubernetes node must have to run this job's pods."),
+        "tolerations": {"description": "Taints this job's pods tolerate (Kubernetes Toleration objects).",
+                        "type": "array", "items": _free_object("One toleration: key, operator, value, effect, "
+                                                               "tolerationSeconds.")},
+        "masterResources": _resource_requirements("Compute resources of the job's master pod."),
+        "suspend": _boolean("Stop the job's pods and keep the job (its store and checkpoints); set back to false to "
+                            "resume it.", default=False),
+    }, required=("image", "command"))
+
+
+def _status() -> Schema:
+    return _object("What the operator last observed of the job.", {
+        "phase": _string("The job's phase.", enum=list(PHASES)),
+        "message": _string("Why the job is in this phase, in words (a failure's cause)."),
+        "round": _integer("The current rendezvous round: one more each time the workers restart or the world is "
+                          "resized.", minimum=0),
+        "step": _integer("The latest training step the workers reported.", minimum=0),
+        "restarts": _integer("How many times the workers were restarted.", minimum=0),
+        "nodes": _integer("Nodes running now.", minimum=0),
+        "targetNodes": _integer("Nodes the job aims at (within MIN:MAX).", minimum=0),
+        "goodput": {"description": "Productive training time over wall time so far, from 0 to 1.", "type": "number",
+                    "minimum": 0},
+        "master": _string("Name of the master pod."),
+        "startTime": _string("When the job started.", format="date-time"),
+        "completionTime": _string("When the job ended.", format="date-time"),
+        "observedGeneration": _integer("The spec generation this status describes.", minimum=0),
+        "conditions": {"description": "Standard conditions (type, status, reason, message, lastTransitionTime).",
+                       "type": "array", "items": _free_object("One condition.")},
+    })
+
+
+def _printer_columns() -> list[Schema]:
+    def column(name: str, kind: str, path: str, description: str) -> Schema:
+        return {"name": name, "type": kind, "jsonPath": path, "description": description}
+
+    return [
+        column("Phase", "string", ".status.phase", "The job's phase."),
+        column("Nodes", "integer", ".status.nodes", "Nodes running now."),
+        column("Target", "integer", ".status.targetNodes", "Nodes the job aims at."),
+        column("Step", "integer", ".status.step", "The latest training step reported."),
+        column("Restarts", "integer", ".status.restarts", "Worker restarts so far."),
+        column("Goodput", "number", ".status.goodput", "Productive time over wall time."),
+        column("Age", "date", ".metadata.creationTimestamp", "Time since the job was created."),
+    ]
+
+
+def _open_api_schema() -> Schema:
+    return {
+        "description": "A distributed PyTorch training job that keeps going when things break: "
+                       "`stead run` on Kubernetes.",
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": _string("The versioned schema of this object: stead.dev/v1."),
+            "kind": _string("SteadJob."),
+            # the API server allows a CRD to restrict only metadata.name and metadata.generateName
+            "metadata": {"description": "Standard object metadata; the name becomes part of pod and Service names.",
+                         "type": "object",
+                         "properties": {"name": _string("The job's name.", pattern=JOB_NAME_PATTERN,
+                                                        maxLength=JOB_NAME_MAX)}},
+            "spec": _spec(),
+            "status": _status(),
+        },
+    }
+
+
+def custom_resource_definition() -> dict[str, Any]:
+    """The ``steadjobs.stead.dev`` CRD: namespaced, one served and stored version, a status subresource."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{JOB_PLURAL}.{API_GROUP}", "labels": {"app.kubernetes.io/part-of": "stead"}},
+        "spec": {
+            "group": API_GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": JOB_KIND, "listKind": f"{JOB_KIND}List", "plural": JOB_PLURAL,
+                      "singular": JOB_KIND.lower(), "shortNames": ["sj"]},
+            "versions": [{
+                "name": API_VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": _printer_columns(),
+                "schema": {"openAPIV3Schema": _open_api_schema()},
+            }],
+        },
+    }

@@ -1,0 +1,146 @@
+"""A job's objects on the cluster and its master pod: made once, kept running until the job ends.
+
+Shared by ``stead run --platform k8s`` (run from a laptop, no CRD needed) and by
+the operator (a ``SteadJob`` resource): both make the job's token Secret, the
+master's Service, the job's NetworkPolicy and the master pod, and both start a
+new master pod when the one running is deleted before the job ended (the new
+master replays the job's log and adopts the node pods that still run).
+
+Creation is all or nothing: a failure deletes what this call made, so a bad
+image name or a missing RBAC rule leaves nothing half-created behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from stead.core.errors import ConfigError, PlatformError
+from stead.core.rpc import new_token
+from stead.platforms.k8s import names
+from stead.platforms.k8s._client import NETWORK_POLICIES, PODS, SECRETS, SERVICES, Kube, Resource
+from stead.platforms.k8s.manifests import network_policy
+from stead.platforms.k8s.pods import JobObjects, Owner, master_pod, master_service, token_secret
+from stead.platforms.k8s.settings import K8sSettings
+from stead.platforms.k8s.status import parse_time
+
+__all__ = ["MasterPods", "MasterSpec", "check_store", "create_job_objects", "master_pods", "start_master"]
+
+log = structlog.get_logger("stead.k8s")
+
+JsonObject = dict[str, Any]
+
+#: the k8s settings that only mean something where the command runs (a laptop's kubeconfig), not in the master pod
+_LOCAL_ONLY = frozenset({"api_url", "kubeconfig", "context", "pod_api_url", "namespace"})
+
+
+@dataclasses.dataclass(frozen=True)
+class MasterSpec:
+    """What a job's master pod runs: its store, its `stead run` arguments and its k8s settings."""
+
+    job: str
+    store_url: str
+    run_args: tuple[str, ...]
+    settings: K8sSettings
+    #: the master pod's environment (settings exported as ``STEAD_*``)
+    env: tuple[tuple[str, str], ...] = ()
+    log_format: str = "json"
+
+    def master_args(self) -> list[str]:
+        """The run arguments with every k8s setting that is not a default, so that the master pod builds its
+        nodes' pods from the same values as whoever made it (settings given by environment included)."""
+        defaults = K8sSettings()
+        extra = []
+        for field in dataclasses.fields(K8sSettings):
+            value = getattr(self.settings, field.name)
+            if field.name not in _LOCAL_ONLY and value != getattr(defaults, field.name):
+                extra.append(f"--set=k8s.{field.name}={str(value).lower() if isinstance(value, bool) else value}")
+        if self.settings.pod_api_url:
+            extra.append(f"--set=k8s.api_url={self.settings.pod_api_url}")
+        return [*extra, *self.run_args]
+
+
+@dataclasses.dataclass(frozen=True)
+class MasterPods:
+    """The job's master pods as the API server has them."""
+
+    running: list[str]
+    #: name -> how it ended ("Succeeded", "Failed: ...")
+    ended: dict[str, str]
+    #: the highest suffix used (the next master pod is ``<job>-master-<last_index + 1>``)
+    last_index: int
+
+
+async def master_pods(kube: Kube, job: str) -> MasterPods:
+    items, _ = await kube.list(PODS, label_selector=f"{names.LABEL_JOB}={job},{names.LABEL_ROLE}={names.ROLE_MASTER}")
+    running, ended, last = [], {}, 0
+    for pod in sorted(items, key=lambda p: parse_time(p["metadata"].get("creationTimestamp"))):
+        name = str(pod["metadata"]["name"])
+        suffix = name.rsplit("-", 1)[-1]
+        if suffix.isdigit():
+            last = max(last, int(suffix))
+        phase = (pod.get("status") or {}).get("phase")
+        if phase in ("Succeeded", "Failed"):
+            ended[name] = str(phase)
+        elif not pod["metadata"].get("deletionTimestamp"):
+            running.append(name)
+    return MasterPods(running=running, ended=ended, last_index=last)
+
+
+async def create_job_objects(kube: Kube, spec: MasterSpec, *, owner: Owner | None = None) -> JobObjects:
+    """The job's token Secret (kept when it exists: a job run again keeps its token), Service and NetworkPolicy.
+
+    ``owner``: the SteadJob that owns them; without one the Secret is the job's anchor and owns the rest.
+    """
+    namespace = kube.namespace
+    made: list[tuple[Resource, str]] = []
+    try:
+        secret = await kube.get(SECRETS, names.secret_name(spec.job))
+        if secret is None:
+            secret = await kube.create(SECRETS, token_secret(spec.job, namespace, new_token(), owner=owner))
+            assert secret is not None
+            made.append((SECRETS, names.secret_name(spec.job)))
+        anchor = owner or Owner("v1", "Secret", names.secret_name(spec.job), secret["metadata"]["uid"])
+        objects = JobObjects(job=spec.job, namespace=namespace, owner=anchor,
+                             master_address=f"{names.master_name(spec.job)}.{namespace}.svc:"
+                                            f"{spec.settings.master_port}")
+        if await kube.create(SERVICES, master_service(objects, spec.settings), exist_ok=True) is not None:
+            made.append((SERVICES, names.master_name(spec.job)))
+        policy = network_policy(spec.job, namespace)
+        policy["metadata"]["ownerReferences"] = [anchor.reference()]
+        if await kube.create(NETWORK_POLICIES, policy, exist_ok=True) is not None:
+            made.append((NETWORK_POLICIES, str(policy["metadata"]["name"])))
+    except BaseException:
+        await _undo(kube, made)
+        raise
+    return objects
+
+
+async def start_master(kube: Kube, spec: MasterSpec, objects: JobObjects, *, index: int) -> str:
+    """Create the master pod ``<job>-master-<index>``; its name."""
+    name = f"{names.master_name(spec.job)}-{index}"
+    pod = master_pod(objects, spec.settings, name=name, store_url=spec.store_url, run_args=spec.master_args(),
+                     env=dict(spec.env), log_format=spec.log_format)
+    await kube.create(PODS, pod)
+    log.info("k8s_master_pod_created", job=spec.job, pod=name, namespace=kube.namespace)
+    return name
+
+
+def check_store(url: str) -> None:
+    """A job on Kubernetes needs a store its master pods reach and that outlives each of them."""
+    scheme = url.partition("://")[0]
+    if scheme in ("sqlite", "memory"):
+        raise ConfigError(f"--store {url}: a job on Kubernetes needs a store that every master pod reaches and "
+                          "that outlives them (etcd): --store etcd://HOST:PORT (`stead k8s manifests --with-etcd` "
+                          "gives one to try)")
+
+
+async def _undo(kube: Kube, made: Sequence[tuple[Resource, str]]) -> None:
+    for resource, name in reversed(made):
+        try:
+            await kube.delete(resource, name, grace_period_s=0)
+        except PlatformError as exc:
+            log.warning("k8s_undo_failed", resource=resource.plural, name=name, error=str(exc))

@@ -1,0 +1,528 @@
+"""What a cluster needs to run stead jobs, as Kubernetes objects: ``stead k8s manifests``.
+
+The CRD, the RBAC of the job masters and of the operator, the operator's
+Deployment, the per-job NetworkPolicy, an optional single-member etcd and an
+example job are built here as plain dicts, in the order they must be applied,
+and rendered as one multi-document YAML. ``deploy/`` in the repository is this
+module's output (``python -m stead.platforms.k8s.manifests --write deploy``); a
+test fails when the two differ, so the files people ``kubectl apply`` are always
+the ones the code describes.
+
+Every RBAC rule names its verbs: the masters get exactly what a job master does
+(its pods, its Service and NetworkPolicy, events, its job), the operator what it
+does plus what kopf needs in standalone mode (no peering resources).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stead.core.errors import ConfigError
+from stead.platforms.k8s._crd import JOB_NAME_MAX, JOB_NAME_PATTERN, MASTER_ACCOUNT, custom_resource_definition
+from stead.platforms.k8s.names import API_GROUP, API_VERSION, JOB_KIND, JOB_PLURAL, LABEL_JOB, MANAGED_BY
+
+__all__ = [
+    "ETCD_IMAGE",
+    "ETCD_PORT",
+    "ETCD_SERVICE",
+    "EXAMPLE_CHECKPOINT_CLAIM",
+    "EXAMPLE_JOB",
+    "IMAGE_REPOSITORY",
+    "MASTER_ACCOUNT",
+    "OPERATOR_ACCOUNT",
+    "OPERATOR_HEALTH_PATH",
+    "OPERATOR_HEALTH_PORT",
+    "Manifest",
+    "add_arguments",
+    "check_job_name",
+    "custom_resource_definition",
+    "default_image",
+    "deploy_files",
+    "etcd",
+    "example_job",
+    "main",
+    "master_rbac",
+    "master_rules",
+    "network_policy",
+    "network_policy_name",
+    "node_cordon_rbac",
+    "operator_deployment",
+    "operator_rbac",
+    "operator_rules",
+    "render",
+    "to_yaml",
+    "write_deploy",
+]
+
+Manifest = dict[str, Any]
+
+#: the operator's ServiceAccount, ClusterRole and Deployment
+OPERATOR_ACCOUNT = "stead-operator"
+#: the operator's liveness endpoint; this assumes `stead k8s operator` passes kopf
+#: ``liveness_endpoint="http://0.0.0.0:8080/healthz"`` (kopf's ``--liveness``): kopf binds ``localhost`` when the
+#: URL names no host, which the kubelet's probe cannot reach
+OPERATOR_HEALTH_PATH = "/healthz"
+OPERATOR_HEALTH_PORT = 8080
+#: the optional etcd's Service: jobs use ``etcd://stead-etcd:2379``
+ETCD_SERVICE = "stead-etcd"
+ETCD_PORT = 2379
+ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.21"
+EXAMPLE_JOB = "example"
+EXAMPLE_CHECKPOINT_CLAIM = "stead-checkpoints"
+#: where stead's images are published: the operator's default image is ``<repository>:<stead version>``
+IMAGE_REPOSITORY = "ghcr.io/stead-dev/stead"
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_JOB_NAME = re.compile(JOB_NAME_PATTERN)
+#: an unprivileged uid and gid for stead's own containers (the images need not declare a user)
+_NON_ROOT_ID = 65532
+_PART_OF = {"app.kubernetes.io/part-of": "stead"}
+_THIS_COMMAND = "python -m stead.platforms.k8s.manifests"
+
+
+# -- RBAC ----------------------------------------------------------------------------------------------------------
+
+
+def _rule(group: str, resources: Sequence[str], verbs: Sequence[str]) -> Manifest:
+    return {"apiGroups": [group], "resources": list(resources), "verbs": list(verbs)}
+
+
+def master_rules() -> list[Manifest]:
+    """What a job master does with the API: exactly these verbs, in its own namespace."""
+    return [
+        # its nodes: launched, watched (exits, evictions, pending), relaunched, deleted
+        _rule("", ["pods"], ["list", "watch", "create", "delete"]),
+        # its job's owner, which its pods name: the SteadJob, or the token Secret of a job run without the CRD
+        _rule(API_GROUP, [JOB_PLURAL], ["get"]),
+        _rule("", ["secrets"], ["get"]),
+    ]
+
+
+def operator_rules() -> list[Manifest]:
+    """What the operator (kopf, ``--standalone``: no peering) does with the API, cluster-wide."""
+    return [
+        # kopf lists and watches the jobs and patches them (its progress annotations) and their status subresource;
+        # the operator reads one job when its master pod changes
+        _rule(API_GROUP, [JOB_PLURAL], ["get", "list", "watch", "patch"]),
+        _rule(API_GROUP, [f"{JOB_PLURAL}/status"], ["get", "patch"]),
+        # a job's master pod (watched: a deleted one is replaced), its Service, NetworkPolicy and token Secret;
+        # a suspended job's pods are deleted; what a failed creation made is deleted again
+        _rule("", ["pods"], ["list", "watch", "create", "delete"]),
+        _rule("", ["services"], ["create", "delete"]),
+        _rule("networking.k8s.io", ["networkpolicies"], ["create", "delete"]),
+        _rule("", ["secrets"], ["get", "create", "delete"]),
+        # kopf posts its handlers' outcomes as core/v1 events
+        _rule("", ["events"], ["create"]),
+        # kopf watches the CRDs to notice when its resource appears or goes (kopf's resource observer), and,
+        # when serving named namespaces, lists and watches namespaces (kopf's namespace observer); both are
+        # list + watch only, and the discovery URLs (/api, /apis) every authenticated account may read
+        _rule("apiextensions.k8s.io", ["customresourcedefinitions"], ["list", "watch"]),
+        _rule("", ["namespaces"], ["list", "watch"]),
+    ]
+
+
+def _meta(name: str, namespace: str | None = None, labels: Mapping[str, str] | None = None,
+          annotations: Mapping[str, str] | None = None) -> Manifest:
+    meta: Manifest = {"name": name}
+    if namespace is not None:
+        meta["namespace"] = namespace
+    meta["labels"] = {**(labels or {}), **_PART_OF}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+def _account(name: str, namespace: str) -> Manifest:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(name, namespace)}
+
+
+def _binding(kind: str, name: str, namespace: str | None, role_kind: str, role: str, account: str,
+             account_namespace: str) -> Manifest:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": kind,
+        "metadata": _meta(name, namespace),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind, "name": role},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": account_namespace}],
+    }
+
+
+def master_rbac(namespace: str) -> list[Manifest]:
+    """The job masters' ServiceAccount, Role and RoleBinding in ``namespace`` (the operator creates the same)."""
+    _check_namespace(namespace)
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _meta(MASTER_ACCOUNT, namespace), "rules": master_rules()}
+    return [_account(MASTER_ACCOUNT, namespace), role,
+            _binding("RoleBinding", MASTER_ACCOUNT, namespace, "Role", MASTER_ACCOUNT, MASTER_ACCOUNT, namespace)]
+
+
+def operator_rbac(namespace: str) -> list[Manifest]:
+    """The operator's ServiceAccount (in ``namespace``), its ClusterRole and their ClusterRoleBinding."""
+    _check_namespace(namespace)
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": _meta(OPERATOR_ACCOUNT), "rules": operator_rules()}
+    # the binding names the namespace: operators installed in two namespaces must not overwrite each other's
+    binding = _binding("ClusterRoleBinding", f"{OPERATOR_ACCOUNT}-{namespace}", None, "ClusterRole", OPERATOR_ACCOUNT,
+                       OPERATOR_ACCOUNT, namespace)
+    return [_account(OPERATOR_ACCOUNT, namespace), role, binding]
+
+
+def node_cordon_rbac(namespace: str) -> list[Manifest]:
+    """Optional: lets the masters in ``namespace`` cordon a Kubernetes node whose host failed its health check.
+
+    Only needed for ``--set k8s.cordon_bad_hosts=true``; without it a bad host is only avoided by this job.
+    """
+    _check_namespace(namespace)
+    note = {"stead.dev/note": "only needed for --set k8s.cordon_bad_hosts=true"}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": _meta("stead-node-cordon", annotations=note),
+            "rules": [_rule("", ["nodes"], ["get", "patch"])]}
+    binding = _binding("ClusterRoleBinding", f"stead-node-cordon-{namespace}", None, "ClusterRole",
+                       "stead-node-cordon", MASTER_ACCOUNT, namespace)
+    binding["metadata"]["annotations"] = dict(note)
+    return [role, binding]
+
+
+# -- the operator ---------------------------------------------------------------------------------------------------
+
+
+def default_image() -> str:
+    """stead's published image for the installed version: ``ghcr.io/stead-dev/stead:<version>``."""
+    try:
+        version = importlib.metadata.version("stead")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError("stead's version is unknown (the package is not installed, so its image tag is not "
+                          "known); pass --image IMAGE") from None
+    return f"{IMAGE_REPOSITORY}:{version}"
+
+
+def _restricted_container() -> Manifest:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def _restricted_pod(*, fs_group: bool = False) -> Manifest:
+    context: Manifest = {"runAsNonRoot": True, "runAsUser": _NON_ROOT_ID, "runAsGroup": _NON_ROOT_ID}
+    if fs_group:
+        context["fsGroup"] = _NON_ROOT_ID
+    context["seccompProfile"] = {"type": "RuntimeDefault"}
+    return context
+
+
+def operator_deployment(namespace: str, image: str | None = None, *, all_namespaces: bool = False) -> Manifest:
+    """The operator: one replica (two kopf operators on the same jobs would collide), replaced, never rolled."""
+    _check_namespace(namespace)
+    image = _check_image(image) if image is not None else default_image()
+    scope = ["--all-namespaces"] if all_namespaces else ["--namespace", namespace]
+    labels = {"app.kubernetes.io/name": OPERATOR_ACCOUNT, "app.kubernetes.io/component": "operator"}
+    container = {
+        "name": "operator",
+        "image": image,
+        "command": ["stead", "k8s", "operator", *scope],
+        "env": [
+            # kopf names itself after POD_ID in the events it posts
+            {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+            {"name": "HOME", "value": "/tmp"},
+        ],
+        "ports": [{"name": "health", "containerPort": OPERATOR_HEALTH_PORT, "protocol": "TCP"}],
+        "livenessProbe": {"httpGet": {"path": OPERATOR_HEALTH_PATH, "port": "health"},
+                          "initialDelaySeconds": 30, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
+        "securityContext": _restricted_container(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(OPERATOR_ACCOUNT, namespace, labels),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": {"app.kubernetes.io/name": OPERATOR_ACCOUNT}},
+            "template": {
+                "metadata": {"labels": {**labels, **_PART_OF}},
+                "spec": {
+                    "serviceAccountName": OPERATOR_ACCOUNT,
+                    "securityContext": _restricted_pod(),
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+
+
+# -- per job --------------------------------------------------------------------------------------------------------
+
+
+def network_policy_name(job: str) -> str:
+    """The NetworkPolicy that isolates a job's pods."""
+    return f"{job}-isolation"
+
+
+def network_policy(job: str, namespace: str) -> Manifest:
+    """Only the job's own pods (master and nodes, label ``stead.dev/job``) may reach its pods, on any port.
+
+    Ingress only: egress stays open for the store, the image registry and checkpoint storage.
+    """
+    check_job_name(job)
+    _check_namespace(namespace)
+    own_pods = {"matchLabels": {LABEL_JOB: job}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(network_policy_name(job), namespace,
+                          {"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_JOB: job}),
+        "spec": {
+            "podSelector": own_pods,
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": own_pods}]}],
+        },
+    }
+
+
+# -- trying it out: etcd and an example job -------------------------------------------------------------------------
+
+
+def etcd(namespace: str) -> list[Manifest]:
+    """A single-member etcd and its Service ``stead-etcd``: for trying stead out, not for production.
+
+    One member (no quorum to lose a node to), no TLS, no authentication, no backups; its data survives a pod
+    restart on a 1Gi volume from the cluster's default StorageClass.
+    """
+    _check_namespace(namespace)
+    labels = {"app.kubernetes.io/name": ETCD_SERVICE, "app.kubernetes.io/component": "store"}
+    note = {"stead.dev/note": "for trying stead out, not for production: one member, no TLS, no auth, no backups"}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(ETCD_SERVICE, namespace, labels, note),
+        "spec": {"selector": {"app.kubernetes.io/name": ETCD_SERVICE},
+                 "ports": [{"name": "client", "port": ETCD_PORT, "targetPort": "client", "protocol": "TCP"}]},
+    }
+    container = {
+        "name": "etcd",
+        "image": ETCD_IMAGE,
+        "command": ["/usr/local/bin/etcd"],
+        "args": [
+            "--data-dir=/var/lib/etcd/data",
+            f"--listen-client-urls=http://0.0.0.0:{ETCD_PORT}",
+            f"--advertise-client-urls=http://{ETCD_SERVICE}.{namespace}.svc:{ETCD_PORT}",
+        ],
+        "ports": [{"name": "client", "containerPort": ETCD_PORT, "protocol": "TCP"}],
+        # /health fails while the member has no leader or raised an alarm: not ready, but not restarted for it
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "client"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "client"}, "initialDelaySeconds": 10, "periodSeconds": 10},
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": _restricted_container(),
+        "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
+    }
+    stateful_set = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(ETCD_SERVICE, namespace, labels, note),
+        "spec": {
+            "serviceName": ETCD_SERVICE,
+            "replicas": 1,
+            "selector": {"matchLabels": {"app.kubernetes.io/name": ETCD_SERVICE}},
+            "template": {
+                "metadata": {"labels": {**labels, **_PART_OF}},
+                "spec": {"securityContext": _restricted_pod(fs_group=True), "containers": [container]},
+            },
+            "volumeClaimTemplates": [{
+                "metadata": {"name": "data"},
+                "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+            }],
+        },
+    }
+    return [service, stateful_set]
+
+
+def example_job(namespace: str, image: str | None = None) -> list[Manifest]:
+    """A SteadJob ``example`` on 2 to 4 nodes and the ReadWriteMany claim its checkpoints persist to."""
+    _check_namespace(namespace)
+    image = _check_image(image) if image is not None else default_image()
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(EXAMPLE_CHECKPOINT_CLAIM, namespace),
+        # every node mounts it at once: the cluster needs a StorageClass that offers ReadWriteMany (NFS, CephFS,
+        # Filestore, EFS, Azure Files ...); name it in storageClassName when it is not the default one
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "10Gi"}}},
+    }
+    job = {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": JOB_KIND,
+        "metadata": _meta(EXAMPLE_JOB, namespace),
+        "spec": {
+            "nnodes": "2:4",
+            "nprocPerNode": 2,
+            "image": image,
+            "command": ["examples/train.py"],
+            "store": f"etcd://{ETCD_SERVICE}:{ETCD_PORT}",
+            "resources": {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}},
+            "checkpointVolume": {"claimName": EXAMPLE_CHECKPOINT_CLAIM, "mountPath": "/stead/checkpoints"},
+        },
+    }
+    return [claim, job]
+
+
+# -- all of it ------------------------------------------------------------------------------------------------------
+
+
+def _groups(namespace: str, image: str | None, *, all_namespaces: bool) -> dict[str, list[Manifest]]:
+    """Every object by the deploy/ file it goes to, in apply order (optional parts included)."""
+    _check_namespace(namespace)
+    image = _check_image(image) if image is not None else default_image()
+    return {
+        "crd.yaml": [custom_resource_definition()],
+        "rbac.yaml": [*master_rbac(namespace), *operator_rbac(namespace)],
+        "operator.yaml": [operator_deployment(namespace, image, all_namespaces=all_namespaces)],
+        "etcd.yaml": etcd(namespace),
+        "example-job.yaml": example_job(namespace, image),
+        "node-cordon.yaml": node_cordon_rbac(namespace),
+    }
+
+
+def render(namespace: str = "default", image: str | None = None, with_etcd: bool = False,
+           with_example: bool = False, all_namespaces: bool = False, *, with_node_cordon: bool = False,
+           ) -> list[Manifest]:
+    """Every object to apply, in apply order: CRD, RBAC, operator, [etcd], [example claim and job], [node cordon].
+
+    ``image`` is the operator's and the example job's image (default :func:`default_image`); with
+    ``all_namespaces`` the operator serves jobs in every namespace, else only in ``namespace``.
+    Raises ConfigError for a namespace that is not a DNS label or an image that is not an image reference.
+    """
+    groups = _groups(namespace, image, all_namespaces=all_namespaces)
+    optional = {"etcd.yaml": with_etcd, "example-job.yaml": with_example, "node-cordon.yaml": with_node_cordon}
+    return [obj for name, objects in groups.items() if optional.get(name, True) for obj in objects]
+
+
+def to_yaml(objects: Iterable[Mapping[str, Any]]) -> str:
+    """Multi-document YAML, keys in the order the objects were built (kind and metadata first)."""
+    text: str = yaml.safe_dump_all([dict(obj) for obj in objects], sort_keys=False, explicit_start=True,
+                                   default_flow_style=False, width=120)
+    return text
+
+
+#: deploy/ file -> what it holds (its header line, and its line in deploy/README.md)
+_FILES = {
+    "crd.yaml": "the SteadJob custom resource definition (steadjobs.stead.dev, short name sj)",
+    "rbac.yaml": "the job masters' ServiceAccount, Role and RoleBinding, and the operator's ServiceAccount, "
+                 "ClusterRole and ClusterRoleBinding",
+    "operator.yaml": "the operator's Deployment (one replica, kopf, liveness on :8080/healthz)",
+    "etcd.yaml": "optional: a single-member etcd and its Service stead-etcd, for trying stead out, "
+                 "not for production",
+    "example-job.yaml": "optional: a SteadJob `example` (2 to 4 nodes, 2 workers each, examples/train.py) and the "
+                        "ReadWriteMany claim its checkpoints persist to",
+    "node-cordon.yaml": "optional: lets the masters cordon a node whose host failed its health check; only needed "
+                        "for --set k8s.cordon_bad_hosts=true",
+}
+
+
+def deploy_files(namespace: str = "default", image: str | None = None, *, all_namespaces: bool = False,
+                 ) -> dict[str, str]:
+    """The contents of ``deploy/`` by file name: one YAML file per part, and a README listing them."""
+    groups = _groups(namespace, image, all_namespaces=all_namespaces)
+    files = {}
+    for name, objects in groups.items():
+        header = f"# {_FILES[name]}\n# generated by `{_THIS_COMMAND} --write deploy`: do not edit\n"
+        files[name] = header + to_yaml(objects)
+    lines = [f"- `{name}`: {_FILES[name]}" for name in groups]
+    files["README.md"] = (
+        "# Kubernetes manifests of stead\n\n"
+        f"Generated for namespace `{namespace}` by `{_THIS_COMMAND} --write deploy` (or `stead k8s manifests`, "
+        "which prints them; `--namespace NS` for another namespace): do not edit, change "
+        "`stead/platforms/k8s/manifests.py` and regenerate.\n\n"
+        + "\n".join(lines) + "\n\n"
+        "Apply the CRD first and wait until the API server serves it, then the rest:\n\n"
+        "    kubectl apply -f deploy/crd.yaml\n"
+        f"    kubectl wait --for condition=established crd/{JOB_PLURAL}.{API_GROUP}\n"
+        "    kubectl apply -f deploy/rbac.yaml -f deploy/operator.yaml\n"
+        "    kubectl apply -f deploy/etcd.yaml -f deploy/example-job.yaml   # to try it out\n")
+    return files
+
+
+def write_deploy(directory: Path, namespace: str = "default", image: str | None = None, *,
+                 all_namespaces: bool = False) -> list[Path]:
+    """Write :func:`deploy_files` into ``directory`` (created if missing); returns the paths written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in deploy_files(namespace, image, all_namespaces=all_namespaces).items():
+        path = directory / name
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written
+
+
+# -- command line ---------------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``stead k8s manifests`` (and of ``python -m stead.platforms.k8s.manifests``)."""
+    parser.add_argument("--namespace", default="default",
+                        help="namespace of the operator, the masters' RBAC and the optional parts (default: default)")
+    parser.add_argument("--image", default=None,
+                        help=f"image of the operator and the example job (default: {IMAGE_REPOSITORY}:<version>)")
+    parser.add_argument("--all-namespaces", action="store_true",
+                        help="the operator serves jobs in every namespace (default: only in --namespace)")
+    parser.add_argument("--with-etcd", action="store_true",
+                        help="add a single-member etcd (Service stead-etcd), for trying stead out")
+    parser.add_argument("--with-example", action="store_true", help="add an example job and its checkpoint claim")
+    parser.add_argument("--with-node-cordon", action="store_true",
+                        help="add the ClusterRole masters need for --set k8s.cordon_bad_hosts=true")
+    parser.add_argument("--write", default=None, metavar="DIR", type=Path,
+                        help="write the deploy/ files (every part, one file each, and a README) into DIR instead "
+                             "of printing YAML")
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = _THIS_COMMAND) -> int:
+    """Print the manifests as YAML, or write them as files with ``--write DIR``; 2 on bad input."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0] if __doc__ else None)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        if args.write is not None:
+            for path in write_deploy(args.write, args.namespace, args.image, all_namespaces=args.all_namespaces):
+                print(path)
+        else:
+            sys.stdout.write(to_yaml(render(args.namespace, args.image, args.with_etcd, args.with_example,
+                                            args.all_namespaces, with_node_cordon=args.with_node_cordon)))
+    except ConfigError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _check_namespace(namespace: str) -> None:
+    if not _DNS_LABEL.fullmatch(namespace):
+        raise ConfigError(f"namespace {namespace!r} is not a valid Kubernetes namespace name: use at most 63 "
+                          "lowercase letters, digits and '-', starting and ending with a letter or digit "
+                          "(e.g. stead-jobs)")
+
+
+def check_job_name(job: str) -> None:
+    """A job name that can name its Kubernetes objects (its master's Service is ``<job>-master``)."""
+    if len(job) > JOB_NAME_MAX or not _JOB_NAME.fullmatch(job):
+        raise ConfigError(f"job name {job!r} cannot name Kubernetes objects: use at most {JOB_NAME_MAX} lowercase "
+                          "letters, digits and '-', starting with a letter and ending with a letter or digit "
+                          "(its master's Service is <job>-master)")
+
+
+def _check_image(image: str) -> str:
+    if not image or any(c.isspace() for c in image):
+        raise ConfigError(f"--image {image!r} is not an image reference; give one like "
+                          f"{IMAGE_REPOSITORY}:TAG or registry.example.com/team/stead:TAG")
+    return image
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Jobs on Kubernetes end to end: `stead run --platform k8s` against a test cluster whose pods really run.
+
+The cluster is :mod:`stead.testing.kube`: an API server that speaks the real REST and watch
+protocol (the platform's kubernetes_asyncio client and the operator's kopf talk to it over HTTP)
+and a fake kubelet that runs each pod's command as a local process on one of three fake hosts,
+each with its own /dev/shm and scratch space. The store is a real etcd. The job trains with
+gloo on the CPU and saves a flash checkpoint every step; faults come from the test: a node's
+pod deleted, the master's pod deleted, a pod OOM-killed, a host whose health check fails, a pod
+that finds no room.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+
+from stead.platforms.k8s import names
+from stead.testing.kube import FakeKubeApi, FakeKubelet, local_image_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
+
+IMAGE = "stead:test"
+#: a guard against a hung job, not a measured duration
+TIMEOUT_S = 240.0
+
+TRAIN = """
+import os, time
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+import stead
+from stead.ckpt import FlashCheckpointer
+
+dist.init_process_group("gloo")
+rank, world, round_ = dist.get_rank(), dist.get_world_size(), os.environ["STEAD_ROUND"]
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+ddp = DistributedDataParallel(model)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+ckpt = FlashCheckpointer()
+step = 0
+found = ckpt.load({"model": model.state_dict(), "opt": opt.state_dict()})
+if found is not None:
+    step, state = found
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    if rank == 0:
+        with open("resumed.log", "a") as f:
+            f.write(f"{round_} {step}\\n")
+while True:
+    x = torch.full((4, 8), float(step % 7))
+    loss = ddp(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    step += 1
+    stead.report_step(step)
+    ckpt.save(step, {"model": model.state_dict(), "opt": opt.state_dict()})
+    if rank == 0:
+        with open("steps.log", "a") as f:
+            f.write(f"{step} {round_} {world}\\n")
+    stop = torch.tensor([int(os.path.exists("stop"))])
+    dist.all_reduce(stop)
+    if stop.item():
+        break
+    time.sleep(0.05)
+ckpt.close()
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.asynccontextmanager
+async def cluster(tmp_path: Path, **kubelet: Any) -> AsyncIterator[tuple[FakeKubeApi, FakeKubelet]]:
+    """The test cluster; its pods' logs are kept in ``pod-logs/`` (the kubelet removes its nodes' files)."""
+    async with FakeKubeApi() as api, FakeKubelet(api.url, root=tmp_path / "nodes", images={IMAGE: local_image_env()},
+                                                 retry_s=0.2, **kubelet) as fake:
+        try:
+            yield api, fake
+        finally:
+            kept = tmp_path / "pod-logs"
+            kept.mkdir(exist_ok=True)
+            for log in (tmp_path / "nodes").glob("*/logs/*.log"):
+                shutil.copy(log, kept / f"{log.parent.parent.name}_{log.name}")
+
+
+class Job:
+    """A `stead run --platform k8s` process, the job's directory, and what the test watches of it."""
+
+    def __init__(self, process: anyio.abc.Process, cwd: Path, name: str, store: str, api: FakeKubeApi) -> None:
+        self.process, self.cwd, self.name, self.store, self.api = process, cwd, name, store, api
+        self.stderr = b""
+
+    def steps(self) -> list[tuple[int, int, int]]:
+        path = self.cwd / "steps.log"
+        if not path.exists():
+            return []
+        return [(int(a), int(b), int(c)) for a, b, c in (line.split() for line in path.read_text().splitlines()
+                                                             if line.count(" ") == 2)]
+
+    def pods(self, role: str = names.ROLE_NODE) -> dict[str, dict[str, Any]]:
+        return {p["metadata"]["name"]: p for p in self.api.objects("pods", "default")
+                if p["metadata"].get("labels", {}).get(names.LABEL_ROLE) == role
+                and p["metadata"]["labels"].get(names.LABEL_JOB) == self.name}
+
+    def running(self, role: str = names.ROLE_NODE) -> list[str]:
+        return sorted(n for n, p in self.pods(role).items() if (p.get("status") or {}).get("phase") == "Running"
+                      and not p["metadata"].get("deletionTimestamp"))
+
+    async def until(self, what: str, holds: Callable[[], bool]) -> None:
+        with anyio.fail_after(TIMEOUT_S):
+            while not holds():
+                if self.process.returncode is not None:
+                    raise AssertionError(f"the job ended (exit {self.process.returncode}) while waiting for {what}; "
+                                         f"its output:\n{self.stderr.decode(errors='replace')[-4000:]}")
+                await anyio.sleep(0.1)
+
+    async def step_beyond(self, steps: int) -> int:
+        """Wait until training went ``steps`` steps past where it is now; the step then."""
+        now = max((s for s, _, _ in self.steps()), default=0)
+        await self.until(f"step {now + steps}", lambda: max((s for s, _, _ in self.steps()), default=0) >= now + steps)
+        return now + steps
+
+    def events(self) -> list[dict[str, Any]]:
+        out = subprocess.run([sys.executable, "-m", "stead", "events", "--job", self.name, "--store", self.store,
+                              "--json"], cwd=self.cwd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e["data"] for e in self.events() if e["type"] == kind]
+
+
+@contextlib.asynccontextmanager
+async def job(tmp_path: Path, api: FakeKubeApi, store: str, name: str, flags: Sequence[str]) -> AsyncIterator[Job]:
+    (tmp_path / "train.py").write_text(textwrap.dedent(TRAIN))
+    command = [sys.executable, "-m", "stead", "run", "--platform", "k8s", "--job-name", name, "--store", store,
+               "--set", f"k8s.api_url={api.url}", "--set", f"k8s.pod_api_url={api.url}", "--set", f"k8s.image={IMAGE}",
+               "--set", "k8s.master_host=127.0.0.1", "--set", f"k8s.master_port={_free_port()}",
+               "--set", f"k8s.working_dir={tmp_path}", "--set", "k8s.grace_period_s=10", "--log-format", "json",
+               *flags, "train.py"]
+    process = await anyio.open_process(command, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    running = Job(process, tmp_path, name, store, api)
+
+    async def collect() -> None:
+        assert process.stderr is not None
+        async for chunk in process.stderr:
+            running.stderr += chunk
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(collect)
+        try:
+            yield running
+        finally:
+            (tmp_path / "stop").touch()
+            with anyio.move_on_after(TIMEOUT_S / 2):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            tasks.cancel_scope.cancel()
+
+
+async def finish(running: Job) -> int:
+    (running.cwd / "stop").touch()
+    with anyio.fail_after(TIMEOUT_S):
+        return await running.process.wait()
+
+
+async def test_a_job_survives_a_deleted_pod_its_master_pod_deleted_and_an_oom_kill(tmp_path: Path,
+                                                                               etcd_url: str) -> None:
+    async with cluster(tmp_path) as (api, kubelet), job(
+            tmp_path, api, etcd_url, "kube-a", ("--nnodes", "2", "--nproc-per-node", "1", "--set", "health_check=off",
+                                                "--set", "k8s.memory=6Gi", "--set", "scaler.oom_memory_budget=1",
+                                                "--max-node-relaunches", "3")) as running:
+        await running.until("both node pods running", lambda: len(running.running()) == 2)
+        await running.step_beyond(5)
+        assert sorted(running.pods()) == ["kube-a-node-0-1", "kube-a-node-1-1"]
+
+        # a node's pod deleted: relaunched under a new name, training goes on from the flash checkpoint
+        await _delete(api, "kube-a-node-1-1")
+        await running.until("node-1's new pod", lambda: "kube-a-node-1-2" in running.running())
+        await running.step_beyond(5)
+
+        # the master's pod deleted: a new master adopts the running pods, none is recreated
+        [master] = running.running(names.ROLE_MASTER)
+        before = sorted(running.pods())
+        await _delete(api, master)
+        await running.until("a new master pod", lambda: any(m != master for m in running.running(names.ROLE_MASTER)))
+        await running.step_beyond(10)
+        assert sorted(running.pods()) == before, "a node pod was recreated when the master changed"
+
+        # node-0's pod OOM-killed: classified, relaunched with a larger memory limit; once the budget of raises
+        # (scaler.oom_memory_budget=1 here) is spent, with the same limit
+        for incarnation, memory in ((1, "9Gi"), (2, "9Gi")):
+            await kubelet.oom_kill("default", f"kube-a-node-0-{incarnation}")
+            relaunched = f"kube-a-node-0-{incarnation + 1}"
+            await running.until(f"{relaunched} running", lambda pod=relaunched: pod in running.running())
+            limits = running.pods()[relaunched]["spec"]["containers"][0]["resources"]["limits"]
+            assert limits["memory"] == memory
+            await running.step_beyond(5)
+        assert await finish(running) == 0, running.stderr.decode(errors="replace")[-4000:]
+
+    exits = running.of("node.exited")
+    assert any(e["node_id"] == "node-0" and e["oom"] and "OOMKilled" in e["reason"] for e in exits)
+    raised, kept = running.of("node.resources_decided")
+    assert raised["node_id"] == "node-0" and dict(raised["resources"])["memory"] == "9Gi"
+    assert dict(kept["resources"])["memory"] == "9Gi" and "oom_memory_budget 1 spent" in kept["reason"]
+    classified = running.of("diagnosis.classified")
+    assert any(c["failure_class"] == "oom" and c["node_id"] == "node-0" for c in classified), (classified, exits)
+    resumed = [tuple(map(int, line.split())) for line in (tmp_path / "resumed.log").read_text().splitlines()]
+    assert len(resumed) >= 2 and all(step > 0 for _, step in resumed), resumed  # each recovery restored a step
+    steps = [s for s, _, _ in running.steps()]
+    assert steps == sorted(steps) or max(steps) > 20  # training went on across every fault
+
+
+async def _delete(api: FakeKubeApi, pod: str) -> None:
+    from stead.platforms.k8s._client import PODS, Kube
+    from stead.platforms.k8s.settings import K8sSettings
+
+    async with Kube(K8sSettings(api_url=api.url, namespace="default"), pool=1) as kube:
+        assert await kube.delete(PODS, pod, grace_period_s=5)
+
