@@ -24,12 +24,13 @@ import structlog
 from stead.core.config import load_settings
 from stead.core.errors import ConfigError, PlatformRejected, PlatformUnavailable, SteadError
 from stead.core.launch import RunConfig
+from stead.core.platform import NodeSpec
 from stead.core.plugins import GROUP as PLUGIN_GROUP
 from stead.platforms.k8s import names
 from stead.platforms.k8s._client import JOBS, PODS, SECRETS, Kube
 from stead.platforms.k8s.jobs import MasterSpec, check_store, create_job_objects, master_pods, start_master
 from stead.platforms.k8s.manifests import check_job_name
-from stead.platforms.k8s.pods import JobObjects, passed_env
+from stead.platforms.k8s.pods import JobObjects, master_pod, node_pod, passed_env
 from stead.platforms.k8s.settings import K8sSettings
 from stead.platforms.k8s.status import cannot_start, parse_time
 
@@ -79,6 +80,7 @@ async def launch_job(config: RunConfig, argv: Sequence[str]) -> int:
                               "installed): --set k8s.image=IMAGE")
         check_store(config.store_url)
         check_job_name(config.job_name)
+        _check_pods(config.job_name, k8s)
         from stead.core.entrypoints import installed
 
         spec = MasterSpec(job=config.job_name, store_url=config.store_url, run_args=run_arguments(argv), settings=k8s,
@@ -99,6 +101,7 @@ async def _run(kube: Kube, spec: MasterSpec) -> int:
     if await kube.get(JOBS, job) is not None:
         raise ConfigError(f"job {job!r} is a SteadJob resource in namespace {kube.namespace}: its operator runs it; "
                           f"`kubectl get steadjob {job}` shows it (or choose another --job-name)")
+    fresh = await kube.get(SECRETS, names.secret_name(job)) is None
     objects = await create_job_objects(kube, spec)
     masters = await master_pods(kube, job)
     if masters.running:
@@ -106,13 +109,16 @@ async def _run(kube: Kube, spec: MasterSpec) -> int:
               "following it", file=sys.stderr)
         current = masters.running[-1]
     else:
-        current = await start_master(kube, spec, objects, index=masters.last_index + 1)
+        try:
+            current = await start_master(kube, spec, objects, index=masters.last_index + 1)
+        except BaseException:
+            if fresh:  # nothing half-made: the Secret made just now owns the Service and NetworkPolicy
+                with anyio.CancelScope(shield=True):
+                    await kube.delete(SECRETS, names.secret_name(job), grace_period_s=0)
+            raise
         print(f"stead: job {job} submitted to namespace {kube.namespace}: master pod {current}, image "
               f"{spec.settings.image}", file=sys.stderr)
-    try:
-        return await _follow(kube, spec, objects, current)
-    except KeyboardInterrupt:  # pragma: no cover - asyncio turns Ctrl-C into cancellation
-        return 130
+    return await _follow(kube, spec, objects, current)
 
 
 async def _follow(kube: Kube, spec: MasterSpec, objects: JobObjects, current: str) -> int:
@@ -157,6 +163,15 @@ async def _follow(kube: Kube, spec: MasterSpec, objects: JobObjects, current: st
             print(f"stead: {line}", file=sys.stderr)
             said, last_progress = line, now
         await anyio.sleep(0.5)
+
+
+def _check_pods(job: str, k8s: K8sSettings) -> None:
+    """The pods the job will ask for, built once here: a setting Kubernetes would refuse (a quantity, a node
+    selector, the JSON of env or tolerations) is said now, before anything is made on the cluster."""
+    objects = JobObjects(job=job, namespace=k8s.namespace or "default", master_address="check:1")
+    node_pod(NodeSpec(job=job, node_id="node-0", incarnation=1, command=("python", "-m", "stead", "agent")), objects,
+             k8s)
+    master_pod(objects, k8s, name=f"{job}-master-1", store_url="etcd://check:1", run_args=())
 
 
 def _ended(pod: dict[str, object]) -> tuple[int, str] | None:

@@ -103,8 +103,9 @@ def master_spec(name: str, spec: Mapping[str, Any], base: K8sSettings) -> Master
                       env=tuple(sorted(env.items())))
 
 
-def registry(base: K8sSettings | None = None) -> kopf.OperatorRegistry:
-    """The operator's handlers, on a registry of their own."""
+def registry(base: K8sSettings | None = None, *, status_interval_s: float = STATUS_INTERVAL_S) -> kopf.OperatorRegistry:
+    """The operator's handlers, on a registry of their own; a running job's status is read from its store every
+    ``status_interval_s``."""
     base = base or load_settings(K8sSettings, "k8s")
     found = kopf.OperatorRegistry()
     on = {"group": names.API_GROUP, "version": names.API_VERSION, "plural": names.JOB_PLURAL, "registry": found}
@@ -124,7 +125,7 @@ def registry(base: K8sSettings | None = None) -> kopf.OperatorRegistry:
         if spec.get("suspend"):
             patch.status["phase"] = "Suspended"
             return
-        master = await _ensure_master(base, name, namespace, uid, spec)
+        master = await _ensure_master(base, name, namespace, uid, spec, after=status.get("master"))
         patch.status.update({"phase": status.get("phase") or "Pending", "master": master,
                              "startTime": status.get("startTime") or _now()})
 
@@ -138,7 +139,7 @@ def registry(base: K8sSettings | None = None) -> kopf.OperatorRegistry:
             patch.status.update({"phase": "Suspended", "message": "suspended: its pods were stopped; set "
                                                                   "spec.suspend to false to resume it"})
         else:
-            master = await _ensure_master(base, name, namespace, uid, spec)
+            master = await _ensure_master(base, name, namespace, uid, spec, after=status.get("master"))
             patch.status.update({"phase": "Pending", "master": master, "message": "resumed"})
 
     @kopf.on.event("", "v1", "pods", labels={names.LABEL_ROLE: names.ROLE_MASTER},  # type: ignore[arg-type]
@@ -166,23 +167,22 @@ def registry(base: K8sSettings | None = None) -> kopf.OperatorRegistry:
                 return
             if type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
                 master = await _ensure_master(base, job, namespace, resource["metadata"]["uid"],
-                                              resource.get("spec") or {})
+                                              resource.get("spec") or {}, after=status.get("master"))
                 if master != status.get("master"):
                     log.warning("k8s_master_replaced", job=job, gone=body["metadata"]["name"], new=master)
                     await kube.patch(JOBS, job, {"status": {"master": master, "message": f"master pod "
                                      f"{body['metadata']['name']} was deleted; {master} took the job over"}},
                                      subresource="status")
 
-    @kopf.timer(interval=STATUS_INTERVAL_S, **on)  # type: ignore[arg-type]
-    async def mirror_status(name: str, spec: Mapping[str, Any], status: Mapping[str, Any],
-                            **_: Any) -> dict[str, Any] | None:
-        if status.get("phase") in (*_TERMINAL, "Suspended") or not spec.get("store"):
-            return None
+    @kopf.timer(interval=status_interval_s, **on)  # type: ignore[arg-type]
+    async def mirror_status(name: str, spec: Mapping[str, Any], status: Mapping[str, Any], patch: kopf.Patch,
+                            **_: Any) -> None:
+        if status.get("phase") in (*_TERMINAL, "Suspended") or spec.get("suspend") or not spec.get("store"):
+            return
         try:
-            return await _read_status(name, str(spec["store"]))
+            patch.status.update(await _read_status(name, str(spec["store"])))
         except SteadError as exc:
             log.warning("k8s_status_unreadable", job=name, error=str(exc))
-            return None
 
     return found
 
@@ -195,8 +195,10 @@ async def run(base: K8sSettings, *, namespaces: Sequence[str] = (), liveness: st
                         namespaces=list(namespaces), liveness_endpoint=liveness, stop_flag=stop)
 
 
-async def _ensure_master(base: K8sSettings, job: str, namespace: str, uid: str, spec: Mapping[str, Any]) -> str:
-    """The running master pod of the job, made (with the job's objects) when there is none."""
+async def _ensure_master(base: K8sSettings, job: str, namespace: str, uid: str, spec: Mapping[str, Any], *,
+                         after: object = None) -> str:
+    """The running master pod of the job, made (with the job's objects) when there is none; a new one is numbered
+    after every earlier one (``after``: the last the job's status names, which may be gone)."""
     settings = _in(base, namespace)
     wanted = master_spec(job, spec, settings)
     async with Kube(settings, pool=4) as kube:
@@ -205,7 +207,9 @@ async def _ensure_master(base: K8sSettings, job: str, namespace: str, uid: str, 
         masters = await master_pods(kube, job)
         if masters.running:
             return masters.running[-1]
-        return await start_master(kube, wanted, objects, index=masters.last_index + 1)
+        suffix = str(after).rsplit("-", 1)[-1] if after else ""
+        last = max(masters.last_index, int(suffix) if suffix.isdigit() else 0)
+        return await start_master(kube, wanted, objects, index=last + 1)
 
 
 async def _delete_pods(base: K8sSettings, job: str, namespace: str) -> None:

@@ -1,0 +1,122 @@
+"""The operator (kopf, run by kopf's own testing runner) against the test API server.
+
+No kubelet here: the master pods it makes stay unscheduled, and the tests play their
+lives (deleted, ended) through the API, so that only the operator's part is under test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from kopf.testing import KopfRunner
+
+from stead.core.events import JobSubmitted, NodeRequested
+from stead.core.events.log import EventLog
+from stead.core.store import open_store
+from stead.platforms.k8s import operator
+from stead.platforms.k8s._client import JOBS, PODS, Kube, Resource
+from stead.platforms.k8s.manifests import custom_resource_definition
+from stead.platforms.k8s.settings import K8sSettings
+from stead.testing.kube import FakeKubeApi
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT_S = 30.0
+CRDS = Resource("customresourcedefinitions", group="apiextensions.k8s.io", namespaced=False)
+
+
+def steadjob(name: str, store: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "stead.dev/v1", "kind": "SteadJob", "metadata": {"name": name, "namespace": "default"},
+            "spec": {"nnodes": "2", "nprocPerNode": 1, "image": "stead:test", "command": ["train.py"],
+                     "store": store, "resources": {"limits": {"memory": "8Gi"}}, **spec}}
+
+
+async def until(api: FakeKubeApi, holds: Callable[[], bool]) -> None:
+    await api.wait_for(holds, timeout_s=TIMEOUT_S)
+
+
+def _pod(api: FakeKubeApi, name: str) -> dict[str, Any] | None:
+    return api.get_object("pods", "default", name)
+
+
+def _status(api: FakeKubeApi, job: str) -> dict[str, Any]:
+    found = api.get_object("steadjobs", "default", job)
+    return dict((found or {}).get("status") or {})
+
+
+async def test_a_steadjob_gets_its_objects_and_master_a_deleted_master_is_replaced_and_its_end_is_mirrored(
+        kube_api: FakeKubeApi, tmp_path: Path) -> None:
+    base = K8sSettings(api_url=kube_api.url, pod_api_url=kube_api.url, master_host="127.0.0.1")
+    async with Kube(base, pool=2) as kube:
+        await kube.create(CRDS, custom_resource_definition())
+        with KopfRunner(["run", "--standalone", "--namespace", "default"], registry=operator.registry(base),
+                        timeout=60):
+            made = await kube.create(JOBS, steadjob("demo", "etcd://127.0.0.1:2379"))
+            assert made is not None
+            uid = made["metadata"]["uid"]
+            await until(kube_api, lambda: _pod(kube_api, "demo-master-1") is not None)
+            pod = _pod(kube_api, "demo-master-1")
+            assert pod is not None and pod["metadata"]["ownerReferences"][0]["uid"] == uid
+            command = pod["spec"]["containers"][0]["command"]
+            assert command[command.index("--") + 1:][-1] == "train.py" and "--set=k8s.memory=8Gi" in command
+            for kind, name in (("secrets", "demo-token"), ("services", "demo-master"),
+                               ("networkpolicies", "demo-isolation")):
+                owned = kube_api.get_object(kind, "default", name)
+                assert owned is not None and owned["metadata"]["ownerReferences"][0]["uid"] == uid, kind
+            await until(kube_api, lambda: _status(kube_api, "demo").get("master") == "demo-master-1")
+
+            await kube.delete(PODS, "demo-master-1", grace_period_s=0)  # evicted, preempted, deleted by hand
+            await until(kube_api, lambda: _pod(kube_api, "demo-master-2") is not None)
+
+            await kube.patch(PODS, "demo-master-2", {"status": {"phase": "Succeeded", "containerStatuses": [
+                {"name": "master", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]}},
+                subresource="status")
+            await until(kube_api, lambda: _status(kube_api, "demo").get("phase") == "Succeeded")
+            await anyio.sleep(0.5)
+            assert _pod(kube_api, "demo-master-3") is None  # an ended job gets no new master
+
+            await kube.delete(JOBS, "demo")  # the job's objects go with it (garbage collection)
+            await until(kube_api, lambda: not kube_api.objects("secrets", "default")
+                        and not kube_api.objects("services", "default"))
+
+
+async def test_a_suspended_job_has_no_pods_and_resumes_when_unsuspended(kube_api: FakeKubeApi) -> None:
+    base = K8sSettings(api_url=kube_api.url, master_host="127.0.0.1")
+    async with Kube(base, pool=2) as kube:
+        await kube.create(CRDS, custom_resource_definition())
+        with KopfRunner(["run", "--standalone", "--namespace", "default"], registry=operator.registry(base),
+                        timeout=60):
+            await kube.create(JOBS, steadjob("held", "etcd://127.0.0.1:2379", suspend=True))
+            await until(kube_api, lambda: _status(kube_api, "held").get("phase") == "Suspended")
+            assert not kube_api.objects("pods", "default")
+            await kube.patch(JOBS, "held", {"spec": {"suspend": False}})
+            await until(kube_api, lambda: _pod(kube_api, "held-master-1") is not None
+                        and _status(kube_api, "held").get("phase") == "Pending")
+            await kube.patch(JOBS, "held", {"spec": {"suspend": True}})
+            await until(kube_api, lambda: _status(kube_api, "held").get("phase") == "Suspended")
+            assert not kube_api.objects("pods", "default")
+
+
+async def test_a_running_jobs_status_is_read_from_its_store(kube_api: FakeKubeApi, tmp_path: Path,
+                                                           etcd_url: str) -> None:
+    store = await open_store(etcd_url)
+    try:
+        log = EventLog(store, "watched")
+        await log.append(JobSubmitted(job="watched", min_nodes=1, max_nodes=2, nproc_per_node=1, start_nodes=2))
+        await log.append(NodeRequested(node_id="node-0", incarnation=1))
+    finally:
+        await store.close()
+    base = K8sSettings(api_url=kube_api.url, master_host="127.0.0.1")
+    async with Kube(base, pool=2) as kube:
+        await kube.create(CRDS, custom_resource_definition())
+        with KopfRunner(["run", "--standalone", "--namespace", "default"],
+                        registry=operator.registry(base, status_interval_s=0.2), timeout=60):
+            await kube.create(JOBS, steadjob("watched", etcd_url))
+            await until(kube_api, lambda: "targetNodes" in _status(kube_api, "watched"))
+            status = _status(kube_api, "watched")
+            assert status["phase"] == "Pending" and status["targetNodes"] == 2 and status["nodes"] == 1
+            assert 0.0 <= status["goodput"] <= 1.0
