@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 
 IMAGE = "stead:test"
 #: a guard against a hung job, not a measured duration
-TIMEOUT_S = 240.0
+TIMEOUT_S = 120.0
 
 TRAIN = """
 import os, time
@@ -236,5 +236,44 @@ async def _delete(api: FakeKubeApi, pod: str) -> None:
     from stead.platforms.k8s.settings import K8sSettings
 
     async with Kube(K8sSettings(api_url=api.url, namespace="default"), pool=1) as kube:
-        assert await kube.delete(PODS, pod, grace_period_s=5)
+        assert await kube.delete(PODS, pod, grace_period_s=30)
 
+
+
+async def test_a_failing_host_is_kept_out_and_a_node_with_no_room_is_given_up_then_asked_for_again(
+        tmp_path: Path, etcd_url: str) -> None:
+    # host-a's GPUs are broken (its pods' health checks fail); host-b has room for no pod at first
+    faulty = {"host-a": {"STEAD_FAULT_HEALTH": "host:host-a:fail"}}
+    async with cluster(tmp_path, nodes=("host-a", "host-b", "host-c"), node_env=faulty) as (api, kubelet):
+        await kubelet.set_capacity("host-b", pods=0)
+        await kubelet.set_capacity("host-c", pods=1)  # the master goes to host-a (least loaded), then a node here
+        async with job(tmp_path, api, etcd_url, "kube-b", (
+                "--nnodes", "1:2", "--nproc-per-node", "1", "--set", "health_check=all",
+                "--set", "k8s.pending_timeout_s=2", "--set", "scaler.pending_retry_s=4",
+                "--rdzv-conf", "last_call_timeout=1")) as running:
+            # one node lands on host-a, fails its check, and is relaunched away from host-a: nowhere has room for
+            # it, so after k8s.pending_timeout_s the job goes on with one node
+            await running.until("a round with one node", lambda: any(w == 1 for _, _, w in running.steps()))
+            relaunched: list[dict[str, Any]] = []
+
+            def kept_off() -> bool:  # a relaunch waits for room for a while, is given up, and asked for again
+                relaunched.extend(p for n, p in running.pods().items() if not n.endswith("-1"))
+                return bool(relaunched)
+
+            await running.until("a relaunched pod", kept_off)
+            terms = relaunched[0]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["host-a"]
+            # room appears on host-b: the scaler asks for the node again and the job grows to two
+            await kubelet.set_capacity("host-b", pods=2)
+            await running.until("a round with two nodes", lambda: running.steps()[-1][2] == 2)
+            await running.step_beyond(3)
+            assert await finish(running) == 0, running.stderr.decode(errors="replace")[-4000:]
+
+    checked = running.of("health.checked")
+    assert any(c["failed"] for c in checked), checked
+    pending = running.of("node.pending")
+    assert pending and all("Unschedulable" in p["reason"] for p in pending)
+    answered = running.of("scaler.pending")
+    assert answered and answered[0]["decision"] == "give_up"
+    hosts = {p["spec"].get("nodeName") for p in running.pods().values()}
+    assert hosts == {"host-b", "host-c"}  # the pod that failed on host-a was deleted; none ran there again

@@ -38,7 +38,7 @@ from stead.ckpt import FlashCheckpointer
 from stead.data import ShardedSampler, accumulation_steps
 {FAULT}
 
-N, LR, GLOBAL_BATCH, MICRO, MAX_EPOCHS = 96, 2.0 ** -10, 24, 2, 40
+N, LR, GLOBAL_BATCH, MICRO, MAX_EPOCHS = 96, 2.0 ** -10, 24, 2, 200
 dist.init_process_group("gloo")
 rank, world, round_ = dist.get_rank(), dist.get_world_size(), int(os.environ["STEAD_ROUND"])
 model = torch.nn.Linear(1, 1).double()

@@ -8,7 +8,9 @@ result is checked, so a link that corrupts data fails like one that breaks. It p
 line on stdout: ``matmul_s``, ``collectives`` (peer, seconds or error), ``device`` and ``error``.
 
 ``STEAD_FAULT_HEALTH=NODE:INCARNATION:KIND`` injects a fault into that node incarnation's check,
-for tests and demos: ``slow`` (each timed matmul does 4x the work), ``fail`` (the matmul raises).
+for tests and demos: ``slow`` (each timed matmul does 4x the work), ``fail`` (the matmul raises);
+``host:HOST:KIND`` into the check of every node on that host (its platform's name for it,
+``STEAD_NODE_HOST``): a faulty machine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from stead.core.platform import HOST_ENV
 from stead.core.statemachine.health import stages
 
 __all__ = ["FAULT_ENV", "ORDERS_ENV", "main"]
@@ -38,7 +41,8 @@ _WAIT_SHARE = 0.5
 def _fault(node: str, incarnation: int, env: Mapping[str, str]) -> str:
     wanted = env.get(FAULT_ENV, "")
     target, _, kind = wanted.rpartition(":")
-    return kind if target == f"{node}:{incarnation}" else ""
+    host = env.get(HOST_ENV, "")
+    return kind if target == f"{node}:{incarnation}" or (host and target == f"host:{host}") else ""
 
 
 def _device(torch: Any) -> tuple[Any, str]:

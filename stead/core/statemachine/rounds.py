@@ -66,9 +66,12 @@ def decided(state: JobState, event: MembershipDecided, *, now: float) -> Transit
 
 
 def plan_or_grow(state: JobState, *, now: float) -> tuple[JobState, tuple[Effect, ...]]:
-    """A node became ready: plan the next round, or grow the running one."""
+    """A node joined or became ready: plan the next round, or grow the running one (a node that joins it and
+    must pass a health check first is checked now, a node that trains as its partner)."""
     if state.phase is JobPhase.RUNNING:
-        return maybe_resize(state, now=now)
+        checks = health_machine.plan(state) if not state.awaiting_decision else ()
+        grown, effects = maybe_resize(state, now=now)
+        return grown, (*checks, *effects)
     return state, plan(state, now=now)
 
 

@@ -353,6 +353,9 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         retry = self.settings.pending_retry_s
         if room >= spec.min_nodes:
             self._room = (room, time.time() + retry)
+            if self.requested is None:  # what the job aims at once there is room again
+                self.requested = state.target_nodes
+                await self._save_membership(ctx)
             decision = "give_up"
             reason = (f"{pending.node_id} got no room for {pending.pending_s:.0f} s ({pending.reason}): the job goes "
                       f"on with {room} node(s) and asks for more again in {retry:g} s (scaler.pending_retry_s)")

@@ -131,8 +131,11 @@ class PodRunner:
     def __init__(self, client: KubeClient, tasks: TaskOwner, *, root: Path, shm: Path,
                  images: Mapping[str, Mapping[str, str]], run_processes: bool,
                  node_allocatable: Callable[[str], Mapping[str, str]], fail: Callable[[str, BaseException], None],
-                 retry_s: float, restart_backoff_s: float, memory_poll_s: float) -> None:
+                 retry_s: float, restart_backoff_s: float, memory_poll_s: float,
+                 node_env: Mapping[str, Mapping[str, str]] | None = None) -> None:
         self._client, self._tasks, self._root, self._shm = client, tasks, root, shm
+        #: node -> environment every container on that fake host starts with (what makes a host different)
+        self.node_env = dict(node_env or {})
         self.images = images
         self.run_processes = run_processes
         self._node_allocatable, self._fail = node_allocatable, fail
@@ -370,7 +373,7 @@ class PodRunner:
         home.mkdir(parents=True, exist_ok=True)
         image_env = self._image_env(str(container["image"])) or {}
         # only what the pod declares is translated: the image's own variables are this machine's real paths
-        env = {"HOME": str(home), **image_env, "HOSTNAME": run.name,
+        env = {"HOME": str(home), **image_env, **self.node_env.get(run.node, {}), "HOSTNAME": run.name,
                **{key: translate(value, mounts) for key, value in declared.items()}}
         working_dir = container.get("workingDir")
         limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")

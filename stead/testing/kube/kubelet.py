@@ -70,14 +70,16 @@ class FakeKubelet:
     ``images`` maps an image name to the environment its containers start with (see :func:`local_image_env`);
     ``max_pods_per_node`` is each node's pod capacity; ``enforce_memory_limits`` OOM-kills a container whose
     process tree outgrows its ``limits.memory``; ``run=False`` runs nothing (see the module docstring).
-    ``root`` (a temporary directory by default) holds the nodes' directories.
+    ``root`` (a temporary directory by default) holds the nodes' directories. ``node_env`` gives the containers
+    of a fake host more environment (what makes that host different: a fault a test injects there).
     """
 
     def __init__(self, api_url: str, *, nodes: Sequence[str] = ("host-a", "host-b", "host-c"),
                  root: str | Path | None = None, images: Mapping[str, Mapping[str, str]] | None = None,
                  run: bool = True, max_pods_per_node: int = 110, enforce_memory_limits: bool = True,
                  node_cpu: str = "64", node_memory: str = "256Gi", token: str | None = None,
-                 memory_poll_s: float = 0.2, retry_s: float = 0.5, restart_backoff_s: float = 0.2) -> None:
+                 memory_poll_s: float = 0.2, retry_s: float = 0.5, restart_backoff_s: float = 0.2,
+                 node_env: Mapping[str, Mapping[str, str]] | None = None) -> None:
         if not nodes or len(set(nodes)) != len(nodes):
             raise ValueError(f"FakeKubelet needs one or more distinct node names, got {list(nodes)}")
         self.nodes = tuple(nodes)
@@ -88,6 +90,8 @@ class FakeKubelet:
         self._max_pods = dict.fromkeys(self.nodes, max_pods_per_node)
         self._node_cpu, self._node_memory = node_cpu, node_memory
         self._memory_poll_s, self._retry_s, self._restart_backoff_s = memory_poll_s, retry_s, restart_backoff_s
+        #: node -> environment every container on that fake host gets (a faulty GPU, say, as a test injects it)
+        self.node_env = {node: dict(env) for node, env in (node_env or {}).items()}
         self._given_root = Path(root) if root is not None else None
         self._root = self._given_root or Path()
         self._made: list[Path] = []
@@ -123,7 +127,7 @@ class FakeKubelet:
         self._runner = PodRunner(self._client, self._tasks, root=self._root, shm=shm, images=self.images,
                                  run_processes=self.run_processes, node_allocatable=self._allocatable,
                                  fail=self._fail, retry_s=self._retry_s, restart_backoff_s=self._restart_backoff_s,
-                                 memory_poll_s=self._memory_poll_s)
+                                 memory_poll_s=self._memory_poll_s, node_env=self.node_env)
         try:
             await self._client.__aenter__()
             await self._logs.__aenter__()

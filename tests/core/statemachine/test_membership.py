@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from stead.core.events import (
     CheckpointCommitted,
     Event,
+    HealthChecked,
+    HealthCheckStarted,
     JobFailed,
     JobSubmitted,
     MembershipDecided,
@@ -203,3 +205,13 @@ def test_a_running_job_gives_up_a_node_that_never_got_room_and_asks_for_it_again
     assert dropped.nodes["node-1"].phase is NodePhase.LOST and dropped.phase is JobPhase.RUNNING
     again = transition(after(NodeExited(node_id="node-1", incarnation=1), start=dropped), scale(2), now=NOW)
     assert ids(again.effects) == ["emit/request/node-1/2"]
+
+
+def test_a_node_that_joins_a_running_job_and_must_be_checked_is_checked_with_a_training_partner() -> None:
+    checked = dataclasses.replace(SPEC, health_check="all")
+    running = after(checked, *up("node-0"), HealthChecked(check=1, nodes=("node-0",)), scale(2))
+    assert running.phase is JobPhase.RUNNING and running.rdzv.members == ("node-0",)
+    joined = transition(after(NodeStarted(node_id="node-1", incarnation=1), start=running),
+                        NodeJoined(node_id="node-1", incarnation=1), now=NOW)
+    [check] = [e for e in joined.effects if isinstance(e, Emit) and isinstance(e.event, HealthCheckStarted)]
+    assert check.event.checked == ("node-1",) and set(check.event.nodes) == {"node-0", "node-1"}
