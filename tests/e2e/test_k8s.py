@@ -223,6 +223,8 @@ async def test_a_job_survives_a_deleted_pod_its_master_pod_deleted_and_an_oom_ki
     raised, kept = running.of("node.resources_decided")
     assert raised["node_id"] == "node-0" and dict(raised["resources"])["memory"] == "9Gi"
     assert dict(kept["resources"])["memory"] == "9Gi" and "oom_memory_budget 1 spent" in kept["reason"]
+    [recommended] = running.of("scaler.recommended")  # what the nodes asked for, beside what they used
+    assert any(line.startswith("memory: requested 9Gi, peak ") for line in recommended["lines"]), recommended
     classified = running.of("diagnosis.classified")
     assert any(c["failure_class"] == "oom" and c["node_id"] == "node-0" for c in classified), (classified, exits)
     resumed = [tuple(map(int, line.split())) for line in (tmp_path / "resumed.log").read_text().splitlines()]

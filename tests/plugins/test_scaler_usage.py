@@ -77,3 +77,11 @@ def test_cpu_is_recommended_at_its_95th_percentile_in_half_cores_and_gpus_are_re
     assert found["cpu"].peak == 7.0 and found["cpu"].recommend == 4.0  # p95 3.0 x 1.2 = 3.6 -> 4
     assert found["gpu_memory"].recommend is None and found["gpu_util"].recommend is None
     assert found["gpu_util"].line == "gpu utilisation: median 90%, p95 90%"
+
+
+def test_what_the_nodes_asked_for_is_shown_beside_what_they_used() -> None:
+    book = UsageBook()
+    book.add("node-0", {"rss_bytes": 11.2 * GI, "cpu_percent": 300.0})
+    found = {r.resource: r for r in recommend(book, headroom=0.2, requested={"memory": 32 * GI, "cpu": 8.0})}
+    assert found["memory"].line == "memory: requested 32Gi, peak 11.2Gi, p95 11.2Gi per node; recommend 14Gi"
+    assert found["cpu"].line.startswith("cpu: requested 8, peak 3.0 cores")

@@ -103,6 +103,8 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         self._kill_seq = 0
         #: while the platform has no room for some nodes: how many it has room for, until when (time.time())
         self._room: tuple[int, float] | None = None
+        #: what the nodes asked their platform for (bytes of memory, cores of cpu), where it says
+        self._requested: dict[str, float] = {}
         #: the newest round whose start this plugin handled: every decision before it is answered
         self._round_seen = 0
         self._round_changed = asyncio.Condition()
@@ -184,7 +186,16 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         await self._save(ctx)
 
     def sample(self, ctx: Ctx) -> None:
-        """Add each node's figures reported since the last look."""
+        """Add each node's figures reported since the last look, and note what the nodes asked their platform for
+        (the largest memory and CPU limit of a live node, where the platform says)."""
+        asked: dict[str, float] = {}
+        for node in ctx.current_state().nodes.values():
+            for name, value in node.resources:
+                if name in ("memory", "cpu") and node.phase.alive:
+                    with contextlib.suppress(QuantityError):
+                        asked[name] = max(asked.get(name, 0.0), float(parse_quantity(value)))
+        if asked:
+            self._requested = asked
         for node_id, seen in ctx.node_telemetry().items():
             if seen.seen <= self._added_at.get(node_id, -1.0):
                 continue
@@ -195,7 +206,8 @@ class ScalerPlugin(Plugin[ScalerSettings]):
                                     "gpu_util_percent": seen.gpu_util_percent})
 
     def recommendation(self) -> ResourcesRecommended:
-        found = {r.resource: r for r in recommend(self.book, headroom=self.settings.headroom)}
+        found = {r.resource: r for r in recommend(self.book, headroom=self.settings.headroom,
+                                                  requested=self._requested)}
 
         def figure(resource: str, field: str) -> float | None:
             made: Recommendation | None = found.get(resource)
@@ -229,7 +241,7 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         if self.looks == self._saved_looks:
             return
         self._saved_looks = self.looks
-        lines = [r.line for r in recommend(self.book, headroom=self.settings.headroom)]
+        lines = [r.line for r in recommend(self.book, headroom=self.settings.headroom, requested=self._requested)]
         summary = ([f"resources, from {self.book.samples} looks at {len(self.book.nodes)} node(s):", *lines]
                    if lines else ["resources: no node has reported its use yet"])
         await ctx.store.put(ctx.key("usage"), json.dumps(self.book.to_json()).encode())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 from stead.plugins.scaler.usage import UsageBook
 
@@ -50,8 +51,12 @@ def _memory_request(peak: float, headroom: float) -> float:
     return max(step, math.ceil(wanted / step) * step)
 
 
-def recommend(book: UsageBook, *, headroom: float) -> list[Recommendation]:
-    """A recommendation per resource some node reported, in the order memory, cpu, gpu memory, gpu utilisation."""
+def recommend(book: UsageBook, *, headroom: float,
+              requested: Mapping[str, float] | None = None) -> list[Recommendation]:
+    """A recommendation per resource some node reported, in the order memory, cpu, gpu memory, gpu utilisation;
+    ``requested`` (bytes of ``memory``, cores of ``cpu``): what the job's nodes asked their platform for, shown
+    beside (a Kubernetes pod's limits)."""
+    asked = requested or {}
     out: list[Recommendation] = []
     for name, dist in book.resources.items():
         p95, median = dist.quantile(0.95), dist.quantile(0.5)
@@ -61,15 +66,18 @@ def recommend(book: UsageBook, *, headroom: float) -> list[Recommendation]:
         match name:
             case "rss_bytes":
                 request = _memory_request(peak, headroom)
+                given = f"requested {quantity(asked['memory'])}, " if asked.get("memory") else ""
                 out.append(Recommendation(
                     resource="memory", peak=peak, p95=p95, median=median, recommend=request,
-                    line=f"memory: peak {quantity(peak)}, p95 {quantity(p95)} per node; "
+                    line=f"memory: {given}peak {quantity(peak)}, p95 {quantity(p95)} per node; "
                          f"recommend {quantity(request)}"))
             case "cpu_percent":
                 cores = max(0.5, math.ceil(p95 / 100 * (1 + headroom) * 2) / 2)
+                given = f"requested {asked['cpu']:g}, " if asked.get("cpu") else ""
                 out.append(Recommendation(
                     resource="cpu", peak=peak / 100, p95=p95 / 100, median=median / 100, recommend=cores,
-                    line=f"cpu: peak {peak / 100:.1f} cores, p95 {p95 / 100:.1f} per node; recommend {cores:g}"))
+                    line=f"cpu: {given}peak {peak / 100:.1f} cores, p95 {p95 / 100:.1f} per node; "
+                         f"recommend {cores:g}"))
             case "gpu_memory_bytes":
                 out.append(Recommendation(
                     resource="gpu_memory", peak=peak, p95=p95, median=median, recommend=None,
