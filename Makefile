@@ -76,6 +76,7 @@ bench: $(STAMP) etcd
 	-$(BIN)/python bench/failover.py
 	-$(BIN)/python bench/goodput.py
 	-$(BIN)/python bench/scale.py
+	-$(BIN)/python bench/k8s.py
 	-$(BIN)/python bench/master_scale.py --etcd-max 1000
 
 bench-quick: $(STAMP) etcd

@@ -404,3 +404,12 @@ def test_main_refuses_a_bad_namespace_in_one_clear_line(capsys: pytest.CaptureFi
     assert captured.out == ""
     (line,) = captured.err.splitlines()
     assert "error: namespace 'Bad_NS' is not a valid Kubernetes namespace name" in line
+
+
+def test_the_readmes_steadjob_is_valid_against_the_crd() -> None:
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    block = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    job = yaml.safe_load(block)
+    job["metadata"]["namespace"] = "default"
+    validate_custom(job, CRD)
+    assert job["spec"]["store"].startswith("etcd://")
