@@ -28,7 +28,7 @@ from stead.core.master import Master, MasterConfig
 from stead.core.platform import NodeSpec
 from stead.core.plugins import PluginContext
 from stead.core.rpc import MasterClient, RpcServer, new_token, write_token_file
-from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState
+from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState, RendezvousState
 from stead.core.store import open_store
 from stead.plugins.scaler import ScalerPlugin, ScalerSettings
 from stead.plugins.scaler.agent import ScalerAgentExtension
@@ -286,4 +286,22 @@ async def test_a_node_the_platform_has_no_room_for_is_given_up_while_min_holds(m
     else:
         assert "fails after join_timeout_s" in answered.reason
     await plugin.stop(ctx=ctx)
+    await store.close()
+
+
+@pytest.mark.anyio
+async def test_the_batch_hint_of_a_round_the_job_has_not_started_is_answered_at_once() -> None:
+    import anyio
+
+    from stead.plugin import proto
+    from stead.plugins.scaler import ScalerServicer
+
+    store = await open_store("memory://")
+    state = JobState(phase=JobPhase.RUNNING, rdzv=RendezvousState(round=1, active=True))
+    ctx = PluginContext(plugin="scaler", job="j", settings=ScalerSettings(), stead_settings=Settings(), store=store,
+                        state=lambda: state, emit=lambda e: None, add_rpc_handler=lambda _: None)  # type: ignore[arg-type,return-value]
+    servicer = ScalerServicer(ScalerPlugin(), ctx)
+    with anyio.fail_after(1.0):  # not rpc_timeout_s / 2 = 5 s: round 99 may never start
+        reply = await servicer.batch_hint(proto.BatchHintRequest(round=99))
+    assert reply.batch_scale == 1.0
     await store.close()

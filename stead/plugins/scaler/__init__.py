@@ -436,6 +436,9 @@ class ScalerServicer(proto.ScalerServiceBase):
         return proto.ScaleReply(target=target, previous=previous, reason=why)
 
     async def batch_hint(self, message: proto.BatchHintRequest) -> proto.BatchHintReply:
-        wait = self._ctx.stead_settings.rpc_timeout_s / 2  # the agent's call times out after rpc_timeout_s
+        # a round the job has started is one this plugin will see start: wait for it (the agent's call times out
+        # after rpc_timeout_s); a round the job has not started may never come, and is answered at once
+        started = message.round <= self._ctx.current_state().rdzv.round
+        wait = self._ctx.stead_settings.rpc_timeout_s / 2 if started else 0.0
         scale = await self._plugin.batch_hint(message.round, wait_s=wait)
         return proto.BatchHintReply(batch_scale=scale, ooms=self._plugin.ooms)

@@ -116,6 +116,11 @@ async def test_excluded_hosts_are_kept_out_until_their_exclusion_expires(kube_ap
         await made.launch(agent("y", avoid_hosts=("host-a",)))
         pod = kube_api.get_object("pods", "default", "plat-y-1")
         assert pod is not None and "affinity" not in pod["spec"]
+    assert not (kube_api.get_object("nodes", None, "host-a") or {}).get("spec", {}).get("unschedulable")
+    async with platform(kube_api, cordon_bad_hosts=True) as made:  # off by default; on, the host is cordoned too
+        await made.launch(agent("z", avoid_hosts=("host-a",)))
+        await kube_api.wait_for(lambda: bool((kube_api.get_object("nodes", None, "host-a") or {})
+                                             .get("spec", {}).get("unschedulable")), timeout_s=TIMEOUT_S)
 
 
 async def test_a_pod_deleted_by_someone_else_is_gone_at_once_and_the_informer_survives_410(
