@@ -212,10 +212,9 @@ class Master:
         """The job's token, kept in its store: a master that takes over a job (after a crash, or a standby)
         answers the agents and workers that still run with the token they hold."""
         store, key = self.store, f"{job_prefix(self.config.job)}token"
-        if self.config.token:  # given (from a Kubernetes Secret): on record too, for `stead scale` and a takeover
+        if self.config.token:  # given (a Kubernetes Secret holds it): the one on record too, for `stead scale`
             given = check_token(self.config.token).encode()
-            await retrying(lambda: store.compare_and_put(key, given, expected_mod_revision=0), self.settings,
-                           what=f"job token of {self.config.job}")
+            await retrying(lambda: store.put(key, given), self.settings, what=f"job token of {self.config.job}")
             return self.config.token
         while True:
             kv = await retrying(lambda: store.get(key), self.settings, what=f"job token of {self.config.job}")

@@ -66,8 +66,8 @@ from stead.core.events import (
     WorkersStarted,
     WorkersSucceeded,
 )
+from stead.core.statemachine import gone, membership, rounds
 from stead.core.statemachine import health as health_machine
-from stead.core.statemachine import membership, rounds
 from stead.core.statemachine import node as node_machine
 from stead.core.statemachine import rendezvous as rdzv_machine
 from stead.core.statemachine._nodes import READY, Incarnations, is_ready
@@ -174,7 +174,7 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
         case MembershipDecided():
             return rounds.decided(state, event, now=now)
         case NodeResourcesDecided():
-            return _resources_decided(state, event, now=now)
+            return gone.resources_decided(state, event, now=now)
         case NodePending():
             node = state.nodes.get(event.node_id)
             if node is None or node.incarnation != event.incarnation or node.phase is not NodePhase.REQUESTED:
@@ -301,86 +301,13 @@ def _node_event(
         effects += planned
     went_away = before is not None and before.phase.alive and not after.phase.alive
     if went_away and isinstance(event, NodeExited) and event.permanent and after.node_id not in new.retired:
-        return Transition(new, (*effects, _cannot_start(new, after.node_id, event.reason)))
+        return Transition(new, (*effects, gone.cannot_start(new, after.node_id, event.reason)))
     if went_away:
-        new, more = _node_gone(new, after, now=now, oom=isinstance(event, NodeExited) and event.oom)
+        new, more = gone.node_gone(new, after, now=now, oom=isinstance(event, NodeExited) and event.oom)
         effects += more
         if after.node_id in new.health.nodes:
             effects += health_machine.due(new)
     return Transition(new, tuple(effects))
-
-
-def _relaunch(state: JobState, node: NodeState, resources: tuple[tuple[str, str], ...], *,
-              now: float) -> list[Effect]:
-    """The node's next incarnation, away from the excluded hosts, with ``resources``; it must join in time, or the
-    job goes on without it (at least MIN) or fails (fewer)."""
-    assert state.spec is not None
-    relaunch = NodeRequested(node_id=node.node_id, incarnation=node.incarnation + 1,
-                             avoid_hosts=tuple(sorted(state.excluded_hosts)), resources=resources)
-    return [Emit(key=f"request/{node.node_id}/{node.incarnation + 1}", event=relaunch),
-            StartTimer(name=rounds.rejoin_timer(relaunch), at=now + state.spec.join_timeout_s)]
-
-
-def _resources_timer(node: NodeState) -> str:
-    return f"resources/{node.node_id}/{node.incarnation}"
-
-
-def _resources_decided(state: JobState, event: NodeResourcesDecided, *, now: float) -> Transition[JobState]:
-    """The relaunch of a node killed for its memory goes out with the resources decided for it."""
-    node = state.nodes.get(event.node_id)
-    if node is None or node.incarnation != event.incarnation or event.node_id not in state.awaiting_resources:
-        return reject(state, f"no relaunch of node {event.node_id} incarnation {event.incarnation} waits for its "
-                             "resources")
-    waiting = dataclasses.replace(state, awaiting_resources=state.awaiting_resources - {event.node_id})
-    return Transition(waiting, tuple(_relaunch(waiting, node, event.resources or node.resources, now=now)))
-
-
-def _cannot_start(state: JobState, node_id: str, why: str) -> Emit:
-    """The job fails at once: the platform cannot start this node as it is specified, and a relaunch of the same
-    spec would fail the same way (rather than spend every relaunch, and the user's time, on it)."""
-    failed = JobFailed(reason=f"node {node_id} cannot be started: {why}; fix the job's specification (image, "
-                              "command, resources) and run it again", node_id=node_id)
-    return Emit(key=state.end_key, event=failed)
-
-
-def _node_gone(state: JobState, node: NodeState, *, now: float, oom: bool = False) -> tuple[JobState, list[Effect]]:
-    """A live node was lost or exited: break its round, relaunch it or fail the job. A node its platform killed
-    for its memory (``oom``) is relaunched once its resources are decided (NodeResourcesDecided), or after
-    decision_timeout_s with the same ones."""
-    spec = state.spec
-    assert spec is not None
-    effects: list[Effect] = []
-    if node.node_id in state.retired:
-        return state, effects  # stopped because the job shrank: not relaunched, not a failure
-    if node.node_id in state.rdzv.members and state.rdzv.active:
-        reason = f"node {node.node_id} {node.phase.value}"
-        effects += [
-            StopWorkers(node_id=m, incarnation=state.nodes[m].incarnation, round=state.rdzv.round, reason=reason)
-            for m in state.rdzv.members
-            if m != node.node_id and state.nodes[m].phase is NodePhase.JOINED
-        ]
-        state = dataclasses.replace(  # a decision still pending for a failure stays pending
-            state,
-            phase=JobPhase.RECOVERING,
-            rdzv=dataclasses.replace(state.rdzv, active=False),
-        )
-    if node.incarnation - state.resumed_at.get(node.node_id, 0) <= spec.max_node_relaunches:
-        if oom:
-            effects.append(StartTimer(name=_resources_timer(node), at=now + spec.decision_timeout_s))
-            return dataclasses.replace(state, awaiting_resources=state.awaiting_resources | {node.node_id}), effects
-        return state, effects + _relaunch(state, node, node.resources, now=now)
-    alive = sum(1 for n, s in state.nodes.items() if s.phase.alive and n not in state.retired)
-    if alive < spec.min_nodes:
-        failed = JobFailed(
-            reason=f"node {node.node_id} was {node.phase.value} "
-            f"{node.incarnation - state.resumed_at.get(node.node_id, 0)} times "
-            f"(max_node_relaunches={spec.max_node_relaunches}) and fewer than {spec.min_nodes} "
-            "nodes remain",
-            node_id=node.node_id,
-        )
-        effects.append(Emit(key=state.end_key, event=failed))
-        return state, effects
-    return state, effects + list(rounds.plan(state, now=now))
 
 
 def _round_started(state: JobState, event: RoundStarted) -> Transition[JobState]:
@@ -489,13 +416,8 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
         return Transition(grown, effects)
     if event.name.startswith("rejoin/"):
         return rounds.rejoin_timeout(state, event.name)
-    if event.name.startswith("resources/"):  # no plugin decided the resources in time: the same ones
-        node_id = event.name.split("/")[1]
-        node = state.nodes.get(node_id)
-        if node is not None and node_id in state.awaiting_resources and event.name == _resources_timer(node):
-            waiting = dataclasses.replace(state, awaiting_resources=state.awaiting_resources - {node_id})
-            return Transition(waiting, tuple(_relaunch(waiting, node, node.resources, now=now)))
-        return Transition(state)
+    if event.name.startswith("resources/"):
+        return gone.resources_timeout(state, event.name, now=now)
     if event.name == f"last-call/{state.rdzv.round + 1}" and not state.rdzv.active and not state.awaiting_decision:
         joined = membership.available(state)
         if len(joined) >= spec.min_nodes and state.phase in (JobPhase.STARTING, JobPhase.RECOVERING):
