@@ -161,6 +161,7 @@ class NodeCheckpoints:
         self.hint = (reply.step, reply.round)
         if reply.step > self._committed[0] or reply.round > self._committed[1]:
             self._committed = (reply.step, reply.round)
+        self._drop_pending_persists(info.round)
         for state in self._ranks.values():
             state.passed = -1
             slot = state.slot_holding(*self.hint) if self.hint[0] >= 0 else None
@@ -172,6 +173,29 @@ class NodeCheckpoints:
         if self.hint[0] >= 0 and self.ckpt.persist_on_failure and not self._restorable_from_memory(info):
             await self._until_on_disk(self.hint[0])
         log.debug("ckpt_round", round=info.round, restore_step=self.hint[0], restore_round=self.hint[1])
+
+    def _drop_pending_persists(self, round_: int) -> None:
+        """A persist waiting for its step to be committed in an earlier round never will be: that round is over,
+        and the master commits no step of it any more. Its slot is unpinned, or the workers of the new round
+        would find both slots taken (the restored step and the pinned one) and skip every save."""
+        for state in self._ranks.values():
+            job = state.persist
+            if job is not None and not state.queued and not state.writing and self._stale(job, round_):
+                state.persist = None
+                if state.control.pinned == (job.step, job.round):
+                    state.control.set_pinned(-1, -1)
+                self._dropped(state, job)
+
+    def _stale(self, job: PersistJob, round_: int) -> bool:
+        """Whether ``job`` waits for a commit that cannot come (its round ended with its step uncommitted)."""
+        committed, committed_round = self._committed
+        return job.round < round_ and not (committed_round == job.round and committed >= job.step)
+
+    def _dropped(self, state: RankMemory, job: PersistJob) -> None:
+        log.info("ckpt_persist_dropped", step=job.step, round=job.round, local_rank=state.local_rank,
+                 reason="its round ended before every rank held the step")
+        state.persist_failed = max(state.persist_failed, job.step)
+        state.notify()
 
     def _restorable_from_memory(self, info: RoundInfo) -> bool:
         """Whether every local rank of the new round holds the step to restore, saved as that same rank.
@@ -530,6 +554,9 @@ class NodeCheckpoints:
         """Pin the slot holding the step (no save overwrites it); it is written once committed."""
         if state.writing:
             state.deferred = job  # one slot is pinned at a time: this one once the write in progress ends
+            return
+        if self._stale(job, self._round):
+            self._dropped(state, job)
             return
         control = state.control
         with control.locked():

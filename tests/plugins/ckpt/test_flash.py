@@ -417,3 +417,23 @@ def test_after_a_resize_a_state_that_differs_between_ranks_is_never_taken_from_a
         cluster: Cluster) -> None:
     _two_nodes_persist(cluster, (7.0, 8.0))  # per-rank state (not sharded, not replicated): no rank's copy fits
     assert _grown_to_three(cluster) == [None, None, None]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_persist_whose_round_ended_uncommitted_frees_its_slot_for_the_next_round(cluster: Cluster) -> None:
+    for node, rank in (("node-0", 0), ("node-1", 1)):
+        cluster.agent(node)
+        cluster.round(1, node_id=node, world=2, node_rank=rank)
+    with cluster.worker(node_id="node-0", rank=0, world=2, local_rank=0) as rank0, \
+            cluster.worker(node_id="node-1", rank=1, world=2, local_rank=0) as rank1:
+        assert rank0.save(1, {"w": torch.full((4,), 1.0)}) and rank1.save(1, {"w": torch.full((4,), 1.0)})
+        assert rank0.save(2, {"w": torch.full((4,), 2.0)}, persist=True)  # pinned; rank 1 never saves step 2
+    cluster.settle()
+    cluster.failure("node-1")
+    for node, rank in (("node-0", 0), ("node-1", 1)):
+        cluster.round(2, node_id=node, world=2, node_rank=rank, restart_count=1)
+    with cluster.worker(node_id="node-0", rank=0, world=2, local_rank=0, round_=2) as ckpt:
+        restored = ckpt.load()
+        assert restored is not None and restored[0] == 1
+        assert ckpt.save(2, {"w": torch.full((4,), 3.0)})  # one slot holds step 1; the other is free again
+    cluster.settle()
