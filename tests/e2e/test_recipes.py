@@ -1,6 +1,6 @@
 """The README's training scripts (DDP, FSDP2), run exactly as written, recover to the uninterrupted result.
 
-Each recipe runs three times with 2 gloo workers: uninterrupted under plain torchrun
+Each recipe runs three ways with 2 gloo workers, side by side: uninterrupted under plain torchrun
 (the reference); under `stead run` with rank 1 crashing mid-epoch (restored from the
 agent's memory); and under torchrun SIGKILLed as a whole mid-epoch, then run again
 (restored from disk). Faults and the final-state dump come from a ``sitecustomize``
@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -129,18 +130,20 @@ def _assert_same(got: Any, want: Any, where: str) -> None:
 def test_the_readme_recipe_recovers_to_the_uninterrupted_optimizer_state(recipe: str, tmp_path: Path) -> None:
     text = recipes()[recipe]
     reference = _workdir(tmp_path, "reference", recipe, text)
-    done = _torchrun(reference, recipe, "")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
     crashed = _workdir(tmp_path, "stead", recipe, text)
-    job = _stead(crashed, recipe, "crash")
+    killed = _workdir(tmp_path, "torchrun", recipe, text)
+    with ThreadPoolExecutor(3) as pool:  # three independent runs side by side (each in its own directory)
+        reference_run = pool.submit(_torchrun, reference, recipe, "")
+        stead_run = pool.submit(_stead, crashed, recipe, "crash")
+        killed_runs = pool.submit(lambda: (_torchrun(killed, recipe, "kill"), _torchrun(killed, recipe, "kill")))
+
+    done = reference_run.result()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    job = stead_run.result()
     assert job.returncode == 0, job.stderr[-4000:]
     assert (crashed / "faulted").exists() and "succeeded after 1 restart(s)" in job.stderr
-
-    killed = _workdir(tmp_path, "torchrun", recipe, text)
-    first = _torchrun(killed, recipe, "kill")
+    first, again = killed_runs.result()
     assert first.returncode != 0 and (killed / "faulted").exists()
-    again = _torchrun(killed, recipe, "kill")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
 
     for rank in (0, 1):
