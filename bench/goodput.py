@@ -332,28 +332,38 @@ def _first_start(path: Path) -> float | None:
     return float(line[3]) if len(line) == 6 else None
 
 
-def _lineage(executions: dict[tuple[int, int], dict[int, tuple[float, float]]]) -> dict[int, tuple[float, float]]:
-    """step -> (start, end) of the execution that counted: the chain of steps that led to the final state.
+def _lineage(executions: dict[tuple[int, int], dict[int, tuple[float, float]]]
+             ) -> tuple[dict[int, tuple[float, float]], list[int]]:
+    """step -> (start, end) of the execution that counted: the chain of steps that led to the final state; and
+    the steps of that chain no rank logged.
 
     From the last step finished, back: each step's execution is the one of the newest attempt no newer than
     the next step's (a step done in an attempt that a rollback threw away, and never done again, is not in
-    it). A step's span runs from the first rank's start to the last rank's end.
+    it). A step's span runs from the first rank's start to the last rank's end. A step that no rank logged
+    but the next attempt resumed after was done and saved, and the fault came before its log line (under
+    torchrun rank 0 writes the checkpoint, then every rank waits in the step's last all-reduce for the rank
+    that was killed): it is in the chain, without a span.
     """
     spans = {key: (min(s for s, _ in ranks.values()), max(e for _, e in ranks.values()), len(ranks) == WORLD)
              for key, ranks in executions.items()}
     by_step: dict[int, list[int]] = defaultdict(list)
     for attempt, step in spans:
         by_step[step].append(attempt)
+    lowest = min(by_step)
     # the end: the last execution every rank finished (a kill may leave a rank's last line unwritten)
     attempt, step = max((key for key, span in spans.items() if span[2]), key=lambda key: spans[key][1])
-    counted = {}
+    counted: dict[int, tuple[float, float]] = {}
+    unlogged: list[int] = []
     while True:
         counted[step] = spans[(attempt, step)][:2]
         step -= 1
+        while step > lowest and not any(a <= attempt for a in by_step.get(step, [])):
+            unlogged.append(step)
+            step -= 1
         older = [a for a in by_step.get(step, []) if a <= attempt]
         complete = [a for a in older if spans[(a, step)][2]]
         if not older:
-            return counted
+            return counted, unlogged
         attempt = max(complete or older)
 
 
@@ -362,7 +372,7 @@ def _analyse(run: Run, steplog: Path) -> None:
     if not any(len(ranks) == WORLD for ranks in executions.values()):
         run.error = run.error or "no step was logged by every rank"
         return
-    counted = _lineage(executions)
+    counted, unlogged = _lineage(executions)
     first = min(s for ranks in executions.values() for s, _ in ranks.values())
     last = max(end for _, end in counted.values())
     # a step's span runs from its first rank's start to its last rank's end: a rank may begin the next step
@@ -373,12 +383,13 @@ def _analyse(run: Run, steplog: Path) -> None:
         if before is not None and start < before:
             counted[step] = (min(before, end), end)
         before = end
-    run.useful_s = sum(end - start for start, end in counted.values())
+    run.median_step_s = median = statistics.median(end - start for start, end in counted.values())
+    # a step done but never logged (see _lineage) counts as one step of the median length
+    run.useful_s = sum(end - start for start, end in counted.values()) + median * len(unlogged)
     run.wall_s = last - first
     run.goodput = run.useful_s / run.wall_s if run.wall_s > 0 else None
     run.startup_s = first - run.launched
-    run.steps = len(counted)
-    run.median_step_s = median = statistics.median(end - start for start, end in counted.values())
+    run.steps = len(counted) + len(unlogged)
     complete = [(step, max(e for _, e in ranks.values())) for (_, step), ranks in executions.items()
                 if len(ranks) == WORLD]
     finished: dict[int, list[tuple[float, int]]] = defaultdict(list)  # rank -> (end, step) of each step it did
@@ -392,10 +403,12 @@ def _analyse(run: Run, steplog: Path) -> None:
         # the step each rank had finished last when the fault hit, and the next one, which every rank had not
         lasts = [max((e for e in rank_steps if e[0] <= at), default=(0.0, -1))[1] for rank_steps in finished.values()]
         target = min(lasts) + 1 if len(lasts) == WORLD else 0
-        # cost: until the first time every rank has finished that step since the fault, less the step itself
-        redone = [end for step, end in complete if step == target and end > at]
+        # cost: until the first time every rank has finished that step (or a later one: a step done but never
+        # logged, see _lineage) since the fault, less the steps themselves
+        redone = [(end, step) for step, end in complete if step >= target and end > at]
         if redone:
-            fault.cost_s = min(redone) - at - median
+            end, step = min(redone)
+            fault.cost_s = end - at - median * (step - target + 1)
         # recovery: the first step every rank finished in an attempt begun after the fault (kill -> next step)
         then = max((a for (a, _), ranks in executions.items() if min(s for s, _ in ranks.values()) <= at),
                    default=None)
