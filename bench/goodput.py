@@ -666,6 +666,8 @@ def main() -> None:
     if full and stead is not None:
         goal_met = stead.ledger_goodput is not None and stead.ledger_goodput >= GOAL
         print(f"  goal: stead >= {GOAL:.0%}: {'met' if goal_met else 'NOT met'}")
+    elif stead is None:
+        print("  (no goal: the goal is stead's, and stead did not run)")
     else:
         print(f"  (no goal for a {args.minutes:g}-minute run: the goal is for the 10-minute one)")
     errors = {run.label: run.error for run in runs.values() if run.error}
