@@ -96,8 +96,10 @@ def test_sigterm_persists_the_step_in_memory_and_a_relaunch_under_the_same_name_
     rounds = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("round-*-0.jsonl"))
     assert rounds[0] == 1 and len(rounds) == 2  # the rounds are numbered on: the resumed one is round 2
     header = json.loads((tmp_path / f"round-{rounds[1]}-0.jsonl").read_text().splitlines()[0])
-    # the step held in memory at the stop: committed once every rank had it (rank 0 may be one step ahead)
-    assert header["restored"] is not None and last_saved - 1 <= header["restored"] <= last_saved, (header, last_saved)
+    # the step held in memory at the stop: committed once every rank had it (rank 0 may be one step ahead, or
+    # have saved one more step and been stopped before its log line)
+    assert header["restored"] is not None and last_saved - 1 <= header["restored"] <= last_saved + 1, \
+        (header, last_saved)
     assert _saved(tmp_path, rounds[1])[0] == header["restored"] + 1 and _saved(tmp_path, rounds[1])[-1] == STEPS - 1
     events = subprocess.run([sys.executable, "-m", "stead", "events", "--job", "resumable"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=60)
