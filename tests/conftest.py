@@ -20,15 +20,11 @@ from stead.testing.etcd import EtcdServer
 #: under pytest-xdist each worker process has a namespace of its own (``t<pid>gw0``, ...)
 SHM_NAMESPACE = os.environ[leaks.SHM_NAMESPACE_ENV] = (
     os.environ.get(leaks.SHM_NAMESPACE_ENV, f"t{os.getpid()}") + os.environ.get("PYTEST_XDIST_WORKER", ""))
-#: tests that run whole jobs: `make test` runs them one at a time on one xdist worker (each job is sized for the
-#: machine's two cores), while the other worker runs the rest of the suite
-SERIAL_DIRS = ("e2e", "chaos")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if any(part in SERIAL_DIRS for part in item.path.relative_to(item.config.rootpath).parts[:2]):
-            item.add_marker(pytest.mark.xdist_group("jobs"))
+#: the suite's jobs start no warm spare agent: a spare is a Python with torch imported (~5 s of CPU on the 2-core
+#: CI machine) kept for a node loss that most tests never have; the tests of spares ask for one
+#: (``--set spare_agents=1``), and a lost node's replacement starts cold elsewhere (the same agent, from scratch)
+SPARES_ENV = "STEAD_SPARE_AGENTS"
+os.environ.setdefault(SPARES_ENV, "0")
 
 
 @pytest.fixture

@@ -78,7 +78,7 @@ def recipes() -> dict[str, str]:
 
 def _env(tmp: Path, fault: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("STEAD_", "TORCHELASTIC_")) or k == SHM_NAMESPACE_ENV}
+           if not k.startswith(("STEAD_", "TORCHELASTIC_")) or k in (SHM_NAMESPACE_ENV, "STEAD_SPARE_AGENTS")}
     env.update(PYTHONPATH=os.pathsep.join([str(tmp / "hooks"), env.get("PYTHONPATH", "")]), RECIPE_FAULT=fault,
                RECIPE_FAULT_AT=str(FAULT_AT_STEP), PERSIST_EVERY="5")
     return env

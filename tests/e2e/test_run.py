@@ -102,7 +102,7 @@ def test_a_user_code_error_fails_fast_without_restarting(run_job: RunJob) -> Non
 
 @pytest.mark.parametrize("spare", [False, True], ids=["cold", "from-a-spare"])
 def test_a_sigkilled_agent_is_replaced_and_the_job_completes(run_job: RunJob, spare: bool) -> None:
-    settings = ("--set", "spare_delay_s=1") if spare else ("--set", "spare_agents=0")
+    settings = ("--set", "spare_agents=1", "--set", "spare_delay_s=1") if spare else ("--set", "spare_agents=0")
     job = run_job(TRAIN, "kill-agent-spare" if spare else "kill-agent",
                   flags=("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3", *settings))
     assert job.returncode == 0, job.stderr[-3000:]
