@@ -69,6 +69,6 @@ def configure_logging(fmt: LogFormat = "console", *, level: str = "info") -> Non
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),  # a line and its newline in one write
         cache_logger_on_first_use=False,
     )
