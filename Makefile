@@ -47,7 +47,7 @@ typecheck: $(STAMP)
 
 # two xdist workers: one runs the whole-job tests (tests/e2e, tests/chaos) one after another, the other the rest
 test: $(STAMP) etcd chromium lint typecheck
-	$(BIN)/pytest -q -n 2 --dist load
+	$(BIN)/pytest -q -n 2 --dist worksteal
 
 # concurrency stress: the store stress test (short bursts) and the sampler's master-restart test, hundreds of times
 STRESS_COUNT ?= 200

@@ -27,6 +27,18 @@ SPARES_ENV = "STEAD_SPARE_AGENTS"
 os.environ.setdefault(SPARES_ENV, "0")
 
 
+#: the tests that run whole jobs (most of the suite's time) go first, so that the suite's tail is short tests that
+#: the xdist workers share out (``--dist worksteal``), not one long job on one worker while the other waits
+WHOLE_JOB_DIRS = ("e2e", "chaos")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def whole_job(item: pytest.Item) -> bool:
+        return any(part in WHOLE_JOB_DIRS for part in item.path.relative_to(item.config.rootpath).parts[:2])
+
+    items.sort(key=lambda item: not whole_job(item))  # stable: the order within each part stays
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
