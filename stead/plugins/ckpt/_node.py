@@ -175,9 +175,11 @@ class NodeCheckpoints:
         log.debug("ckpt_round", round=info.round, restore_step=self.hint[0], restore_round=self.hint[1])
 
     def _drop_pending_persists(self, round_: int) -> None:
-        """A persist waiting for its step to be committed in an earlier round never will be: that round is over,
-        and the master commits no step of it any more. Its slot is unpinned, or the workers of the new round
-        would find both slots taken (the restored step and the pinned one) and skip every save."""
+        """Give up the persists of an earlier round whose step was not committed when this round began. Their
+        round's workers are gone, so the commit is unlikely to come (if a late report brings it, the new round
+        restores that step from memory, not from this write). Kept, a pinned slot would stay pinned in every
+        later round: the workers would find both slots taken (the restored step and the pinned one) and skip
+        every save."""
         for state in self._ranks.values():
             job = state.persist
             if job is not None and not state.queued and not state.writing and self._stale(job, round_):
