@@ -27,10 +27,10 @@ def relaunch(state: JobState, node: NodeState, resources: tuple[tuple[str, str],
     """The node's next incarnation, away from the excluded hosts, with ``resources``; it must join in time, or the
     job goes on without it (at least MIN) or fails (fewer)."""
     assert state.spec is not None
-    relaunch = NodeRequested(node_id=node.node_id, incarnation=node.incarnation + 1,
-                             avoid_hosts=tuple(sorted(state.excluded_hosts)), resources=resources)
-    return [Emit(key=f"request/{node.node_id}/{node.incarnation + 1}", event=relaunch),
-            StartTimer(name=rounds.rejoin_timer(relaunch), at=now + state.spec.join_timeout_s)]
+    requested = NodeRequested(node_id=node.node_id, incarnation=node.incarnation + 1,
+                              avoid_hosts=tuple(sorted(state.excluded_hosts)), resources=resources)
+    return [Emit(key=f"request/{node.node_id}/{node.incarnation + 1}", event=requested),
+            StartTimer(name=rounds.rejoin_timer(requested), at=now + state.spec.join_timeout_s)]
 
 
 def _resources_timer(node: NodeState) -> str:

@@ -183,9 +183,6 @@ class NodeCheckpoints:
         for state in self._ranks.values():
             job = state.persist
             if job is not None and not state.queued and not state.writing and self._stale(job, round_):
-                state.persist = None
-                if state.control.pinned == (job.step, job.round):
-                    state.control.set_pinned(-1, -1)
                 self._dropped(state, job)
 
     def _stale(self, job: PersistJob, round_: int) -> bool:
@@ -196,8 +193,7 @@ class NodeCheckpoints:
     def _dropped(self, state: RankMemory, job: PersistJob) -> None:
         log.info("ckpt_persist_dropped", step=job.step, round=job.round, local_rank=state.local_rank,
                  reason="its round ended before every rank held the step")
-        state.persist_failed = max(state.persist_failed, job.step)
-        state.notify()
+        self._give_up(state, job)
 
     def _restorable_from_memory(self, info: RoundInfo) -> bool:
         """Whether every local rank of the new round holds the step to restore, saved as that same rank.
@@ -566,8 +562,7 @@ class NodeCheckpoints:
             if slot is None:
                 log.warning("ckpt_persist_missed", step=job.step, local_rank=state.local_rank,
                             reason="the slot was overwritten before it could be pinned")
-                state.persist_failed = max(state.persist_failed, job.step)
-                state.notify()
+                self._give_up(state, job)
                 return
             control.set_pinned(job.step, job.round)
         state.persist = job
@@ -585,10 +580,17 @@ class NodeCheckpoints:
                 self._persists.append(state)
                 self._persist_wakeup.set()
             elif released_round == job.round and released == job.step:
-                state.persist = None
-                state.control.set_pinned(-1, -1)
-                state.persist_failed = max(state.persist_failed, job.step)
-                state.notify()
+                self._give_up(state, job)
+
+    @staticmethod
+    def _give_up(state: RankMemory, job: PersistJob) -> None:
+        """``job`` will not be written: its slot is unpinned and whoever waits for it told."""
+        if state.persist is job:
+            state.persist = None
+        if state.control.pinned == (job.step, job.round):
+            state.control.set_pinned(-1, -1)
+        state.persist_failed = max(state.persist_failed, job.step)
+        state.notify()
 
     async def _persist_loop(self) -> None:
         while True:
