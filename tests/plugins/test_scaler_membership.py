@@ -6,6 +6,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import anyio
 import pytest
 
 from stead.core.agent.extensions import AgentContext, RoundInfo
@@ -30,7 +31,8 @@ from stead.core.plugins import PluginContext
 from stead.core.rpc import MasterClient, RpcServer, new_token, write_token_file
 from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState, RendezvousState
 from stead.core.store import open_store
-from stead.plugins.scaler import ScalerPlugin, ScalerSettings
+from stead.plugin import proto
+from stead.plugins.scaler import ScalerPlugin, ScalerServicer, ScalerSettings
 from stead.plugins.scaler.agent import ScalerAgentExtension
 from stead.plugins.scaler.client import request_scale
 from stead.plugins.scaler.events import DecisionRejected, OomAnswered, PendingAnswered, ScaleRequested
@@ -291,17 +293,18 @@ async def test_a_node_the_platform_has_no_room_for_is_given_up_while_min_holds(m
 
 @pytest.mark.anyio
 async def test_the_batch_hint_of_a_round_the_job_has_not_started_is_answered_at_once() -> None:
-    import anyio
-
-    from stead.plugin import proto
-    from stead.plugins.scaler import ScalerServicer
-
     store = await open_store("memory://")
     state = JobState(phase=JobPhase.RUNNING, rdzv=RendezvousState(round=1, active=True))
-    ctx = PluginContext(plugin="scaler", job="j", settings=ScalerSettings(), stead_settings=Settings(), store=store,
-                        state=lambda: state, emit=lambda e: None, add_rpc_handler=lambda _: None)  # type: ignore[arg-type,return-value]
+
+    async def emit(event: Event) -> Record:
+        return Record(seq=1, at=0.0, event=event)
+
+    # a round the job started would be waited for rpc_timeout_s / 2 = 30 min here: round 99 may never start
+    ctx = PluginContext(plugin="scaler", job="j", settings=ScalerSettings(),
+                        stead_settings=Settings(rpc_timeout_s=3600.0), store=store, state=lambda: state, emit=emit,
+                        add_rpc_handler=lambda _: None)
     servicer = ScalerServicer(ScalerPlugin(), ctx)
-    with anyio.fail_after(1.0):  # not rpc_timeout_s / 2 = 5 s: round 99 may never start
+    with anyio.fail_after(60):
         reply = await servicer.batch_hint(proto.BatchHintRequest(round=99))
     assert reply.batch_scale == 1.0
     await store.close()
