@@ -45,7 +45,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict stead
 
-# two xdist workers: one runs the whole-job tests (tests/e2e, tests/chaos) one after another, the other the rest
+# two xdist workers that steal work from each other; the whole-job tests (tests/e2e, tests/chaos) are collected
+# first (tests/conftest.py), so the last tests to run are short ones
 test: $(STAMP) etcd chromium lint typecheck
 	$(BIN)/pytest -q -n 2 --dist worksteal
 
