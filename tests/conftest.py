@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from stead.core.config import env_name
 from stead.testing import leaks
 from stead.testing.etcd import EtcdServer
 
@@ -23,7 +24,7 @@ SHM_NAMESPACE = os.environ[leaks.SHM_NAMESPACE_ENV] = (
 #: the suite's jobs start no warm spare agent: a spare is a Python with torch imported (~5 s of CPU on the 2-core
 #: CI machine) kept for a node loss that most tests never have; the tests of spares ask for one
 #: (``--set spare_agents=1``), and a lost node's replacement starts cold elsewhere (the same agent, from scratch)
-SPARES_ENV = "STEAD_SPARE_AGENTS"
+SPARES_ENV = env_name("", "spare_agents")
 os.environ.setdefault(SPARES_ENV, "0")
 
 

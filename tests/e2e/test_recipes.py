@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from stead.core.config import env_name
 from stead.testing.leaks import SHM_NAMESPACE_ENV
 
 pytestmark = pytest.mark.e2e
@@ -78,7 +79,7 @@ def recipes() -> dict[str, str]:
 
 def _env(tmp: Path, fault: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("STEAD_", "TORCHELASTIC_")) or k in (SHM_NAMESPACE_ENV, "STEAD_SPARE_AGENTS")}
+           if not k.startswith(("STEAD_", "TORCHELASTIC_")) or k in (SHM_NAMESPACE_ENV, env_name("", "spare_agents"))}
     env.update(PYTHONPATH=os.pathsep.join([str(tmp / "hooks"), env.get("PYTHONPATH", "")]), RECIPE_FAULT=fault,
                RECIPE_FAULT_AT=str(FAULT_AT_STEP), PERSIST_EVERY="5")
     return env
