@@ -72,7 +72,8 @@ class Settings:
     #: a plugin that failed this many times in a row is disabled
     plugin_max_failures: int = setting(3, min=1)
     #: a background task of the master (heartbeat watcher, platform events) that failed this many times fails the
-    #: master, which stops loudly (its successor replays the log)
+    #: master, which stops loudly (its successor replays the log); the state store being away is not counted
+    #: (the task waits for it, up to retry_deadline_s)
     master_task_max_failures: int = setting(3, min=1)
     #: write a snapshot of the folded state every this many events (or every 2 events per node, when more)
     snapshot_every: int = setting(500, min=1)
@@ -81,7 +82,9 @@ class Settings:
     #: first delay when retrying an unavailable store or master; doubled up to the max
     retry_initial_s: float = setting(0.2, min=0.001)
     retry_max_s: float = setting(5.0, min=0.001)
-    #: give up retrying an unavailable store or master after this long
+    #: give up retrying an unavailable store or master after this long: a running master rides out a store outage
+    #: this long (then it stops and leaves the nodes to the next master), and a master taking over a running job
+    #: waits this long for the store
     retry_deadline_s: float = 60.0
     #: an agent whose master has been gone this long stops its workers (they checkpoint on the way out) and
     #: exits cleanly: the job needs its master to go on, and `stead run` with the same job name resumes it
@@ -89,8 +92,8 @@ class Settings:
     #: how many times `stead run` starts a new master after one died while the job ran (the agents and workers
     #: keep running meanwhile, and the new master adopts them)
     master_max_restarts: int = setting(3, min=0)
-    #: a master starting up gives up on a store it cannot reach after this long (a running one rides out
-    #: outages for retry_deadline_s)
+    #: a master starting a job gives up on a store it cannot reach after this long (a running one rides out
+    #: outages for retry_deadline_s, and one taking over a running job waits that long)
     store_connect_timeout_s: float = setting(5.0, min=0.001)
     #: a store call that takes longer than this counts as "store unavailable"
     store_timeout_s: float = setting(5.0, min=0.001)

@@ -14,7 +14,15 @@ Background tasks (the heartbeat watcher, the platform's events) run in the
 master's task group under supervision: one that fails is restarted, and one
 that fails ``master_task_max_failures`` times stops the master with
 :class:`MasterTaskFailed` instead of leaving a job that no longer notices lost
-nodes.
+nodes. A task that failed because the state store is away does not count: it
+waits for the store to answer and starts again; a store away for longer than
+``retry_deadline_s`` stops the master.
+
+A master that stops on a retryable failure (the store away past its deadline, a
+task that kept failing, the reactor stopped) leaves the job's nodes and their
+rendezvous stores running when ``leave_nodes_on_failure`` is set (``stead run``'s
+and ``stead master``'s masters): the workers keep stepping and the next master
+adopts them. Any other end (the job ended, a stop, a bug) stops the nodes.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +42,28 @@ import anyio.abc
 import structlog
 
 from stead.core.config import Settings
-from stead.core.errors import ConfigError, MasterTaskFailed, RetryableError, StoreError, StoreUnavailable
+from stead.core.errors import (
+    ConfigError,
+    LogConflict,
+    MasterTaskFailed,
+    RetryableError,
+    StoreError,
+    StoreUnavailable,
+)
 from stead.core.events import Event, JobSubmitted, PluginsStarted, Record
 from stead.core.events.log import EventLog, job_prefix
 from stead.core.executor import Executor, NodeSpecFactory
 from stead.core.gcsteward import steward_gc
 from stead.core.hub import AgentHub
+from stead.core.master_tasks import MasterTasks
 from stead.core.metrics import JobMetrics, MetricsServer
 from stead.core.platform import NodeSpec, Platform
 from stead.core.plugins import PluginHost, load_plugins
 from stead.core.reactor import Reactor
-from stead.core.retry import Backoff, retrying
+from stead.core.retry import retrying
 from stead.core.rpc import AgentServicer, RpcServer, check_token, new_token, write_token_file
 from stead.core.statemachine import JobPhase, JobState, NodePhase
 from stead.core.store import StateStore, open_store
-from stead.core.tasks import TaskOwner
 from stead.core.tcpstore import RoundStores
 from stead.core.tracing import RecoveryTracer
 
@@ -86,21 +101,30 @@ class MasterConfig:
     tcp_store: bool = True
     #: serve Prometheus metrics on ``host``: -1 not at all, 0 on a free port, else on this port
     metrics_port: int = -1
+    #: how long the master waits for the state store at start; None: ``store_connect_timeout_s`` (a master that
+    #: takes over a running job waits ``retry_deadline_s``: its nodes are running, a store outage is worth riding out)
+    store_wait_s: float | None = None
+    #: a master that fails with a retryable error leaves its nodes running for the next master to adopt (instead of
+    #: stopping them, as it does when the job ends or a bug stops it)
+    leave_nodes_on_failure: bool = False
 
 
-async def open_store_retrying(url: str, settings: Settings) -> StateStore:
-    """Open the store, retrying for ``store_connect_timeout_s`` while it is unavailable.
+async def open_store_retrying(url: str, settings: Settings, *, deadline_s: float | None = None) -> StateStore:
+    """Open the store, retrying for ``deadline_s`` (default ``store_connect_timeout_s``) while it is unavailable.
 
     At start-up nothing runs yet that waiting would save: a store that is not there
     is said in seconds, not after the minute a running master rides out an outage.
+    A master taking over a running job passes ``retry_deadline_s``: its nodes train on meanwhile.
     """
+    limit = settings.store_connect_timeout_s if deadline_s is None else deadline_s
+    setting = "store_connect_timeout_s" if deadline_s is None else "retry_deadline_s"
     try:
         return await retrying(lambda: open_store(url, settings=settings), settings, what=f"state store {url}",
-                              deadline_s=settings.store_connect_timeout_s)
+                              deadline_s=limit)
     except RetryableError as exc:
         raise StoreUnavailable(
-            f"state store {url} is unreachable (tried for {settings.store_connect_timeout_s:g} s: {exc}); "
-            "start it, check the URL, or raise store_connect_timeout_s"
+            f"state store {url} is unreachable (tried for {limit:g} s: {exc}); "
+            f"start it, check the URL, or raise {setting}"
         ) from exc
 
 
@@ -234,7 +258,7 @@ class Master:
     async def _start(self) -> None:
         cfg = self.config
         structlog.contextvars.bind_contextvars(job=cfg.job)
-        self._store = await open_store_retrying(cfg.store_url, self.settings)
+        self._store = await open_store_retrying(cfg.store_url, self.settings, deadline_s=cfg.store_wait_s)
         self._stack.push_async_callback(self._store.close)
         handlers: list[Any] = [AgentServicer(self.hub)]
         plugins = [*load_plugins(settings=self.settings, enabled=cfg.plugins, disabled=cfg.disabled_plugins),
@@ -259,7 +283,7 @@ class Master:
         # the workers' rendezvous stores: a process of their own, found again (or started) here; it imports
         # torch while the nodes start
         await self.rounds.start(self._store, cfg.job, self.token)
-        self._stack.push_async_callback(self.rounds.close)
+        self._stack.push_async_exit(self._close_rounds)
         self.token_file.parent.mkdir(parents=True, exist_ok=True)
         write_token_file(self.token_file, self.token)
         self._stack.callback(self.token_file.unlink, missing_ok=True)
@@ -273,7 +297,8 @@ class Master:
         await self._announce()
         if cfg.platform is not None:
             await self._stack.enter_async_context(_as_context(cfg.platform))
-        tasks = await self._stack.enter_async_context(_Supervisor(self.settings))
+            self._stack.push(self._leave_nodes_if_failed)
+        tasks = await self._stack.enter_async_context(MasterTasks(self.settings, store=self._store))
         if cfg.platform is not None:
             platform = cfg.platform
             tasks.start("platform-events", lambda: self._pump_platform(platform))
@@ -305,8 +330,37 @@ class Master:
                 await platform.adopt(spec, pid=node.pid)
 
     async def _pump_platform(self, platform: Platform) -> None:
-        async for event in platform.events():
-            await self.submit(event)
+        async for event in platform.events():  # an event taken from the platform is recorded, store outage or not
+            await retrying(lambda: self.submit(event), self.settings, what=f"platform event {event.type_name}")  # noqa: B023
+
+    def _failed(self, exc: BaseException | None) -> bool:
+        """Whether the master is stopping on a failure its successor can take over from: a retryable error (the
+        store away past its deadline, a task that kept failing), or another master writing the log, that ended
+        the master or its reactor while the job ran."""
+        if not self.config.leave_nodes_on_failure or self.state.phase.terminal:
+            return False
+        causes = [*(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]), self.reactor.failure]
+        return any(isinstance(c, RetryableError | LogConflict) for c in causes)
+
+    def _leave_nodes_if_failed(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                               tb: object) -> bool:
+        """Before the platform closes: on a failure the next master takes over from, leave the nodes running."""
+        if self._failed(exc):
+            detach = getattr(self.config.platform, "detach", None)
+            if callable(detach):
+                detach()
+            log.warning("master_leaving_nodes", job=self.config.job, error=repr(exc or self.reactor.failure),
+                        hint="the workers keep training; the next master adopts them (`stead run` starts one)")
+        return False
+
+    async def _close_rounds(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                            tb: object) -> bool:
+        """End the workers' rendezvous stores with the job; leave them to the next master after a failure."""
+        if self._failed(exc):
+            self.rounds.leave()
+        else:
+            await self.rounds.close()
+        return False
 
 
 def _ended(state: JobState) -> bool:
@@ -328,41 +382,3 @@ async def _as_context(platform: Platform) -> AsyncIterator[Platform]:
         return
     async with platform:  # type: ignore[attr-defined]
         yield platform
-
-
-class _Supervisor:
-    """The master's background tasks in one task group: a failed task is restarted with backoff; one that failed
-    ``master_task_max_failures`` times raises MasterTaskFailed, which stops the master."""
-
-    def __init__(self, settings: Settings) -> None:
-        self._settings = settings
-        self._tasks = TaskOwner()
-
-    async def __aenter__(self) -> _Supervisor:
-        await self._tasks.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self._tasks.__aexit__(*exc)
-
-    def start(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
-        self._tasks.start(self._supervise, name, run, name=f"master:{name}")
-
-    async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
-        failures = 0
-        backoff = Backoff(self._settings)
-        while True:
-            try:
-                await run()
-                return
-            except Exception as exc:
-                failures += 1
-                if failures >= self._settings.master_task_max_failures:
-                    log.error("master_task_failed", task=name, failures=failures, error=repr(exc),
-                              action="stopping the master")
-                    raise MasterTaskFailed(f"the master's {name} task failed {failures} times (last: {exc!r}); "
-                                           "the master stopped so that a new one can take over: restart it "
-                                           "(the job resumes from its log)") from exc
-                log.error("master_task_failed", task=name, failures=failures, error=repr(exc), action="restarting",
-                          exc_info=True)
-            await backoff.wait()
