@@ -11,6 +11,11 @@ library wraps:
   left behind as its own children (to reap them, and to stop them at the end).
 - ``pidfd_open``: a file descriptor that becomes readable when a process exits,
   for processes that are not our children (agents adopted from a dead master).
+
+And one thing asyncio does that stead must sometimes undo: a child started through
+asyncio is killed when its transport is closed (or collected). :func:`let_go`
+keeps a child that must outlive this process (an agent, the rendezvous host, left
+to the next master) from being killed that way.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import anyio
 import structlog
 
 __all__ = ["DEATH_SIGNAL_SUPPORTED", "become_subreaper", "children", "cmdline", "descendants", "is_alive",
-           "signal_group", "signal_leader", "tied_argv", "wait_exit"]
+           "let_go", "signal_group", "signal_leader", "tied_argv", "wait_exit"]
 
 log = structlog.get_logger("stead.procs")
 
@@ -71,6 +76,22 @@ def become_subreaper() -> bool:
         log.warning("subreaper_refused", error=os.strerror(ctypes.get_errno()))
         return False
     return True
+
+
+def let_go(process: object) -> None:
+    """Let a child started through asyncio (``asyncio.subprocess.Process`` or anyio's wrapper of one) outlive its
+    transport: asyncio kills a running child when the transport is closed or garbage-collected, which would take
+    down what a failing master means to leave running. Its pipes are closed as ``close()`` would close them.
+
+    Relies on asyncio's ``BaseSubprocessTransport`` (``_pipes``, ``_closed``): a closed transport kills nothing.
+    """
+    transport = getattr(getattr(process, "_process", process), "_transport", None)
+    if transport is None or getattr(transport, "_closed", True):
+        return
+    for protocol in getattr(transport, "_pipes", {}).values():
+        if protocol is not None:
+            protocol.pipe.close()
+    transport._closed = True
 
 
 def signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -105,14 +105,19 @@ def health_mode(config: RunConfig) -> str:
 @contextlib.asynccontextmanager
 async def started_job(config: RunConfig, argv: Sequence[str], *, token_file: str | None = None,
                       host: str = "127.0.0.1", port: int = 0, listen_fd: int | None = None, token: str | None = None,
-                      takeover: bool = False, metrics_port: int | None = None) -> AsyncIterator[Master]:
+                      takeover: bool = False, metrics_port: int | None = None,
+                      leave_nodes_on_failure: bool = False) -> AsyncIterator[Master]:
     """A master running the job ``config`` describes (``argv``: its `stead run` arguments), submitted.
 
     ``takeover``: this master replaces one that died while the job ran; a job that is running is taken over
     as it is (its nodes adopted), not resumed. ``token``: the job's token when it is given (a Kubernetes Secret).
+    ``leave_nodes_on_failure``: a master that fails with a retryable error leaves the nodes to its successor.
     """
     settings = config.settings
-    store = await open_store_retrying(config.store_url, settings)  # fail early and clearly when it is down
+    # fail early and clearly when the store is down; a master taking over a running job waits for it as long as a
+    # running master would have ridden the outage out: the job's nodes train on meanwhile
+    store_wait_s = settings.retry_deadline_s if takeover else None
+    store = await open_store_retrying(config.store_url, settings, deadline_s=store_wait_s)
     await store.close()
     platform = await load_platform(config.platform, settings)
     master_config = MasterConfig(
@@ -120,6 +125,7 @@ async def started_job(config: RunConfig, argv: Sequence[str], *, token_file: str
         node_spec=agent_spec_factory(config, argv), plugins=config.plugins, disabled_plugins=config.disabled_plugins,
         token_file=token_file, host=host, port=port, listen_fd=listen_fd, token=token,
         metrics_port=settings.metrics_port if metrics_port is None else metrics_port,
+        store_wait_s=store_wait_s, leave_nodes_on_failure=leave_nodes_on_failure,
     )
     async with Master(master_config) as master:
         submitted = job_submitted(config)
@@ -169,7 +175,8 @@ async def run_job(config: RunConfig, argv: Sequence[str], *, listen_fd: int | No
                   stop_reason: str | None = None, started: list[Master] | None = None) -> JobState:
     """Run the job to its end under this process's master; ``started`` gets the master once it runs."""
     settings = config.settings
-    async with started_job(config, argv, listen_fd=listen_fd, takeover=takeover) as master:
+    async with started_job(config, argv, listen_fd=listen_fd, takeover=takeover,
+                           leave_nodes_on_failure=True) as master:
         if started is not None:
             started.append(master)
         if stop_reason is not None and not master.state.phase.terminal:
@@ -199,7 +206,7 @@ async def serve_job(config: RunConfig, argv: Sequence[str], *, host: str, port: 
     platform detached so that the nodes keep training, and the next master adopts them; returns None then.
     """
     async with started_job(config, argv, host=host, port=port, token=token, takeover=True,
-                           metrics_port=metrics_port) as master:
+                           metrics_port=metrics_port, leave_nodes_on_failure=True) as master:
         print(f"stead master for job {config.job_name!r} listening on {master.address}", flush=True)
         loop = asyncio.get_running_loop()
         leaving = asyncio.Event()
@@ -327,6 +334,9 @@ def main(argv: Sequence[str]) -> int:
         if not isinstance(exc, SteadError):
             raise  # a bug: its traceback, not a restart that would fail the same way
         print(f"stead run: error: {exc}", file=sys.stderr)
+        if takeover:  # the job ran under an earlier master: nothing of it is lost
+            print(f"stead: job {config.job_name}'s state is kept in its store; its nodes are stopped. Run "
+                  f"`stead run` with the same job name (--job-name {config.job_name}) to resume it", file=sys.stderr)
         return 1
     print(_summary(config, state), file=sys.stderr)
     if state.phase is JobPhase.STOPPED:

@@ -30,7 +30,7 @@ from stead.core import _rdzv_host
 from stead.core._rdzv_host import TOKEN_ENV
 from stead.core.errors import RetryableError, StoreError
 from stead.core.events.log import job_prefix
-from stead.core.procs import cmdline, is_alive, signal_leader, wait_exit
+from stead.core.procs import cmdline, is_alive, let_go, signal_leader, wait_exit
 from stead.core.store import StateStore
 
 __all__ = ["HEALTH_STORE_ROUND", "RoundStores"]
@@ -113,6 +113,14 @@ class RoundStores:
             store, job, _ = self._state
             with contextlib.suppress(RetryableError, StoreError):
                 await store.delete(_record_key(job))
+
+    def leave(self) -> None:
+        """Let go of the host process without ending it (this master fails; the next one finds it in the store
+        and goes on with its stores, which the running round's workers use)."""
+        self._drop_connection()
+        if self._process is not None:
+            let_go(self._process)
+        self._pid = self._process = None
 
     # -- the host process ------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from stead.core.config import Settings
 from stead.core.errors import ConfigError, PlatformError
 from stead.core.events import NodeExited, NodeStarted
 from stead.core.platform import NodeSpec, agent_title
+from stead.core.procs import is_alive
 from stead.platforms.local import LocalPlatform, create, platform_factory
 
 pytestmark = pytest.mark.anyio
@@ -98,6 +99,21 @@ async def test_agents_are_stopped_when_the_owner_is_cancelled(strays: list[int])
             await anyio.sleep_forever()
     await wait_dead(pid)
     assert await remaining_events(events) == [NodeExited(node_id="n1", incarnation=1, signal=signal.SIGTERM)]
+
+
+async def test_a_detached_platform_leaves_its_agents_running_when_it_closes(strays: list[int]) -> None:
+    async with LocalPlatform() as platform:
+        events = platform.events()
+        await platform.launch(agent(SLEEP))
+        started = await next_event(events)
+        assert isinstance(started, NodeStarted) and started.pid is not None
+        strays.append(started.pid)
+        platform.detach()  # the master fails: the next one adopts the agent
+    await anyio.sleep(0.2)  # what a kill on close would take
+    assert is_alive(started.pid), "the agent was stopped"
+    assert await remaining_events(events) == []  # no exit to report: it runs
+    os.kill(started.pid, signal.SIGKILL)
+    await wait_dead(started.pid)
 
 
 @pytest.mark.parametrize(("command", "cwd", "message"), [

@@ -30,7 +30,7 @@ from stead.core.config import Settings
 from stead.core.errors import PlatformError
 from stead.core.events import NodeExited, NodeStarted
 from stead.core.platform import AGENT_IDENTITY_ENV, NodeSpec, PlatformEvent, agent_title
-from stead.core.procs import is_alive, signal_group, signal_leader, wait_exit
+from stead.core.procs import is_alive, let_go, signal_group, signal_leader, wait_exit
 
 __all__ = ["LocalPlatform"]
 
@@ -99,7 +99,9 @@ class LocalPlatform:
     NodeExited is reported, so a relaunched node never meets its predecessor's
     workers. :meth:`adopt` takes over an agent an earlier master launched. Closing sends
     SIGTERM to every running agent (which stops its own workers), waits
-    ``shutdown_grace_s``, then SIGKILLs the process groups still there.
+    ``shutdown_grace_s``, then SIGKILLs the process groups still there; after
+    :meth:`detach` (a master that fails and leaves the job to its successor) closing
+    leaves the agents running and only stops the spares.
     """
 
     name = "local"
@@ -112,6 +114,7 @@ class LocalPlatform:
         self._receive: MemoryObjectReceiveStream[PlatformEvent]
         self._task_group: anyio.abc.TaskGroup | None = None
         self._closed = False
+        self._detached = False
         self._launch_lock = anyio.Lock()
         self._exit_stack = contextlib.AsyncExitStack()
         self._spares: list[_Spare] = []
@@ -279,6 +282,11 @@ class LocalPlatform:
         self._send.send_nowait(NodeExited(node_id=node.node_id, incarnation=node.incarnation, exit_code=exit_code,
                                           signal=sig))
 
+    def detach(self) -> None:
+        """Leave the running agents running when this platform closes: the master goes away but the job does not,
+        and the next master adopts them (spares are stopped: they hold nothing)."""
+        self._detached = True
+
     async def _stop_all(self) -> None:
         # shielded: a cancelled master must still take its agents down before it returns
         with anyio.CancelScope(shield=True):
@@ -289,6 +297,9 @@ class LocalPlatform:
                     await spare.process.wait()
                 self._spares.clear()
                 running = [node for node in self._nodes.values() if node.running]
+                if self._detached:
+                    self._leave(running)
+                    return
                 for node in running:
                     signal_leader(node.pid, signal.SIGTERM)
                 with anyio.move_on_after(self._settings.shutdown_grace_s):
@@ -304,6 +315,18 @@ class LocalPlatform:
                 await self._clean_up_after_killed()
                 self._send.close()
                 self._receive.close()  # readers from events() hold clones and drain what is left
+
+    def _leave(self, running: list[_Node]) -> None:
+        """Stop watching the running agents and let them outlive this platform (see :meth:`detach`)."""
+        for node in running:
+            if node.process is not None:
+                let_go(node.process)
+        log.info("local_platform_detached", nodes=sorted(f"{n.node_id}/{n.incarnation}" for n in running),
+                 hint="the agents keep running; the next master adopts them")
+        assert self._task_group is not None
+        self._task_group.cancel_scope.cancel()  # the watchers: their nodes are the next master's to watch
+        self._send.close()
+        self._receive.close()
 
     async def _clean_up_after_killed(self) -> None:
         """Run the cleanup command of every node whose last agent was killed: no successor freed what it left on
