@@ -58,7 +58,7 @@ from stead.core.errors import (
 )
 from stead.core.events import EffectFailed, Event, Record, TimerFired, TransitionRejected
 from stead.core.events.log import EventLog, job_prefix
-from stead.core.retry import retrying
+from stead.core.retry import Backoff, retrying
 from stead.core.serde import from_json, to_json
 from stead.core.statemachine import Effect, Emit, JobState, StartTimer, fold
 from stead.core.tasks import TaskOwner
@@ -122,10 +122,19 @@ class Reactor:
         self._tasks = TaskOwner()
         self._since_snapshot = 0
         self._stopped: BaseException | None = None
+        #: paces timers that could not be recorded while the store is away (reset by the next one recorded)
+        self._timer_backoff = Backoff(settings)
 
     @property
     def state(self) -> JobState:
         return self._state
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the loop (the store away past ``retry_deadline_s``, another master's write); None while it
+        runs or after a clean stop."""
+        stopped = self._stopped
+        return None if stopped is None or isinstance(stopped, asyncio.CancelledError | ReactorStopped) else stopped
 
     def _effect_key(self, effect: Effect) -> str:
         return f"{job_prefix(self.log.job)}effects/{effect.id}"
@@ -406,9 +415,16 @@ class Reactor:
         if name in self._state.timers:
             try:
                 await self.submit(TimerFired(name=name))
-            except RetryableError as exc:  # the store is away: fire again once it is back
-                log.warning("timer_not_recorded", job=self.log.job, timer=name, error=str(exc))
+            except RetryableError as exc:  # the store is away: fire again once it is back, not in a tight loop
+                pause = self._timer_backoff.next()
+                log.warning("timer_not_recorded", job=self.log.job, timer=name, error=str(exc),
+                            retry_in_s=round(pause, 2))
+                self._scheduled.add(name)  # no second attempt at it while this one waits
+                await anyio.sleep(pause)
+                self._scheduled.discard(name)
                 self._arm_timers()
+            else:
+                self._timer_backoff.reset()
 
     # -- snapshots and waiting ------------------------------------------------------------
 

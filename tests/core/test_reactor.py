@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import anyio
 import pytest
+import structlog.testing
 
 from stead.core.config import Settings
-from stead.core.errors import CodecError, EffectDeclined, StoreError
+from stead.core.errors import CodecError, EffectDeclined, StoreError, StoreUnavailable
 from stead.core.events import (
     EffectFailed,
     JobFailed,
@@ -27,7 +28,7 @@ from stead.core.events import (
 from stead.core.events.log import EventLog
 from stead.core.reactor import Reactor
 from stead.core.statemachine import Effect, JobPhase, JobState
-from stead.core.store import open_store
+from stead.core.store import StateStore, open_store
 
 pytestmark = pytest.mark.anyio
 
@@ -276,3 +277,49 @@ async def test_an_event_that_cannot_be_stored_fails_its_submitter_only() -> None
     assert isinstance(outcomes[1], CodecError)
     assert isinstance(outcomes[0], Record) and isinstance(outcomes[2], Record)
     assert state.step == 3 and state.phase is JobPhase.STARTING
+
+
+class _AwayStore:
+    """A memory store whose writes of new keys fail (the store is away) while ``away`` is set."""
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self.away = False
+        self.refused = 0
+        #: set once five writes were refused
+        self.refused_enough = anyio.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    async def create_all(self, items: Sequence[tuple[str, bytes]]) -> bool:
+        if self.away:
+            self.refused += 1
+            if self.refused >= 5:
+                self.refused_enough.set()
+            raise StoreUnavailable("etcd at etcd://127.0.0.1:1 is unavailable during create_all")
+        return await self._store.create_all(items)
+
+
+async def test_a_timer_that_fires_while_the_store_is_away_is_tried_again_with_backoff_then_recorded() -> None:
+    store = await open_store("memory://")
+    away = _AwayStore(store)
+    settings = Settings(retry_initial_s=0.01, retry_max_s=0.08)
+    spec = JobSubmitted(job="t", min_nodes=2, max_nodes=3, nproc_per_node=1, last_call_timeout_s=0.01)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            async with Reactor(EventLog(away, "t"), _Nothing(), settings=settings) as reactor:  # type: ignore[arg-type]
+                await reactor.resume()
+                await reactor.submit(spec)
+                await reactor.submit(NodeJoined(node_id="node-0", incarnation=1))
+                await reactor.submit(NodeJoined(node_id="node-1", incarnation=1))  # MIN joined: last call armed
+                away.away = True
+                with anyio.fail_after(30):  # a guard against a hang, not a measured duration
+                    await away.refused_enough.wait()
+                away.away = False
+                state = await reactor.wait_until(lambda s: s.rdzv.round == 1, timeout_s=30)
+    finally:
+        await store.close()
+    pauses = [e["retry_in_s"] for e in logs if e["event"] == "timer_not_recorded"]
+    assert pauses[3] > pauses[0], f"no backoff between attempts: {pauses}"  # doubling, jittered by at most half
+    assert state.rdzv.members == ("node-0", "node-1")
