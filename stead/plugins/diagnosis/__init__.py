@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from stead.plugin import (
     CheckpointCommitted,
     JobPhase,
+    JobState,
     NodeExited,
     NodeJoined,
     NodeLost,
@@ -49,6 +50,7 @@ from stead.plugin import (
     Record,
     RecoveryAction,
     RecoveryDecided,
+    RetryableError,
     RoundCompleted,
     StacksDumped,
     StepProgress,
@@ -174,6 +176,8 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
                 if self.settings.stragglers:
                     await self._check_stragglers(ctx)
                 await self._write_status(ctx)
+            except RetryableError as exc:  # the store is away: said once a look, without a traceback
+                ctx.log.warning("diagnosis_watch_failed", error=str(exc))
             except Exception as exc:
                 ctx.log.exception("diagnosis_watch_failed", error=repr(exc))
 
@@ -182,10 +186,33 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         if (state.phase is not JobPhase.RUNNING or not state.rdzv.active or state.awaiting_decision
                 or state.rdzv.round != self.clock.round or self._hung_round == self.clock.round):
             return
-        stall = self.clock.stalled(time.time())
-        if stall is not None:
-            self._hung_round = stall.round
-            await self._diagnose(ctx, stall)
+        now = time.time()
+        stall = self.clock.stalled(now)
+        if stall is None:
+            return
+        live = self._live_step(ctx, state)
+        if live is not None and (self.clock.step is None or live > self.clock.step):
+            # the heartbeats show steps the log does not (the state store was away and progress went unrecorded):
+            # training goes on, no hang
+            ctx.log.info("hang_not_confirmed", round=stall.round, recorded_step=stall.step, live_step=live,
+                         reason="the nodes' heartbeats show newer steps than the recorded progress")
+            self.clock.observe(stall.round, live, now)
+            return
+        self._hung_round = stall.round
+        await self._diagnose(ctx, stall)
+
+    @staticmethod
+    def _live_step(ctx: Ctx, state: JobState) -> int | None:
+        """The running round's step as the members' last heartbeats say (the slowest member's); None when one has
+        not said."""
+        telemetry = ctx.node_telemetry()
+        steps = []
+        for member in state.rdzv.members:
+            seen = telemetry.get(member)
+            if seen is None or seen.round != state.rdzv.round or seen.step is None:
+                return None
+            steps.append(seen.step)
+        return min(steps) if steps else None
 
     async def _check_stragglers(self, ctx: Ctx) -> None:
         state = ctx.current_state()

@@ -50,6 +50,7 @@ from stead.plugin import (
     Record,
     RecoveryAction,
     RecoveryDecided,
+    RetryableError,
     RoundStarted,
     backend_errors,
     invalid,
@@ -233,6 +234,8 @@ class ScalerPlugin(Plugin[ScalerSettings]):
             try:  # one look's failure is logged; the sampling goes on
                 self.sample(ctx)
                 await self._save(ctx)
+            except RetryableError as exc:  # the store is away: said once a look, without a traceback
+                ctx.log.warning("scaler_sample_failed", error=str(exc))
             except Exception as exc:
                 ctx.log.exception("scaler_sample_failed", error=repr(exc))
 
