@@ -3,7 +3,10 @@
 ``EtcdServer`` starts the ``etcd`` binary on two free loopback ports (client and
 peer) with a temporary data directory, waits until it reports healthy, and on
 exit stops it and removes the directory. ``stop()`` and ``start()`` simulate
-the store going down and coming back (same URL, same data). Raft timings are
+the store going down and coming back (same URL, same data); ``kill()`` takes it
+down as a crash does (SIGKILL), ``pause()``/``resume()`` freeze it (SIGSTOP and
+SIGCONT: connections stay open and nothing answers, as with a hung server or a
+partition). Raft timings are
 shortened so that a single-member cluster elects itself at once and etcd's
 minimum lease TTL is one second, which keeps lease tests short.
 
@@ -17,6 +20,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -140,12 +144,31 @@ class EtcdServer:
         if process is None:
             return
         if process.poll() is None:
+            process.send_signal(signal.SIGCONT)  # a paused etcd cannot act on SIGTERM
             process.terminate()
             try:
                 process.wait(timeout=self._stop_timeout_s)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL etcd (a crash: nothing flushed beyond what etcd's WAL holds), keeping its data for start()."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+
+    def pause(self) -> None:
+        """Freeze etcd (SIGSTOP): its ports stay open, no request is answered until resume()."""
+        if self._process is None or self._process.poll() is not None:
+            raise RuntimeError("etcd is not running; start() it before pausing it")
+        self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused etcd run again (SIGCONT)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGCONT)
 
     def close(self) -> None:
         """Stop etcd and delete its data directory."""
