@@ -89,6 +89,13 @@ class Settings:
     #: an agent whose master has been gone this long stops its workers (they checkpoint on the way out) and
     #: exits cleanly: the job needs its master to go on, and `stead run` with the same job name resumes it
     master_gone_timeout_s: float = setting(60.0, min=0.001)
+    #: a connection to the workers' rendezvous host that has not proven it holds the job's token within this long is
+    #: closed by the host; a master that gets no proof from what listens at the host's recorded address within it
+    #: refuses it and starts a new host
+    rdzv_host_auth_timeout_s: float = setting(10.0, min=0.001)
+    #: the most connections the rendezvous host holds that have not proven the job's token yet; one more closes the
+    #: oldest (a local process opening connections cannot lock a master out)
+    rdzv_host_max_pending: int = setting(16, min=1)
     #: how many times `stead run` starts a new master after one died while the job ran (the agents and workers
     #: keep running meanwhile, and the new master adopts them)
     master_max_restarts: int = setting(3, min=0)

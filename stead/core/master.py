@@ -143,7 +143,9 @@ class Master:
         # a round's store is asked for by the round's start effect: the effect's bound is the request's
         self.rounds = RoundStores(config.host, enabled=config.tcp_store,
                                   gone_timeout_s=config.settings.master_gone_timeout_s,
-                                  timeout_s=config.settings.effect_timeout_s)
+                                  timeout_s=config.settings.effect_timeout_s,
+                                  auth_timeout_s=config.settings.rdzv_host_auth_timeout_s,
+                                  max_pending=config.settings.rdzv_host_max_pending)
         self.tracer = RecoveryTracer(job=config.job)
         self.metrics: JobMetrics | None = None
         #: where the Prometheus metrics are served; None when they are not

@@ -10,14 +10,21 @@ job's state store (``/stead/jobs/<job>/rdzv-host``) and goes on with it.
 
 torch's TCPStore has no authentication, so each store listens only on the
 master's own address (loopback when every node runs on this machine), never on
-every interface as it does by default; the host process's control socket asks for
-the job token first.
+every interface as it does by default. The host process's control socket is
+guarded: the master and the host prove to each other that they hold the job
+token (an HMAC challenge both ways, drawn in :mod:`stead.core._rdzv_host`) before
+the master sends anything else, so a process that took a dead host's recorded
+port is refused, learns no token, and a new host is started in its place. Every
+request carries an id that its reply repeats, and a request that fails or times
+out drops its connection: the next one opens and proves a fresh one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hmac
 import json
 import os
 import signal
@@ -27,7 +34,8 @@ import sys
 import structlog
 
 from stead.core import _rdzv_host
-from stead.core._rdzv_host import TOKEN_ENV
+from stead.core._rdzv_host import HOST, MASTER, MAX_LINE_BYTES, PROTOCOL, TOKEN_ENV, is_nonce, new_nonce, proof
+from stead.core.config import Settings
 from stead.core.errors import RetryableError, StoreError
 from stead.core.events.log import job_prefix
 from stead.core.procs import cmdline, is_alive, let_go, signal_leader, wait_exit
@@ -45,6 +53,23 @@ _HOST_MODULE = _rdzv_host.__file__
 HEALTH_STORE_ROUND = 0
 
 
+class _NotTheHost(Exception):
+    """Something answers at a rendezvous host's address but does not prove that it holds the job's token."""
+
+
+class _HostLost(StoreError):
+    """The connection to the rendezvous host broke off, or carried a reply that is not the request's: dropped."""
+
+
+@dataclasses.dataclass
+class _Channel:
+    """A connection to the job's rendezvous host on which both sides proved they hold the job's token."""
+
+    address: str
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+
 class RoundStores:
     """The stores of each round, in the job's rendezvous host process; ``enabled=False`` hosts none (tests).
 
@@ -52,13 +77,19 @@ class RoundStores:
     one; ``close()`` ends it.
     """
 
-    def __init__(self, host: str, *, enabled: bool, gone_timeout_s: float = 60.0, timeout_s: float = 60.0) -> None:
+    def __init__(self, host: str, *, enabled: bool, gone_timeout_s: float = 60.0, timeout_s: float = 60.0,
+                 auth_timeout_s: float = Settings.rdzv_host_auth_timeout_s,
+                 max_pending: int = Settings.rdzv_host_max_pending) -> None:
         self.host = host
         self.enabled = enabled
         #: the host process exits when no master has been connected for this long
         self.gone_timeout_s = gone_timeout_s
         #: how long a request to the host process (its start, a round's store, its exit) may take
         self.timeout_s = timeout_s
+        #: how long the mutual proof may take, on either side (then the other side is not the job's)
+        self.auth_timeout_s = auth_timeout_s
+        #: how many connections that have not proven the token the host process holds at once
+        self.max_pending = max_pending
         self._rounds: dict[int, tuple[str, int]] = {}
         self._latest: tuple[str, int] = (host, 0)
         #: the round's start effects run concurrently: every node of a round must get the same store
@@ -66,7 +97,10 @@ class RoundStores:
         self._state: tuple[StateStore, str, str] | None = None
         self._pid: int | None = None
         self._process: asyncio.subprocess.Process | None = None
-        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        #: the host process's control socket, once it proved itself
+        self._address: tuple[str, int] | None = None
+        self._conn: _Channel | None = None
+        self._last_id = 0
 
     @property
     def latest(self) -> tuple[str, int]:
@@ -87,11 +121,10 @@ class RoundStores:
         async with self._lock:
             if round_ not in self._rounds:
                 try:
-                    port = await self._ask(f"ROUND {round_}")
-                except (OSError, EOFError, TimeoutError) as exc:  # the host process died: a new one
-                    log.warning("rdzv_host_lost", error=repr(exc), action="starting another")
-                    self._drop_connection()
-                    port = await self._ask(f"ROUND {round_}")
+                    port = await self._ask(round_)
+                except _HostLost as exc:  # a new connection, to a new host process if this one died
+                    log.warning("rdzv_host_lost", error=str(exc), action="asking again on a new connection")
+                    port = await self._ask(round_)
                 self._rounds[round_] = (self.host, port)
             address = self._rounds[round_]
             for old in sorted(r for r in self._rounds if r != HEALTH_STORE_ROUND)[:-2]:
@@ -105,8 +138,10 @@ class RoundStores:
         if not self.enabled or self._state is None:
             return
         async with self._lock:
-            if self._conn is not None:
-                with contextlib.suppress(OSError, EOFError, TimeoutError):
+            with contextlib.suppress(StoreError, _NotTheHost, OSError, TimeoutError):
+                if self._conn is None and self._address is not None:  # a request that failed dropped it
+                    self._conn = await self._open(*self._address, self._state[2])
+                if self._conn is not None:
                     await self._request("EXIT", expect="BYE")
             self._drop_connection()
             await self._wait_gone()
@@ -124,54 +159,109 @@ class RoundStores:
 
     # -- the host process ------------------------------------------------------------
 
-    async def _ask(self, request: str) -> int:
-        await self._connected()
-        reply = await self._request(request, expect="PORT")
+    async def _ask(self, round_: int) -> int:
+        reply = await self._request(f"ROUND {round_}", expect="PORT")
+        if not (reply.isascii() and reply.isdigit() and 0 < int(reply) < 65536):
+            raise self._lost(f"answered PORT {reply[:40]!r} for round {round_}, not a port")
         return int(reply)
 
-    async def _request(self, line: str, *, expect: str) -> str:
-        assert self._conn is not None
-        reader, writer = self._conn
-        writer.write(line.encode() + b"\n")
-        async with asyncio.timeout(self.timeout_s):
-            await writer.drain()
-            answer = (await reader.readline()).decode(errors="replace").strip()
-        verb, _, rest = answer.partition(" ")
-        if not answer:
-            raise EOFError("the rendezvous host closed the connection")
-        if verb != expect:
-            raise StoreError(f"the rendezvous host answered {answer!r} to {line.split()[0]}; this is a bug in stead: "
-                             "report it with the master's log")
-        return rest
+    async def _request(self, request: str, *, expect: str) -> str:
+        """Send ``request`` and return what follows ``expect`` in its reply (the one with the request's id)."""
+        channel = await self._connected()
+        self._last_id += 1
+        request_id = str(self._last_id)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                channel.writer.write(f"{request_id} {request}\n".encode())
+                await channel.writer.drain()
+                answer = await _read_line(channel.reader)
+        except TimeoutError as exc:
+            raise self._lost(f"did not answer {request} within {self.timeout_s:g} s") from exc
+        except (OSError, ValueError) as exc:
+            raise self._lost(f"broke the connection off at {request}: {exc!r}") from exc
+        except BaseException:  # cancelled: its reply may still come, never on this connection
+            self._drop_connection()
+            raise
+        answer_id, _, rest = answer.partition(" ")
+        verb, _, value = rest.partition(" ")
+        if answer_id == request_id and verb == "ERROR":
+            raise StoreError(f"the rendezvous host at {channel.address} could not answer {request}: {value}")
+        if answer_id != request_id or verb != expect:
+            said = f"answered {answer[:80]!r}" if answer else "closed the connection"
+            raise self._lost(f"{said} at request {request_id} ({request}), whose reply is '{request_id} {expect} ...'")
+        return value
 
-    async def _connected(self) -> None:
+    async def _connected(self) -> _Channel:
+        """The proven connection to the job's host process: the recorded one, or a new one this master starts."""
         if self._conn is not None:
-            return
+            return self._conn
         assert self._state is not None, "RoundStores.start() was not called"
         store, job, token = self._state
-        record = await store.get(_record_key(job))
-        if record is not None:
-            with contextlib.suppress(OSError, TimeoutError, ValueError, KeyError, TypeError):
-                about = json.loads(record.value)
-                await self._connect(str(about["host"]), int(about["port"]), token)
-                self._pid = int(about["pid"])
-                log.info("rdzv_host_adopted", pid=self._pid, port=about["port"])
-                return
+        recorded = await _recorded(store, job)
+        if recorded is not None:
+            host, port, pid = recorded
+            try:
+                self._conn = await self._open(host, port, token)
+            except _NotTheHost as exc:
+                log.warning("rdzv_host_refused", address=f"{host}:{port}", reason=str(exc),
+                            meaning="what listens there is not the job's rendezvous host", action="starting a new one")
+            except (OSError, TimeoutError) as exc:  # it exited: nobody connected for gone_timeout_s, or it died
+                log.info("rdzv_host_gone", address=f"{host}:{port}", error=repr(exc), action="starting a new one")
+            else:
+                self._pid, self._address = pid, (host, port)
+                log.info("rdzv_host_adopted", pid=pid, address=self._conn.address)
+                return self._conn
         port = await self._spawn(token)
-        await self._connect(self.host, port, token)
+        try:
+            self._conn = await self._open(self.host, port, token)
+        except (_NotTheHost, OSError, TimeoutError) as exc:
+            raise StoreError(f"the rendezvous host process this master started (pid {self._pid}, {self.host}:{port}) "
+                             f"did not complete the job's proof: {exc}; see its error above") from exc
+        self._address = (self.host, port)
         await store.put(_record_key(job), json.dumps({"pid": self._pid, "host": self.host, "port": port}).encode())
+        return self._conn
 
-    async def _connect(self, host: str, port: int, token: str) -> None:
-        async with asyncio.timeout(self.timeout_s):
-            reader, writer = await asyncio.open_connection(host, port)
-        writer.write(f"TOKEN {token}\n".encode())
-        self._conn = (reader, writer)
+    async def _open(self, host: str, port: int, token: str) -> _Channel:
+        """A connection to ``host:port`` on which both sides proved they hold ``token`` (the token is never sent).
+
+        OSError or TimeoutError: nothing answers there. _NotTheHost: something does, and fails the proof.
+        """
+        address = f"{host}:{port}"
+        async with asyncio.timeout(self.auth_timeout_s):
+            reader, writer = await asyncio.open_connection(host, port, limit=MAX_LINE_BYTES)
+        try:
+            try:
+                async with asyncio.timeout(self.auth_timeout_s):
+                    hello = await _read_line(reader)
+                    words = hello.split(" ")
+                    if len(words) != 3 or words[:2] != ["HELLO", PROTOCOL] or not is_nonce(words[2]):
+                        raise _NotTheHost(f"it greeted with {hello[:80]!r}, not {PROTOCOL}'s HELLO and a nonce")
+                    host_nonce, master_nonce = words[2], new_nonce()
+                    writer.write(f"PROOF {master_nonce} "
+                                 f"{proof(token, MASTER, address, host_nonce, master_nonce)}\n".encode())
+                    await writer.drain()
+                    answer = await _read_line(reader)
+            except TimeoutError as exc:
+                raise _NotTheHost(f"it did not complete the proof within {self.auth_timeout_s:g} s "
+                                  "(rdzv_host_auth_timeout_s)") from exc
+            except (OSError, ValueError) as exc:
+                raise _NotTheHost(f"the connection broke off during the proof: {exc!r}") from exc
+            if not answer:
+                raise _NotTheHost("it closed the connection at this master's proof: it does not hold the job's token")
+            verb, _, mac = answer.partition(" ")
+            expected = proof(token, HOST, address, host_nonce, master_nonce)
+            if verb != "PROOF" or not hmac.compare_digest(mac.encode(), expected.encode()):
+                raise _NotTheHost("its proof of the job's token is wrong")
+        except BaseException:
+            writer.close()
+            raise
+        return _Channel(address, reader, writer)
 
     async def _spawn(self, token: str) -> int:
         # its own session and no death signal: it outlives this master on purpose
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-P", _rdzv_host.__file__, self.host, str(self.gone_timeout_s),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True,
+            sys.executable, "-P", _rdzv_host.__file__, self.host, str(self.gone_timeout_s), str(self.auth_timeout_s),
+            str(self.max_pending), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True,
             env={**os.environ, TOKEN_ENV: token})
         assert process.stdout is not None
         async with asyncio.timeout(self.timeout_s):
@@ -184,9 +274,15 @@ class RoundStores:
         log.info("rdzv_host_started", pid=process.pid, port=int(out))
         return int(out)
 
+    def _lost(self, what: str) -> _HostLost:
+        """Drop the connection (a reply may still come on it) and say what the host did."""
+        address = "?" if self._conn is None else self._conn.address
+        self._drop_connection()
+        return _HostLost(f"the rendezvous host at {address} {what}")
+
     def _drop_connection(self) -> None:
         if self._conn is not None:
-            self._conn[1].close()
+            self._conn.writer.close()
             self._conn = None
         self._rounds.clear()
 
@@ -194,6 +290,7 @@ class RoundStores:
         """Until the host process exited (SIGKILL after the timeout)."""
         pid, process = self._pid, self._process
         self._pid = self._process = None
+        self._address = None
         if process is not None:
             try:
                 async with asyncio.timeout(self.timeout_s):
@@ -207,6 +304,24 @@ class RoundStores:
                     await wait_exit(pid)
             if is_alive(pid) and _HOST_MODULE in cmdline(pid):
                 signal_leader(pid, signal.SIGKILL)
+
+
+async def _read_line(reader: asyncio.StreamReader) -> str:
+    """One line of the protocol without its newline; "" at EOF, ValueError past MAX_LINE_BYTES (the reader's limit)."""
+    return (await reader.readline()).decode("ascii", errors="replace").rstrip("\n")
+
+
+async def _recorded(store: StateStore, job: str) -> tuple[str, int, int] | None:
+    """The host, port and pid of the job's host process on record, if any."""
+    record = await store.get(_record_key(job))
+    if record is None:
+        return None
+    try:
+        about = json.loads(record.value)
+        return str(about["host"]), int(about["port"]), int(about["pid"])
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("rdzv_host_record_unreadable", key=_record_key(job), error=repr(exc), action="starting a new host")
+        return None
 
 
 def _record_key(job: str) -> str:
