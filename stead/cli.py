@@ -22,7 +22,7 @@ from stead.core.errors import ConfigError, PermanentError, SteadError
 from stead.core.logging import LOG_LEVELS, TRACE_CHOICES, TRACE_HELP, export_log_config, version_line
 from stead.core.plugins import check_plugin_settings
 from stead.core.statemachine import JobPhase
-from stead.core.store import StateStore
+from stead.core.store import StateStore, public_store_url
 
 __all__ = ["main"]
 
@@ -411,7 +411,7 @@ async def _status(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _no_job(args: argparse.Namespace) -> PermanentError:
-    return PermanentError(f"no job {args.job!r} in {args.store or _default_store(args.job)}; "
+    return PermanentError(f"no job {args.job!r} in {public_store_url(args.store or _default_store(args.job))}; "
                           "check --job and --store (stead run uses sqlite:///.stead/<job>.db by default)")
 
 
