@@ -194,7 +194,7 @@ def unreachable_advice(access: EtcdAccess) -> str:
             "reachable URL")
 
 
-def refusal(access: EtcdAccess, op: str, code: str, details: str) -> StoreError | None:
+def refusal(access: EtcdAccess, op: str, details: str) -> StoreError | None:
     """The permanent error of an etcd answer that refuses this client's login or permissions, else None."""
     url, user = access.public_url, access.user
     if "authentication failed" in details:
@@ -208,7 +208,6 @@ def refusal(access: EtcdAccess, op: str, code: str, details: str) -> StoreError 
         who = f"user {user!r}" if user else "this client (no etcd_user given)"
         return StoreError(f"etcd at {url} refused {op} to {who}: permission denied; grant its role read and write "
                           "on stead's keys (etcdctl role grant-permission ROLE readwrite /stead/ --prefix)")
-    del code
     return None
 
 

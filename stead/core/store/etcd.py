@@ -179,7 +179,7 @@ class EtcdStore:
             code, details = "DEADLINE_EXCEEDED", f"no answer within store_timeout_s={self._timeout}"
         elif isinstance(exc, grpc.aio.AioRpcError):
             code, details = exc.code().name, exc.details() or ""
-            refused = refusal(self._access, op, code, details) or connection_failure(self._access, op, code, details)
+            refused = refusal(self._access, op, details) or connection_failure(self._access, op, code, details)
             if refused is not None:
                 return refused
             if "request is too large" in details or "larger than max" in details:
@@ -415,7 +415,7 @@ class EtcdStore:
                                      "from revision()+1")
                 if response.canceled:
                     reason = str(response.cancel_reason)
-                    raise refusal(self._access, "watch", "", reason) or StoreUnavailable(
+                    raise refusal(self._access, "watch", reason) or StoreUnavailable(
                         f"etcd at {self._url} cancelled the watch ({reason}); watch again from the last revision "
                         "seen + 1")
                 for event in response.events:
