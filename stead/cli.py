@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from stead.core.config import Settings
@@ -21,7 +22,7 @@ from stead.core.errors import ConfigError, PermanentError, SteadError
 from stead.core.logging import LOG_LEVELS, TRACE_CHOICES, TRACE_HELP, export_log_config, version_line
 from stead.core.plugins import check_plugin_settings
 from stead.core.statemachine import JobPhase
-from stead.core.store import StateStore
+from stead.core.store import StateStore, public_store_url
 
 __all__ = ["main"]
 
@@ -71,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--job", required=True, help="job name")
     m.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     m.add_argument("--port", type=int, default=0, help="RPC port (default: a free port)")
-    m.add_argument("--token-file", default=None, help="where to write the job token (default: .stead/<job>.token)")
+    m.add_argument("--token-file", default=None,
+                   help="where to write the job token (default: .stead/<job>.token); a master of a job that runs "
+                        "takes the token from this file, or from $STEAD_JOB_TOKEN")
     m.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve Prometheus metrics (goodput, recoveries, nodes, steps) at http://HOST:PORT/metrics; "
                         "0: a free port (the default; printed), -1: none")
@@ -138,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     _read_job_args(sc)
     sc.add_argument("--nodes", type=int, required=True, metavar="N", help="how many nodes the job should run on")
     sc.add_argument("--reason", default="", help="why, recorded with the request in the job's events")
+    sc.add_argument("--token-file", default=None, metavar="PATH",
+                    help="the job's token file (default: $STEAD_JOB_TOKEN if set, else .stead/<job>.token, which "
+                         "`stead run` writes in the directory it runs in)")
     _add_common(sc)
 
     r = sub.add_parser("report", help="write a job's report: one HTML file with its timeline, step rate and goodput",
@@ -264,9 +270,11 @@ async def _master(args: argparse.Namespace, settings: Settings) -> int:
                           "(no metrics)")
     if args.platform is not None or args.run_args:
         return await _master_of_run(args)
+    from stead.core.jobtoken import JOB_TOKEN_ENV
+
     config = MasterConfig(job=args.job, store_url=args.store, settings=settings, host=args.host, port=args.port,
                           token_file=args.token_file, plugins=plugins, disabled_plugins=disabled,
-                          metrics_port=args.metrics_port)
+                          metrics_port=args.metrics_port, token=os.environ.get(JOB_TOKEN_ENV) or None)
     async with Master(config) as master:
         print(f"stead master for job {args.job!r} listening on {master.address}", flush=True)
         print(f"job token written to {master.token_file}", flush=True)
@@ -281,8 +289,8 @@ async def _master(args: argparse.Namespace, settings: Settings) -> int:
 
 async def _master_of_run(args: argparse.Namespace) -> int:
     """`stead master --platform NAME -- RUN_ARGS`: the master of the job those `stead run` arguments describe."""
+    from stead.core.jobtoken import JOB_TOKEN_ENV
     from stead.core.launch import parse_run_args
-    from stead.core.master import JOB_TOKEN_ENV
     from stead.core.runner import serve_job
 
     if not args.run_args:
@@ -403,7 +411,7 @@ async def _status(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _no_job(args: argparse.Namespace) -> PermanentError:
-    return PermanentError(f"no job {args.job!r} in {args.store or _default_store(args.job)}; "
+    return PermanentError(f"no job {args.job!r} in {public_store_url(args.store or _default_store(args.job))}; "
                           "check --job and --store (stead run uses sqlite:///.stead/<job>.db by default)")
 
 
@@ -442,9 +450,25 @@ async def _report(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _scale_token(args: argparse.Namespace) -> tuple[str, str]:
+    """The job's token for `stead scale` and where it came from: --token-file, else STEAD_JOB_TOKEN, else
+    .stead/<job>.token."""
+    from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, find_token
+
+    path = Path(args.token_file) if args.token_file else default_token_file(args.job)
+    found = find_token(path, explicit_file=bool(args.token_file))
+    if found is None:
+        raise ConfigError(f"no token for job {args.job!r}: {path} does not exist and {JOB_TOKEN_ENV} is not set; run "
+                          "this where `stead run` ran (it writes .stead/<job>.token there), or pass --token-file "
+                          f"PATH, or set {JOB_TOKEN_ENV} (on Kubernetes: the token in the job's Secret)")
+    return found
+
+
 async def _scale(args: argparse.Namespace, settings: Settings) -> int:
     from stead.core.events import Record
     from stead.core.events.log import job_prefix
+    from stead.core.jobtoken import verifier_key
+    from stead.core.rpc import verifies
     from stead.core.statemachine import fold_all
     from stead.plugins.scaler.client import request_scale
 
@@ -452,7 +476,7 @@ async def _scale(args: argparse.Namespace, settings: Settings) -> int:
     try:
         records = await _job_records(store, args)
         master = await store.get(f"{job_prefix(args.job)}master")
-        token = await store.get(f"{job_prefix(args.job)}token")
+        verifier = await store.get(verifier_key(args.job))
     finally:
         await store.close()
     state = fold_all([r for r in records if isinstance(r, Record)])
@@ -467,11 +491,16 @@ async def _scale(args: argparse.Namespace, settings: Settings) -> int:
         address = json.loads(master.value)["address"] if master is not None else None
     except (ValueError, KeyError, TypeError):
         address = None
-    if not address or token is None:
+    if not address:
         raise PermanentError(f"job {args.job!r} has no master on record in {store.url}: it is not running yet, or "
                              "its master has not announced itself; run `stead status` to see it, and scale it once "
                              "it runs")
-    result = await request_scale(address, token.value.decode(), nodes=args.nodes, by="stead scale",
+    token, source = _scale_token(args)
+    if verifier is not None and not verifies(args.job, token, verifier.value.decode("ascii", errors="replace")):
+        raise ConfigError(f"the token in {source} is not job {args.job!r}'s (it does not match the verifier the "
+                          "store keeps): pass the token file of this run of the job with --token-file, or its "
+                          "token in STEAD_JOB_TOKEN")
+    result = await request_scale(address, token, nodes=args.nodes, by="stead scale",
                                  reason=args.reason, timeout_s=settings.rpc_timeout_s)
     was = f" (was {result.previous})" if result.previous != result.target else " (unchanged)"
     print(f"job {args.job!r}: target {result.target} nodes{was}: {result.reason}")

@@ -56,6 +56,18 @@ def etcd_url() -> Iterator[str]:
     leaks.LONG_LIVED.difference_update(owned)
 
 
+@pytest.fixture(scope="session")
+def secure_etcd() -> Iterator[EtcdServer]:
+    """One etcd for the session that takes only TLS clients with a certificate of its CA, and only logged-in
+    users (``secure_etcd.client_settings()`` gets in); started when a test first asks for it."""
+    before = leaks.descendants()
+    with EtcdServer(tls=True, auth=True) as server:
+        owned = leaks.descendants() - before
+        leaks.LONG_LIVED.update(owned)
+        yield server
+    leaks.LONG_LIVED.difference_update(owned)
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers() -> Iterator[None]:
     """After every test: no new child process, listening port or stead shared-memory segment."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +26,9 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return value
 
 
-def _stead(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _stead(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "stead", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env={**os.environ, **(env or {})})
 
 
 async def _seed(url: str, job: str) -> None:
@@ -154,3 +155,42 @@ def test_scale_refuses_a_finished_job_and_nodes_outside_min_max_saying_why(tmp_p
     anyio.run(_seed, url, "open")  # submitted, its range 1:1
     outside = _stead("scale", "--store", url, "--job", "open", "--nodes", "5", cwd=tmp_path)
     assert outside.returncode == 2 and "--nodes 5 is outside job 'open''s MIN:MAX 1:1" in outside.stderr
+
+
+async def _scale_a_running_job(tmp_path: Path) -> dict[str, subprocess.CompletedProcess[str]]:
+    """`stead scale` of a job whose master runs: with the token file where `stead run` writes it, with
+    --token-file, with STEAD_JOB_TOKEN, with none, and with another job's token."""
+    from stead.core.master import Master, MasterConfig
+    from stead.core.rpc import new_token, write_token_file
+
+    url = f"sqlite:///{tmp_path / 'grow.db'}"
+    config = MasterConfig(job="grow", store_url=url, plugins=["scaler"], tcp_store=False,
+                          token_file=str(tmp_path / ".stead" / "grow.token"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write_token_file(elsewhere / "other.token", new_token())
+    scale = ("scale", "--store", url, "--job", "grow", "--nodes")
+    said = {}
+    async with Master(config) as master:
+        await master.submit_job(JobSubmitted(job="grow", min_nodes=1, max_nodes=3, nproc_per_node=1, start_nodes=1))
+        said["default file"] = await anyio.to_thread.run_sync(lambda: _stead(*scale, "2", cwd=tmp_path))
+        said["--token-file"] = await anyio.to_thread.run_sync(lambda: _stead(
+            *scale, "3", "--token-file", str(config.token_file), cwd=elsewhere))
+        said["env"] = await anyio.to_thread.run_sync(lambda: _stead(
+            *scale, "1", cwd=elsewhere, env={"STEAD_JOB_TOKEN": master.token}))
+        said["none"] = await anyio.to_thread.run_sync(lambda: _stead(*scale, "2", cwd=elsewhere))
+        said["other"] = await anyio.to_thread.run_sync(lambda: _stead(
+            *scale, "2", "--token-file", str(elsewhere / "other.token"), cwd=elsewhere))
+    return said
+
+
+def test_scale_takes_the_job_token_from_its_file_or_the_environment_and_says_where_it_looked(tmp_path: Path) -> None:
+    said = anyio.run(_scale_a_running_job, tmp_path)
+    for how, nodes, was in (("default file", 2, 1), ("--token-file", 3, 2), ("env", 1, 3)):
+        assert said[how].returncode == 0, (how, said[how].stderr)
+        assert f"job 'grow': target {nodes} nodes (was {was})" in said[how].stdout
+    assert said["none"].returncode == 2
+    assert ("no token for job 'grow': .stead/grow.token does not exist and STEAD_JOB_TOKEN is not set; run this "
+            "where `stead run` ran") in said["none"].stderr
+    assert said["other"].returncode == 2
+    assert f"the token in token file {tmp_path}/elsewhere/other.token is not job 'grow''s" in said["other"].stderr

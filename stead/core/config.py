@@ -104,6 +104,16 @@ class Settings:
     store_connect_timeout_s: float = setting(5.0, min=0.001)
     #: a store call that takes longer than this counts as "store unavailable"
     store_timeout_s: float = setting(5.0, min=0.001)
+    #: the etcd store over TLS: the CA that signed etcd's server certificate (PEM); "" = plain HTTP. Also
+    #: ``ca_file=`` in the ``etcd://`` URL, which wins (as for every etcd_* setting)
+    etcd_ca_file: str = ""
+    #: a client certificate and its key (PEM) for an etcd with ``--client-cert-auth``; both or neither
+    etcd_cert_file: str = ""
+    etcd_key_file: str = ""
+    #: log in to etcd as this user (etcd's authentication); also ``etcd://USER@host:port``
+    etcd_user: str = ""
+    #: the file holding etcd_user's password (one line); a password never goes in a URL or on a command line
+    etcd_password_file: str = ""
     #: an RPC to the master that takes longer than this counts as "master unavailable"
     rpc_timeout_s: float = setting(5.0, min=0.001)
     #: the largest RPC message the master accepts, bytes (gRPC's own default is 4 MiB); a larger one is refused

@@ -43,11 +43,9 @@ import structlog
 
 from stead.core.config import Settings
 from stead.core.errors import (
-    ConfigError,
     LogConflict,
     MasterTaskFailed,
     RetryableError,
-    StoreError,
     StoreUnavailable,
 )
 from stead.core.events import Event, JobSubmitted, PluginsStarted, Record
@@ -55,25 +53,22 @@ from stead.core.events.log import EventLog, job_prefix
 from stead.core.executor import Executor, NodeSpecFactory
 from stead.core.gcsteward import steward_gc
 from stead.core.hub import AgentHub
+from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, forget_job_token, job_token
 from stead.core.master_tasks import MasterTasks
 from stead.core.metrics import JobMetrics, MetricsServer
 from stead.core.platform import NodeSpec, Platform
 from stead.core.plugins import PluginHost, load_plugins
 from stead.core.reactor import Reactor
 from stead.core.retry import retrying
-from stead.core.rpc import AgentServicer, RpcServer, check_token, new_token, write_token_file
+from stead.core.rpc import AgentServicer, RpcServer, write_token_file
 from stead.core.statemachine import JobPhase, JobState, NodePhase
-from stead.core.store import StateStore, open_store
+from stead.core.store import StateStore, open_store, public_store_url
 from stead.core.tcpstore import RoundStores
 from stead.core.tracing import RecoveryTracer
 
 __all__ = ["JOB_TOKEN_ENV", "Master", "MasterConfig", "MasterTaskFailed", "NodeSpecFactory", "open_store_retrying"]
 
 log = structlog.get_logger("stead.master")
-
-#: where a master started for a job (`stead master --platform ... -- RUN_ARGS`) finds the job's token when it is
-#: given to it (a Kubernetes Secret); absent: the token on record in the store, or a new one
-JOB_TOKEN_ENV = "STEAD_JOB_TOKEN"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,8 +89,10 @@ class MasterConfig:
     #: a listening socket to serve on instead of binding ``host:port`` (``stead run`` keeps one for every master
     #: it starts, so that agents find a restarted master where the one that died was)
     listen_fd: int | None = None
+    #: the job's token when it is given (``STEAD_JOB_TOKEN``: a Kubernetes Secret, `stead run`'s supervisor);
+    #: None: the one in ``token_file`` if that exists, else a new one (see :mod:`stead.core.jobtoken`)
     token: str | None = None
-    #: where the job token is written for agents; default: ``.stead/<job>.token``
+    #: where the job token is written for agents, kept until the job ends; default: ``.stead/<job>.token``
     token_file: str | None = None
     #: host a torch TCPStore for the workers' process groups (needs torch)
     tcp_store: bool = True
@@ -118,12 +115,13 @@ async def open_store_retrying(url: str, settings: Settings, *, deadline_s: float
     """
     limit = settings.store_connect_timeout_s if deadline_s is None else deadline_s
     setting = "store_connect_timeout_s" if deadline_s is None else "retry_deadline_s"
+    shown = public_store_url(url)
     try:
-        return await retrying(lambda: open_store(url, settings=settings), settings, what=f"state store {url}",
+        return await retrying(lambda: open_store(url, settings=settings), settings, what=f"state store {shown}",
                               deadline_s=limit)
     except RetryableError as exc:
         raise StoreUnavailable(
-            f"state store {url} is unreachable (tried for {limit:g} s: {exc}); "
+            f"state store {shown} is unreachable (tried for {limit:g} s: {exc}); "
             f"start it, check the URL, or raise {setting}"
         ) from exc
 
@@ -132,9 +130,9 @@ class Master:
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
         self.settings = config.settings
-        #: the job's token: the one its first master stored (see :meth:`_job_token`); set when the master starts
+        #: the job's token (see :func:`~stead.core.jobtoken.job_token`); set when the master starts
         self.token = config.token or ""
-        self.token_file = Path(config.token_file or Path(".stead") / f"{config.job}.token")
+        self.token_file = Path(config.token_file or default_token_file(config.job))
         self._stack = contextlib.AsyncExitStack()
         self._store: StateStore | None = None
         self._reactor: Reactor | None = None
@@ -234,28 +232,11 @@ class Master:
         await retrying(lambda: self.store.put(f"{job_prefix(self.config.job)}master", json.dumps(about).encode()),
                        self.settings, what=f"master record of {self.config.job}")
 
-    async def _job_token(self) -> str:
-        """The job's token, kept in its store: a master that takes over a job (after a crash, or a standby)
-        answers the agents and workers that still run with the token they hold."""
-        store, key = self.store, f"{job_prefix(self.config.job)}token"
-        if self.config.token:  # given (a Kubernetes Secret holds it): the one on record too, for `stead scale`
-            given = check_token(self.config.token).encode()
-            await retrying(lambda: store.put(key, given), self.settings, what=f"job token of {self.config.job}")
-            return self.config.token
-        while True:
-            kv = await retrying(lambda: store.get(key), self.settings, what=f"job token of {self.config.job}")
-            if kv is not None:
-                try:
-                    return check_token(kv.value.decode("ascii"))
-                except (UnicodeDecodeError, ConfigError):
-                    raise StoreError(f"the job token stored under {key} is not a valid token; delete that key to "
-                                     "have a new one made (running agents and workers then need restarting)") \
-                        from None
-            token = new_token()
-            made = token.encode()
-            if await retrying(lambda: store.compare_and_put(key, made, expected_mod_revision=0),  # noqa: B023
-                              self.settings, what=f"job token of {self.config.job}"):
-                return token
+    async def _forget_token_if_ended(self) -> None:
+        """A master leaving a job that ended removes its token's verifier and file; otherwise they stay, for the
+        master that takes the job over and for `stead scale`."""
+        if self.state.phase.terminal:
+            await forget_job_token(self.store, self.config.job, self.token_file)
 
     async def _start(self) -> None:
         cfg = self.config
@@ -281,14 +262,15 @@ class Master:
             EventLog(self._store, cfg.job), executor, settings=self.settings, plugins=self.plugin_host,
             observers=observers))
         await self._stack.enter_async_context(self.plugin_host)
-        self.token = await self._job_token()
+        self.token = await job_token(self._store, cfg.job, given=cfg.token, token_file=self.token_file,
+                                     settings=self.settings)
         # the workers' rendezvous stores: a process of their own, found again (or started) here; it imports
         # torch while the nodes start
         await self.rounds.start(self._store, cfg.job, self.token)
         self._stack.push_async_exit(self._close_rounds)
         self.token_file.parent.mkdir(parents=True, exist_ok=True)
         write_token_file(self.token_file, self.token)
-        self._stack.callback(self.token_file.unlink, missing_ok=True)
+        self._stack.push_async_callback(self._forget_token_if_ended)
         self._rpc = await self._stack.enter_async_context(
             RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file,
                       max_message_bytes=self.settings.rpc_max_message_bytes, listen_fd=cfg.listen_fd))
@@ -313,7 +295,7 @@ class Master:
         await self._reactor.submit_many([*host.start_failures, PluginsStarted(plugins=tuple(host.names),
                                                                               deciders=tuple(host.deciders))])
         log.info("master_ready", address=self.address, token_file=str(self.token_file), phase=self.state.phase.value,
-                 plugins=host.names, deciders=host.deciders, store=cfg.store_url)
+                 plugins=host.names, deciders=host.deciders, store=public_store_url(cfg.store_url))
 
     async def _adopt_nodes(self, state: JobState) -> None:
         """Have the platform take over the nodes an earlier master launched that the log says still run, and give

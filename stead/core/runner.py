@@ -28,13 +28,17 @@ from stead.core.display import format_status
 from stead.core.entrypoints import load_named
 from stead.core.errors import ConfigError, SteadError
 from stead.core.events import JobResumed, JobStopped, JobSubmitted
+from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, find_token
 from stead.core.launch import PLATFORM_GROUP, RunConfig, parse_run_args
 from stead.core.master import Master, MasterConfig, open_store_retrying
 from stead.core.platform import NodeSpec, Platform
+from stead.core.rpc import new_token
 from stead.core.statemachine import JobPhase, JobState
+from stead.core.store import public_store_url
 from stead.core.supervisor import EXIT_MASTER_CRASHED, LISTEN_FD_ENV, STOP_ENV, TAKEOVER_ENV, supervise
 
-__all__ = ["agent_spec_factory", "job_submitted", "load_platform", "main", "run_job", "serve_job", "started_job"]
+__all__ = ["agent_spec_factory", "job_submitted", "load_platform", "main", "run_job", "run_token", "serve_job",
+           "started_job"]
 
 log = structlog.get_logger("stead.run")
 
@@ -132,7 +136,7 @@ async def started_job(config: RunConfig, argv: Sequence[str], *, token_file: str
         if master.state.phase is JobPhase.NEW:
             await master.submit_job(submitted)
             log.info("job_submitted", job=config.job_name, nodes=f"{config.min_nodes}:{config.max_nodes}",
-                     nproc_per_node=config.nproc_per_node, store=config.store_url)
+                     nproc_per_node=config.nproc_per_node, store=public_store_url(config.store_url))
         elif takeover and not master.state.phase.terminal:
             log.info("job_taken_over", job=config.job_name, phase=master.state.phase.value,
                      nodes=sorted(n for n, s in master.state.nodes.items() if s.phase.alive))
@@ -171,11 +175,22 @@ async def _resume(master: Master, config: RunConfig, submitted: JobSubmitted) ->
              checkpoint_step=state.checkpoint_step)
 
 
+def run_token(config: RunConfig) -> str:
+    """The token `stead run` gives every master of its job: ``STEAD_JOB_TOKEN``, else the job's token file (its
+    agents may still run: a `stead run` of the job before was killed with its master), else a new one."""
+    found = find_token(default_token_file(config.job_name))
+    if found is not None:
+        log.info("job_token_found", job=config.job_name, source=found[1])
+        return found[0]
+    return new_token()
+
+
 async def run_job(config: RunConfig, argv: Sequence[str], *, listen_fd: int | None = None, takeover: bool = False,
-                  stop_reason: str | None = None, started: list[Master] | None = None) -> JobState:
+                  stop_reason: str | None = None, started: list[Master] | None = None,
+                  token: str | None = None) -> JobState:
     """Run the job to its end under this process's master; ``started`` gets the master once it runs."""
     settings = config.settings
-    async with started_job(config, argv, listen_fd=listen_fd, takeover=takeover,
+    async with started_job(config, argv, listen_fd=listen_fd, takeover=takeover, token=token,
                            leave_nodes_on_failure=True) as master:
         if started is not None:
             started.append(master)
@@ -313,13 +328,19 @@ def main(argv: Sequence[str]) -> int:
             print(f"stead: stopped following job {config.job_name}; it goes on where it runs", file=sys.stderr)
             return 130
     if listen_fd is None:
-        return supervise(argv, config.settings)
+        try:
+            job_token = run_token(config)
+        except ConfigError as exc:
+            print(f"stead run: error: {exc}", file=sys.stderr)
+            return 2
+        return supervise(argv, config.settings, token=job_token)
     takeover = os.environ.pop(TAKEOVER_ENV, None) is not None
     stop_reason = os.environ.pop(STOP_ENV, None)
+    token = os.environ.pop(JOB_TOKEN_ENV, None) or None  # the agents this master starts read the token file
     started: list[Master] = []
     try:
         state = asyncio.run(run_job(config, argv, listen_fd=int(listen_fd), takeover=takeover,
-                                    stop_reason=stop_reason, started=started))
+                                    stop_reason=stop_reason, started=started, token=token))
     except KeyboardInterrupt:
         print(f"stead: job {config.job_name} interrupted; its nodes were stopped", file=sys.stderr)
         return 130

@@ -1,11 +1,15 @@
 """``stead run`` supervises the job's master instead of being it.
 
 The master runs in a child process. The supervisor stays small (no torch, no
-event loop, no threads) and does four things:
+event loop, no threads) and does five things:
 
 - it holds the master's listening socket and hands it to every master it starts,
   so a restarted master answers where the one that died did: the agents'
   reconnects simply wait in the socket's backlog until it accepts them;
+- it holds the job's token (found or made once, see :func:`stead.core.runner.run_token`)
+  and hands it to every master it starts (``STEAD_JOB_TOKEN``), so a restarted
+  master answers the agents and workers that hold it: the store keeps only a
+  verifier of it;
 - it starts a new master when one dies while the job runs (killed, or failed
   after it had started: exit code :data:`EXIT_MASTER_CRASHED`), up to
   ``master_max_restarts`` times; the new master replays the job's log and adopts
@@ -33,6 +37,7 @@ from types import FrameType
 import structlog
 
 from stead.core.config import Settings
+from stead.core.jobtoken import JOB_TOKEN_ENV
 from stead.core.procs import become_subreaper, children, signal_group, signal_leader, tied_argv
 
 __all__ = ["EXIT_MASTER_CRASHED", "LISTEN_FD_ENV", "STOP_ENV", "TAKEOVER_ENV", "supervise"]
@@ -52,10 +57,11 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
 
 class _Supervisor:
-    def __init__(self, argv: Sequence[str], settings: Settings, host: str) -> None:
+    def __init__(self, argv: Sequence[str], settings: Settings, host: str, token: str) -> None:
         self.argv = list(argv)
         self.settings = settings
         self.host = host
+        self.token = token
         self.master: subprocess.Popen[bytes] | None = None
         self.stop: signal.Signals | None = None
 
@@ -100,7 +106,7 @@ class _Supervisor:
                         max_restarts=self.settings.master_max_restarts)
 
     def _start(self, listener: socket.socket, *, takeover: bool) -> subprocess.Popen[bytes]:
-        env = {**os.environ, LISTEN_FD_ENV: str(listener.fileno())}
+        env = {**os.environ, LISTEN_FD_ENV: str(listener.fileno()), JOB_TOKEN_ENV: self.token}
         if takeover:
             env[TAKEOVER_ENV] = "1"
         if self.stop is not None:
@@ -174,6 +180,7 @@ def _listen(host: str) -> socket.socket:
     return sock
 
 
-def supervise(argv: Sequence[str], settings: Settings, *, host: str = "127.0.0.1") -> int:
-    """Run ``stead run ARGV``'s master in a child process, restarted when it dies; the job's exit code."""
-    return _Supervisor(argv, settings, host).run()
+def supervise(argv: Sequence[str], settings: Settings, *, token: str, host: str = "127.0.0.1") -> int:
+    """Run ``stead run ARGV``'s master in a child process, restarted when it dies, each given the job's ``token``;
+    the job's exit code."""
+    return _Supervisor(argv, settings, host, token).run()

@@ -10,6 +10,15 @@ partition). Raft timings are
 shortened so that a single-member cluster elects itself at once and etcd's
 minimum lease TTL is one second, which keeps lease tests short.
 
+``EtcdServer(tls=True)`` serves its clients over TLS with certificates made in
+its directory (:mod:`stead.testing.tls`) and, unless ``client_cert_auth=False``,
+accepts only clients with a certificate of its authority (``--client-cert-auth``).
+``EtcdServer(auth=True)`` enables etcd's authentication: a ``root`` user and a
+``stead`` user whose role may read and write every key, each with a random
+password in a file (:meth:`EtcdServer.add_user` adds more).
+:meth:`EtcdServer.client_settings` are the stead settings of a client that gets
+in; :attr:`EtcdServer.url` carries none of them.
+
 Without an ``etcd`` binary the tests are skipped on a developer machine, but
 fail when the ``CI`` environment variable is set: CI must never silently skip them.
 """
@@ -19,26 +28,36 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import anyio.to_thread
+import grpc
+from aetcd import rpc
 
 from stead.testing.steps import free_port
+from stead.testing.tls import CertificateAuthority, CertPair
 
 __all__ = ["ETCD_MISSING_HINT", "EtcdServer", "etcd_binary"]
 
 ETCD_MISSING_HINT = "etcd not installed: run `make test` (installs etcd-server) or apt-get install etcd-server"
 #: how often start() polls /health while etcd boots
 _HEALTH_POLL_S = 0.05
+#: the user stead's clients of an ``auth=True`` server log in as, and the prefix its role may read and write
+STEAD_USER = "stead"
+_STEAD_PREFIX = "/"
 
 
 def etcd_binary() -> str:
@@ -58,14 +77,26 @@ def etcd_binary() -> str:
 class EtcdServer:
     """A single-member etcd cluster on 127.0.0.1; use as ``with EtcdServer() as etcd:`` (or ``async with``)."""
 
-    def __init__(self, *, start_timeout_s: float = 30.0, stop_timeout_s: float = 10.0) -> None:
+    def __init__(self, *, start_timeout_s: float = 30.0, stop_timeout_s: float = 10.0, tls: bool = False,
+                 client_cert_auth: bool = True, auth: bool = False) -> None:
         self._binary = etcd_binary()
         self._start_timeout_s = start_timeout_s
         self._stop_timeout_s = stop_timeout_s
+        self._tls = tls
+        self._client_cert_auth = tls and client_cert_auth
+        self._auth = auth
         self._dir: Path | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._client_port = 0
         self._peer_port = 0
+        #: with ``tls``: the authority the server's and clients' certificates come from
+        self.ca: CertificateAuthority | None = None
+        self._server_pair: CertPair | None = None
+        #: with ``tls`` and ``client_cert_auth``: a client certificate of the server's authority
+        self.client_pair: CertPair | None = None
+        #: with ``auth``: the password files of ``root`` and of :data:`STEAD_USER`
+        self.root_password_file: Path | None = None
+        self.password_file: Path | None = None
 
     @property
     def endpoint(self) -> str:
@@ -76,8 +107,26 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        """The store URL, ``etcd://127.0.0.1:PORT``."""
+        """The store URL, ``etcd://127.0.0.1:PORT`` (a secured server also needs :meth:`client_settings`)."""
         return f"etcd://{self.endpoint}"
+
+    def client_settings(self) -> dict[str, str]:
+        """The stead settings (``Settings.from_mapping``) of a client this server lets in: its CA and client
+        certificate with ``tls``, the :data:`STEAD_USER` and its password file with ``auth``."""
+        values: dict[str, str] = {}
+        if self.ca is not None:
+            values["etcd_ca_file"] = str(self.ca.ca_file)
+            if self.client_pair is not None:
+                values["etcd_cert_file"] = str(self.client_pair.cert_file)
+                values["etcd_key_file"] = str(self.client_pair.key_file)
+        if self.password_file is not None:
+            values["etcd_user"] = STEAD_USER
+            values["etcd_password_file"] = str(self.password_file)
+        return values
+
+    @property
+    def _scheme(self) -> str:
+        return "https" if self._tls else "http"
 
     @property
     def running(self) -> bool:
@@ -90,19 +139,40 @@ class EtcdServer:
         first = self._dir is None
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix="stead-etcd-"))
+            if self._tls:
+                self.ca = CertificateAuthority(self._dir / "pki", name="etcd-test")
+                # client use too: etcd's JSON gateway dials its own gRPC server with this certificate
+                self._server_pair = self.ca.issue("etcd-server", server=True, client=True)
+                if self._client_cert_auth:
+                    self.client_pair = self.ca.issue("etcd-client", client=True)
         for attempt in range(3):
             if first:  # a fresh pair of ports; another process may grab a port between probing and binding
                 self._client_port, self._peer_port = free_port(), free_port()
             try:
                 self._launch()
-                return
             except RuntimeError:
                 if not first or attempt == 2:
                     raise
+            else:
+                break
+        if first and self._auth:
+            try:
+                self._enable_auth()
+            except BaseException:
+                self.stop()
+                raise
+
+    def _tls_flags(self) -> list[str]:
+        if self.ca is None or self._server_pair is None:
+            return []
+        flags = ["--cert-file", str(self._server_pair.cert_file), "--key-file", str(self._server_pair.key_file)]
+        if self._client_cert_auth:
+            flags += ["--client-cert-auth", "--trusted-ca-file", str(self.ca.ca_file)]
+        return flags
 
     def _launch(self) -> None:
         assert self._dir is not None
-        client = f"http://127.0.0.1:{self._client_port}"
+        client = f"{self._scheme}://127.0.0.1:{self._client_port}"
         peer = f"http://127.0.0.1:{self._peer_port}"
         log_path = self._dir / "etcd.log"
         with log_path.open("ab") as log_file:
@@ -111,7 +181,7 @@ class EtcdServer:
                  "--listen-client-urls", client, "--advertise-client-urls", client,
                  "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                  "--initial-cluster", f"stead-test={peer}", "--initial-cluster-state", "new",
-                 "--heartbeat-interval", "10", "--election-timeout", "100"],
+                 "--heartbeat-interval", "10", "--election-timeout", "100", *self._tls_flags()],
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:
@@ -125,12 +195,82 @@ class EtcdServer:
         raise RuntimeError(f"etcd did not become healthy within {self._start_timeout_s}s; "
                            f"its log ends with:\n{self._log_tail()}")
 
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.ca is None:
+            return None
+        context = ssl.create_default_context(cafile=str(self.ca.ca_file))
+        if self.client_pair is not None:
+            context.load_cert_chain(self.client_pair.cert_file, self.client_pair.key_file)
+        return context
+
     def _healthy(self, client: str) -> bool:
         try:
-            with urllib.request.urlopen(f"{client}/health", timeout=1.0) as response:
+            with urllib.request.urlopen(f"{client}/health", timeout=1.0, context=self._ssl_context()) as response:
                 return bool(json.loads(response.read()).get("health") == "true")
         except (OSError, ValueError, urllib.error.URLError):
             return False
+
+    @contextlib.contextmanager
+    def _auth_api(self, *, as_root: bool) -> Iterator[tuple[Any, tuple[tuple[str, str], ...]]]:
+        """etcd's Auth service over gRPC (its JSON gateway ignores client certificates once auth is on), and the
+        metadata of root's login (none before auth is on)."""
+        if self.ca is not None:
+            client = self.client_pair
+            credentials = grpc.ssl_channel_credentials(
+                self.ca.ca_file.read_bytes(), client.key_file.read_bytes() if client else None,
+                client.cert_file.read_bytes() if client else None)
+            channel = grpc.secure_channel(self.endpoint, credentials)
+        else:
+            channel = grpc.insecure_channel(self.endpoint)
+        with channel:
+            api = rpc.AuthStub(channel)
+            metadata: tuple[tuple[str, str], ...] = ()
+            if as_root:
+                assert self.root_password_file is not None
+                login = api.Authenticate(rpc.AuthenticateRequest(
+                    name="root", password=self.root_password_file.read_text().strip()), timeout=self._start_timeout_s)
+                metadata = (("token", login.token),)
+            yield api, metadata
+
+    def _add_user(self, api: Any, metadata: tuple[tuple[str, str], ...], name: str, prefix: str | None) -> Path:
+        assert self._dir is not None
+        password = secrets.token_urlsafe(16)
+        path = self._dir / f"{name}.password"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(password + "\n")
+        timeout = self._start_timeout_s
+        api.UserAdd(rpc.AuthUserAddRequest(name=name, password=password), timeout=timeout, metadata=metadata)
+        if prefix is None:
+            api.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=name, role="root"), timeout=timeout, metadata=metadata)
+            return path
+        api.RoleAdd(rpc.AuthRoleAddRequest(name=name), timeout=timeout, metadata=metadata)
+        permission = rpc.Permission(permType=rpc.Permission.READWRITE, key=prefix.encode(),
+                                    range_end=_prefix_end(prefix.encode()))
+        api.RoleGrantPermission(rpc.AuthRoleGrantPermissionRequest(name=name, perm=permission), timeout=timeout,
+                                metadata=metadata)
+        api.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=name, role=name), timeout=timeout, metadata=metadata)
+        return path
+
+    def _enable_auth(self) -> None:
+        """Users ``root`` and :data:`STEAD_USER` (read and write under ``/``), random passwords in files, then
+        authentication on."""
+        with self._auth_api(as_root=False) as (api, metadata):
+            self.root_password_file = self._add_user(api, metadata, "root", None)
+            self.password_file = self._add_user(api, metadata, STEAD_USER, _STEAD_PREFIX)
+            api.AuthEnable(rpc.AuthEnableRequest(), timeout=self._start_timeout_s)
+
+    def add_user(self, name: str, *, prefix: str) -> Path:
+        """A user (and role of its name) that may read and write the keys under ``prefix``; its password file."""
+        with self._auth_api(as_root=True) as (api, metadata):
+            return self._add_user(api, metadata, name, prefix)
+
+    def forget_tokens(self) -> None:
+        """Make etcd forget every login token it gave (authentication off and on again), as their expiry does."""
+        with self._auth_api(as_root=True) as (api, metadata):
+            api.AuthDisable(rpc.AuthDisableRequest(), timeout=self._start_timeout_s, metadata=metadata)
+        with self._auth_api(as_root=False) as (api, metadata):
+            api.AuthEnable(rpc.AuthEnableRequest(), timeout=self._start_timeout_s)
 
     def _log_tail(self) -> str:
         assert self._dir is not None
@@ -200,3 +340,9 @@ class EtcdServer:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await anyio.to_thread.run_sync(self.close)
+
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The end of the key range of ``prefix`` (its last byte one larger; prefixes that end below 0xff)."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])

@@ -358,7 +358,7 @@ async def test_a_master_that_takes_over_a_job_answers_with_the_job_s_token(tmp_p
         async with MasterClient(second.address, token, call_timeout_s=5) as client:
             await second.submit_job(_job(1))
             assert (await client.register(_register("node-0"))).job == "tok"
-    async with Master(dataclasses.replace(config, job="other")) as unrelated:
+    async with Master(dataclasses.replace(config, job="other", token_file=str(tmp_path / "other"))) as unrelated:
         assert unrelated.token != token
 
 

@@ -17,6 +17,8 @@ from stead.core.rpc.auth import (
     new_token,
     read_token_file,
     require_token,
+    token_verifier,
+    verifies,
     write_token_file,
 )
 from stead.core.rpc.backend import (
@@ -68,5 +70,7 @@ __all__ = [
     "read_token_file",
     "require_token",
     "retrying",
+    "token_verifier",
+    "verifies",
     "write_token_file",
 ]

@@ -1,13 +1,15 @@
 """The job token: every RPC carries ``authorization: Bearer <token>``.
 
-The master generates one token per job and writes it to a file only its user
-can read; agents and workers read that file. The server checks the token of
-every call through a grpclib event listener, so no service can forget to; the
-client adds it the same way.
+The master generates one token per job (or is given one) and writes it to a
+file only its user can read; agents and workers read that file. The server
+checks the token of every call through a grpclib event listener, so no service
+can forget to; the client adds it the same way. The state store never holds
+the token, only :func:`token_verifier` of it (see :mod:`stead.core.jobtoken`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import re
@@ -32,6 +34,8 @@ __all__ = [
     "new_token",
     "read_token_file",
     "require_token",
+    "token_verifier",
+    "verifies",
     "write_token_file",
 ]
 
@@ -43,6 +47,8 @@ _BEARER = "Bearer "
 # RFC 6750 b64token: what may follow "Bearer " in a header value
 _TOKEN_CHARS = re.compile(r"[A-Za-z0-9._~+/-]+=*")
 _TOKEN_BYTES = 32
+#: what the verifier's HMAC signs, with the job's name after it; a new scheme gets a new label (and key)
+_VERIFIER_LABEL = "stead job token verifier v1"
 
 
 def new_token() -> str:
@@ -56,6 +62,18 @@ def check_token(token: str) -> str:
         raise ConfigError("the job token is empty or has characters other than letters, digits and '._~+/-=': "
                           "use the token file the job's master wrote, unchanged")
     return token
+
+
+def token_verifier(job: str, token: str) -> str:
+    """What the store keeps instead of ``job``'s token: HMAC-SHA256 keyed by the token over a label and the job's
+    name, in hex. It tells whether a token is the job's; it cannot be turned back into one (stead's tokens are
+    256 random bits: a guess is hopeless) nor passed where a token goes."""
+    return hmac.new(token.encode(), (_VERIFIER_LABEL + job).encode(), hashlib.sha256).hexdigest()
+
+
+def verifies(job: str, token: str, verifier: str) -> bool:
+    """Whether ``token`` is the one ``verifier`` was made from (compared in constant time)."""
+    return hmac.compare_digest(token_verifier(job, token).encode(), verifier.encode())
 
 
 def write_token_file(path: str | os.PathLike[str], token: str) -> Path:

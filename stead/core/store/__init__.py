@@ -14,10 +14,11 @@ from typing import cast
 from stead.core.config import Settings
 from stead.core.entrypoints import installed, load_named
 from stead.core.errors import ConfigError
+from stead.core.store._common import public_store_url
 from stead.core.store.base import KeyValue, Lease, StateStore, WatchEvent, WatchKind
 
 __all__ = ["KeyValue", "Lease", "StateStore", "StoreFactory", "WatchEvent", "WatchKind", "known_schemes",
-           "open_store"]
+           "open_store", "public_store_url"]
 
 StoreFactory = Callable[[str, Settings], Awaitable[StateStore]]
 
@@ -27,7 +28,7 @@ _BUILT_IN = {
     "sqlite": "stead.core.store.sqlite:open_store",
     "etcd": "stead.core.store.etcd:open_store",
 }
-_EXAMPLES = "memory://, sqlite:///.stead/state.db, etcd://127.0.0.1:2379"
+_EXAMPLES = "memory://, sqlite:///.stead/state.db, etcd://127.0.0.1:2379 (etcd://USER@HOST:PORT?ca_file=... secured)"
 
 
 def known_schemes() -> list[str]:
@@ -38,14 +39,16 @@ def known_schemes() -> list[str]:
 async def open_store(url: str, *, settings: Settings | None = None) -> StateStore:
     """Open the store that ``url`` names, e.g. ``sqlite:///.stead/state.db`` or ``etcd://127.0.0.1:2379``.
 
-    Raises ConfigError for an unknown scheme or malformed URL, StoreUnavailable when
-    the store cannot be reached (etcd is checked once on open).
+    ``settings`` default to stead's settings from the environment (``STEAD_<NAME>``), so that a process
+    given ``STEAD_ETCD_CA_FILE`` and the like opens a secured etcd without more ado. Raises ConfigError
+    for an unknown scheme or malformed URL, StoreUnavailable when the store cannot be reached (etcd is
+    checked once on open), StoreError when it refuses this client (etcd: a wrong password or certificate).
     """
     scheme, sep, _ = url.partition("://")
     known = known_schemes()
     if not sep or scheme not in known:
-        raise ConfigError(f"unknown store URL {url!r}; the scheme must be one of {', '.join(known)}, "
-                          f"e.g. {_EXAMPLES}")
+        raise ConfigError(f"unknown store URL {public_store_url(url)!r}; the scheme must be one of "
+                          f"{', '.join(known)}, e.g. {_EXAMPLES}")
     _, factory, _ = load_named(ENTRY_POINT_GROUP, scheme, what="store backend", builtin=_BUILT_IN,
                                hint="pick another --store")
-    return await cast(StoreFactory, factory)(url, settings or Settings())
+    return await cast(StoreFactory, factory)(url, settings or Settings.from_env())

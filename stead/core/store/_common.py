@@ -55,6 +55,7 @@ __all__ = [
     "check_value",
     "hold_lease",
     "prefix_end",
+    "public_store_url",
 ]
 
 log = structlog.get_logger()
@@ -133,6 +134,17 @@ def check_revision(name: str, revision: int) -> None:
 def check_ttl(ttl_s: float) -> None:
     if not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s <= 0:
         raise StoreError(f"lease ttl_s must be a positive number of seconds, got {ttl_s!r}")
+
+
+def public_store_url(url: str) -> str:
+    """``url`` without its query and without the user (and anything else before ``@``) of its authority: safe to
+    log or show, whatever a user put there by mistake."""
+    scheme, sep, rest = url.partition("?")[0].partition("://")
+    if not sep:
+        return scheme
+    authority, slash, tail = rest.partition("/")
+    _, at, hosts = authority.rpartition("@")
+    return f"{scheme}://{hosts if at else authority}{slash}{tail}"
 
 
 def prefix_end(prefix: bytes) -> bytes:

@@ -1,4 +1,4 @@
-"""StateStore on etcd v3 (``etcd://host:port[,host:port]``), the backend for clusters.
+"""StateStore on etcd v3 (``etcd://[user@]host:port[,host:port][?ca_file=...]``), the backend for clusters.
 
 The only module that imports the etcd client. It speaks etcd's gRPC API through
 aetcd's generated stubs on one ``grpc.aio`` channel (aetcd's high-level
@@ -10,6 +10,16 @@ is bounded by ``store_timeout_s``; a lost connection is retried by the channel
 with ``retry_initial_s`` doubling to ``retry_max_s``. The channel belongs to the
 event loop that opened the store; calls from other loops or threads are run
 there (:class:`~stead.core.store._common.LoopAffinity`).
+
+Security (:mod:`._etcd_access` reads it from the URL and settings): with a CA
+file the channel is TLS, the server verified against that CA, with a client
+certificate when one is given; with a user, the store logs in with etcd's
+``Authenticate`` and sends the token it gets in the ``token`` metadata of every
+call. etcd's tokens expire (simple tokens after ``--auth-token-ttl``, 5 minutes
+by default), so a call refused for its token logs in again once and is retried.
+A refusal that retrying cannot cure (a wrong password, a certificate either side
+refuses) is a :class:`~stead.core.errors.StoreError` that says what to check; a
+failure that may be an outage or a misconfiguration says both.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import structlog
 from aetcd import rpc
 
 from stead.core.config import Settings
-from stead.core.errors import ConfigError, StoreError, StoreUnavailable
+from stead.core.errors import StoreError, StoreUnavailable
 from stead.core.store._common import (
     LoopAffinity,
     StoreLease,
@@ -45,14 +55,20 @@ from stead.core.store._common import (
     hold_lease,
     prefix_end,
 )
+from stead.core.store._etcd_access import (
+    EtcdAccess,
+    connection_failure,
+    etcd_access,
+    refusal,
+    stale_token,
+    unreachable_advice,
+)
 from stead.core.store.base import KeyValue, Lease, StateStore, WatchEvent, WatchKind
 
-__all__ = ["EtcdStore", "open_store", "parse_etcd_url"]
+__all__ = ["EtcdAccess", "EtcdStore", "etcd_access", "open_store", "parse_etcd_url"]
 
 log = structlog.get_logger()
 
-_DEFAULT_PORT = 2379
-_URL_PREFIX = "etcd://"
 _PERMANENT = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
@@ -62,32 +78,14 @@ _PERMANENT = frozenset({
 
 def parse_etcd_url(url: str) -> list[tuple[str, int]]:
     """The ``(host, port)`` endpoints of an ``etcd://`` URL; the port defaults to 2379."""
-    example = "etcd://127.0.0.1:2379 or etcd://host1:2379,host2:2379"
-    if not url.startswith(_URL_PREFIX) or not url[len(_URL_PREFIX):].strip("/"):
-        raise ConfigError(f"bad etcd store URL {url!r}; use {example}")
-    endpoints: list[tuple[str, int]] = []
-    for part in url[len(_URL_PREFIX):].strip("/").split(","):
-        part = part.strip()
-        if part.startswith("["):  # [ipv6]:port
-            host, _, rest = part[1:].partition("]")
-            port_text = rest[1:] if rest.startswith(":") else ""
-        else:
-            host, _, port_text = part.partition(":")
-        try:
-            port = int(port_text) if port_text else _DEFAULT_PORT
-        except ValueError:
-            port = -1
-        if not host or not 0 < port < 65536:
-            raise ConfigError(f"bad endpoint {part!r} in etcd store URL {url!r}; use {example}")
-        endpoints.append((host, port))
-    return endpoints
+    return list(etcd_access(url, Settings()).endpoints)
 
 
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def _grpc_target(url: str, endpoints: list[tuple[str, int]]) -> str:
+async def _grpc_target(url: str, endpoints: Sequence[tuple[str, int]]) -> str:
     """One endpoint: let grpc resolve it. Several: resolve them now into one address list grpc fails over on."""
     if len(endpoints) == 1:
         return _host_port(*endpoints[0])
@@ -118,34 +116,49 @@ class _Compacted(StoreError):
 class EtcdStore:
     """A StateStore client of one etcd cluster over a single gRPC channel."""
 
-    def __init__(self, url: str, target: str, settings: Settings) -> None:
-        self._url = url
+    def __init__(self, access: EtcdAccess, target: str, settings: Settings) -> None:
+        self._access = access
+        self._url = access.public_url  # no user, no file paths: what every log line and error shows
         self._timeout = settings.store_timeout_s
-        self._channel: Any = grpc.aio.insecure_channel(target, options=[
+        options: list[tuple[str, Any]] = [
             ("grpc.initial_reconnect_backoff_ms", max(1, int(settings.retry_initial_s * 1000))),
             ("grpc.min_reconnect_backoff_ms", max(1, int(settings.retry_initial_s * 1000))),
             ("grpc.max_reconnect_backoff_ms", max(1, int(settings.retry_max_s * 1000))),
             ("grpc.max_receive_message_length", -1),
-        ])
+        ]
+        #: with a user: the password (read once, at open) and etcd's token for it, renewed when etcd refuses it
+        self._password = access.password() if access.user else ""
+        self._auth_token = ""
+        if access.tls:
+            if len(access.endpoints) > 1:  # resolved to addresses: verify each server as the first endpoint's host
+                options.append(("grpc.ssl_target_name_override", access.endpoints[0][0]))
+            self._channel: Any = grpc.aio.secure_channel(target, _credentials(access), options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
         self._kv: Any = rpc.KVStub(self._channel)
         self._leases: Any = rpc.LeaseStub(self._channel)
         self._watches: Any = rpc.WatchStub(self._channel)
+        self._auth: Any = rpc.AuthStub(self._channel)
+        self._login_lock = asyncio.Lock()
         self._known_revision = 0
         self._closed = False
         self._streams: set[Any] = set()
-        self._affinity = LoopAffinity(url, close_timeout_s=self._timeout)
+        self._affinity = LoopAffinity(self._url, close_timeout_s=self._timeout)
 
     @classmethod
     async def open(cls, url: str, settings: Settings | None = None) -> EtcdStore:
-        """Connect to the cluster of ``url``; StoreUnavailable if it does not answer."""
+        """Connect to the cluster of ``url`` (and log in); StoreUnavailable if it does not answer."""
         settings = settings or Settings()
-        store = cls(url, await _grpc_target(url, parse_etcd_url(url)), settings)
+        access = etcd_access(url, settings)
+        store = cls(access, await _grpc_target(access.public_url, access.endpoints), settings)
         try:
+            await store._login(stale="")
             await store.revision()
         except BaseException:
             await store.close()
             raise
-        log.info("store_opened", url=url, backend="etcd", revision=store._known_revision)
+        log.info("store_opened", url=store.url, backend="etcd", revision=store._known_revision, tls=access.tls,
+                 user=access.user or None)
         return store
 
     @property
@@ -166,6 +179,9 @@ class EtcdStore:
             code, details = "DEADLINE_EXCEEDED", f"no answer within store_timeout_s={self._timeout}"
         elif isinstance(exc, grpc.aio.AioRpcError):
             code, details = exc.code().name, exc.details() or ""
+            refused = refusal(self._access, op, details) or connection_failure(self._access, op, code, details)
+            if refused is not None:
+                return refused
             if "request is too large" in details or "larger than max" in details:
                 return StoreError(f"etcd at {self._url} refused {op}: {details}; a value is larger than etcd "
                                   "accepts (its --max-request-bytes, 1.5 MiB by default): raise that limit on "
@@ -184,12 +200,44 @@ class EtcdStore:
         else:
             code, details = type(exc).__name__, str(exc)
         return StoreUnavailable(f"etcd at {self._url} is unavailable during {op} ({code}: {details}); "
-                                f"is etcd running at {self._url.removeprefix(_URL_PREFIX)}? "
-                                "start it or pass --store with a reachable URL")
+                                f"{unreachable_advice(self._access)}")
+
+    # -- logging in (etcd's authentication) -------------------------------------------------------------------
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("token", self._auth_token),) if self._auth_token else None
+
+    def _must_log_in(self, details: str) -> bool:
+        """Whether etcd refused a call for its token (expired, or etcd's users changed), so logging in again
+        cures it; ``details``: the refusal's text."""
+        return bool(self._access.user) and stale_token(details)
+
+    async def _login(self, *, stale: str) -> None:
+        """Get a new token from etcd, unless another call did since ``stale`` (the token that was refused)."""
+        if not self._access.user:
+            return
+        async with self._login_lock:
+            if self._auth_token != stale:
+                return
+            call = self._auth.Authenticate(rpc.AuthenticateRequest(name=self._access.user, password=self._password),
+                                           timeout=self._timeout)
+            try:
+                response = await call
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError) and "authentication is not enabled" in (exc.details() or ""):
+                    log.warning("etcd_auth_not_enabled", url=self._url, user=self._access.user,
+                                hint="etcd lets every client in; enable its authentication (etcdctl auth enable)")
+                    return
+                raise self._error("login", exc) from exc
+            except BaseException:
+                await self._settle(call)
+                raise
+            self._auth_token = str(response.token)
+            log.debug("etcd_logged_in", url=self._url, user=self._access.user)
 
     def _open_stream(self, method: Any) -> Any:
         self._check_open()
-        call = method()
+        call = method(metadata=self._metadata())
         self._streams.add(call)
         return call
 
@@ -229,12 +277,18 @@ class EtcdStore:
         self._check_open()
         return await self._affinity.call(op, lambda: self._call_here(op, method, request))
 
-    async def _call_here(self, op: str, method: Any, request: Any) -> Any:
+    async def _call_here(self, op: str, method: Any, request: Any, *, logged_in: bool = False) -> Any:
         self._check_open()
-        call = method(request, timeout=self._timeout)
+        token = self._auth_token
+        call = method(request, timeout=self._timeout, metadata=self._metadata())
         try:
             response = await call
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+        except grpc.aio.AioRpcError as exc:
+            if not logged_in and self._must_log_in(exc.details() or ""):  # refused before it was applied: retry once
+                await self._login(stale=token)
+                return await self._call_here(op, method, request, logged_in=True)
+            raise self._error(op, exc) from exc
+        except grpc.aio.UsageError as exc:
             raise self._error(op, exc) from exc
         except BaseException:  # cancelled: let grpc finish the call while this loop runs
             await self._settle(call)
@@ -319,16 +373,39 @@ class EtcdStore:
         start = self._known_revision + 1 if start_revision is None else start_revision
         return self._affinity.iterate("watch", self._watch(low, prefix_end(low), start))
 
+    async def _start_watch(self, create: Any) -> tuple[Any, Any]:
+        """A watch stream and its first response; logs in again once when etcd refuses the token."""
+        for attempt in (1, 2):
+            token = self._auth_token
+            call = self._open_stream(self._watches.Watch)
+            try:
+                try:
+                    with anyio.fail_after(self._timeout):
+                        await call.write(rpc.WatchRequest(create_request=create))
+                        response = await call.read()
+                except TimeoutError as exc:
+                    raise self._error("watch", exc) from exc
+                except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+                    raise self._error("watch", exc) from exc
+                except asyncio.CancelledError:
+                    if self._closed and _not_cancelled_by_caller():  # a call close() ended
+                        raise self._error("watch", ConnectionError("closed")) from None
+                    raise
+            except BaseException:
+                await self._end_stream(call)
+                raise
+            if attempt == 1 and response is not grpc.aio.EOF and response.canceled and \
+                    self._must_log_in(response.cancel_reason):
+                await self._end_stream(call)
+                await self._login(stale=token)
+                continue
+            return call, response
+        raise AssertionError("unreachable: the second attempt returns")
+
     async def _watch(self, low: bytes, high: bytes, start: int) -> AsyncGenerator[WatchEvent, None]:
         create = rpc.WatchCreateRequest(key=low, range_end=high, start_revision=max(start, 1))
-        call = self._open_stream(self._watches.Watch)
+        call, response = await self._start_watch(create)
         try:
-            try:
-                with anyio.fail_after(self._timeout):
-                    await call.write(rpc.WatchRequest(create_request=create))
-                    response = await call.read()
-            except TimeoutError as exc:
-                raise self._error("watch", exc) from exc
             while True:
                 if response is grpc.aio.EOF:
                     raise self._error("watch", ConnectionError("the watch stream ended"))
@@ -337,8 +414,10 @@ class EtcdStore:
                                      f"{response.compact_revision} was compacted; re-read with range() and watch "
                                      "from revision()+1")
                 if response.canceled:
-                    raise StoreUnavailable(f"etcd at {self._url} cancelled the watch ({response.cancel_reason}); "
-                                           "watch again from the last revision seen + 1")
+                    reason = str(response.cancel_reason)
+                    raise refusal(self._access, "watch", reason) or StoreUnavailable(
+                        f"etcd at {self._url} cancelled the watch ({reason}); watch again from the last revision "
+                        "seen + 1")
                 for event in response.events:
                     revision = int(event.kv.mod_revision)
                     self._known_revision = max(self._known_revision, revision)
@@ -360,7 +439,9 @@ class EtcdStore:
                           revoke=self.revoke_lease, revoke_timeout_s=self._timeout)
 
     async def revision(self) -> int:
-        await self._call("revision", self._kv.Range, rpc.RangeRequest(key=b"/", count_only=True))
+        # an empty transaction: a linearizable read of the revision that needs no permission on any key, so a
+        # user whose role covers only its own job's keys may call it
+        await self._call("revision", self._kv.Txn, rpc.TxnRequest())
         return self._known_revision
 
     async def close(self) -> None:
@@ -442,6 +523,13 @@ def _status_task(call: Any) -> asyncio.Task[Any] | None:
         if any(ref is cython_call for scope in gc.get_referents(coro) for ref in gc.get_referents(scope)):
             return task
     return None
+
+
+def _credentials(access: EtcdAccess) -> Any:
+    """The channel's TLS credentials: etcd's server verified against the CA, with the client certificate if any."""
+    client = (access.read("key_file"), access.read("cert_file")) if access.cert_file else (None, None)
+    return grpc.ssl_channel_credentials(root_certificates=access.read("ca_file"), private_key=client[0],
+                                        certificate_chain=client[1])
 
 
 def _lease_id(lease: Lease | None) -> int:

@@ -1,4 +1,5 @@
-"""Fixtures of the store contract suite: every test runs against memory, sqlite and a real etcd."""
+"""Fixtures of the store contract suite: every test runs against memory, sqlite, a real etcd, and a real etcd that
+takes only TLS clients with a client certificate and a login (``etcd-secured``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from stead.core.config import Settings
 from stead.core.store import StateStore, open_store
+from stead.testing.etcd import EtcdServer
 
 #: short polling and reconnect intervals keep the suite fast; nothing asserts on durations
 SETTINGS = Settings(sqlite_watch_poll_s=0.02, retry_initial_s=0.05, retry_max_s=0.2, store_timeout_s=5.0)
@@ -55,22 +57,27 @@ def sqlite_dir() -> Iterator[Path]:
         yield Path(tmp)
 
 
-@pytest.fixture(params=["memory", "sqlite", "etcd"])
+@pytest.fixture(params=["memory", "sqlite", "etcd", "etcd-secured"])
 async def backend(request: pytest.FixtureRequest, sqlite_dir: Path) -> AsyncIterator[Backend]:
     name: str = request.param
+    settings = SETTINGS
     if name == "memory":
         url, ttl = "memory://", 0.3
     elif name == "sqlite":
         url, ttl = f"sqlite:///{sqlite_dir}/state.db", 0.3
-    else:
+    elif name == "etcd":
         url, ttl = request.getfixturevalue("etcd"), 1.0
-    store = await open_store(url, settings=SETTINGS)
+    else:
+        server: EtcdServer = request.getfixturevalue("secure_etcd")
+        url, ttl = server.url, 1.0
+        settings = Settings.from_mapping(server.client_settings(), base=SETTINGS)
+    store = await open_store(url, settings=settings)
     others: list[StateStore] = []
 
     async def open_another() -> StateStore:
         if name == "memory":  # an in-process store has no second client: share the instance
             return store
-        other = await open_store(url, settings=SETTINGS)
+        other = await open_store(url, settings=settings)
         others.append(other)
         return other
 
