@@ -8,12 +8,16 @@ the manifest's own digest over all of that, so a changed learning rate or string
 the tree is caught as surely as a changed weight). Once every
 rank's manifest is there, whoever wrote the last one adds ``.metadata`` (what
 ``torch.distributed.checkpoint.load`` reads; it is a pickle, written by us from
-the manifests and never read back by stead) and moves the tracker
-``<ckpt_dir>/<job>/latest`` to the step (temp file, fsync, rename, under a lock),
-then keeps only the newest ``ckpt_keep_last`` complete steps.
+the manifests for torch's own tools and never read back by stead) and moves the
+tracker ``<ckpt_dir>/<job>/latest`` to the step (temp file, fsync, rename, under a
+lock), then keeps only the newest ``ckpt_keep_last`` complete steps.
 
 stead restores from the manifests only: JSON, then raw bytes read straight into
-the destination tensors and checked against the checksums. Nothing is unpickled.
+the destination tensors and checked against the checksums. Nothing is unpickled:
+neither ``.metadata`` (its existence marks a complete step; a reshard gets the same
+``Metadata`` from :func:`dcp_index`, built from the manifests) nor the
+``torch.save`` records of the data files (stead reads the raw tensor bytes inside
+them, and plain values from the JSON tree).
 Manifests of format 1 (a sum of words as checksum, no digest) are still read.
 Every file is created readable by its owner only (0600).
 """
@@ -35,16 +39,21 @@ import uuid
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from stead.plugins.ckpt._checksum import checksum, sum64, with_digest, without_digest
 from stead.plugins.ckpt.errors import CheckpointError
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
 __all__ = [
+    "DcpIndex",
     "Manifest",
     "candidates",
+    "dcp_index",
     "finish_step",
     "progress",
     "is_complete",
@@ -194,6 +203,9 @@ class Manifest:
     data_file: str
     tree: Any
     tensors: list[dict[str, Any]]
+    #: the data file's records as torch.distributed.checkpoint indexes them: fqn, path, offset, length (and the
+    #: tensor's index when the record is one of the manifest's tensors)
+    dcp: list[dict[str, Any]]
     format: int = FORMAT
 
     def checksum(self, buf: memoryview) -> int:
@@ -273,7 +285,7 @@ def read_manifest(root: Path, step: int, rank: int) -> Manifest:
                                   "version that wrote it")
         manifest = Manifest(root=root, step=int(obj["step"]), round=int(obj["round"]), rank=int(obj["rank"]),
                             world=int(obj["world"]), data_file=str(obj["file"]), tree=obj["tree"],
-                            tensors=list(obj["tensors"]), format=int(obj["format"]))
+                            tensors=list(obj["tensors"]), dcp=list(obj["dcp"]), format=int(obj["format"]))
         for t in manifest.tensors:
             if int(t["file_offset"]) < 0 or int(t["nbytes"]) < 0 or not isinstance(t["checksum"], int):
                 raise ValueError("bad tensor entry")
@@ -359,20 +371,26 @@ def _job_lock(root: Path) -> Iterator[None]:
 
 def finish_step(root: Path, step: int, world: int, *, keep_last: int) -> bool:
     """Complete ``step`` if every rank wrote it: .metadata, tracker, retention. True when complete."""
+    import pickle
+
     folder = step_dir(root, step)
     if is_complete(root, step):
         return True
-    manifests: list[dict[str, Any]] = []
+    manifests: list[Manifest] = []
     for rank in range(world):
         try:
-            manifests.append(json.loads(_manifest_path(root, step, rank).read_bytes()))
-        except (OSError, ValueError):
+            manifests.append(read_manifest(root, step, rank))
+        except OSError:
+            return False  # not written yet
+        except CheckpointError as exc:
+            log.warning("ckpt_step_not_completed", step=step, rank=rank, error=str(exc),
+                        effect="the step is left incomplete (no .metadata, not in the tracker)")
             return False
-    if {(m.get("round"), m.get("world")) for m in manifests} != {(manifests[0].get("round"), world)}:
+    if {(m.round, m.world) for m in manifests} != {(manifests[0].round, world)}:
         return False  # ranks of different rounds (a step re-saved after a rollback): not one checkpoint yet
     with _job_lock(root):
-        if not is_complete(root, step):
-            _write_atomic(folder / METADATA, _dcp_metadata(folder, manifests))
+        if not is_complete(root, step):  # for torch's own readers: stead never reads it back
+            _write_atomic(folder / METADATA, pickle.dumps(dcp_index(folder, manifests).metadata))
         newest = read_tracker(root)
         if newest is None or newest <= step or not is_complete(root, newest):
             _write_atomic(root / TRACKER, json.dumps({"step": step, "path": folder.name, "world": world}).encode())
@@ -392,10 +410,22 @@ def _retain(root: Path, keep_last: int) -> None:
             log.debug("ckpt_step_removed", step=step, keep_last=keep_last)
 
 
-def _dcp_metadata(folder: Path, manifests: list[dict[str, Any]]) -> bytes:
-    """The pickled torch.distributed.checkpoint Metadata describing every rank's files."""
-    import pickle
+@dataclasses.dataclass(frozen=True)
+class DcpIndex:
+    """A step as torch.distributed.checkpoint sees it, built from its ranks' manifests."""
 
+    #: what ``.metadata`` holds: every tensor's chunks, every plain value's record, in each rank's data file
+    metadata: Metadata
+    #: each tensor chunk's manifest and index in it: where stead finds the chunk's raw bytes and checksum
+    chunks: dict[MetadataIndex, tuple[Manifest, int]]
+
+
+def dcp_index(folder: Path, manifests: list[Manifest]) -> DcpIndex:
+    """The torch.distributed.checkpoint ``Metadata`` of a step (``manifests``: every rank's), and its chunks.
+
+    A replicated tensor (the same offsets on several ranks) is described once, by the lowest rank,
+    as ``dcp.save`` does.
+    """
     load_dcp()
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -413,39 +443,47 @@ def _dcp_metadata(folder: Path, manifests: list[dict[str, Any]]) -> bytes:
 
     sd_meta: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
+    chunks: dict[MetadataIndex, tuple[Manifest, int]] = {}
     planner: dict[str, tuple[Any, ...]] = {}
     chunk_offsets: dict[str, set[tuple[int, ...]]] = {}
-    for manifest in sorted(manifests, key=lambda m: int(m["rank"])):
-        file = str(manifest["file"])
-        for item in manifest["dcp"]:
-            fqn = str(item["fqn"])
-            info = _StorageInfo(relative_path=file, offset=int(item["offset"]), length=int(item["length"]))
-            if "tensor" not in item:
-                if fqn not in sd_meta:
-                    sd_meta[fqn] = BytesStorageMetadata()
-                    storage[MetadataIndex(fqn)] = info
+    for manifest in sorted(manifests, key=lambda m: m.rank):
+        try:
+            for item in manifest.dcp:
+                fqn = str(item["fqn"])
+                info = _StorageInfo(relative_path=manifest.data_file, offset=int(item["offset"]),
+                                    length=int(item["length"]))
+                if "tensor" not in item:
+                    if fqn not in sd_meta:
+                        sd_meta[fqn] = BytesStorageMetadata()
+                        storage[MetadataIndex(fqn)] = info
+                        planner[fqn] = tuple(item["path"])
+                    continue
+                tensor = int(item["tensor"])
+                meta = manifest.tensors[tensor]
+                shape = tuple(int(d) for d in meta["shape"])
+                global_shape = tuple(int(d) for d in meta.get("global_shape", shape))
+                offsets = tuple(int(d) for d in meta.get("offsets", (0,) * len(shape)))
+                seen = chunk_offsets.setdefault(fqn, set())
+                if offsets in seen:  # replicated (DDP) or already described by a lower rank
+                    continue
+                seen.add(offsets)
+                entry = sd_meta.get(fqn)
+                if entry is None:
+                    dtype = dtype_from_name(str(meta["dtype"]), where=str(folder))
+                    entry = sd_meta[fqn] = TensorStorageMetadata(
+                        properties=TensorProperties(dtype=dtype), size=torch.Size(global_shape), chunks=[])
                     planner[fqn] = tuple(item["path"])
-                continue
-            meta = manifest["tensors"][int(item["tensor"])]
-            shape = tuple(int(d) for d in meta["shape"])
-            global_shape = tuple(int(d) for d in meta.get("global_shape", shape))
-            offsets = tuple(int(d) for d in meta.get("offsets", (0,) * len(shape)))
-            seen = chunk_offsets.setdefault(fqn, set())
-            if offsets in seen:  # replicated (DDP) or already described by a lower rank
-                continue
-            seen.add(offsets)
-            entry = sd_meta.get(fqn)
-            if entry is None:
-                dtype = dtype_from_name(str(meta["dtype"]), where=str(folder))
-                entry = sd_meta[fqn] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=dtype), size=torch.Size(global_shape), chunks=[])
-                planner[fqn] = tuple(item["path"])
-            entry.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
-            storage[MetadataIndex(fqn, offsets, len(entry.chunks) - 1)] = info
+                entry.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
+                key = MetadataIndex(fqn, offsets, len(entry.chunks) - 1)
+                storage[key] = info
+                chunks[key] = (manifest, tensor)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{_manifest_path(manifest.root, manifest.step, manifest.rank)}: its record "
+                                  f"table is malformed ({exc!r}); restore an older step") from exc
     metadata = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
                         storage_meta=StorageMeta(checkpoint_id=str(folder), save_id=uuid.uuid4().hex),
                         version="1.0.0")
-    return pickle.dumps(metadata)
+    return DcpIndex(metadata=metadata, chunks=chunks)
 
 
 def open_data(manifest: Manifest) -> Any:

@@ -17,7 +17,8 @@ until the commit arrives: training never stops for checkpoints.
 rank can, else the newest step every rank can read from disk, else returns None.
 Ranks agree through a tiny all-reduce on the process group, so call ``load`` after
 ``init_process_group`` (on a gloo group created for it when the default backend is
-not gloo). Nothing read back is unpickled: the tree is JSON, tensors are raw bytes.
+not gloo). Nothing read back is unpickled: the tree is JSON, tensors are raw bytes,
+also when a step saved by another world size is resharded (``_fromdisk``).
 
 Without a stead agent (plain ``torchrun`` or ``python``), FlashCheckpointer is
 disk-only: ``save(..., persist=True)`` writes the step to disk before returning,
@@ -41,9 +42,9 @@ import torch
 
 from stead.core.agent.progress import resume_steps_at
 from stead.plugin import load_settings
-from stead.plugins.ckpt import _disk
+from stead.plugins.ckpt import _disk, _fromdisk
 from stead.plugins.ckpt._checksum import checksum
-from stead.plugins.ckpt._codec import Encoded, TensorMeta, decode, dtype_from_name, encode, find
+from stead.plugins.ckpt._codec import Encoded, TensorMeta, decode, encode, find
 from stead.plugins.ckpt._layout import LayoutDoc, SlotLayout, parse_document, plan
 from stead.plugins.ckpt._link import SOCKET_ENV, AgentLink
 from stead.plugins.ckpt._mapped import MappedSlot
@@ -589,14 +590,18 @@ class FlashCheckpointer:
                 bound = agreed - 1
                 continue
             if not self._all_agree(not resharded):  # the world changed and the state has shards: DCP reshards them
-                return (agreed, self._read_resharded(manifest, given)), "disk"
+                state = self._read_resharded(manifest, given)
+                if self._all_agree(state is not None) and state is not None:
+                    return (agreed, state), "disk"
+                bound = agreed - 1
+                continue
             template = self._agreed_template(given, manifest.tree, manifest.tensors, strict, agreed)
             try:
                 if memory is not None and (memory[1].step, memory[1].round) == (manifest.step, manifest.round):
                     state, tier = self._restore_memory(memory[0], memory[1], template), "memory"
                     self._restored = (memory[1].step, memory[1].round)
                 else:
-                    state = self._read_disk(manifest, template)
+                    state = _fromdisk.read_step(manifest, template)
             except FileNotFoundError:
                 pass  # the data went away since the manifest was read: the ranks try an older step together
             except StateMismatch:
@@ -641,53 +646,28 @@ class FlashCheckpointer:
                  rank=self.rank, reading_rank=first.rank)
         return dataclasses.replace(first, world=self.world_size)
 
-    def _read_resharded(self, manifest: _disk.Manifest, given: Template) -> dict[Any, Any]:
-        """Restore ``manifest``'s step, saved by another world size with shards, through torch.distributed.checkpoint:
-        into the caller's tensors (DTensors resharded), the replicated tensors and plain values alongside."""
-        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    def _read_resharded(self, manifest: _disk.Manifest, given: Template) -> dict[Any, Any] | None:
+        """``manifest``'s step resharded into this world; None when its files are damaged or gone (an older step is
+        tried then).
 
-        where = f"step {manifest.step}"
-        metas = [TensorMeta.from_json(t, where=where) for t in manifest.tensors]
-        skeleton = decode(manifest.tree, lambda i, _path: metas[i], where=where)
-        template = given(skeleton) if callable(given) else given
-
-        def leaf(index: int, path: tuple[object, ...]) -> Any:
-            existing = find(template, path) if template is not None else None
-            if isinstance(existing, torch.Tensor):
-                return existing
-            if metas[index].sharded:
-                raise StateMismatch(f"step {manifest.step} was saved by {manifest.world} ranks and this job has "
-                                    f"{self.world_size}: its shard at {list(path)} can only be resharded into the "
-                                    "current state dict (with its DTensors); pass it to load()")
-            return torch.empty(metas[index].shape, dtype=dtype_from_name(metas[index].dtype, where=where))
-
-        target = decode(manifest.tree, leaf, where=where)
+        A state that cannot take the step on any rank stops every rank, with nothing loaded.
+        """
         log.info("ckpt_resharding", step=manifest.step, saved_world=manifest.world, world=self.world_size,
                  rank=self.rank)
+        state: dict[Any, Any] | None = None
+        mismatch: StateMismatch | None = None
         try:
-            dcp_load(target, checkpoint_id=str(_disk.step_dir(self.path, manifest.step)))
-        except Exception as exc:  # DCP's own errors (a missing key, a shape it cannot reshard) say what is wrong
-            raise StateMismatch(f"step {manifest.step} (saved by {manifest.world} ranks) could not be resharded "
-                                f"into this job's {self.world_size} ranks: {exc}") from exc
-        return as_dict(target)
-
-    def _read_disk(self, manifest: _disk.Manifest, template: Mapping[str, Any] | None) -> dict[Any, Any]:
-        metas = [TensorMeta.from_json(t, where=str(manifest.dir)) for t in manifest.tensors]
-        with _disk.open_data(manifest) as handle:
-
-            def leaf(index: int, path: tuple[object, ...]) -> Any:
-                meta = metas[index]
-                value, target = destination(meta, find(template, path) if template is not None else None, path)
-                if target.device.type == "cpu" and target.is_contiguous():
-                    _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(target))
-                else:
-                    staging = torch.empty(meta.shape, dtype=target.dtype)
-                    _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(staging))
-                    target.copy_(staging)
-                return value
-
-            with torch.no_grad():
-                return as_dict(decode(manifest.tree, leaf, where=str(manifest.dir)))
+            state = _fromdisk.read_resharded(manifest, given, world=self.world_size)
+        except FileNotFoundError:
+            pass  # a file went away since the manifest was read: the ranks try an older step together
+        except StateMismatch as exc:
+            mismatch = exc
+        except CheckpointError as exc:
+            self._report_corrupt(manifest.step, "disk", str(exc))
+        if not self._all_agree(mismatch is None):
+            raise mismatch or StateMismatch(f"another rank's state could not take step {manifest.step} resharded "
+                                            "(its log says why); nothing was loaded")
+        return state
 
     def _report_corrupt(self, step: int, tier: str, detail: str) -> None:
         log.warning("ckpt_corrupt", step=step, tier=tier, rank=self.rank, detail=detail,

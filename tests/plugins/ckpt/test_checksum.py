@@ -117,3 +117,11 @@ def test_checkpoint_files_are_readable_by_their_owner_only(tmp_path: Path) -> No
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert len(files) >= 4  # data, manifest, .metadata, tracker (and the lock)
     assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {"0o600"}
+
+
+def test_a_step_whose_manifest_fails_its_digest_is_not_completed(tmp_path: Path) -> None:
+    persisted(tmp_path)
+    path = tmp_path / "step_3" / "rank_0.json"
+    path.write_bytes(path.read_bytes().replace(b'{"v":0.1}', b'{"v":0.2}'))
+    assert not _disk.finish_step(tmp_path, 3, 1, keep_last=2)
+    assert not _disk.is_complete(tmp_path, 3) and _disk.read_tracker(tmp_path) is None

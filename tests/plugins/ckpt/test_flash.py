@@ -72,7 +72,8 @@ def test_a_restarted_worker_restores_the_last_save_from_memory_without_reading_d
     def no_disk(*args: object, **kwargs: object) -> None:
         raise AssertionError("the restore read the disk")
 
-    monkeypatch.setattr(_disk, "read_manifest", no_disk)
+    # the worker's reads only: the agent in this process goes on persisting (and completing) the failed round's step
+    monkeypatch.setattr(FlashCheckpointer, "_manifest_for", no_disk)
     monkeypatch.setattr(_disk, "candidates", no_disk)
     fresh, fresh_opt = trained(seed=1)
     with restart(cluster, 2) as ckpt:

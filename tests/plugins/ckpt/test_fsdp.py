@@ -1,5 +1,5 @@
 """FSDP2 (DTensor) state: each of two gloo ranks saves only its shard, restores it, DCP reads the files, and a
-resized job (one rank) gets the shards resharded."""
+resized job (one rank, then three) gets the shards resharded."""
 
 from __future__ import annotations
 
@@ -101,3 +101,6 @@ def test_fsdp2_shards_are_saved_per_rank_restored_in_place_and_readable_by_dcp(c
     cluster.round(3, world=1, nproc=1)  # the job shrank to one rank: the two shards are resharded into one
     [resharded] = _run_ranks(cluster, script, "restore", out, 3, world=1)
     assert "restored 2" in resharded and "ckpt_resharding" in resharded, resharded
+    cluster.round(4, world=3, nproc=3)  # grown to three: rank 1's rows 2-3 come from both saved shards (0-2, 3-4)
+    grown = _run_ranks(cluster, script, "restore", out, 4, world=3)
+    assert all("restored 2" in o and "ckpt_resharding" in o for o in grown), grown

@@ -1,0 +1,109 @@
+"""Restoring a persisted step from stead's manifests and raw tensor bytes: nothing on disk is unpickled.
+
+At the world size that saved it (:func:`read_step`), a rank reads its own tensors'
+bytes straight into the destination tensors, each checked against its XXH3 checksum.
+
+At another world size, with sharded tensors (FSDP2, DTensor), torch.distributed.checkpoint
+plans the reshard (:func:`read_resharded`), but reads nothing itself: it is handed the
+step's ``Metadata`` built in memory from the manifests (:func:`_disk.dcp_index`; the
+``.metadata`` pickle beside them is for torch's own tools) and a storage reader
+(:mod:`._dcp_reader`) that reads each chunk's raw bytes and checks its checksum before
+torch copies any of it.
+Plain values (and the tensors DCP keeps inside one, in a tuple) come from the manifest's
+JSON tree and raw bytes: DCP's records of them would be read with
+``torch.load(weights_only=False)``, so they are never handed to it. Each rank plans its
+reads alone (``no_dist``): every rank's manifest is on the shared disk, so no pickled
+plan crosses the process group either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from stead.plugins.ckpt import _disk
+from stead.plugins.ckpt._codec import TensorMeta, decode, dtype_from_name, find
+from stead.plugins.ckpt._restore import Template, as_dict, destination
+from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
+
+__all__ = ["read_resharded", "read_step"]
+
+
+def read_step(manifest: _disk.Manifest, template: Mapping[str, Any] | None) -> dict[Any, Any]:
+    """The state ``manifest`` describes, its tensors copied into ``template``'s where it has them."""
+    metas = _metas(manifest)
+    with _disk.open_data(manifest) as handle:
+
+        def leaf(index: int, path: tuple[object, ...]) -> Any:
+            existing = find(template, path) if template is not None else None
+            return _read_leaf(manifest, handle, index, metas[index], existing, path)
+
+        with torch.no_grad():
+            return as_dict(decode(manifest.tree, leaf, where=str(manifest.dir)))
+
+
+def read_resharded(manifest: _disk.Manifest, given: Template, *, world: int) -> dict[Any, Any]:
+    """Restore ``manifest``'s step, saved by ``manifest.world`` ranks with shards, into this job's ``world`` ranks:
+    into the caller's tensors (DTensors resharded), the replicated tensors and plain values alongside.
+
+    A chunk that fails its checksum raises :class:`CheckpointError` (an older step can be tried); a state that
+    cannot take the step raises :class:`StateMismatch`.
+    """
+    where = f"step {manifest.step}"
+    metas = _metas(manifest)
+    skeleton = decode(manifest.tree, lambda i, _path: metas[i], where=where)
+    template = given(skeleton) if callable(given) else given
+    ranks = [manifest if rank == manifest.rank else _disk.read_manifest(manifest.root, manifest.step, rank)
+             for rank in range(manifest.world)]
+    index = _disk.dcp_index(manifest.dir, ranks)
+    dcp_tensors = {int(item["tensor"]) for item in manifest.dcp if "tensor" in item}
+    with _disk.open_data(manifest) as handle:
+
+        def leaf(i: int, path: tuple[object, ...]) -> Any:
+            meta, existing = metas[i], find(template, path) if template is not None else None
+            if i not in dcp_tensors:  # inside a value DCP stores whole (a tuple): stead's own copy of it
+                if meta.sharded:
+                    raise StateMismatch(f"{where}: the shard at {list(path)} sits inside a tuple, which "
+                                        "torch.distributed.checkpoint cannot reshard; restore it with the "
+                                        f"{manifest.world} ranks that saved it")
+                return _read_leaf(manifest, handle, i, meta, existing, path)
+            if isinstance(existing, torch.Tensor):
+                return existing
+            if meta.sharded:
+                raise StateMismatch(f"{where} was saved by {manifest.world} ranks and this job has {world}: its "
+                                    f"shard at {list(path)} can only be resharded into the current state dict "
+                                    "(with its DTensors); pass it to load()")
+            return torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype, where=where))
+
+        with torch.no_grad():
+            target = decode(manifest.tree, leaf, where=where)
+    _disk.load_dcp()
+    from stead.plugins.ckpt._dcp_reader import load_chunks  # torch.distributed.checkpoint takes a while to import
+
+    try:
+        load_chunks(target, index)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # DCP's own errors (a missing key, a shape it cannot reshard) say what is wrong
+        raise StateMismatch(f"{where} (saved by {manifest.world} ranks) could not be resharded into this job's "
+                            f"{world} ranks: {exc}") from exc
+    return as_dict(target)
+
+
+def _metas(manifest: _disk.Manifest) -> list[TensorMeta]:
+    return [TensorMeta.from_json(t, where=str(manifest.dir)) for t in manifest.tensors]
+
+
+def _read_leaf(manifest: _disk.Manifest, handle: Any, index: int, meta: TensorMeta, existing: Any,
+               path: tuple[object, ...]) -> Any:
+    """Tensor ``index`` of ``manifest``, read (and checked) into ``existing`` when it fits, else into a new one."""
+    value, target = destination(meta, existing, path)
+    if target.device.type == "cpu" and target.is_contiguous():
+        _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(target))
+    else:
+        staging = torch.empty(meta.shape, dtype=target.dtype)
+        _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(staging))
+        target.copy_(staging)
+    return value
