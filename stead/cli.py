@@ -72,9 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     m.add_argument("--port", type=int, default=0, help="RPC port (default: a free port)")
     m.add_argument("--token-file", default=None, help="where to write the job token (default: .stead/<job>.token)")
-    m.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
-                   help="serve Prometheus metrics (goodput, recoveries, nodes, steps) at http://HOST:PORT/metrics; "
-                        "0: a free port (the default; printed), -1: none")
+    m.add_argument("--metrics-port", type=int, default=-1, metavar="PORT",
+                   help="serve Prometheus metrics (goodput, recoveries, nodes, steps) at "
+                        "http://METRICS_HOST:PORT/metrics (--set metrics_host, loopback by default; "
+                        "--set metrics_token_file to require a bearer token); 0: a free port (printed), "
+                        "-1: none (the default)")
     m.add_argument("--plugins", default=None, metavar="NAME,...",
                    help="run only these plugins (default: every installed one)")
     m.add_argument("--no-plugin", action="append", default=[], metavar="NAME", dest="no_plugin",
