@@ -297,7 +297,7 @@ async def _master_of_run(args: argparse.Namespace) -> int:
             "--log-level", args.log_level, *args.run_args]
     config = parse_run_args(argv)
     state = await serve_job(config, argv, host=args.host, port=args.port, token=os.environ.get(JOB_TOKEN_ENV) or None,
-                            metrics_port=args.metrics_port)
+                            metrics_port=args.metrics_port, token_file=args.token_file)
     if state is None:
         print(f"stead master for job {args.job!r} left while the job runs: its next master takes it over", flush=True)
         return 0

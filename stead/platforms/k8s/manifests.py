@@ -1,16 +1,19 @@
 """What a cluster needs to run stead jobs, as Kubernetes objects: ``stead k8s manifests``.
 
-The CRD, the RBAC of the job masters and of the operator, the operator's
-Deployment, the per-job NetworkPolicy, an optional single-member etcd and an
-example job are built here as plain dicts, in the order they must be applied,
+The CRD, the operator's RBAC and Deployment, an optional single-member etcd
+(served with client TLS and authentication, see :mod:`.etcd`), an example job
+and a Prometheus scrape configuration are built here as plain dicts, in the order they must be applied,
 and rendered as one multi-document YAML. ``deploy/`` in the repository is this
 module's output (``python -m stead.platforms.k8s.manifests --write deploy``); a
 test fails when the two differ, so the files people ``kubectl apply`` are always
 the ones the code describes.
 
-Every RBAC rule names its verbs: the masters get exactly what a job master does
-(its pods, its Service and NetworkPolicy, events, its job), the operator what it
-does plus what kopf needs in standalone mode (no peering resources).
+Every RBAC rule names its verbs. The operator gets what it does, in the namespace
+it serves (a Role) or, serving every namespace, cluster-wide (a ClusterRole);
+kopf runs standalone (no peering) and without watching CRDs or namespaces, so
+nothing cluster-wide is needed for one namespace. Each job master gets a Role of
+its own, made with the job (:mod:`.isolation`). Every pod passes the "restricted"
+Pod Security Standard.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import yaml
 
 from stead.core.errors import ConfigError
 from stead.platforms.k8s._crd import JOB_NAME_MAX, JOB_NAME_PATTERN, MASTER_ACCOUNT, custom_resource_definition
-from stead.platforms.k8s.names import API_GROUP, API_VERSION, JOB_KIND, JOB_PLURAL, LABEL_JOB, MANAGED_BY
+from stead.platforms.k8s.isolation import job_rbac, master_rules, network_policies, network_policy_name, rule
+from stead.platforms.k8s.names import API_GROUP, API_VERSION, JOB_KIND, JOB_PLURAL
+from stead.platforms.k8s.pods import container_security, pod_security
 
 __all__ = [
     "ETCD_IMAGE",
@@ -48,10 +53,10 @@ __all__ = [
     "deploy_files",
     "etcd",
     "example_job",
+    "job_rbac",
     "main",
-    "master_rbac",
     "master_rules",
-    "network_policy",
+    "network_policies",
     "network_policy_name",
     "node_cordon_rbac",
     "operator_deployment",
@@ -91,41 +96,25 @@ _THIS_COMMAND = "python -m stead.platforms.k8s.manifests"
 # -- RBAC ----------------------------------------------------------------------------------------------------------
 
 
-def _rule(group: str, resources: Sequence[str], verbs: Sequence[str]) -> Manifest:
-    return {"apiGroups": [group], "resources": list(resources), "verbs": list(verbs)}
-
-
-def master_rules() -> list[Manifest]:
-    """What a job master does with the API: exactly these verbs, in its own namespace."""
-    return [
-        # its nodes: launched, watched (exits, evictions, pending), relaunched, deleted
-        _rule("", ["pods"], ["list", "watch", "create", "delete"]),
-        # its job's owner, which its pods name: the SteadJob, or the token Secret of a job run without the CRD
-        _rule(API_GROUP, [JOB_PLURAL], ["get"]),
-        _rule("", ["secrets"], ["get"]),
-    ]
-
-
 def operator_rules() -> list[Manifest]:
-    """What the operator (kopf, ``--standalone``: no peering) does with the API, cluster-wide."""
+    """What the operator (kopf: standalone, no peering; no CRD or namespace watch) does with the API."""
     return [
         # kopf lists and watches the jobs and patches them (its progress annotations) and their status subresource;
         # the operator reads one job when its master pod changes
-        _rule(API_GROUP, [JOB_PLURAL], ["get", "list", "watch", "patch"]),
-        _rule(API_GROUP, [f"{JOB_PLURAL}/status"], ["get", "patch"]),
-        # a job's master pod (watched: a deleted one is replaced), its Service, NetworkPolicy and token Secret;
+        rule(API_GROUP, [JOB_PLURAL], ["get", "list", "watch", "patch"]),
+        rule(API_GROUP, [f"{JOB_PLURAL}/status"], ["get", "patch"]),
+        # a job's master pod (watched: a deleted one is replaced), its Service, NetworkPolicies and token Secret;
         # a suspended job's pods are deleted; what a failed creation made is deleted again
-        _rule("", ["pods"], ["list", "watch", "create", "delete"]),
-        _rule("", ["services"], ["create", "delete"]),
-        _rule("networking.k8s.io", ["networkpolicies"], ["create", "delete"]),
-        _rule("", ["secrets"], ["get", "create", "delete"]),
-        # kopf posts its handlers' outcomes as core/v1 events
-        _rule("", ["events"], ["create"]),
-        # kopf watches the CRDs to notice when its resource appears or goes (kopf's resource observer), and,
-        # when serving named namespaces, lists and watches namespaces (kopf's namespace observer); both are
-        # list + watch only, and the discovery URLs (/api, /apis) every authenticated account may read
-        _rule("apiextensions.k8s.io", ["customresourcedefinitions"], ["list", "watch"]),
-        _rule("", ["namespaces"], ["list", "watch"]),
+        rule("", ["pods"], ["list", "watch", "create", "delete"]),
+        rule("", ["services"], ["create", "delete"]),
+        rule("networking.k8s.io", ["networkpolicies"], ["create", "delete"]),
+        rule("", ["secrets"], ["get", "create", "delete"]),
+        # each job's master gets a ServiceAccount and a Role of its own (isolation.job_rbac); Kubernetes lets the
+        # operator create that Role and bind it only because it holds every permission the Role grants
+        rule("", ["serviceaccounts"], ["create", "delete"]),
+        rule("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["create", "delete"]),
+        # kopf posts its handlers' outcomes (a refused job's reason) as core/v1 events
+        rule("", ["events"], ["create"]),
     ]
 
 
@@ -155,18 +144,16 @@ def _binding(kind: str, name: str, namespace: str | None, role_kind: str, role: 
     }
 
 
-def master_rbac(namespace: str) -> list[Manifest]:
-    """The job masters' ServiceAccount, Role and RoleBinding in ``namespace`` (the operator creates the same)."""
+def operator_rbac(namespace: str, *, all_namespaces: bool = False) -> list[Manifest]:
+    """The operator's ServiceAccount (in ``namespace``) and its rights: a Role and RoleBinding in ``namespace``
+    when it serves that namespace only, a ClusterRole and ClusterRoleBinding when it serves every namespace."""
     _check_namespace(namespace)
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": _meta(MASTER_ACCOUNT, namespace), "rules": master_rules()}
-    return [_account(MASTER_ACCOUNT, namespace), role,
-            _binding("RoleBinding", MASTER_ACCOUNT, namespace, "Role", MASTER_ACCOUNT, MASTER_ACCOUNT, namespace)]
-
-
-def operator_rbac(namespace: str) -> list[Manifest]:
-    """The operator's ServiceAccount (in ``namespace``), its ClusterRole and their ClusterRoleBinding."""
-    _check_namespace(namespace)
+    if not all_namespaces:
+        role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                "metadata": _meta(OPERATOR_ACCOUNT, namespace), "rules": operator_rules()}
+        binding = _binding("RoleBinding", OPERATOR_ACCOUNT, namespace, "Role", OPERATOR_ACCOUNT, OPERATOR_ACCOUNT,
+                           namespace)
+        return [_account(OPERATOR_ACCOUNT, namespace), role, binding]
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
             "metadata": _meta(OPERATOR_ACCOUNT), "rules": operator_rules()}
     # the binding names the namespace: operators installed in two namespaces must not overwrite each other's
@@ -176,19 +163,25 @@ def operator_rbac(namespace: str) -> list[Manifest]:
 
 
 def node_cordon_rbac(namespace: str) -> list[Manifest]:
-    """Optional: lets the masters in ``namespace`` cordon a Kubernetes node whose host failed its health check.
+    """Optional: a ServiceAccount ``stead-master`` in ``namespace`` that may cordon a Kubernetes node whose host
+    failed its health check.
 
-    Only needed for ``--set k8s.cordon_bad_hosts=true``; without it a bad host is only avoided by this job.
+    Only needed for ``--set k8s.cordon_bad_hosts=true``; without it a bad host is only avoided by this job. Nodes are
+    cluster-wide, so this takes a ClusterRoleBinding, which a job's own ServiceAccount cannot get from a namespaced
+    operator: a job that cordons runs its master as this shared account (``serviceAccountName: stead-master``, in
+    the operator's ``k8s.allowed_service_accounts``), which then holds the Role of every job that does.
     """
     _check_namespace(namespace)
     note = {"stead.dev/note": "only needed for --set k8s.cordon_bad_hosts=true"}
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
             "metadata": _meta("stead-node-cordon", annotations=note),
-            "rules": [_rule("", ["nodes"], ["get", "patch"])]}
+            "rules": [rule("", ["nodes"], ["get", "patch"])]}
     binding = _binding("ClusterRoleBinding", f"stead-node-cordon-{namespace}", None, "ClusterRole",
                        "stead-node-cordon", MASTER_ACCOUNT, namespace)
     binding["metadata"]["annotations"] = dict(note)
-    return [role, binding]
+    account = _account(MASTER_ACCOUNT, namespace)
+    account["metadata"]["annotations"] = dict(note)
+    return [account, role, binding]
 
 
 # -- the operator ---------------------------------------------------------------------------------------------------
@@ -202,18 +195,6 @@ def default_image() -> str:
         raise ConfigError("stead's version is unknown (the package is not installed, so its image tag is not "
                           "known); pass --image IMAGE") from None
     return f"{IMAGE_REPOSITORY}:{version}"
-
-
-def _restricted_container() -> Manifest:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
-
-
-def _restricted_pod(*, fs_group: bool = False) -> Manifest:
-    context: Manifest = {"runAsNonRoot": True, "runAsUser": _NON_ROOT_ID, "runAsGroup": _NON_ROOT_ID}
-    if fs_group:
-        context["fsGroup"] = _NON_ROOT_ID
-    context["seccompProfile"] = {"type": "RuntimeDefault"}
-    return context
 
 
 def operator_deployment(namespace: str, image: str | None = None, *, all_namespaces: bool = False) -> Manifest:
@@ -236,7 +217,7 @@ def operator_deployment(namespace: str, image: str | None = None, *, all_namespa
         "livenessProbe": {"httpGet": {"path": OPERATOR_HEALTH_PATH, "port": "health"},
                           "initialDelaySeconds": 30, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
-        "securityContext": _restricted_container(),
+        "securityContext": container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
     return {
@@ -251,7 +232,7 @@ def operator_deployment(namespace: str, image: str | None = None, *, all_namespa
                 "metadata": {"labels": {**labels, **_PART_OF}},
                 "spec": {
                     "serviceAccountName": OPERATOR_ACCOUNT,
-                    "securityContext": _restricted_pod(),
+                    "securityContext": pod_security(_NON_ROOT_ID),
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {}}],
                 },
@@ -261,32 +242,6 @@ def operator_deployment(namespace: str, image: str | None = None, *, all_namespa
 
 
 # -- per job --------------------------------------------------------------------------------------------------------
-
-
-def network_policy_name(job: str) -> str:
-    """The NetworkPolicy that isolates a job's pods."""
-    return f"{job}-isolation"
-
-
-def network_policy(job: str, namespace: str) -> Manifest:
-    """Only the job's own pods (master and nodes, label ``stead.dev/job``) may reach its pods, on any port.
-
-    Ingress only: egress stays open for the store, the image registry and checkpoint storage.
-    """
-    check_job_name(job)
-    _check_namespace(namespace)
-    own_pods = {"matchLabels": {LABEL_JOB: job}}
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(network_policy_name(job), namespace,
-                          {"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_JOB: job}),
-        "spec": {
-            "podSelector": own_pods,
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": own_pods}]}],
-        },
-    }
 
 
 # -- trying it out: etcd and an example job -------------------------------------------------------------------------
@@ -322,7 +277,7 @@ def etcd(namespace: str) -> list[Manifest]:
         "readinessProbe": {"httpGet": {"path": "/health", "port": "client"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "client"}, "initialDelaySeconds": 10, "periodSeconds": 10},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "securityContext": _restricted_container(),
+        "securityContext": container_security(),
         "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
     }
     stateful_set = {
@@ -335,7 +290,7 @@ def etcd(namespace: str) -> list[Manifest]:
             "selector": {"matchLabels": {"app.kubernetes.io/name": ETCD_SERVICE}},
             "template": {
                 "metadata": {"labels": {**labels, **_PART_OF}},
-                "spec": {"securityContext": _restricted_pod(fs_group=True), "containers": [container]},
+                "spec": {"securityContext": pod_security(_NON_ROOT_ID), "containers": [container]},
             },
             "volumeClaimTemplates": [{
                 "metadata": {"name": "data"},
@@ -384,7 +339,7 @@ def _groups(namespace: str, image: str | None, *, all_namespaces: bool) -> dict[
     image = _check_image(image) if image is not None else default_image()
     return {
         "crd.yaml": [custom_resource_definition()],
-        "rbac.yaml": [*master_rbac(namespace), *operator_rbac(namespace)],
+        "rbac.yaml": operator_rbac(namespace, all_namespaces=all_namespaces),
         "operator.yaml": [operator_deployment(namespace, image, all_namespaces=all_namespaces)],
         "etcd.yaml": etcd(namespace),
         "example-job.yaml": example_job(namespace, image),
@@ -416,8 +371,8 @@ def to_yaml(objects: Iterable[Mapping[str, Any]]) -> str:
 #: deploy/ file -> what it holds (its header line, and its line in deploy/README.md)
 _FILES = {
     "crd.yaml": "the SteadJob custom resource definition (steadjobs.stead.dev, short name sj)",
-    "rbac.yaml": "the job masters' ServiceAccount, Role and RoleBinding, and the operator's ServiceAccount, "
-                 "ClusterRole and ClusterRoleBinding",
+    "rbac.yaml": "the operator's ServiceAccount, Role and RoleBinding (each job's master gets a ServiceAccount and "
+                 "a Role of its own, made with the job)",
     "operator.yaml": "the operator's Deployment (one replica, kopf, liveness on :8080/healthz)",
     "etcd.yaml": "optional: a single-member etcd and its Service stead-etcd, for trying stead out, "
                  "not for production",

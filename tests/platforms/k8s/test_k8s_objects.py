@@ -81,7 +81,7 @@ def test_a_node_pod_has_a_memory_dev_shm_the_checkpoint_claim_and_its_host_in_th
     assert env["STEAD_RUN_ARGV"]["value"] == '["train.py"]'
     assert _container(pod)["resources"] == {"requests": {"cpu": "4", "memory": "8Gi"},
                                             "limits": {"cpu": "4", "memory": "8Gi"}}
-    assert _container(pod)["securityContext"] == {"capabilities": {"add": ["SYS_PTRACE"]}}
+    assert _container(pod)["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE"]}
     assert pod["spec"]["terminationGracePeriodSeconds"] == 60
     assert pod["spec"]["nodeSelector"] == {"pool": "gpu"}
     assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
