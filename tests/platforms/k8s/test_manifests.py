@@ -392,21 +392,67 @@ def test_node_egress_cidrs_and_master_metrics_are_let_through_only_when_asked() 
 # -- etcd, render, YAML, deploy/ and the command line ---------------------------------------------------------------
 
 
-def test_the_optional_etcd_serves_clients_on_its_service_name() -> None:
-    service, stateful_set = manifests.etcd("jobs")
+def test_the_optional_etcd_serves_clients_on_its_service_name_and_the_operator_is_configured_for_it() -> None:
+    rendered = manifests.render("jobs", IMAGE, with_etcd=True)
+    service = next(o for o in rendered if o["kind"] == "Service")
     assert service["metadata"]["name"] == "stead-etcd" and service["spec"]["ports"][0]["port"] == 2379
-    assert "not for production" in stateful_set["metadata"]["annotations"]["stead.dev/note"]
-    (container,) = stateful_set["spec"]["template"]["spec"]["containers"]
+    (container,) = next(o for o in rendered if o["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"]
     assert re.fullmatch(r"quay\.io/coreos/etcd:v3\.5\.\d+", container["image"])
-    assert "--listen-client-urls=http://0.0.0.0:2379" in container["args"]
-    assert "--advertise-client-urls=http://stead-etcd.jobs.svc:2379" in container["args"]
+    assert "--advertise-client-urls=https://stead-etcd.jobs.svc:2379" in container["args"]
+    (deployment,) = [o for o in rendered if o["kind"] == "Deployment"]  # one operator, configured for the etcd
+    (operator,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in operator["env"]}
+    assert env["STEAD_ETCD_USER"] == "stead" and env["STEAD_ETCD_CA_FILE"] == "/var/run/stead-etcd/tls/ca.crt"
+    assert env["STEAD_K8S_ETCD_CLIENT_SECRET"] == "stead-etcd-client"  # what its masters are given
+    assert env["STEAD_K8S_ETCD_AUTH_SECRET"] == "stead-etcd-auth" and env["STEAD_K8S_ETCD_USER"] == "stead"
+    plain = manifests.render("jobs", IMAGE)[-1]["spec"]["template"]["spec"]["containers"][0]
+    assert not [e for e in plain["env"] if "ETCD" in e["name"]]
+
+
+def test_generated_etcd_secrets_come_first_and_only_on_request(capsys: pytest.CaptureFixture[str]) -> None:
+    assert not [o for o in manifests.render("jobs", IMAGE, with_etcd=True) if o["kind"] == "Secret"]
+    with pytest.raises(ConfigError, match="--etcd-generate-certs makes the Secrets of the optional etcd"):
+        manifests.render("jobs", IMAGE, generate_certs=True)
+    assert manifests.main(["--namespace", "jobs", "--image", IMAGE, "--with-etcd", "--etcd-generate-certs"]) == 0
+    out = capsys.readouterr()
+    printed = list(yaml.safe_load_all(out.out))
+    secrets = [o["metadata"]["name"] for o in printed if o["kind"] == "Secret"]
+    assert secrets == ["stead-etcd-server", "stead-etcd-client", "stead-etcd-auth"]
+    assert [o["kind"] for o in printed].index("Secret") < [o["kind"] for o in printed].index("StatefulSet")
+    assert "holds the private keys" in out.err
+    assert "PRIVATE KEY" not in "".join(manifests.deploy_files().values())  # nothing secret is committed
+
+
+def test_the_example_job_asks_for_nothing_the_shipped_operator_does_not_allow() -> None:
+    from stead.core.config import load_settings
+    from stead.platforms.k8s.operator import master_spec
+    from stead.platforms.k8s.policy import OPERATOR_FIELDS, refusals
+    from stead.platforms.k8s.settings import K8sSettings
+
+    (operator,) = _one("Deployment", manifests.OPERATOR_ACCOUNT)["spec"]["template"]["spec"]["containers"]
+    environ = {e["name"]: e["value"] for e in operator["env"] if "value" in e}
+    allowed = load_settings(K8sSettings, "k8s", environ=environ)
+    wanted = master_spec("example", _job()["spec"], allowed).settings
+    assert wanted.checkpoint_claim and refusals(wanted, allowed, fields=OPERATOR_FIELDS) == []
+
+
+def test_prometheus_scrapes_the_masters_metrics_port_with_a_bearer_token_file() -> None:
+    config = manifests.prometheus_scrape_config("jobs")
+    (job,) = config["scrape_configs"]
+    assert job["authorization"] == {"type": "Bearer", "credentials_file": manifests.PROMETHEUS_TOKEN_FILE}
+    assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"names": ["jobs"]}}]
+    kept = {rule["source_labels"][0]: rule["regex"] for rule in job["relabel_configs"] if rule.get("action") == "keep"}
+    assert kept == {"__meta_kubernetes_pod_label_stead_dev_role": "master",
+                    "__meta_kubernetes_pod_container_port_name": "metrics"}
+    deployed = yaml.safe_load(manifests.deploy_files()["prometheus-scrape.yaml"])
+    assert deployed == manifests.prometheus_scrape_config("default")
 
 
 def test_render_lists_objects_in_apply_order_and_adds_optional_parts_on_request() -> None:
     kinds = [o["kind"] for o in manifests.render("jobs", IMAGE)]
     assert kinds == ["CustomResourceDefinition", "ServiceAccount", "Role", "RoleBinding", "Deployment"]
     kinds = [o["kind"] for o in manifests.render("jobs", IMAGE, with_etcd=True, with_example=True)]
-    assert kinds[5:] == ["Service", "StatefulSet", "PersistentVolumeClaim", "SteadJob"]
+    assert kinds[5:] == ["Service", "StatefulSet", "NetworkPolicy", "Job", "PersistentVolumeClaim", "SteadJob"]
     for obj in manifests.render("jobs", IMAGE, with_etcd=True, with_example=True):
         assert obj["metadata"].get("namespace", "jobs") == "jobs"
 
