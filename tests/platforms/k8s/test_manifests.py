@@ -223,6 +223,10 @@ def test_the_example_job_is_a_valid_steadjob() -> None:
     (lambda spec: spec.update(settings={"heartbeat_timeout_s": 10}), "spec.settings.heartbeat_timeout_s",
      "is not of type 'string'"),
     (lambda spec: spec.update(nproc_per_node=2), "spec", "'nproc_per_node' was unexpected"),
+    (lambda spec: spec.update(env=[{"name": "X", "valueFrom": {"hostPath": {"path": "/"}}}]), "spec.env[0].valueFrom",
+     "'hostPath' was unexpected"),
+    (lambda spec: spec.update(env=[{"name": "X", "valueFrom": {}}]), "spec.env[0].valueFrom",
+     "should be non-empty"),
 ])
 def test_a_wrong_job_is_refused_naming_the_field(change: Any, field: str, words: str) -> None:
     job = _job()
@@ -519,3 +523,11 @@ def test_the_readmes_steadjob_is_valid_against_the_crd() -> None:
     job["metadata"]["namespace"] = "default"
     validate_custom(job, CRD)
     assert job["spec"]["store"].startswith("etcd://")
+
+
+def test_the_crd_refuses_k8s_settings_in_settings_and_run_args_with_cel_rules() -> None:
+    spec = SCHEMA["properties"]["spec"]["properties"]
+    for field in ("settings", "runArgs"):
+        (rule,) = spec[field]["x-kubernetes-validations"]
+        assert "k8s." in rule["rule"] and "operator checks" in rule["message"]
+    assert "default" not in spec["serviceAccountName"]  # a job's master runs as its own account
