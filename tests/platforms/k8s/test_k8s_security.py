@@ -4,16 +4,21 @@ allow."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from stead.core.errors import ConfigError
+from stead.core.errors import ConfigError, PlatformUnavailable
 from stead.core.platform import NodeSpec
-from stead.platforms.k8s import manifests
-from stead.platforms.k8s._client import _configuration
+from stead.platforms.k8s import manifests, operator
+from stead.platforms.k8s._client import PODS, Kube
+from stead.platforms.k8s.etcd import generate_secrets
 from stead.platforms.k8s.pods import JobObjects, master_pod, node_pod
 from stead.platforms.k8s.policy import OPERATOR_FIELDS, JobRefused, check_allowed, check_run_args, refusals
 from stead.platforms.k8s.settings import K8sSettings
@@ -178,8 +183,52 @@ def test_a_steadjob_sets_no_k8s_setting_through_settings_or_run_args() -> None:
 # -- TLS to the API server ----------------------------------------------------------------------------------------
 
 
-async def test_the_api_server_s_certificate_is_verified_unless_a_setting_says_otherwise() -> None:
-    verified = await _configuration(K8sSettings(api_url="https://kube.example:6443", api_ca_file="/etc/ca.crt"))
-    assert verified.verify_ssl is True and verified.ssl_ca_cert == "/etc/ca.crt"
-    skipped = await _configuration(K8sSettings(api_url="https://kube.example:6443", insecure_skip_tls_verify=True))
-    assert skipped.verify_ssl is False
+@pytest.fixture
+async def https_api(tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
+    """An HTTPS server with a certificate of its own CA that answers GET of one pod: (url, the CA's file)."""
+    from aiohttp import web
+
+    server, _, _ = generate_secrets("default")
+    for key, text in server["stringData"].items():
+        (tmp_path / key).write_text(text)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
+
+    async def pod(request: web.Request) -> web.Response:
+        return web.json_response({"kind": "Pod", "metadata": {"name": request.match_info["name"]}})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/namespaces/default/pods/{name}", pod)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        yield f"https://127.0.0.1:{port}", tmp_path / "ca.crt"
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_api_server_s_certificate_is_verified_unless_a_setting_says_otherwise(
+        https_api: tuple[str, Path]) -> None:
+    url, ca = https_api
+    base = K8sSettings(api_url=url, namespace="default", request_timeout_s=10)
+    async with Kube(base, pool=1) as kube:  # a certificate no CA of the system signed: refused
+        with pytest.raises(PlatformUnavailable, match=r"CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+            await kube.get(PODS, "p")
+    async with Kube(dataclasses.replace(base, api_ca_file=str(ca)), pool=1) as kube:
+        assert (await kube.get(PODS, "p") or {})["metadata"]["name"] == "p"
+    async with Kube(dataclasses.replace(base, insecure_skip_tls_verify=True), pool=1) as kube:
+        assert (await kube.get(PODS, "p") or {})["metadata"]["name"] == "p"
+
+
+def _login(settings: K8sSettings) -> Any:
+    (login,) = [h for h in operator.registry(settings)._activities.get_all_handlers() if h.id.endswith(".login")]
+    return login.fn()
+
+
+def test_the_operator_verifies_the_api_server_unless_told_not_to() -> None:
+    verified = _login(K8sSettings(api_url="https://kube.example:6443", api_ca_file="/etc/ca.crt"))
+    assert verified.insecure is False and verified.ca_path == "/etc/ca.crt"
+    assert _login(K8sSettings(api_url="https://kube.example:6443", insecure_skip_tls_verify=True)).insecure is True
