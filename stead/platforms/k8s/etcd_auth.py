@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from stead.core.errors import ConfigError, PlatformError, PlatformUnavailable
+from stead.core.store import prefix_end
 
 __all__ = ["DEFAULT_WAIT_S", "EtcdAuth", "main"]
 
@@ -108,7 +109,7 @@ class EtcdAuth:
         self._ensure("auth/user/add", {"name": user, "password": password})
         self._ensure("auth/role/add", {"name": user})
         self.call("auth/role/grant", {"name": user, "perm": {
-            "permType": "READWRITE", "key": _b64(prefix.encode()), "range_end": _b64(_prefix_end(prefix.encode()))}})
+            "permType": "READWRITE", "key": _b64(prefix.encode()), "range_end": _b64(prefix_end(prefix.encode()))}})
         self.call("auth/user/grant", {"user": user, "role": user})
         if not was_on:
             self.call("auth/enable", {})
@@ -117,17 +118,6 @@ class EtcdAuth:
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    """The first key after every key that starts with ``prefix`` (etcd's range end of a prefix)."""
-    end = bytearray(prefix)
-    while end:
-        if end[-1] < 0xFF:
-            end[-1] += 1
-            return bytes(end)
-        end.pop()
-    return b"\x00"
 
 
 def _read(path: str, what: str) -> str:
