@@ -248,7 +248,7 @@ async def _delete_pods(base: K8sSettings, job: str, namespace: str) -> None:
 
 async def _read_status(job: str, store_url: str) -> dict[str, Any]:
     """The job's status fields, folded from its event log."""
-    store = await open_store(store_url)
+    store = await open_store(store_url, settings=Settings.from_env())  # the store's TLS and auth: STEAD_ETCD_*
     try:
         items = await EventLog(store, job).scan()
     finally:

@@ -72,6 +72,8 @@ ETCD_TLS_MOUNT = "/var/run/stead-etcd/tls"
 ETCD_TLS_KEYS = ("ca.crt", "tls.crt", "tls.key")
 ETCD_AUTH_MOUNT = "/var/run/stead-etcd/auth"
 ETCD_PASSWORD_KEY = "password"
+#: the settings that name a process's own credentials (the etcd_* client settings, metrics_host/_token_file)
+_OWN_CREDENTIALS = ("STEAD_ETCD_", "STEAD_METRICS_HOST", "STEAD_METRICS_TOKEN_FILE")
 #: what every container of a job's pod runs with, unless more is allowed and asked (see container_security)
 _PYTHON_ENV = ({"name": "HOME", "value": TMP_MOUNT}, {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"})
 
@@ -131,10 +133,13 @@ def pod_labels(job: str, role: str, *, node_id: str = "", incarnation: int | Non
 def passed_env(environ: Mapping[str, str], settings: Settings, plugins: Iterable[str]) -> dict[str, str]:
     """The settings in this process's environment (``STEAD_<NAME>``, ``STEAD_<PLUGIN>_<NAME>``) that a node's pod
     gets too: what a user exported for the job reaches its agents as it does on the local platform. Nothing else
-    of the master's environment goes into a pod spec (a token, a path of this machine)."""
+    of the master's environment goes into a pod spec (a token, a path of this machine), nor its own credentials:
+    the store's client certificate and password and the metrics token are files of its pod, which a pod made from
+    this one mounts anew where it needs them (:func:`etcd_client`)."""
     own = {"STEAD_" + f.name.upper() for f in dataclasses.fields(settings) if f.name != "plugin_values"}
     prefixes = tuple(f"STEAD_{p.upper()}_" for p in plugins if p != "k8s")
-    return {k: v for k, v in environ.items() if k in own or (k.startswith(prefixes) and k != MASTER_TOKEN_ENV)}
+    return {k: v for k, v in environ.items()
+            if (k in own or (k.startswith(prefixes) and k != MASTER_TOKEN_ENV)) and not k.startswith(_OWN_CREDENTIALS)}
 
 
 def pod_security(user: int) -> JsonObject:
