@@ -75,9 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--token-file", default=None,
                    help="where to write the job token (default: .stead/<job>.token); a master of a job that runs "
                         "takes the token from this file, or from $STEAD_JOB_TOKEN")
-    m.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
-                   help="serve Prometheus metrics (goodput, recoveries, nodes, steps) at http://HOST:PORT/metrics; "
-                        "0: a free port (the default; printed), -1: none")
+    m.add_argument("--metrics-port", type=int, default=-1, metavar="PORT",
+                   help="serve Prometheus metrics (goodput, recoveries, nodes, steps) at "
+                        "http://METRICS_HOST:PORT/metrics (--set metrics_host, loopback by default; "
+                        "--set metrics_token_file to require a bearer token); 0: a free port (printed), "
+                        "-1: none (the default)")
     m.add_argument("--plugins", default=None, metavar="NAME,...",
                    help="run only these plugins (default: every installed one)")
     m.add_argument("--no-plugin", action="append", default=[], metavar="NAME", dest="no_plugin",
@@ -303,7 +305,7 @@ async def _master_of_run(args: argparse.Namespace) -> int:
             "--log-level", args.log_level, *args.run_args]
     config = parse_run_args(argv)
     state = await serve_job(config, argv, host=args.host, port=args.port, token=os.environ.get(JOB_TOKEN_ENV) or None,
-                            metrics_port=args.metrics_port)
+                            metrics_port=args.metrics_port, token_file=args.token_file)
     if state is None:
         print(f"stead master for job {args.job!r} left while the job runs: its next master takes it over", flush=True)
         return 0

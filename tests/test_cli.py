@@ -56,7 +56,8 @@ def test_master_resumes_a_stored_job_and_events_and_status_show_it(tmp_path: Pat
     token_file = tmp_path / "job.token"
     master = subprocess.Popen(
         [sys.executable, "-m", "stead", "master", "--store", url, "--job", job, "--token-file", str(token_file),
-         "--log-format", "json", "--set", "heartbeat_timeout_s=120"],  # the played agent sends no heartbeat
+         "--log-format", "json", "--set", "heartbeat_timeout_s=120",  # the played agent sends no heartbeat
+         "--metrics-port", "0"],  # metrics only when asked for: on a free port of loopback
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -85,7 +86,7 @@ def test_master_resumes_a_stored_job_and_events_and_status_show_it(tmp_path: Pat
     assert (shown["phase"], shown["round"], shown["restarts"]) == ("succeeded", 1, 0)
     assert shown["nodes"]["node-0"]["incarnation"] == 1 and shown["max_restarts"] == 3, shown
     assert (shown["master_pid"], shown["master_address"]) == (master.pid, address)  # the process to kill
-    assert shown["master_metrics"].startswith("http://127.0.0.1:")  # stead master serves metrics by default
+    assert shown["master_metrics"].startswith("http://127.0.0.1:")  # asked for: loopback, a free port
     # the goodput ledger: no step was reported (the agent is played), so nothing counted as useful, and it says so
     assert shown["goodput"] == 0.0 and shown["useful_s"] == 0.0 and shown["ended"] is True
     assert sum(shown[f"{part}_s"] for part in PARTS) == pytest.approx(shown["wall_s"], abs=0.01)

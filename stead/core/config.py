@@ -62,9 +62,15 @@ class Settings:
     health_timeout_s: float = setting(60.0, min=1.0)
     #: a node whose matmul takes more than this many times the median of the other nodes' fails its check
     health_slow_factor: float = setting(2.0, min=1.0)
-    #: `stead run`'s master serves Prometheus metrics on this port of its host: -1 none (the default), 0 a free
-    #: port (its URL is logged and shown by `stead status --json`); `stead master` has --metrics-port
+    #: the master serves Prometheus metrics on this port of metrics_host: -1 none (the default), 0 a free port (its
+    #: URL is logged and shown by `stead status --json`); `stead master` has --metrics-port
     metrics_port: int = setting(-1, min=-1, max=65535)
+    #: the address metrics are served on: loopback unless told otherwise (0.0.0.0 or a pod's IP for a Prometheus
+    #: elsewhere, with metrics_token_file)
+    metrics_host: str = "127.0.0.1"
+    #: a file holding the bearer token a scrape must send (Prometheus' authorization.credentials_file); a request
+    #: without it is answered 401 ("": no token asked)
+    metrics_token_file: str = ""
     #: an effect (launching or killing a node, starting workers) running longer than this has failed
     effect_timeout_s: float = setting(60.0, min=0.001)
     #: a plugin handler running longer than this is cancelled and counted as a failure

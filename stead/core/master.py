@@ -55,7 +55,7 @@ from stead.core.gcsteward import steward_gc
 from stead.core.hub import AgentHub
 from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, forget_job_token, job_token
 from stead.core.master_tasks import MasterTasks
-from stead.core.metrics import JobMetrics, MetricsServer
+from stead.core.metrics import JobMetrics, MetricsServer, read_metrics_token
 from stead.core.platform import NodeSpec, Platform
 from stead.core.plugins import PluginHost, load_plugins
 from stead.core.reactor import Reactor
@@ -96,7 +96,7 @@ class MasterConfig:
     token_file: str | None = None
     #: host a torch TCPStore for the workers' process groups (needs torch)
     tcp_store: bool = True
-    #: serve Prometheus metrics on ``host``: -1 not at all, 0 on a free port, else on this port
+    #: serve Prometheus metrics on ``settings.metrics_host``: -1 not at all, 0 on a free port, else on this port
     metrics_port: int = -1
     #: how long the master waits for the state store at start; None: ``store_connect_timeout_s`` (a master that
     #: takes over a running job waits ``retry_deadline_s``: its nodes are running, a store outage is worth riding out)
@@ -275,7 +275,8 @@ class Master:
             RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file,
                       max_message_bytes=self.settings.rpc_max_message_bytes, listen_fd=cfg.listen_fd))
         if self.metrics is not None:
-            server = MetricsServer(self.metrics, host=cfg.host, port=cfg.metrics_port)
+            token = read_metrics_token(self.settings.metrics_token_file) if self.settings.metrics_token_file else None
+            server = MetricsServer(self.metrics, host=self.settings.metrics_host, port=cfg.metrics_port, token=token)
             self.metrics_url = server.url
             self._stack.callback(server.close)
         await self._announce()

@@ -9,24 +9,32 @@ slowest rank's, as the checkpoint records carry them); the folded state gives th
 phase, the step and the step rate.
 
 A master that takes over a running job reads the log it replays, so its metrics cover
-the whole job, not only its own part. ``metrics_port``: -1 serves nothing (``stead run``'s
-default), 0 a free port (``stead master``'s default), any other number that port; the
-address goes into the job's master record and the master's log.
+the whole job, not only its own part. ``metrics_port``: -1 serves nothing (the default of
+``stead run`` and ``stead master``), 0 a free port, any other number that port; the
+address goes into the job's master record and the master's log. They are served on
+``metrics_host`` (loopback unless told otherwise) and, with ``metrics_token_file``, only
+to a scrape that sends that token (``authorization: Bearer``, Prometheus'
+``authorization.credentials_file``): any other request is answered 401.
 """
 
 from __future__ import annotations
 
+import hmac
+import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import structlog
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from stead.core.errors import ConfigError
 from stead.core.events import (
     CheckpointCommitted,
     Record,
@@ -37,7 +45,7 @@ from stead.core.events.log import BadRecord
 from stead.core.goodput import RECOVERY_PHASES, ledger
 from stead.core.statemachine import JobState, NodePhase
 
-__all__ = ["JobMetrics", "MetricsServer", "RECOVERY_BUCKETS_S"]
+__all__ = ["JobMetrics", "MetricsServer", "RECOVERY_BUCKETS_S", "read_metrics_token"]
 
 log = structlog.get_logger("stead.metrics")
 
@@ -156,16 +164,64 @@ def _step_rate(records: Sequence[Record | BadRecord]) -> float:
     return max(0, last.event.step - before.event.step) / (last.at - before.at)
 
 
-class MetricsServer:
-    """Serves a :class:`JobMetrics` over HTTP (``/metrics``) on ``host``; ``close()`` frees the port."""
+def read_metrics_token(path: str) -> str:
+    """The bearer token in ``path`` (surrounding whitespace dropped), as Prometheus reads a credentials_file."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            token = file.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"metrics_token_file {path!r} cannot be read ({exc.strerror}); give a file holding the "
+                          "token Prometheus sends, or leave metrics_token_file empty") from None
+    if not token:
+        raise ConfigError(f"metrics_token_file {path!r} is empty; write the token Prometheus sends into it")
+    return token
 
-    def __init__(self, metrics: JobMetrics, *, host: str, port: int) -> None:
+
+class _Quiet(WSGIRequestHandler):
+    """No line on stderr per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        del format, args
+
+
+def _guarded(app: Callable[..., Any], token: str | None) -> Callable[..., Any]:
+    """``app`` behind ``authorization: Bearer <token>``: a request without it is 401, before anything is computed."""
+    if token is None:
+        return app
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        given = str(environ.get("HTTP_AUTHORIZATION", "")).encode()
+        if not hmac.compare_digest(given, expected):
+            start_response("401 Unauthorized", [("WWW-Authenticate", 'Bearer realm="stead metrics"'),
+                                                ("Content-Type", "text/plain; charset=utf-8")])
+            return [b"401: send the metrics token (authorization: Bearer TOKEN, metrics_token_file)\n"]
+        return app(environ, start_response)
+
+    return guarded
+
+
+class MetricsServer:
+    """Serves a :class:`JobMetrics` over HTTP (``/metrics``) on ``host``; ``close()`` frees the port.
+
+    With ``token``, only to requests that carry it (``authorization: Bearer``); the others get 401.
+    """
+
+    def __init__(self, metrics: JobMetrics, *, host: str, port: int, token: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(metrics)
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("_MetricsHTTPServer", (ThreadingWSGIServer,), {"address_family": family})
+        self._server: WSGIServer = make_server(host, port, _guarded(make_wsgi_app(self.registry), token), server_class,
+                                   handler_class=_Quiet)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="stead-metrics", daemon=True)
+        self._thread.start()
         self.host = host
         self.port = int(self._server.server_address[1])
-        log.info("metrics_serving", url=self.url)
+        if token is None and not _loopback(host):
+            log.warning("metrics_without_token", url=self.url,
+                        hint="anyone who reaches this address reads the job's metrics; set metrics_token_file")
+        log.info("metrics_serving", url=self.url, token=token is not None)
 
     @property
     def url(self) -> str:
@@ -176,3 +232,7 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")

@@ -213,7 +213,7 @@ async def run_job(config: RunConfig, argv: Sequence[str], *, listen_fd: int | No
 
 
 async def serve_job(config: RunConfig, argv: Sequence[str], *, host: str, port: int, token: str | None,
-                    metrics_port: int) -> JobState | None:
+                    metrics_port: int, token_file: str | None = None) -> JobState | None:
     """`stead master --platform NAME -- RUN_ARGS`: this process is the job's master for as long as it runs (in a
     Kubernetes pod, say), taking the job over where an earlier master left it.
 
@@ -221,7 +221,7 @@ async def serve_job(config: RunConfig, argv: Sequence[str], *, host: str, port: 
     platform detached so that the nodes keep training, and the next master adopts them; returns None then.
     """
     async with started_job(config, argv, host=host, port=port, token=token, takeover=True,
-                           metrics_port=metrics_port, leave_nodes_on_failure=True) as master:
+                           metrics_port=metrics_port, token_file=token_file, leave_nodes_on_failure=True) as master:
         print(f"stead master for job {config.job_name!r} listening on {master.address}", flush=True)
         loop = asyncio.get_running_loop()
         leaving = asyncio.Event()

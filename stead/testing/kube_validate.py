@@ -6,6 +6,10 @@ ships, in strict mode, so a misspelt or misplaced field fails as it would with
 ``kubectl apply --validate=strict``. :func:`validate_custom` checks a custom
 resource against its CRD's ``openAPIV3Schema``, turned into a JSON schema that
 jsonschema understands. Both raise :class:`ManifestInvalid` naming the field.
+:func:`pod_security_violations` checks the pod (or a Deployment's, StatefulSet's
+or Job's pod template) against a level of the Pod Security Standards, the rules
+the API server's Pod Security Admission enforces on a namespace labelled
+``pod-security.kubernetes.io/enforce``.
 
 kubernetes-validate and jsonschema are development dependencies (``pip install
 'stead[dev]'``): they are imported when a check runs, never when stead is.
@@ -18,7 +22,8 @@ from typing import Any
 
 from stead.core.errors import ConfigError
 
-__all__ = ["KUBERNETES_VERSION", "ManifestInvalid", "json_schema", "validate_builtin", "validate_custom"]
+__all__ = ["KUBERNETES_VERSION", "PSS_LEVELS", "ManifestInvalid", "json_schema", "pod_security_violations",
+           "validate_builtin", "validate_custom"]
 
 #: the Kubernetes release whose schemas built-in objects are checked against by default (kubernetes-validate
 #: 1.37.0 ships 1.25 to 1.37): one that current managed clusters run, so a field only newer releases know fails
@@ -129,6 +134,127 @@ def _convert(node: Mapping[str, Any], *, strict: bool, path: tuple[str, ...]) ->
     if strict and not free and "properties" in node and "additionalProperties" not in node and path != ("metadata",):
         result["additionalProperties"] = False
     return result
+
+
+# -- the Pod Security Standards ----------------------------------------------------------------------------------
+# https://kubernetes.io/docs/concepts/security/pod-security-standards/ (the "baseline" and "restricted" tables),
+# as the policy version "latest" of Kubernetes 1.33 has them
+
+#: the levels, least restricted first: a pod that passes one passes every level before it
+PSS_LEVELS = ("privileged", "baseline", "restricted")
+#: capabilities baseline lets a container add (restricted: NET_BIND_SERVICE only)
+_BASELINE_CAPABILITIES = frozenset({"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+                                    "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"})
+_SAFE_SYSCTLS = frozenset({
+    "kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes"})
+_SELINUX_TYPES = frozenset({"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"})
+#: the volume types restricted allows
+_RESTRICTED_VOLUMES = frozenset({"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                                 "projected", "secret"})
+_POD_TEMPLATE_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"})
+
+
+def pod_security_violations(obj: Mapping[str, Any], level: str = "restricted") -> list[str]:
+    """What keeps ``obj`` (a Pod, or a workload's pod template) from passing ``level`` of the Pod Security
+    Standards, one line per violation naming the field; an empty list when it passes."""
+    if level not in PSS_LEVELS:
+        raise ConfigError(f"Pod Security Standards level {level!r} does not exist; use one of {', '.join(PSS_LEVELS)}")
+    kind = obj.get("kind")
+    if kind == "Pod":
+        spec, where = obj.get("spec") or {}, "spec"
+    elif kind in _POD_TEMPLATE_KINDS:
+        template = (obj.get("spec") or {}).get("template") or {}
+        spec, where = template.get("spec") or {}, "spec.template.spec"
+    else:
+        raise ConfigError(f"{_describe(obj)} has no pod: check a Pod or a {', '.join(sorted(_POD_TEMPLATE_KINDS))}")
+    found: list[str] = []
+    if level != "privileged":
+        found += _baseline(spec, where)
+    if level == "restricted":
+        found += _restricted(spec, where)
+    return [f"{_describe(obj)}: {line}" for line in found]
+
+
+def _containers(spec: Mapping[str, Any], where: str) -> list[tuple[str, Mapping[str, Any]]]:
+    return [(f"{where}.{group}[{i}]", container) for group in ("initContainers", "containers", "ephemeralContainers")
+            for i, container in enumerate(spec.get(group) or [])]
+
+
+def _baseline(spec: Mapping[str, Any], where: str) -> list[str]:
+    found = [f"{where}.{field}: must be unset or false (host namespaces)"
+             for field in ("hostNetwork", "hostPID", "hostIPC") if spec.get(field)]
+    pod_context = spec.get("securityContext") or {}
+    contexts = [(f"{where}.securityContext", pod_context)]
+    contexts += [(f"{path}.securityContext", c.get("securityContext") or {}) for path, c in _containers(spec, where)]
+    for path, context in contexts:
+        if (context.get("windowsOptions") or {}).get("hostProcess"):
+            found.append(f"{path}.windowsOptions.hostProcess: must be unset or false")
+        selinux = context.get("seLinuxOptions") or {}
+        if selinux.get("type", "") not in _SELINUX_TYPES or selinux.get("user") or selinux.get("role"):
+            found.append(f"{path}.seLinuxOptions: type must be one of the container_* types, user and role unset")
+        if (context.get("seccompProfile") or {}).get("type") == "Unconfined":
+            found.append(f"{path}.seccompProfile.type: must not be Unconfined")
+        if (context.get("appArmorProfile") or {}).get("type") not in (None, "RuntimeDefault", "Localhost"):
+            found.append(f"{path}.appArmorProfile.type: must be RuntimeDefault or Localhost")
+    for path, container in _containers(spec, where):
+        context = container.get("securityContext") or {}
+        if context.get("privileged"):
+            found.append(f"{path}.securityContext.privileged: must be unset or false")
+        added = set((context.get("capabilities") or {}).get("add") or []) - _BASELINE_CAPABILITIES
+        if added:
+            found.append(f"{path}.securityContext.capabilities.add: {', '.join(sorted(added))} not allowed "
+                         f"(baseline allows only {', '.join(sorted(_BASELINE_CAPABILITIES))})")
+        if context.get("procMount", "Default") != "Default":
+            found.append(f"{path}.securityContext.procMount: must be Default")
+        for j, port in enumerate(container.get("ports") or []):
+            if port.get("hostPort"):
+                found.append(f"{path}.ports[{j}].hostPort: must be unset or 0")
+    for i, volume in enumerate(spec.get("volumes") or []):
+        if "hostPath" in volume:
+            found.append(f"{where}.volumes[{i}].hostPath: host paths are not allowed")
+    for i, sysctl in enumerate(pod_context.get("sysctls") or []):
+        if sysctl.get("name") not in _SAFE_SYSCTLS:
+            found.append(f"{where}.securityContext.sysctls[{i}]: {sysctl.get('name')} is not a safe sysctl")
+    return found
+
+
+def _restricted(spec: Mapping[str, Any], where: str) -> list[str]:
+    found = []
+    for i, volume in enumerate(spec.get("volumes") or []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= _RESTRICTED_VOLUMES:
+            found.append(f"{where}.volumes[{i}]: {', '.join(sorted(kinds - _RESTRICTED_VOLUMES))} volumes are not "
+                         f"allowed (restricted allows {', '.join(sorted(_RESTRICTED_VOLUMES))})")
+    pod = spec.get("securityContext") or {}
+    if pod.get("runAsNonRoot") is False:
+        found.append(f"{where}.securityContext.runAsNonRoot: must not be false")
+    if pod.get("runAsUser") == 0:
+        found.append(f"{where}.securityContext.runAsUser: must not be 0")
+    pod_seccomp = (pod.get("seccompProfile") or {}).get("type")
+    for path, container in _containers(spec, where):
+        context = container.get("securityContext") or {}
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{path}.securityContext.allowPrivilegeEscalation: must be false")
+        non_root = context.get("runAsNonRoot", pod.get("runAsNonRoot"))
+        if non_root is not True:
+            found.append(f"{path}.securityContext.runAsNonRoot: must be true (here or in the pod's securityContext)")
+        if context.get("runAsUser") == 0:
+            found.append(f"{path}.securityContext.runAsUser: must not be 0")
+        seccomp = (context.get("seccompProfile") or {}).get("type", pod_seccomp)
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{path}.securityContext.seccompProfile.type: must be RuntimeDefault or Localhost (here or "
+                         "in the pod's securityContext)")
+        capabilities = context.get("capabilities") or {}
+        if "ALL" not in (capabilities.get("drop") or []):
+            found.append(f"{path}.securityContext.capabilities.drop: must include ALL")
+        added = set(capabilities.get("add") or []) - {"NET_BIND_SERVICE"}
+        if added:
+            found.append(f"{path}.securityContext.capabilities.add: {', '.join(sorted(added))} not allowed "
+                         "(restricted allows only NET_BIND_SERVICE)")
+    return found
 
 
 def _describe(obj: Mapping[str, Any]) -> str:

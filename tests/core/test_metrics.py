@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -11,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stead.core.config import Settings
+from stead.core.errors import ConfigError
 from stead.core.events import (
     CheckpointCommitted,
     JobSubmitted,
@@ -50,8 +53,9 @@ LOG = [
 ]
 
 
-def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-    with urllib.request.urlopen(url, timeout=10) as response:
+def scrape(url: str, token: str | None = None) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=10) as response:
         text = response.read().decode()
     return {f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples}
             for f in text_string_to_metric_families(text)}
@@ -124,3 +128,48 @@ async def test_metrics_are_off_unless_asked_for(tmp_path: Path) -> None:
                           plugins=[])
     async with Master(config) as master:
         assert master.metrics_url is None and master.metrics is None
+
+
+def _refused(url: str, headers: dict[str, str]) -> int:
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10)
+    return caught.value.code
+
+
+def test_a_scrape_without_the_token_is_refused_401_and_one_with_it_is_served() -> None:
+    server = MetricsServer(JobMetrics("m", JobState), host="127.0.0.1", port=0, token="s3cret")
+    try:
+        assert _refused(server.url, {}) == 401
+        assert _refused(server.url, {"Authorization": "Bearer wrong"}) == 401
+        assert _refused(server.url, {"Authorization": "Basic czNjcmV0"}) == 401
+        assert "stead_goodput_ratio" in scrape(server.url, token="s3cret")
+    finally:
+        server.close()
+
+
+async def test_a_master_serves_metrics_on_metrics_host_behind_the_token_of_metrics_token_file(tmp_path: Path) -> None:
+    (tmp_path / "metrics.token").write_text("tok-1\n")  # as a Secret's file may end: the newline is not the token
+    settings = dataclasses.replace(FAST, metrics_host="127.0.0.2", metrics_token_file=str(tmp_path / "metrics.token"))
+    config = MasterConfig(job="met", settings=settings, platform=RecordingPlatform(), node_spec=_spec,
+                          token_file=str(tmp_path / "met.token"), tcp_store=False, plugins=[], metrics_port=0)
+    async with Master(config) as master:
+        assert master.metrics_url is not None and master.metrics_url.startswith("http://127.0.0.2:")
+        assert _refused(master.metrics_url, {}) == 401
+        assert "stead_nodes" in scrape(master.metrics_url, token="tok-1")
+
+
+async def test_an_empty_metrics_token_file_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    (tmp_path / "empty").write_text("\n")
+    settings = dataclasses.replace(FAST, metrics_token_file=str(tmp_path / "empty"))
+    config = MasterConfig(job="met", settings=settings, token_file=str(tmp_path / "met.token"), tcp_store=False,
+                          plugins=[], metrics_port=0)
+    with pytest.raises(ConfigError, match=r"metrics_token_file .* is empty; write the token"):
+        async with Master(config):
+            pass
+
+
+def test_stead_master_serves_no_metrics_unless_asked() -> None:
+    from stead.cli import build_parser
+
+    args = build_parser().parse_args(["master", "--store", "memory://", "--job", "j"])
+    assert args.metrics_port == -1 and Settings().metrics_host == "127.0.0.1"

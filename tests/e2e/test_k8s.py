@@ -186,9 +186,13 @@ async def finish(running: Job) -> int:
 
 async def test_a_job_survives_a_deleted_pod_its_master_pod_deleted_and_an_oom_kill(tmp_path: Path,
                                                                                etcd_url: str) -> None:
-    async with cluster(tmp_path) as (api, kubelet), job(
+    # a relaunched node's new pod restores from the checkpoints its predecessor persisted: on a claim every pod
+    # mounts (a pod's own disk goes with it), which the job asks for and allows (an escalation is said twice)
+    async with cluster(tmp_path) as (api, kubelet), _claimed(api, "checkpoints"), job(
             tmp_path, api, etcd_url, "kube-a", ("--nnodes", "2", "--nproc-per-node", "1", "--set", "health_check=off",
                                                 "--set", "k8s.memory=6Gi", "--set", "scaler.oom_memory_budget=1",
+                                                "--set", "k8s.checkpoint_claim=checkpoints",
+                                                "--set", "k8s.allowed_claims=checkpoints",
                                                 "--max-node-relaunches", "3")) as running:
         await running.until("both node pods running", lambda: len(running.running()) == 2)
         await running.step_beyond(5)
@@ -231,6 +235,19 @@ async def test_a_job_survives_a_deleted_pod_its_master_pod_deleted_and_an_oom_ki
     assert len(resumed) >= 2 and all(step > 0 for _, step in resumed), resumed  # each recovery restored a step
     steps = [s for s, _, _ in running.steps()]
     assert steps == sorted(steps) or max(steps) > 20  # training went on across every fault
+
+
+@contextlib.asynccontextmanager
+async def _claimed(api: FakeKubeApi, claim: str) -> AsyncIterator[None]:
+    """A ReadWriteMany claim in the test cluster (the fake kubelet gives every node the same directory)."""
+    from stead.platforms.k8s._client import Kube, Resource
+    from stead.platforms.k8s.settings import K8sSettings
+
+    async with Kube(K8sSettings(api_url=api.url, namespace="default"), pool=1) as kube:
+        await kube.create(Resource("persistentvolumeclaims"), {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
+    yield
 
 
 async def _delete(api: FakeKubeApi, pod: str) -> None:

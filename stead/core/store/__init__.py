@@ -14,11 +14,11 @@ from typing import cast
 from stead.core.config import Settings
 from stead.core.entrypoints import installed, load_named
 from stead.core.errors import ConfigError
-from stead.core.store._common import public_store_url
+from stead.core.store._common import prefix_end, public_store_url
 from stead.core.store.base import KeyValue, Lease, StateStore, WatchEvent, WatchKind
 
 __all__ = ["KeyValue", "Lease", "StateStore", "StoreFactory", "WatchEvent", "WatchKind", "known_schemes",
-           "open_store", "public_store_url"]
+           "open_store", "prefix_end", "public_store_url"]
 
 StoreFactory = Callable[[str, Settings], Awaitable[StateStore]]
 

@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any, Self
 
 import aiohttp
+import structlog
 from kubernetes_asyncio import client as kclient
 from kubernetes_asyncio import config as kconfig
 from kubernetes_asyncio.config.config_exception import ConfigException
@@ -30,8 +31,10 @@ from kubernetes_asyncio.config.config_exception import ConfigException
 from stead.core.errors import ConfigError, PlatformError, PlatformRejected, PlatformUnavailable
 from stead.platforms.k8s.settings import K8sSettings
 
-__all__ = ["CONFIGMAPS", "EVENTS", "JOBS", "NETWORK_POLICIES", "NODES", "PODS", "SECRETS", "SERVICES", "Expired",
-           "Kube", "Resource", "current_namespace"]
+__all__ = ["CONFIGMAPS", "EVENTS", "JOBS", "NETWORK_POLICIES", "NODES", "PODS", "ROLES", "ROLE_BINDINGS", "SECRETS",
+           "SERVICES", "SERVICE_ACCOUNTS", "Expired", "Kube", "Resource", "current_namespace", "warn_insecure"]
+
+log = structlog.get_logger("stead.k8s")
 
 JsonObject = dict[str, Any]
 
@@ -71,7 +74,10 @@ SECRETS = Resource("secrets")
 CONFIGMAPS = Resource("configmaps")
 EVENTS = Resource("events")
 NODES = Resource("nodes", namespaced=False)
+SERVICE_ACCOUNTS = Resource("serviceaccounts")
 NETWORK_POLICIES = Resource("networkpolicies", group="networking.k8s.io")
+ROLES = Resource("roles", group="rbac.authorization.k8s.io")
+ROLE_BINDINGS = Resource("rolebindings", group="rbac.authorization.k8s.io")
 JOBS = Resource("steadjobs", group="stead.dev")
 
 
@@ -281,6 +287,13 @@ async def _lines(response: Any) -> AsyncIterator[str]:
             yield text
 
 
+def warn_insecure(settings: K8sSettings) -> None:
+    """Say in the log that the API server's certificate goes unchecked (k8s.insecure_skip_tls_verify)."""
+    log.warning("k8s_tls_verification_off", api_url=settings.api_url,
+                hint="k8s.insecure_skip_tls_verify=true: anyone on the path can act as the API server and read "
+                     "this service account's token; give k8s.api_ca_file instead")
+
+
 async def _configuration(settings: K8sSettings) -> Any:
     configuration = kclient.Configuration()
     if settings.api_url:
@@ -288,6 +301,11 @@ async def _configuration(settings: K8sSettings) -> Any:
             raise ConfigError(f"k8s.api_url {settings.api_url!r} is not an http(s) URL; give "
                               "https://host:port (or http:// for a test server)")
         configuration.host = settings.api_url.rstrip("/")
+        if settings.api_ca_file:
+            configuration.ssl_ca_cert = settings.api_ca_file
+        if settings.insecure_skip_tls_verify:
+            warn_insecure(settings)
+            configuration.verify_ssl = False
         return configuration
     if os.environ.get("KUBERNETES_SERVICE_HOST") and _SERVICE_ACCOUNT_TOKEN.exists():
         try:

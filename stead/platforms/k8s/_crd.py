@@ -17,7 +17,8 @@ from stead.platforms.k8s.names import API_GROUP, API_VERSION, JOB_KIND, JOB_PLUR
 
 __all__ = ["JOB_NAME_MAX", "JOB_NAME_PATTERN", "MASTER_ACCOUNT", "PHASES", "custom_resource_definition"]
 
-#: the ServiceAccount (and Role, RoleBinding) job masters run as: spec.serviceAccountName's default
+#: the shared ServiceAccount of masters that cordon hosts (manifests.node_cordon_rbac); a job names it in
+#: spec.serviceAccountName, which the operator must allow
 MASTER_ACCOUNT = "stead-master"
 
 #: a job's name: its master's Service is ``<job>-master`` (names.master_name), and a Service name is a DNS-1035
@@ -74,6 +75,13 @@ def _free_object(description: str) -> Schema:
     return {"description": description, "type": "object", "x-kubernetes-preserve-unknown-fields": True}
 
 
+def _no_k8s_settings(rule: str) -> Schema:
+    """A CEL rule the API server checks (the operator checks the same: :mod:`.policy`)."""
+    return {"x-kubernetes-validations": [{
+        "rule": rule, "message": "a SteadJob's pods are set by its own fields, which the operator checks against "
+                                 "what it allows, never by k8s.* settings"}]}
+
+
 def _object(description: str, properties: dict[str, Schema], *, required: tuple[str, ...] = ()) -> Schema:
     node: Schema = {"description": description, "type": "object"}
     if required:
@@ -113,16 +121,20 @@ def _spec() -> Schema:
         "command": _string_list("The training script and its arguments, as `stead run` takes them after its flags, "
                                 "e.g. [train.py, --epochs, '3']; a module name with module: true.", minItems=1),
         "module": _boolean("Run the script as a module, like python -m (stead run --module).", default=False),
-        "runArgs": _string_list("Further `stead run` flags, placed before the script, "
-                                "e.g. [--set, ckpt.keep_last=3]."),
-        "settings": _string_map("stead settings by name, each passed as --set NAME=VALUE "
-                                "(e.g. heartbeat_timeout_s: '10', ckpt.keep_last: '3')."),
+        "runArgs": {**_string_list("Further `stead run` flags, placed before the script, "
+                                   "e.g. [--set, ckpt.keep_last=3]; no k8s.* setting (the pods are this resource's "
+                                   "fields)."), **_no_k8s_settings("self.all(a, !a.startsWith('k8s.') && "
+                                                                   "!a.startsWith('--set=k8s.'))")},
+        "settings": {**_string_map("stead settings by name, each passed as --set NAME=VALUE "
+                                   "(e.g. heartbeat_timeout_s: '10', ckpt.keep_last: '3'); no k8s.* setting (the "
+                                   "pods are this resource's fields)."),
+                     **_no_k8s_settings("self.all(k, !k.startsWith('k8s.'))")},
         "resources": _resource_requirements("Compute resources of each node's pod (the node container)."),
         "shmSize": _quantity("Size of the memory-backed /dev/shm of each node's pod, which holds the flash "
                              "checkpoints (two copies of each local rank's state) and torch's shared tensors.",
                              default="1Gi"),
         "checkpointVolume": _object("Where persisted checkpoints go: a PersistentVolumeClaim every node mounts, so "
-                                    "it must be ReadWriteMany.", {
+                                    "it must be ReadWriteMany, and one the operator allows (k8s.allowed_claims).", {
                                         "claimName": _string("Name of the PersistentVolumeClaim (ReadWriteMany) in "
                                                              "the job's namespace.", minLength=1),
                                         "mountPath": _string("Where the nodes mount it; the ckpt.dir setting points "
@@ -137,16 +149,25 @@ def _spec() -> Schema:
                 "items": _object("One environment variable.", {
                     "name": _string("The variable's name.", minLength=1),
                     "value": _string("Its value."),
-                    "valueFrom": _free_object("Where its value comes from (a Kubernetes EnvVarSource: "
-                                              "secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef)."),
+                    "valueFrom": {**_object("Where its value comes from (a Kubernetes EnvVarSource, one of its "
+                                            "fields); a Secret or ConfigMap must be one the operator allows "
+                                            "(k8s.allowed_env_secrets, k8s.allowed_env_config_maps).", {
+                                                "secretKeyRef": _free_object("A key of a Secret: name, key."),
+                                                "configMapKeyRef": _free_object("A key of a ConfigMap: name, key."),
+                                                "fieldRef": _free_object("A field of the pod: fieldPath."),
+                                                "resourceFieldRef": _free_object("A resource of the container: "
+                                                                                 "resource."),
+                                            }), "minProperties": 1, "maxProperties": 1},
                 }, required=("name",))},
-        "serviceAccountName": _string("ServiceAccount the job's master pod runs as (k8s.service_account); its Role "
-                                      "must allow what stead-master's does. Node pods never call the API: they get "
-                                      "no token.", minLength=1, default=MASTER_ACCOUNT),
+        "serviceAccountName": _string("ServiceAccount the job's master pod runs as instead of its own "
+                                      "(<job>-master, whose Role reads only this job's Secret); the operator refuses "
+                                      "one not in its k8s.allowed_service_accounts. Node pods never call the API: "
+                                      "they get no token.", minLength=1),
         "terminationGracePeriodSeconds": _integer("Time a node pod gets between SIGTERM and SIGKILL: the agent "
                                                   "writes the newest checkpoint to disk in it (k8s.grace_period_s).",
                                                   minimum=1, default=60),
-        "ptrace": _boolean("Give the node containers CAP_SYS_PTRACE, so that stacks of hung workers can be dumped.",
+        "ptrace": _boolean("Give the node containers CAP_SYS_PTRACE (for py-spy by hand; the pods then pass only "
+                           "the 'privileged' Pod Security level): refused unless the operator's k8s.allow_ptrace.",
                            default=False),
         "nodeSelector": _string_map("Labels a Kubernetes node must have to run this job's pods."),
         "tolerations": {"description": "Taints this job's pods tolerate (Kubernetes Toleration objects).",

@@ -1,8 +1,10 @@
 """A job's objects on the cluster and its master pod: made once, kept running until the job ends.
 
 Shared by ``stead run --platform k8s`` (run from a laptop, no CRD needed) and by
-the operator (a ``SteadJob`` resource): both make the job's token Secret, the
-master's Service, the job's NetworkPolicy and the master pod, and both start a
+the operator (a ``SteadJob`` resource): both make the job's token Secret, its
+master's ServiceAccount, Role and RoleBinding (:mod:`.isolation`: per job, so that
+a master reads only its own job's Secret), the master's Service, the job's
+NetworkPolicies and the master pod, and both start a
 new master pod when the one running is deleted before the job ended (the new
 master replays the job's log and adopts the node pods that still run).
 
@@ -21,8 +23,18 @@ import structlog
 from stead.core.errors import ConfigError, PlatformError
 from stead.core.rpc import new_token
 from stead.platforms.k8s import names
-from stead.platforms.k8s._client import NETWORK_POLICIES, PODS, SECRETS, SERVICES, Kube, Resource
-from stead.platforms.k8s.manifests import network_policy
+from stead.platforms.k8s._client import (
+    NETWORK_POLICIES,
+    PODS,
+    ROLE_BINDINGS,
+    ROLES,
+    SECRETS,
+    SERVICE_ACCOUNTS,
+    SERVICES,
+    Kube,
+    Resource,
+)
+from stead.platforms.k8s.isolation import job_rbac, network_policies
 from stead.platforms.k8s.pods import JobObjects, Owner, master_pod, master_service, token_secret
 from stead.platforms.k8s.settings import K8sSettings
 from stead.platforms.k8s.status import parse_time
@@ -33,8 +45,11 @@ log = structlog.get_logger("stead.k8s")
 
 JsonObject = dict[str, Any]
 
+#: where each kind of a job's objects is created
+_RESOURCES = {"ServiceAccount": SERVICE_ACCOUNTS, "Role": ROLES, "RoleBinding": ROLE_BINDINGS, "Service": SERVICES,
+              "NetworkPolicy": NETWORK_POLICIES}
 #: the k8s settings that only mean something where the command runs (a laptop's kubeconfig), not in the master pod
-_LOCAL_ONLY = frozenset({"api_url", "kubeconfig", "context", "pod_api_url", "namespace"})
+_LOCAL_ONLY = frozenset({"api_url", "api_ca_file", "kubeconfig", "context", "pod_api_url", "namespace"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +106,8 @@ async def master_pods(kube: Kube, job: str) -> MasterPods:
 
 
 async def create_job_objects(kube: Kube, spec: MasterSpec, *, owner: Owner | None = None) -> JobObjects:
-    """The job's token Secret (kept when it exists: a job run again keeps its token), Service and NetworkPolicy.
+    """The job's token Secret (kept when it exists: a job run again keeps its token), its master's RBAC, Service
+    and NetworkPolicies.
 
     ``owner``: the SteadJob that owns them; without one the Secret is the job's anchor and owns the rest.
     """
@@ -107,12 +123,15 @@ async def create_job_objects(kube: Kube, spec: MasterSpec, *, owner: Owner | Non
         objects = JobObjects(job=spec.job, namespace=namespace, owner=anchor,
                              master_address=f"{names.master_name(spec.job)}.{namespace}.svc:"
                                             f"{spec.settings.master_port}")
-        if await kube.create(SERVICES, master_service(objects, spec.settings), exist_ok=True) is not None:
-            made.append((SERVICES, names.master_name(spec.job)))
-        policy = network_policy(spec.job, namespace)
-        policy["metadata"]["ownerReferences"] = [anchor.reference()]
-        if await kube.create(NETWORK_POLICIES, policy, exist_ok=True) is not None:
-            made.append((NETWORK_POLICIES, str(policy["metadata"]["name"])))
+        owned = [*job_rbac(spec.job, namespace, spec.settings.service_account), master_service(objects, spec.settings),
+                 *network_policies(spec.job, namespace, store_url=spec.store_url,
+                                   metrics_port=spec.settings.metrics_port,
+                                   egress_cidrs=spec.settings.node_egress_cidrs)]
+        for body in owned:
+            body["metadata"]["ownerReferences"] = [anchor.reference()]
+            resource = _RESOURCES[body["kind"]]
+            if await kube.create(resource, body, exist_ok=True) is not None:
+                made.append((resource, str(body["metadata"]["name"])))
     except BaseException:
         await _undo(kube, made)
         raise

@@ -31,6 +31,7 @@ from stead.platforms.k8s._client import JOBS, PODS, SECRETS, Kube
 from stead.platforms.k8s.jobs import MasterSpec, check_store, create_job_objects, master_pods, start_master
 from stead.platforms.k8s.manifests import check_job_name
 from stead.platforms.k8s.pods import JobObjects, master_pod, node_pod, passed_env
+from stead.platforms.k8s.policy import check_allowed
 from stead.platforms.k8s.settings import K8sSettings
 from stead.platforms.k8s.status import cannot_start, parse_time
 
@@ -68,7 +69,7 @@ def run_arguments(argv: Sequence[str]) -> tuple[str, ...]:
 
 def _local_setting(item: str) -> bool:
     name = item.split("=", 1)[0].strip()
-    return name in {f"k8s.{n}" for n in ("api_url", "kubeconfig", "context", "pod_api_url", "namespace")}
+    return name in {f"k8s.{n}" for n in ("api_url", "api_ca_file", "kubeconfig", "context", "pod_api_url", "namespace")}
 
 
 async def launch_job(config: RunConfig, argv: Sequence[str]) -> int:
@@ -167,7 +168,9 @@ async def _follow(kube: Kube, spec: MasterSpec, objects: JobObjects, current: st
 
 def _check_pods(job: str, k8s: K8sSettings) -> None:
     """The pods the job will ask for, built once here: a setting Kubernetes would refuse (a quantity, a node
-    selector, the JSON of env or tolerations) is said now, before anything is made on the cluster."""
+    selector, the JSON of env or tolerations), or one that escalates without its ``allowed_*`` beside it
+    (:mod:`.policy`), is said now, before anything is made on the cluster."""
+    check_allowed(k8s, k8s, who="this command", job=job)
     objects = JobObjects(job=job, namespace=k8s.namespace or "default", master_address="check:1")
     node_pod(NodeSpec(job=job, node_id="node-0", incarnation=1, command=("python", "-m", "stead", "agent")), objects,
              k8s)

@@ -1,16 +1,19 @@
 """What a cluster needs to run stead jobs, as Kubernetes objects: ``stead k8s manifests``.
 
-The CRD, the RBAC of the job masters and of the operator, the operator's
-Deployment, the per-job NetworkPolicy, an optional single-member etcd and an
-example job are built here as plain dicts, in the order they must be applied,
+The CRD, the operator's RBAC and Deployment, an optional single-member etcd
+(served with client TLS and authentication, see :mod:`.etcd`), an example job
+and a Prometheus scrape configuration are built here as plain dicts, in the order they must be applied,
 and rendered as one multi-document YAML. ``deploy/`` in the repository is this
 module's output (``python -m stead.platforms.k8s.manifests --write deploy``); a
 test fails when the two differ, so the files people ``kubectl apply`` are always
 the ones the code describes.
 
-Every RBAC rule names its verbs: the masters get exactly what a job master does
-(its pods, its Service and NetworkPolicy, events, its job), the operator what it
-does plus what kopf needs in standalone mode (no peering resources).
+Every RBAC rule names its verbs. The operator gets what it does, in the namespace
+it serves (a Role) or, serving every namespace, cluster-wide (a ClusterRole);
+kopf runs standalone (no peering) and without watching CRDs or namespaces, so
+nothing cluster-wide is needed for one namespace. Each job master gets a Role of
+its own, made with the job (:mod:`.isolation`). Every pod passes the "restricted"
+Pod Security Standard.
 """
 
 from __future__ import annotations
@@ -26,8 +29,13 @@ from typing import Any
 import yaml
 
 from stead.core.errors import ConfigError
+from stead.platforms.k8s import etcd as store
 from stead.platforms.k8s._crd import JOB_NAME_MAX, JOB_NAME_PATTERN, MASTER_ACCOUNT, custom_resource_definition
-from stead.platforms.k8s.names import API_GROUP, API_VERSION, JOB_KIND, JOB_PLURAL, LABEL_JOB, MANAGED_BY
+from stead.platforms.k8s.etcd import ETCD_IMAGE, ETCD_PORT, ETCD_SERVICE
+from stead.platforms.k8s.isolation import job_rbac, master_rules, network_policies, network_policy_name, rule
+from stead.platforms.k8s.names import API_GROUP, API_VERSION, JOB_KIND, JOB_PLURAL
+from stead.platforms.k8s.pods import METRICS_PORT_NAME, container_security, etcd_client, pod_security
+from stead.platforms.k8s.settings import K8sSettings
 
 __all__ = [
     "ETCD_IMAGE",
@@ -46,12 +54,12 @@ __all__ = [
     "custom_resource_definition",
     "default_image",
     "deploy_files",
-    "etcd",
     "example_job",
+    "job_rbac",
     "main",
-    "master_rbac",
+    "prometheus_scrape_config",
     "master_rules",
-    "network_policy",
+    "network_policies",
     "network_policy_name",
     "node_cordon_rbac",
     "operator_deployment",
@@ -71,12 +79,10 @@ OPERATOR_ACCOUNT = "stead-operator"
 #: URL names no host, which the kubelet's probe cannot reach
 OPERATOR_HEALTH_PATH = "/healthz"
 OPERATOR_HEALTH_PORT = 8080
-#: the optional etcd's Service: jobs use ``etcd://stead-etcd:2379``
-ETCD_SERVICE = "stead-etcd"
-ETCD_PORT = 2379
-ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.21"
 EXAMPLE_JOB = "example"
 EXAMPLE_CHECKPOINT_CLAIM = "stead-checkpoints"
+#: where the Prometheus of prometheus_scrape_config reads the masters' metrics token (a Secret mounted there)
+PROMETHEUS_TOKEN_FILE = "/etc/prometheus/secrets/stead-metrics/token"
 #: where stead's images are published: the operator's default image is ``<repository>:<stead version>``
 IMAGE_REPOSITORY = "ghcr.io/stead-dev/stead"
 
@@ -91,41 +97,25 @@ _THIS_COMMAND = "python -m stead.platforms.k8s.manifests"
 # -- RBAC ----------------------------------------------------------------------------------------------------------
 
 
-def _rule(group: str, resources: Sequence[str], verbs: Sequence[str]) -> Manifest:
-    return {"apiGroups": [group], "resources": list(resources), "verbs": list(verbs)}
-
-
-def master_rules() -> list[Manifest]:
-    """What a job master does with the API: exactly these verbs, in its own namespace."""
-    return [
-        # its nodes: launched, watched (exits, evictions, pending), relaunched, deleted
-        _rule("", ["pods"], ["list", "watch", "create", "delete"]),
-        # its job's owner, which its pods name: the SteadJob, or the token Secret of a job run without the CRD
-        _rule(API_GROUP, [JOB_PLURAL], ["get"]),
-        _rule("", ["secrets"], ["get"]),
-    ]
-
-
 def operator_rules() -> list[Manifest]:
-    """What the operator (kopf, ``--standalone``: no peering) does with the API, cluster-wide."""
+    """What the operator (kopf: standalone, no peering; no CRD or namespace watch) does with the API."""
     return [
         # kopf lists and watches the jobs and patches them (its progress annotations) and their status subresource;
         # the operator reads one job when its master pod changes
-        _rule(API_GROUP, [JOB_PLURAL], ["get", "list", "watch", "patch"]),
-        _rule(API_GROUP, [f"{JOB_PLURAL}/status"], ["get", "patch"]),
-        # a job's master pod (watched: a deleted one is replaced), its Service, NetworkPolicy and token Secret;
+        rule(API_GROUP, [JOB_PLURAL], ["get", "list", "watch", "patch"]),
+        rule(API_GROUP, [f"{JOB_PLURAL}/status"], ["get", "patch"]),
+        # a job's master pod (watched: a deleted one is replaced), its Service, NetworkPolicies and token Secret;
         # a suspended job's pods are deleted; what a failed creation made is deleted again
-        _rule("", ["pods"], ["list", "watch", "create", "delete"]),
-        _rule("", ["services"], ["create", "delete"]),
-        _rule("networking.k8s.io", ["networkpolicies"], ["create", "delete"]),
-        _rule("", ["secrets"], ["get", "create", "delete"]),
-        # kopf posts its handlers' outcomes as core/v1 events
-        _rule("", ["events"], ["create"]),
-        # kopf watches the CRDs to notice when its resource appears or goes (kopf's resource observer), and,
-        # when serving named namespaces, lists and watches namespaces (kopf's namespace observer); both are
-        # list + watch only, and the discovery URLs (/api, /apis) every authenticated account may read
-        _rule("apiextensions.k8s.io", ["customresourcedefinitions"], ["list", "watch"]),
-        _rule("", ["namespaces"], ["list", "watch"]),
+        rule("", ["pods"], ["list", "watch", "create", "delete"]),
+        rule("", ["services"], ["create", "delete"]),
+        rule("networking.k8s.io", ["networkpolicies"], ["create", "delete"]),
+        rule("", ["secrets"], ["get", "create", "delete"]),
+        # each job's master gets a ServiceAccount and a Role of its own (isolation.job_rbac); Kubernetes lets the
+        # operator create that Role and bind it only because it holds every permission the Role grants
+        rule("", ["serviceaccounts"], ["create", "delete"]),
+        rule("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["create", "delete"]),
+        # kopf posts its handlers' outcomes (a refused job's reason) as core/v1 events
+        rule("", ["events"], ["create"]),
     ]
 
 
@@ -155,18 +145,16 @@ def _binding(kind: str, name: str, namespace: str | None, role_kind: str, role: 
     }
 
 
-def master_rbac(namespace: str) -> list[Manifest]:
-    """The job masters' ServiceAccount, Role and RoleBinding in ``namespace`` (the operator creates the same)."""
+def operator_rbac(namespace: str, *, all_namespaces: bool = False) -> list[Manifest]:
+    """The operator's ServiceAccount (in ``namespace``) and its rights: a Role and RoleBinding in ``namespace``
+    when it serves that namespace only, a ClusterRole and ClusterRoleBinding when it serves every namespace."""
     _check_namespace(namespace)
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": _meta(MASTER_ACCOUNT, namespace), "rules": master_rules()}
-    return [_account(MASTER_ACCOUNT, namespace), role,
-            _binding("RoleBinding", MASTER_ACCOUNT, namespace, "Role", MASTER_ACCOUNT, MASTER_ACCOUNT, namespace)]
-
-
-def operator_rbac(namespace: str) -> list[Manifest]:
-    """The operator's ServiceAccount (in ``namespace``), its ClusterRole and their ClusterRoleBinding."""
-    _check_namespace(namespace)
+    if not all_namespaces:
+        role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                "metadata": _meta(OPERATOR_ACCOUNT, namespace), "rules": operator_rules()}
+        binding = _binding("RoleBinding", OPERATOR_ACCOUNT, namespace, "Role", OPERATOR_ACCOUNT, OPERATOR_ACCOUNT,
+                           namespace)
+        return [_account(OPERATOR_ACCOUNT, namespace), role, binding]
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
             "metadata": _meta(OPERATOR_ACCOUNT), "rules": operator_rules()}
     # the binding names the namespace: operators installed in two namespaces must not overwrite each other's
@@ -176,19 +164,25 @@ def operator_rbac(namespace: str) -> list[Manifest]:
 
 
 def node_cordon_rbac(namespace: str) -> list[Manifest]:
-    """Optional: lets the masters in ``namespace`` cordon a Kubernetes node whose host failed its health check.
+    """Optional: a ServiceAccount ``stead-master`` in ``namespace`` that may cordon a Kubernetes node whose host
+    failed its health check.
 
-    Only needed for ``--set k8s.cordon_bad_hosts=true``; without it a bad host is only avoided by this job.
+    Only needed for ``--set k8s.cordon_bad_hosts=true``; without it a bad host is only avoided by this job. Nodes are
+    cluster-wide, so this takes a ClusterRoleBinding, which a job's own ServiceAccount cannot get from a namespaced
+    operator: a job that cordons runs its master as this shared account (``serviceAccountName: stead-master``, in
+    the operator's ``k8s.allowed_service_accounts``), which then holds the Role of every job that does.
     """
     _check_namespace(namespace)
     note = {"stead.dev/note": "only needed for --set k8s.cordon_bad_hosts=true"}
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
             "metadata": _meta("stead-node-cordon", annotations=note),
-            "rules": [_rule("", ["nodes"], ["get", "patch"])]}
+            "rules": [rule("", ["nodes"], ["get", "patch"])]}
     binding = _binding("ClusterRoleBinding", f"stead-node-cordon-{namespace}", None, "ClusterRole",
                        "stead-node-cordon", MASTER_ACCOUNT, namespace)
     binding["metadata"]["annotations"] = dict(note)
-    return [role, binding]
+    account = _account(MASTER_ACCOUNT, namespace)
+    account["metadata"]["annotations"] = dict(note)
+    return [account, role, binding]
 
 
 # -- the operator ---------------------------------------------------------------------------------------------------
@@ -204,25 +198,19 @@ def default_image() -> str:
     return f"{IMAGE_REPOSITORY}:{version}"
 
 
-def _restricted_container() -> Manifest:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+def operator_deployment(namespace: str, image: str | None = None, *, all_namespaces: bool = False,
+                        with_etcd: bool = False) -> Manifest:
+    """The operator: one replica (two kopf operators on the same jobs would collide), replaced, never rolled.
 
-
-def _restricted_pod(*, fs_group: bool = False) -> Manifest:
-    context: Manifest = {"runAsNonRoot": True, "runAsUser": _NON_ROOT_ID, "runAsGroup": _NON_ROOT_ID}
-    if fs_group:
-        context["fsGroup"] = _NON_ROOT_ID
-    context["seccompProfile"] = {"type": "RuntimeDefault"}
-    return context
-
-
-def operator_deployment(namespace: str, image: str | None = None, *, all_namespaces: bool = False) -> Manifest:
-    """The operator: one replica (two kopf operators on the same jobs would collide), replaced, never rolled."""
+    It lets jobs mount the example's checkpoint claim (``k8s.allowed_claims``; nothing else escalating: see
+    :mod:`.policy`). ``with_etcd``: it and the masters it starts talk to the optional etcd with its client
+    certificate and the password of its user ``stead``.
+    """
     _check_namespace(namespace)
     image = _check_image(image) if image is not None else default_image()
     scope = ["--all-namespaces"] if all_namespaces else ["--namespace", namespace]
     labels = {"app.kubernetes.io/name": OPERATOR_ACCOUNT, "app.kubernetes.io/component": "operator"}
-    container = {
+    container: Manifest = {
         "name": "operator",
         "image": image,
         "command": ["stead", "k8s", "operator", *scope],
@@ -231,14 +219,24 @@ def operator_deployment(namespace: str, image: str | None = None, *, all_namespa
             {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
             {"name": "HOME", "value": "/tmp"},
+            {"name": "STEAD_K8S_ALLOWED_CLAIMS", "value": EXAMPLE_CHECKPOINT_CLAIM},
         ],
         "ports": [{"name": "health", "containerPort": OPERATOR_HEALTH_PORT, "protocol": "TCP"}],
         "livenessProbe": {"httpGet": {"path": OPERATOR_HEALTH_PATH, "port": "health"},
                           "initialDelaySeconds": 30, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
-        "securityContext": _restricted_container(),
+        "securityContext": container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
+    volumes: list[Manifest] = [{"name": "tmp", "emptyDir": {}}]
+    if with_etcd:
+        client = K8sSettings(etcd_client_secret=store.CLIENT_SECRET, etcd_user=store.ETCD_USER,
+                             etcd_auth_secret=store.AUTH_SECRET)
+        env, mounts, secrets = etcd_client(client)  # its own (it reads each job's status from the store) ...
+        container["env"] += [*env, *({"name": f"STEAD_K8S_{name.upper()}", "value": getattr(client, name)}
+                                     for name in ("etcd_client_secret", "etcd_user", "etcd_auth_secret"))]
+        container["volumeMounts"] += mounts  # ... and what it gives the masters
+        volumes += secrets
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -251,9 +249,9 @@ def operator_deployment(namespace: str, image: str | None = None, *, all_namespa
                 "metadata": {"labels": {**labels, **_PART_OF}},
                 "spec": {
                     "serviceAccountName": OPERATOR_ACCOUNT,
-                    "securityContext": _restricted_pod(),
+                    "securityContext": pod_security(_NON_ROOT_ID),
                     "containers": [container],
-                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                    "volumes": volumes,
                 },
             },
         },
@@ -263,87 +261,7 @@ def operator_deployment(namespace: str, image: str | None = None, *, all_namespa
 # -- per job --------------------------------------------------------------------------------------------------------
 
 
-def network_policy_name(job: str) -> str:
-    """The NetworkPolicy that isolates a job's pods."""
-    return f"{job}-isolation"
-
-
-def network_policy(job: str, namespace: str) -> Manifest:
-    """Only the job's own pods (master and nodes, label ``stead.dev/job``) may reach its pods, on any port.
-
-    Ingress only: egress stays open for the store, the image registry and checkpoint storage.
-    """
-    check_job_name(job)
-    _check_namespace(namespace)
-    own_pods = {"matchLabels": {LABEL_JOB: job}}
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(network_policy_name(job), namespace,
-                          {"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_JOB: job}),
-        "spec": {
-            "podSelector": own_pods,
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": own_pods}]}],
-        },
-    }
-
-
 # -- trying it out: etcd and an example job -------------------------------------------------------------------------
-
-
-def etcd(namespace: str) -> list[Manifest]:
-    """A single-member etcd and its Service ``stead-etcd``: for trying stead out, not for production.
-
-    One member (no quorum to lose a node to), no TLS, no authentication, no backups; its data survives a pod
-    restart on a 1Gi volume from the cluster's default StorageClass.
-    """
-    _check_namespace(namespace)
-    labels = {"app.kubernetes.io/name": ETCD_SERVICE, "app.kubernetes.io/component": "store"}
-    note = {"stead.dev/note": "for trying stead out, not for production: one member, no TLS, no auth, no backups"}
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(ETCD_SERVICE, namespace, labels, note),
-        "spec": {"selector": {"app.kubernetes.io/name": ETCD_SERVICE},
-                 "ports": [{"name": "client", "port": ETCD_PORT, "targetPort": "client", "protocol": "TCP"}]},
-    }
-    container = {
-        "name": "etcd",
-        "image": ETCD_IMAGE,
-        "command": ["/usr/local/bin/etcd"],
-        "args": [
-            "--data-dir=/var/lib/etcd/data",
-            f"--listen-client-urls=http://0.0.0.0:{ETCD_PORT}",
-            f"--advertise-client-urls=http://{ETCD_SERVICE}.{namespace}.svc:{ETCD_PORT}",
-        ],
-        "ports": [{"name": "client", "containerPort": ETCD_PORT, "protocol": "TCP"}],
-        # /health fails while the member has no leader or raised an alarm: not ready, but not restarted for it
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "client"}, "periodSeconds": 5},
-        "livenessProbe": {"tcpSocket": {"port": "client"}, "initialDelaySeconds": 10, "periodSeconds": 10},
-        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "securityContext": _restricted_container(),
-        "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
-    }
-    stateful_set = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": _meta(ETCD_SERVICE, namespace, labels, note),
-        "spec": {
-            "serviceName": ETCD_SERVICE,
-            "replicas": 1,
-            "selector": {"matchLabels": {"app.kubernetes.io/name": ETCD_SERVICE}},
-            "template": {
-                "metadata": {"labels": {**labels, **_PART_OF}},
-                "spec": {"securityContext": _restricted_pod(fs_group=True), "containers": [container]},
-            },
-            "volumeClaimTemplates": [{
-                "metadata": {"name": "data"},
-                "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
-            }],
-        },
-    }
-    return [service, stateful_set]
 
 
 def example_job(namespace: str, image: str | None = None) -> list[Manifest]:
@@ -378,15 +296,40 @@ def example_job(namespace: str, image: str | None = None) -> list[Manifest]:
 # -- all of it ------------------------------------------------------------------------------------------------------
 
 
-def _groups(namespace: str, image: str | None, *, all_namespaces: bool) -> dict[str, list[Manifest]]:
-    """Every object by the deploy/ file it goes to, in apply order (optional parts included)."""
+def prometheus_scrape_config(namespace: str, *, all_namespaces: bool = False) -> dict[str, Any]:
+    """A Prometheus scrape job for the masters that serve metrics (``k8s.metrics_port`` with
+    ``k8s.metrics_token_secret``): pods labelled ``stead.dev/role=master``, their port named ``metrics``, the
+    bearer token read from the file Prometheus has the Secret's ``token`` key mounted at."""
+    discovery: dict[str, Any] = {"role": "pod"}
+    if not all_namespaces:
+        discovery["namespaces"] = {"names": [namespace]}
+    return {"scrape_configs": [{
+        "job_name": "stead-masters",
+        "kubernetes_sd_configs": [discovery],
+        "authorization": {"type": "Bearer", "credentials_file": PROMETHEUS_TOKEN_FILE},
+        "relabel_configs": [
+            {"source_labels": ["__meta_kubernetes_pod_label_stead_dev_role"], "regex": "master", "action": "keep"},
+            {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": METRICS_PORT_NAME,
+             "action": "keep"},
+            {"source_labels": ["__meta_kubernetes_pod_label_stead_dev_job"], "target_label": "stead_job"},
+        ],
+    }]}
+
+
+def _groups(namespace: str, image: str | None, *, all_namespaces: bool, with_etcd: bool = False,
+            generate_certs: bool = False) -> dict[str, list[Manifest]]:
+    """Every object by the deploy/ file it goes to, in apply order (optional parts included). ``with_etcd``: the
+    operator is configured for the optional etcd (whose file holds it so configured too)."""
     _check_namespace(namespace)
     image = _check_image(image) if image is not None else default_image()
+    generated = store.generate_secrets(namespace) if generate_certs else []
     return {
         "crd.yaml": [custom_resource_definition()],
-        "rbac.yaml": [*master_rbac(namespace), *operator_rbac(namespace)],
-        "operator.yaml": [operator_deployment(namespace, image, all_namespaces=all_namespaces)],
-        "etcd.yaml": etcd(namespace),
+        "rbac.yaml": operator_rbac(namespace, all_namespaces=all_namespaces),
+        "operator.yaml": [operator_deployment(namespace, image, all_namespaces=all_namespaces, with_etcd=with_etcd)],
+        "etcd.yaml": [*generated, *store.etcd(namespace, image, all_namespaces=all_namespaces),
+                      *([] if with_etcd else [operator_deployment(namespace, image, all_namespaces=all_namespaces,
+                                                                  with_etcd=True)])],
         "example-job.yaml": example_job(namespace, image),
         "node-cordon.yaml": node_cordon_rbac(namespace),
     }
@@ -394,14 +337,19 @@ def _groups(namespace: str, image: str | None, *, all_namespaces: bool) -> dict[
 
 def render(namespace: str = "default", image: str | None = None, with_etcd: bool = False,
            with_example: bool = False, all_namespaces: bool = False, *, with_node_cordon: bool = False,
-           ) -> list[Manifest]:
+           generate_certs: bool = False) -> list[Manifest]:
     """Every object to apply, in apply order: CRD, RBAC, operator, [etcd], [example claim and job], [node cordon].
 
-    ``image`` is the operator's and the example job's image (default :func:`default_image`); with
-    ``all_namespaces`` the operator serves jobs in every namespace, else only in ``namespace``.
+    ``image`` is the operator's, the etcd bootstrap Job's and the example job's image (default
+    :func:`default_image`); with ``all_namespaces`` the operator serves jobs in every namespace, else only in
+    ``namespace``. ``with_etcd`` adds the etcd (TLS and auth) and configures the operator for it; with
+    ``generate_certs`` its Secrets too, made anew (private keys: see :func:`.etcd.generate_secrets`).
     Raises ConfigError for a namespace that is not a DNS label or an image that is not an image reference.
     """
-    groups = _groups(namespace, image, all_namespaces=all_namespaces)
+    if generate_certs and not with_etcd:
+        raise ConfigError("--etcd-generate-certs makes the Secrets of the optional etcd: add --with-etcd")
+    groups = _groups(namespace, image, all_namespaces=all_namespaces, with_etcd=with_etcd,
+                     generate_certs=generate_certs)
     optional = {"etcd.yaml": with_etcd, "example-job.yaml": with_example, "node-cordon.yaml": with_node_cordon}
     return [obj for name, objects in groups.items() if optional.get(name, True) for obj in objects]
 
@@ -416,11 +364,15 @@ def to_yaml(objects: Iterable[Mapping[str, Any]]) -> str:
 #: deploy/ file -> what it holds (its header line, and its line in deploy/README.md)
 _FILES = {
     "crd.yaml": "the SteadJob custom resource definition (steadjobs.stead.dev, short name sj)",
-    "rbac.yaml": "the job masters' ServiceAccount, Role and RoleBinding, and the operator's ServiceAccount, "
-                 "ClusterRole and ClusterRoleBinding",
+    "rbac.yaml": "the operator's ServiceAccount, Role and RoleBinding (each job's master gets a ServiceAccount and "
+                 "a Role of its own, made with the job)",
     "operator.yaml": "the operator's Deployment (one replica, kopf, liveness on :8080/healthz)",
-    "etcd.yaml": "optional: a single-member etcd and its Service stead-etcd, for trying stead out, "
-                 "not for production",
+    "etcd.yaml": "optional: a single-member etcd (Service stead-etcd) serving client TLS and authentication, its "
+                 "NetworkPolicy, the Job that turns its authentication on, and the operator configured for it; "
+                 "needs the Secrets stead-etcd-server, stead-etcd-client and stead-etcd-auth (README: Running on "
+                 "Kubernetes)",
+    "prometheus-scrape.yaml": "optional: a Prometheus scrape job for masters that serve metrics "
+                              "(k8s.metrics_port, k8s.metrics_token_secret), with the bearer token from a file",
     "example-job.yaml": "optional: a SteadJob `example` (2 to 4 nodes, 2 workers each, examples/train.py) and the "
                         "ReadWriteMany claim its checkpoints persist to",
     "node-cordon.yaml": "optional: lets the masters cordon a node whose host failed its health check; only needed "
@@ -436,7 +388,12 @@ def deploy_files(namespace: str = "default", image: str | None = None, *, all_na
     for name, objects in groups.items():
         header = f"# {_FILES[name]}\n# generated by `{_THIS_COMMAND} --write deploy`: do not edit\n"
         files[name] = header + to_yaml(objects)
-    lines = [f"- `{name}`: {_FILES[name]}" for name in groups]
+    scrape = "prometheus-scrape.yaml"
+    files[scrape] = (f"# {_FILES[scrape]}\n# generated by `{_THIS_COMMAND} --write deploy`: do not edit; add it to "
+                     f"Prometheus' configuration and mount the Secret's token at {PROMETHEUS_TOKEN_FILE}\n"
+                     + yaml.safe_dump(prometheus_scrape_config(namespace, all_namespaces=all_namespaces),
+                                      sort_keys=False, default_flow_style=False, width=120))
+    lines = [f"- `{name}`: {_FILES[name]}" for name in [*groups, scrape]]
     files["README.md"] = (
         "# Kubernetes manifests of stead\n\n"
         f"Generated for namespace `{namespace}` by `{_THIS_COMMAND} --write deploy` (or `stead k8s manifests`, "
@@ -446,8 +403,11 @@ def deploy_files(namespace: str = "default", image: str | None = None, *, all_na
         "Apply the CRD first and wait until the API server serves it, then the rest:\n\n"
         "    kubectl apply -f deploy/crd.yaml\n"
         f"    kubectl wait --for condition=established crd/{JOB_PLURAL}.{API_GROUP}\n"
-        "    kubectl apply -f deploy/rbac.yaml -f deploy/operator.yaml\n"
-        "    kubectl apply -f deploy/etcd.yaml -f deploy/example-job.yaml   # to try it out\n")
+        "    kubectl apply -f deploy/rbac.yaml -f deploy/operator.yaml\n\n"
+        "To try it out with the etcd (it configures the operator for it), make its Secrets first (README, "
+        "\"Running on Kubernetes\", or `stead k8s manifests --with-etcd --etcd-generate-certs`, whose output holds "
+        "new ones):\n\n"
+        "    kubectl apply -f deploy/etcd.yaml -f deploy/example-job.yaml\n")
     return files
 
 
@@ -475,7 +435,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all-namespaces", action="store_true",
                         help="the operator serves jobs in every namespace (default: only in --namespace)")
     parser.add_argument("--with-etcd", action="store_true",
-                        help="add a single-member etcd (Service stead-etcd), for trying stead out")
+                        help="add a single-member etcd (Service stead-etcd) with client TLS and authentication, and "
+                             "configure the operator for it; its Secrets are yours to make (README) unless "
+                             "--etcd-generate-certs")
+    parser.add_argument("--etcd-generate-certs", action="store_true",
+                        help="with --with-etcd: add its Secrets, made anew (a CA, certificates, passwords); the "
+                             "output then holds private keys")
     parser.add_argument("--with-example", action="store_true", help="add an example job and its checkpoint claim")
     parser.add_argument("--with-node-cordon", action="store_true",
                         help="add the ClusterRole masters need for --set k8s.cordon_bad_hosts=true")
@@ -494,8 +459,12 @@ def main(argv: Sequence[str] | None = None, *, prog: str = _THIS_COMMAND) -> int
             for path in write_deploy(args.write, args.namespace, args.image, all_namespaces=args.all_namespaces):
                 print(path)
         else:
-            sys.stdout.write(to_yaml(render(args.namespace, args.image, args.with_etcd, args.with_example,
-                                            args.all_namespaces, with_node_cordon=args.with_node_cordon)))
+            objects = render(args.namespace, args.image, args.with_etcd, args.with_example, args.all_namespaces,
+                             with_node_cordon=args.with_node_cordon, generate_certs=args.etcd_generate_certs)
+            if args.etcd_generate_certs:
+                print(f"{parser.prog}: warning: this output holds the private keys and passwords of the etcd's "
+                      "Secrets: apply it and do not keep it (the Secrets are in the cluster)", file=sys.stderr)
+            sys.stdout.write(to_yaml(objects))
     except ConfigError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2

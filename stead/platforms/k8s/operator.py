@@ -38,9 +38,10 @@ from stead.core.plugins import GROUP as PLUGIN_GROUP
 from stead.core.statemachine import JobPhase, fold_all
 from stead.core.store import open_store
 from stead.platforms.k8s import names
-from stead.platforms.k8s._client import PODS, Kube
+from stead.platforms.k8s._client import PODS, Kube, warn_insecure
 from stead.platforms.k8s.jobs import MasterSpec, create_job_objects, master_pods, start_master
 from stead.platforms.k8s.pods import Owner, passed_env
+from stead.platforms.k8s.policy import OPERATOR_FIELDS, JobRefused, check_allowed, check_run_args
 from stead.platforms.k8s.settings import K8sSettings
 
 __all__ = ["master_spec", "registry", "run"]
@@ -52,6 +53,11 @@ JsonObject = dict[str, Any]
 #: how often a running job's status is read from its store
 STATUS_INTERVAL_S = 5.0
 _TERMINAL = ("Succeeded", "Failed", "Stopped")
+#: the k8s settings of a job's pods that are the operator's to say (a SteadJob has no field for them)
+_FROM_OPERATOR = ("pod_api_url", "insecure_skip_tls_verify", "master_host", "master_port", "create_concurrency",
+                  "pending_timeout_s", "bad_host_expiry_s", "cordon_bad_hosts", "watch_timeout_s", "request_timeout_s",
+                  "working_dir", "run_as_user", "read_only_root_fs", "metrics_port", "metrics_token_secret",
+                  "etcd_client_secret", "etcd_user", "etcd_auth_secret", "node_egress_cidrs")
 _PHASES = {JobPhase.NEW: "Pending", JobPhase.STARTING: "Pending", JobPhase.RUNNING: "Running",
            JobPhase.RECOVERING: "Recovering", JobPhase.SUCCEEDED: "Succeeded", JobPhase.FAILED: "Failed",
            JobPhase.STOPPED: "Stopped"}
@@ -81,12 +87,10 @@ def master_spec(name: str, spec: Mapping[str, Any], base: K8sSettings) -> Master
     import json
 
     settings = K8sSettings(**{
-        **{f: getattr(base, f) for f in ("pod_api_url", "master_host", "master_port", "create_concurrency",
-                                           "pending_timeout_s", "bad_host_expiry_s", "cordon_bad_hosts",
-                                           "watch_timeout_s", "request_timeout_s", "working_dir")},
+        **{f: getattr(base, f) for f in _FROM_OPERATOR},
         "namespace": base.namespace, "api_url": base.api_url,
         "image": str(spec.get("image", "")), "image_pull_policy": str(spec.get("imagePullPolicy", "IfNotPresent")),
-        "service_account": str(spec.get("serviceAccountName") or base.service_account),
+        "service_account": str(spec.get("serviceAccountName") or ""),
         "cpu": str(limits.get("cpu") or requests.get("cpu") or ""),
         "memory": str(limits.get("memory") or requests.get("memory") or ""),
         "gpus": int(limits.get("nvidia.com/gpu") or requests.get("nvidia.com/gpu") or 0),
@@ -110,28 +114,41 @@ def registry(base: K8sSettings | None = None, *, status_interval_s: float = STAT
     found = kopf.OperatorRegistry()
     on = {"group": names.API_GROUP, "version": names.API_VERSION, "plural": names.JOB_PLURAL, "registry": found}
 
+    @kopf.on.startup(registry=found)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # no watch of CustomResourceDefinitions or Namespaces (cluster-wide objects): a namespaced operator then
+        # needs a Role only; the CRD is applied before the operator starts (a CRD applied later: restart it)
+        settings.scanning.disabled = True
+
     @kopf.on.login(registry=found)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        if base.api_url:
-            return kopf.ConnectionInfo(server=base.api_url, insecure=True)
+        if base.api_url:  # verified against api_ca_file (or the system's CAs) unless a setting says otherwise
+            if base.insecure_skip_tls_verify:
+                warn_insecure(base)
+            return kopf.ConnectionInfo(server=base.api_url, ca_path=base.api_ca_file or None,
+                                       insecure=base.insecure_skip_tls_verify)
         return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
     @kopf.on.resume(**on)  # type: ignore[arg-type]
     @kopf.on.create(**on)  # type: ignore[arg-type]
     async def job_created(name: str, namespace: str, uid: str, spec: Mapping[str, Any], status: Mapping[str, Any],
-                          patch: kopf.Patch, **_: Any) -> None:
+                          patch: kopf.Patch, body: kopf.Body, **_: Any) -> None:
         if status.get("phase") in _TERMINAL:
             return
         if spec.get("suspend"):
             patch.status["phase"] = "Suspended"
             return
-        master = await _ensure_master(base, name, namespace, uid, spec, after=status.get("master"))
+        try:
+            master = await _ensure_master(base, name, namespace, uid, spec, after=status.get("master"))
+        except JobRefused as exc:
+            _refused(body, patch, exc)
+            return
         patch.status.update({"phase": status.get("phase") or "Pending", "master": master,
                              "startTime": status.get("startTime") or _now()})
 
     @kopf.on.field(field="spec.suspend", **on)  # type: ignore[arg-type]
     async def suspend_changed(name: str, namespace: str, uid: str, spec: Mapping[str, Any], new: Any,
-                              status: Mapping[str, Any], patch: kopf.Patch, **_: Any) -> None:
+                              status: Mapping[str, Any], patch: kopf.Patch, body: kopf.Body, **_: Any) -> None:
         if status.get("phase") in _TERMINAL:
             return
         if new:
@@ -139,7 +156,11 @@ def registry(base: K8sSettings | None = None, *, status_interval_s: float = STAT
             patch.status.update({"phase": "Suspended", "message": "suspended: its pods were stopped; set "
                                                                   "spec.suspend to false to resume it"})
         else:
-            master = await _ensure_master(base, name, namespace, uid, spec, after=status.get("master"))
+            try:
+                master = await _ensure_master(base, name, namespace, uid, spec, after=status.get("master"))
+            except JobRefused as exc:
+                _refused(body, patch, exc)
+                return
             patch.status.update({"phase": "Pending", "master": master, "message": "resumed"})
 
     @kopf.on.event("", "v1", "pods", labels={names.LABEL_ROLE: names.ROLE_MASTER},  # type: ignore[arg-type]
@@ -201,6 +222,8 @@ async def _ensure_master(base: K8sSettings, job: str, namespace: str, uid: str, 
     after every earlier one (``after``: the last the job's status names, which may be gone)."""
     settings = _in(base, namespace)
     wanted = master_spec(job, spec, settings)
+    check_run_args(spec.get("settings") or {}, [str(a) for a in spec.get("runArgs") or []])
+    check_allowed(wanted.settings, base, fields=OPERATOR_FIELDS, who="the operator", job=job)
     async with Kube(settings, pool=4) as kube:
         owner = Owner(f"{names.API_GROUP}/{names.API_VERSION}", names.JOB_KIND, job, uid)
         objects = await create_job_objects(kube, wanted, owner=owner)
@@ -225,7 +248,7 @@ async def _delete_pods(base: K8sSettings, job: str, namespace: str) -> None:
 
 async def _read_status(job: str, store_url: str) -> dict[str, Any]:
     """The job's status fields, folded from its event log."""
-    store = await open_store(store_url)
+    store = await open_store(store_url, settings=Settings.from_env())  # the store's TLS and auth: STEAD_ETCD_*
     try:
         items = await EventLog(store, job).scan()
     finally:
@@ -244,6 +267,13 @@ async def _read_status(job: str, store_url: str) -> dict[str, Any]:
         found["completionTime"] = _now()
         found["message"] = state.reason
     return found
+
+
+def _refused(body: kopf.Body, patch: kopf.Patch, exc: JobRefused) -> None:
+    """A job that asks for more than the operator allows: Failed, with the reason on its status and an event."""
+    log.warning("k8s_job_refused", job=body.get("metadata", {}).get("name"), reason=str(exc))
+    kopf.warn(body, reason="Refused", message=str(exc))
+    patch.status.update({"phase": "Failed", "message": str(exc), "completionTime": _now()})
 
 
 def _in(base: K8sSettings, namespace: str) -> K8sSettings:

@@ -7,7 +7,13 @@ not give by default:
 - ``/dev/shm`` as a memory ``emptyDir`` sized ``k8s.shm_size`` (a container's
   default 64 MiB cannot hold a flash checkpoint's two slots);
 - the job token from its Secret, mounted read-only as a file (never a plain
-  environment value in the pod spec);
+  environment value in the pod spec), mode 0440 with the pod's ``fsGroup`` so
+  that the agent reads it as its non-root user;
+- the "restricted" Pod Security Standard: a non-root user (``k8s.run_as_user``),
+  no privilege escalation, every capability dropped, the runtime's seccomp
+  profile, a read-only root filesystem with writable ``emptyDir`` volumes at
+  ``/tmp`` and where stead writes (``CAP_SYS_PTRACE`` on request is the one
+  exception: see ``k8s.ptrace``);
 - a ReadWriteMany claim for persisted checkpoints (``k8s.checkpoint_claim``), so
   that a node relaunched on another host restores from disk;
 - ``terminationGracePeriodSeconds`` for the persist an agent does on SIGTERM;
@@ -27,7 +33,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from stead.core.config import Settings
+from stead.core.config import Settings, env_name
 from stead.core.errors import ConfigError
 from stead.core.master import JOB_TOKEN_ENV
 from stead.core.platform import HOST_ENV, NodeSpec
@@ -35,8 +41,10 @@ from stead.core.quantity import QuantityError, parse_quantity
 from stead.platforms.k8s import names
 from stead.platforms.k8s.settings import K8sSettings
 
-__all__ = ["AGENT_CONTAINER", "SHM_MOUNT", "TOKEN_FILE", "TOKEN_KEY", "TOKEN_MOUNT", "JobObjects", "Owner",
-           "check_quantity", "master_pod", "master_service", "node_pod", "passed_env", "pod_labels", "token_secret"]
+__all__ = ["AGENT_CONTAINER", "ETCD_AUTH_MOUNT", "ETCD_PASSWORD_KEY", "ETCD_TLS_KEYS", "ETCD_TLS_MOUNT",
+           "METRICS_PORT_NAME", "SHM_MOUNT", "TMP_MOUNT", "TOKEN_FILE", "TOKEN_KEY", "TOKEN_MOUNT", "JobObjects",
+           "Owner", "check_quantity", "container_security", "etcd_client", "master_account", "master_pod",
+           "master_service", "node_pod", "passed_env", "pod_labels", "pod_security", "token_secret"]
 
 JsonObject = dict[str, Any]
 
@@ -49,6 +57,25 @@ TOKEN_KEY = "token"
 TOKEN_FILE = f"{TOKEN_MOUNT}/{TOKEN_KEY}"
 #: the master's environment variable holding the token (from the Secret: the master stores it as the job's token)
 MASTER_TOKEN_ENV = JOB_TOKEN_ENV
+#: a writable emptyDir under a read-only root filesystem (HOME too: the non-root user has no home in the image)
+TMP_MOUNT = "/tmp"
+CKPT_DIR_ENV = "STEAD_CKPT_DIR"
+#: the token Secret's files: read-only, readable by the pod's group (its fsGroup), nobody else
+TOKEN_MODE = 0o440
+#: where the master writes the token file (an emptyDir: agents of a pod read the Secret's at the same path)
+MASTER_TOKEN_FILE = TOKEN_FILE
+#: the port name Prometheus' scrape config keeps (k8s.metrics_port)
+METRICS_PORT_NAME = "metrics"
+METRICS_TOKEN_MOUNT = "/var/run/stead-metrics"
+#: the store's client credentials in the pods that talk to etcd (masters, the operator)
+ETCD_TLS_MOUNT = "/var/run/stead-etcd/tls"
+ETCD_TLS_KEYS = ("ca.crt", "tls.crt", "tls.key")
+ETCD_AUTH_MOUNT = "/var/run/stead-etcd/auth"
+ETCD_PASSWORD_KEY = "password"
+#: the settings that name a process's own credentials (the etcd_* client settings, metrics_host/_token_file)
+_OWN_CREDENTIALS = ("STEAD_ETCD_", "STEAD_METRICS_HOST", "STEAD_METRICS_TOKEN_FILE")
+#: what every container of a job's pod runs with, unless more is allowed and asked (see container_security)
+_PYTHON_ENV = ({"name": "HOME", "value": TMP_MOUNT}, {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"})
 
 
 
@@ -106,10 +133,35 @@ def pod_labels(job: str, role: str, *, node_id: str = "", incarnation: int | Non
 def passed_env(environ: Mapping[str, str], settings: Settings, plugins: Iterable[str]) -> dict[str, str]:
     """The settings in this process's environment (``STEAD_<NAME>``, ``STEAD_<PLUGIN>_<NAME>``) that a node's pod
     gets too: what a user exported for the job reaches its agents as it does on the local platform. Nothing else
-    of the master's environment goes into a pod spec (a token, a path of this machine)."""
+    of the master's environment goes into a pod spec (a token, a path of this machine), nor its own credentials:
+    the store's client certificate and password and the metrics token are files of its pod, which a pod made from
+    this one mounts anew where it needs them (:func:`etcd_client`)."""
     own = {"STEAD_" + f.name.upper() for f in dataclasses.fields(settings) if f.name != "plugin_values"}
     prefixes = tuple(f"STEAD_{p.upper()}_" for p in plugins if p != "k8s")
-    return {k: v for k, v in environ.items() if k in own or (k.startswith(prefixes) and k != MASTER_TOKEN_ENV)}
+    return {k: v for k, v in environ.items()
+            if (k in own or (k.startswith(prefixes) and k != MASTER_TOKEN_ENV)) and not k.startswith(_OWN_CREDENTIALS)}
+
+
+def pod_security(user: int) -> JsonObject:
+    """A pod's securityContext for the "restricted" Pod Security Standard: ``user`` (not root) as uid, gid and
+    fsGroup (so that mounted Secrets of mode 0440 are readable), and the container runtime's seccomp profile."""
+    if user <= 0:
+        raise ConfigError(f"k8s.run_as_user={user}: a job's pods run as a non-root user; give a uid above 0")
+    return {"runAsNonRoot": True, "runAsUser": user, "runAsGroup": user, "fsGroup": user,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security(*, read_only: bool = True, ptrace: bool = False) -> JsonObject:
+    """A container's securityContext: no privilege, every capability dropped, the root filesystem read-only.
+
+    ``ptrace`` adds CAP_SYS_PTRACE and lets file capabilities apply (allowPrivilegeEscalation), so that a py-spy
+    carrying that capability works as the non-root user: the pod then passes only the "privileged" level.
+    """
+    capabilities: JsonObject = {"drop": ["ALL"]}
+    if ptrace:
+        capabilities["add"] = ["SYS_PTRACE"]
+    return {"allowPrivilegeEscalation": ptrace, "privileged": False, "readOnlyRootFilesystem": read_only,
+            "capabilities": capabilities}
 
 
 def node_pod(spec: NodeSpec, objects: JobObjects, settings: K8sSettings, *, env: Mapping[str, str] | None = None,
@@ -125,34 +177,38 @@ def node_pod(spec: NodeSpec, objects: JobObjects, settings: K8sSettings, *, env:
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "STEAD_CKPT_SHM_DIR", "value": SHM_MOUNT},
+        *_PYTHON_ENV,
         *_json_list(settings.env, "k8s.env", "EnvVar"),
     ]
+    if not any(item["name"] == CKPT_DIR_ENV for item in container_env):
+        # persisted checkpoints: on the claim, or (none given) on the pod's own disk, not its read-only image
+        container_env.append({"name": CKPT_DIR_ENV, "value": settings.checkpoint_mount})
     mounts: list[JsonObject] = [{"name": "shm", "mountPath": SHM_MOUNT},
-                                {"name": "token", "mountPath": TOKEN_MOUNT, "readOnly": True}]
+                                {"name": "token", "mountPath": TOKEN_MOUNT, "readOnly": True},
+                                {"name": "tmp", "mountPath": TMP_MOUNT},
+                                {"name": "checkpoints", "mountPath": settings.checkpoint_mount}]
     volumes: list[JsonObject] = [
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": check_quantity(settings.shm_size,
                                                                                       "k8s.shm_size")}},
-        {"name": "token", "secret": {"secretName": names.secret_name(objects.job), "defaultMode": 0o400,
-                                     "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}]}},
+        _token_volume(objects.job),
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "checkpoints", **({"persistentVolumeClaim": {"claimName": settings.checkpoint_claim}}
+                                   if settings.checkpoint_claim else {"emptyDir": {}})},
     ]
-    if settings.checkpoint_claim:
-        mounts.append({"name": "checkpoints", "mountPath": settings.checkpoint_mount})
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": settings.checkpoint_claim}})
-        container_env.append({"name": "STEAD_CKPT_DIR", "value": settings.checkpoint_mount})
     container: JsonObject = {
         "name": AGENT_CONTAINER, "image": _image(settings), "imagePullPolicy": settings.image_pull_policy,
         "command": list(command), "env": container_env, "volumeMounts": mounts,
         "resources": _resources(settings, memory=memory),
+        "securityContext": container_security(read_only=settings.read_only_root_fs, ptrace=settings.ptrace),
     }
     if settings.working_dir:
         container["workingDir"] = settings.working_dir
-    if settings.ptrace:
-        container["securityContext"] = {"capabilities": {"add": ["SYS_PTRACE"]}}
     pod_spec: JsonObject = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": settings.grace_period_s,
         "automountServiceAccountToken": False,  # an agent never calls the Kubernetes API
         "enableServiceLinks": False,
+        "securityContext": pod_security(settings.run_as_user),
         "containers": [container],
         "volumes": volumes,
     }
@@ -179,22 +235,40 @@ def node_pod(spec: NodeSpec, objects: JobObjects, settings: K8sSettings, *, env:
 def master_pod(objects: JobObjects, settings: K8sSettings, *, name: str, store_url: str, run_args: Sequence[str],
                env: Mapping[str, str] | None = None, log_format: str = "json") -> JsonObject:
     """The master's pod: ``stead master --platform k8s`` with the job's ``stead run`` arguments, listening on its
-    pod IP at ``k8s.master_port`` (its Service's target), the token from the job's Secret."""
+    pod IP at ``k8s.master_port`` (its Service's target), the token from the job's Secret, running as the job's
+    own ServiceAccount (:func:`master_account`); with ``k8s.etcd_*`` the store's client certificate and password
+    from their Secrets, with ``k8s.metrics_port`` its metrics behind the token of ``k8s.metrics_token_secret``."""
     command = ["python", "-m", "stead", "master", "--job", objects.job, "--store", store_url, "--platform", "k8s",
-               "--host", "$(POD_IP)", "--port", str(settings.master_port), "--metrics-port", "-1",
-               "--log-format", log_format, "--", *run_args]
+               "--host", "$(POD_IP)", "--port", str(settings.master_port), "--token-file", MASTER_TOKEN_FILE,
+               "--metrics-port", str(settings.metrics_port), "--log-format", log_format, "--", *run_args]
     container_env: list[JsonObject] = [{"name": k, "value": v} for k, v in sorted(dict(env or {}).items())]
     container_env += [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": MASTER_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": names.secret_name(objects.job),
                                                                   "key": TOKEN_KEY}}},
+        *_PYTHON_ENV,
     ]
+    mounts: list[JsonObject] = [{"name": "tmp", "mountPath": TMP_MOUNT}, {"name": "run", "mountPath": TOKEN_MOUNT}]
+    volumes: list[JsonObject] = [{"name": "tmp", "emptyDir": {}}, {"name": "run", "emptyDir": {}}]
+    ports: list[JsonObject] = [{"name": "rpc", "containerPort": settings.master_port}]
+    if settings.metrics_port > 0:
+        if not settings.metrics_token_secret:
+            raise ConfigError(f"k8s.metrics_port={settings.metrics_port} serves the master's metrics on its pod IP: "
+                              "give k8s.metrics_token_secret, a Secret whose key 'token' Prometheus must send "
+                              "(see `stead k8s manifests`' prometheus-scrape.yaml)")
+        ports.append({"name": METRICS_PORT_NAME, "containerPort": settings.metrics_port})
+        container_env += [{"name": env_name("", "metrics_host"), "value": "$(POD_IP)"},
+                          {"name": env_name("", "metrics_token_file"), "value": f"{METRICS_TOKEN_MOUNT}/{TOKEN_KEY}"}]
+        mounts.append({"name": "metrics-token", "mountPath": METRICS_TOKEN_MOUNT, "readOnly": True})
+        volumes.append(_secret_volume("metrics-token", settings.metrics_token_secret, (TOKEN_KEY,)))
+    etcd_env, etcd_mounts, etcd_volumes = etcd_client(settings)
     container: JsonObject = {
         "name": MASTER_CONTAINER, "image": _image(settings), "imagePullPolicy": settings.image_pull_policy,
-        "command": command, "env": container_env,
-        "ports": [{"name": "rpc", "containerPort": settings.master_port}],
+        "command": command, "env": [*container_env, *etcd_env], "ports": ports,
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
+        "securityContext": container_security(),
+        "volumeMounts": [*mounts, *etcd_mounts],
     }
     if settings.working_dir:
         container["workingDir"] = settings.working_dir
@@ -203,8 +277,51 @@ def master_pod(objects: JobObjects, settings: K8sSettings, *, name: str, store_u
     if objects.owner is not None:
         metadata["ownerReferences"] = [objects.owner.reference()]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": {
-        "restartPolicy": "Never", "serviceAccountName": settings.service_account,
-        "terminationGracePeriodSeconds": 30, "enableServiceLinks": False, "containers": [container]}}
+        "restartPolicy": "Never", "serviceAccountName": master_account(objects.job, settings),
+        "terminationGracePeriodSeconds": 30, "enableServiceLinks": False,
+        "securityContext": pod_security(settings.run_as_user), "containers": [container],
+        "volumes": [*volumes, *etcd_volumes]}}
+
+
+def master_account(job: str, settings: K8sSettings) -> str:
+    """The ServiceAccount a job's master runs as: ``k8s.service_account`` when given (it must be allowed, see
+    :mod:`.policy`), else the job's own (``<job>-master``), whose Role reads only this job's Secret."""
+    return settings.service_account or names.master_name(job)
+
+
+def etcd_client(settings: K8sSettings) -> tuple[list[JsonObject], list[JsonObject], list[JsonObject]]:
+    """The environment, mounts and volumes that give a pod the store's client credentials: the TLS Secret of
+    ``k8s.etcd_client_secret`` (``ca.crt``, ``tls.crt``, ``tls.key``) and the password of ``k8s.etcd_user`` in
+    ``k8s.etcd_auth_secret`` (key ``password``), as the files the ``etcd_*`` settings name."""
+    env: list[JsonObject] = []
+    mounts: list[JsonObject] = []
+    volumes: list[JsonObject] = []
+    if settings.etcd_client_secret:
+        mounts.append({"name": "etcd-tls", "mountPath": ETCD_TLS_MOUNT, "readOnly": True})
+        volumes.append(_secret_volume("etcd-tls", settings.etcd_client_secret, ETCD_TLS_KEYS))
+        env += [{"name": env_name("", setting), "value": f"{ETCD_TLS_MOUNT}/{key}"}
+                for setting, key in (("etcd_ca_file", "ca.crt"), ("etcd_cert_file", "tls.crt"),
+                                     ("etcd_key_file", "tls.key"))]
+    if settings.etcd_user:
+        if not settings.etcd_auth_secret:
+            raise ConfigError(f"k8s.etcd_user={settings.etcd_user} needs its password: give k8s.etcd_auth_secret, a "
+                              "Secret whose key 'password' holds it (`stead k8s manifests --with-etcd` names "
+                              "stead-etcd-auth)")
+        mounts.append({"name": "etcd-auth", "mountPath": ETCD_AUTH_MOUNT, "readOnly": True})
+        volumes.append(_secret_volume("etcd-auth", settings.etcd_auth_secret, (ETCD_PASSWORD_KEY,)))
+        env += [{"name": env_name("", "etcd_user"), "value": settings.etcd_user},
+                {"name": env_name("", "etcd_password_file"), "value": f"{ETCD_AUTH_MOUNT}/{ETCD_PASSWORD_KEY}"}]
+    return env, mounts, volumes
+
+
+def _secret_volume(name: str, secret: str, keys: Sequence[str]) -> JsonObject:
+    """Only ``keys`` of the Secret, readable by the pod's group (its fsGroup) and nobody else."""
+    return {"name": name, "secret": {"secretName": secret, "defaultMode": TOKEN_MODE,
+                                     "items": [{"key": key, "path": key} for key in keys]}}
+
+
+def _token_volume(job: str) -> JsonObject:
+    return _secret_volume("token", names.secret_name(job), (TOKEN_KEY,))
 
 
 def master_service(objects: JobObjects, settings: K8sSettings) -> JsonObject:

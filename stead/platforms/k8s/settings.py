@@ -21,6 +21,10 @@ class K8sSettings:
                                       "kubeconfig context's, or 'default')")
     api_url: str = setting("", help="the Kubernetes API server URL, instead of the in-cluster service account or "
                                     "the kubeconfig (http(s)://host:port)")
+    api_ca_file: str = setting("", help="the CA bundle that signed api_url's certificate (default: the system's)")
+    insecure_skip_tls_verify: bool = setting(False, help="do not verify api_url's TLS certificate (a test cluster "
+                                                         "with a self-signed one; anyone on the path can then act "
+                                                         "as the API server and read the service account's token)")
     kubeconfig: str = setting("", help="kubeconfig file to use outside a cluster (default: $KUBECONFIG or "
                                        "~/.kube/config)")
     context: str = setting("", help="kubeconfig context (default: the current one)")
@@ -30,7 +34,9 @@ class K8sSettings:
                                   "(required on Kubernetes)")
     image_pull_policy: str = setting("IfNotPresent", help="Always, IfNotPresent or Never")
     working_dir: str = setting("", help="working directory of the agents in their pods (default: the image's)")
-    service_account: str = setting("stead-master", help="service account of the master pod (RBAC: deploy/rbac.yaml)")
+    service_account: str = setting("", help="service account of the master pod (default: the job's own, "
+                                            "<job>-master, made with a Role that reads only this job's Secret); "
+                                            "another must be in allowed_service_accounts")
     cpu: str = setting("", help="CPU request and limit of a node's pod, e.g. 8 or 7500m (default: none)")
     memory: str = setting("", help="memory request and limit of a node's pod, e.g. 64Gi (default: none); an "
                                    "out-of-memory kill relaunches the node with more (scaler.oom_memory_factor)")
@@ -44,13 +50,44 @@ class K8sSettings:
                                                                "there)")
     grace_period_s: int = setting(60, min=1, help="the pods' terminationGracePeriodSeconds: time for an agent to "
                                                    "persist its checkpoint on SIGTERM")
-    ptrace: bool = setting(False, help="give the agent CAP_SYS_PTRACE, so that a hang's stacks include native "
-                                       "frames (py-spy)")
+    ptrace: bool = setting(False, help="give the agent container CAP_SYS_PTRACE (for py-spy run by hand: stead's "
+                                       "own stack dumps never need it); the pod then passes only the 'privileged' "
+                                       "Pod Security level, so it is refused unless allow_ptrace")
+    run_as_user: int = setting(65532, min=1, help="uid, gid and fsGroup of the job's containers: not root, as the "
+                                                  "'restricted' Pod Security Standard asks (the image's files must "
+                                                  "be readable by it)")
+    read_only_root_fs: bool = setting(True, help="the node containers' root filesystem is read-only (writable: /tmp, "
+                                                 "/dev/shm, checkpoint_mount); false for a training script that "
+                                                 "writes elsewhere")
     node_selector: str = setting("", help="node selector of the pods, as key=value,key=value")
     tolerations: str = setting("", help="tolerations of the node pods, as a JSON list of Kubernetes Toleration "
                                         "objects")
     env: str = setting("", help="more environment of the node containers, as a JSON list of Kubernetes EnvVar "
                                 "objects (valueFrom included)")
+    metrics_port: int = setting(-1, min=-1, max=65535, help="the master pod serves Prometheus metrics on this port "
+                                                            "of its pod IP (-1: none); needs metrics_token_secret")
+    metrics_token_secret: str = setting("", help="the Secret whose key 'token' a scrape of the master's metrics "
+                                                 "must send (authorization: Bearer)")
+    etcd_client_secret: str = setting("", help="the Secret with the store's client certificate (ca.crt, tls.crt, "
+                                               "tls.key) the master pods use: TLS to etcd (stead-etcd-client with "
+                                               "`stead k8s manifests --with-etcd`)")
+    etcd_user: str = setting("", help="the etcd user the master pods authenticate as (its password: "
+                                      "etcd_auth_secret)")
+    etcd_auth_secret: str = setting("", help="the Secret whose key 'password' is etcd_user's password")
+    allowed_service_accounts: str = setting("", help="service accounts a job may run its master as instead of its "
+                                                     "own (comma-separated): its RBAC is then that account's, and "
+                                                     "shared by every job that names it")
+    allowed_claims: str = setting("", help="PersistentVolumeClaims a job may mount as its checkpoint volume "
+                                           "(comma-separated; '*': any claim of the namespace)")
+    allowed_env_secrets: str = setting("", help="Secrets a job's env may read with valueFrom.secretKeyRef "
+                                                "(comma-separated)")
+    allowed_env_config_maps: str = setting("", help="ConfigMaps a job's env may read with "
+                                                    "valueFrom.configMapKeyRef (comma-separated; '*': any)")
+    allow_ptrace: bool = setting(False, help="let a job ask for ptrace (its node pods then pass only the "
+                                             "'privileged' Pod Security level)")
+    node_egress_cidrs: str = setting("", help="networks the node pods may reach besides the job's own pods and "
+                                              "DNS (comma-separated CIDRs, e.g. 10.0.0.0/8 for a data store, "
+                                              "0.0.0.0/0 for anywhere); default: none")
     master_port: int = setting(50051, min=1, max=65535, help="the master pod's RPC port (its Service's port)")
     master_host: str = setting("", help="the host name agents dial for the master (default: its Service, "
                                         "<job>-master.<namespace>.svc)")

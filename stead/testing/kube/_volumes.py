@@ -10,6 +10,10 @@ path translation (see :mod:`stead.testing.kube.kubelet`). Where each kind lives:
 - ``secret`` / ``configMap``: files written into the pod's volume directory (``items`` and
   ``defaultMode`` honoured);
 - ``hostPath``: ``root/<node>/host/<path>``.
+
+A mount at ``/tmp`` is set up but not translated (see :data:`UNTRANSLATED`): a fake
+node's ``/tmp`` is this machine's, where the tests' own paths (a working directory,
+a script) live, and where a program's unix sockets keep their paths short.
 """
 
 from __future__ import annotations
@@ -22,9 +26,14 @@ from typing import Any
 
 from stead.testing.kube._podenv import PodRefs, data_of
 
-__all__ = ["MountError", "PodVolumes", "container_mounts", "prepare_volumes"]
+__all__ = ["UNTRANSLATED", "MountError", "PodVolumes", "container_mounts", "prepare_volumes"]
 
 Obj = Mapping[str, Any]
+
+#: mount paths a container sees as this machine's own: a pod's writable /tmp under a read-only root filesystem
+#: (which a fake node does not enforce) would otherwise move every test path under /tmp into the volume, and a
+#: unix socket under a volume's directory can pass the 107-byte limit of its path
+UNTRANSLATED = frozenset({"/tmp"})
 
 
 class MountError(Exception):
@@ -90,9 +99,12 @@ def _write_files(path: Path, data: Mapping[str, str], source: Obj) -> None:
 
 
 def container_mounts(container: Obj, volumes: PodVolumes) -> list[tuple[str, str]]:
-    """``(mountPath, host path)`` of the container's mounts (``subPath`` followed), longest mount path first."""
+    """``(mountPath, host path)`` of the container's mounts (``subPath`` followed, :data:`UNTRANSLATED` left out),
+    longest mount path first."""
     mounts = []
     for mount in container.get("volumeMounts") or []:
+        if str(mount["mountPath"]).rstrip("/") in UNTRANSLATED:
+            continue
         host = volumes.paths[mount["name"]]
         if mount.get("subPath"):
             host = host / mount["subPath"]

@@ -18,8 +18,10 @@ and ``workingDir`` that equals a container's ``volumeMounts[].mountPath`` or sta
 first. The image's own environment is not translated (it holds this machine's real
 paths). A path a program builds itself, or one embedded inside a longer string
 (``--dir=/data``), is not translated: pass paths to pods as whole values, and choose
-mount paths that no real path of this machine starts with. A container's default working directory (and ``HOME``, unless
-the image sets one) is a directory of its own under the pod's directory.
+mount paths that no real path of this machine starts with (a mount at ``/tmp`` is
+never translated: see :mod:`._volumes`). A container's default working directory
+(and ``HOME``, unless the image sets one) is a directory of its own under the pod's
+directory.
 
 Layout under ``root``: ``<node>/pods/<pod uid>/`` (emptyDirs, secret and configMap
 files, working directories), ``<node>/logs/<namespace>_<pod>_<container>.log`` (stdout

@@ -81,7 +81,7 @@ def test_a_node_pod_has_a_memory_dev_shm_the_checkpoint_claim_and_its_host_in_th
     assert env["STEAD_RUN_ARGV"]["value"] == '["train.py"]'
     assert _container(pod)["resources"] == {"requests": {"cpu": "4", "memory": "8Gi"},
                                             "limits": {"cpu": "4", "memory": "8Gi"}}
-    assert _container(pod)["securityContext"] == {"capabilities": {"add": ["SYS_PTRACE"]}}
+    assert _container(pod)["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE"]}
     assert pod["spec"]["terminationGracePeriodSeconds"] == 60
     assert pod["spec"]["nodeSelector"] == {"pool": "gpu"}
     assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
@@ -127,7 +127,10 @@ def test_the_master_pod_its_service_and_the_token_secret_are_valid_and_keep_the_
 
 def test_only_settings_of_the_masters_environment_reach_the_pods() -> None:
     env = {"STEAD_HEARTBEAT_TIMEOUT_S": "10", "STEAD_CKPT_KEEP_LAST": "3", "STEAD_JOB_TOKEN": "secret",
-           "STEAD_LOCAL_NODE": "a/b/1", "HOME": "/home/me", "STEAD_K8S_IMAGE": "x"}
+           "STEAD_LOCAL_NODE": "a/b/1", "HOME": "/home/me", "STEAD_K8S_IMAGE": "x",
+           # the master's own credentials: its pod's files, mounted anew where a pod needs them
+           "STEAD_METRICS_HOST": "10.0.0.7", "STEAD_METRICS_TOKEN_FILE": "/var/run/stead-metrics/token",
+           "STEAD_ETCD_PASSWORD_FILE": "/var/run/stead-etcd/auth/password"}
     assert passed_env(env, Settings(), ["ckpt", "scaler"]) == {"STEAD_HEARTBEAT_TIMEOUT_S": "10",
                                                                "STEAD_CKPT_KEEP_LAST": "3"}
 

@@ -63,8 +63,11 @@ async def test_a_steadjob_gets_its_objects_and_master_a_deleted_master_is_replac
             assert pod is not None and pod["metadata"]["ownerReferences"][0]["uid"] == uid
             command = pod["spec"]["containers"][0]["command"]
             assert command[command.index("--") + 1:][-1] == "train.py" and "--set=k8s.memory=8Gi" in command
+            assert pod["spec"]["serviceAccountName"] == "demo-master"  # the job's own, reading only its Secret
             for kind, name in (("secrets", "demo-token"), ("services", "demo-master"),
-                               ("networkpolicies", "demo-isolation")):
+                               ("networkpolicies", "demo-isolation"), ("networkpolicies", "demo-master"),
+                               ("serviceaccounts", "demo-master"), ("roles", "demo-master"),
+                               ("rolebindings", "demo-master")):
                 owned = kube_api.get_object(kind, "default", name)
                 assert owned is not None and owned["metadata"]["ownerReferences"][0]["uid"] == uid, kind
             await until(kube_api, lambda: _status(kube_api, "demo").get("master") == "demo-master-1")
@@ -120,3 +123,40 @@ async def test_a_running_jobs_status_is_read_from_its_store(kube_api: FakeKubeAp
             status = _status(kube_api, "watched")
             assert status["phase"] == "Pending" and status["targetNodes"] == 2 and status["nodes"] == 1
             assert 0.0 <= status["goodput"] <= 1.0
+
+
+async def test_a_steadjob_asking_for_what_the_operator_does_not_allow_is_refused_with_the_reason(
+        kube_api: FakeKubeApi) -> None:
+    base = K8sSettings(api_url=kube_api.url, master_host="127.0.0.1", allowed_service_accounts="shared",
+                       allowed_env_secrets="wandb")
+    other_token = [{"name": "STOLEN", "valueFrom": {"secretKeyRef": {"name": "victim-token", "key": "token"}}}]
+    allowed_env = [{"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "key"}}}]
+    async with Kube(base, pool=2) as kube:
+        await kube.create(CRDS, custom_resource_definition())
+        with KopfRunner(["run", "--standalone", "--namespace", "default"], registry=operator.registry(base),
+                        timeout=60):
+            await kube.create(JOBS, steadjob("greedy", "etcd://127.0.0.1:2379", serviceAccountName="admin",
+                                             env=other_token))
+            await kube.create(JOBS, steadjob("sneaky", "etcd://127.0.0.1:2379",
+                                             settings={"k8s.service_account": "admin"}))
+            await kube.create(JOBS, steadjob("modest", "etcd://127.0.0.1:2379", serviceAccountName="shared",
+                                             env=allowed_env))
+            await until(kube_api, lambda: _status(kube_api, "greedy").get("phase") == "Failed"
+                        and _status(kube_api, "sneaky").get("phase") == "Failed"
+                        and _pod(kube_api, "modest-master-1") is not None)
+            message = _status(kube_api, "greedy")["message"]
+            assert "spec.serviceAccountName=admin" in message and "k8s.allowed_service_accounts" in message
+            assert "spec.env[0].valueFrom.secretKeyRef.name=victim-token" in message
+            assert "k8s.allowed_env_secrets" in message
+            assert "spec.settings.k8s.service_account" in _status(kube_api, "sneaky")["message"]
+            await until(kube_api, lambda: any(e.get("reason") == "Refused" and "victim-token" in e.get("message", "")
+                                              for e in kube_api.objects("events", "default")))
+            # nothing was made for a refused job: no master, no Secret, no RBAC
+            names = {o["metadata"]["name"] for kind in ("pods", "secrets", "roles", "serviceaccounts")
+                     for o in kube_api.objects(kind, "default")}
+            assert not {n for n in names if n.startswith(("greedy", "sneaky"))}
+            modest = _pod(kube_api, "modest-master-1")
+            assert modest is not None and modest["spec"]["serviceAccountName"] == "shared"
+            binding = kube_api.get_object("rolebindings", "default", "modest-master")
+            assert binding is not None and binding["subjects"][0]["name"] == "shared"
+            assert kube_api.get_object("serviceaccounts", "default", "modest-master") is None

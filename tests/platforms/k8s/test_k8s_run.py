@@ -40,6 +40,12 @@ def _error(stderr: str) -> str:
     ((), "9lives", "etcd://127.0.0.1:2379", "job name '9lives' cannot name Kubernetes objects"),
     ((), "bad", "sqlite:///job.db", "needs a store that every master pod reaches"),
     (("--set", "k8s.env=[1]"), "bad", "etcd://127.0.0.1:2379", "k8s.env must be a JSON list"),
+    # an escalation is said twice: the ask, and the allowance beside it
+    (("--set", "k8s.ptrace=true"), "bad", "etcd://127.0.0.1:2379",
+     "k8s.ptrace=true: CAP_SYS_PTRACE takes the node pods past the 'restricted' and 'baseline' Pod Security "
+     "levels; this command allows it with k8s.allow_ptrace"),
+    (("--set", "k8s.service_account=admin"), "bad", "etcd://127.0.0.1:2379",
+     "k8s.service_account=admin: a job's master runs as its own ServiceAccount"),
 ])
 async def test_a_spec_kubernetes_would_refuse_is_said_before_anything_is_made(
         tmp_path: Path, kube_api: FakeKubeApi, flags: tuple[str, ...], job: str, store: str, message: str) -> None:

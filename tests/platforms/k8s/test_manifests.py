@@ -223,6 +223,10 @@ def test_the_example_job_is_a_valid_steadjob() -> None:
     (lambda spec: spec.update(settings={"heartbeat_timeout_s": 10}), "spec.settings.heartbeat_timeout_s",
      "is not of type 'string'"),
     (lambda spec: spec.update(nproc_per_node=2), "spec", "'nproc_per_node' was unexpected"),
+    (lambda spec: spec.update(env=[{"name": "X", "valueFrom": {"hostPath": {"path": "/"}}}]), "spec.env[0].valueFrom",
+     "'hostPath' was unexpected"),
+    (lambda spec: spec.update(env=[{"name": "X", "valueFrom": {}}]), "spec.env[0].valueFrom",
+     "should be non-empty"),
 ])
 def test_a_wrong_job_is_refused_naming_the_field(change: Any, field: str, words: str) -> None:
     job = _job()
@@ -269,21 +273,58 @@ def test_no_rbac_rule_uses_a_wildcard() -> None:
                 assert "*" not in rule[key], f"{obj['kind']}/{obj['metadata']['name']}: {rule}"
 
 
-def test_the_masters_role_holds_exactly_the_verbs_a_master_uses() -> None:
-    role = _one("Role", manifests.MASTER_ACCOUNT)
-    assert role["metadata"]["namespace"] == "default"
+def test_a_job_s_master_role_reads_only_its_own_secret_and_job() -> None:
+    sa, role, binding = manifests.job_rbac("train-7", "jobs")
+    for obj in (sa, role, binding):
+        validate_builtin(obj)
+        assert obj["metadata"]["name"] == "train-7-master" and obj["metadata"]["namespace"] == "jobs"
+    assert sa["kind"] == "ServiceAccount" and role["kind"] == "Role"
     assert _rules(role) == {
         ("", "pods"): ["list", "watch", "create", "delete"],
         ("stead.dev", "steadjobs"): ["get"],
         ("", "secrets"): ["get"],
     }
-    binding = _one("RoleBinding", manifests.MASTER_ACCOUNT)
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "stead-master"}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "stead-master", "namespace": "default"}]
+    named = {resource: rule.get("resourceNames") for rule in role["rules"] for resource in rule["resources"]}
+    assert named == {"pods": None, "steadjobs": ["train-7"], "secrets": ["train-7-token"]}
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "train-7-master"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "train-7-master", "namespace": "jobs"}]
+
+
+def test_a_job_that_runs_as_an_allowed_account_binds_its_own_role_to_it_and_makes_no_account() -> None:
+    role, binding = manifests.job_rbac("train-7", "jobs", "stead-master")
+    assert role["kind"] == "Role" and _rules(role)[("", "secrets")] == ["get"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "stead-master", "namespace": "jobs"}]
+
+
+def test_no_shared_master_role_is_installed() -> None:
+    assert not [o for o in EVERYTHING if o["kind"] in ("Role", "ClusterRole") and "secrets" in str(o["rules"])
+                and o["metadata"]["name"] != manifests.OPERATOR_ACCOUNT]
+
+
+def test_a_namespaced_operator_gets_a_role_in_its_namespace_and_nothing_cluster_wide() -> None:
+    objects = manifests.operator_rbac("jobs")
+    assert [o["kind"] for o in objects] == ["ServiceAccount", "Role", "RoleBinding"]
+    for obj in objects:
+        validate_builtin(obj)
+        assert obj["metadata"]["namespace"] == "jobs"
+    assert objects[2]["roleRef"]["kind"] == "Role"
+    assert objects[2]["subjects"] == [{"kind": "ServiceAccount", "name": "stead-operator", "namespace": "jobs"}]
+    cluster_wide = [o["kind"] for o in manifests.render("jobs", IMAGE) if "namespace" not in o["metadata"]]
+    assert cluster_wide == ["CustomResourceDefinition"]
+
+
+def test_an_operator_of_every_namespace_gets_a_cluster_role_bound_to_its_account() -> None:
+    account, role, binding = manifests.operator_rbac("jobs", all_namespaces=True)
+    assert account["metadata"]["namespace"] == "jobs"
+    assert (role["kind"], binding["kind"]) == ("ClusterRole", "ClusterRoleBinding")
+    assert binding["metadata"]["name"] == "stead-operator-jobs"  # two installations do not overwrite each other
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "stead-operator", "namespace": "jobs"}]
+    rendered = manifests.render("jobs", IMAGE, all_namespaces=True)
+    assert [o["kind"] for o in rendered][1:4] == ["ServiceAccount", "ClusterRole", "ClusterRoleBinding"]
 
 
 def test_the_operator_role_holds_exactly_what_it_and_kopf_use() -> None:
-    role = _one("ClusterRole", manifests.OPERATOR_ACCOUNT)
+    role = _one("Role", manifests.OPERATOR_ACCOUNT)
     assert _rules(role) == {
         ("stead.dev", "steadjobs"): ["get", "list", "watch", "patch"],
         ("stead.dev", "steadjobs/status"): ["get", "patch"],
@@ -291,62 +332,131 @@ def test_the_operator_role_holds_exactly_what_it_and_kopf_use() -> None:
         ("", "services"): ["create", "delete"],
         ("networking.k8s.io", "networkpolicies"): ["create", "delete"],
         ("", "secrets"): ["get", "create", "delete"],
+        ("", "serviceaccounts"): ["create", "delete"],
+        ("rbac.authorization.k8s.io", "roles"): ["create", "delete"],
+        ("rbac.authorization.k8s.io", "rolebindings"): ["create", "delete"],
         ("", "events"): ["create"],
-        # kopf in standalone mode: its CRD and namespace observers, list + watch only; no peering resources
-        ("apiextensions.k8s.io", "customresourcedefinitions"): ["list", "watch"],
-        ("", "namespaces"): ["list", "watch"],
-    }
-    binding = _one("ClusterRoleBinding", "stead-operator-default")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "stead-operator", "namespace": "default"}]
+    }  # kopf standalone, without CRD or namespace watches: no peering, nothing cluster-wide
+
+
+def test_the_operator_holds_every_permission_a_master_role_grants() -> None:
+    """Kubernetes' escalation check: an account may create a Role (and bind it) only if it holds all it grants,
+    and stead gives the operator neither `escalate` nor `bind`."""
+    held = _rules(_one("Role", manifests.OPERATOR_ACCOUNT))
+    for rule in manifests.master_rules("any-job"):
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                assert set(rule["verbs"]) <= set(held.get((group, resource), [])), (group, resource)
+    assert not {verb for verbs in held.values() for verb in verbs} & {"escalate", "bind", "impersonate", "*"}
 
 
 def test_the_node_cordon_role_is_optional_and_only_gets_and_patches_nodes() -> None:
     assert not [o for o in manifests.render() if "cordon" in o["metadata"]["name"]]
-    role, binding = manifests.node_cordon_rbac("jobs")
+    account, role, binding = manifests.node_cordon_rbac("jobs")
+    assert account["kind"] == "ServiceAccount" and account["metadata"]["name"] == "stead-master"
     assert _rules(role) == {("", "nodes"): ["get", "patch"]}
     assert "k8s.cordon_bad_hosts=true" in role["metadata"]["annotations"]["stead.dev/note"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "stead-master", "namespace": "jobs"}]
 
 
-# -- the per-job NetworkPolicy --------------------------------------------------------------------------------------
+# -- the per-job NetworkPolicies ------------------------------------------------------------------------------------
 
 
-def test_the_network_policy_admits_only_the_job_s_own_pods() -> None:
-    policy = manifests.network_policy("train-7", "jobs")
-    validate_builtin(policy)
-    own = {"matchLabels": {LABEL_JOB: "train-7"}}
-    assert policy["metadata"]["namespace"] == "jobs"
-    assert policy["spec"]["podSelector"] == own
-    assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress stays open: the store, the registry
-    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": own}]}]  # any port, from the job's pods only
+def test_a_job_s_pods_reach_only_each_other_and_dns_and_its_master_the_api_and_the_store() -> None:
+    isolation, master = manifests.network_policies("train-7", "jobs", store_url="etcd://etcd-a:2379,etcd-b:32379")
+    for policy in (isolation, master):
+        validate_builtin(policy)
+        assert policy["metadata"]["namespace"] == "jobs"
+    own = [{"podSelector": {"matchLabels": {LABEL_JOB: "train-7"}},
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "jobs"}}}]
+    assert isolation["spec"]["podSelector"] == {"matchLabels": {LABEL_JOB: "train-7"}}
+    assert isolation["spec"]["policyTypes"] == ["Ingress", "Egress"]  # default deny both ways
+    assert isolation["spec"]["ingress"] == [{"from": own}]  # any port: gloo and NCCL pick theirs
+    assert isolation["spec"]["egress"] == [
+        {"to": own}, {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}]
+    assert master["spec"]["podSelector"] == {"matchLabels": {LABEL_JOB: "train-7", "stead.dev/role": "master"}}
+    assert master["spec"]["policyTypes"] == ["Egress"]
+    ports = [sorted(p["port"] for p in rule["ports"]) for rule in master["spec"]["egress"]]
+    assert ports == [[443, 6443], [2379, 32379]]
 
 
-def test_the_network_policy_refuses_a_name_kubernetes_would_refuse() -> None:
-    with pytest.raises(ConfigError, match="job name 'Train_7'"):
-        manifests.network_policy("Train_7", "jobs")
-    with pytest.raises(ConfigError, match="namespace 'Jobs'"):
-        manifests.network_policy("train-7", "Jobs")
+def test_node_egress_cidrs_and_master_metrics_are_let_through_only_when_asked() -> None:
+    isolation, master = manifests.network_policies("train-7", "jobs", store_url="etcd://e", metrics_port=9400,
+                                                    egress_cidrs="10.0.0.0/8, 0.0.0.0/0")
+    validate_builtin(isolation)
+    validate_builtin(master)
+    assert isolation["spec"]["egress"][-1] == {"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}},
+                                                      {"ipBlock": {"cidr": "0.0.0.0/0"}}]}
+    assert master["spec"]["ingress"] == [{"from": [{"namespaceSelector": {}}],
+                                          "ports": [{"protocol": "TCP", "port": 9400}]}]
+    with pytest.raises(ConfigError, match=r"k8s\.node_egress_cidrs item '10\.0\.0\.1' is not a CIDR"):
+        manifests.network_policies("train-7", "jobs", store_url="etcd://e", egress_cidrs="10.0.0.1")
 
 
 # -- etcd, render, YAML, deploy/ and the command line ---------------------------------------------------------------
 
 
-def test_the_optional_etcd_serves_clients_on_its_service_name() -> None:
-    service, stateful_set = manifests.etcd("jobs")
+def test_the_optional_etcd_serves_clients_on_its_service_name_and_the_operator_is_configured_for_it() -> None:
+    rendered = manifests.render("jobs", IMAGE, with_etcd=True)
+    service = next(o for o in rendered if o["kind"] == "Service")
     assert service["metadata"]["name"] == "stead-etcd" and service["spec"]["ports"][0]["port"] == 2379
-    assert "not for production" in stateful_set["metadata"]["annotations"]["stead.dev/note"]
-    (container,) = stateful_set["spec"]["template"]["spec"]["containers"]
+    (container,) = next(o for o in rendered if o["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"]
     assert re.fullmatch(r"quay\.io/coreos/etcd:v3\.5\.\d+", container["image"])
-    assert "--listen-client-urls=http://0.0.0.0:2379" in container["args"]
-    assert "--advertise-client-urls=http://stead-etcd.jobs.svc:2379" in container["args"]
+    assert "--advertise-client-urls=https://stead-etcd.jobs.svc:2379" in container["args"]
+    (deployment,) = [o for o in rendered if o["kind"] == "Deployment"]  # one operator, configured for the etcd
+    (operator,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in operator["env"]}
+    assert env["STEAD_ETCD_USER"] == "stead" and env["STEAD_ETCD_CA_FILE"] == "/var/run/stead-etcd/tls/ca.crt"
+    assert env["STEAD_K8S_ETCD_CLIENT_SECRET"] == "stead-etcd-client"  # what its masters are given
+    assert env["STEAD_K8S_ETCD_AUTH_SECRET"] == "stead-etcd-auth" and env["STEAD_K8S_ETCD_USER"] == "stead"
+    plain = manifests.render("jobs", IMAGE)[-1]["spec"]["template"]["spec"]["containers"][0]
+    assert not [e for e in plain["env"] if "ETCD" in e["name"]]
+
+
+def test_generated_etcd_secrets_come_first_and_only_on_request(capsys: pytest.CaptureFixture[str]) -> None:
+    assert not [o for o in manifests.render("jobs", IMAGE, with_etcd=True) if o["kind"] == "Secret"]
+    with pytest.raises(ConfigError, match="--etcd-generate-certs makes the Secrets of the optional etcd"):
+        manifests.render("jobs", IMAGE, generate_certs=True)
+    assert manifests.main(["--namespace", "jobs", "--image", IMAGE, "--with-etcd", "--etcd-generate-certs"]) == 0
+    out = capsys.readouterr()
+    printed = list(yaml.safe_load_all(out.out))
+    secrets = [o["metadata"]["name"] for o in printed if o["kind"] == "Secret"]
+    assert secrets == ["stead-etcd-server", "stead-etcd-client", "stead-etcd-auth"]
+    assert [o["kind"] for o in printed].index("Secret") < [o["kind"] for o in printed].index("StatefulSet")
+    assert "holds the private keys" in out.err
+    assert "PRIVATE KEY" not in "".join(manifests.deploy_files().values())  # nothing secret is committed
+
+
+def test_the_example_job_asks_for_nothing_the_shipped_operator_does_not_allow() -> None:
+    from stead.core.config import load_settings
+    from stead.platforms.k8s.operator import master_spec
+    from stead.platforms.k8s.policy import OPERATOR_FIELDS, refusals
+    from stead.platforms.k8s.settings import K8sSettings
+
+    (operator,) = _one("Deployment", manifests.OPERATOR_ACCOUNT)["spec"]["template"]["spec"]["containers"]
+    environ = {e["name"]: e["value"] for e in operator["env"] if "value" in e}
+    allowed = load_settings(K8sSettings, "k8s", environ=environ)
+    wanted = master_spec("example", _job()["spec"], allowed).settings
+    assert wanted.checkpoint_claim and refusals(wanted, allowed, fields=OPERATOR_FIELDS) == []
+
+
+def test_prometheus_scrapes_the_masters_metrics_port_with_a_bearer_token_file() -> None:
+    config = manifests.prometheus_scrape_config("jobs")
+    (job,) = config["scrape_configs"]
+    assert job["authorization"] == {"type": "Bearer", "credentials_file": manifests.PROMETHEUS_TOKEN_FILE}
+    assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"names": ["jobs"]}}]
+    kept = {rule["source_labels"][0]: rule["regex"] for rule in job["relabel_configs"] if rule.get("action") == "keep"}
+    assert kept == {"__meta_kubernetes_pod_label_stead_dev_role": "master",
+                    "__meta_kubernetes_pod_container_port_name": "metrics"}
+    deployed = yaml.safe_load(manifests.deploy_files()["prometheus-scrape.yaml"])
+    assert deployed == manifests.prometheus_scrape_config("default")
 
 
 def test_render_lists_objects_in_apply_order_and_adds_optional_parts_on_request() -> None:
     kinds = [o["kind"] for o in manifests.render("jobs", IMAGE)]
-    assert kinds == ["CustomResourceDefinition", "ServiceAccount", "Role", "RoleBinding", "ServiceAccount",
-                     "ClusterRole", "ClusterRoleBinding", "Deployment"]
+    assert kinds == ["CustomResourceDefinition", "ServiceAccount", "Role", "RoleBinding", "Deployment"]
     kinds = [o["kind"] for o in manifests.render("jobs", IMAGE, with_etcd=True, with_example=True)]
-    assert kinds[8:] == ["Service", "StatefulSet", "PersistentVolumeClaim", "SteadJob"]
+    assert kinds[5:] == ["Service", "StatefulSet", "NetworkPolicy", "Job", "PersistentVolumeClaim", "SteadJob"]
     for obj in manifests.render("jobs", IMAGE, with_etcd=True, with_example=True):
         assert obj["metadata"].get("namespace", "jobs") == "jobs"
 
@@ -413,3 +523,11 @@ def test_the_readmes_steadjob_is_valid_against_the_crd() -> None:
     job["metadata"]["namespace"] = "default"
     validate_custom(job, CRD)
     assert job["spec"]["store"].startswith("etcd://")
+
+
+def test_the_crd_refuses_k8s_settings_in_settings_and_run_args_with_cel_rules() -> None:
+    spec = SCHEMA["properties"]["spec"]["properties"]
+    for field in ("settings", "runArgs"):
+        (rule,) = spec[field]["x-kubernetes-validations"]
+        assert "k8s." in rule["rule"] and "operator checks" in rule["message"]
+    assert "default" not in spec["serviceAccountName"]  # a job's master runs as its own account
