@@ -25,6 +25,7 @@ from grpclib.protocol import H2Protocol
 from grpclib.server import Server
 
 from stead.core.errors import ConfigError
+from stead.core.rpc._checks import check_request
 from stead.core.rpc._proto.stead.v1 import Ack
 from stead.core.rpc.address import format_address
 from stead.core.rpc.auth import require_token
@@ -49,7 +50,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 
 class _StrictProtoCodec(ProtoCodec):
     """A request body that is not the expected message is INVALID_ARGUMENT, not an internal error; one over
-    ``max_bytes`` is RESOURCE_EXHAUSTED, refused before it is decoded (and so before anything is built from it)."""
+    ``max_bytes`` is RESOURCE_EXHAUSTED, refused before it is decoded (and so before anything is built from it);
+    a message whose strings are over their bounds or whose floats are not finite is refused as it is decoded,
+    before any servicer sees it (see :func:`~._checks.check_request`)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -60,11 +63,13 @@ class _StrictProtoCodec(ProtoCodec):
                             f"a {message_type.__name__} of {len(data)} bytes is over this master's limit of "
                             f"{self.max_bytes} bytes (setting rpc_max_message_bytes); send less per call")
         try:
-            return super().decode(data, message_type)
+            message = super().decode(data, message_type)
         except Exception as exc:
             raise GRPCError(Status.INVALID_ARGUMENT,
                             f"the request body is not a valid {message_type.__name__} message ({exc}): "
                             "send messages built from proto/stead/v1 of the same stead version") from exc
+        check_request(message)
+        return message
 
 
 class _Routes(dict[str, grpclib.const.Handler]):
