@@ -265,7 +265,10 @@ class Master:
         self._stack.callback(self.token_file.unlink, missing_ok=True)
         self._rpc = await self._stack.enter_async_context(
             RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file,
-                      max_message_bytes=self.settings.rpc_max_message_bytes, listen_fd=cfg.listen_fd))
+                      max_message_bytes=self.settings.rpc_max_message_bytes,
+                      max_connections=self.settings.rpc_max_connections,
+                      idle_timeout_s=self.settings.rpc_idle_timeout_s, auth_timeout_s=self.settings.rpc_auth_timeout_s,
+                      listen_fd=cfg.listen_fd))
         if self.metrics is not None:
             server = MetricsServer(self.metrics, host=cfg.host, port=cfg.metrics_port)
             self.metrics_url = server.url
