@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -112,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep printing new events as they are appended, until the job ends (and what plugins "
                         "record of its end, such as the scaler's resource figures, within a second after it)")
     e.add_argument("--json", action="store_true",
-                   help="one JSON object per event: seq, at (seconds since the epoch), type, data")
+                   help="one JSON object per event: seq, at (seconds since the epoch), type, data; strict JSON: a "
+                        "number that is not finite (NaN, Infinity, in a record an older stead wrote) is null")
     e.add_argument("--from-seq", type=int, default=1, help="start at this sequence number")
     _add_common(e)
 
@@ -336,7 +338,8 @@ async def _events(args: argparse.Namespace, settings: Settings) -> int:
             return format_record(item)
         if not hasattr(item, "event"):  # a record that cannot be decoded: say so in the same shape
             return json.dumps({"seq": getattr(item, "seq", None), "type": None, "error": str(item)})
-        return encode_record(item).decode()
+        return json.dumps(_finite(json.loads(encode_record(item))), separators=(",", ":"), sort_keys=True,
+                          allow_nan=False)
 
     store = await _open_existing(args, settings)
     try:
@@ -364,6 +367,17 @@ async def _events(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         await store.close()
     return 0
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite replaced by None: NaN and Infinity are not JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _existing_store(args: argparse.Namespace) -> str:

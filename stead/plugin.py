@@ -34,7 +34,8 @@ What is here:
 * the job's state: :class:`JobState`, :class:`JobPhase`, :class:`NodeState`, ...;
 * the default recovery policy (:func:`classify`, :func:`default_decision`);
 * errors, the store protocol, retry helpers;
-* RPC: :func:`invalid`, :func:`backend_errors` for servicers, :class:`RpcConnection`
+* RPC: :func:`invalid`, :func:`backend_errors` and the request checks (:func:`check_name`,
+  :func:`name_problem`, :func:`at_least`, :func:`finite_figure`) for servicers, :class:`RpcConnection`
   for clients, and ``proto`` (the generated messages of stead's services);
 * the node side: :class:`AgentExtension` (``stead.agent_extensions`` entry points),
   :class:`AgentContext`, :class:`RoundInfo`.
@@ -232,9 +233,24 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
     from stead.core.rpc import (
         read_token_file as read_token_file,
     )
+    from stead.core.rpc._checks import (
+        MAX_NODE_ID_CHARS as MAX_NODE_ID_CHARS,
+    )
+    from stead.core.rpc._checks import (
+        check_name as check_name,
+    )
+    from stead.core.rpc._checks import (
+        name_problem as name_problem,
+    )
     from stead.core.rpc._proto.stead import v1 as proto
     from stead.core.rpc._status import (
+        at_least as at_least,
+    )
+    from stead.core.rpc._status import (
         backend_errors as backend_errors,
+    )
+    from stead.core.rpc._status import (
+        finite_figure as finite_figure,
     )
     from stead.core.rpc._status import (
         invalid as invalid,
@@ -293,7 +309,8 @@ _WHERE = {
     "stead.core.plugins": ("NoSettings", "NodeTelemetry", "Plugin", "PluginContext"),
     "stead.core.retry": ("Backoff", "retrying"),
     "stead.core.rpc": ("RpcConnection", "read_token_file"),
-    "stead.core.rpc._status": ("backend_errors", "invalid"),
+    "stead.core.rpc._checks": ("MAX_NODE_ID_CHARS", "check_name", "name_problem"),
+    "stead.core.rpc._status": ("at_least", "backend_errors", "finite_figure", "invalid"),
     "stead.core.statemachine": ("JobPhase", "JobState", "NodePhase", "NodeState", "RendezvousState"),
     "stead.core.statemachine.policy": ("DEFAULT_DECIDER", "DETERMINISTIC", "classify", "default_decision",
                                        "last_exception"),
@@ -321,6 +338,7 @@ __all__ = [
     "JobSucceeded",
     "KeyValue",
     "LogCorrupt",
+    "MAX_NODE_ID_CHARS",
     "MembershipDecided",
     "NoSettings",
     "NodeExited",
@@ -365,15 +383,19 @@ __all__ = [
     "WorkerFailed",
     "WorkersStarted",
     "WorkersSucceeded",
+    "at_least",
     "backend_errors",
+    "check_name",
     "classify",
     "default_decision",
     "env_name",
     "event_kind",
+    "finite_figure",
     "invalid",
     "last_exception",
     "load_named",
     "load_settings",
+    "name_problem",
     "proto",
     "read_token_file",
     "retrying",

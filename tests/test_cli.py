@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from stead.core.events import JobStopped, JobSubmitted
+from stead.core.events import JobStopped, JobSubmitted, WorkerFailed
 from stead.core.events.log import EventLog
 from stead.core.goodput import PARTS
 from stead.core.rpc import MasterClient, RegisterInfo, read_token_file
@@ -100,6 +100,29 @@ def test_master_resumes_a_stored_job_and_events_and_status_show_it(tmp_path: Pat
     assert all(isinstance(r["at"], float) for r in records)
     followed = _stead("events", "--store", url, "--job", job, "--follow", cwd=tmp_path)  # ends with the job
     assert followed.returncode == 0 and followed.stdout.splitlines() == lines
+
+
+def test_events_json_is_strict_json_even_for_a_stored_nan(tmp_path: Path) -> None:
+    url, job = f"sqlite:///{tmp_path / 'nan.db'}", "nan-job"
+
+    async def seed() -> None:  # an older master accepted exited_at = NaN and stored it
+        store = await open_store(url)
+        try:
+            await EventLog(store, job).append(WorkerFailed(node_id="node-0", round=1, local_rank=0, rank=0,
+                                                           exit_code=1, exited_at=float("nan")))
+        finally:
+            await store.close()
+
+    anyio.run(seed)
+    shown = _stead("events", "--store", url, "--job", job, "--json", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+
+    def not_json(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON: {shown.stdout}")
+
+    (record,) = [json.loads(line, parse_constant=not_json) for line in shown.stdout.splitlines()]
+    assert record["type"] == "worker.failed" and record["data"]["exited_at"] is None
+    assert record["data"]["exit_code"] == 1
 
 
 def test_read_only_commands_on_an_unknown_job_say_so_and_create_nothing(tmp_path: Path) -> None:

@@ -123,8 +123,17 @@ class Settings:
     #: an RPC to the master that takes longer than this counts as "master unavailable"
     rpc_timeout_s: float = setting(5.0, min=0.001)
     #: the largest RPC message the master accepts, bytes (gRPC's own default is 4 MiB); a larger one is refused
-    #: RESOURCE_EXHAUSTED before it is decoded
+    #: RESOURCE_EXHAUSTED on its length prefix, before its body is read
     rpc_max_message_bytes: int = setting(4 << 20, min=64 << 10, max=1 << 30)
+    #: the most connections the master's RPC server holds (fewer where its open-files limit would run out first);
+    #: at the limit a new one makes it let go of an unauthenticated connection first, else of the one idle the
+    #: longest (each agent and each worker that reads sharded data holds one)
+    rpc_max_connections: int = setting(65_536, min=1)
+    #: a connection with no call open for this long is closed (an agent's command stream is a call: it stays);
+    #: the client's next call connects again
+    rpc_idle_timeout_s: float = setting(300.0, min=0.001)
+    #: a connection that made no call with the job's token within this long of opening is closed
+    rpc_auth_timeout_s: float = setting(10.0, min=0.001)
     #: polling interval of the sqlite watch (other processes' writes)
     sqlite_watch_poll_s: float = setting(0.05, min=0.001)
     #: how long workers get between SIGTERM and SIGKILL when stopped

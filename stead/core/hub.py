@@ -122,6 +122,11 @@ class AgentHub:
         #: registrations refused so far, shedding load
         self.shed = 0
         self._shed_logged = -math.inf
+        #: the worker failures this master recorded or is recording, by (node, incarnation, round, rank): done
+        #: True once on record, False if recording failed (a retry then records it)
+        self._failures: dict[tuple[str, int, int, int], asyncio.Future[bool]] = {}
+        #: the rounds before this one are forgotten from ``_failures``
+        self._failures_from = 0
 
     def _node(self, node_id: str, incarnation: int) -> _Node:
         node = self._nodes.get(node_id)
@@ -252,15 +257,53 @@ class AgentHub:
                 return
 
     async def report_failure(self, info: FailureInfo) -> None:
+        """Record a worker's failure once: the same failure reported again (the agent retried because the reply
+        was lost or slow) is acknowledged without a second record.
+
+        A failure is known by (node, incarnation, round, rank). This master remembers the ones it recorded, and
+        the ones it is recording (a retry waits for the first report's record, and records it itself if that
+        one failed); a master that took over finds the round's first failure, the one its decision is about, in
+        the job state (``last_failure``).
+        """
         if not self._check(info.node_id, info.incarnation):
             raise InvalidRequest(f"node {info.node_id} incarnation {info.incarnation} is not a live node")
+        key = (info.node_id, info.incarnation, info.round, info.rank)
+        while (recording := self._failures.get(key)) is not None:
+            if await asyncio.shield(recording):
+                log.info("worker_failure_repeated", node=info.node_id, rank=info.rank, round=info.round)
+                return
+            # the first report of it could not be recorded: this one tries
+        last = self._state().last_failure
+        if last is not None and (last.node_id, last.round, last.rank) == (info.node_id, info.round, info.rank):
+            log.info("worker_failure_repeated", node=info.node_id, rank=info.rank, round=info.round)
+            return  # (the live-node check above ties it to this incarnation: a relaunched node joins a later round)
+        self._forget_failures_before(info.round - 1)
+        recorded = self._failures[key] = asyncio.get_running_loop().create_future()
         log.warning("worker_failed", node=info.node_id, rank=info.rank, local_rank=info.local_rank,
                     exit_code=info.exit_code, signal=info.signal, round=info.round)
-        await self._submit(WorkerFailed(
-            node_id=info.node_id, round=info.round, local_rank=info.local_rank, rank=info.rank,
-            exit_code=info.exit_code, signal=info.signal, step=info.step, error_tail=info.error_tail,
-            exited_at=info.exited_at, oom=info.oom, gpu=info.gpu, exited_ok_ranks=info.exited_ok_ranks,
-        ))
+        try:
+            await self._submit(WorkerFailed(
+                node_id=info.node_id, round=info.round, local_rank=info.local_rank, rank=info.rank,
+                exit_code=info.exit_code, signal=info.signal, step=info.step, error_tail=info.error_tail,
+                exited_at=info.exited_at, oom=info.oom, gpu=info.gpu, exited_ok_ranks=info.exited_ok_ranks,
+            ))
+        except asyncio.CancelledError:  # the caller went away; the reactor records what it was given all the same
+            recorded.set_result(True)
+            raise
+        except BaseException:
+            del self._failures[key]
+            recorded.set_result(False)
+            raise
+        recorded.set_result(True)
+
+    def _forget_failures_before(self, round_: int) -> None:
+        """Drop what this master remembers of the failures of rounds before ``round_`` (whose retries are long
+        over): the memory holds about two rounds' failures."""
+        if round_ <= self._failures_from:
+            return
+        self._failures_from = round_
+        for key in [k for k, recording in self._failures.items() if k[2] < round_ and recording.done()]:
+            del self._failures[key]
 
     async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None:
         if not self._check(node_id, incarnation):

@@ -273,7 +273,10 @@ class Master:
         self._stack.push_async_callback(self._forget_token_if_ended)
         self._rpc = await self._stack.enter_async_context(
             RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file,
-                      max_message_bytes=self.settings.rpc_max_message_bytes, listen_fd=cfg.listen_fd))
+                      max_message_bytes=self.settings.rpc_max_message_bytes,
+                      max_connections=self.settings.rpc_max_connections,
+                      idle_timeout_s=self.settings.rpc_idle_timeout_s, auth_timeout_s=self.settings.rpc_auth_timeout_s,
+                      listen_fd=cfg.listen_fd))
         if self.metrics is not None:
             token = read_metrics_token(self.settings.metrics_token_file) if self.settings.metrics_token_file else None
             server = MetricsServer(self.metrics, host=self.settings.metrics_host, port=cfg.metrics_port, token=token)

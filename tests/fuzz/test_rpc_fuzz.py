@@ -7,12 +7,21 @@ call: the answer is OK or a status that says the caller was wrong (never INTERNA
 UNKNOWN), a refused call changes nothing in the store, and afterwards the master still
 serves and its memory did not grow without bound. ``STEAD_FUZZ_EXAMPLES`` sets the cases
 per method (``make chaos`` runs more).
+
+Then the cases a tester found by hand: a value one character over its bound in every
+string field of every method (and NaN in every float field), a length prefix that claims
+4 GiB, and thousands of connections that never authenticate. The master's peak RSS over
+the run is sampled and printed (``pytest -s``, or ``make chaos``) and held to a generous
+bound.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
+import resource
+import threading
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -32,16 +41,27 @@ from stead.core.events import JobSubmitted
 from stead.core.master import Master, MasterConfig
 from stead.core.platform import NodeSpec
 from stead.core.rpc import MasterClient, RegisterInfo, attach_token
+from stead.core.rpc._checks import FIELD_BOUNDS, MAX_TEXT_CHARS
 from stead.core.rpc._proto.stead.v1 import (
     AgentServiceBase,
     CheckpointServiceBase,
     ScalerServiceBase,
     ShardServiceBase,
 )
+from stead.testing.h2peer import RawPeer
 from stead.testing.platforms import RecordingPlatform
 
 EXAMPLES = int(os.environ.get("STEAD_FUZZ_EXAMPLES", "120"))
-MAX_MESSAGE = 64 << 10
+#: over every string field's bound (the longest, a stack dump, is 64 Ki characters)
+MAX_MESSAGE = 128 << 10
+#: the fuzz master's: the idle-connections case waits this long (and some) for the master to let them go
+AUTH_TIMEOUT_S = 1.0
+#: what this process's memory may grow by over the whole fuzz run: generous, the master runs in it beside
+#: hypothesis and the test's own clients (the 4 GiB-prefix probe alone took 290 MiB before the message limit was
+#: checked on the prefix; its own test holds it to far less)
+PEAK_GROWTH_BOUND = 512 << 20
+#: connections the idle-connections case opens (fewer where this process may not open that many files)
+IDLE_CONNECTIONS = 2000
 JOB = "fuzz"
 #: statuses that say the caller sent something wrong or came at the wrong time, each with a message
 CALLER_ERRORS = {Status.INVALID_ARGUMENT, Status.RESOURCE_EXHAUSTED, Status.FAILED_PRECONDITION, Status.NOT_FOUND,
@@ -114,11 +134,36 @@ def _spec(node_id: str, incarnation: int, address: str, token_file: str) -> Node
     return NodeSpec(job=JOB, node_id=node_id, incarnation=incarnation, command=("true",))
 
 
+class PeakRss:
+    """This process's resident memory (the master runs in it), sampled in a thread of its own; its peak."""
+
+    def __init__(self, every_s: float = 0.02) -> None:
+        self.start = self.peak = _rss()
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="fuzz-rss", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self.peak = max(self.peak, _rss())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _rss() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
 @dataclasses.dataclass
 class Running:
     portal: anyio.from_thread.BlockingPortal
     master: Master
     channel: Channel
+    rss: PeakRss
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +172,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     # no background writer (diagnosis's watch, the scaler's figures): what a call changes in the store is what the
     # call did
     settings_ = Settings(heartbeat_timeout_s=600.0, rpc_max_message_bytes=MAX_MESSAGE,
+                         rpc_auth_timeout_s=AUTH_TIMEOUT_S,
                          plugin_values={"diagnosis": {"hang_detection": "false", "stragglers": "false"},
                                         "scaler": {"sample_every_s": "86400", "policy_every_s": "86400"}})
     config = MasterConfig(job=JOB, store_url="memory://", settings=settings_, platform=RecordingPlatform(),
@@ -137,9 +183,11 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         portal.call(_register, master)  # one live node, so that some random calls reach the backends
         host, port = master.address.rsplit(":", 1)
         channel = portal.call(_channel, host, int(port), master.token)
+        rss = PeakRss()
         try:
-            yield Running(portal, master, channel)
+            yield Running(portal, master, channel, rss)
         finally:
+            rss.stop()
             portal.call(_close, channel)
 
 
@@ -174,7 +222,9 @@ async def _call(channel: Channel, route: str, handler: Handler, request: Any) ->
                     return None
                 await stream.cancel()
             else:
-                await stream.recv_message()
+                reply = await stream.recv_message()
+                if getattr(reply, "error", ""):  # a HeartbeatStream refuses a heartbeat in its reply
+                    return GRPCError(Status.INVALID_ARGUMENT, reply.error)
     except GRPCError as exc:
         return exc
     except StreamTerminatedError:  # the stream cancelled above
@@ -223,6 +273,109 @@ def test_an_oversized_request_is_resource_exhausted_and_changes_nothing(running:
     assert error is not None and error.status is Status.RESOURCE_EXHAUSTED, error
 
 
+def _field_paths(cls: type, kinds: frozenset[str], depth: int = 0) -> Iterator[tuple[tuple[str, ...], str]]:
+    """Every field of ``kinds`` in ``cls`` and the messages in it: (its path of field names, ``Owner.field``)."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        meta = field.metadata["betterproto"]
+        if meta.proto_type in kinds:
+            yield (field.name,), f"{cls.__name__}.{field.name}"
+        elif meta.proto_type == "message" and depth < 3:
+            for path, owner in _field_paths(_inner(hints[field.name]), kinds, depth + 1):
+                yield (field.name, *path), owner
+
+
+def _request_with(cls: type, path: tuple[str, ...], value: Any) -> Any:
+    """A ``cls`` message whose field at ``path`` holds ``value`` (a list of it where a field is repeated)."""
+    name, rest = path[0], path[1:]
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    inner = _request_with(_inner(typing.get_type_hints(cls)[name]), rest, value) if rest else value
+    return cls(**{name: [inner] if field.metadata["betterproto"].repeated else inner})
+
+
+def _cases(kinds: frozenset[str]) -> list[tuple[str, tuple[str, ...], str]]:
+    return [(route, path, owner) for route in sorted(ROUTES)
+            for path, owner in _field_paths(ROUTES[route].request_type, kinds)]
+
+
+STRING_FIELDS = _cases(frozenset({"string"}))
+FLOAT_FIELDS = _cases(frozenset({"double", "float"}))
+
+
+@pytest.mark.parametrize(("route", "path", "owner"), STRING_FIELDS,
+                         ids=[f"{r.rsplit('/', 1)[1]}:{'.'.join(p)}" for r, p, _ in STRING_FIELDS])
+def test_every_string_field_of_every_method_is_bounded(running: Running, route: str, path: tuple[str, ...],
+                                                        owner: str) -> None:
+    longest = FIELD_BOUNDS.get(owner, (MAX_TEXT_CHARS, ""))[0]
+    request = _request_with(ROUTES[route].request_type, path, "x" * (longest + 1))
+    error = check_one(running, route, request)
+    assert error is not None and error.status is Status.INVALID_ARGUMENT, (route, path, error)
+    assert f".{path[-1]} has {longest + 1} characters: send at most {longest}" in (error.message or ""), error
+
+
+@pytest.mark.parametrize(("route", "path", "owner"), FLOAT_FIELDS,
+                         ids=[f"{r.rsplit('/', 1)[1]}:{'.'.join(p)}" for r, p, _ in FLOAT_FIELDS])
+def test_every_float_field_of_every_method_must_be_finite(running: Running, route: str, path: tuple[str, ...],
+                                                          owner: str) -> None:
+    for value in (float("nan"), float("inf")):
+        error = check_one(running, route, _request_with(ROUTES[route].request_type, path, value))
+        assert error is not None and error.status is Status.INVALID_ARGUMENT, (route, path, value, error)
+        assert f".{path[-1]} is {value!r}: send a finite number" in (error.message or ""), error
+
+
+def test_a_length_prefix_that_claims_4_gib_is_refused_and_the_master_s_memory_stays_put(running: Running) -> None:
+    host, port = running.master.address.rsplit(":", 1)
+    before = _rss()
+
+    async def lie() -> Any:
+        async with await RawPeer.connect(host, int(port)) as peer:
+            return await peer.call("/stead.v1.AgentService/Heartbeat", running.master.token,
+                                   prefix=b"\x00\xff\xff\xff\xff", total=256 << 20)
+
+    answer = asyncio.run(lie())
+    after = _rss()
+    print(f"\n4 GiB length prefix + up to 256 MiB of body: the master let {answer.sent >> 10} KiB in; "
+          f"RSS {before >> 20} -> {after >> 20} MiB")
+    assert answer.status == Status.RESOURCE_EXHAUSTED.value and "rpc_max_message_bytes" in answer.message, answer
+    assert answer.sent <= 2 * MAX_MESSAGE, f"the master let {answer.sent} bytes in for a message it refused"
+    assert after - before < 64 << 20, f"the master grew by {(after - before) >> 20} MiB"
+
+
+def test_thousands_of_connections_that_never_authenticate_are_let_go(running: Running) -> None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    count = min(IDLE_CONNECTIONS, (soft - 512) // 2)  # each is two descriptors here: the peer's and the master's
+    host, port = running.master.address.rsplit(":", 1)
+    before = _rss()
+
+    async def hold() -> tuple[int, list[bool]]:
+        peers = [await RawPeer.connect(host, int(port)) for _ in range(count)]
+        try:
+            await asyncio.sleep(0.2)  # the master has taken each in (its preface and settings)
+            held = _rss()
+            closed = await asyncio.gather(*(p.closed_by_server(within_s=AUTH_TIMEOUT_S + 30.0) for p in peers))
+            return held, closed
+        finally:
+            for peer in peers:
+                await peer.close()
+
+    held, closed = asyncio.run(hold())
+    after = _rss()
+    print(f"\n{count} connections that never authenticate: RSS {before >> 20} -> {held >> 20} MiB while held, "
+          f"{after >> 20} MiB after the master let them go ({sum(closed)} of {count} closed by the master)")
+    assert all(closed), f"{closed.count(False)} of {count} unauthenticated connections were kept"
+    assert check_one(running, "/stead.v1.AgentService/Heartbeat", ROUTES["/stead.v1.AgentService/Heartbeat"]
+                     .request_type(node_id="node-0", incarnation=1, round=0, step=-1, workers_alive=0)) is None
+
+
+def test_the_master_s_peak_memory_over_the_fuzz_run_is_bounded(running: Running,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    peak, start = running.rss.peak, running.rss.start
+    with capsys.disabled():
+        print(f"\nthe master's peak RSS over the fuzz run: {peak >> 20} MiB ({start >> 20} MiB at its start, "
+              f"{EXAMPLES} examples per method)")
+    assert peak - start < PEAK_GROWTH_BOUND, f"the master's memory grew by {(peak - start) >> 20} MiB"
+
+
 def test_the_fuzz_strategies_fill_nested_messages() -> None:
     from stead.core.rpc._proto.stead.v1 import StacksReport
 
@@ -241,3 +394,4 @@ def test_every_served_route_is_fuzzed() -> None:
     assert {r.rsplit("/", 1)[0] for r in ROUTES} == {"/stead.v1.AgentService", "/stead.v1.CheckpointService",
                                                      "/stead.v1.ShardService", "/stead.v1.ScalerService"}
     assert len(ROUTES) == 20
+

@@ -305,6 +305,6 @@ async def test_the_batch_hint_of_a_round_the_job_has_not_started_is_answered_at_
                         add_rpc_handler=lambda _: None)
     servicer = ScalerServicer(ScalerPlugin(), ctx)
     with anyio.fail_after(60):
-        reply = await servicer.batch_hint(proto.BatchHintRequest(round=99))
+        reply = await servicer.batch_hint(proto.BatchHintRequest(node_id="node-0", round=99))
     assert reply.batch_scale == 1.0
     await store.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from collections.abc import Iterator
 from typing import NoReturn
@@ -13,7 +14,7 @@ from grpclib.exceptions import GRPCError
 
 from stead.core.errors import InvalidRequest, Overloaded, RetryableError, Unauthenticated
 
-__all__ = ["RETRY_AFTER", "backend_errors", "invalid", "retry_after"]
+__all__ = ["RETRY_AFTER", "at_least", "backend_errors", "finite_figure", "invalid", "retry_after"]
 
 #: how a shedding master writes its retry-after hint in a RESOURCE_EXHAUSTED answer's message
 RETRY_AFTER = re.compile(r"retry after (\d+(?:\.\d+)?) s")
@@ -30,6 +31,19 @@ def retry_after(message: str) -> float:
 def invalid(message: str) -> NoReturn:
     """Answer the call with INVALID_ARGUMENT; ``message`` names the field and says what to send."""
     raise GRPCError(Status.INVALID_ARGUMENT, message)
+
+
+def at_least(field: str, value: int | None, minimum: int, meaning: str) -> None:
+    """INVALID_ARGUMENT unless ``value`` is at least ``minimum`` (None: an optional field left unset, which is
+    fine); ``field`` is its path (``FailureReport.rank``), ``meaning`` why the bound holds."""
+    if value is not None and value < minimum:
+        invalid(f"{field} is {value}: it must be at least {minimum} ({meaning})")
+
+
+def finite_figure(field: str, value: float | None, unit: str) -> None:
+    """INVALID_ARGUMENT unless ``value`` is unset, or finite and >= 0 (a duration, a percentage, a time)."""
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        invalid(f"{field} is {value!r}: send a finite {unit} >= 0, or leave it unset")
 
 
 @contextlib.contextmanager

@@ -2,12 +2,13 @@
 
 A request with a bad field is answered INVALID_ARGUMENT with a message that
 names the field and says what to send; the backend only sees valid requests,
-as plain dataclasses.
+as plain dataclasses. Strings' lengths and floats' finiteness are checked for
+every request as it is decoded (:mod:`._checks`); what each field means is
+checked here.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncGenerator
 
 import grpclib.const
@@ -15,6 +16,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
+from stead.core.rpc._checks import MAX_NODE_ID_CHARS, check_name
 from stead.core.rpc._convert import (
     NO_STEP,
     command_to_proto,
@@ -42,54 +44,36 @@ from stead.core.rpc._proto.stead.v1 import (
     StacksReport,
     WorkersReport,
 )
-from stead.core.rpc._status import backend_errors, invalid
-from stead.core.rpc.backend import (
-    HEARTBEAT_STREAM_ROUTE,
-    MAX_BATCH_BEATS,
-    MAX_ERROR_TAIL_CHARS,
-    MAX_EVIDENCE_CHARS,
-    MAX_HOST_CHARS,
-    AgentBackend,
-)
+from stead.core.rpc._status import at_least, backend_errors, finite_figure, invalid
+from stead.core.rpc.backend import HEARTBEAT_STREAM_ROUTE, MAX_BATCH_BEATS, AgentBackend
 
 __all__ = ["AgentServicer", "check_node_id"]
 
 _COMMANDS_ROUTE = "/stead.v1.AgentService/Commands"
-_MAX_NODE_ID = 253  # the longest DNS name, so that a Kubernetes pod name always fits
-_BAD_NODE_ID_CHARS = frozenset(" /\\")
-#: bounds on a StacksReport: workers per node, characters per worker's dump
+#: workers a node runs at most (a StacksReport's entries, a FailureReport's ranks)
 _MAX_WORKERS = 1024
-_MAX_STACK_CHARS = 64 * 1024
 #: a node all-reduces with one partner per stage of a check, and a check has at most three stages
 _MAX_HEALTH_PEERS = 3
 
 
 def check_node_id(where: str, node_id: str) -> None:
-    """INVALID_ARGUMENT unless ``node_id`` is 1-253 printable ASCII characters without spaces or slashes."""
-    if not node_id:
-        invalid(f"{where}.node_id is empty: pass the node's id (the one the agent was started with)")
-    if (len(node_id) > _MAX_NODE_ID or not node_id.isascii() or not node_id.isprintable()
-            or _BAD_NODE_ID_CHARS & set(node_id)):
-        invalid(f"{where}.node_id {node_id[:_MAX_NODE_ID]!r} is not a valid node id: use 1-{_MAX_NODE_ID} "
-                "printable ASCII characters without spaces or slashes")
+    """INVALID_ARGUMENT unless ``node_id`` is a name (see :func:`~._checks.name_problem`) of at most 253
+    characters."""
+    check_name(where, node_id, max_chars=MAX_NODE_ID_CHARS, what="the node's id (the one the agent was started with)")
 
 
 def _check_node(where: str, node_id: str, incarnation: int) -> None:
-    check_node_id(where, node_id)
+    check_node_id(f"{where}.node_id", node_id)
     if incarnation < 1:
         invalid(f"{where}.incarnation is {incarnation}: incarnations start at 1; pass the node's launch count")
 
 
 def _at_least(where: str, field: str, value: int | None, minimum: int, meaning: str) -> None:
-    """``value`` (None: an optional field left unset, which is fine) is at least ``minimum``."""
-    if value is not None and value < minimum:
-        invalid(f"{where}.{field} is {value}: it must be at least {minimum} ({meaning})")
+    at_least(f"{where}.{field}", value, minimum, meaning)
 
 
 def _finite_figure(where: str, field: str, value: float | None, unit: str) -> None:
-    """An optional measured figure: unset, or finite and >= 0."""
-    if value is not None and not (math.isfinite(value) and value >= 0):
-        invalid(f"{where}.{field} is {value}: send a finite {unit} >= 0, or leave it unset")
+    finite_figure(f"{where}.{field}", value, unit)
 
 
 def _check_heartbeat(where: str, message: HeartbeatRequest) -> None:
@@ -116,9 +100,9 @@ class AgentServicer(AgentServiceBase):
         _check_node(where, message.node_id, message.incarnation)
         if not message.host:
             invalid(f"{where}.host is empty: pass the host name or address the agent runs on")
-        if len(message.host) > MAX_HOST_CHARS or not message.host.isascii() or not message.host.isprintable():
-            invalid(f"{where}.host {message.host[:64]!r}... ({len(message.host)} characters) is not a host name: "
-                    f"pass the agent's host name or address, at most {MAX_HOST_CHARS} printable ASCII characters")
+        if not message.host.isascii() or not message.host.isprintable():
+            invalid(f"{where}.host {message.host[:64]!r} is not a host name: pass the agent's host name or address, "
+                    "in printable ASCII characters")
         _at_least(where, "pid", message.pid, 1, "the agent's process id")
         _at_least(where, "nproc", message.nproc, 1, "the number of worker processes on the node")
         if message.nproc > _MAX_WORKERS:
@@ -165,18 +149,12 @@ class AgentServicer(AgentServiceBase):
         _at_least(where, "rank", message.rank, 0, "ranks count from 0")
         _at_least(where, "signal", message.signal, 1, "a signal number; leave it unset when none")
         _at_least(where, "step", message.step, 0, "a training step; leave it unset when none")
-        for name, text in (("oom", message.oom), ("gpu", message.gpu)):
-            if len(text) > MAX_EVIDENCE_CHARS:
-                invalid(f"{where}.{name} has {len(text)} characters: an evidence line is at most "
-                        f"{MAX_EVIDENCE_CHARS}; send the record itself, not a log")
+        _finite_figure(where, "exited_at", message.exited_at, "time in seconds since the epoch")
         if len(message.exited_ok_ranks) > _MAX_WORKERS:
             invalid(f"{where}.exited_ok_ranks has {len(message.exited_ok_ranks)} entries: a node runs at most "
                     f"{_MAX_WORKERS} workers")
         for i, rank in enumerate(message.exited_ok_ranks):
             _at_least(where, f"exited_ok_ranks[{i}]", rank, 0, "ranks count from 0")
-        if len(message.error_tail) > MAX_ERROR_TAIL_CHARS:
-            invalid(f"{where}.error_tail has {len(message.error_tail)} characters: send at most "
-                    f"{MAX_ERROR_TAIL_CHARS}, the end of the worker's stderr")
         with backend_errors("AgentService.ReportFailure"):
             await self._backend.report_failure(failure_from_proto(message))
         return Ack()
@@ -201,9 +179,7 @@ class AgentServicer(AgentServiceBase):
         for i, worker in enumerate(message.workers):
             _at_least(where, f"workers[{i}].local_rank", worker.local_rank, 0, "ranks count from 0")
             _at_least(where, f"workers[{i}].rank", worker.rank, 0, "ranks count from 0")
-            if len(worker.stack) > _MAX_STACK_CHARS:
-                invalid(f"{where}.workers[{i}].stack has {len(worker.stack)} characters: send at most "
-                        f"{_MAX_STACK_CHARS} (cut the dump)")
+            _at_least(where, f"workers[{i}].step", worker.step, 0, "a training step; leave it unset when none")
         with backend_errors("AgentService.ReportStacks"):
             await self._backend.report_stacks(stacks_from_proto(message))
         return Ack()
@@ -217,15 +193,9 @@ class AgentServicer(AgentServiceBase):
                     f"{_MAX_HEALTH_PEERS} partners in a check")
         for name, value in [("matmul_s", message.matmul_s), ("seconds", message.seconds),
                             *((f"collectives[{i}].seconds", c.seconds) for i, c in enumerate(message.collectives))]:
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                invalid(f"{where}.{name} is {value!r}: send a finite number of seconds, at least 0")
+            _finite_figure(where, name, value, "number of seconds")
         for i, c in enumerate(message.collectives):
             check_node_id(f"{where}.collectives[{i}].peer", c.peer)
-        texts = [("device", message.device), ("error", message.error),
-                 *((f"collectives[{i}].error", c.error) for i, c in enumerate(message.collectives))]
-        for name, text in texts:
-            if len(text) > MAX_EVIDENCE_CHARS:
-                invalid(f"{where}.{name} has {len(text)} characters: send at most {MAX_EVIDENCE_CHARS}")
         with backend_errors("AgentService.ReportHealth"):
             await self._backend.report_health(health_from_proto(message))
         return Ack()
@@ -240,9 +210,13 @@ class AgentServicer(AgentServiceBase):
 
     async def _serve_beats(self, stream: Stream[HeartbeatRequest, HeartbeatReply]) -> None:
         """One agent's heartbeats, a reply to each, until the agent ends the call: a bad heartbeat is answered
-        with its error and the call stays open; a master that cannot serve one ends the call."""
-        async for message in stream:
+        with its error and the call stays open (one refused as it was decoded too: its bytes were read); a
+        master that cannot serve one, or one over the message limit, ends the call."""
+        while True:
             try:
+                message = await stream.recv_message()
+                if message is None:
+                    return
                 _check_heartbeat("HeartbeatRequest", message)
                 with backend_errors("AgentService.HeartbeatStream"):
                     reply = HeartbeatReply(known=await self._backend.heartbeat(heartbeat_from_proto(message)))

@@ -4,27 +4,56 @@
 ``port=0``), serves until the block ends, then stops listening, cancels the
 calls in flight and closes every connection, so that clients see the master go
 (RpcUnavailable) instead of waiting on a stream that will never end.
+
+What a client can make the master hold is bounded before it is held:
+
+- a request message's length is checked on its 5-byte prefix, before its body is read
+  (``rpc_max_message_bytes``); the HTTP/2 flow-control windows (a stream's and the
+  connection's) are one message, so a client cannot push much more before the server reads;
+- a connection opens at most ``_MAX_STREAMS_PER_CONNECTION`` calls at once, with headers of at
+  most ``_MAX_HEADER_LIST_BYTES``;
+- connections are limited in number and let go when unauthenticated or idle (:mod:`._links`);
+- every string of a request is bounded and every float finite before a servicer sees it
+  (:mod:`._checks`, from the codec).
+
+This is the one module that reaches into grpclib 0.4.9's internals; what it relies on:
+``grpclib.protocol.Buffer.read`` (``recv_message`` reads a message's prefix with ``read(5)``, then its
+body with ``read(length)``, and opens the flow-control window as it takes each chunk),
+``grpclib.protocol.Stream.buffer`` (replaced in ``Handler.accept``, which ``EventsProcessor`` calls
+before it hands the stream any DATA), ``grpclib.protocol.EventsProcessor.streams`` (the connection's
+open calls), ``H2Protocol.connection``/``processor`` and ``Connection._connection`` (the h2
+connection), and ``Server._protocol_factory`` with the attributes it reads (``_mapping``, ``_codec``,
+``_status_details_codec``, ``__dispatch__``, ``_config``, ``_h2_config``, ``_handlers``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import resource
 import socket
-import weakref
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self, cast
 
 import grpclib.const
+import h2.exceptions
 import structlog
+from grpclib.config import Configuration
 from grpclib.const import Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError
-from grpclib.protocol import H2Protocol
-from grpclib.server import Server
+from grpclib.protocol import Buffer, H2Protocol
+from grpclib.protocol import Stream as H2Stream
+from grpclib.server import Handler, Server
+from h2.errors import ErrorCodes
+from h2.settings import SettingCodes
 
+from stead.core.config import Settings
 from stead.core.errors import ConfigError
+from stead.core.rpc._checks import check_request
+from stead.core.rpc._links import Link, Links
 from stead.core.rpc._proto.stead.v1 import Ack
 from stead.core.rpc.address import format_address
 from stead.core.rpc.auth import require_token
@@ -43,28 +72,55 @@ class Servicer(Protocol):
     def __mapping__(self) -> Mapping[str, grpclib.const.Handler]: ...
 
 
-#: the largest request body a server decodes unless told otherwise (gRPC's own default)
-DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+_DEFAULTS = Settings()
+#: the largest request body a server reads unless told otherwise (gRPC's own default)
+DEFAULT_MAX_MESSAGE_BYTES = _DEFAULTS.rpc_max_message_bytes
+#: calls one connection may have open at once (h2's own default, stated: an agent opens a few)
+_MAX_STREAMS_PER_CONNECTION = 100
+#: the largest header block of a call (gRPC's metadata limit is 8 KiB; a stead call sends well under 1 KiB)
+_MAX_HEADER_LIST_BYTES = 16 << 10
+#: HTTP/2's bounds on a flow-control window
+_MIN_WINDOW, _MAX_WINDOW = 65_535, 2**31 - 1
+#: a gRPC message's prefix: a compression flag and the body's length
+_PREFIX_BYTES = 5
+#: file descriptors the master keeps for itself (its store, logs, the sockets it opens) below its open-files limit
+_RESERVED_FDS = 256
+
+
+class _BoundedBuffer(Buffer):
+    """A call's incoming bytes, read no further than one message of at most ``max_bytes``.
+
+    ``recv_message`` asks for a message's body by the length its prefix claims: a claim over the limit is
+    refused before anything is taken, so the flow-control window stays shut and the client cannot send on.
+    """
+
+    def __init__(self, ack_callback: Callable[[int], None], max_bytes: int, what: str) -> None:
+        super().__init__(ack_callback)
+        self._max_bytes = max_bytes
+        self._what = what
+
+    async def read(self, size: int) -> bytes:
+        if size > self._max_bytes:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED,
+                            f"a {self._what} of {size} bytes is over this master's limit of {self._max_bytes} "
+                            "bytes (setting rpc_max_message_bytes); send less per call")
+        return await super().read(size)
 
 
 class _StrictProtoCodec(ProtoCodec):
-    """A request body that is not the expected message is INVALID_ARGUMENT, not an internal error; one over
-    ``max_bytes`` is RESOURCE_EXHAUSTED, refused before it is decoded (and so before anything is built from it)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
+    """A request body that is not the expected message is INVALID_ARGUMENT, not an internal error; a message
+    whose strings are over their bounds or whose floats are not finite is refused as it is decoded, before
+    any servicer sees it (see :func:`~._checks.check_request`)."""
 
     def decode(self, data: bytes, message_type: type[IProtoMessage]) -> IProtoMessage:
-        if len(data) > self.max_bytes:
-            raise GRPCError(Status.RESOURCE_EXHAUSTED,
-                            f"a {message_type.__name__} of {len(data)} bytes is over this master's limit of "
-                            f"{self.max_bytes} bytes (setting rpc_max_message_bytes); send less per call")
         try:
-            return super().decode(data, message_type)
+            message = super().decode(data, message_type)
         except Exception as exc:
             raise GRPCError(Status.INVALID_ARGUMENT,
                             f"the request body is not a valid {message_type.__name__} message ({exc}): "
                             "send messages built from proto/stead/v1 of the same stead version") from exc
+        check_request(message)
+        return message
 
 
 class _Routes(dict[str, grpclib.const.Handler]):
@@ -87,28 +143,126 @@ class _Routes(dict[str, grpclib.const.Handler]):
         return grpclib.const.Handler(unimplemented, grpclib.const.Cardinality.UNARY_UNARY, Ack, Ack)
 
 
+class _LinkRoutes:
+    """One connection's view of the method table: a call that reaches its method passed the token check
+    (grpclib runs the RecvRequest listeners first), which marks the connection authenticated."""
+
+    def __init__(self, routes: _Routes, links: Links, link: Link) -> None:
+        self._routes = routes
+        self._links = links
+        self._link = link
+
+    def get(self, key: str, default: Any = None) -> grpclib.const.Handler:
+        found: grpclib.const.Handler = self._routes.get(key)
+        links, link = self._links, self._link
+
+        async def authenticated(stream: Any) -> None:
+            links.authenticated(link)
+            await found.func(stream)
+
+        return grpclib.const.Handler(authenticated, found.cardinality, found.request_type, found.reply_type)
+
+    def request_name(self, key: str) -> str:
+        """What a call of ``key`` sends, for messages: its request type's name."""
+        found = dict.get(self._routes, key)
+        return found.request_type.__name__ if found is not None else "request message"
+
+
+class _Handler(Handler):
+    """grpclib's per-connection handler, whose calls read at most one bounded message at a time and keep the
+    connection's link up to date."""
+
+    def __init__(self, routes: _LinkRoutes, *args: Any, links: Links, link: Link, max_message_bytes: int) -> None:
+        super().__init__(cast(dict[str, grpclib.const.Handler], routes), *args)
+        self._routes = routes
+        self._links = links
+        self._link = link
+        self._max_message_bytes = max_message_bytes
+
+    def accept(self, stream: H2Stream, headers: Any, release_stream: Callable[[], Any]) -> None:
+        assert stream.id is not None
+        path = next((value for name, value in headers if name == ":path"), "")
+        stream.buffer = _BoundedBuffer(functools.partial(stream.connection.ack, stream.id), self._max_message_bytes,
+                                       self._routes.request_name(path))
+        links, link = self._links, self._link
+        links.active(link)
+
+        def release() -> Any:
+            links.active(link)
+            return release_stream()
+
+        super().accept(stream, headers, release)
+
+
+class _Protocol(H2Protocol):
+    """A connection: admitted under the connection limit, with stead's HTTP/2 limits, closed with a GOAWAY
+    that says why."""
+
+    def __init__(self, *args: Any, links: Links) -> None:
+        super().__init__(*args)
+        self._links = links
+        self.link = Link(close=self._close, busy=self._busy, peer="", now=links.now())
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        self.link.peer = format_address(*peer[:2]) if isinstance(peer, tuple) else str(peer)
+        h2_conn = self.connection._connection
+        h2_conn.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: _MAX_STREAMS_PER_CONNECTION,
+                                 SettingCodes.MAX_HEADER_LIST_SIZE: _MAX_HEADER_LIST_BYTES})
+        self.connection.flush()
+        if not self._links.admit(self.link):
+            self._close(f"this master holds its limit of {self._links.max_connections} connections (setting "
+                        "rpc_max_connections), each with a call open; try again later", ErrorCodes.ENHANCE_YOUR_CALM)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._links.gone(self.link)
+        super().connection_lost(exc)
+
+    def _busy(self) -> bool:
+        return bool(getattr(self, "processor", None) and self.processor.streams)
+
+    def _close(self, reason: str, code: ErrorCodes = ErrorCodes.NO_ERROR) -> None:
+        if not hasattr(self, "processor"):  # never connected
+            return
+        try:
+            self.connection._connection.close_connection(error_code=code, additional_data=reason.encode()[:1024])
+            self.connection.flush()
+        except (h2.exceptions.ProtocolError, AttributeError):  # closed already (AttributeError: its transport)
+            pass
+        self.processor.close(reason)
+
+
 class _Server(Server):
-    """grpclib's server, which also drops its open connections when closed, and says UNIMPLEMENTED clearly.
+    """grpclib's server with stead's limits (see the module docstring), which also drops its open
+    connections when closed, and says UNIMPLEMENTED clearly.
 
     ``Server.close`` stops listening and cancels the calls in flight, but leaves
     accepted connections open: their clients would wait forever on a stream and
     could still start new calls on a server that was stopped.
     """
 
-    def __init__(self, handlers: Collection[Servicer], **kwargs: Any) -> None:
-        super().__init__(handlers, **kwargs)
+    def __init__(self, handlers: Collection[Servicer], *, links: Links, max_message_bytes: int, **kwargs: Any) -> None:
+        window = min(max(max_message_bytes + _PREFIX_BYTES, _MIN_WINDOW), _MAX_WINDOW)
+        super().__init__(handlers, config=Configuration(http2_connection_window_size=window,
+                                                        http2_stream_window_size=window), **kwargs)
         self._mapping = _Routes(self._mapping)
-        self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
+        self._links = links
+        self._max_message_bytes = max_message_bytes
 
     def _protocol_factory(self) -> H2Protocol:
-        protocol = super()._protocol_factory()
-        self._protocols.add(protocol)
+        # grpclib's own, with a handler and a protocol of ours
+        self.__gc_step__()
+        protocol = _Protocol(None, self._config, self._h2_config, links=self._links)
+        handler = _Handler(_LinkRoutes(cast(_Routes, self._mapping), self._links, protocol.link), self._codec,
+                           self._status_details_codec, self.__dispatch__, links=self._links, link=protocol.link,
+                           max_message_bytes=self._max_message_bytes)
+        protocol.handler = handler
+        self._handlers.add(handler)
         return protocol
 
     def drop_connections(self) -> None:
-        for protocol in list(self._protocols):
-            if hasattr(protocol, "processor"):  # set once the connection is made
-                protocol.processor.close("the server was stopped")
+        self._links.close_all("the server was stopped")
 
 
 class RpcServer:
@@ -123,11 +277,17 @@ class RpcServer:
         port: int = 0,
         token_file: str | os.PathLike[str] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_connections: int = _DEFAULTS.rpc_max_connections,
+        idle_timeout_s: float = _DEFAULTS.rpc_idle_timeout_s,
+        auth_timeout_s: float = _DEFAULTS.rpc_auth_timeout_s,
         listen_fd: int | None = None,
     ) -> None:
         self._handlers = tuple(handlers)
         self._listen_fd = listen_fd
         self._max_message_bytes = max_message_bytes
+        self._max_connections = max_connections
+        self._idle_timeout_s = idle_timeout_s
+        self._auth_timeout_s = auth_timeout_s
         self._token = token
         self._token_file = token_file
         self._host = host
@@ -151,10 +311,18 @@ class RpcServer:
         """``host:port`` as a client passes it."""
         return format_address(self._host, self.port)
 
+    @property
+    def connections(self) -> int:
+        """The connections the server holds now."""
+        return len(self._server._links) if self._server is not None else 0
+
     async def __aenter__(self) -> Self:
         if self._server is not None:
             raise RuntimeError("RpcServer is already serving; use one `async with` per instance")
-        server = _Server(self._handlers, codec=_StrictProtoCodec(self._max_message_bytes))
+        links = Links(max_connections=_connection_limit(self._max_connections),
+                      idle_timeout_s=self._idle_timeout_s, auth_timeout_s=self._auth_timeout_s)
+        server = _Server(self._handlers, links=links, max_message_bytes=self._max_message_bytes,
+                         codec=_StrictProtoCodec())
         require_token(server, self._token, token_file=self._token_file)
         sock = await self._bind()
         try:
@@ -164,7 +332,8 @@ class RpcServer:
             raise
         self._server = server
         self._port = sock.getsockname()[1]
-        log.info("rpc_server_started", host=self._host, port=self._port)
+        log.info("rpc_server_started", host=self._host, port=self._port, max_connections=links.max_connections,
+                 max_message_bytes=self._max_message_bytes)
         return self
 
     async def __aexit__(
@@ -210,3 +379,15 @@ class RpcServer:
     def __repr__(self) -> str:
         port = self._port if self._port is not None else self._requested_port
         return f"RpcServer({format_address(self._host, port)})"
+
+
+def _connection_limit(wanted: int) -> int:
+    """``wanted``, or fewer where the process's open-files limit would run out first: past it, accepting
+    fails for everyone, where at the limit the server can still let an unused connection go for a new one."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or wanted <= soft - _RESERVED_FDS:
+        return wanted
+    capped = max(1, soft - _RESERVED_FDS)
+    log.info("rpc_max_connections_capped", wanted=wanted, max_connections=capped, open_files_limit=soft,
+             hint="raise the master's open-files limit (ulimit -n) to hold more connections")
+    return capped

@@ -15,7 +15,18 @@ import json
 
 import structlog
 
-from stead.plugin import CheckpointCommitted, Plugin, PluginContext, backend_errors, invalid, proto
+from stead.plugin import (
+    MAX_NODE_ID_CHARS,
+    CheckpointCommitted,
+    Plugin,
+    PluginContext,
+    at_least,
+    backend_errors,
+    check_name,
+    finite_figure,
+    invalid,
+    proto,
+)
 from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, released, save_seconds
 from stead.plugins.ckpt.events import CheckpointCorrupt, CheckpointPersisted, CheckpointRestored
 from stead.plugins.ckpt.settings import CheckpointSettings
@@ -132,6 +143,10 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
             self._changed.notify_all()
 
 
+def _check_node(where: str, node_id: str) -> None:
+    check_name(f"{where}.node_id", node_id, max_chars=MAX_NODE_ID_CHARS, what="the node's id (STEAD_NODE_ID)")
+
+
 def _check_world(world_size: int, ranks: list[int]) -> None:
     if not 1 <= world_size <= _MAX_WORLD:
         invalid(f"world_size={world_size} must be between 1 and {_MAX_WORLD}")
@@ -147,16 +162,22 @@ class CheckpointServicer(proto.CheckpointServiceBase):
         self._plugin = plugin
 
     async def report_saved(self, message: proto.ReportSavedRequest) -> proto.ReportSavedReply:
+        where = "ReportSavedRequest"
+        _check_node(where, message.node_id)
         ranks = [r.rank for r in message.ranks]
         _check_world(message.world_size, ranks)
         if message.tier not in TIERS:
             invalid(f"tier={message.tier!r} must be one of {TIERS}")
         if message.round < 0:
             invalid(f"round={message.round} must not be negative")
-        for r in message.ranks:
+        # memory: the newest step a rank passed, -1 before its first save(); disk: the step it wrote
+        first = -1 if message.tier == "memory" else 0
+        for i, r in enumerate(message.ranks):
+            at_least(f"{where}.ranks[{i}].step", r.step, first, f"a training step of the {message.tier} tier")
+            for j, held in enumerate(r.held_steps):
+                at_least(f"{where}.ranks[{i}].held_steps[{j}]", held, 0, "a training step")
             for step, seconds in r.seconds.items():
-                if not 0.0 <= seconds < float("inf"):
-                    invalid(f"seconds[{step}]={seconds} of rank {r.rank} must be a finite, non-negative duration")
+                finite_figure(f"{where}.ranks[{i}].seconds[{step}]", seconds, "duration in seconds")
         with backend_errors("CheckpointService.ReportSaved"):
             if message.tier == "disk":
                 steps = {r.step for r in message.ranks}
@@ -174,8 +195,15 @@ class CheckpointServicer(proto.CheckpointServiceBase):
         return proto.ReportSavedReply(committed_step=step, released=released)
 
     async def get_committed(self, message: proto.GetCommittedRequest) -> proto.GetCommittedReply:
-        if message.wait_s < 0 or message.wait_s != message.wait_s:
-            invalid(f"wait_s={message.wait_s} must be a non-negative number of seconds")
+        where = "GetCommittedRequest"
+        _check_node(where, message.node_id)
+        finite_figure(f"{where}.wait_s", message.wait_s, "number of seconds")
+        at_least(f"{where}.round", message.round, 0, "rendezvous rounds count from 0")
+        at_least(f"{where}.after_step", message.after_step, -1, "a training step, or -1 for none")
+        if len(message.ranks) > _MAX_WORLD:
+            invalid(f"{where}.ranks has {len(message.ranks)} entries: a world has at most {_MAX_WORLD} ranks")
+        for i, rank in enumerate(message.ranks):
+            at_least(f"{where}.ranks[{i}]", rank, 0, "ranks count from 0")
         with backend_errors("CheckpointService.GetCommitted"):
             book, freed = await self._plugin.committed(round_=message.round, after_step=message.after_step,
                                                        wait_s=message.wait_s, ranks=list(message.ranks))
@@ -185,17 +213,25 @@ class CheckpointServicer(proto.CheckpointServiceBase):
                                  released=[proto.RankStep(rank=r, step=s) for r, s in freed.items()])
 
     async def report_restored(self, message: proto.ReportRestoredRequest) -> proto.Ack:
+        where = "ReportRestoredRequest"
+        _check_node(where, message.node_id)
         _check_world(message.world_size, [message.rank])
         if message.tier not in (*TIERS, "none"):
             invalid(f"tier={message.tier!r} must be memory, disk or none")
+        at_least(f"{where}.round", message.round, 0, "rendezvous rounds count from 0")
+        at_least(f"{where}.step", message.step, -1, "a training step, or -1 when nothing was restored")
         with backend_errors("CheckpointService.ReportRestored"):
             await self._plugin.restored(round_=message.round, world_size=message.world_size, rank=message.rank,
                                         step=message.step, tier=message.tier)
         return proto.Ack()
 
     async def report_corrupt(self, message: proto.ReportCorruptRequest) -> proto.Ack:
+        where = "ReportCorruptRequest"
+        _check_node(where, message.node_id)
         if message.tier not in TIERS:
             invalid(f"tier={message.tier!r} must be one of {TIERS}")
+        at_least(f"{where}.rank", message.rank, 0, "ranks count from 0")
+        at_least(f"{where}.step", message.step, 0, "a training step")
         with backend_errors("CheckpointService.ReportCorrupt"):
             await self._plugin.corrupt(node_id=message.node_id, rank=message.rank, step=message.step,
                                        tier=message.tier, detail=message.detail)

@@ -37,6 +37,7 @@ import time
 
 from stead.core.quantity import QuantityError, format_bytes, parse_quantity
 from stead.plugin import (
+    MAX_NODE_ID_CHARS,
     JobFailed,
     JobStopped,
     JobSucceeded,
@@ -52,7 +53,9 @@ from stead.plugin import (
     RecoveryDecided,
     RetryableError,
     RoundStarted,
+    at_least,
     backend_errors,
+    check_name,
     invalid,
     proto,
 )
@@ -433,12 +436,16 @@ class ScalerServicer(proto.ScalerServiceBase):
         self._ctx = ctx
 
     async def scale(self, message: proto.ScaleRequest) -> proto.ScaleReply:
+        # ``by`` and ``reason`` are bounded as the request is decoded (the server refuses longer ones)
         with backend_errors("ScalerService.Scale"):
-            target, previous, why = await self._plugin.request(self._ctx, nodes=message.nodes, by=message.by[:200],
-                                                               reason=message.reason[:500])
+            target, previous, why = await self._plugin.request(self._ctx, nodes=message.nodes, by=message.by,
+                                                               reason=message.reason)
         return proto.ScaleReply(target=target, previous=previous, reason=why)
 
     async def batch_hint(self, message: proto.BatchHintRequest) -> proto.BatchHintReply:
+        check_name("BatchHintRequest.node_id", message.node_id, max_chars=MAX_NODE_ID_CHARS,
+                   what="the node's id (STEAD_NODE_ID)")
+        at_least("BatchHintRequest.round", message.round, 0, "rendezvous rounds count from 0 (STEAD_ROUND)")
         # a round the job has started is one this plugin will see start: wait for it (the agent's call times out
         # after rpc_timeout_s); a round the job has not started may never come, and is answered at once
         started = message.round <= self._ctx.current_state().rdzv.round

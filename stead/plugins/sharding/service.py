@@ -13,13 +13,12 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import structlog
 
-from stead.plugin import Event, InvalidRequest, Record, StateStore
+from stead.plugin import Event, InvalidRequest, Record, StateStore, name_problem
 from stead.plugins.sharding.events import DatasetRegistered, LeasesReleased, ShardRoundRefused, ShardRoundStarted
 from stead.plugins.sharding.intervals import SlotMap
 from stead.plugins.sharding.journal import Journal, load_ledger
@@ -31,7 +30,8 @@ __all__ = ["ShardService", "StreamId"]
 
 log = structlog.get_logger("stead.plugins.sharding")
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+#: the longest dataset name (it is part of the dataset's store keys)
+_MAX_NAME_CHARS = 200
 Emit = Callable[[Event], Awaitable[Record | None]]
 
 
@@ -60,9 +60,9 @@ class _Dataset:
 
 
 def check_name(name: str) -> str:
-    if not _NAME.match(name):
-        raise InvalidRequest(f"dataset name {name!r} is not valid: use 1 to 200 letters, digits, '.', '_' or '-', "
-                             "starting with a letter or digit")
+    problem = name_problem("the dataset name", name, max_chars=_MAX_NAME_CHARS)
+    if problem is not None:
+        raise InvalidRequest(problem)
     return name
 
 

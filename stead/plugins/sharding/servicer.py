@@ -6,11 +6,41 @@ instead; a store that is down, UNAVAILABLE (the worker's client retries).
 
 from __future__ import annotations
 
-from stead.plugin import InvalidRequest, backend_errors, proto
+from typing import Protocol
+
+from stead.plugin import MAX_NODE_ID_CHARS, InvalidRequest, at_least, backend_errors, check_name, proto
 from stead.plugins.sharding.ledger import CursorState, DatasetSpec, Range
 from stead.plugins.sharding.service import ShardService, StreamId
 
 __all__ = ["ShardServicer", "cursor_from_proto", "cursor_to_proto"]
+
+#: the longest nonce a worker sends (it sends 16 hex digits, or static-<rank>)
+_MAX_NONCE_CHARS = 64
+
+
+class _StreamRequest(Protocol):
+    """What every call about one rank's stream carries."""
+
+    dataset: str
+    node_id: str
+    rank: int
+    round: int
+    world_size: int
+    nonce: str
+
+
+def _stream_id(message: _StreamRequest) -> StreamId:
+    """Who asks; INVALID_ARGUMENT for an id that is not a name or a negative round or rank (the dataset's name and
+    the world are checked by the service)."""
+    where = type(message).__name__
+    check_name(f"{where}.node_id", message.node_id, max_chars=MAX_NODE_ID_CHARS,
+               what="the node's id (STEAD_NODE_ID), or this host's name")
+    check_name(f"{where}.nonce", message.nonce, max_chars=_MAX_NONCE_CHARS, what="the id the sampler made")
+    at_least(f"{where}.round", message.round, 0, "rendezvous rounds count from 0 (STEAD_ROUND)")
+    at_least(f"{where}.rank", message.rank, 0, "ranks count from 0")
+    return StreamId(message.dataset, message.round, message.rank, message.world_size, message.node_id,
+                    message.nonce)
+
 
 def _shards(ranges: tuple[Range, ...]) -> list[proto.Shard]:
     return [proto.Shard(part=p, start=s, end=e) for p, s, e in ranges]
@@ -46,8 +76,7 @@ class ShardServicer(proto.ShardServiceBase):
         return proto.Ack()
 
     async def lease_shards(self, message: proto.LeaseShardsRequest) -> proto.LeaseShardsReply:
-        who = StreamId(message.dataset, message.round, message.rank, message.world_size, message.node_id,
-                       message.nonce)
+        who = _stream_id(message)
         with backend_errors("ShardService.LeaseShards"):
             answer = await self.service.lease(who, epoch=message.epoch, have=message.have, count=message.count,
                                               consumed=message.consumed, wait_s=message.wait_s)
@@ -56,16 +85,14 @@ class ShardServicer(proto.ShardServiceBase):
                                 lease_timeout_s=self.service.settings.lease_timeout_s)
 
     async def complete_shards(self, message: proto.CompleteShardsRequest) -> proto.Ack:
-        who = StreamId(message.dataset, message.round, message.rank, message.world_size, message.node_id,
-                       message.nonce)
+        who = _stream_id(message)
         with backend_errors("ShardService.CompleteShards"):
             await self.service.report(who, consumed=message.consumed, epoch=message.epoch,
                                       release_rest=message.release_rest)
         return proto.Ack()
 
     async def save_cursor(self, message: proto.SaveCursorRequest) -> proto.SaveCursorReply:
-        who = StreamId(message.dataset, message.round, message.rank, message.world_size, message.node_id,
-                       message.nonce)
+        who = _stream_id(message)
         with backend_errors("ShardService.SaveCursor"):
             cursor = await self.service.save(who, consumed=message.consumed, epochs=message.epochs,
                                              wait_s=message.wait_s)
@@ -74,8 +101,7 @@ class ShardServicer(proto.ShardServiceBase):
         return proto.SaveCursorReply(ready=True, cursor=cursor_to_proto(cursor))
 
     async def restore_cursor(self, message: proto.RestoreCursorRequest) -> proto.Ack:
-        who = StreamId(message.dataset, message.round, message.rank, message.world_size, message.node_id,
-                       message.nonce)
+        who = _stream_id(message)
         with backend_errors("ShardService.RestoreCursor"):
             await self.service.restore(who, cursor_from_proto(message.cursor))
         return proto.Ack()

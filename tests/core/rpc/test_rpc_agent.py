@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 from grpclib.client import Channel
-from grpclib.const import Status
+from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 
 from stead.core.errors import InvalidRequest, RpcUnavailable, StoreUnavailable, Unauthenticated
@@ -28,6 +28,8 @@ from stead.core.rpc import (
 )
 from stead.core.rpc._proto.stead.v1 import (
     AgentServiceStub,
+    HeartbeatReply,
+    HeartbeatRequest,
     LeaseShardsRequest,
     ShardServiceStub,
     WorkersReport,
@@ -153,12 +155,39 @@ async def test_a_health_report_reaches_the_backend_as_the_event_it_is(client: Ma
      "HealthReport.collectives"),
     (lambda c: c.report_health(dataclasses.replace(HEALTH, error="x" * 5000)), "HealthReport.error"),
     (lambda c: c.report_workers("node-0", 1, -1, "started"), "WorkersReport.round"),
+    (lambda c: c.register(RegisterInfo(**{**REGISTER.__dict__, "node_id": ".."})), "RegisterRequest.node_id"),
+    (lambda c: c.register(RegisterInfo(**{**REGISTER.__dict__, "node_id": "../../x y"})), "RegisterRequest.node_id"),
+    (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "phase": "p" * (2 << 20)})),
+     "HeartbeatRequest.phase has 2097152 characters: send at most 24"),
+    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "exited_at": float("nan")})),
+     "FailureReport.exited_at is nan: send a finite number"),
+    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "exited_at": -1.0})), "FailureReport.exited_at"),
+    (lambda c: c.report_health(dataclasses.replace(HEALTH, device="d" * 300)),
+     "HealthReport.device has 300 characters: send at most 256"),
 ])
 async def test_malformed_requests_are_rejected_with_the_field_named(client: MasterClient, backend: Any, call: Any,
                                                                     field: str) -> None:
     with pytest.raises(InvalidRequest, match=re.escape(field)):
         await call(client)
     assert backend.calls == 0
+
+
+async def test_a_heartbeat_refused_as_it_is_decoded_leaves_the_heartbeat_stream_open(server: RpcServer, token: str,
+                                                                                     backend: Any) -> None:
+    channel = Channel(server.host, server.port)
+    attach_token(channel, token)
+    try:
+        async with channel.request("/stead.v1.AgentService/HeartbeatStream", Cardinality.STREAM_STREAM,
+                                   HeartbeatRequest, HeartbeatReply, timeout=10) as stream:
+            await stream.send_message(HeartbeatRequest(node_id="node-0", incarnation=1, cpu_percent=float("nan")))
+            refused = await stream.recv_message()
+            await stream.send_message(HeartbeatRequest(node_id="node-0", incarnation=1), end=True)
+            taken = await stream.recv_message()
+    finally:
+        channel.close()
+    assert refused is not None and "HeartbeatRequest.cpu_percent is nan" in refused.error and not refused.known
+    assert taken is not None and taken.known and not taken.error
+    assert len(backend.heartbeats) == 1
 
 
 async def test_a_command_stream_for_a_bad_node_is_rejected(client: MasterClient, backend: Any) -> None:

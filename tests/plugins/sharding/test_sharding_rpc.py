@@ -92,10 +92,11 @@ async def test_bad_input_is_invalid_argument_saying_what_to_do_and_changes_nothi
     attach_token(channel, token)
     try:
         with pytest.raises(GRPCError) as caught:
-            await ShardServiceStub(channel).lease_shards(LeaseShardsRequest(dataset="no such", count=1), timeout=10)
+            await ShardServiceStub(channel).lease_shards(LeaseShardsRequest(dataset="no such", node_id="node-0",
+                                                                            nonce="n0", count=1), timeout=10)
     finally:
         channel.close()
-    assert caught.value.status == Status.INVALID_ARGUMENT and "is not valid" in (caught.value.message or "")
+    assert caught.value.status == Status.INVALID_ARGUMENT and "is not a valid name" in (caught.value.message or "")
 
 
 async def test_a_cursor_made_over_rpc_restores_a_later_round(

@@ -167,7 +167,7 @@ async def test_requests_for_unknown_datasets_and_bad_names_are_refused(store: St
     service = _service(store)
     with pytest.raises(InvalidRequest, match="dataset 'nope' is not registered; create the sampler"):
         await service.lease(StreamId("nope", 1, 0, 1, "n", "x"), epoch=0, have=0, count=1, consumed=0)
-    with pytest.raises(InvalidRequest, match="dataset name 'a/b' is not valid"):
+    with pytest.raises(InvalidRequest, match="dataset name 'a/b' is not a valid name"):
         await service.register(DatasetSpec(name="a/b", shard_size=1, size=1))
     with pytest.raises(InvalidRequest, match="shard_size=0 must be at least 1"):
         await service.register(DatasetSpec(name="z", shard_size=0, size=1))
