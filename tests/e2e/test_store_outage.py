@@ -105,10 +105,10 @@ def _records(cwd: Path, store: str, kind: str) -> list[dict[str, object]]:
     return [r["data"] for r in map(json.loads, out.stdout.splitlines()) if r["type"] == kind]
 
 
-def _finish(cwd: Path, run: subprocess.Popen[bytes], outage: Callable[[], None]) -> None:
-    """Let the job step, run ``outage``, let it step on, then have it stop; it must exit 0."""
+def _finish(cwd: Path, run: subprocess.Popen[bytes], outage: Callable[[], None], *, before: int = 20) -> None:
+    """Let the job take ``before`` steps, run ``outage``, let it step on, then have it stop; it must exit 0."""
     try:
-        _wait_for(lambda: _last_step(cwd) >= 20, "its first 20 steps", cwd, run)
+        _wait_for(lambda: _last_step(cwd) >= before, f"its first {before} steps", cwd, run)
         outage()
         after = _last_step(cwd)
         _wait_for(lambda: _last_step(cwd) >= after + 20, "20 steps after the outage", cwd, run)
@@ -154,7 +154,9 @@ def test_an_etcd_frozen_for_30_s_costs_no_step_and_no_restart(tmp_path: Path, et
         finally:
             etcd.resume()
 
-    _finish(tmp_path, run, freeze)
+    # long enough before the freeze for the hang detector to have learnt the job's pace (a few progress records):
+    # until then its allowance is first_step_s, longer than the freeze
+    _finish(tmp_path, run, freeze, before=100)
     _assert_untouched(tmp_path, etcd.url)
     assert '"hang_not_confirmed"' in (tmp_path / "stderr.log").read_text()
 

@@ -171,7 +171,8 @@ class LocalPlatform:
             identity = json.dumps({"node_id": spec.node_id, "incarnation": spec.incarnation}) + "\n"
             stdin = spare.process.stdin
             try:
-                if spare.process.returncode is not None or stdin is None:
+                # a spare killed a moment ago may not be reaped yet, and a write to its pipe may not fail at once
+                if spare.process.returncode is not None or stdin is None or not is_alive(spare.process.pid):
                     raise anyio.BrokenResourceError
                 await stdin.send(identity.encode())
                 await stdin.aclose()
