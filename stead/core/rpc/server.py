@@ -14,7 +14,9 @@ What a client can make the master hold is bounded before it is held:
   most ``_MAX_HEADER_LIST_BYTES``;
 - connections are limited in number and let go when unauthenticated or idle (:mod:`._links`);
 - every string of a request is bounded and every float finite before a servicer sees it
-  (:mod:`._checks`, from the codec).
+  (:mod:`._checks`, from the codec);
+- a refusal for a limit says so in its status details, so that clients do not send the same request again
+  (:mod:`._refusals`).
 
 This is the one module that reaches into grpclib 0.4.9's internals; what it relies on:
 ``grpclib.protocol.Buffer.read`` (``recv_message`` reads a message's prefix with ``read(5)``, then its
@@ -55,6 +57,7 @@ from stead.core.errors import ConfigError
 from stead.core.rpc._checks import check_request
 from stead.core.rpc._links import Link, Links
 from stead.core.rpc._proto.stead.v1 import Ack
+from stead.core.rpc._refusals import RefusalCodec, over_limit
 from stead.core.rpc.address import format_address
 from stead.core.rpc.auth import require_token
 
@@ -101,9 +104,8 @@ class _BoundedBuffer(Buffer):
 
     async def read(self, size: int) -> bytes:
         if size > self._max_bytes:
-            raise GRPCError(Status.RESOURCE_EXHAUSTED,
-                            f"a {self._what} of {size} bytes is over this master's limit of {self._max_bytes} "
-                            "bytes (setting rpc_max_message_bytes); send less per call")
+            over_limit(f"a {self._what} of {size} bytes is over this master's limit of {self._max_bytes} "
+                       "bytes (setting rpc_max_message_bytes); send less per call")
         return await super().read(size)
 
 
@@ -245,7 +247,8 @@ class _Server(Server):
     def __init__(self, handlers: Collection[Servicer], *, links: Links, max_message_bytes: int, **kwargs: Any) -> None:
         window = min(max(max_message_bytes + _PREFIX_BYTES, _MIN_WINDOW), _MAX_WINDOW)
         super().__init__(handlers, config=Configuration(http2_connection_window_size=window,
-                                                        http2_stream_window_size=window), **kwargs)
+                                                        http2_stream_window_size=window),
+                         status_details_codec=RefusalCodec(), **kwargs)
         self._mapping = _Routes(self._mapping)
         self._links = links
         self._max_message_bytes = max_message_bytes
