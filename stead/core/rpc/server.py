@@ -13,8 +13,9 @@ What a client can make the master hold is bounded before it is held:
 - a connection opens at most ``_MAX_STREAMS_PER_CONNECTION`` calls at once, with headers of at
   most ``_MAX_HEADER_LIST_BYTES``;
 - connections are limited in number and let go when unauthenticated or idle (:mod:`._links`);
-- every string of a request is bounded and every float finite before a servicer sees it
-  (:mod:`._checks`, from the codec);
+- every count of a request is bounded before it is decoded, and nothing a valid message does not hold is decoded
+  (:mod:`._wire`, from the codec); every string of a request is bounded and every float finite before a
+  servicer sees it (:mod:`._checks`);
 - a refusal for a limit says so in its status details, so that clients do not send the same request again
   (:mod:`._refusals`).
 
@@ -58,6 +59,7 @@ from stead.core.rpc._checks import check_request
 from stead.core.rpc._links import Link, Links
 from stead.core.rpc._proto.stead.v1 import Ack
 from stead.core.rpc._refusals import RefusalCodec, over_limit
+from stead.core.rpc._wire import check_wire
 from stead.core.rpc.address import format_address
 from stead.core.rpc.auth import require_token
 
@@ -110,11 +112,16 @@ class _BoundedBuffer(Buffer):
 
 
 class _StrictProtoCodec(ProtoCodec):
-    """A request body that is not the expected message is INVALID_ARGUMENT, not an internal error; a message
-    whose strings are over their bounds or whose floats are not finite is refused as it is decoded, before
-    any servicer sees it (see :func:`~._checks.check_request`)."""
+    """A request body that is not the expected message is INVALID_ARGUMENT, not an internal error; one whose
+    counts are over their bounds is refused before it is decoded (see :func:`~._wire.check_wire`), and one
+    whose strings are over their bounds or whose floats are not finite as it is decoded, before any servicer
+    sees it (see :func:`~._checks.check_request`)."""
+
+    def __init__(self, world_size: Callable[[], int | None]) -> None:
+        self._world_size = world_size
 
     def decode(self, data: bytes, message_type: type[IProtoMessage]) -> IProtoMessage:
+        check_wire(data, message_type, world_size=self._world_size())
         try:
             message = super().decode(data, message_type)
         except Exception as exc:
@@ -284,8 +291,12 @@ class RpcServer:
         idle_timeout_s: float = _DEFAULTS.rpc_idle_timeout_s,
         auth_timeout_s: float = _DEFAULTS.rpc_auth_timeout_s,
         listen_fd: int | None = None,
+        world_size: Callable[[], int | None] = lambda: None,
     ) -> None:
+        """``world_size``: the job's largest world (MAX nodes x processes per node), None before there is a job;
+        every list of a request with one entry per rank holds at most that many."""
         self._handlers = tuple(handlers)
+        self._world_size = world_size
         self._listen_fd = listen_fd
         self._max_message_bytes = max_message_bytes
         self._max_connections = max_connections
@@ -325,7 +336,7 @@ class RpcServer:
         links = Links(max_connections=_connection_limit(self._max_connections),
                       idle_timeout_s=self._idle_timeout_s, auth_timeout_s=self._auth_timeout_s)
         server = _Server(self._handlers, links=links, max_message_bytes=self._max_message_bytes,
-                         codec=_StrictProtoCodec())
+                         codec=_StrictProtoCodec(self._world_size))
         require_token(server, self._token, token_file=self._token_file)
         sock = await self._bind()
         try:
