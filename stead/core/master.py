@@ -164,6 +164,11 @@ class Master:
     def phase(self) -> JobPhase:
         return self.state.phase
 
+    def _largest_world(self) -> int | None:
+        """The most ranks the job can have (MAX nodes x processes per node); None before it is submitted."""
+        spec = self.state.spec
+        return spec.max_nodes * spec.nproc_per_node if spec is not None else None
+
     @property
     def address(self) -> str:
         assert self._rpc is not None, "the master is not running"
@@ -276,7 +281,7 @@ class Master:
                       max_message_bytes=self.settings.rpc_max_message_bytes,
                       max_connections=self.settings.rpc_max_connections,
                       idle_timeout_s=self.settings.rpc_idle_timeout_s, auth_timeout_s=self.settings.rpc_auth_timeout_s,
-                      listen_fd=cfg.listen_fd))
+                      listen_fd=cfg.listen_fd, world_size=self._largest_world))
         if self.metrics is not None:
             token = read_metrics_token(self.settings.metrics_token_file) if self.settings.metrics_token_file else None
             server = MetricsServer(self.metrics, host=self.settings.metrics_host, port=cfg.metrics_port, token=token)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Self
 
@@ -38,6 +39,8 @@ class RawAnswer:
     #: the gRPC status the server answered with (grpc-status), None when it answered none
     status: int | None
     message: str
+    #: the headers and trailers the server answered with (grpc-status, grpc-message, its own metadata)
+    headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 class RawPeer:
@@ -73,15 +76,15 @@ class RawPeer:
             await self._writer.wait_closed()
 
     async def call(self, path: str, token: str, *, prefix: bytes, total: int, patience_s: float = 10.0) -> RawAnswer:
-        """Open a call of ``path`` and send ``prefix`` (a message's 5-byte prefix, say), then filler bytes up to
-        ``total`` as fast as the server's windows allow, until the server answers, or lets nothing more through
-        for ``patience_s``."""
+        """Open a call of ``path`` and send ``prefix`` (a message's 5-byte prefix, or a whole message), then filler
+        bytes up to ``total`` as fast as the server's windows allow, until the server answers, or lets nothing
+        more through for ``patience_s``."""
         conn = self._conn
         stream = conn.get_next_available_stream_id()
         conn.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", path),
                                    (":authority", self.host), ("content-type", "application/grpc+proto"),
                                    ("te", "trailers"), ("authorization", f"Bearer {token}")])
-        pending, sent = prefix, 0
+        sent = 0
         headers: dict[str, str] = {}
         filler = b"\0" * conn.max_outbound_frame_size
         answered = False
@@ -90,10 +93,9 @@ class RawPeer:
                 room = min(conn.local_flow_control_window(stream), conn.max_outbound_frame_size, total - sent)
                 if room <= 0:
                     break
-                chunk = (pending + filler)[:room]
-                pending = pending[len(chunk):]
-                conn.send_data(stream, chunk)
-                sent += len(chunk)
+                chunk = prefix[sent:sent + room]
+                conn.send_data(stream, chunk + filler[:room - len(chunk)])
+                sent += room
             self._writer.write(conn.data_to_send())
             await self._writer.drain()
             try:
@@ -114,7 +116,7 @@ class RawPeer:
             self._writer.write(conn.data_to_send())
         status = headers.get("grpc-status")
         return RawAnswer(sent=sent, status=int(status) if status is not None else None,
-                         message=headers.get("grpc-message", ""))
+                         message=headers.get("grpc-message", ""), headers=headers)
 
     async def server_settings(self, within_s: float = 0.5) -> dict[int, int]:
         """The HTTP/2 settings the server announced (what it sent within ``within_s``, acknowledged)."""

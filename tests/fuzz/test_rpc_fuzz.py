@@ -9,8 +9,9 @@ serves and its memory did not grow without bound. ``STEAD_FUZZ_EXAMPLES`` sets t
 per method (``make chaos`` runs more).
 
 Then the cases a tester found by hand: a value one character over its bound in every
-string field of every method (and NaN in every float field), a length prefix that claims
-4 GiB, and thousands of connections that never authenticate. The master's peak RSS over
+string field of every method (and NaN in every float field), one entry over its bound in
+every repeated field of every method (refused before it is decoded), a length prefix that
+claims 4 GiB, and thousands of connections that never authenticate. The master's peak RSS over
 the run is sampled and printed (``pytest -s``, or ``make chaos``) and held to a generous
 bound.
 """
@@ -48,12 +49,15 @@ from stead.core.rpc._proto.stead.v1 import (
     ScalerServiceBase,
     ShardServiceBase,
 )
-from stead.testing.h2peer import RawPeer
+from stead.core.rpc._wire import COUNT_BOUNDS
+from stead.testing.h2peer import RawAnswer, RawPeer
 from stead.testing.platforms import RecordingPlatform
+from stead.testing.wire import body_with, grpc_frame, repeated_fields
 
 EXAMPLES = int(os.environ.get("STEAD_FUZZ_EXAMPLES", "120"))
-#: over every string field's bound (the longest, a stack dump, is 64 Ki characters)
-MAX_MESSAGE = 128 << 10
+#: over every string field's bound (the longest, a stack dump, is 64 Ki characters) and over the cheapest list one
+#: entry over its bound (the longest, a cursor's 2**18 + 1 empty ranges, is 512 KiB)
+MAX_MESSAGE = 1 << 20
 #: the fuzz master's: the idle-connections case waits this long (and some) for the master to let them go
 AUTH_TIMEOUT_S = 1.0
 #: what this process's memory may grow by over the whole fuzz run: generous, the master runs in it beside
@@ -321,6 +325,31 @@ def test_every_float_field_of_every_method_must_be_finite(running: Running, rout
         error = check_one(running, route, _request_with(ROUTES[route].request_type, path, value))
         assert error is not None and error.status is Status.INVALID_ARGUMENT, (route, path, value, error)
         assert f".{path[-1]} is {value!r}: send a finite number" in (error.message or ""), error
+
+
+BOUNDED_FIELDS = [(route, path, owner) for route in sorted(ROUTES)
+                  for path, owner in repeated_fields(ROUTES[route].request_type)]
+
+
+@pytest.mark.parametrize(("route", "path", "owner"), BOUNDED_FIELDS,
+                         ids=[f"{r.rsplit('/', 1)[1]}:{'.'.join(p)}" for r, p, _ in BOUNDED_FIELDS])
+def test_every_repeated_field_of_every_method_is_refused_one_entry_over_its_bound(
+        running: Running, route: str, path: tuple[str, ...], owner: tuple[str, int]) -> None:
+    bound, spec = COUNT_BOUNDS[owner], running.master.state.spec
+    assert spec is not None
+    most = min(bound.most, spec.max_nodes * spec.nproc_per_node) if bound.per_rank else bound.most
+    frame = grpc_frame(body_with(ROUTES[route].request_type, path, most + 1))
+    host, port = running.master.address.rsplit(":", 1)
+    before = running.portal.call(_revision, running.master)
+
+    async def send() -> RawAnswer:
+        async with await RawPeer.connect(host, int(port)) as peer:
+            return await peer.call(route, running.master.token, prefix=frame, total=len(frame))
+
+    answer = running.portal.call(send)
+    assert answer.status == Status.RESOURCE_EXHAUSTED.value, (route, path, answer)
+    assert f".{path[-1]} has {most + 1} entries or more: send at most {most} (" in answer.message, answer
+    assert running.portal.call(_revision, running.master) == before, f"{route} was refused but wrote the store"
 
 
 def test_a_length_prefix_that_claims_4_gib_is_refused_and_the_master_s_memory_stays_put(running: Running) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import Iterator
 from typing import NoReturn
 
@@ -13,19 +12,11 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from stead.core.errors import InvalidRequest, Overloaded, RetryableError, Unauthenticated
+from stead.core.rpc._refusals import Refusal
 
-__all__ = ["RETRY_AFTER", "at_least", "backend_errors", "finite_figure", "invalid", "retry_after"]
-
-#: how a shedding master writes its retry-after hint in a RESOURCE_EXHAUSTED answer's message
-RETRY_AFTER = re.compile(r"retry after (\d+(?:\.\d+)?) s")
+__all__ = ["at_least", "backend_errors", "finite_figure", "invalid"]
 
 log = structlog.get_logger()
-
-
-def retry_after(message: str) -> float:
-    """The retry-after hint in a shedding master's answer; 0 when it has none."""
-    found = RETRY_AFTER.search(message)
-    return float(found.group(1)) if found else 0.0
 
 
 def invalid(message: str) -> NoReturn:
@@ -58,7 +49,8 @@ def backend_errors(method: str) -> Iterator[None]:
     except Unauthenticated as exc:
         raise GRPCError(Status.UNAUTHENTICATED, str(exc)) from exc
     except Overloaded as exc:  # not logged per call: a storm of them is what shedding is for
-        raise GRPCError(Status.RESOURCE_EXHAUSTED, f"{method}: {exc} (retry after {exc.retry_after_s:.2f} s)") from exc
+        raise GRPCError(Status.RESOURCE_EXHAUSTED, f"{method}: {exc} (retry after {exc.retry_after_s:.2f} s)",
+                        Refusal(retry_after_s=exc.retry_after_s)) from exc
     except RetryableError as exc:
         log.warning("rpc_backend_unavailable", method=method, error=str(exc))
         raise GRPCError(Status.UNAVAILABLE, f"{method}: {exc}") from exc

@@ -2,9 +2,9 @@
 
 A request with a bad field is answered INVALID_ARGUMENT with a message that
 names the field and says what to send; the backend only sees valid requests,
-as plain dataclasses. Strings' lengths and floats' finiteness are checked for
-every request as it is decoded (:mod:`._checks`); what each field means is
-checked here.
+as plain dataclasses. Counts are checked for every request before it is decoded
+(:mod:`._wire`), strings' lengths and floats' finiteness as it is decoded
+(:mod:`._checks`); what each field means is checked here.
 """
 
 from __future__ import annotations
@@ -45,15 +45,11 @@ from stead.core.rpc._proto.stead.v1 import (
     WorkersReport,
 )
 from stead.core.rpc._status import at_least, backend_errors, finite_figure, invalid
-from stead.core.rpc.backend import HEARTBEAT_STREAM_ROUTE, MAX_BATCH_BEATS, AgentBackend
+from stead.core.rpc.backend import HEARTBEAT_STREAM_ROUTE, MAX_NODE_WORKERS, AgentBackend
 
 __all__ = ["AgentServicer", "check_node_id"]
 
 _COMMANDS_ROUTE = "/stead.v1.AgentService/Commands"
-#: workers a node runs at most (a StacksReport's entries, a FailureReport's ranks)
-_MAX_WORKERS = 1024
-#: a node all-reduces with one partner per stage of a check, and a check has at most three stages
-_MAX_HEALTH_PEERS = 3
 
 
 def check_node_id(where: str, node_id: str) -> None:
@@ -105,8 +101,8 @@ class AgentServicer(AgentServiceBase):
                     "in printable ASCII characters")
         _at_least(where, "pid", message.pid, 1, "the agent's process id")
         _at_least(where, "nproc", message.nproc, 1, "the number of worker processes on the node")
-        if message.nproc > _MAX_WORKERS:
-            invalid(f"{where}.nproc is {message.nproc}: a node runs at most {_MAX_WORKERS} workers")
+        if message.nproc > MAX_NODE_WORKERS:
+            invalid(f"{where}.nproc is {message.nproc}: a node runs at most {MAX_NODE_WORKERS} workers")
         with backend_errors("AgentService.Register"):
             result = await self._backend.register(register_from_proto(message))
         return register_reply_to_proto(result)
@@ -118,9 +114,6 @@ class AgentServicer(AgentServiceBase):
         return HeartbeatReply(known=known)
 
     async def heartbeats(self, message: HeartbeatBatch) -> HeartbeatBatchReply:
-        if len(message.beats) > MAX_BATCH_BEATS:
-            invalid(f"HeartbeatBatch.beats has {len(message.beats)} entries: send at most {MAX_BATCH_BEATS} per call "
-                    "(split the batch)")
         for i, beat in enumerate(message.beats):
             _check_heartbeat(f"HeartbeatBatch.beats[{i}]", beat)
         with backend_errors("AgentService.Heartbeats"):
@@ -150,9 +143,6 @@ class AgentServicer(AgentServiceBase):
         _at_least(where, "signal", message.signal, 1, "a signal number; leave it unset when none")
         _at_least(where, "step", message.step, 0, "a training step; leave it unset when none")
         _finite_figure(where, "exited_at", message.exited_at, "time in seconds since the epoch")
-        if len(message.exited_ok_ranks) > _MAX_WORKERS:
-            invalid(f"{where}.exited_ok_ranks has {len(message.exited_ok_ranks)} entries: a node runs at most "
-                    f"{_MAX_WORKERS} workers")
         for i, rank in enumerate(message.exited_ok_ranks):
             _at_least(where, f"exited_ok_ranks[{i}]", rank, 0, "ranks count from 0")
         with backend_errors("AgentService.ReportFailure"):
@@ -174,8 +164,6 @@ class AgentServicer(AgentServiceBase):
         where = "StacksReport"
         _check_node(where, message.node_id, message.incarnation)
         _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
-        if len(message.workers) > _MAX_WORKERS:
-            invalid(f"{where}.workers has {len(message.workers)} entries: a node runs at most {_MAX_WORKERS} workers")
         for i, worker in enumerate(message.workers):
             _at_least(where, f"workers[{i}].local_rank", worker.local_rank, 0, "ranks count from 0")
             _at_least(where, f"workers[{i}].rank", worker.rank, 0, "ranks count from 0")
@@ -188,9 +176,6 @@ class AgentServicer(AgentServiceBase):
         where = "HealthReport"
         _check_node(where, message.node_id, message.incarnation)
         _at_least(where, "check", message.check, 1, "health checks count from 1")
-        if len(message.collectives) > _MAX_HEALTH_PEERS:
-            invalid(f"{where}.collectives has {len(message.collectives)} entries: a node all-reduces with at most "
-                    f"{_MAX_HEALTH_PEERS} partners in a check")
         for name, value in [("matmul_s", message.matmul_s), ("seconds", message.seconds),
                             *((f"collectives[{i}].seconds", c.seconds) for i, c in enumerate(message.collectives))]:
             _finite_figure(where, name, value, "number of seconds")

@@ -24,7 +24,9 @@ __all__ = [
     "MAX_BATCH_BEATS",
     "MAX_ERROR_TAIL_CHARS",
     "MAX_EVIDENCE_CHARS",
+    "MAX_HEALTH_PEERS",
     "MAX_HOST_CHARS",
+    "MAX_NODE_WORKERS",
     "RegisterInfo",
     "RegisterResult",
     "StartWorkersCmd",
@@ -49,6 +51,10 @@ MAX_BATCH_BEATS = 10_000
 HEARTBEAT_STREAM_ROUTE = "/stead.v1.AgentService/HeartbeatStream"
 #: the longest host name an agent may announce (a DNS name)
 MAX_HOST_CHARS = 253
+#: the most workers one node runs (its nproc, a StacksReport's entries, a FailureReport's ranks)
+MAX_NODE_WORKERS = 1024
+#: the most partners a node all-reduces with in a health check: one per stage, and a check has at most three stages
+MAX_HEALTH_PEERS = 3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -3,9 +3,12 @@
 :class:`MasterClient` mirrors :class:`~stead.core.rpc.backend.AgentBackend` (the
 same dataclasses in and out); plugins build their clients on :class:`RpcConnection`. A master
 that cannot be reached raises :class:`~stead.core.errors.RpcUnavailable`, which
-:func:`retrying` retries with exponential backoff; a refused token raises
-:class:`~stead.core.errors.Unauthenticated` and a rejected request
-:class:`~stead.core.errors.InvalidRequest`, which are not retried.
+:func:`retrying` retries with exponential backoff (no sooner than a shedding master's
+retry-after); a refused token raises :class:`~stead.core.errors.Unauthenticated` and a
+rejected request :class:`~stead.core.errors.InvalidRequest`, which are not retried: a
+request over one of the master's limits (its size, a field's count) is one of those,
+told apart from a master shedding load by the status details the server sends
+(:mod:`._refusals`).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from stead.core.rpc._proto.stead.v1 import (
     HeartbeatRequest,
     WorkersReport,
 )
-from stead.core.rpc._status import retry_after
+from stead.core.rpc._refusals import Refusal, RefusalCodec
 from stead.core.rpc.address import parse_address
 from stead.core.rpc.auth import attach_token, check_token
 from stead.core.rpc.backend import (
@@ -70,7 +73,8 @@ log = structlog.get_logger()
 
 T = TypeVar("T")
 
-# Statuses after which the same call may succeed later: the master is restarting, overloaded or failing.
+# Statuses after which the same call may succeed later: the master is restarting, overloaded or failing (a
+# RESOURCE_EXHAUSTED that says the request is over a limit is not retried: see RpcConnection._from_status).
 _RETRYABLE = frozenset({
     Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED, Status.RESOURCE_EXHAUSTED, Status.ABORTED,
     Status.CANCELLED, Status.UNKNOWN, Status.INTERNAL,
@@ -98,7 +102,7 @@ class RpcConnection:
     def open(self) -> None:
         if self._channel is not None:
             raise RuntimeError("the client is already open; use one `async with` per instance")
-        channel = Channel(self.host, self.port)
+        channel = Channel(self.host, self.port, status_details_codec=RefusalCodec())
         attach_token(channel, self._token)
         self._channel = channel
 
@@ -145,10 +149,14 @@ class RpcConnection:
             return Unauthenticated(f"{method}: the master at {self.address} refused the job token: {detail}")
         if exc.status == Status.INVALID_ARGUMENT:
             return InvalidRequest(f"{method}: {detail}")
+        refusal = exc.details if isinstance(exc.details, Refusal) else Refusal()
+        if refusal.over_limit:
+            return InvalidRequest(f"{method}: the master at {self.address} refused the request as over its limits "
+                                  f"({exc.status.name}): {detail}; the same request is refused every time")
         if exc.status in _RETRYABLE:
             unavailable = RpcUnavailable(f"{method}: the master at {self.address} answered {exc.status.name}: "
                                          f"{detail}; retry later")
-            unavailable.retry_after_s = retry_after(detail)
+            unavailable.retry_after_s = refusal.retry_after_s
             return unavailable
         return PermanentError(f"{method}: the master at {self.address} answered {exc.status.name}: {detail}; "
                               "run the master and the agents with the same stead version")

@@ -13,8 +13,11 @@ What a client can make the master hold is bounded before it is held:
 - a connection opens at most ``_MAX_STREAMS_PER_CONNECTION`` calls at once, with headers of at
   most ``_MAX_HEADER_LIST_BYTES``;
 - connections are limited in number and let go when unauthenticated or idle (:mod:`._links`);
-- every string of a request is bounded and every float finite before a servicer sees it
-  (:mod:`._checks`, from the codec).
+- every count of a request is bounded before it is decoded, and nothing a valid message does not hold is decoded
+  (:mod:`._wire`, from the codec); every string of a request is bounded and every float finite before a
+  servicer sees it (:mod:`._checks`);
+- a refusal for a limit says so in its status details, so that clients do not send the same request again
+  (:mod:`._refusals`).
 
 This is the one module that reaches into grpclib 0.4.9's internals; what it relies on:
 ``grpclib.protocol.Buffer.read`` (``recv_message`` reads a message's prefix with ``read(5)``, then its
@@ -55,6 +58,8 @@ from stead.core.errors import ConfigError
 from stead.core.rpc._checks import check_request
 from stead.core.rpc._links import Link, Links
 from stead.core.rpc._proto.stead.v1 import Ack
+from stead.core.rpc._refusals import RefusalCodec, over_limit
+from stead.core.rpc._wire import check_wire
 from stead.core.rpc.address import format_address
 from stead.core.rpc.auth import require_token
 
@@ -101,18 +106,22 @@ class _BoundedBuffer(Buffer):
 
     async def read(self, size: int) -> bytes:
         if size > self._max_bytes:
-            raise GRPCError(Status.RESOURCE_EXHAUSTED,
-                            f"a {self._what} of {size} bytes is over this master's limit of {self._max_bytes} "
-                            "bytes (setting rpc_max_message_bytes); send less per call")
+            over_limit(f"a {self._what} of {size} bytes is over this master's limit of {self._max_bytes} "
+                       "bytes (setting rpc_max_message_bytes); send less per call")
         return await super().read(size)
 
 
 class _StrictProtoCodec(ProtoCodec):
-    """A request body that is not the expected message is INVALID_ARGUMENT, not an internal error; a message
-    whose strings are over their bounds or whose floats are not finite is refused as it is decoded, before
-    any servicer sees it (see :func:`~._checks.check_request`)."""
+    """A request body that is not the expected message is INVALID_ARGUMENT, not an internal error; one whose
+    counts are over their bounds is refused before it is decoded (see :func:`~._wire.check_wire`), and one
+    whose strings are over their bounds or whose floats are not finite as it is decoded, before any servicer
+    sees it (see :func:`~._checks.check_request`)."""
+
+    def __init__(self, world_size: Callable[[], int | None]) -> None:
+        self._world_size = world_size
 
     def decode(self, data: bytes, message_type: type[IProtoMessage]) -> IProtoMessage:
+        check_wire(data, message_type, world_size=self._world_size())
         try:
             message = super().decode(data, message_type)
         except Exception as exc:
@@ -245,7 +254,8 @@ class _Server(Server):
     def __init__(self, handlers: Collection[Servicer], *, links: Links, max_message_bytes: int, **kwargs: Any) -> None:
         window = min(max(max_message_bytes + _PREFIX_BYTES, _MIN_WINDOW), _MAX_WINDOW)
         super().__init__(handlers, config=Configuration(http2_connection_window_size=window,
-                                                        http2_stream_window_size=window), **kwargs)
+                                                        http2_stream_window_size=window),
+                         status_details_codec=RefusalCodec(), **kwargs)
         self._mapping = _Routes(self._mapping)
         self._links = links
         self._max_message_bytes = max_message_bytes
@@ -281,8 +291,12 @@ class RpcServer:
         idle_timeout_s: float = _DEFAULTS.rpc_idle_timeout_s,
         auth_timeout_s: float = _DEFAULTS.rpc_auth_timeout_s,
         listen_fd: int | None = None,
+        world_size: Callable[[], int | None] = lambda: None,
     ) -> None:
+        """``world_size``: the job's largest world (MAX nodes x processes per node), None before there is a job;
+        every list of a request with one entry per rank holds at most that many."""
         self._handlers = tuple(handlers)
+        self._world_size = world_size
         self._listen_fd = listen_fd
         self._max_message_bytes = max_message_bytes
         self._max_connections = max_connections
@@ -322,7 +336,7 @@ class RpcServer:
         links = Links(max_connections=_connection_limit(self._max_connections),
                       idle_timeout_s=self._idle_timeout_s, auth_timeout_s=self._auth_timeout_s)
         server = _Server(self._handlers, links=links, max_message_bytes=self._max_message_bytes,
-                         codec=_StrictProtoCodec())
+                         codec=_StrictProtoCodec(self._world_size))
         require_token(server, self._token, token_file=self._token_file)
         sock = await self._bind()
         try:

@@ -200,8 +200,6 @@ class CheckpointServicer(proto.CheckpointServiceBase):
         finite_figure(f"{where}.wait_s", message.wait_s, "number of seconds")
         at_least(f"{where}.round", message.round, 0, "rendezvous rounds count from 0")
         at_least(f"{where}.after_step", message.after_step, -1, "a training step, or -1 for none")
-        if len(message.ranks) > _MAX_WORLD:
-            invalid(f"{where}.ranks has {len(message.ranks)} entries: a world has at most {_MAX_WORLD} ranks")
         for i, rank in enumerate(message.ranks):
             at_least(f"{where}.ranks[{i}]", rank, 0, "ranks count from 0")
         with backend_errors("CheckpointService.GetCommitted"):
