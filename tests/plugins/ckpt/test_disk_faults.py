@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -24,3 +25,23 @@ def test_a_step_that_cannot_be_completed_on_disk_is_reported_failed_and_later_st
         assert ckpt.wait_persisted(timeout=30) == 2  # the agent still persists
     assert _disk.read_tracker(root) == 2 and not _disk.is_complete(root, 1)
     cluster.stop_agent()  # and stops
+
+
+def test_a_corrupt_step_on_disk_leaves_the_state_passed_to_load_untouched(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.agent()
+    cluster.round(1)
+    with cluster.worker() as ckpt:
+        assert ckpt.save(1, {"a": torch.full((64,), 1.0), "b": torch.full((64,), 2.0)}, persist=True)
+        assert ckpt.wait_persisted(timeout=30) == 1
+    cluster.kill_agent()  # the memory is lost: the step is restored from disk
+    root = tmp_path / "ckpt" / cluster.job
+    data = root / "step_1" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[json.loads((root / "step_1" / "rank_0.json").read_bytes())["tensors"][1]["file_offset"]] ^= 0x01
+    data.write_bytes(bytes(raw))
+    cluster.agent(incarnation=2)
+    cluster.round(2)
+    state = {"a": torch.zeros(64), "b": torch.zeros(64)}
+    with cluster.worker(round_=2) as ckpt:
+        assert ckpt.load(state) is None  # no older step
+    assert torch.equal(state["a"], torch.zeros(64)) and torch.equal(state["b"], torch.zeros(64))
