@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-__all__ = ["checksum", "sum64", "with_digest", "without_digest"]
+__all__ = ["checksum", "hasher", "sum64", "with_digest", "without_digest"]
 
 _MASK = (1 << 64) - 1
 _LENGTH_MIX = 0x9E3779B97F4A7C15
@@ -24,9 +24,14 @@ _DIGEST = b',"digest":"'
 
 def checksum(buf: memoryview | bytes | bytearray) -> int:
     """XXH3-64 of ``buf``'s bytes."""
-    state = xxhash.xxh3_64()
+    state = hasher()
     state.update(memoryview(buf).cast("B"))
     return state.intdigest()
+
+
+def hasher() -> xxhash.xxh3_64:
+    """An XXH3-64 state to feed piece by piece (``update``, then ``intdigest``): :func:`checksum` of the whole."""
+    return xxhash.xxh3_64()
 
 
 def sum64(buf: memoryview | bytes | bytearray) -> int:

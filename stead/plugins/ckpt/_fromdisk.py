@@ -1,7 +1,8 @@
 """Restoring a persisted step from stead's manifests and raw tensor bytes: nothing on disk is unpickled.
 
-At the world size that saved it (:func:`read_step`), a rank reads its own tensors'
-bytes straight into the destination tensors, each checked against its XXH3 checksum.
+At the world size that saved it (:func:`read_step`), a rank reads a copy's tensors' bytes
+straight into the destination tensors once the whole file, open on the same handle, was
+checked against the XXH3 checksums (:func:`_disk.verify_data`): nothing unverified reaches them.
 
 At another world size, with sharded tensors (FSDP2, DTensor), torch.distributed.checkpoint
 plans the reshard (:func:`read_resharded`), but reads nothing itself: it is handed the
@@ -31,17 +32,17 @@ from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 __all__ = ["read_resharded", "read_step"]
 
 
-def read_step(manifest: _disk.Manifest, template: Mapping[str, Any] | None) -> dict[Any, Any]:
-    """The state ``manifest`` describes, its tensors copied into ``template``'s where it has them."""
+def read_step(manifest: _disk.Manifest, template: Mapping[str, Any] | None, handle: Any) -> dict[Any, Any]:
+    """The state ``manifest`` describes, read from its data file open as ``handle`` and checked whole by
+    :func:`_disk.verify_data` on that handle, its tensors copied into ``template``'s where it has them."""
     metas = _metas(manifest)
-    with _disk.open_data(manifest) as handle:
 
-        def leaf(index: int, path: tuple[object, ...]) -> Any:
-            existing = find(template, path) if template is not None else None
-            return _read_leaf(manifest, handle, index, metas[index], existing, path)
+    def leaf(index: int, path: tuple[object, ...]) -> Any:
+        existing = find(template, path) if template is not None else None
+        return _read_leaf(manifest, handle, index, metas[index], existing, path, verified=True)
 
-        with torch.no_grad():
-            return as_dict(decode(manifest.tree, leaf, where=str(manifest.dir)))
+    with torch.no_grad():
+        return as_dict(decode(manifest.tree, leaf, where=str(manifest.dir)))
 
 
 def read_resharded(manifest: _disk.Manifest, given: Template, *, world: int) -> dict[Any, Any]:
@@ -97,13 +98,14 @@ def _metas(manifest: _disk.Manifest) -> list[TensorMeta]:
 
 
 def _read_leaf(manifest: _disk.Manifest, handle: Any, index: int, meta: TensorMeta, existing: Any,
-               path: tuple[object, ...]) -> Any:
-    """Tensor ``index`` of ``manifest``, read (and checked) into ``existing`` when it fits, else into a new one."""
+               path: tuple[object, ...], *, verified: bool = False) -> Any:
+    """Tensor ``index`` of ``manifest``, read into ``existing`` when it fits, else into a new one: checked as it is
+    read unless the file open as ``handle`` was ``verified`` whole."""
     value, target = destination(meta, existing, path)
     if target.device.type == "cpu" and target.is_contiguous():
-        _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(target))
+        _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(target), check=not verified)
     else:
         staging = torch.empty(meta.shape, dtype=target.dtype)
-        _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(staging))
+        _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(staging), check=not verified)
         target.copy_(staging)
     return value

@@ -611,8 +611,12 @@ class NodeCheckpoints:
                         written.setdefault(job.step, []).append((state, time.perf_counter() - started))
                 for step, wrote in written.items():
                     world = wrote[0][0].world
-                    complete = await anyio.to_thread.run_sync(_finish, self.root, step, world,
-                                                              self.ckpt.keep_last)
+                    try:
+                        complete = await anyio.to_thread.run_sync(_finish, self.root, step, world,
+                                                                  self.ckpt.keep_last)
+                    except Exception as exc:  # a full disk, a read-only directory: later steps are still written
+                        self._not_completed(step, [state for state, _ in wrote], exc)
+                        continue
                     if complete:
                         log.info("ckpt_step_on_disk", step=step, path=str(_disk.step_dir(self.root, step)))
                     for state, _ in wrote:
@@ -627,6 +631,16 @@ class NodeCheckpoints:
                         self._want_persist(state, deferred)
                 self._persisting = False
                 self._idle.set()
+
+    def _not_completed(self, step: int, states: list[RankMemory], exc: Exception) -> None:
+        """Completing ``step`` on disk failed (its ``.metadata``, the tracker): it is not persisted, and whoever
+        waits for it is told so."""
+        log.error("ckpt_persist_failed", step=step, ranks=sorted(s.rank for s in states), error=str(exc) or repr(exc),
+                  effect="the step is not persisted (no .metadata, not in the tracker); later steps still are",
+                  hint=f"check that {self.root} is writable and has room", exc_info=not isinstance(exc, OSError))
+        for state in states:
+            state.persist_failed = max(state.persist_failed, step)
+            state.notify()
 
     async def _persist_one(self, state: RankMemory, job: PersistJob) -> bool:
         control = state.control

@@ -14,7 +14,9 @@ is restarting) the save is skipped, and later saves are skipped without waiting
 until the commit arrives: training never stops for checkpoints.
 
 ``load`` restores the committed step from shared memory (no disk read) when every
-rank can, else the newest step every rank can read from disk, else returns None.
+rank can, else the newest step every rank can take from the best copy it has (its
+memory, its copy on disk, another rank's copy of a replicated state: ``_recover``),
+else returns None.
 Ranks agree through a tiny all-reduce on the process group, so call ``load`` after
 ``init_process_group`` (on a gloo group created for it when the default backend is
 not gloo). Nothing read back is unpickled: the tree is JSON, tensors are raw bytes,
@@ -42,15 +44,17 @@ import torch
 
 from stead.core.agent.progress import resume_steps_at
 from stead.plugin import load_settings
-from stead.plugins.ckpt import _disk, _fromdisk
+from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._checksum import checksum
-from stead.plugins.ckpt._codec import Encoded, TensorMeta, decode, encode, find
-from stead.plugins.ckpt._layout import LayoutDoc, SlotLayout, parse_document, plan
+from stead.plugins.ckpt._codec import Encoded, encode
+from stead.plugins.ckpt._group import Group
+from stead.plugins.ckpt._layout import SlotLayout, plan
 from stead.plugins.ckpt._link import SOCKET_ENV, AgentLink
 from stead.plugins.ckpt._mapped import MappedSlot
-from stead.plugins.ckpt._restore import Template, as_dict, check_template, destination
-from stead.plugins.ckpt._shm import Control, SlotInfo, VerifyState
-from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
+from stead.plugins.ckpt._recover import Restore
+from stead.plugins.ckpt._restore import Template
+from stead.plugins.ckpt._shm import Control
+from stead.plugins.ckpt.errors import CheckpointError
 from stead.plugins.ckpt.settings import CheckpointSettings
 
 __all__ = ["FlashCheckpointer", "STEP_ENV"]
@@ -58,8 +62,6 @@ __all__ = ["FlashCheckpointer", "STEP_ENV"]
 log = structlog.get_logger("stead.ckpt")
 
 STEP_ENV = "STEAD_CKPT_STEP"
-#: how many other ranks' copies of a step a rank compares before it takes one as a replicated state
-_REPLICA_CHECKS = 3
 ROUND_ENV = "STEAD_CKPT_ROUND"
 PATH_ENV = "STEAD_CKPT_PATH"
 #: how the sleep between two looks at the control block grows while a save waits for a commit
@@ -113,8 +115,7 @@ class FlashCheckpointer:
         self._degraded = False
         self._restored: tuple[int, int] | None = None  # (step, round) of the slot load() restored from
         self._persist_requested = -1
-        self._cpu_group: Any = None
-        self._warned_no_group = False
+        self._group = Group(rank=self.rank, world=self.world_size)
         self._copy_stream: Any = None
         self._finishing: threading.Thread | None = None
         self._reserved = threading.Event()
@@ -229,18 +230,24 @@ class FlashCheckpointer:
         """
         self._finish_previous()
         self._hint = self._newest_hint()
-        candidate = self._memory_candidate()
-        use_memory = self._all_agree(candidate is not None)
+        restore = Restore(rank=self.rank, world=self.world_size, root=self.path, settings=self.settings,
+                          group=self._group, control=self._control, mapped=self._mapped,
+                          report_corrupt=self._report_corrupt)
+        candidate = restore.memory_candidate(self._hint)
         result: tuple[int, dict[Any, Any]] | None = None
         tier = "none"
-        if use_memory and candidate is not None:
+        if self._group.agree(candidate is not None) and candidate is not None:
             slot, doc = candidate
-            template = self._agreed_template(state_dict, doc.tree, doc.tensors, strict, doc.step)
-            result = doc.step, self._restore_memory(slot, doc, template)
+            template = restore.agreed_template(state_dict, doc.tree, doc.tensors, strict, doc.step)
+            result = doc.step, restore.restore_memory(slot, doc, template)
             self._restored = (doc.step, doc.round)
             tier = "memory"
         else:
-            result, tier = self._restore_from_disk(state_dict, candidate, strict)
+            result, source = restore.from_tiers(state_dict, candidate, strict)
+            if source is not None:
+                tier = source.tier
+                if source.memory is not None:
+                    self._restored = (source.step, source.round)
         if self._link is not None:
             self._link.notify({"op": "restored", "step": result[0] if result else -1, "tier": tier})
         if result is not None:
@@ -466,216 +473,13 @@ class FlashCheckpointer:
         _disk.finish_step(self.path, step, self.world_size, keep_last=self.settings.keep_last)
         self._persist_requested = step
 
-    # -- restoring ------------------------------------------------------------------------------------
-
-    def _memory_candidate(self) -> tuple[SlotInfo, LayoutDoc] | None:
-        """The slot holding the committed step the agent handed over, checked; None when unusable."""
-        step, round_ = self._hint
-        if self._control is None or step < 0:
-            return None
-        slot = next((s for s in self._ctl.slots() if s.holds(step, round_)), None)
-        if slot is None:
-            log.info("ckpt_not_in_memory", step=step, round=round_, rank=self.rank)
-            return None
-        if slot.rank != self.rank or slot.world != self.world_size:
-            log.info("ckpt_memory_of_another_rank", step=step, saved_by=slot.rank, saved_world=slot.world,
-                     rank=self.rank, world=self.world_size)
-            return None
-        mapped = self._mapped(slot.index)
-        if mapped is None or mapped.capacity < slot.layout_off + slot.layout_len:
-            return None
-        try:
-            doc = parse_document(bytes(mapped.memory(slot.layout_off, slot.layout_len)),
-                                 expected_sum=slot.layout_sum, where=f"slot {slot.index} of rank {self.rank}")
-            doc.check_fits(mapped.capacity, where=f"slot {slot.index} of rank {self.rank}")
-        except CheckpointError as exc:
-            self._report_corrupt(step, "memory", str(exc))
-            return None
-        if not self._verified(slot, doc, mapped):
-            return None
-        return slot, doc
-
-    def _verified(self, slot: SlotInfo, doc: LayoutDoc, mapped: MappedSlot) -> bool:
-        deadline = time.monotonic() + self.settings.verify_wait_s
-        info = slot
-        while info.verify_seq == slot.seq and info.verify_state is VerifyState.RUNNING:
-            if time.monotonic() > deadline:
-                log.warning("ckpt_verify_late", step=slot.step, effect="verifying in the worker")
-                break
-            time.sleep(0.001)
-            info = self._ctl.slot(slot.index)
-        if info.seq != slot.seq:
-            return False
-        if info.verify_seq == slot.seq and info.verify_state is VerifyState.OK:
-            return True
-        if info.verify_seq == slot.seq and info.verify_state is VerifyState.CORRUPT:
-            return False  # the agent reported it
-        if info.checks_seq != slot.seq:
-            log.warning("ckpt_restore_unverified", step=slot.step, rank=self.rank,
-                        reason="the previous worker died before the agent checksummed the step")
-            return True
-        expected = memoryview(mapped.mm)[slot.checks_off:slot.checks_off + 8 * len(doc.tensors)].cast("Q")
-        try:
-            bad = [i for i, (offset, nbytes) in enumerate(doc.regions())
-                   if checksum(mapped.memory(offset, nbytes)) != expected[i]]
-        finally:
-            expected.release()
-        if bad:
-            self._report_corrupt(slot.step, "memory", f"{len(bad)} tensors fail their checksums")
-            return False
-        return True
-
-    def _restore_memory(self, slot: SlotInfo, doc: LayoutDoc, template: Mapping[str, Any] | None) -> dict[Any, Any]:
-        mapped = self._slots[slot.index]
-        metas = [TensorMeta.from_json(t, where=f"slot {slot.index}") for t in doc.tensors]
-        if any(m.device == "cuda" for m in metas):
-            mapped.pin_for_cuda()  # host-to-device copies from pinned memory run at full speed
-        offsets = [int(t["offset"]) for t in doc.tensors]
-        cuda = []
-
-        def leaf(index: int, path: tuple[object, ...]) -> Any:
-            meta = metas[index]
-            value, target = destination(meta, find(template, path) if template is not None else None, path)
-            mapped.copy_out(target, offsets[index], meta.nbytes)
-            if target.device.type == "cuda":
-                cuda.append(target)
-            return value
-
-        with torch.no_grad():
-            result = decode(doc.tree, leaf, where=f"slot {slot.index}")
-        if cuda:
-            torch.cuda.synchronize()
-        return as_dict(result)
-
-    def _agreed_template(self, given: Template, tree: Any, tensors: Any, strict: bool,
-                         step: int) -> Mapping[str, Any] | None:
-        """The template to restore into, made (when given as a function) and checked on every rank before any
-        byte moves: a misfit on any rank stops every rank, with nothing loaded."""
-        mismatch: StateMismatch | None = None
-        template: Mapping[str, Any] | None = None
-        try:
-            metas = [TensorMeta.from_json(t, where=f"step {step}") for t in tensors]
-            skeleton = decode(tree, lambda i, _path: metas[i], where=f"step {step}")
-            template = given(skeleton) if callable(given) else given
-            if template is not None:
-                check_template(template, tree, metas, strict=strict, where=f"step {step}")
-        except StateMismatch as exc:
-            mismatch = exc
-        if not self._all_agree(mismatch is None):
-            raise mismatch or StateMismatch(f"another rank's state does not fit step {step} of the checkpoint "
-                                            "(its log says why); nothing was loaded")
-        return template
-
-    def _restore_from_disk(self, given: Template, memory: tuple[SlotInfo, LayoutDoc] | None,
-                           strict: bool) -> tuple[tuple[int, dict[Any, Any]] | None, str]:
-        bound = 1 << 62
-        while True:
-            mine = next((s for s in _disk.candidates(self.path, self.rank, any_rank=True) if s <= bound), -1)
-            agreed = self._all_min(mine)
-            if agreed < 0:
-                return None, "none"
-            state: dict[Any, Any] | None = None
-            tier = "disk"
-            manifest: _disk.Manifest | None = None
-            resharded = False
-            try:
-                manifest = self._manifest_for(agreed)
-                resharded = manifest.world != self.world_size
-            except FileNotFoundError:
-                manifest = None  # this rank never wrote the step: the ranks try an older one together
-            except CheckpointError as exc:
-                self._report_corrupt(agreed, "disk", str(exc))
-                manifest = None
-            if not self._all_agree(manifest is not None) or manifest is None:
-                bound = agreed - 1
-                continue
-            if not self._all_agree(not resharded):  # the world changed and the state has shards: DCP reshards them
-                state = self._read_resharded(manifest, given)
-                if self._all_agree(state is not None) and state is not None:
-                    return (agreed, state), "disk"
-                bound = agreed - 1
-                continue
-            template = self._agreed_template(given, manifest.tree, manifest.tensors, strict, agreed)
-            try:
-                if memory is not None and (memory[1].step, memory[1].round) == (manifest.step, manifest.round):
-                    state, tier = self._restore_memory(memory[0], memory[1], template), "memory"
-                    self._restored = (memory[1].step, memory[1].round)
-                else:
-                    state = _fromdisk.read_step(manifest, template)
-            except FileNotFoundError:
-                pass  # the data went away since the manifest was read: the ranks try an older step together
-            except StateMismatch:
-                raise  # the caller's state dict, not the checkpoint, is wrong
-            except CheckpointError as exc:
-                self._report_corrupt(agreed, "disk", str(exc))
-            if self._all_agree(state is not None) and state is not None:
-                return (agreed, state), tier
-            bound = agreed - 1
-
-    def _manifest_for(self, step: int) -> _disk.Manifest:
-        """The manifest this rank restores ``step`` from (FileNotFoundError: it cannot; the ranks try an older one).
-
-        Its own, when it wrote the step in this world size. Otherwise (the job was resized, or this rank's node
-        is new) another rank's copy of a *replicated* state (DDP: every rank saved the same tree and tensors,
-        which their checksums show: at least two copies agree, or every rank's is there), returned with this
-        world's size; or, when some tensor is a shard, the first manifest as saved, to be resharded (the step
-        must then be complete in its old world size).
-        """
-        try:
-            own: _disk.Manifest | None = _disk.read_manifest(self.path, step, self.rank)
-            if own is not None and own.world == self.world_size:
-                return own
-        except FileNotFoundError:
-            own = None
-        others = [r for r in _disk.written_ranks(self.path, step) if r != self.rank][:_REPLICA_CHECKS]
-        copies = [*([own] if own is not None else []), *(_disk.read_manifest(self.path, step, r) for r in others)]
-        if not copies:
-            raise FileNotFoundError(f"no rank wrote step {step}")
-        first = copies[0]
-        complete = _disk.is_complete(self.path, step)
-        if any(TensorMeta.from_json(t, where=str(first.dir)).sharded for t in first.tensors):
-            if first.world == self.world_size or not complete:
-                raise FileNotFoundError(f"step {step} lacks the shards of ranks that did not write it")
-            return first
-        sums = [[t["checksum"] for t in c.tensors] for c in copies]
-        replicated = all(c.tree == first.tree and s == sums[0] for c, s in zip(copies, sums, strict=True))
-        if not replicated or (len(copies) < 2 and first.world > 1 and not complete):
-            raise FileNotFoundError(f"step {step}: this rank's own state is not on disk and the other ranks' "
-                                    "copies are not known to be the same (not a replicated state)")
-        log.info("ckpt_restore_from_another_rank", step=step, saved_world=first.world, world=self.world_size,
-                 rank=self.rank, reading_rank=first.rank)
-        return dataclasses.replace(first, world=self.world_size)
-
-    def _read_resharded(self, manifest: _disk.Manifest, given: Template) -> dict[Any, Any] | None:
-        """``manifest``'s step resharded into this world; None when its files are damaged or gone (an older step is
-        tried then).
-
-        A state that cannot take the step on any rank stops every rank, with nothing loaded.
-        """
-        log.info("ckpt_resharding", step=manifest.step, saved_world=manifest.world, world=self.world_size,
-                 rank=self.rank)
-        state: dict[Any, Any] | None = None
-        mismatch: StateMismatch | None = None
-        try:
-            state = _fromdisk.read_resharded(manifest, given, world=self.world_size)
-        except FileNotFoundError:
-            pass  # a file went away since the manifest was read: the ranks try an older step together
-        except StateMismatch as exc:
-            mismatch = exc
-        except CheckpointError as exc:
-            self._report_corrupt(manifest.step, "disk", str(exc))
-        if not self._all_agree(mismatch is None):
-            raise mismatch or StateMismatch(f"another rank's state could not take step {manifest.step} resharded "
-                                            "(its log says why); nothing was loaded")
-        return state
+    # -- restoring (the tiers and the ranks' agreement are in _recover) ---------------------------------
 
     def _report_corrupt(self, step: int, tier: str, detail: str) -> None:
         log.warning("ckpt_corrupt", step=step, tier=tier, rank=self.rank, detail=detail,
                     action="falling back to an older copy")
         if self._link is not None:
             self._link.notify({"op": "corrupt", "step": step, "tier": tier, "detail": detail})
-
-    # -- agreement between ranks ------------------------------------------------------------------------
 
     def _newest_hint(self) -> tuple[int, int]:
         """The newest committed step any rank's agent heard of (agents may ask the master a moment apart).
@@ -685,26 +489,7 @@ class FlashCheckpointer:
         """
         step, round_ = self._hint
         key = (round_ << _STEP_BITS) | step if step >= 0 else -1
-        newest = -self._all_min(-key)
+        newest = -self._group.min([-key])[0]
         if newest < 0:
             return -1, 0
         return newest & ((1 << _STEP_BITS) - 1), newest >> _STEP_BITS
-
-    def _all_agree(self, flag: bool) -> bool:
-        return self._all_min(1 if flag else 0) == 1
-
-    def _all_min(self, value: int) -> int:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            if self.world_size > 1 and not self._warned_no_group:
-                self._warned_no_group = True
-                log.warning("ckpt_load_without_process_group", rank=self.rank,
-                            effect="ranks cannot agree on the step to restore; call load() after "
-                                   "init_process_group")
-            return value
-        if self._cpu_group is None:
-            self._cpu_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        tensor = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._cpu_group)
-        return int(tensor.item())

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from stead.core.events import CheckpointCommitted
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._mapped import MappedSlot
+from stead.plugins.ckpt._recover import Restore
 from stead.plugins.ckpt._shm import SHM_DIR, segment_names
 from stead.plugins.ckpt.errors import SharedMemoryTooSmall, StateMismatch, UnsupportedState
 from stead.plugins.ckpt.events import CheckpointCorrupt, CheckpointPersisted, CheckpointRestored
@@ -73,7 +74,7 @@ def test_a_restarted_worker_restores_the_last_save_from_memory_without_reading_d
         raise AssertionError("the restore read the disk")
 
     # the worker's reads only: the agent in this process goes on persisting (and completing) the failed round's step
-    monkeypatch.setattr(FlashCheckpointer, "_manifest_for", no_disk)
+    monkeypatch.setattr(Restore, "from_tiers", no_disk)
     monkeypatch.setattr(_disk, "candidates", no_disk)
     fresh, fresh_opt = trained(seed=1)
     with restart(cluster, 2) as ckpt:

@@ -1,0 +1,436 @@
+"""Restoring a step on every rank: the ranks agree on the step, then each takes it from the best copy it has.
+
+When every rank holds the committed step in its agent's memory, each copies it from there
+(:meth:`Restore.memory_candidate`, no disk read). Otherwise (:meth:`Restore.from_tiers`) the
+ranks agree on the newest step that every rank can take, each from the best tier that has it:
+
+1. its own memory: the committed step, or an older one still in the other slot when some rank's
+   agent wrote it to disk (agents write committed steps only), checked against its checksums;
+2. its own copy on disk, saved at this world size;
+3. another rank's copy on disk, for a replicated state only (DDP: :mod:`._copies` says when),
+   the same state as every copy the other ranks restore; or, for a sharded state saved by
+   another world size, the step resharded (:func:`._fromdisk.read_resharded`).
+
+So a node that replaces a lost one restores the step its surviving peers restore from memory.
+Every byte is verified before it reaches the caller's tensors (a copy on disk is checked whole,
+then read), all ranks restore the same step (of the same round) or none does, and only
+committed steps are restored. A copy that fails its checks is reported and the ranks try an
+older step together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from stead.plugins.ckpt import _copies, _disk, _fromdisk
+from stead.plugins.ckpt._checksum import checksum
+from stead.plugins.ckpt._codec import TensorMeta, decode, find
+from stead.plugins.ckpt._group import Group
+from stead.plugins.ckpt._layout import LayoutDoc, parse_document
+from stead.plugins.ckpt._mapped import MappedSlot
+from stead.plugins.ckpt._restore import Template, as_dict, check_template, destination
+from stead.plugins.ckpt._shm import Control, SlotInfo, VerifyState
+from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
+from stead.plugins.ckpt.settings import CheckpointSettings
+
+__all__ = ["Copy", "Restore"]
+
+log = structlog.get_logger("stead.ckpt")
+
+#: how many other ranks' copies of a step a rank compares before it takes one as a replicated state
+_REPLICA_CHECKS = 3
+#: what a rank without the value puts in a MIN all-reduce (above any step, round, rank or fingerprint)
+_NONE = 1 << 62
+#: the step bound of the first look at the disk (above any step)
+_NO_BOUND = 1 << 62
+
+Restored = tuple[int, dict[Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """One copy of a step this rank can restore: in its memory (a slot) or on disk (a rank's manifest)."""
+
+    step: int
+    round: int
+    #: the rank that saved it
+    rank: int
+    #: what identical states share (:func:`._copies.fingerprint`); None when the copy's checksums are not known
+    fingerprint: int | None
+    memory: tuple[SlotInfo, LayoutDoc] | None = None
+    manifest: _disk.Manifest | None = None
+    #: a sharded state saved by another world size: read through torch.distributed.checkpoint's reshard
+    reshard: bool = False
+
+    @property
+    def tier(self) -> str:
+        return "memory" if self.memory is not None else "disk"
+
+    @property
+    def tree(self) -> Any:
+        return self.memory[1].tree if self.memory is not None else self._manifest.tree
+
+    @property
+    def tensors(self) -> list[dict[str, Any]]:
+        return self.memory[1].tensors if self.memory is not None else self._manifest.tensors
+
+    @property
+    def _manifest(self) -> _disk.Manifest:
+        assert self.manifest is not None
+        return self.manifest
+
+
+class Restore:
+    """One load() of one rank: its memory slots, its job's checkpoint directory, and its peers through ``group``."""
+
+    def __init__(self, *, rank: int, world: int, root: Path, settings: CheckpointSettings, group: Group,
+                 control: Control | None, mapped: Callable[[int], MappedSlot | None],
+                 report_corrupt: Callable[[int, str, str], None]) -> None:
+        self.rank, self.world, self.root, self.settings, self.group = rank, world, root, settings, group
+        self.control, self.mapped, self.report_corrupt = control, mapped, report_corrupt
+
+    # -- memory ----------------------------------------------------------------------------------------
+
+    def memory_candidate(self, hint: tuple[int, int]) -> tuple[SlotInfo, LayoutDoc] | None:
+        """The slot holding the committed step the agent handed over, checked; None when unusable."""
+        step, round_ = hint
+        if self.control is None or step < 0:
+            return None
+        slot = next((s for s in self.control.slots() if s.holds(step, round_)), None)
+        if slot is None:
+            log.info("ckpt_not_in_memory", step=step, round=round_, rank=self.rank)
+            return None
+        if slot.rank != self.rank or slot.world != self.world:
+            log.info("ckpt_memory_of_another_rank", step=step, saved_by=slot.rank, saved_world=slot.world,
+                     rank=self.rank, world=self.world)
+            return None
+        found = self._document(slot)
+        if found is None or not self._verified(slot, found[0], found[1]):
+            return None
+        return slot, found[0]
+
+    def _document(self, slot: SlotInfo) -> tuple[LayoutDoc, MappedSlot] | None:
+        mapped = self.mapped(slot.index)
+        if mapped is None or mapped.capacity < slot.layout_off + slot.layout_len:
+            return None
+        where = f"slot {slot.index} of rank {self.rank}"
+        try:
+            doc = parse_document(bytes(mapped.memory(slot.layout_off, slot.layout_len)),
+                                 expected_sum=slot.layout_sum, where=where)
+            doc.check_fits(mapped.capacity, where=where)
+        except CheckpointError as exc:
+            self.report_corrupt(slot.step, "memory", str(exc))
+            return None
+        return doc, mapped
+
+    def _verified(self, slot: SlotInfo, doc: LayoutDoc, mapped: MappedSlot) -> bool:
+        assert self.control is not None
+        deadline = time.monotonic() + self.settings.verify_wait_s
+        info = slot
+        while info.verify_seq == slot.seq and info.verify_state is VerifyState.RUNNING:
+            if time.monotonic() > deadline:
+                log.warning("ckpt_verify_late", step=slot.step, effect="verifying in the worker")
+                break
+            time.sleep(0.001)
+            info = self.control.slot(slot.index)
+        if info.seq != slot.seq:
+            return False
+        if info.verify_seq == slot.seq and info.verify_state is VerifyState.OK:
+            return True
+        if info.verify_seq == slot.seq and info.verify_state is VerifyState.CORRUPT:
+            return False  # the agent reported it
+        if info.checks_seq != slot.seq:
+            log.warning("ckpt_restore_unverified", step=slot.step, rank=self.rank,
+                        reason="the previous worker died before the agent checksummed the step")
+            return True
+        return self._sums_match(slot, doc, mapped)
+
+    def _sums_match(self, slot: SlotInfo, doc: LayoutDoc, mapped: MappedSlot) -> bool:
+        expected = self._stored_sums(slot, doc, mapped)
+        bad = [i for i, (offset, nbytes) in enumerate(doc.regions())
+               if checksum(mapped.memory(offset, nbytes)) != expected[i]]
+        if bad:
+            self.report_corrupt(slot.step, "memory", f"{len(bad)} tensors fail their checksums")
+            return False
+        return True
+
+    @staticmethod
+    def _stored_sums(slot: SlotInfo, doc: LayoutDoc, mapped: MappedSlot) -> list[int]:
+        """The checksums the agent computed for the slot (check ``checks_seq`` first)."""
+        view = memoryview(mapped.mm)[slot.checks_off:slot.checks_off + 8 * len(doc.tensors)].cast("Q")
+        try:
+            return list(view)
+        finally:
+            view.release()
+
+    def _older_slot(self, step: int, hint: tuple[SlotInfo, LayoutDoc] | None) -> Copy | None:
+        """A copy of ``step`` in this rank's other slot: usable once some rank's agent wrote the same step and round
+        to disk (so it was committed) and the slot passes the checksums its agent computed."""
+        if self.control is None:
+            return None
+        for slot in self.control.slots():
+            if (not slot.complete or slot.step != step or (slot.rank, slot.world) != (self.rank, self.world)
+                    or (hint is not None and slot.index == hint[0].index) or slot.checks_seq != slot.seq
+                    or not self._committed_on_disk(step, slot.round)):
+                continue
+            found = self._document(slot)
+            if found is None or not self._sums_match(slot, *found):
+                continue
+            doc, mapped = found
+            return Copy(step=step, round=slot.round, rank=self.rank, memory=(slot, doc),
+                        fingerprint=_copies.fingerprint(doc.tree, doc.tensors, self._stored_sums(slot, doc, mapped)))
+        return None
+
+    def _committed_on_disk(self, step: int, round_: int) -> bool:
+        for rank in _disk.written_ranks(self.root, step):
+            with contextlib.suppress(OSError, CheckpointError):
+                if _disk.read_manifest(self.root, step, rank).round == round_:
+                    return True
+        return False
+
+    def _memory_copy(self, memory: tuple[SlotInfo, LayoutDoc]) -> Copy:
+        slot, doc = memory
+        fingerprint = None
+        mapped = self.mapped(slot.index)
+        if mapped is not None and self.control is not None and self.control.slot(slot.index).checks_seq == slot.seq:
+            fingerprint = _copies.fingerprint(doc.tree, doc.tensors, self._stored_sums(slot, doc, mapped))
+        return Copy(step=doc.step, round=doc.round, rank=self.rank, memory=memory, fingerprint=fingerprint)
+
+    def restore_memory(self, slot: SlotInfo, doc: LayoutDoc, template: Mapping[str, Any] | None) -> dict[Any, Any]:
+        mapped = self.mapped(slot.index)
+        if mapped is None:
+            raise CheckpointError(f"slot {slot.index} of rank {self.rank} is no longer mapped")
+        metas = [TensorMeta.from_json(t, where=f"slot {slot.index}") for t in doc.tensors]
+        if any(m.device == "cuda" for m in metas):
+            mapped.pin_for_cuda()  # host-to-device copies from pinned memory run at full speed
+        offsets = [int(t["offset"]) for t in doc.tensors]
+        cuda = []
+
+        def leaf(index: int, path: tuple[object, ...]) -> Any:
+            meta = metas[index]
+            value, target = destination(meta, find(template, path) if template is not None else None, path)
+            mapped.copy_out(target, offsets[index], meta.nbytes)
+            if target.device.type == "cuda":
+                cuda.append(target)
+            return value
+
+        with torch.no_grad():
+            result = decode(doc.tree, leaf, where=f"slot {slot.index}")
+        if cuda:
+            torch.cuda.synchronize()
+        return as_dict(result)
+
+    def agreed_template(self, given: Template, tree: Any, tensors: Any, strict: bool,
+                        step: int) -> Mapping[str, Any] | None:
+        """The template to restore into, made (when given as a function) and checked on every rank before any
+        byte moves: a misfit on any rank stops every rank, with nothing loaded."""
+        mismatch: StateMismatch | None = None
+        template: Mapping[str, Any] | None = None
+        try:
+            metas = [TensorMeta.from_json(t, where=f"step {step}") for t in tensors]
+            skeleton = decode(tree, lambda i, _path: metas[i], where=f"step {step}")
+            template = given(skeleton) if callable(given) else given
+            if template is not None:
+                check_template(template, tree, metas, strict=strict, where=f"step {step}")
+        except StateMismatch as exc:
+            mismatch = exc
+        if not self.group.agree(mismatch is None):
+            raise mismatch or StateMismatch(f"another rank's state does not fit step {step} of the checkpoint "
+                                            "(its log says why); nothing was loaded")
+        return template
+
+    # -- the tiers -------------------------------------------------------------------------------------
+
+    def from_tiers(self, given: Template, memory: tuple[SlotInfo, LayoutDoc] | None,
+                   strict: bool) -> tuple[Restored | None, Copy | None]:
+        """The newest step every rank can restore, each from its best copy (see the module docstring); the step and
+        state, and the copy it came from (None, None: no step every rank can restore)."""
+        bound = _NO_BOUND
+        while True:
+            mine = max([s for s in _disk.candidates(self.root, self.rank, any_rank=True) if s <= bound]
+                       + ([memory[1].step] if memory is not None and memory[1].step <= bound else []), default=-1)
+            step = self.group.min([mine])[0]
+            if step < 0:
+                return None, None
+            source = self._source(step, memory)
+            if source is not None and source.reshard:
+                state = self._read_resharded(source.manifest, given) if source.manifest is not None else None
+                if self.group.agree(state is not None) and state is not None:
+                    return (step, state), source
+            elif source is not None:
+                state = self._take(source, given, strict)
+                if state is not None:
+                    return (step, state), source
+            bound = step - 1
+
+    def _source(self, step: int, memory: tuple[SlotInfo, LayoutDoc] | None) -> Copy | None:
+        """This rank's copy of ``step`` once every rank has one, all of the same kind; None on every rank if not."""
+        own = self._guarded(step, lambda: self._own(step, memory))
+        fingerprint = own.fingerprint if own is not None else None
+        round_lo, round_hi, print_lo, print_hi, holder_lo, holder_hi = self.group.min([
+            *_bounds(own.round if own is not None else None),
+            *_bounds(fingerprint),
+            *_bounds(self.rank if fingerprint is not None else None)])
+        round_hi, print_hi, holder_hi = -round_hi, -print_hi, -holder_hi
+        source: Copy | None
+        if round_lo != _NONE and round_lo != round_hi:
+            source = None  # copies of this step from different rounds (it was saved again after a rollback)
+        elif own is not None:
+            source = own
+        else:
+            holders = [] if print_lo == _NONE else [holder_lo, holder_hi]
+            prints = [] if print_lo == _NONE else [print_lo, print_hi]
+            round_ = round_lo if round_lo != _NONE else None
+            source = self._guarded(step, lambda: self._replica(step, round_, prints, holders))
+        reshard = source is not None and source.reshard
+        every, all_reshard, any_reshard = self.group.min([int(source is not None), int(reshard), -int(reshard)])
+        if every != 1 or all_reshard != -any_reshard:
+            return None
+        return source
+
+    def _guarded(self, step: int, find: Callable[[], Copy | None]) -> Copy | None:
+        """``find()``, or None when what it reads is damaged (reported): a rank never leaves the others waiting in a
+        collective because one of its files is bad."""
+        try:
+            return find()
+        except CheckpointError as exc:
+            self.report_corrupt(step, "disk", str(exc))
+            return None
+
+    def _own(self, step: int, memory: tuple[SlotInfo, LayoutDoc] | None) -> Copy | None:
+        """This rank's own copy of ``step``: in memory, else on disk saved at this world size."""
+        if memory is not None and memory[1].step == step:
+            return self._memory_copy(memory)
+        older = self._older_slot(step, memory)
+        if older is not None:
+            return older
+        try:
+            manifest = _disk.read_manifest(self.root, step, self.rank)
+        except FileNotFoundError:
+            return None
+        except CheckpointError as exc:
+            self.report_corrupt(step, "disk", str(exc))
+            return None
+        if manifest.world != self.world:
+            return None
+        return Copy(step=step, round=manifest.round, rank=self.rank, manifest=manifest,
+                    fingerprint=_copies.manifest_fingerprint(manifest))
+
+    def _replica(self, step: int, round_: int | None, prints: list[int], holders: list[int]) -> Copy | None:
+        """Another rank's copy of ``step`` on disk, for a rank that has none of its own: for a replicated state,
+        one that is the same as every other copy (``prints``: the fingerprints of the copies the ranks that have
+        their own restore, ``holders``: those ranks); for a sharded one saved by another world size, to reshard.
+        ``round_``: the round of the other ranks' own copies."""
+        written = _disk.written_ranks(self.root, step)
+        copies: list[_disk.Manifest] = []
+        for rank in sorted(written, key=lambda r: r != self.rank)[:_REPLICA_CHECKS]:
+            try:
+                copies.append(_disk.read_manifest(self.root, step, rank))
+            except FileNotFoundError:
+                continue
+            except CheckpointError as exc:
+                self.report_corrupt(step, "disk", str(exc))
+        if round_ is not None:
+            copies = [c for c in copies if c.round == round_]
+        if not copies:
+            return None
+        first = copies[0]
+        if any(TensorMeta.from_json(t, where=str(first.dir)).sharded for t in first.tensors):
+            if first.world == self.world or not _disk.is_complete(self.root, step):
+                log.info("ckpt_shards_missing", step=step, rank=self.rank,
+                         reason="the step lacks the shards of ranks that did not write it")
+                return None
+            return Copy(step=step, round=first.round, rank=first.rank, manifest=first, reshard=True,
+                        fingerprint=None)
+        fingerprints = {*prints, *(_copies.manifest_fingerprint(c) for c in copies)}
+        if len(fingerprints) != 1:
+            log.info("ckpt_copies_differ", step=step, rank=self.rank, ranks=sorted({c.rank for c in copies}),
+                     effect="the state is not replicated: no rank's copy is taken for another's")
+            return None
+        ranks = {*holders, *(c.rank for c in copies)}
+        if len(ranks) >= 2 or first.world == 1:
+            evidence = f"the copies of ranks {sorted(ranks)} agree" if len(ranks) >= 2 else "saved by one rank"
+        elif _copies.replicated_before(self.root, step, _copies.layout(first.tree, first.tensors)):
+            evidence = "an earlier step's copies agree"
+        else:
+            log.info("ckpt_replica_unproven", step=step, rank=self.rank, copy_of=first.rank,
+                     effect="only one rank's copy is left and no earlier step shows the state replicated")
+            return None
+        log.info("ckpt_restore_from_another_rank", step=step, saved_world=first.world, world=self.world,
+                 rank=self.rank, reading_rank=first.rank, evidence=evidence)
+        return Copy(step=step, round=first.round, rank=first.rank, manifest=first,
+                    fingerprint=next(iter(fingerprints)))
+
+    def _take(self, source: Copy, given: Template, strict: bool) -> dict[Any, Any] | None:
+        """Restore ``source`` into the caller's state, on every rank at once: each rank's copy verified whole first
+        (None on every rank when one fails: an older step is tried), then copied."""
+        with contextlib.ExitStack() as stack:
+            handle = None
+            verified = True
+            if source.manifest is not None:
+                try:
+                    handle = stack.enter_context(_disk.open_data(source.manifest))
+                    _disk.verify_data(source.manifest, handle)
+                except FileNotFoundError:
+                    verified = False  # the data went away since the manifest was read
+                except (CheckpointError, OSError) as exc:
+                    verified = False
+                    self.report_corrupt(source.step, "disk", str(exc))
+            if not self.group.agree(verified):
+                return None
+            template = self.agreed_template(given, source.tree, source.tensors, strict, source.step)
+            state: dict[Any, Any] | None = None
+            failure: Exception | None = None
+            try:
+                if source.memory is not None:
+                    state = self.restore_memory(source.memory[0], source.memory[1], template)
+                else:
+                    assert source.manifest is not None
+                    state = _fromdisk.read_step(source.manifest, template, handle)
+            except (CheckpointError, OSError, StateMismatch) as exc:
+                failure = exc
+            if not self.group.agree(failure is None):
+                cause = str(failure) if failure is not None else "on another rank: its log says why"
+                raise CheckpointError(
+                    f"step {source.step} failed while it was copied into the state passed to load(), after every "
+                    f"rank's copy had been verified ({cause}): the files under {self.root} changed meanwhile or "
+                    "cannot be read. The state may be partly overwritten: restart the workers (they restore "
+                    "again) and check the storage") from failure
+            return state
+
+    def _read_resharded(self, manifest: _disk.Manifest, given: Template) -> dict[Any, Any] | None:
+        """``manifest``'s step resharded into this world; None when its files are damaged or gone (an older step is
+        tried then).
+
+        A state that cannot take the step on any rank stops every rank, with nothing loaded.
+        """
+        log.info("ckpt_resharding", step=manifest.step, saved_world=manifest.world, world=self.world,
+                 rank=self.rank)
+        state: dict[Any, Any] | None = None
+        mismatch: StateMismatch | None = None
+        try:
+            state = _fromdisk.read_resharded(manifest, given, world=self.world)
+        except FileNotFoundError:
+            pass  # a file went away since the manifest was read: the ranks try an older step together
+        except StateMismatch as exc:
+            mismatch = exc
+        except CheckpointError as exc:
+            self.report_corrupt(manifest.step, "disk", str(exc))
+        if not self.group.agree(mismatch is None):
+            raise mismatch or StateMismatch(f"another rank's state could not take step {manifest.step} resharded "
+                                            "(its log says why); nothing was loaded")
+        return state
+
+
+def _bounds(value: int | None) -> tuple[int, int]:
+    """``value`` as a MIN all-reduce carries both its minimum and (negated) its maximum; ``_NONE`` when absent."""
+    return (value, -value) if value is not None else (_NONE, _NONE)
+
