@@ -14,10 +14,11 @@ from typing import cast
 from stead.core.config import Settings
 from stead.core.entrypoints import installed, load_named
 from stead.core.errors import ConfigError
+from stead.core.store._common import item_size, write_size
 from stead.core.store.base import KeyValue, Lease, StateStore, WatchEvent, WatchKind
 
 __all__ = ["KeyValue", "Lease", "StateStore", "StoreFactory", "WatchEvent", "WatchKind", "known_schemes",
-           "open_store"]
+           "item_size", "open_store", "write_size"]
 
 StoreFactory = Callable[[str, Settings], Awaitable[StateStore]]
 

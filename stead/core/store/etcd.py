@@ -31,7 +31,7 @@ import structlog
 from aetcd import rpc
 
 from stead.core.config import Settings
-from stead.core.errors import ConfigError, StoreError, StoreUnavailable
+from stead.core.errors import ConfigError, StoreError, StoreUnavailable, WriteTooLarge
 from stead.core.store._common import (
     LoopAffinity,
     StoreLease,
@@ -42,7 +42,9 @@ from stead.core.store._common import (
     check_revision,
     check_ttl,
     check_value,
+    check_write,
     hold_lease,
+    max_write_bytes,
     prefix_end,
 )
 from stead.core.store.base import KeyValue, Lease, StateStore, WatchEvent, WatchKind
@@ -52,6 +54,8 @@ __all__ = ["EtcdStore", "open_store", "parse_etcd_url"]
 log = structlog.get_logger()
 
 _DEFAULT_PORT = 2379
+#: etcd's default --max-request-bytes: the most one write may take (store_max_write_bytes for another)
+ETCD_MAX_REQUEST_BYTES = 1_572_864
 _URL_PREFIX = "etcd://"
 _PERMANENT = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
@@ -121,6 +125,7 @@ class EtcdStore:
     def __init__(self, url: str, target: str, settings: Settings) -> None:
         self._url = url
         self._timeout = settings.store_timeout_s
+        self._max_write_bytes = max_write_bytes(settings, ETCD_MAX_REQUEST_BYTES, url)
         self._channel: Any = grpc.aio.insecure_channel(target, options=[
             ("grpc.initial_reconnect_backoff_ms", max(1, int(settings.retry_initial_s * 1000))),
             ("grpc.min_reconnect_backoff_ms", max(1, int(settings.retry_initial_s * 1000))),
@@ -152,6 +157,13 @@ class EtcdStore:
     def url(self) -> str:
         return self._url
 
+    @property
+    def max_write_bytes(self) -> int:
+        return self._max_write_bytes
+
+    def _check_write(self, what: str, items: Sequence[tuple[bytes, bytes]]) -> None:
+        check_write(self._url, what, items, self._max_write_bytes)
+
     # -- the gRPC boundary ----------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -167,9 +179,9 @@ class EtcdStore:
         elif isinstance(exc, grpc.aio.AioRpcError):
             code, details = exc.code().name, exc.details() or ""
             if "request is too large" in details or "larger than max" in details:
-                return StoreError(f"etcd at {self._url} refused {op}: {details}; a value is larger than etcd "
-                                  "accepts (its --max-request-bytes, 1.5 MiB by default): raise that limit on "
-                                  "the etcd server, or store less per key")
+                return WriteTooLarge(f"etcd at {self._url} refused {op}: {details}; the write is larger than this "
+                                     "etcd accepts (its --max-request-bytes, 1.5 MiB by default): set "
+                                     "store_max_write_bytes to that limit, and stead writes what fits")
             if exc.code() in _PERMANENT:
                 if "lease not found" in details:
                     return _LeaseGone(f"etcd at {self._url} refused {op}: the lease expired or was revoked; "
@@ -251,7 +263,9 @@ class EtcdStore:
         return _key_value(response.kvs[0]) if response.kvs else None
 
     async def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
-        request = rpc.PutRequest(key=check_key(key), value=check_value(key, value), lease=_lease_id(lease))
+        raw, data = check_key(key), check_value(key, value)
+        self._check_write("put", [(raw, data)])
+        request = rpc.PutRequest(key=raw, value=data, lease=_lease_id(lease))
         response = await self._call("put", self._kv.Put, request)
         return int(response.header.revision)
 
@@ -259,6 +273,7 @@ class EtcdStore:
         self, key: str, value: bytes, *, expected_mod_revision: int, lease: Lease | None = None
     ) -> bool:
         raw, data = check_key(key), check_value(key, value)
+        self._check_write("compare_and_put", [(raw, data)])
         check_revision("expected_mod_revision", expected_mod_revision)
         if expected_mod_revision == 0:
             compare = rpc.Compare(key=raw, result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE, create_revision=0)
@@ -271,6 +286,7 @@ class EtcdStore:
 
     async def put_all(self, items: Sequence[tuple[str, bytes]]) -> int:
         checked = check_items(items, what="put_all")
+        self._check_write("put_all", [(raw, value) for _, raw, value in checked])
         if not checked:
             return await self.revision()
         request = rpc.TxnRequest(
@@ -280,6 +296,7 @@ class EtcdStore:
 
     async def create_all(self, items: Sequence[tuple[str, bytes]]) -> bool:
         checked = check_items(items)
+        self._check_write("create_all", [(raw, value) for _, raw, value in checked])
         if not checked:
             return True
         request = rpc.TxnRequest(
