@@ -1,13 +1,17 @@
-"""Stores for the core tests: one fixture over memory, sqlite and a real etcd server."""
+"""Stores for the core tests: one fixture over memory, sqlite and a real etcd server; a writer killed mid-value."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import anyio
 import pytest
 
 from stead.core.store import StateStore, open_store
+
+KillBetweenChunks = Callable[[StateStore, Callable[[StateStore], Awaitable[object]], int], Awaitable[None]]
 
 
 @pytest.fixture(params=["memory", "sqlite", "etcd"])
@@ -27,3 +31,37 @@ async def store(store_url: str) -> AsyncIterator[StateStore]:
         yield s
     finally:
         await s.close()
+
+
+class _StopsAtChunk:
+    """A writer's view of a store where it stops for good (killed) just before it writes chunk ``at`` of a value."""
+
+    def __init__(self, store: StateStore, at: int) -> None:
+        self.store, self.at = store, at
+        self.stopped = asyncio.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+    async def put(self, key: str, value: bytes) -> int:
+        if "/chunks/" in key and key.endswith(f"/{self.at:06d}"):
+            self.stopped.set()
+            await anyio.sleep_forever()
+        return await self.store.put(key, value)
+
+
+async def _kill_between_chunks(store: StateStore, write: Callable[[StateStore], Awaitable[object]], at: int) -> None:
+    stopping = _StopsAtChunk(store, at)
+    writing = asyncio.ensure_future(write(stopping))  # type: ignore[arg-type]
+    with anyio.fail_after(10):
+        await stopping.stopped.wait()
+    writing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await writing
+
+
+@pytest.fixture
+def kill_between_chunks() -> KillBetweenChunks:
+    """``await kill(store, write, at)``: ``write(store)`` killed just before it writes chunk ``at`` of a chunked
+    value (stead.core.store.chunked), as a master killed in the middle of a snapshot; what it wrote stays."""
+    return _kill_between_chunks
