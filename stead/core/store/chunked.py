@@ -67,7 +67,10 @@ class ChunkedValue:
 
     async def get(self) -> bytes | None:
         """The value, checked whole; None when the key is absent. CodecError when the chunks are torn for good."""
-        kv = await self.store.get(self.key)
+        return await self.value_of(await self.store.get(self.key))
+
+    async def value_of(self, kv: KeyValue | None) -> bytes | None:
+        """The value that ``kv``, this key as a ``get`` or ``range`` returned it, stands for (see :meth:`get`)."""
         while kv is not None:
             head = self._head(kv)
             if head is None:
