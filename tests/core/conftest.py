@@ -9,7 +9,12 @@ from pathlib import Path
 import anyio
 import pytest
 
+from stead.core.config import Settings
 from stead.core.store import StateStore, open_store
+from stead.core.store._common import MIN_MAX_WRITE_BYTES
+
+#: what ``small_store`` takes in one write: the least a store may be set to
+SMALL_WRITE_BYTES = MIN_MAX_WRITE_BYTES
 
 KillBetweenChunks = Callable[[StateStore, Callable[[StateStore], Awaitable[object]], int], Awaitable[None]]
 
@@ -27,6 +32,17 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 async def store(store_url: str) -> AsyncIterator[StateStore]:
     s = await open_store(store_url)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+@pytest.fixture
+async def small_store(store_url: str) -> AsyncIterator[StateStore]:
+    """The store of ``store_url`` as one that takes SMALL_WRITE_BYTES a write (as etcd takes 1.5 MiB), so that a
+    test reaches the limit with small values."""
+    s = await open_store(store_url, settings=Settings(store_max_write_bytes=SMALL_WRITE_BYTES))
     try:
         yield s
     finally:

@@ -287,17 +287,7 @@ async def test_an_event_that_cannot_be_stored_fails_its_submitter_only() -> None
 
 # -- sizes: every append fits in one store write -------------------------------------------------------------------
 
-LIMIT = MIN_MAX_WRITE_BYTES
-
-
-@contextlib.asynccontextmanager
-async def _small_store(url: str) -> AsyncIterator[StateStore]:
-    """The store of ``url`` (memory, sqlite, a real etcd) as one that takes LIMIT bytes a write."""
-    store = await open_store(url, settings=Settings(store_max_write_bytes=LIMIT))
-    try:
-        yield store
-    finally:
-        await store.close()
+LIMIT = MIN_MAX_WRITE_BYTES  # what the small_store fixture takes in one write
 
 
 class _Gate(_Executor):
@@ -336,15 +326,14 @@ def _failures(count: int, size: int) -> list[Event]:
 
 
 async def test_submissions_waiting_together_are_appended_in_writes_the_store_takes_and_all_recorded(
-        store_url: str) -> None:
+        small_store: StateStore) -> None:
     events, job = _failures(64, 2000), _job()  # 64 events, the most one append takes, of 2.3 KiB each: over LIMIT
-    async with _small_store(store_url) as store:
-        gate = _Gate()
-        async with Reactor(EventLog(store, job), gate, settings=Settings()) as reactor:
-            await reactor.resume()
-            outcomes = await _queued_while_busy(reactor, gate, events)
-            records = await reactor.log.read()
-        stored = {kv.key: kv for kv in await store.range(reactor.log.prefix)}
+    gate = _Gate()
+    async with Reactor(EventLog(small_store, job), gate, settings=Settings()) as reactor:
+        await reactor.resume()
+        outcomes = await _queued_while_busy(reactor, gate, events)
+        records = await reactor.log.read()
+    stored = {kv.key: kv for kv in await small_store.range(reactor.log.prefix)}
     assert all(isinstance(o, Record) for o in outcomes)
     recorded = [r for r in records if isinstance(r.event, PluginFailed)]
     assert [r.event for r in recorded] == events
@@ -357,14 +346,13 @@ async def test_submissions_waiting_together_are_appended_in_writes_the_store_tak
 
 
 async def test_an_event_larger_than_a_store_write_is_refused_clearly_and_the_others_waiting_with_it_are_recorded(
-        store_url: str) -> None:
+        small_store: StateStore) -> None:
     small, (huge,), job = _failures(2, 100), _failures(1, LIMIT), _job()
-    async with _small_store(store_url) as store:
-        gate = _Gate()
-        async with Reactor(EventLog(store, job), gate, settings=Settings()) as reactor:
-            await reactor.resume()
-            outcomes = await _queued_while_busy(reactor, gate, [small[0], huge, small[1]])
-            records = await reactor.log.read()
+    gate = _Gate()
+    async with Reactor(EventLog(small_store, job), gate, settings=Settings()) as reactor:
+        await reactor.resume()
+        outcomes = await _queued_while_busy(reactor, gate, [small[0], huge, small[1]])
+        records = await reactor.log.read()
     assert isinstance(outcomes[0], Record) and isinstance(outcomes[2], Record)
     assert isinstance(outcomes[1], WriteTooLarge)
     assert re.search(rf"event plugin\.failed of job '{job}' is \d+ bytes encoded, more than one write to .* takes "
@@ -381,11 +369,11 @@ class _FailsLoudly(_Executor):
             raise OSError(f"{effect.id}: " + "x" * 4000)
 
 
-async def test_a_rounds_many_effect_failures_are_recorded_in_as_many_writes_as_they_take(store_url: str) -> None:
+async def test_a_rounds_many_effect_failures_are_recorded_in_as_many_writes_as_they_take(
+        small_store: StateStore) -> None:
     nodes, job = 40, _job()  # 40 EffectFailed of about 4 KiB each: more than one write of LIMIT takes
     spec = JobSubmitted(job="t", min_nodes=nodes, max_nodes=nodes, nproc_per_node=1, max_restarts=0)
-    async with _small_store(store_url) as store, \
-            Reactor(EventLog(store, job), _FailsLoudly(), settings=Settings()) as reactor:
+    async with Reactor(EventLog(small_store, job), _FailsLoudly(), settings=Settings()) as reactor:
         await reactor.resume()
         await reactor.submit(spec)
         await reactor.submit_many([NodeJoined(node_id=f"node-{i}", incarnation=1) for i in range(nodes)])
@@ -396,19 +384,19 @@ async def test_a_rounds_many_effect_failures_are_recorded_in_as_many_writes_as_t
     assert state.phase is JobPhase.FAILED  # decided on, not a reactor stopped by a refused write
 
 
-async def test_a_snapshot_larger_than_one_store_write_is_written_in_chunks_and_resumed_from(store_url: str) -> None:
+async def test_a_snapshot_larger_than_one_store_write_is_written_in_chunks_and_resumed_from(
+        small_store: StateStore) -> None:
     nodes, job = 400, _job()  # a state of about 80 KiB
     spec = JobSubmitted(job="t", min_nodes=nodes, max_nodes=nodes, nproc_per_node=1)
     settings = Settings(snapshot_every=100)
-    async with _small_store(store_url) as store:
-        async with Reactor(EventLog(store, job), _Executor(), settings=settings) as reactor:
-            await reactor.resume()
-            await reactor.submit(spec)
-            for i in range(0, nodes, 50):
-                await reactor.submit_many([NodeJoined(node_id=f"node-{n}", incarnation=1) for n in range(i, i + 50)])
-            before = await reactor.wait_until(lambda s: s.rdzv.round == 1, timeout_s=30)
-            await reactor.snapshot()
-            head = await store.get(reactor.log.snapshot_key)
-        async with Reactor(EventLog(store, job), _Executor(), settings=settings) as again:
-            assert await again.resume() == before
+    async with Reactor(EventLog(small_store, job), _Executor(), settings=settings) as reactor:
+        await reactor.resume()
+        await reactor.submit(spec)
+        for i in range(0, nodes, 50):
+            await reactor.submit_many([NodeJoined(node_id=f"node-{n}", incarnation=1) for n in range(i, i + 50)])
+        before = await reactor.wait_until(lambda s: s.rdzv.round == 1, timeout_s=30)
+        await reactor.snapshot()
+        head = await small_store.get(reactor.log.snapshot_key)
+    async with Reactor(EventLog(small_store, job), _Executor(), settings=settings) as again:
+        assert await again.resume() == before
     assert head is not None and len(head.value) < 1024 < len(json.dumps(to_json(before)))
