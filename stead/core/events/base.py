@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -142,9 +143,15 @@ def encode_record(record: Record, encoded: EncodedEvent | None = None) -> bytes:
     """The stored bytes of ``record`` (``encoded``: its event, encoded already), as JSON with sorted keys."""
     if encoded is None:
         encoded = encode(record.event)
-    return b"".join((b'{"at":', json.dumps(record.at).encode(), b',"data":', encoded.data,
-                     b',"seq":', json.dumps(record.seq).encode(), b',"type":', encoded.type_json,
-                     b',"v":', json.dumps(type(record.event).version).encode(), b"}"))
+    return b"".join((b'{"at":', _number(record.at), b',"data":', encoded.data, b',"seq":', _number(record.seq),
+                     b',"type":', encoded.type_json, b',"v":', _number(type(record.event).version), b"}"))
+
+
+def _number(value: float) -> bytes:
+    """``value`` as json.dumps writes it (the repr of an int or a finite float), without its call's cost."""
+    if type(value) is int or (type(value) is float and math.isfinite(value)):
+        return repr(value).encode()
+    return json.dumps(value).encode()
 
 
 def decode_record(raw: bytes, *, where: str) -> Record:

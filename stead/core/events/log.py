@@ -62,6 +62,7 @@ class EventLog:
         self._clock = clock
         self._next_seq: int | None = None
         self._snapshot = ChunkedValue(store, self.snapshot_key)
+        self._key_cost = item_size(self.key(0), 0)  # every record's key has the same length
 
     def key(self, seq: int) -> str:
         return f"{self.prefix}{seq:0{_SEQ_DIGITS}d}"
@@ -98,7 +99,7 @@ class EventLog:
 
     def cost(self, encoded: EncodedEvent) -> int:
         """What a record of ``encoded`` adds to the store write of an append, at most."""
-        return item_size(self.key(0), encoded.record_bytes)
+        return self._key_cost + encoded.record_bytes
 
     @property
     def append_budget(self) -> int:
