@@ -78,7 +78,7 @@ bench: $(STAMP) etcd
 	-$(BIN)/python bench/goodput.py
 	-$(BIN)/python bench/scale.py
 	-$(BIN)/python bench/k8s.py
-	-$(BIN)/python bench/master_scale.py --etcd-max 1000
+	-$(BIN)/python bench/master_scale.py --etcd-max 10000
 
 bench-quick: $(STAMP) etcd
 	$(BIN)/python bench/master_events.py --quick

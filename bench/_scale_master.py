@@ -17,8 +17,10 @@ import asyncio
 import gc
 import json
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,17 +32,38 @@ from stead.core.platform import NodeSpec
 from stead.testing.platforms import RecordingPlatform
 
 
+class _Lines:
+    """JSON lines for the benchmark on stdout, written by a thread of their own: a benchmark slow to read them (its
+    core busy with 10,000 simulated agents) must not stop the master's event loop on a full pipe (it did, for good:
+    the master stopped answering heartbeats, lost nodes, and had more relaunches to report)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[str] = queue.SimpleQueue()
+        threading.Thread(target=self._write, name="bench-lines", daemon=True).start()
+
+    def send(self, line: dict[str, object]) -> None:
+        self._queue.put(json.dumps(line))
+
+    def _write(self) -> None:
+        while True:
+            print(self._queue.get(), flush=True)
+
+
 class _ReportingPlatform(RecordingPlatform):
     """Runs nothing; tells the benchmark (a JSON line on stdout) which nodes to start and stop, as a platform would
     start and stop their agents. Incarnation 1 is the benchmark's to start; relaunches are reported."""
 
+    def __init__(self, lines: _Lines) -> None:
+        super().__init__()
+        self._lines = lines
+
     async def launch(self, spec: NodeSpec) -> None:
         await super().launch(spec)
         if spec.incarnation > 1:
-            print(json.dumps({"launch": [spec.node_id, spec.incarnation]}), flush=True)
+            self._lines.send({"launch": [spec.node_id, spec.incarnation]})
 
     async def kill(self, node_id: str, incarnation: int) -> None:
-        print(json.dumps({"kill": [node_id, incarnation]}), flush=True)
+        self._lines.send({"kill": [node_id, incarnation]})
         await super().kill(node_id, incarnation)
 
 
@@ -77,7 +100,8 @@ async def _serve(args: argparse.Namespace, pauses: _GcPauses) -> None:
     settings = Settings.from_mapping({
         "heartbeat_interval_s": args.interval, "heartbeat_timeout_s": args.timeout, "progress_interval_s": 1.0,
         "health_check": "off", "retry_deadline_s": 120.0})
-    config = MasterConfig(job=args.job, store_url=args.store, settings=settings, platform=_ReportingPlatform(),
+    lines = _Lines()
+    config = MasterConfig(job=args.job, store_url=args.store, settings=settings, platform=_ReportingPlatform(lines),
                           node_spec=_spec, plugins=["diagnosis"], tcp_store=False, listen_fd=args.listen_fd,
                           token_file=str(Path(args.workdir) / f"{args.job}.token"))
     stop = asyncio.Event()
@@ -88,7 +112,7 @@ async def _serve(args: argparse.Namespace, pauses: _GcPauses) -> None:
         await master.submit_job(JobSubmitted(job=args.job, min_nodes=args.nodes, max_nodes=args.nodes,
                                              nproc_per_node=1, max_restarts=1000, max_node_relaunches=1000,
                                              join_timeout_s=3600.0))
-        print(json.dumps({"address": master.address, "token": master.token, "pid": os.getpid()}), flush=True)
+        lines.send({"address": master.address, "token": master.token, "pid": os.getpid()})
         await stop.wait()
         # the pauses while it served (not those of its shutdown)
         (Path(args.workdir) / f"{args.job}.gc.json").write_text(json.dumps(pauses.summary()))

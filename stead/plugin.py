@@ -33,7 +33,8 @@ What is here:
   and every event kind of stead (``WorkerFailed``, ``NodeLost``, ...);
 * the job's state: :class:`JobState`, :class:`JobPhase`, :class:`NodeState`, ...;
 * the default recovery policy (:func:`classify`, :func:`default_decision`);
-* errors, the store protocol, retry helpers;
+* errors, the store protocol (:class:`ChunkedValue` for a value larger than one
+  store write, :func:`write_size` to measure one), retry helpers;
 * RPC: :func:`invalid`, :func:`backend_errors` and the request checks (:func:`check_name`,
   :func:`name_problem`, :func:`at_least`, :func:`finite_figure`) for servicers, :class:`RpcConnection`
   for clients, and ``proto`` (the generated messages of stead's services);
@@ -106,6 +107,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
     )
     from stead.core.errors import (
         StoreUnavailable as StoreUnavailable,
+    )
+    from stead.core.errors import (
+        WriteTooLarge as WriteTooLarge,
     )
     from stead.core.events import (
         CheckpointCommitted as CheckpointCommitted,
@@ -285,11 +289,17 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
     from stead.core.statemachine.policy import (
         last_exception as last_exception,
     )
+    from stead.core.store import (
+        write_size as write_size,
+    )
     from stead.core.store.base import (
         KeyValue as KeyValue,
     )
     from stead.core.store.base import (
         StateStore as StateStore,
+    )
+    from stead.core.store.chunked import (
+        ChunkedValue as ChunkedValue,
     )
 
 _WHERE = {
@@ -297,7 +307,8 @@ _WHERE = {
     "stead.core.config": ("Settings", "env_name", "load_settings", "setting"),
     "stead.core.entrypoints": ("load_named",),
     "stead.core.errors": ("CodecError", "ConfigError", "InvalidRequest", "LogCorrupt", "PermanentError", "PluginError",
-                          "RetryableError", "RpcUnavailable", "SteadError", "StoreError", "StoreUnavailable"),
+                          "RetryableError", "RpcUnavailable", "SteadError", "StoreError", "StoreUnavailable",
+                          "WriteTooLarge"),
     "stead.core.events": ("CheckpointCommitted", "EffectFailed", "Event", "JobFailed", "JobStopped", "JobSubmitted",
                           "JobSucceeded", "MembershipDecided", "NodeExited", "NodeJoined", "NodeLost", "NodePending",
                           "NodeRequested", "NodeResourcesDecided", "NodeStarted",
@@ -314,7 +325,9 @@ _WHERE = {
     "stead.core.statemachine": ("JobPhase", "JobState", "NodePhase", "NodeState", "RendezvousState"),
     "stead.core.statemachine.policy": ("DEFAULT_DECIDER", "DETERMINISTIC", "classify", "default_decision",
                                        "last_exception"),
+    "stead.core.store": ("write_size",),
     "stead.core.store.base": ("KeyValue", "StateStore"),
+    "stead.core.store.chunked": ("ChunkedValue",),
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
 
@@ -323,6 +336,7 @@ __all__ = [
     "AgentExtension",
     "Backoff",
     "CheckpointCommitted",
+    "ChunkedValue",
     "CodecError",
     "ConfigError",
     "DEFAULT_DECIDER",
@@ -384,6 +398,7 @@ __all__ = [
     "WorkersStarted",
     "WorkersSucceeded",
     "at_least",
+    "WriteTooLarge",
     "backend_errors",
     "check_name",
     "classify",
@@ -400,6 +415,7 @@ __all__ = [
     "read_token_file",
     "retrying",
     "setting",
+    "write_size",
 ]
 
 

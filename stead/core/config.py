@@ -108,6 +108,11 @@ class Settings:
     #: a master starting a job gives up on a store it cannot reach after this long (a running one rides out
     #: outages for retry_deadline_s, and one taking over a running job waits that long)
     store_connect_timeout_s: float = setting(5.0, min=0.001)
+    #: the largest write the store takes, bytes: one value, or every key and value of one transaction together
+    #: (0: the backend's own: etcd's default --max-request-bytes, 1.5 MiB; sqlite and memory: 1 GB; at least
+    #: 64 KiB otherwise); set it to the --max-request-bytes of an etcd started with another. Larger values
+    #: (snapshots) are written in chunks of this size, and a larger event is refused
+    store_max_write_bytes: int = setting(0, min=0)
     #: a store call that takes longer than this counts as "store unavailable"
     store_timeout_s: float = setting(5.0, min=0.001)
     #: the etcd store over TLS: the CA that signed etcd's server certificate (PEM); "" = plain HTTP. Also

@@ -17,6 +17,7 @@ connection) and *permanent* (bad input, corrupt data: retrying will not help)::
         ├── LogCorrupt              the event log has a gap, duplicate or bad record
         ├── LogConflict             another writer appended the same seq first
         ├── StoreError              the store refused an operation
+        │   └── WriteTooLarge       a write (or an event) is larger than the store takes in one write
         ├── PluginError             a plugin failed to load or validate
         ├── PlatformError           the platform could not launch or kill a node
         │   └── PlatformRejected    the platform refuses the node as specified: retrying cannot help
@@ -47,6 +48,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "Unauthenticated",
+    "WriteTooLarge",
 ]
 
 
@@ -111,6 +113,11 @@ class LogConflict(PermanentError):
 
 class StoreError(PermanentError):
     """The store rejected an operation (bad key, unknown lease, ...)."""
+
+
+class WriteTooLarge(StoreError):
+    """A write is larger than the store takes at once (its ``max_write_bytes``; etcd's ``--max-request-bytes``):
+    refused before the store was asked, nothing was written."""
 
 
 class PluginError(PermanentError):

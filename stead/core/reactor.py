@@ -14,7 +14,11 @@ Follow-up records (an emitted event, an ``EffectFailed``, a ``TransitionRejected
 go through the same steps before the next submission. One task of the reactor's
 own runs the loop, so a caller that is cancelled while it waits does not leave a
 record persisted but not folded: the record is processed anyway, the caller just
-stops waiting. Submissions waiting together are appended in one store write.
+stops waiting. Submissions waiting together are appended in one store write, as
+many as fit in one (at most ``_MAX_BATCH`` events and the store's
+``max_write_bytes``). An event that could never be written (its record larger than
+one store write) or never encoded is refused to its submitter at once, before the
+store is asked, and the others go on.
 
 Effects run at most once across master restarts and are never lost to one: an
 effect's key ``/stead/jobs/<job>/effects/<id>`` is created (``running``) before it
@@ -38,8 +42,8 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import anyio.abc
@@ -55,8 +59,10 @@ from stead.core.errors import (
     ReactorStopped,
     RetryableError,
     SteadError,
+    WriteTooLarge,
 )
 from stead.core.events import EffectFailed, Event, Record, TimerFired, TransitionRejected
+from stead.core.events.base import EncodedEvent
 from stead.core.events.log import EventLog, job_prefix
 from stead.core.retry import Backoff, retrying
 from stead.core.serde import from_json, to_json
@@ -68,8 +74,11 @@ __all__ = ["EffectRunner", "PluginSink", "Reactor", "ReactorStopped"]
 log = structlog.get_logger("stead.reactor")
 
 _RUNNING, _DONE, _FAILED = b"running", b"done", b"failed"
-#: most events appended in one store write (an emitted event's effect key rides along)
+#: most events appended in one store write (an emitted event's effect key rides along); fewer when their records
+#: would make the write larger than the store takes (EventLog.append_budget)
 _MAX_BATCH = 64
+
+T = TypeVar("T")
 
 
 class EffectRunner(Protocol):
@@ -89,8 +98,10 @@ Observer = Callable[[Record, JobState], None]
 
 @dataclasses.dataclass
 class _Submission:
-    events: Sequence[Event]
+    events: Sequence[EncodedEvent]
     done: asyncio.Future[list[Record]]
+    #: what its records add to an append's store write (EventLog.cost)
+    cost: int
 
 
 class Reactor:
@@ -200,10 +211,21 @@ class Reactor:
         return record
 
     async def submit_many(self, events: Sequence[Event]) -> list[Record]:
-        """Persist ``events`` with consecutive seqs, then apply them in order (a cancelled caller's events too)."""
+        """Persist ``events`` with consecutive seqs, then apply them in order (a cancelled caller's events too).
+
+        Raises CodecError or WriteTooLarge, with nothing recorded, when one of them cannot be encoded or they are
+        more than one store write takes.
+        """
         if self._stopped is not None:
             raise ReactorStopped(f"the master of job {self.log.job!r} has stopped: {self._stopped}")
-        submission = _Submission(list(events), asyncio.get_running_loop().create_future())
+        encoded = [self.log.encode(event) for event in events]
+        cost = sum(self.log.cost(e) for e in encoded)
+        if cost > self.log.append_budget:
+            raise WriteTooLarge(f"{len(encoded)} events submitted together to job {self.log.job!r} take {cost} "
+                                f"bytes, more than one write to {self.log.store.url} takes "
+                                f"({self.log.append_budget} bytes for records); nothing was recorded: submit them "
+                                "in smaller groups")
+        submission = _Submission(encoded, asyncio.get_running_loop().create_future(), cost)
         self._inbox.append(submission)
         self._wake.set()
         return await asyncio.shield(submission.done)
@@ -221,12 +243,10 @@ class Reactor:
             raise
 
     async def _take_batch(self) -> None:
-        batch: list[_Submission] = []
-        count = 0
-        while self._inbox and (not batch or count + len(self._inbox[0].events) <= _MAX_BATCH):
-            submission = self._inbox.popleft()
-            batch.append(submission)
-            count += len(submission.events)
+        batch = next(_batches(self._inbox, count=lambda s: len(s.events), cost=lambda s: s.cost,
+                              budget=self.log.append_budget))
+        for _ in batch:
+            self._inbox.popleft()
         try:
             records = await self.log.append_many([e for s in batch for e in s.events])
         except LogConflict:
@@ -311,7 +331,7 @@ class Reactor:
         else:
             await self._run_batch(others, failures)
         if failures:
-            queue.extend(await self._write(lambda: self.log.append_many(failures)))
+            queue.extend(await self._append_own(failures))
 
     async def _run_batch(self, effects: Sequence[Effect], failures: list[EffectFailed]) -> None:
         """Many effects of one record (a round's StartWorkers to every member): claimed together and marked done
@@ -330,6 +350,15 @@ class Reactor:
         done = list(outcomes.items())
         for i in range(0, len(done), _MAX_BATCH):
             await self._write(functools.partial(self.log.store.put_all, done[i:i + _MAX_BATCH]))
+
+    async def _append_own(self, events: Sequence[Event]) -> list[Record]:
+        """Append events of the loop's own (a round's EffectFailed, one per member), in as many writes as they
+        take: each part is persisted before the next, and a failure stops the loop as any of its writes does."""
+        encoded = [self.log.encode(event) for event in events]
+        records: list[Record] = []
+        for part in _batches(encoded, count=lambda _: 1, cost=self.log.cost, budget=self.log.append_budget):
+            records += await self._write(functools.partial(self.log.append_many, part))
+        return records
 
     async def _emit(self, effect: Emit, *, resuming: bool) -> list[Record]:
         """Append the emitted event together with its effect key (unless this master or a previous one did).
@@ -459,6 +488,24 @@ class Reactor:
             raise ReactorStopped(f"the master of job {self.log.job!r} stopped ({self._stopped!r}) before "
                                  "the awaited state was reached")
         return self._state
+
+
+def _batches(items: Iterable[T], *, count: Callable[[T], int], cost: Callable[[T], int],
+             budget: int) -> Iterator[list[T]]:
+    """``items`` in order, in groups of at most ``_MAX_BATCH`` events costing at most ``budget`` together (an item
+    past either alone makes a group of its own); lazy, so that taking the first group reads no further."""
+    group: list[T] = []
+    events = spent = 0
+    for item in items:
+        n, c = count(item), cost(item)
+        if group and (events + n > _MAX_BATCH or spent + c > budget):
+            yield group
+            group, events, spent = [], 0, 0
+        group.append(item)
+        events += n
+        spent += c
+    if group:
+        yield group
 
 
 def _settle(future: asyncio.Future[list[Record]], *, result: list[Record] | None = None,

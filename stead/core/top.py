@@ -22,11 +22,13 @@ from rich.table import Table
 from rich.text import Text
 
 from stead.core.display import format_record, goodput_lines, last_diagnoses
+from stead.core.errors import CodecError
 from stead.core.events import Record
 from stead.core.events.log import BadRecord, EventLog
 from stead.core.goodput import Ledger, ledger, step_rates
 from stead.core.statemachine import JobState, fold_all
 from stead.core.store import StateStore
+from stead.core.store.chunked import ChunkedValue
 
 __all__ = ["NodeRow", "View", "follow", "plain_lines", "published_lines", "render", "snapshot"]
 
@@ -121,12 +123,19 @@ def plain_lines(view: View, before: View | None, fresh: Sequence[Record | BadRec
 
 
 async def published_lines(store: StateStore, job: str) -> list[str]:
-    """The lines the job's plugins published for `stead status` (each plugin's ``status`` key)."""
+    """The lines the job's plugins published for `stead status` (each plugin's ``status`` key, chunked or not)."""
     from stead.core.display import plugin_status_lines
 
     prefix = f"/stead/jobs/{job}/plugins/"
-    return [line for kv in await store.range(prefix) if kv.key.endswith("/status")
-            for line in plugin_status_lines(kv.key[len(prefix):].split("/")[0], kv.value)]
+    lines: list[str] = []
+    for kv in await store.range(prefix):
+        if kv.key.endswith("/status"):
+            try:
+                raw = await ChunkedValue(store, kv.key).value_of(kv) or b""
+            except CodecError:
+                raw = b""  # shown as unreadable
+            lines += plugin_status_lines(kv.key[len(prefix):].split("/")[0], raw)
+    return lines
 
 
 async def follow(store: StateStore, job: str, *, interval_s: float = 1.0, out: TextIO | None = None,

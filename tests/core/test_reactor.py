@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
+import re
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -13,13 +16,15 @@ import pytest
 import structlog.testing
 
 from stead.core.config import Settings
-from stead.core.errors import CodecError, EffectDeclined, StoreError, StoreUnavailable
+from stead.core.errors import CodecError, EffectDeclined, StoreError, StoreUnavailable, WriteTooLarge
 from stead.core.events import (
     EffectFailed,
+    Event,
     JobFailed,
     JobSubmitted,
     NodeJoined,
     NodeLost,
+    PluginFailed,
     Record,
     RoundStarted,
     StepProgress,
@@ -27,8 +32,10 @@ from stead.core.events import (
 )
 from stead.core.events.log import EventLog
 from stead.core.reactor import Reactor
+from stead.core.serde import to_json
 from stead.core.statemachine import Effect, JobPhase, JobState
-from stead.core.store import StateStore, open_store
+from stead.core.store import KeyValue, StateStore, open_store, write_size
+from stead.core.store._common import MIN_MAX_WRITE_BYTES
 
 pytestmark = pytest.mark.anyio
 
@@ -323,3 +330,120 @@ async def test_a_timer_that_fires_while_the_store_is_away_is_tried_again_with_ba
     pauses = [e["retry_in_s"] for e in logs if e["event"] == "timer_not_recorded"]
     assert pauses[3] > pauses[0], f"no backoff between attempts: {pauses}"  # doubling, jittered by at most half
     assert state.rdzv.members == ("node-0", "node-1")
+
+
+# -- sizes: every append fits in one store write -------------------------------------------------------------------
+
+LIMIT = MIN_MAX_WRITE_BYTES  # what the small_store fixture takes in one write
+
+
+class _Gate(_Executor):
+    """Holds the reactor's loop in the first node launch until opened, so that submissions queue up meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.opened = asyncio.Event(), asyncio.Event()
+
+    async def run(self, effect: Effect) -> None:
+        await super().run(effect)
+        self.entered.set()
+        await self.opened.wait()
+
+
+async def _queued_while_busy(reactor: Reactor, gate: _Gate, events: list[Event]) -> list[Record | BaseException]:
+    """Submit ``events`` each on its own while the loop is held, so that they wait together; then let it go."""
+    first = asyncio.ensure_future(reactor.submit(SPEC))
+    with anyio.fail_after(10):
+        await gate.entered.wait()
+    waiting = asyncio.gather(*(reactor.submit(e) for e in events), return_exceptions=True)
+    await asyncio.sleep(0)  # each submission is queued
+    gate.opened.set()
+    await first
+    return list(await waiting)
+
+
+def _job() -> str:
+    """A job of its own: the suite's etcd is shared by every test."""
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+def _failures(count: int, size: int) -> list[Event]:
+    return [PluginFailed(plugin=f"plugin-{i}", event_type="node.joined", error=f"{i % 10}" * size)
+            for i in range(count)]
+
+
+async def test_submissions_waiting_together_are_appended_in_writes_the_store_takes_and_all_recorded(
+        small_store: StateStore) -> None:
+    events, job = _failures(64, 2000), _job()  # 64 events, the most one append takes, of 2.3 KiB each: over LIMIT
+    gate = _Gate()
+    async with Reactor(EventLog(small_store, job), gate, settings=Settings()) as reactor:
+        await reactor.resume()
+        outcomes = await _queued_while_busy(reactor, gate, events)
+        records = await reactor.log.read()
+    stored = {kv.key: kv for kv in await small_store.range(reactor.log.prefix)}
+    assert all(isinstance(o, Record) for o in outcomes)
+    recorded = [r for r in records if isinstance(r.event, PluginFailed)]
+    assert [r.event for r in recorded] == events
+    writes: dict[int, list[KeyValue]] = {}
+    for record in recorded:
+        kv = stored[reactor.log.key(record.seq)]
+        writes.setdefault(kv.mod_revision, []).append(kv)
+    assert 1 < len(writes) <= 4  # split by size into a few writes, not 64 one by one after a refused batch
+    assert all(write_size((kv.key, len(kv.value)) for kv in kvs) <= LIMIT for kvs in writes.values())
+
+
+async def test_an_event_larger_than_a_store_write_is_refused_clearly_and_the_others_waiting_with_it_are_recorded(
+        small_store: StateStore) -> None:
+    small, (huge,), job = _failures(2, 100), _failures(1, LIMIT), _job()
+    gate = _Gate()
+    async with Reactor(EventLog(small_store, job), gate, settings=Settings()) as reactor:
+        await reactor.resume()
+        outcomes = await _queued_while_busy(reactor, gate, [small[0], huge, small[1]])
+        records = await reactor.log.read()
+    assert isinstance(outcomes[0], Record) and isinstance(outcomes[2], Record)
+    assert isinstance(outcomes[1], WriteTooLarge)
+    assert re.search(rf"event plugin\.failed of job '{job}' is \d+ bytes encoded, more than one write to .* takes "
+                     rf"\({LIMIT} bytes, store_max_write_bytes\); it was not recorded", str(outcomes[1]))
+    assert [r.event for r in records if isinstance(r.event, PluginFailed)] == small
+
+
+class _FailsLoudly(_Executor):
+    """Every start of workers fails with a long error, as a platform's full report would be."""
+
+    async def run(self, effect: Effect) -> None:
+        await super().run(effect)
+        if effect.kind == "start-workers":
+            raise OSError(f"{effect.id}: " + "x" * 4000)
+
+
+async def test_a_rounds_many_effect_failures_are_recorded_in_as_many_writes_as_they_take(
+        small_store: StateStore) -> None:
+    nodes, job = 40, _job()  # 40 EffectFailed of about 4 KiB each: more than one write of LIMIT takes
+    spec = JobSubmitted(job="t", min_nodes=nodes, max_nodes=nodes, nproc_per_node=1, max_restarts=0)
+    async with Reactor(EventLog(small_store, job), _FailsLoudly(), settings=Settings()) as reactor:
+        await reactor.resume()
+        await reactor.submit(spec)
+        await reactor.submit_many([NodeJoined(node_id=f"node-{i}", incarnation=1) for i in range(nodes)])
+        state = await reactor.wait_until(lambda s: s.phase.terminal, timeout_s=30)
+        records = await reactor.log.read()
+    failed = [r.event for r in records if isinstance(r.event, EffectFailed)]
+    assert sorted(f.node_id or "" for f in failed) == sorted(f"node-{i}" for i in range(nodes))
+    assert state.phase is JobPhase.FAILED  # decided on, not a reactor stopped by a refused write
+
+
+async def test_a_snapshot_larger_than_one_store_write_is_written_in_chunks_and_resumed_from(
+        small_store: StateStore) -> None:
+    nodes, job = 400, _job()  # a state of about 80 KiB
+    spec = JobSubmitted(job="t", min_nodes=nodes, max_nodes=nodes, nproc_per_node=1)
+    settings = Settings(snapshot_every=100)
+    async with Reactor(EventLog(small_store, job), _Executor(), settings=settings) as reactor:
+        await reactor.resume()
+        await reactor.submit(spec)
+        for i in range(0, nodes, 50):
+            await reactor.submit_many([NodeJoined(node_id=f"node-{n}", incarnation=1) for n in range(i, i + 50)])
+        before = await reactor.wait_until(lambda s: s.rdzv.round == 1, timeout_s=30)
+        await reactor.snapshot()
+        head = await small_store.get(reactor.log.snapshot_key)
+    async with Reactor(EventLog(small_store, job), _Executor(), settings=settings) as again:
+        assert await again.resume() == before
+    assert head is not None and len(head.value) < 1024 < len(json.dumps(to_json(before)))

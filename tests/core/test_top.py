@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import pty
 import select
@@ -14,6 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from stead.core.config import Settings
 from stead.core.events import (
     Event,
     JobSubmitted,
@@ -27,7 +29,9 @@ from stead.core.events import (
 )
 from stead.core.events.log import EventLog
 from stead.core.store import open_store
-from stead.core.top import follow, plain_lines, snapshot
+from stead.core.store._common import MIN_MAX_WRITE_BYTES as LIMIT
+from stead.core.store.chunked import ChunkedValue
+from stead.core.top import follow, plain_lines, published_lines, snapshot
 from stead.testing.replay import replay
 
 SPEC = JobSubmitted(job="j", min_nodes=2, max_nodes=2, nproc_per_node=1)
@@ -99,6 +103,21 @@ async def test_follow_prints_lines_until_the_job_ends(tmp_path: Path) -> None:
     assert any(line.startswith("j: succeeded, round 1, step 5") for line in lines)
     assert lines[-1].startswith("goodput    ")  # the ledger, last
     assert "\x1b[" not in out.getvalue()  # no cursor control into a file
+
+
+@pytest.mark.anyio
+async def test_a_status_published_in_chunks_is_shown_whole(tmp_path: Path) -> None:
+    """A plugin's status larger than one store write (the stragglers of a large job) is read through its head."""
+    store = await open_store(f"sqlite:///{tmp_path / 'j.db'}", settings=Settings(store_max_write_bytes=LIMIT))
+    try:
+        summary = [f"straggler node-{i}: {'x' * 100}" for i in range(LIMIT // 50)]
+        await ChunkedValue(store, "/stead/jobs/j/plugins/diagnosis/status").put(
+            json.dumps({"summary": summary, "at": 0}).encode())
+        await store.put("/stead/jobs/j/plugins/scaler/status", b'{"summary": ["resources: none yet"], "at": 0}')
+        lines = await published_lines(store, "j")
+    finally:
+        await store.close()
+    assert lines == [*(f"diagnosis (at ?): {line}" for line in summary), "scaler (at ?): resources: none yet"]
 
 
 def test_stead_top_redraws_in_place_in_a_terminal_and_ends_with_the_job(tmp_path: Path) -> None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 from stead.core.errors import CodecError
 from stead.core.serde import from_json, to_json
 
-__all__ = ["Event", "Record", "decode_record", "encode_record", "event_kind", "event_types"]
+__all__ = ["EncodedEvent", "Event", "Record", "decode_record", "encode", "encode_record", "event_kind", "event_types"]
 
 _REGISTRY: dict[str, type[Event]] = {}
 
@@ -110,11 +111,47 @@ def _load_plugin_kinds() -> bool:
     return True
 
 
-def encode_record(record: Record) -> bytes:
-    body = encode_event(record.event)
-    body["seq"] = record.seq
-    body["at"] = record.at
-    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+#: the most bytes a record adds to its event's type name and data: the keys and punctuation, a ``seq`` of 20 digits
+#: (the log's keys have 20), an ``at`` of 24 characters (the longest repr of a float) and a version of 6 digits
+_RECORD_FRAME_BYTES = len(b'{"at":,"data":,"seq":,"type":,"v":}') + 20 + 24 + 6
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedEvent:
+    """An event encoded once, before it has a seq and a time: its records are spliced around ``data``."""
+
+    event: Event
+    #: the JSON of the event's fields, keys sorted
+    data: bytes
+    #: the JSON string of its type name
+    type_json: bytes
+
+    @property
+    def record_bytes(self) -> int:
+        """The most bytes a record of this event takes, whatever its seq and time."""
+        return len(self.data) + len(self.type_json) + _RECORD_FRAME_BYTES
+
+
+def encode(event: Event) -> EncodedEvent:
+    """Encode ``event`` for :func:`encode_record`; CodecError if it is not a registered kind."""
+    body = encode_event(event)
+    return EncodedEvent(event=event, data=json.dumps(body["data"], separators=(",", ":"), sort_keys=True).encode(),
+                        type_json=json.dumps(body["type"]).encode())
+
+
+def encode_record(record: Record, encoded: EncodedEvent | None = None) -> bytes:
+    """The stored bytes of ``record`` (``encoded``: its event, encoded already), as JSON with sorted keys."""
+    if encoded is None:
+        encoded = encode(record.event)
+    return b"".join((b'{"at":', _number(record.at), b',"data":', encoded.data, b',"seq":', _number(record.seq),
+                     b',"type":', encoded.type_json, b',"v":', _number(type(record.event).version), b"}"))
+
+
+def _number(value: float) -> bytes:
+    """``value`` as json.dumps writes it (the repr of an int or a finite float), without its call's cost."""
+    if type(value) is int or (type(value) is float and math.isfinite(value)):
+        return repr(value).encode()
+    return json.dumps(value).encode()
 
 
 def decode_record(raw: bytes, *, where: str) -> Record:

@@ -4,7 +4,14 @@ Records live under ``/stead/jobs/<job>/events/<seq, 20 digits>``. Appends are
 compare-and-put on a key that must not exist yet, so two masters racing for the
 same seq cannot both win: the loser gets :class:`LogConflict`. Reads verify that
 the sequence has no gap or duplicate. Snapshots of the folded state go under
-``/stead/jobs/<job>/snapshot`` so a restarted master replays only the tail.
+``/stead/jobs/<job>/snapshot`` so a restarted master replays only the tail; one
+larger than a store write (a 10,000-node job's on etcd) is written in chunks that
+become visible together (:class:`~stead.core.store.chunked.ChunkedValue`).
+
+No write exceeds the store's ``max_write_bytes``: an event whose record alone
+would is refused by :meth:`EventLog.encode` (:class:`WriteTooLarge`, naming its
+kind and size) before the store is asked, and a writer that appends many events
+keeps each append within :attr:`EventLog.append_budget` (see :meth:`EventLog.cost`).
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
-from stead.core.errors import CodecError, LogConflict, LogCorrupt
-from stead.core.events.base import Event, Record, decode_record, encode_record
+from stead.core.errors import CodecError, LogConflict, LogCorrupt, WriteTooLarge
+from stead.core.events.base import EncodedEvent, Event, Record, decode_record, encode, encode_record
+from stead.core.store import item_size, write_size
 from stead.core.store.base import StateStore, WatchKind
+from stead.core.store.chunked import ChunkedValue
 
 __all__ = ["BadRecord", "EventLog", "Snapshot", "job_prefix"]
 
@@ -52,6 +61,8 @@ class EventLog:
         self.prefix = job_prefix(job) + "events/"
         self._clock = clock
         self._next_seq: int | None = None
+        self._snapshot = ChunkedValue(store, self.snapshot_key)
+        self._key_cost = item_size(self.key(0), 0)  # every record's key has the same length
 
     def key(self, seq: int) -> str:
         return f"{self.prefix}{seq:0{_SEQ_DIGITS}d}"
@@ -63,7 +74,10 @@ class EventLog:
     async def head(self) -> int:
         """The highest seq in the log (0 when empty)."""
         if self._next_seq is None:
-            snapshot = await self.load_snapshot()
+            try:
+                snapshot = await self.load_snapshot()
+            except LogCorrupt:  # unusable: the reactor replays the whole log without it, and this scans it all
+                snapshot = None
             start = self.key(snapshot.seq) if snapshot else None
             last = 0
             for kv in await self.store.range(self.prefix, start=start):
@@ -73,20 +87,42 @@ class EventLog:
             self._next_seq = last + 1
         return self._next_seq - 1
 
+    def encode(self, event: Event) -> EncodedEvent:
+        """``event`` encoded for :meth:`append_many`; WriteTooLarge when its record alone exceeds a store write."""
+        encoded = encode(event)
+        if self.cost(encoded) > self.append_budget:
+            raise WriteTooLarge(
+                f"event {event.type_name} of job {self.job!r} is {encoded.record_bytes} bytes encoded, more than "
+                f"one write to {self.store.url} takes ({self.store.max_write_bytes} bytes, store_max_write_bytes); "
+                "it was not recorded: put less in one event (a shorter text, or several events)")
+        return encoded
+
+    def cost(self, encoded: EncodedEvent) -> int:
+        """What a record of ``encoded`` adds to the store write of an append, at most."""
+        return self._key_cost + encoded.record_bytes
+
+    @property
+    def append_budget(self) -> int:
+        """The most the records of one append may cost together (:meth:`cost`): what a store write takes."""
+        return self.store.max_write_bytes - write_size(())
+
     async def append(self, event: Event) -> Record:
         (record,) = await self.append_many([event])
         return record
 
-    async def append_many(self, events: Sequence[Event], *, extra: Sequence[tuple[str, bytes]] = ()) -> list[Record]:
-        """Append ``events`` atomically with consecutive seqs.
+    async def append_many(self, events: Sequence[Event | EncodedEvent], *,
+                          extra: Sequence[tuple[str, bytes]] = ()) -> list[Record]:
+        """Append ``events`` atomically with consecutive seqs (WriteTooLarge, nothing appended, if they are more
+        than one store write takes: see :meth:`cost`).
 
         ``extra`` keys are created in the same atomic step (the reactor uses it to
         record an effect id together with the event it emitted).
         """
+        encoded = [e if isinstance(e, EncodedEvent) else self.encode(e) for e in events]
         first = await self.head() + 1
         now = self._clock()
-        records = [Record(seq=first + i, at=now, event=e) for i, e in enumerate(events)]
-        items = [(self.key(r.seq), encode_record(r)) for r in records]
+        records = [Record(seq=first + i, at=now, event=e.event) for i, e in enumerate(encoded)]
+        items = [(self.key(r.seq), encode_record(r, e)) for r, e in zip(records, encoded, strict=True)]
         if not await self.store.create_all([*items, *extra]):
             self._next_seq = None
             raise LogConflict(
@@ -160,15 +196,20 @@ class EventLog:
         return job_prefix(self.job) + "snapshot"
 
     async def save_snapshot(self, seq: int, body: dict[str, Any]) -> None:
+        """Replace the snapshot; a reader sees the previous one until the whole of this one is stored."""
         data = json.dumps({"seq": seq, "body": body}, separators=(",", ":")).encode()
-        await self.store.put(self.snapshot_key, data)
+        await self._snapshot.put(data)
 
     async def load_snapshot(self) -> Snapshot | None:
-        kv = await self.store.get(self.snapshot_key)
-        if kv is None:
+        """The newest complete snapshot (one stored whole by any stead version), or None."""
+        try:
+            raw = await self._snapshot.get()
+        except CodecError as exc:
+            raise LogCorrupt(f"snapshot of job {self.job!r} is unreadable: {exc}") from exc
+        if raw is None:
             return None
         try:
-            obj = json.loads(kv.value)
+            obj = json.loads(raw)
             return Snapshot(seq=int(obj["seq"]), body=dict(obj["body"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise LogCorrupt(

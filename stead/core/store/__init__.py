@@ -14,11 +14,11 @@ from typing import cast
 from stead.core.config import Settings
 from stead.core.entrypoints import installed, load_named
 from stead.core.errors import ConfigError
-from stead.core.store._common import prefix_end, public_store_url
+from stead.core.store._common import item_size, prefix_end, public_store_url, write_size
 from stead.core.store.base import KeyValue, Lease, StateStore, WatchEvent, WatchKind
 
-__all__ = ["KeyValue", "Lease", "StateStore", "StoreFactory", "WatchEvent", "WatchKind", "known_schemes",
-           "open_store", "prefix_end", "public_store_url"]
+__all__ = ["KeyValue", "Lease", "StateStore", "StoreFactory", "WatchEvent", "WatchKind", "item_size", "known_schemes",
+           "open_store", "prefix_end", "public_store_url", "write_size"]
 
 StoreFactory = Callable[[str, Settings], Awaitable[StateStore]]
 

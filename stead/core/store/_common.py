@@ -6,6 +6,10 @@ match as plain string prefixes (``/a`` matches ``/a``, ``/ab`` and ``/a/x``),
 which is etcd's meaning. Keys sort by their UTF-8 bytes, which is also their
 code-point order. ``create_all`` takes at most :data:`MAX_TXN_ITEMS` items in
 every backend, so that code tested against ``memory://`` also runs on etcd.
+Every write is measured by :func:`write_size` (an upper bound of the request
+etcd gets) and refused with :class:`WriteTooLarge` before the store is asked
+when it exceeds the store's ``max_write_bytes`` (``store_max_write_bytes``, or
+the backend's own limit).
 A write gets one revision, shared by every key of a ``create_all`` or
 ``delete_prefix``. ``watch`` without ``start_revision`` starts right after the
 newest revision this client has seen when ``watch()`` is called, so nothing
@@ -31,18 +35,21 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
 import structlog
 
-from stead.core.errors import StoreError, StoreUnavailable
+from stead.core.config import Settings
+from stead.core.errors import ConfigError, StoreError, StoreUnavailable, WriteTooLarge
 from stead.core.store.base import Lease
 
 __all__ = [
+    "EMBEDDED_MAX_WRITE_BYTES",
     "MAX_TXN_ITEMS",
+    "MIN_MAX_WRITE_BYTES",
     "LoopAffinity",
     "Notifier",
     "StoreLease",
@@ -53,9 +60,13 @@ __all__ = [
     "check_revision",
     "check_ttl",
     "check_value",
+    "check_write",
     "hold_lease",
+    "item_size",
+    "max_write_bytes",
     "prefix_end",
     "public_store_url",
+    "write_size",
 ]
 
 log = structlog.get_logger()
@@ -64,6 +75,16 @@ T = TypeVar("T")
 
 #: etcd's default ``--max-txn-ops``; ``create_all`` is one transaction, so it is capped here in every backend
 MAX_TXN_ITEMS = 128
+
+#: the largest write sqlite and memory take: SQLite's default SQLITE_MAX_LENGTH (the most bytes one value may hold)
+EMBEDDED_MAX_WRITE_BYTES = 1_000_000_000
+#: the smallest ``store_max_write_bytes`` a store accepts: room for a snapshot's head and any one event of stead's
+MIN_MAX_WRITE_BYTES = 64 << 10
+#: what one key of a write adds to its key and value bytes, at most: etcd's protobuf framing of a put and of the
+#: compare that a ``create_all`` makes on the same key (its key bytes are counted twice for that)
+_ITEM_OVERHEAD_BYTES = 64
+#: what one write adds to its keys, at most: etcd's raft request header and transaction framing
+_WRITE_OVERHEAD_BYTES = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +140,43 @@ def check_items(items: Sequence[tuple[str, bytes]], *, what: str = "create_all")
         seen.add(key)
         checked.append((key, raw, check_value(key, value)))
     return checked
+
+
+def item_size(key: str | bytes, value_bytes: int) -> int:
+    """What one key with a value of ``value_bytes`` adds to a write (see :func:`write_size`)."""
+    raw = key.encode() if isinstance(key, str) else key
+    return 2 * len(raw) + value_bytes + _ITEM_OVERHEAD_BYTES
+
+
+def write_size(items: Iterable[tuple[str | bytes, int]]) -> int:
+    """The size one write of ``(key, value length)`` items counts against a store's ``max_write_bytes``.
+
+    An upper bound of the request etcd checks against its ``--max-request-bytes``, so
+    that a write measured within the limit is one etcd takes; ``write_size(())`` is
+    what a write costs beyond its keys.
+    """
+    return _WRITE_OVERHEAD_BYTES + sum(item_size(key, size) for key, size in items)
+
+
+def max_write_bytes(settings: Settings, own: int, url: str) -> int:
+    """A store's ``max_write_bytes``: ``store_max_write_bytes`` if set, else the backend's ``own`` limit."""
+    limit = settings.store_max_write_bytes or own
+    if limit < MIN_MAX_WRITE_BYTES:
+        raise ConfigError(f"store_max_write_bytes={limit} for {url} is too small: a store must take writes of at "
+                          f"least {MIN_MAX_WRITE_BYTES} bytes; set it to the store's own limit (etcd: its "
+                          "--max-request-bytes) or 0 for the backend's default")
+    return limit
+
+
+def check_write(url: str, what: str, items: Sequence[tuple[bytes, bytes]], limit: int) -> None:
+    """:class:`WriteTooLarge` if the ``(key bytes, value)`` items are more than one write to ``url`` may take."""
+    size = write_size((key, len(value)) for key, value in items)
+    if size > limit:
+        first = items[0][0].decode(errors="replace")
+        keys = f"key {first!r}" if len(items) == 1 else f"{len(items)} keys from {first!r}"
+        raise WriteTooLarge(f"{what} of {keys} is {size} bytes, more than the {limit} bytes one write to {url} may "
+                            "take (store_max_write_bytes; on etcd its --max-request-bytes); nothing was written: "
+                            "write a large value with stead.core.store.chunked.ChunkedValue, or fewer keys at once")
 
 
 def check_limit(limit: int | None) -> None:

@@ -1,7 +1,9 @@
 """The StateStore protocol every backend implements.
 
 Keys are ``/``-separated strings; values are bytes. Every write gets a store-wide
-monotonically increasing ``revision`` (etcd's meaning). ``compare_and_put`` and
+monotonically increasing ``revision`` (etcd's meaning). One write takes at most
+``max_write_bytes`` (etcd's request limit); ``stead.core.store.chunked`` keeps
+larger values. ``compare_and_put`` and
 ``create_all`` report a lost race as ``False``, never as an exception. Client
 failures surface as :class:`~stead.core.errors.StoreUnavailable` (retryable) or
 :class:`~stead.core.errors.StoreError` (permanent).
@@ -57,6 +59,11 @@ class StateStore(Protocol):
 
     @property
     def url(self) -> str: ...
+
+    @property
+    def max_write_bytes(self) -> int:
+        """The most one write may take (see ``_common.write_size``): one value, or a transaction's keys and values
+        together. A larger write raises :class:`~stead.core.errors.WriteTooLarge` and writes nothing."""
 
     async def get(self, key: str) -> KeyValue | None:
         """The key's value and revisions, or ``None`` when absent."""

@@ -41,7 +41,7 @@ import structlog
 from aetcd import rpc
 
 from stead.core.config import Settings
-from stead.core.errors import StoreError, StoreUnavailable
+from stead.core.errors import StoreError, StoreUnavailable, WriteTooLarge
 from stead.core.store._common import (
     LoopAffinity,
     StoreLease,
@@ -52,7 +52,9 @@ from stead.core.store._common import (
     check_revision,
     check_ttl,
     check_value,
+    check_write,
     hold_lease,
+    max_write_bytes,
     prefix_end,
 )
 from stead.core.store._etcd_access import (
@@ -69,6 +71,10 @@ __all__ = ["EtcdAccess", "EtcdStore", "etcd_access", "open_store", "parse_etcd_u
 
 log = structlog.get_logger()
 
+_DEFAULT_PORT = 2379
+#: etcd's default --max-request-bytes: the most one write may take (store_max_write_bytes for another)
+ETCD_MAX_REQUEST_BYTES = 1_572_864
+_URL_PREFIX = "etcd://"
 _PERMANENT = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
@@ -120,6 +126,7 @@ class EtcdStore:
         self._access = access
         self._url = access.public_url  # no user, no file paths: what every log line and error shows
         self._timeout = settings.store_timeout_s
+        self._max_write_bytes = max_write_bytes(settings, ETCD_MAX_REQUEST_BYTES, self._url)
         options: list[tuple[str, Any]] = [
             ("grpc.initial_reconnect_backoff_ms", max(1, int(settings.retry_initial_s * 1000))),
             ("grpc.min_reconnect_backoff_ms", max(1, int(settings.retry_initial_s * 1000))),
@@ -165,6 +172,13 @@ class EtcdStore:
     def url(self) -> str:
         return self._url
 
+    @property
+    def max_write_bytes(self) -> int:
+        return self._max_write_bytes
+
+    def _check_write(self, what: str, items: Sequence[tuple[bytes, bytes]]) -> None:
+        check_write(self._url, what, items, self._max_write_bytes)
+
     # -- the gRPC boundary ----------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -183,9 +197,9 @@ class EtcdStore:
             if refused is not None:
                 return refused
             if "request is too large" in details or "larger than max" in details:
-                return StoreError(f"etcd at {self._url} refused {op}: {details}; a value is larger than etcd "
-                                  "accepts (its --max-request-bytes, 1.5 MiB by default): raise that limit on "
-                                  "the etcd server, or store less per key")
+                return WriteTooLarge(f"etcd at {self._url} refused {op}: {details}; the write is larger than this "
+                                     "etcd accepts (its --max-request-bytes, 1.5 MiB by default): set "
+                                     "store_max_write_bytes to that limit, and stead writes what fits")
             if exc.code() in _PERMANENT:
                 if "lease not found" in details:
                     return _LeaseGone(f"etcd at {self._url} refused {op}: the lease expired or was revoked; "
@@ -305,7 +319,9 @@ class EtcdStore:
         return _key_value(response.kvs[0]) if response.kvs else None
 
     async def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
-        request = rpc.PutRequest(key=check_key(key), value=check_value(key, value), lease=_lease_id(lease))
+        raw, data = check_key(key), check_value(key, value)
+        self._check_write("put", [(raw, data)])
+        request = rpc.PutRequest(key=raw, value=data, lease=_lease_id(lease))
         response = await self._call("put", self._kv.Put, request)
         return int(response.header.revision)
 
@@ -313,6 +329,7 @@ class EtcdStore:
         self, key: str, value: bytes, *, expected_mod_revision: int, lease: Lease | None = None
     ) -> bool:
         raw, data = check_key(key), check_value(key, value)
+        self._check_write("compare_and_put", [(raw, data)])
         check_revision("expected_mod_revision", expected_mod_revision)
         if expected_mod_revision == 0:
             compare = rpc.Compare(key=raw, result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE, create_revision=0)
@@ -325,6 +342,7 @@ class EtcdStore:
 
     async def put_all(self, items: Sequence[tuple[str, bytes]]) -> int:
         checked = check_items(items, what="put_all")
+        self._check_write("put_all", [(raw, value) for _, raw, value in checked])
         if not checked:
             return await self.revision()
         request = rpc.TxnRequest(
@@ -334,6 +352,7 @@ class EtcdStore:
 
     async def create_all(self, items: Sequence[tuple[str, bytes]]) -> bool:
         checked = check_items(items)
+        self._check_write("create_all", [(raw, value) for _, raw, value in checked])
         if not checked:
             return True
         request = rpc.TxnRequest(

@@ -24,6 +24,7 @@ import anyio.lowlevel
 from stead.core.config import Settings
 from stead.core.errors import StoreError
 from stead.core.store._common import (
+    EMBEDDED_MAX_WRITE_BYTES,
     Notifier,
     StoreLease,
     check_items,
@@ -33,7 +34,9 @@ from stead.core.store._common import (
     check_revision,
     check_ttl,
     check_value,
+    check_write,
     hold_lease,
+    max_write_bytes,
 )
 from stead.core.store.base import KeyValue, Lease, StateStore, WatchEvent, WatchKind
 
@@ -55,6 +58,7 @@ class MemoryStore:
         self._url = url
         self._clock = clock
         self._settings = settings or Settings()
+        self._max_write_bytes = max_write_bytes(self._settings, EMBEDDED_MAX_WRITE_BYTES, url)
         self._data: dict[str, KeyValue] = {}
         self._sorted_keys: list[str] = []
         self._history: list[WatchEvent] = []
@@ -70,6 +74,13 @@ class MemoryStore:
     @property
     def url(self) -> str:
         return self._url
+
+    @property
+    def max_write_bytes(self) -> int:
+        return self._max_write_bytes
+
+    def _check_write(self, what: str, items: Sequence[tuple[bytes, bytes]]) -> None:
+        check_write(self._url, what, items, self._max_write_bytes)
 
     # -- internals ----------------------------------------------------------------------------------------------
 
@@ -147,8 +158,8 @@ class MemoryStore:
             return self._data.get(key)
 
     async def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
-        check_key(key)
-        data = check_value(key, value)
+        raw, data = check_key(key), check_value(key, value)
+        self._check_write("put", [(raw, data)])
         await anyio.lowlevel.checkpoint()
         with self._lock:
             self._check_open()
@@ -161,8 +172,8 @@ class MemoryStore:
     async def compare_and_put(
         self, key: str, value: bytes, *, expected_mod_revision: int, lease: Lease | None = None
     ) -> bool:
-        check_key(key)
-        data = check_value(key, value)
+        raw, data = check_key(key), check_value(key, value)
+        self._check_write("compare_and_put", [(raw, data)])
         check_revision("expected_mod_revision", expected_mod_revision)
         await anyio.lowlevel.checkpoint()
         with self._lock:
@@ -178,6 +189,7 @@ class MemoryStore:
 
     async def put_all(self, items: Sequence[tuple[str, bytes]]) -> int:
         checked = check_items(items, what="put_all")
+        self._check_write("put_all", [(raw, value) for _, raw, value in checked])
         await anyio.lowlevel.checkpoint()
         with self._lock:
             self._check_open()
@@ -191,6 +203,7 @@ class MemoryStore:
 
     async def create_all(self, items: Sequence[tuple[str, bytes]]) -> bool:
         checked = check_items(items)
+        self._check_write("create_all", [(raw, value) for _, raw, value in checked])
         await anyio.lowlevel.checkpoint()
         with self._lock:
             self._check_open()

@@ -42,6 +42,7 @@ import structlog
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, StoreError, StoreUnavailable
 from stead.core.store._common import (
+    EMBEDDED_MAX_WRITE_BYTES,
     Notifier,
     StoreLease,
     check_items,
@@ -51,7 +52,9 @@ from stead.core.store._common import (
     check_revision,
     check_ttl,
     check_value,
+    check_write,
     hold_lease,
+    max_write_bytes,
     prefix_end,
 )
 from stead.core.store.base import KeyValue, Lease, StateStore, WatchEvent, WatchKind
@@ -272,6 +275,7 @@ class SqliteStore:
     def __init__(self, url: str, path: Path, settings: Settings) -> None:
         self._url = url
         self._settings = settings
+        self._max_write_bytes = max_write_bytes(settings, EMBEDDED_MAX_WRITE_BYTES, url)
         self._changed = Notifier()
         self._conn = _Connection(url, path, settings.store_timeout_s, self._changed)
         # a store dropped without close() still stops its thread and closes the file
@@ -294,6 +298,13 @@ class SqliteStore:
     @property
     def url(self) -> str:
         return self._url
+
+    @property
+    def max_write_bytes(self) -> int:
+        return self._max_write_bytes
+
+    def _check_write(self, what: str, items: Sequence[tuple[bytes, bytes]]) -> None:
+        check_write(self._url, what, items, self._max_write_bytes)
 
     @property
     def _known_revision(self) -> int:
@@ -352,6 +363,7 @@ class SqliteStore:
 
     async def put(self, key: str, value: bytes, *, lease: Lease | None = None) -> int:
         raw, data = check_key(key), check_value(key, value)
+        self._check_write("put", [(raw, data)])
 
         def body(tx: _Tx) -> int:
             tx.put(raw, data, tx.live_lease(lease))
@@ -363,6 +375,7 @@ class SqliteStore:
         self, key: str, value: bytes, *, expected_mod_revision: int, lease: Lease | None = None
     ) -> bool:
         raw, data = check_key(key), check_value(key, value)
+        self._check_write("compare_and_put", [(raw, data)])
         check_revision("expected_mod_revision", expected_mod_revision)
 
         def body(tx: _Tx) -> bool:
@@ -377,6 +390,7 @@ class SqliteStore:
 
     async def put_all(self, items: Sequence[tuple[str, bytes]]) -> int:
         raws = [(raw, value) for _, raw, value in check_items(items, what="put_all")]
+        self._check_write("put_all", raws)
 
         def body(tx: _Tx) -> int:
             if raws:
@@ -390,6 +404,7 @@ class SqliteStore:
         if not checked:
             return True
         raws = [(raw, value) for _, raw, value in checked]
+        self._check_write("create_all", raws)
 
         def body(tx: _Tx) -> bool:
             marks = ",".join("?" * len(raws))

@@ -39,6 +39,8 @@ from collections.abc import Mapping, Sequence
 
 from stead.plugin import (
     CheckpointCommitted,
+    ChunkedValue,
+    CodecError,
     JobPhase,
     JobState,
     NodeExited,
@@ -122,6 +124,8 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         #: a round's decision waiting for the cause behind a collective error (root_cause_wait_s)
         self._root_cause: _RootCause | None = None
         self._inherited: tuple[int | None, list[float]] = (None, [])
+        #: the status published for `stead status`: its stragglers grow with the job (chunked past one store write)
+        self._status: ChunkedValue | None = None
 
     async def start(self, *, ctx: Ctx) -> None:
         # what the previous master published, read before this one's watch overwrites it
@@ -139,14 +143,17 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             self.clock.start_round(state.rdzv.round, time.time())  # the round runs: its clock starts now
             await self._resume_clock(ctx, state.step)
 
-    @staticmethod
-    async def _published_status(ctx: Ctx) -> tuple[int | None, list[float]]:
+    def _status_value(self, ctx: Ctx) -> ChunkedValue:
+        self._status = self._status or ChunkedValue(ctx.store, ctx.key("status"))
+        return self._status
+
+    async def _published_status(self, ctx: Ctx) -> tuple[int | None, list[float]]:
         """The round and recent step gaps of the last status published (by a previous master)."""
-        kv = await ctx.store.get(ctx.key("status"))
         try:
-            before = json.loads(kv.value) if kv is not None else {}
+            raw = await self._status_value(ctx).get()
+            before = json.loads(raw) if raw is not None else {}
             return before.get("round"), [float(g) for g in before.get("hang", {}).get("gaps_s", [])]
-        except (ValueError, TypeError, AttributeError):
+        except (CodecError, ValueError, TypeError, AttributeError):
             return None, []
 
     async def _resume_clock(self, ctx: Ctx, step: int | None) -> None:
@@ -262,7 +269,7 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             "stragglers": {n: {"compute_s": round(f.compute_s, 6), "median_s": round(f.median_s, 6),
                                "ratio": round(f.ratio, 3)} for n, f in flagged.items()},
         }
-        await ctx.store.put(ctx.key("status"), json.dumps(status).encode())
+        await self._status_value(ctx).put(json.dumps(status).encode())
 
     async def _diagnose(self, ctx: Ctx, stall: Stall) -> None:
         ctx.log.warning("hang_suspected", round=stall.round, step=stall.step, stalled_s=round(stall.stalled_s, 1),

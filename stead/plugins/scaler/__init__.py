@@ -38,6 +38,8 @@ import time
 from stead.core.quantity import QuantityError, format_bytes, parse_quantity
 from stead.plugin import (
     MAX_NODE_ID_CHARS,
+    ChunkedValue,
+    CodecError,
     JobFailed,
     JobStopped,
     JobSucceeded,
@@ -117,14 +119,17 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         self._decide_task: asyncio.Task[None] | None = None
         #: set by the events that call for a new look (a node gone, a round started): one look for many of them
         self._wake = asyncio.Event()
+        #: the figures in the store: their node list grows with the job (past one etcd write at some 100,000 nodes)
+        self._usage: ChunkedValue | None = None
 
     async def start(self, *, ctx: Ctx) -> None:
-        kv = await ctx.store.get(ctx.key("usage"))
-        if kv is not None:
-            try:
-                self.book = UsageBook.from_json(json.loads(kv.value))
-            except (ValueError, TypeError, KeyError, AttributeError) as exc:  # figures are advice: start afresh
-                ctx.log.warning("scaler_usage_unreadable", error=repr(exc), action="counting from now on")
+        self._usage = ChunkedValue(ctx.store, ctx.key("usage"))
+        try:
+            saved_usage = await self._usage.get()
+            if saved_usage is not None:
+                self.book = UsageBook.from_json(json.loads(saved_usage))
+        except (CodecError, ValueError, TypeError, KeyError, AttributeError) as exc:  # advice: start afresh
+            ctx.log.warning("scaler_usage_unreadable", error=repr(exc), action="counting from now on")
         self.policy = load_policy(self.settings.policy)
         kv = await ctx.store.get(ctx.key("membership"))
         if kv is not None:
@@ -250,7 +255,8 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         lines = [r.line for r in recommend(self.book, headroom=self.settings.headroom, requested=self._requested)]
         summary = ([f"resources, from {self.book.samples} looks at {len(self.book.nodes)} node(s):", *lines]
                    if lines else ["resources: no node has reported its use yet"])
-        await ctx.store.put(ctx.key("usage"), json.dumps(self.book.to_json()).encode())
+        self._usage = self._usage or ChunkedValue(ctx.store, ctx.key("usage"))
+        await self._usage.put(json.dumps(self.book.to_json()).encode())
         await ctx.store.put(ctx.key("status"), json.dumps({"summary": summary, "at": time.time()}).encode())
 
     # -- membership ----------------------------------------------------------------------------------------

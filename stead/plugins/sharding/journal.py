@@ -9,9 +9,12 @@ Keys, under the plugin's own prefix for the dataset::
 Every RPC that changes the ledger applies its ops in memory, then waits for
 :meth:`Journal.flush` before it answers: concurrent calls share one store write
 (group commit), so a lease is durable before the worker sees it and a restarted
-master loses none. Journal keys are created, never overwritten, so a second master
-writing the same journal fails instead of forking it. Every ``snapshot_every``
-records the ledger is written whole and the older segment deleted.
+master loses none; ops more than one store write takes (``max_write_bytes``: the
+leases of thousands of workers at once, on etcd) go in several records. Journal
+keys are created, never overwritten, so a second master writing the same journal
+fails instead of forking it. Every ``snapshot_every`` records the ledger is
+written whole (in chunks when it is larger than a store write: a ledger of tens of
+thousands of workers' streams is megabytes) and the older segment deleted.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from stead.plugin import LogCorrupt, StateStore, StoreError
+from stead.plugin import ChunkedValue, CodecError, LogCorrupt, StateStore, StoreError, write_size
 from stead.plugins.sharding.ledger import Ledger, Op, decode_op, encode_op
 
 __all__ = ["Journal", "load_ledger"]
@@ -44,6 +47,7 @@ class Journal:
         self._seq = seq
         self._snapshot_every = max(1, snapshot_every)
         self._state = state
+        self._snapshots = ChunkedValue(store, f"{prefix}/snapshot")
         self._pending: list[Any] = []
         self._added = covered  # ops applied in memory
         self._durable = covered  # ops in the store
@@ -68,12 +72,12 @@ class Journal:
                 await self._write()
 
     async def _write(self) -> None:
-        batch, first = self._pending, self._durable
-        self._pending = []
+        first = self._durable
         key = f"{self._prefix}/journal/{self._segment:06d}/{self._seq + 1:012d}"
+        batch, record = self._record(key, first)
+        self._pending = self._pending[len(batch):]
         try:
-            created = await self._store.compare_and_put(key, _dumps({"first": first, "ops": batch}),
-                                                        expected_mod_revision=0)
+            created = await self._store.compare_and_put(key, record, expected_mod_revision=0)
         except BaseException:
             self._pending[:0] = batch  # written by the next flush (or found written: see _own_record)
             raise
@@ -83,6 +87,21 @@ class Journal:
         self._durable = first + written
         if self._seq >= self._snapshot_every:
             await self._snapshot()
+
+    def _record(self, key: str, first: int) -> tuple[list[Any], bytes]:
+        """The pending ops that one record at ``key`` holds within a store write (at least one), and the record."""
+        room = self._store.max_write_bytes - write_size([(key, 0)])
+        record = _dumps({"first": first, "ops": self._pending})
+        if len(record) <= room:
+            return self._pending, record
+        count, size = 0, len(_dumps({"first": first, "ops": []}))
+        for op in self._pending:
+            size += len(_dumps(op)) + 1  # and its comma
+            if size > room:
+                break
+            count += 1
+        batch = self._pending[:max(1, count)]
+        return batch, _dumps({"first": first, "ops": batch})
 
     async def _own_record(self, key: str, first: int, batch: list[Any]) -> int:
         """How many ops of ``batch`` the existing record at ``key`` holds, when an earlier write of ours made it.
@@ -104,7 +123,7 @@ class Journal:
 
     async def _snapshot(self) -> None:
         body = {"segment": self._segment + 1, "covered": self._added, "ledger": self._state()}
-        await self._store.put(f"{self._prefix}/snapshot", _dumps(body))
+        await self._snapshots.put(_dumps(body))
         old, self._segment, self._seq = self._segment, self._segment + 1, 0
         await self._store.delete_prefix(f"{self._prefix}/journal/{old:06d}/")
 
@@ -115,10 +134,14 @@ async def load_ledger(store: StateStore, prefix: str, spec_ledger: Callable[[], 
     where = f"{prefix}/snapshot"
     segment, covered = 0, 0
     ledger: Ledger | None = None
-    kv = await store.get(where)
-    if kv is not None:
+    try:
+        raw = await ChunkedValue(store, where).get()
+    except CodecError as exc:
+        raise LogCorrupt(f"{where} is unreadable ({exc}); delete the job's sharding keys ({prefix}) to start the "
+                         "dataset over") from exc
+    if raw is not None:
         try:
-            body = json.loads(kv.value)
+            body = json.loads(raw)
             segment, covered = int(body["segment"]), int(body["covered"])
             ledger = Ledger.from_json(body["ledger"], now=now)
         except (ValueError, KeyError, TypeError) as exc:

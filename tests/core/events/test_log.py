@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import uuid
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
 
-from stead.core.errors import CodecError, LogConflict, LogCorrupt
-from stead.core.events import JobSubmitted, Record, StepProgress, decode_record
-from stead.core.events.log import BadRecord, EventLog
+from stead.core.errors import CodecError, LogConflict, LogCorrupt, WriteTooLarge
+from stead.core.events import JobFailed, JobSubmitted, Record, StepProgress, decode_record
+from stead.core.events.log import BadRecord, EventLog, Snapshot
 from stead.core.store import StateStore
+from stead.core.store._common import MIN_MAX_WRITE_BYTES
+
+if TYPE_CHECKING:
+    from conftest import KillBetweenChunks
 
 pytestmark = pytest.mark.anyio
 
@@ -112,3 +118,66 @@ async def test_snapshots_round_trip_and_bound_the_head_scan(store: StateStore) -
     await store.put(log.snapshot_key, b"garbage")
     with pytest.raises(LogCorrupt, match="delete that key"):
         await log.load_snapshot()
+
+
+# -- sizes: no write over what the store takes -----------------------------------------------------------------
+
+LIMIT = MIN_MAX_WRITE_BYTES  # what the small_store fixture takes in one write
+
+
+def _state(nodes: int) -> dict[str, Any]:
+    """A snapshot body about the size of a job's with ``nodes`` nodes (about 190 bytes each)."""
+    return {"state": {"nodes": {f"node-{i}": {"node_id": f"node-{i}", "incarnation": 1, "phase": "joined",
+                                              "host": f"host-{i}.example", "pid": 1000 + i, "exit_code": None,
+                                              "signal": None, "resources": [], "pending": ""}
+                                for i in range(nodes)}}}
+
+
+async def test_a_snapshot_larger_than_one_store_write_round_trips_in_chunks(small_store: StateStore) -> None:
+    log = EventLog(small_store, _job())
+    await log.append_many([StepProgress(round=1, step=i) for i in range(4)])
+    body = _state(1500)
+    await log.save_snapshot(3, body)
+    assert len(json.dumps(body)) > 4 * LIMIT
+    snapshot = await EventLog(small_store, log.job).load_snapshot()
+    assert snapshot == Snapshot(seq=3, body=body)
+    assert await EventLog(small_store, log.job).head() == 4
+    await log.save_snapshot(4, {"state": {"x": 1}})  # smaller again: one key, as before
+    assert await EventLog(small_store, log.job).load_snapshot() == Snapshot(seq=4, body={"state": {"x": 1}})
+
+
+async def test_a_snapshot_writer_killed_between_chunks_leaves_the_previous_snapshot_loaded(
+        small_store: StateStore, kill_between_chunks: KillBetweenChunks) -> None:
+    job = _job()
+    await EventLog(small_store, job).save_snapshot(10, _state(600))
+    await kill_between_chunks(small_store, lambda store: EventLog(store, job).save_snapshot(20, _state(1500)), 2)
+    assert await EventLog(small_store, job).load_snapshot() == Snapshot(seq=10, body=_state(600))
+    await EventLog(small_store, job).save_snapshot(30, _state(900))  # the next master's
+    assert await EventLog(small_store, job).load_snapshot() == Snapshot(seq=30, body=_state(900))
+
+
+async def test_a_single_key_snapshot_of_an_older_stead_still_loads(store: StateStore) -> None:
+    log = EventLog(store, _job())
+    await store.put(log.snapshot_key, b'{"seq":7,"body":{"state":{"phase":"running"}}}')
+    assert await log.load_snapshot() == Snapshot(seq=7, body={"state": {"phase": "running"}})
+
+
+async def test_an_event_larger_than_one_store_write_is_refused_naming_its_kind_its_size_and_the_limit(
+        small_store: StateStore) -> None:
+    log = EventLog(small_store, _job())
+    huge = JobFailed(reason="crashed", message="m" * LIMIT)
+    with pytest.raises(WriteTooLarge, match=rf"event job\.failed of job '{log.job}' is \d+ bytes encoded, more than "
+                                            rf"one write to .* takes \({LIMIT} bytes, store_max_write_bytes\)"):
+        await log.append(huge)
+    assert await log.head() == 0
+    await log.append(JobFailed(reason="crashed", message="m" * (LIMIT // 2)))  # half of it fits
+    assert [r.seq for r in await log.read()] == [1]
+
+
+async def test_events_that_fit_one_by_one_but_not_together_are_not_appended_in_part(small_store: StateStore) -> None:
+    log = EventLog(small_store, _job())
+    events = [JobFailed(reason="crashed", message=f"{i}" * (LIMIT // 3)) for i in range(4)]
+    assert sum(log.cost(log.encode(e)) for e in events) > log.append_budget
+    with pytest.raises(WriteTooLarge, match="create_all of 4 keys"):
+        await log.append_many(events)
+    assert await log.read() == []

@@ -1,4 +1,4 @@
-"""etcd-only behaviour: outages map to StoreUnavailable, the client recovers, URLs and TTL rounding."""
+"""etcd-only behaviour: outages map to StoreUnavailable, the client recovers, URLs and TTL rounding, request sizes."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import anyio.to_thread
 import pytest
 
 from stead.core.config import Settings
-from stead.core.errors import ConfigError, StoreError, StoreUnavailable
-from stead.core.store import open_store
-from stead.core.store.etcd import EtcdStore, parse_etcd_url
+from stead.core.errors import ConfigError, StoreError, StoreUnavailable, WriteTooLarge
+from stead.core.store import open_store, write_size
+from stead.core.store._common import MAX_TXN_ITEMS
+from stead.core.store.etcd import ETCD_MAX_REQUEST_BYTES, EtcdStore, parse_etcd_url
 from stead.testing.etcd import EtcdServer
 
 pytestmark = pytest.mark.anyio
@@ -137,10 +138,33 @@ def test_a_malformed_etcd_url_names_an_example() -> None:
 
 async def test_a_value_over_etcd_s_request_limit_is_refused_clearly_not_blamed_on_an_outage(etcd_url: str) -> None:
     store = await open_store(etcd_url)
+    # told a larger limit than this etcd's (its default --max-request-bytes): etcd itself refuses
+    trusting = await open_store(etcd_url, settings=Settings(store_max_write_bytes=4 << 20))
     try:
-        with pytest.raises(StoreError, match=r"larger than etcd accepts \(its --max-request-bytes") as caught:
-            await store.put("/stead-test/too-large", b"x" * (2 << 20))
+        assert store.max_write_bytes == ETCD_MAX_REQUEST_BYTES
+        with pytest.raises(WriteTooLarge, match=r"one write to etcd://.* may take \(store_max_write_bytes"):
+            await store.put("/stead-test/too-large", b"x" * (2 << 20))  # refused before etcd is asked
+        with pytest.raises(WriteTooLarge, match=r"larger than this etcd accepts \(its --max-request-bytes") as caught:
+            await trusting.put("/stead-test/too-large", b"x" * (2 << 20))
         assert not isinstance(caught.value, StoreUnavailable)
         assert await store.get("/stead-test/too-large") is None
+    finally:
+        await trusting.close()
+        await store.close()
+
+
+async def test_the_largest_writes_stead_measures_as_fitting_are_ones_etcd_takes(etcd_url: str) -> None:
+    """write_size is an upper bound of etcd's request size: a put and a full transaction of 128 keys, each exactly
+    at etcd's default limit by that measure, are accepted by a real etcd."""
+    store = await open_store(etcd_url)
+    try:
+        key = "/stead-test/largest/" + "k" * 200
+        value = b"v" * (store.max_write_bytes - write_size([(key, 0)]))
+        await store.put(key, value)
+        assert (await store.get(key)).value == value  # type: ignore[union-attr]
+        keys = [f"/stead-test/largest-txn/{i:04d}" for i in range(MAX_TXN_ITEMS)]
+        each = (store.max_write_bytes - write_size((k, 0) for k in keys)) // len(keys)
+        assert await store.create_all([(k, b"v" * each) for k in keys])
+        assert len(await store.range("/stead-test/largest-txn/")) == MAX_TXN_ITEMS
     finally:
         await store.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -11,9 +12,10 @@ import anyio
 import pytest
 
 from stead.core.config import Settings
-from stead.core.errors import ConfigError, StoreError
-from stead.core.store import KeyValue, StateStore, WatchEvent, WatchKind, open_store
-from stead.core.store._common import MAX_TXN_ITEMS
+from stead.core.errors import ConfigError, StoreError, WriteTooLarge
+from stead.core.store import KeyValue, StateStore, WatchEvent, WatchKind, open_store, write_size
+from stead.core.store._common import EMBEDDED_MAX_WRITE_BYTES, MAX_TXN_ITEMS, MIN_MAX_WRITE_BYTES
+from stead.core.store.etcd import ETCD_MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:
     from conftest import Backend
@@ -22,6 +24,8 @@ pytestmark = pytest.mark.anyio
 
 #: generous bound on waiting for an event that must come; never an assertion on speed
 WAIT_S = 10.0
+#: the smallest max_write_bytes a store takes: what the size tests set
+LIMIT = MIN_MAX_WRITE_BYTES
 
 
 async def take(events: AsyncIterator[WatchEvent], n: int) -> list[WatchEvent]:
@@ -163,6 +167,42 @@ class TestStoreContract:
             await store.create_all(too_many)
         assert await store.create_all(too_many[:MAX_TXN_ITEMS])
         assert len(await store.range(backend.key("big/"))) == MAX_TXN_ITEMS
+
+    async def test_max_write_bytes_is_the_setting_or_else_the_backends_own(self, backend: Backend,
+                                                                           settings: Settings) -> None:
+        own = ETCD_MAX_REQUEST_BYTES if backend.name == "etcd" else EMBEDDED_MAX_WRITE_BYTES
+        assert backend.store.max_write_bytes == own
+        small = await open_store(backend.url, settings=dataclasses.replace(settings, store_max_write_bytes=LIMIT))
+        try:
+            assert small.max_write_bytes == LIMIT
+        finally:
+            await small.close()
+        with pytest.raises(ConfigError, match=r"store_max_write_bytes=1000 .* too small"):
+            await open_store(backend.url, settings=dataclasses.replace(settings, store_max_write_bytes=1000))
+
+    async def test_a_write_larger_than_the_store_takes_is_refused_before_it_and_writes_nothing(
+            self, backend: Backend, settings: Settings) -> None:
+        store = await open_store(backend.url, settings=dataclasses.replace(settings, store_max_write_bytes=LIMIT))
+        try:
+            key = backend.key("big")
+            fits = b"x" * (LIMIT - write_size([(key, 0)]))
+            over = fits + b"x"
+            writes = {"put": lambda: store.put(key, over),
+                      "compare_and_put": lambda: store.compare_and_put(key, over, expected_mod_revision=0),
+                      "create_all": lambda: store.create_all([(key, over)]),
+                      "put_all": lambda: store.put_all([(key, over)])}
+            for name, write in writes.items():
+                with pytest.raises(WriteTooLarge, match=f"^{name} of key '{key}' is {LIMIT + 1} bytes, more than "
+                                                        f"the {LIMIT} bytes one write"):
+                    await write()
+            halves = [(backend.key(f"half/{i}"), fits[:len(fits) // 2]) for i in range(2)]
+            with pytest.raises(WriteTooLarge, match="create_all of 2 keys"):
+                await store.create_all(halves)
+            assert await store.get(key) is None and await store.range(backend.key("half/")) == []
+            await store.put(key, fits)  # exactly what one write takes
+            assert (await store.get(key)).value == fits  # type: ignore[union-attr]
+        finally:
+            await store.close()
 
     async def test_delete_reports_whether_the_key_existed(self, backend: Backend) -> None:
         store, key = backend.store, backend.key("gone")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from stead.core.events import Event, NodeExited, NodeLost, Record
 from stead.core.plugins import PluginContext
 from stead.core.statemachine import JobPhase, JobState
 from stead.core.store import StateStore, open_store
+from stead.core.store._common import MIN_MAX_WRITE_BYTES
 from stead.plugins.sharding.events import LeasesReleased, ShardRoundStarted
 from stead.plugins.sharding.ledger import DatasetSpec, Range
 from stead.plugins.sharding.plugin import ShardingPlugin
@@ -120,6 +122,37 @@ async def test_concurrent_leases_share_store_writes_and_never_overlap(store: Sta
     records = await store.range(f"{PREFIX}/datasets/ids/journal/")
     snapshot = await store.get(f"{PREFIX}/datasets/ids/snapshot")
     assert len(records) + (snapshot is not None) * 3 < world * 2  # fewer writes than calls: group commit
+
+
+async def test_a_world_whose_leases_outgrow_one_store_write_is_journaled_and_snapshotted_in_several(
+        store: StateStore) -> None:
+    """1,500 ranks leasing at once on a store that takes 64 KiB a write (as etcd takes 1.5 MiB): their ops go in
+    several journal records, the ledger (about 90 KiB) in chunks, and a restarted master replays both."""
+    small = await open_store(store.url, settings=Settings(store_max_write_bytes=MIN_MAX_WRITE_BYTES))
+
+    def service(snapshot_every: int) -> ShardService:
+        return ShardService(small, prefix=PREFIX, settings=ShardingSettings(snapshot_every=snapshot_every))
+
+    def who(rank: int) -> StreamId:
+        return _who(rank, world=world)
+
+    try:
+        first, world = service(1000), 1500
+        await first.register(dataclasses.replace(SPEC, shard_size=1, size=4 * world, epochs=1))
+        answers = await asyncio.gather(*(first.lease(who(r), epoch=0, have=0, count=2, consumed=0, wait_s=30)
+                                         for r in range(world)))
+        records = await small.range(f"{PREFIX}/datasets/ids/journal/")
+        second = service(1)  # from the journal; its next record snapshots the ledger
+        assert [(await second.lease(who(r), epoch=0, have=0, count=2, consumed=0)).ranges
+                for r in range(world)] == [a.ranges for a in answers]
+        more = await second.lease(who(0), epoch=0, have=1, count=1, consumed=0)
+        chunks = await small.range(f"{PREFIX}/datasets/ids/snapshot/chunks/")
+        third = service(1000)  # from the chunked snapshot
+        assert (await third.lease(who(0), epoch=0, have=1, count=1, consumed=0)).ranges == more.ranges
+    finally:
+        await small.close()
+    assert len(records) > 1 and len(chunks) > 1
+    assert len({s for a in answers for s in _slots(a.ranges)}) == 2 * world
 
 
 async def test_a_lease_waits_for_the_other_ranks_and_wakes_when_they_come(store: StateStore) -> None:
