@@ -30,6 +30,8 @@ class Backend:
     open_another: Callable[[], Awaitable[StateStore]]
     #: a lease TTL the backend honours exactly (etcd rounds up to whole seconds)
     short_ttl_s: float
+    #: what a client of this backend opens it with (the secured etcd's certificates and login)
+    settings: Settings = SETTINGS
 
     def key(self, name: str) -> str:
         return self.ns + name
@@ -83,7 +85,7 @@ async def backend(request: pytest.FixtureRequest, sqlite_dir: Path) -> AsyncIter
 
     try:
         yield Backend(name=name, url=url, store=store, ns=f"/t-{uuid.uuid4().hex[:12]}/",
-                      open_another=open_another, short_ttl_s=ttl)
+                      open_another=open_another, short_ttl_s=ttl, settings=settings)
     finally:
         for other in others:
             await other.close()

@@ -26,7 +26,7 @@ LIMIT = MIN_MAX_WRITE_BYTES
 @pytest.fixture
 async def small(backend: Backend, settings: Settings) -> AsyncIterator[StateStore]:
     """The backend's store as one that takes at most LIMIT bytes a write (as etcd takes 1.5 MiB)."""
-    store = await open_store(backend.url, settings=dataclasses.replace(settings, store_max_write_bytes=LIMIT))
+    store = await open_store(backend.url, settings=dataclasses.replace(backend.settings, store_max_write_bytes=LIMIT))
     try:
         yield store
     finally:

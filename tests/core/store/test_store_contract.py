@@ -170,19 +170,21 @@ class TestStoreContract:
 
     async def test_max_write_bytes_is_the_setting_or_else_the_backends_own(self, backend: Backend,
                                                                            settings: Settings) -> None:
-        own = ETCD_MAX_REQUEST_BYTES if backend.name == "etcd" else EMBEDDED_MAX_WRITE_BYTES
+        own = ETCD_MAX_REQUEST_BYTES if backend.name.startswith("etcd") else EMBEDDED_MAX_WRITE_BYTES
         assert backend.store.max_write_bytes == own
-        small = await open_store(backend.url, settings=dataclasses.replace(settings, store_max_write_bytes=LIMIT))
+        limited = dataclasses.replace(backend.settings, store_max_write_bytes=LIMIT)
+        small = await open_store(backend.url, settings=limited)
         try:
             assert small.max_write_bytes == LIMIT
         finally:
             await small.close()
         with pytest.raises(ConfigError, match=r"store_max_write_bytes=1000 .* too small"):
-            await open_store(backend.url, settings=dataclasses.replace(settings, store_max_write_bytes=1000))
+            await open_store(backend.url, settings=dataclasses.replace(backend.settings, store_max_write_bytes=1000))
 
     async def test_a_write_larger_than_the_store_takes_is_refused_before_it_and_writes_nothing(
             self, backend: Backend, settings: Settings) -> None:
-        store = await open_store(backend.url, settings=dataclasses.replace(settings, store_max_write_bytes=LIMIT))
+        limited = dataclasses.replace(backend.settings, store_max_write_bytes=LIMIT)
+        store = await open_store(backend.url, settings=limited)
         try:
             key = backend.key("big")
             fits = b"x" * (LIMIT - write_size([(key, 0)]))
