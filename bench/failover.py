@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import IO
@@ -136,60 +137,59 @@ def run(outage_s: float, steps: int, work: Path) -> dict[str, float | int]:
             "agents_exit_codes": codes}  # type: ignore[dict-item]
 
 
-def run_supervised(steps: int, work: Path) -> dict[str, float | int]:
-    """The job under `stead run`; its master gets SIGKILL once the workers step."""
+def _under_stead_run(work: Path, job: str, steps: int, fault: Callable[[Path], dict[str, float]],
+                     *flags: str) -> dict[str, float | int]:
+    """A 2x2 job under `stead run` (``flags`` added); ``fault(run_log)`` runs once the workers step and returns
+    figures of its own. The step figures, the workers restarted and the exit code join them."""
     (work / "train.py").write_text(TRAIN_LOGGING_STEPS)
     log_path, steps_log = work / "run.log", work / "steps.log"
     with open(log_path, "w") as err:
-        run = subprocess.Popen([sys.executable, "-m", "stead", "run", "--job-name", "failover-run", "--log-format",
-                                "json", "--nnodes", str(NODES), "--nproc-per-node", str(NPROC), "train.py",
+        run = subprocess.Popen([sys.executable, "-m", "stead", "run", "--job-name", job, "--log-format", "json",
+                                *flags, "--nnodes", str(NODES), "--nproc-per-node", str(NPROC), "train.py",
                                 str(steps)], cwd=work, stdout=subprocess.DEVNULL, stderr=err)
     try:
         _wait(lambda: len(read_steps(steps_log)) >= 40, "the first steps")
-        status = subprocess.run([sys.executable, "-m", "stead", "status", "--job", "failover-run", "--json"],
-                                cwd=work, capture_output=True, text=True, check=True)
-        os.kill(json.loads(status.stdout)["master_pid"], signal.SIGKILL)
-        killed_at = time.time()
-        print(f"stead run: master killed at step {read_steps(steps_log)[-1][1]}", flush=True)
-        _wait(lambda: len([t for t in _log_times(log_path, "agent_registered") if t > killed_at]) >= NODES,
-              "every agent registered with the new master")
-        adopt_s = sorted(t for t in _log_times(log_path, "agent_registered") if t > killed_at)[NODES - 1] - killed_at
-        print(f"stead run: the new master had adopted both nodes {adopt_s:.2f} s after the kill", flush=True)
+        extra = fault(log_path)
         code = run.wait(timeout=600)
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
-    figures = _step_figures(read_steps(steps_log), steps)
-    return {**figures, "adopt_s": round(adopt_s, 3),
+    return {**_step_figures(read_steps(steps_log), steps), **extra,
             "workers_restarted": len(_log_times(log_path, "worker_started")) - NODES * NPROC, "exit_code": code}
+
+
+def run_supervised(steps: int, work: Path) -> dict[str, float | int]:
+    """The job under `stead run`; its master gets SIGKILL once the workers step."""
+
+    def kill_master(log_path: Path) -> dict[str, float]:
+        status = subprocess.run([sys.executable, "-m", "stead", "status", "--job", "failover-run", "--json"],
+                                cwd=work, capture_output=True, text=True, check=True)
+        os.kill(json.loads(status.stdout)["master_pid"], signal.SIGKILL)
+        killed_at = time.time()
+        print(f"stead run: master killed at step {read_steps(work / 'steps.log')[-1][1]}", flush=True)
+        _wait(lambda: len([t for t in _log_times(log_path, "agent_registered") if t > killed_at]) >= NODES,
+              "every agent registered with the new master")
+        adopt_s = sorted(t for t in _log_times(log_path, "agent_registered") if t > killed_at)[NODES - 1] - killed_at
+        print(f"stead run: the new master had adopted both nodes {adopt_s:.2f} s after the kill", flush=True)
+        return {"adopt_s": round(adopt_s, 3)}
+
+    return _under_stead_run(work, "failover-run", steps, kill_master)
 
 
 def run_etcd_outage(steps: int, work: Path, outage_s: float) -> dict[str, float | int]:
     """The job under `stead run` on etcd; etcd gets SIGKILL once the workers step, and starts again on its data
     ``outage_s`` later."""
-    (work / "train.py").write_text(TRAIN_LOGGING_STEPS)
-    log_path, steps_log = work / "run.log", work / "steps.log"
     with EtcdServer() as etcd:
-        with open(log_path, "w") as err:
-            run = subprocess.Popen([sys.executable, "-m", "stead", "run", "--job-name", "failover-etcd", "--store",
-                                    etcd.url, "--log-format", "json", "--nnodes", str(NODES), "--nproc-per-node",
-                                    str(NPROC), "train.py", str(steps)], cwd=work, stdout=subprocess.DEVNULL,
-                                   stderr=err)
-        try:
-            _wait(lambda: len(read_steps(steps_log)) >= 40, "the first steps")
+
+        def kill_etcd(log_path: Path) -> dict[str, float]:
             etcd.kill()
-            print(f"etcd: killed at step {read_steps(steps_log)[-1][1]}; back in {outage_s:g} s", flush=True)
+            print(f"etcd: killed at step {read_steps(work / 'steps.log')[-1][1]}; back in {outage_s:g} s", flush=True)
             time.sleep(outage_s)
             etcd.start()
-            code = run.wait(timeout=600)
-        finally:
-            if run.poll() is None:
-                run.kill()
-                run.wait()
-    figures = _step_figures(read_steps(steps_log), steps)
-    return {**figures, "workers_restarted": len(_log_times(log_path, "worker_started")) - NODES * NPROC,
-            "exit_code": code}
+            return {}
+
+        return _under_stead_run(work, "failover-etcd", steps, kill_etcd, "--store", etcd.url)
 
 
 def _step_figures(done: list[tuple[float, int]], steps: int) -> dict[str, float | int]:
