@@ -127,9 +127,7 @@ class Job:
     async def until(self, what: str, holds: Callable[[], bool]) -> None:
         with anyio.fail_after(TIMEOUT_S):
             while not holds():
-                if self.process.returncode is not None:
-                    raise AssertionError(f"the job ended (exit {self.process.returncode}) while waiting for {what}; "
-                                         f"its output:\n{self.stderr.decode(errors='replace')[-4000:]}")
+                self._still_running(what)
                 await anyio.sleep(0.1)
 
     async def step_beyond(self, steps: int) -> int:
@@ -139,13 +137,33 @@ class Job:
         return now + steps
 
     def events(self) -> list[dict[str, Any]]:
-        out = subprocess.run([sys.executable, "-m", "stead", "events", "--job", self.name, "--store", self.store,
-                              "--json"], cwd=self.cwd, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(self._events_command(), cwd=self.cwd, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [e["data"] for e in self.events() if e["type"] == kind]
+
+    async def until_recorded(self, what: str, kind: str, holds: Callable[[list[dict[str, Any]]], bool]) -> None:
+        """Wait until the data of the job's events of ``kind`` so far hold; read without blocking the event loop,
+        which serves the test cluster the job runs on."""
+        with anyio.fail_after(TIMEOUT_S):
+            while True:
+                out = await anyio.run_process(self._events_command(), cwd=self.cwd, check=False)
+                assert out.returncode == 0, out.stderr.decode(errors="replace")
+                events = [json.loads(line) for line in out.stdout.decode().splitlines() if line.strip()]
+                if holds([e["data"] for e in events if e["type"] == kind]):
+                    return
+                self._still_running(what)
+                await anyio.sleep(0.5)
+
+    def _events_command(self) -> list[str]:
+        return [sys.executable, "-m", "stead", "events", "--job", self.name, "--store", self.store, "--json"]
+
+    def _still_running(self, what: str) -> None:
+        if self.process.returncode is not None:
+            raise AssertionError(f"the job ended (exit {self.process.returncode}) while waiting for {what}; "
+                                 f"its output:\n{self.stderr.decode(errors='replace')[-4000:]}")
 
 
 @contextlib.asynccontextmanager
@@ -270,18 +288,23 @@ async def test_a_failing_host_is_kept_out_and_a_node_with_no_room_is_given_up_th
                 "--nnodes", "1:2", "--nproc-per-node", "1", "--set", "health_check=all",
                 "--set", "k8s.pending_timeout_s=2", "--set", "scaler.pending_retry_s=4",
                 "--rdzv-conf", "last_call_timeout=1")) as running:
-            # one node lands on host-a, fails its check, and is relaunched away from host-a: nowhere has room for
-            # it, so after k8s.pending_timeout_s the job goes on with one node
+            # one node lands on host-a, fails its check and is relaunched away from host-a, but no other host has
+            # room for it; the job goes on with the other node meanwhile (MIN is 1, and the rendezvous's last call
+            # ends before k8s.pending_timeout_s)
             await running.until("a round with one node", lambda: any(w == 1 for _, _, w in running.steps()))
             relaunched: list[dict[str, Any]] = []
 
-            def kept_off() -> bool:  # a relaunch waits for room for a while, is given up, and asked for again
+            def kept_off() -> bool:
                 relaunched.extend(p for n, p in running.pods().items() if not n.endswith("-1"))
                 return bool(relaunched)
 
             await running.until("a relaunched pod", kept_off)
             terms = relaunched[0]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
             assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["host-a"]
+            # the relaunch waits for room for k8s.pending_timeout_s, is reported pending and given up; room that came
+            # sooner would have it scheduled, with nothing pending (the one-node round starts before the timeout)
+            await running.until_recorded("the relaunch given up", "scaler.pending",
+                                         lambda answered: any(a["decision"] == "give_up" for a in answered))
             # room appears on host-b: the scaler asks for the node again and the job grows to two
             await kubelet.set_capacity("host-b", pods=2)
             await running.until("a round with two nodes", lambda: running.steps()[-1][2] == 2)
