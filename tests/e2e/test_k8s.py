@@ -249,10 +249,36 @@ async def test_a_job_survives_a_deleted_pod_its_master_pod_deleted_and_an_oom_ki
     assert any(line.startswith("memory: requested 9Gi, peak ") for line in recommended["lines"]), recommended
     classified = running.of("diagnosis.classified")
     assert any(c["failure_class"] == "oom" and c["node_id"] == "node-0" for c in classified), (classified, exits)
-    resumed = [tuple(map(int, line.split())) for line in (tmp_path / "resumed.log").read_text().splitlines()]
-    assert len(resumed) >= 2 and all(step > 0 for _, step in resumed), resumed  # each recovery restored a step
+    # each recovery restored a step no older than the newest the job had committed when the fault came: not an
+    # older one (a rollback), nor none (the workers would start again from step 0 and write no resumed.log line)
+    resumed = dict(tuple(map(int, line.split())) for line in (tmp_path / "resumed.log").read_text().splitlines())
+    floors = _committed_at_faults(running.events())
+    assert len(floors) >= 3, floors  # the deleted pod and both OOM kills
+    assert all(resumed.get(round_, -1) >= step for round_, step in floors.items()), (floors, resumed)
     steps = [s for s, _, _ in running.steps()]
     assert steps == sorted(steps) or max(steps) > 20  # training went on across every fault
+
+
+def _committed_at_faults(events: Sequence[dict[str, Any]]) -> dict[int, int]:
+    """Round -> the newest step committed when the first fault of the round before it was recorded, for each round
+    that a fault started (a node that exited, was lost or whose worker failed) after some step was committed.
+
+    The first fault, not the last: a step committed later in that round (a late report) is not asked for."""
+    floors: dict[int, int] = {}
+    committed: int | None = None
+    at_fault: int | None = None
+    started = False
+    for event in sorted(events, key=lambda e: e["seq"]):
+        match event["type"]:
+            case "checkpoint.committed":
+                committed = event["data"]["step"]  # the latest, as the job has it: after a rollback, that step
+            case "node.exited" | "node.lost" | "worker.failed" if started and at_fault is None:
+                at_fault = committed
+            case "round.started":
+                if at_fault is not None:
+                    floors[event["data"]["round"]] = at_fault
+                started, at_fault = True, None
+    return floors
 
 
 @contextlib.asynccontextmanager
