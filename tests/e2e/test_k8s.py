@@ -127,9 +127,7 @@ class Job:
     async def until(self, what: str, holds: Callable[[], bool]) -> None:
         with anyio.fail_after(TIMEOUT_S):
             while not holds():
-                if self.process.returncode is not None:
-                    raise AssertionError(f"the job ended (exit {self.process.returncode}) while waiting for {what}; "
-                                         f"its output:\n{self.stderr.decode(errors='replace')[-4000:]}")
+                self._still_running(what)
                 await anyio.sleep(0.1)
 
     async def step_beyond(self, steps: int) -> int:
@@ -139,13 +137,33 @@ class Job:
         return now + steps
 
     def events(self) -> list[dict[str, Any]]:
-        out = subprocess.run([sys.executable, "-m", "stead", "events", "--job", self.name, "--store", self.store,
-                              "--json"], cwd=self.cwd, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(self._events_command(), cwd=self.cwd, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [e["data"] for e in self.events() if e["type"] == kind]
+
+    async def until_recorded(self, what: str, kind: str, holds: Callable[[list[dict[str, Any]]], bool]) -> None:
+        """Wait until the data of the job's events of ``kind`` so far hold; read without blocking the event loop,
+        which serves the test cluster the job runs on."""
+        with anyio.fail_after(TIMEOUT_S):
+            while True:
+                out = await anyio.run_process(self._events_command(), cwd=self.cwd, check=False)
+                assert out.returncode == 0, out.stderr.decode(errors="replace")
+                events = [json.loads(line) for line in out.stdout.decode().splitlines() if line.strip()]
+                if holds([e["data"] for e in events if e["type"] == kind]):
+                    return
+                self._still_running(what)
+                await anyio.sleep(0.5)
+
+    def _events_command(self) -> list[str]:
+        return [sys.executable, "-m", "stead", "events", "--job", self.name, "--store", self.store, "--json"]
+
+    def _still_running(self, what: str) -> None:
+        if self.process.returncode is not None:
+            raise AssertionError(f"the job ended (exit {self.process.returncode}) while waiting for {what}; "
+                                 f"its output:\n{self.stderr.decode(errors='replace')[-4000:]}")
 
 
 @contextlib.asynccontextmanager
@@ -231,10 +249,36 @@ async def test_a_job_survives_a_deleted_pod_its_master_pod_deleted_and_an_oom_ki
     assert any(line.startswith("memory: requested 9Gi, peak ") for line in recommended["lines"]), recommended
     classified = running.of("diagnosis.classified")
     assert any(c["failure_class"] == "oom" and c["node_id"] == "node-0" for c in classified), (classified, exits)
-    resumed = [tuple(map(int, line.split())) for line in (tmp_path / "resumed.log").read_text().splitlines()]
-    assert len(resumed) >= 2 and all(step > 0 for _, step in resumed), resumed  # each recovery restored a step
+    # each recovery restored a step no older than the newest the job had committed when the fault came: not an
+    # older one (a rollback), nor none (the workers would start again from step 0 and write no resumed.log line)
+    resumed = dict(tuple(map(int, line.split())) for line in (tmp_path / "resumed.log").read_text().splitlines())
+    floors = _committed_at_faults(running.events())
+    assert len(floors) >= 3, floors  # the deleted pod and both OOM kills
+    assert all(resumed.get(round_, -1) >= step for round_, step in floors.items()), (floors, resumed)
     steps = [s for s, _, _ in running.steps()]
     assert steps == sorted(steps) or max(steps) > 20  # training went on across every fault
+
+
+def _committed_at_faults(events: Sequence[dict[str, Any]]) -> dict[int, int]:
+    """Round -> the newest step committed when the first fault of the round before it was recorded, for each round
+    that a fault started (a node that exited, was lost or whose worker failed) after some step was committed.
+
+    The first fault, not the last: a step committed later in that round (a late report) is not asked for."""
+    floors: dict[int, int] = {}
+    committed: int | None = None
+    at_fault: int | None = None
+    started = False
+    for event in sorted(events, key=lambda e: e["seq"]):
+        match event["type"]:
+            case "checkpoint.committed":
+                committed = event["data"]["step"]  # the latest, as the job has it: after a rollback, that step
+            case "node.exited" | "node.lost" | "worker.failed" if started and at_fault is None:
+                at_fault = committed
+            case "round.started":
+                if at_fault is not None:
+                    floors[event["data"]["round"]] = at_fault
+                started, at_fault = True, None
+    return floors
 
 
 @contextlib.asynccontextmanager
@@ -270,18 +314,23 @@ async def test_a_failing_host_is_kept_out_and_a_node_with_no_room_is_given_up_th
                 "--nnodes", "1:2", "--nproc-per-node", "1", "--set", "health_check=all",
                 "--set", "k8s.pending_timeout_s=2", "--set", "scaler.pending_retry_s=4",
                 "--rdzv-conf", "last_call_timeout=1")) as running:
-            # one node lands on host-a, fails its check, and is relaunched away from host-a: nowhere has room for
-            # it, so after k8s.pending_timeout_s the job goes on with one node
+            # one node lands on host-a, fails its check and is relaunched away from host-a, but no other host has
+            # room for it; the job goes on with the other node meanwhile (MIN is 1, and the rendezvous's last call
+            # ends before k8s.pending_timeout_s)
             await running.until("a round with one node", lambda: any(w == 1 for _, _, w in running.steps()))
             relaunched: list[dict[str, Any]] = []
 
-            def kept_off() -> bool:  # a relaunch waits for room for a while, is given up, and asked for again
+            def kept_off() -> bool:
                 relaunched.extend(p for n, p in running.pods().items() if not n.endswith("-1"))
                 return bool(relaunched)
 
             await running.until("a relaunched pod", kept_off)
             terms = relaunched[0]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
             assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["host-a"]
+            # the relaunch waits for room for k8s.pending_timeout_s, is reported pending and given up; room that came
+            # sooner would have it scheduled, with nothing pending (the one-node round starts before the timeout)
+            await running.until_recorded("the relaunch given up", "scaler.pending",
+                                         lambda answered: any(a["decision"] == "give_up" for a in answered))
             # room appears on host-b: the scaler asks for the node again and the job grows to two
             await kubelet.set_capacity("host-b", pods=2)
             await running.until("a round with two nodes", lambda: running.steps()[-1][2] == 2)
