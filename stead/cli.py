@@ -278,7 +278,8 @@ async def _master(args: argparse.Namespace, settings: Settings) -> int:
 
     config = MasterConfig(job=args.job, store_url=args.store, settings=settings, host=args.host, port=args.port,
                           token_file=args.token_file, plugins=plugins, disabled_plugins=disabled,
-                          metrics_port=args.metrics_port, token=os.environ.get(JOB_TOKEN_ENV) or None)
+                          metrics_port=args.metrics_port, token=os.environ.get(JOB_TOKEN_ENV) or None,
+                          leave_nodes_on_failure=True)
     async with Master(config) as master:
         print(f"stead master for job {args.job!r} listening on {master.address}", flush=True)
         print(f"job token written to {master.token_file}", flush=True)

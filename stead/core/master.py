@@ -32,6 +32,7 @@ import dataclasses
 import json
 import os
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -216,18 +217,23 @@ class Master:
     async def __aenter__(self) -> Master:
         try:
             await self._start()
-        except BaseException:
-            await self._stack.aclose()
+        except BaseException:  # the exit callbacks judge the failure: a retryable one leaves the nodes running
+            await self.__aexit__(*sys.exc_info())
             raise
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, *exc: Any) -> None:
+        # the exit callbacks see what stopped the master: a retryable failure leaves the nodes to the next one
+        given = exc[1] if len(exc) > 1 else None
         try:
-            await self._stack.aclose()
+            await self._stack.__aexit__(*exc)
         except BaseExceptionGroup as group:  # a supervised task or the reactor failed: say which, plainly
-            errors = [e for e in _leaves(group) if not isinstance(e, anyio.get_cancelled_exc_class())]
+            errors = [e for e in _leaves(group)
+                      if not isinstance(e, anyio.get_cancelled_exc_class()) and e is not given]
             if errors:
                 raise errors[0] from group
+            if given is not None:
+                return  # only what stopped the master: it goes on as itself
             raise
 
     async def _announce(self) -> None:

@@ -6,11 +6,13 @@ with :class:`MasterTaskFailed` instead of leaving a job that no longer notices
 lost nodes. The state store being away is not a failure of the task: it waits
 for the store to answer again (for up to ``retry_deadline_s``), then starts
 again, so an outage of the store costs the job nothing but the records that
-could not be written meanwhile.
+could not be written meanwhile. A store that answers but keeps failing one
+task's requests is given the same deadline, with backoff between tries.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -52,13 +54,32 @@ class MasterTasks:
 
     async def _supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         failures = 0
-        backoff = Backoff(self._settings)
+        backoff, store_backoff = Backoff(self._settings), Backoff(self._settings)
+        deadline = self._settings.retry_deadline_s
+        # since when the store has failed this task's requests while it answered the probe at once (a store that
+        # is up but refuses, say, a large range): that counts against retry_deadline_s like an outage does
+        refusing_since: float | None = None
+        started = time.monotonic()
         while True:
             try:
                 await run()
                 return
             except StoreUnavailable as exc:
-                await self._wait_for_store(name, exc)
+                if await self._wait_for_store(name, exc) or time.monotonic() - started > deadline:
+                    refusing_since = None  # an outage that ended, or a failure after a long good run: a new start
+                    store_backoff.reset()
+                elif refusing_since is None:
+                    refusing_since = time.monotonic()
+                elif time.monotonic() - refusing_since > deadline:
+                    log.error("master_task_failed", task=name, error=str(exc), action="stopping the master")
+                    raise MasterTaskFailed(
+                        f"the state store answers but has failed the master's {name} task for longer than "
+                        f"retry_deadline_s={deadline:g} s (last: {exc}); the master stopped and left the job's nodes "
+                        "running: look at the store's health (its load, its request limits), then run `stead run` "
+                        "with the same job name"
+                    ) from exc
+                await store_backoff.wait()
+                started = time.monotonic()
                 continue
             except Exception as exc:
                 failures += 1
@@ -71,9 +92,16 @@ class MasterTasks:
                 log.error("master_task_failed", task=name, failures=failures, error=repr(exc), action="restarting",
                           exc_info=True)
             await backoff.wait()
+            started = time.monotonic()
 
-    async def _wait_for_store(self, name: str, exc: StoreUnavailable) -> None:
-        """Until the store answers again; MasterTaskFailed when it has not within retry_deadline_s."""
+    async def _wait_for_store(self, name: str, exc: StoreUnavailable) -> bool:
+        """Until the store answers again: True when it was away (False: it answered at once); MasterTaskFailed when
+        it has not answered within retry_deadline_s."""
+        try:
+            await self._store.revision()
+            return False
+        except RetryableError:
+            pass
         deadline = self._settings.retry_deadline_s
         log.warning("master_task_paused", task=name, error=str(exc),
                     action=f"waiting up to retry_deadline_s={deadline:g} s for the state store to answer; the "
@@ -88,3 +116,4 @@ class MasterTasks:
                 "which waits for it as long again), or run `stead run` with the same job name once it is back"
             ) from gone
         log.info("master_task_resumed", task=name, reason="the state store answers again")
+        return True

@@ -386,3 +386,40 @@ async def test_agents_are_told_to_retry_while_the_master_replays_its_log(tmp_pat
         await master.hub.heartbeat(beat)
     with pytest.raises(RpcUnavailable, match="is starting"):
         await master.hub.register(_register("node-0"))
+
+
+class _StoreAwayAtAdoption(RecordingPlatform):
+    """A platform whose adoption of the running nodes meets the store away again (an outage during a takeover);
+    it records whether the master left its nodes (``detach``) or stopped them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.detached = False
+
+    async def adopt(self, spec: NodeSpec, *, pid: int | None) -> bool:
+        await super().adopt(spec, pid=pid)
+        raise StoreUnavailable("etcd at etcd://127.0.0.1:1 is unavailable")
+
+    def detach(self) -> None:
+        self.detached = True
+        self.abandon()
+
+
+async def test_a_takeover_master_that_meets_the_store_away_while_it_starts_leaves_the_nodes_running(
+    tmp_path: Path, store_url: str
+) -> None:
+    if store_url == "memory://":
+        pytest.skip("a memory store does not outlive its master; a takeover needs sqlite or etcd")
+    job = f"away-{uuid.uuid4().hex[:6]}"
+    first = RecordingPlatform()
+    async with Master(_config(tmp_path, store_url, first, job)) as master:
+        await master.submit_job(_job(1))
+        await master.reactor.wait_until(lambda s: s.nodes["node-0"].phase is NodePhase.STARTED)
+        first.abandon()  # the master dies; its node runs on
+    second = _StoreAwayAtAdoption()
+    with pytest.raises(StoreUnavailable, match="unavailable"):
+        async with Master(_config(tmp_path, store_url, second, job, leave_nodes_on_failure=True)):
+            pass
+    assert second.adoptions == [("node-0", 1)]
+    assert second.detached, "the master stopped the nodes it had just adopted instead of leaving them to the next one"
+    assert not second.kills

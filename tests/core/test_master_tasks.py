@@ -82,3 +82,21 @@ async def test_other_failures_still_count_and_stop_the_master_after_master_task_
     (failed,) = raised.value.exceptions
     assert isinstance(failed, MasterTaskFailed) and "progress task failed 2 times" in str(failed)
     assert runs == 2
+
+
+async def test_a_store_that_answers_but_keeps_failing_a_task_stops_the_master_after_retry_deadline_s() -> None:
+    store = _Store(away=0)  # the probe always answers
+    runs = 0
+
+    async def task() -> None:
+        nonlocal runs
+        runs += 1
+        raise StoreUnavailable("etcdserver: request timed out")
+
+    with pytest.raises(ExceptionGroup) as raised:
+        await _run(Settings(**FAST, retry_deadline_s=0.05), store, task)
+    (failed,) = raised.value.exceptions
+    assert isinstance(failed, MasterTaskFailed)
+    assert "answers but has failed the master's progress task" in str(failed)
+    assert "request timed out" in str(failed) and "left the job's nodes running" in str(failed)
+    assert runs > 2  # retried with backoff until the deadline, not counted as master_task_max_failures
