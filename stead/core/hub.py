@@ -281,20 +281,22 @@ class AgentHub:
         recorded = self._failures[key] = asyncio.get_running_loop().create_future()
         log.warning("worker_failed", node=info.node_id, rank=info.rank, local_rank=info.local_rank,
                     exit_code=info.exit_code, signal=info.signal, round=info.round)
-        try:
-            await self._submit(WorkerFailed(
-                node_id=info.node_id, round=info.round, local_rank=info.local_rank, rank=info.rank,
-                exit_code=info.exit_code, signal=info.signal, step=info.step, error_tail=info.error_tail,
-                exited_at=info.exited_at, oom=info.oom, gpu=info.gpu, exited_ok_ranks=info.exited_ok_ranks,
-            ))
-        except asyncio.CancelledError:  # the caller went away; the reactor records what it was given all the same
-            recorded.set_result(True)
-            raise
-        except BaseException:
-            del self._failures[key]
-            recorded.set_result(False)
-            raise
-        recorded.set_result(True)
+        # recorded (True) or not (False) once the reactor has written it or failed to: not when the caller goes
+        # away (its RPC deadline passed while the store was slow), for the append may still fail after that
+        submitting = asyncio.ensure_future(self._submit(WorkerFailed(
+            node_id=info.node_id, round=info.round, local_rank=info.local_rank, rank=info.rank,
+            exit_code=info.exit_code, signal=info.signal, step=info.step, error_tail=info.error_tail,
+            exited_at=info.exited_at, oom=info.oom, gpu=info.gpu, exited_ok_ranks=info.exited_ok_ranks,
+        )))
+
+        def settle(done: asyncio.Task[Record]) -> None:
+            ok = not done.cancelled() and done.exception() is None
+            if not ok and self._failures.get(key) is recorded:
+                del self._failures[key]  # the retry of this report records it
+            recorded.set_result(ok)
+
+        submitting.add_done_callback(settle)
+        await asyncio.shield(submitting)
 
     def _forget_failures_before(self, round_: int) -> None:
         """Drop what this master remembers of the failures of rounds before ``round_`` (whose retries are long

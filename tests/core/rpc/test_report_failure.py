@@ -88,3 +88,34 @@ async def test_a_report_whose_recording_failed_is_recorded_by_its_retry() -> Non
     await hub.report_failure(FAILURE)
     await hub.report_failure(FailureInfo(**{**FAILURE.__dict__, "round": 2}))  # a later round: a new failure
     assert [(e.round, e.rank) for e in recorded if isinstance(e, WorkerFailed)] == [(1, 0), (2, 0)]
+
+
+async def test_a_report_whose_caller_went_away_and_whose_recording_then_failed_is_recorded_by_its_retry() -> None:
+    """The agent's RPC deadline passes while the store is frozen; the append fails after that: the retry must
+    record the failure, not be told it is a repeat of one that never reached the log."""
+    recorded: list[Event] = []
+    store_back = asyncio.Event()
+    attempts = 0
+
+    async def submit(event: Event) -> Record:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            await store_back.wait()  # the store is frozen...
+            raise StoreUnavailable("the store did not answer")  # ...and the write fails once it thaws
+        recorded.append(event)
+        return Record(seq=len(recorded), at=0.0, event=event)
+
+    state = JobState(nodes={"node-0": NodeState(node_id="node-0", incarnation=1, phase=NodePhase.JOINED)})
+    hub = AgentHub(job=JOB, settings=Settings(), submit=submit, get_state=lambda: state,
+                   store_addr=lambda: ("127.0.0.1", 1))
+    first = asyncio.create_task(hub.report_failure(FAILURE))
+    await asyncio.sleep(0)  # the first report is being recorded
+    first.cancel()  # its caller's deadline passed
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    retry = asyncio.create_task(hub.report_failure(FAILURE))  # the agent retries while the first is pending
+    await asyncio.sleep(0)
+    store_back.set()
+    await retry
+    assert [(e.round, e.rank) for e in recorded if isinstance(e, WorkerFailed)] == [(1, 0)]
