@@ -144,7 +144,7 @@ class Master:
                                   gone_timeout_s=config.settings.master_gone_timeout_s,
                                   timeout_s=config.settings.effect_timeout_s,
                                   auth_timeout_s=config.settings.rdzv_host_auth_timeout_s,
-                                  max_pending=config.settings.rdzv_host_max_pending)
+                                  max_pending=config.settings.rdzv_host_max_pending, settings=config.settings)
         self.tracer = RecoveryTracer(job=config.job)
         self.metrics: JobMetrics | None = None
         #: where the Prometheus metrics are served; None when they are not

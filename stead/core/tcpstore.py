@@ -39,6 +39,7 @@ from stead.core.config import Settings
 from stead.core.errors import RetryableError, StoreError
 from stead.core.events.log import job_prefix
 from stead.core.procs import cmdline, is_alive, let_go, signal_leader, wait_exit
+from stead.core.retry import Backoff, retrying
 from stead.core.store import StateStore
 
 __all__ = ["HEALTH_STORE_ROUND", "RoundStores"]
@@ -55,6 +56,11 @@ HEALTH_STORE_ROUND = 0
 
 class _NotTheHost(Exception):
     """Something answers at a rendezvous host's address but does not prove that it holds the job's token."""
+
+
+class _BrokenOff(_NotTheHost):
+    """The connection closed before the proof completed: a squatter that does not hold the token, or the job's
+    host closing it as the oldest unproven one while other processes flood it with connections."""
 
 
 class _HostLost(StoreError):
@@ -79,8 +85,10 @@ class RoundStores:
 
     def __init__(self, host: str, *, enabled: bool, gone_timeout_s: float = 60.0, timeout_s: float = 60.0,
                  auth_timeout_s: float = Settings.rdzv_host_auth_timeout_s,
-                 max_pending: int = Settings.rdzv_host_max_pending) -> None:
+                 max_pending: int = Settings.rdzv_host_max_pending, settings: Settings | None = None) -> None:
         self.host = host
+        #: the retries' backoff and deadline (retry_* settings)
+        self._settings = settings or Settings()
         self.enabled = enabled
         #: the host process exits when no master has been connected for this long
         self.gone_timeout_s = gone_timeout_s
@@ -201,7 +209,7 @@ class RoundStores:
         if recorded is not None:
             host, port, pid = recorded
             try:
-                self._conn = await self._open(host, port, token)
+                self._conn = await self._open_recorded(host, port, pid, token)
             except _NotTheHost as exc:
                 log.warning("rdzv_host_refused", address=f"{host}:{port}", reason=str(exc),
                             meaning="what listens there is not the job's rendezvous host", action="starting a new one")
@@ -213,13 +221,43 @@ class RoundStores:
                 return self._conn
         port = await self._spawn(token)
         try:
-            self._conn = await self._open(self.host, port, token)
+            conn = await self._open(self.host, port, token)
         except (_NotTheHost, OSError, TimeoutError) as exc:
             raise StoreError(f"the rendezvous host process this master started (pid {self._pid}, {self.host}:{port}) "
                              f"did not complete the job's proof: {exc}; see its error above") from exc
-        self._address = (self.host, port)
-        await store.put(_record_key(job), json.dumps({"pid": self._pid, "host": self.host, "port": port}).encode())
+        try:  # on record before it is used: the next master finds the stores of the rounds this one starts
+            await retrying(lambda: store.put(_record_key(job), json.dumps(
+                {"pid": self._pid, "host": self.host, "port": port}).encode()), self._settings,
+                what=f"rendezvous host record of {job}")
+        except BaseException:
+            conn.writer.close()
+            raise
+        self._conn, self._address = conn, (self.host, port)
         return self._conn
+
+    async def _open_recorded(self, host: str, port: int, pid: int | None, token: str) -> _Channel:
+        """A proven connection to the recorded host. A connection closed during the proof is tried again within
+        ``rdzv_host_auth_timeout_s`` (a flood of connections makes the host close the oldest unproven ones); one
+        still closed then is a squatter's, unless the recorded process is the job's host, alive: then StoreError,
+        for starting a second host would give the round's nodes two different stores."""
+        backoff = Backoff(self._settings)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.auth_timeout_s
+        while True:
+            try:
+                return await self._open(host, port, token)
+            except _BrokenOff as exc:
+                if loop.time() < deadline:
+                    log.info("rdzv_host_proof_retried", address=f"{host}:{port}", reason=str(exc))
+                    await backoff.wait()
+                    continue
+                if pid is not None and is_alive(pid) and _HOST_MODULE in cmdline(pid):
+                    raise StoreError(
+                        f"the job's rendezvous host (pid {pid}, {host}:{port}) runs but closed every connection of "
+                        f"this master during the proof for rdzv_host_auth_timeout_s={self.auth_timeout_s:g} s: "
+                        "another process is flooding it with connections; stop it (`ss -tnp` shows who connects "
+                        "there), then restart the master") from exc
+                raise
 
     async def _open(self, host: str, port: int, token: str) -> _Channel:
         """A connection to ``host:port`` on which both sides proved they hold ``token`` (the token is never sent).
@@ -233,6 +271,9 @@ class RoundStores:
             try:
                 async with asyncio.timeout(self.auth_timeout_s):
                     hello = await _read_line(reader)
+                    if not hello:
+                        raise _BrokenOff("it closed the connection before it greeted (a squatter, or the job's host "
+                                         "closing this connection for a newer one)")
                     words = hello.split(" ")
                     if len(words) != 3 or words[:2] != ["HELLO", PROTOCOL] or not is_nonce(words[2]):
                         raise _NotTheHost(f"it greeted with {hello[:80]!r}, not {PROTOCOL}'s HELLO and a nonce")
@@ -244,10 +285,13 @@ class RoundStores:
             except TimeoutError as exc:
                 raise _NotTheHost(f"it did not complete the proof within {self.auth_timeout_s:g} s "
                                   "(rdzv_host_auth_timeout_s)") from exc
-            except (OSError, ValueError) as exc:
-                raise _NotTheHost(f"the connection broke off during the proof: {exc!r}") from exc
+            except ValueError as exc:
+                raise _NotTheHost(f"it sent a line longer than {MAX_LINE_BYTES} bytes during the proof") from exc
+            except OSError as exc:
+                raise _BrokenOff(f"the connection broke off during the proof: {exc!r}") from exc
             if not answer:
-                raise _NotTheHost("it closed the connection at this master's proof: it does not hold the job's token")
+                raise _BrokenOff("it closed the connection at this master's proof: it does not hold the job's token "
+                                 "(or it closed this connection for a newer one)")
             verb, _, mac = answer.partition(" ")
             expected = proof(token, HOST, address, host_nonce, master_nonce)
             if verb != "PROOF" or not hmac.compare_digest(mac.encode(), expected.encode()):
@@ -264,8 +308,17 @@ class RoundStores:
             str(self.max_pending), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True,
             env={**os.environ, TOKEN_ENV: token})
         assert process.stdout is not None
-        async with asyncio.timeout(self.timeout_s):
-            out = await process.stdout.read()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                out = await process.stdout.read()
+        except BaseException as exc:
+            process.kill()
+            await process.wait()
+            if isinstance(exc, TimeoutError):
+                raise StoreError(f"the rendezvous host process did not say its port within {self.timeout_s:g} s "
+                                 "(a machine too loaded to start Python?); it was killed: see its error above, then "
+                                 "restart the master") from exc
+            raise
         if not out.strip().isdigit():
             process.kill()
             await process.wait()

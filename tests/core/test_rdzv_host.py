@@ -21,6 +21,7 @@ from structlog.testing import capture_logs
 from stead.core import _rdzv_host
 from stead.core._rdzv_host import HOST, MASTER, PROTOCOL, TOKEN_ENV, new_nonce, proof
 from stead.core.config import Settings
+from stead.core.errors import StoreError
 from stead.core.store import StateStore, open_store
 from stead.core.tcpstore import RoundStores
 
@@ -245,6 +246,8 @@ class Squatter:
                 conn.sendall(f"HELLO {PROTOCOL} {new_nonce()}\n".encode())
             elif self.behaviour == "floods":
                 conn.sendall(b"H" * (8 << 20))
+            elif self.behaviour == "hangs up":
+                return
             while chunk := conn.recv(4096):
                 self.received += chunk
                 if self.behaviour == "greets" and b"\n" in self.received and chunk.endswith(b"\n"):
@@ -255,7 +258,7 @@ class Squatter:
         self.server.close()
 
 
-@pytest.mark.parametrize("behaviour", ["is silent", "greets", "floods"])
+@pytest.mark.parametrize("behaviour", ["is silent", "greets", "floods", "hangs up"])
 async def test_a_process_on_the_recorded_port_that_fails_the_proof_is_refused_learns_no_token_and_a_new_host_starts(
         behaviour: str) -> None:
     async with job_store() as store:
@@ -281,6 +284,46 @@ async def test_a_process_on_the_recorded_port_that_fails_the_proof_is_refused_le
     assert refused[0]["address"] == f"127.0.0.1:{port}"
     assert "not the job's rendezvous host" in refused[0]["meaning"]
     assert [entry["event"] for entry in logs if entry["log_level"] in ("error", "critical")] == []
+
+
+#: a stand-in for the job's host that a flood of connections keeps from serving: it closes every connection at once
+#: (as the host closes the oldest unproven one), and its command line names the host's module, as the host's does
+_SWAMPED_HOST = """
+import socket, sys
+server = socket.create_server(("127.0.0.1", 0))
+print(server.getsockname()[1], flush=True)
+while True:
+    server.accept()[0].close()
+"""
+
+
+@contextlib.contextmanager
+def swamped_host() -> Iterator[tuple[int, int]]:
+    """(pid, port) of a running stand-in for a swamped host (see _SWAMPED_HOST)."""
+    swamped = subprocess.Popen([sys.executable, "-c", _SWAMPED_HOST, _rdzv_host.__file__], stdout=subprocess.PIPE)
+    try:
+        assert swamped.stdout is not None
+        yield swamped.pid, int(swamped.stdout.readline())
+    finally:
+        swamped.kill()
+        swamped.wait()
+        if swamped.stdout is not None:
+            swamped.stdout.close()
+
+
+async def test_a_recorded_host_that_runs_but_keeps_closing_the_master_s_connection_is_not_replaced() -> None:
+    """Starting a second host would give the nodes of one round two different stores: the master says what
+    keeps it out instead."""
+    with swamped_host() as (pid, port):
+        async with job_store() as store:
+            await record(store, pid, port)
+            with capture_logs() as logs, \
+                    pytest.raises(StoreError, match=rf"pid {pid}.*runs but closed every connection.*flooding"):
+                async with master(store, auth_timeout_s=1.0) as rounds:
+                    await rounds.for_round(1)
+    events = [entry["event"] for entry in logs]
+    assert "rdzv_host_proof_retried" in events
+    assert "rdzv_host_started" not in events and "rdzv_host_refused" not in events
 
 
 async def test_a_reply_that_comes_after_its_request_was_given_up_is_never_taken_for_a_later_one() -> None:
