@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
-from stead.core.errors import CodecError, LogConflict, LogCorrupt, WriteTooLarge
+from stead.core.errors import CodecError, LogConflict, LogCorrupt, RetryableError, WriteTooLarge
 from stead.core.events.base import EncodedEvent, Event, Record, decode_record, encode, encode_record
 from stead.core.store import item_size, write_size
 from stead.core.store.base import StateStore, WatchKind
@@ -61,6 +61,8 @@ class EventLog:
         self.prefix = job_prefix(job) + "events/"
         self._clock = clock
         self._next_seq: int | None = None
+        #: the first record of an append whose write failed without saying whether it reached the store
+        self._unsure: tuple[str, bytes] | None = None
         self._snapshot = ChunkedValue(store, self.snapshot_key)
         self._key_cost = item_size(self.key(0), 0)  # every record's key has the same length
 
@@ -119,11 +121,26 @@ class EventLog:
         record an effect id together with the event it emitted).
         """
         encoded = [e if isinstance(e, EncodedEvent) else self.encode(e) for e in events]
+        if self._unsure is not None:
+            await self._settle_unsure()
         first = await self.head() + 1
         now = self._clock()
         records = [Record(seq=first + i, at=now, event=e.event) for i, e in enumerate(encoded)]
         items = [(self.key(r.seq), encode_record(r, e)) for r, e in zip(records, encoded, strict=True)]
-        if not await self.store.create_all([*items, *extra]):
+        try:
+            created = await self.store.create_all([*items, *extra])
+        except RetryableError:
+            # a write that timed out may still have been applied: find out now, or before the next append
+            self._unsure = items[0]
+            try:
+                landed = await self._landed(*items[0])
+            except RetryableError:
+                landed = False
+            if not landed:
+                raise
+            self._unsure = None
+            created = True
+        if not created:
             self._next_seq = None
             raise LogConflict(
                 f"seq {first} of job {self.job!r} was written by another writer (or {extra[0][0] if extra else 'a key'}"
@@ -131,6 +148,25 @@ class EventLog:
             )
         self._next_seq = first + len(records)
         return records
+
+    async def _landed(self, key: str, value: bytes) -> bool:
+        """Whether this writer's record ``value`` is stored at ``key`` (the record's time makes it its own)."""
+        found = await self.store.get(key)
+        return found is not None and found.value == value
+
+    async def _settle_unsure(self) -> None:
+        """Before appending after a write that failed without an answer: LogConflict when it did land (the caller
+        was told it failed, so the log holds records the caller's state lacks); the store's error while it
+        cannot say."""
+        assert self._unsure is not None
+        key, value = self._unsure
+        if await self._landed(key, value):
+            raise LogConflict(
+                f"an append to the event log of job {self.job!r} reached the store ({key}) after its write was "
+                "reported failed (the store timed out), so this master's state lacks it: the master stops and "
+                "the next one replays the whole log (`stead run` starts it)")
+        self._unsure = None
+        self._next_seq = None  # read the head again
 
     async def scan(self, from_seq: int = 1) -> list[Record | BadRecord]:
         """Every stored record from ``from_seq``, decoded where possible (for display)."""

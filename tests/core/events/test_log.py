@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
-from stead.core.errors import CodecError, LogConflict, LogCorrupt, WriteTooLarge
+from stead.core.errors import CodecError, LogConflict, LogCorrupt, StoreUnavailable, WriteTooLarge
 from stead.core.events import JobFailed, JobSubmitted, Record, StepProgress, decode_record
 from stead.core.events.log import BadRecord, EventLog, Snapshot
 from stead.core.store import StateStore
@@ -181,3 +181,73 @@ async def test_events_that_fit_one_by_one_but_not_together_are_not_appended_in_p
     with pytest.raises(WriteTooLarge, match="create_all of 4 keys"):
         await log.append_many(events)
     assert await log.read() == []
+
+
+class _AnswerLost:
+    """The store of a test whose next ``create_all`` is applied but reported failed (etcd applied the write, then
+    its answer timed out); ``gets_lost`` of the gets that follow fail the same way."""
+
+    def __init__(self, store: StateStore, *, gets_lost: int = 0) -> None:
+        self._store = store
+        self.writes_lost = 1
+        self.gets_lost = gets_lost
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def create_all(self, items: Any) -> bool:
+        created = await self._store.create_all(items)
+        if self.writes_lost:
+            self.writes_lost -= 1
+            raise StoreUnavailable("etcd did not answer within store_timeout_s")
+        return created
+
+    async def get(self, key: str) -> Any:
+        if self.gets_lost:
+            self.gets_lost -= 1
+            raise StoreUnavailable("etcd did not answer within store_timeout_s")
+        return await self._store.get(key)
+
+
+async def test_an_append_applied_by_the_store_whose_answer_was_lost_is_taken_as_written(store: StateStore) -> None:
+    job = _job()
+    log = EventLog(_AnswerLost(store), job)  # type: ignore[arg-type]
+    (first,) = await log.append_many([StepProgress(round=1, step=1)])
+    (second,) = await log.append_many([StepProgress(round=1, step=2)])  # not a conflict with its own first write
+    assert (first.seq, second.seq) == (1, 2)
+    assert [r.seq for r in await EventLog(store, job).read()] == [1, 2]
+
+
+async def test_an_append_whose_fate_cannot_be_learned_stops_its_writer_before_the_next_if_it_landed(
+        store: StateStore) -> None:
+    job = _job()
+    lossy = _AnswerLost(store)
+    log = EventLog(lossy, job)  # type: ignore[arg-type]
+    await log.head()  # (it reads the snapshot with a get)
+    lossy.gets_lost = 1
+    with pytest.raises(StoreUnavailable):
+        await log.append_many([StepProgress(round=1, step=1)])  # reported failed, though it landed
+    with pytest.raises(LogConflict, match=r"reached the store .* after its write was reported failed.*replays"):
+        await log.append_many([StepProgress(round=1, step=2)])
+    assert [r.seq for r in await EventLog(store, job).read()] == [1]
+
+
+async def test_an_append_that_did_not_land_is_retried_at_the_same_seq(store: StateStore) -> None:
+    job = _job()
+
+    class _Refused(_AnswerLost):
+        async def create_all(self, items: Any) -> bool:
+            if self.writes_lost:
+                self.writes_lost -= 1
+                raise StoreUnavailable("etcd is unavailable")
+            return await self._store.create_all(items)
+
+    refused = _Refused(store)
+    log = EventLog(refused, job)  # type: ignore[arg-type]
+    await log.head()
+    refused.gets_lost = 1
+    with pytest.raises(StoreUnavailable):
+        await log.append_many([StepProgress(round=1, step=1)])
+    (record,) = await log.append_many([StepProgress(round=1, step=1)])
+    assert record.seq == 1
+    assert [r.seq for r in await EventLog(store, job).read()] == [1]
