@@ -39,6 +39,10 @@ __all__ = ["JOB_TOKEN_ENV", "default_token_file", "find_token", "forget_job_toke
 
 log = structlog.get_logger("stead.jobtoken")
 
+#: a given token shorter than this is warned about: the store's verifier is only as hard to guess offline as the
+#: token (stead's own tokens are 43 characters, 256 bits)
+_STRONG_TOKEN_CHARS = 32
+
 #: the job's token, when it is given to a process (a master, `stead scale`) rather than read from its file
 JOB_TOKEN_ENV = "STEAD_JOB_TOKEN"
 
@@ -113,6 +117,11 @@ async def job_token(store: StateStore, job: str, *, given: str | None, token_fil
     in_file = find_token(token_file, environ={})
     if given:
         token, source = check_token(given), "the one this master was given"
+        if len(token) < _STRONG_TOKEN_CHARS:
+            log.warning("job_token_weak", job=job, length=len(token),
+                        hint=f"whoever can read the store can guess a token this short from its verifier offline: "
+                             f"give one of at least {_STRONG_TOKEN_CHARS} random characters (or none: the master "
+                             "makes one)")
     elif legacy:
         token, source = legacy, f"the one in the store's plaintext {legacy_token_key(job)}"
     elif in_file is not None:

@@ -26,7 +26,8 @@ from stead.core.config import Settings
 from stead.core.errors import ConfigError, StoreError, StoreUnavailable
 from stead.core.store._common import public_store_url
 
-__all__ = ["EtcdAccess", "connection_failure", "etcd_access", "refusal", "stale_token", "unreachable_advice"]
+__all__ = ["EtcdAccess", "connection_failure", "etcd_access", "host_port", "refusal", "stale_token",
+           "unreachable_advice"]
 
 DEFAULT_PORT = 2379
 URL_PREFIX = "etcd://"
@@ -56,7 +57,7 @@ class EtcdAccess:
     @property
     def public_url(self) -> str:
         """``etcd://host:port[,host:port]``: the URL without user or query, for logs and messages."""
-        return URL_PREFIX + ",".join(_host_port(host, port) for host, port in self.endpoints)
+        return URL_PREFIX + ",".join(host_port(host, port) for host, port in self.endpoints)
 
     def origin(self, field: str) -> str:
         return self.origins.get(field, f"setting etcd_{field}")
@@ -89,7 +90,7 @@ class EtcdAccess:
         return password
 
 
-def _host_port(host: str, port: int) -> str:
+def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

@@ -61,6 +61,7 @@ from stead.core.store._etcd_access import (
     EtcdAccess,
     connection_failure,
     etcd_access,
+    host_port,
     refusal,
     stale_token,
     unreachable_advice,
@@ -71,10 +72,8 @@ __all__ = ["EtcdAccess", "EtcdStore", "etcd_access", "open_store", "parse_etcd_u
 
 log = structlog.get_logger()
 
-_DEFAULT_PORT = 2379
 #: etcd's default --max-request-bytes: the most one write may take (store_max_write_bytes for another)
 ETCD_MAX_REQUEST_BYTES = 1_572_864
-_URL_PREFIX = "etcd://"
 _PERMANENT = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
@@ -87,14 +86,10 @@ def parse_etcd_url(url: str) -> list[tuple[str, int]]:
     return list(etcd_access(url, Settings()).endpoints)
 
 
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 async def _grpc_target(url: str, endpoints: Sequence[tuple[str, int]]) -> str:
     """One endpoint: let grpc resolve it. Several: resolve them now into one address list grpc fails over on."""
     if len(endpoints) == 1:
-        return _host_port(*endpoints[0])
+        return host_port(*endpoints[0])
     v4: list[str] = []
     v6: list[str] = []
     for host, port in endpoints:
@@ -104,8 +99,8 @@ async def _grpc_target(url: str, endpoints: Sequence[tuple[str, int]]) -> str:
             raise StoreUnavailable(f"cannot resolve etcd host {host!r} of {url}: {exc}; check the name or "
                                    "pass --store with reachable addresses") from exc
         addresses = {ipaddress.ip_address(info[4][0]) for info in infos}
-        v4 += [_host_port(str(a), port) for a in sorted(a for a in addresses if a.version == 4)]
-        v6 += [_host_port(str(a), port) for a in sorted(a for a in addresses if a.version == 6)]
+        v4 += [host_port(str(a), port) for a in sorted(a for a in addresses if a.version == 4)]
+        v6 += [host_port(str(a), port) for a in sorted(a for a in addresses if a.version == 6)]
     if v4:
         return "ipv4:" + ",".join(v4)
     return "ipv6:" + ",".join(v6)
@@ -149,6 +144,8 @@ class EtcdStore:
         self._login_lock = asyncio.Lock()
         self._known_revision = 0
         self._closed = False
+        #: whether it ever answered: a TLS refusal after that is taken as the connection breaking, not a verdict
+        self._answered = False
         self._streams: set[Any] = set()
         self._affinity = LoopAffinity(self._url, close_timeout_s=self._timeout)
 
@@ -161,6 +158,7 @@ class EtcdStore:
         try:
             await store._login(stale="")
             await store.revision()
+            store._answered = True
         except BaseException:
             await store.close()
             raise
@@ -193,9 +191,16 @@ class EtcdStore:
             code, details = "DEADLINE_EXCEEDED", f"no answer within store_timeout_s={self._timeout}"
         elif isinstance(exc, grpc.aio.AioRpcError):
             code, details = exc.code().name, exc.details() or ""
-            refused = refusal(self._access, op, details) or connection_failure(self._access, op, code, details)
+            refused = refusal(self._access, op, details)
             if refused is not None:
                 return refused
+            broken = connection_failure(self._access, op, code, details)
+            if broken is not None and self._answered and not isinstance(broken, StoreUnavailable):
+                # the same certificates worked when the store opened: a TLS error now (a record broken by a restart,
+                # a close_notify) is the connection failing, retried until retry_deadline_s like an outage
+                return StoreUnavailable(f"{broken} (it answered with the same certificates before: retrying)")
+            if broken is not None:
+                return broken
             if "request is too large" in details or "larger than max" in details:
                 return WriteTooLarge(f"etcd at {self._url} refused {op}: {details}; the write is larger than this "
                                      "etcd accepts (its --max-request-bytes, 1.5 MiB by default): set "
