@@ -71,6 +71,11 @@ class Settings:
     #: a file holding the bearer token a scrape must send (Prometheus' authorization.credentials_file); a request
     #: without it is answered 401 ("": no token asked)
     metrics_token_file: str = ""
+    #: a metrics connection that sends nothing for this long while its request is read (or takes no answer) is
+    #: closed (each connection holds a thread of the master while it is open)
+    metrics_request_timeout_s: float = setting(10.0, min=0.001)
+    #: the most metrics connections served at once; one more is closed at once, unread (a scrape is one)
+    metrics_max_connections: int = setting(16, min=1)
     #: an effect (launching or killing a node, starting workers) running longer than this has failed
     effect_timeout_s: float = setting(60.0, min=0.001)
     #: a plugin handler running longer than this is cancelled and counted as a failure

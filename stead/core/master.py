@@ -290,7 +290,9 @@ class Master:
                       listen_fd=cfg.listen_fd, world_size=self._largest_world))
         if self.metrics is not None:
             token = read_metrics_token(self.settings.metrics_token_file) if self.settings.metrics_token_file else None
-            server = MetricsServer(self.metrics, host=self.settings.metrics_host, port=cfg.metrics_port, token=token)
+            server = MetricsServer(self.metrics, host=self.settings.metrics_host, port=cfg.metrics_port, token=token,
+                                   request_timeout_s=self.settings.metrics_request_timeout_s,
+                                   max_connections=self.settings.metrics_max_connections)
             self.metrics_url = server.url
             self._stack.callback(server.close)
         await self._announce()

@@ -14,12 +14,17 @@ the whole job, not only its own part. ``metrics_port``: -1 serves nothing (the d
 address goes into the job's master record and the master's log. They are served on
 ``metrics_host`` (loopback unless told otherwise) and, with ``metrics_token_file``, only
 to a scrape that sends that token (``authorization: Bearer``, Prometheus'
-``authorization.credentials_file``): any other request is answered 401.
+``authorization.credentials_file``): any other request is answered 401. Each connection
+holds a thread while it is open: at most ``metrics_max_connections`` are served at once
+(one more is closed unread), and one that sends nothing (or reads nothing) for
+``metrics_request_timeout_s`` is closed. A metrics address the master cannot serve on
+(a port in use, a host not of this machine) is a ConfigError that says which.
 """
 
 from __future__ import annotations
 
 import hmac
+import math
 import socket
 import threading
 import time
@@ -34,6 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from stead.core.config import Settings
 from stead.core.errors import ConfigError
 from stead.core.events import (
     CheckpointCommitted,
@@ -51,6 +57,9 @@ log = structlog.get_logger("stead.metrics")
 
 #: recovery phase histogram buckets, seconds: a warm restart's phases are milliseconds, a relaunch seconds
 RECOVERY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+_DEFAULTS = Settings()
+#: a server that closes connections over its limit logs it at most this often (a storm is a line a second, counted)
+_LOG_EVERY_S = 1.0
 
 
 class JobMetrics(Collector):
@@ -178,10 +187,53 @@ def read_metrics_token(path: str) -> str:
 
 
 class _Quiet(WSGIRequestHandler):
-    """No line on stderr per scrape."""
+    """No line on stderr per scrape; a connection that stays silent past its timeout is closed, not a traceback."""
 
     def log_message(self, format: str, *args: Any) -> None:
         del format, args
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except TimeoutError:  # the socket's timeout (the server's metrics_request_timeout_s): the peer went silent
+            self.close_connection = True
+            log.debug("metrics_connection_timed_out", peer=self.client_address[0])
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """Prometheus' threading WSGI server with a cap on the connections served at once (each holds a thread)."""
+
+    max_connections = _DEFAULTS.metrics_max_connections
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self.refused = 0
+        self._logged = -math.inf
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._logged >= _LOG_EVERY_S:
+                self._logged = now
+                log.warning("metrics_connection_refused", peer=client_address[0], refused=self.refused,
+                            max_connections=self.max_connections,
+                            hint="more connections than a scraper opens: if they are your scrapers, raise "
+                                 "metrics_max_connections")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def _guarded(app: Callable[..., Any], token: str | None) -> Callable[..., Any]:
@@ -207,13 +259,22 @@ class MetricsServer:
     With ``token``, only to requests that carry it (``authorization: Bearer``); the others get 401.
     """
 
-    def __init__(self, metrics: JobMetrics, *, host: str, port: int, token: str | None = None) -> None:
+    def __init__(self, metrics: JobMetrics, *, host: str, port: int, token: str | None = None,
+                 request_timeout_s: float = _DEFAULTS.metrics_request_timeout_s,
+                 max_connections: int = _DEFAULTS.metrics_max_connections) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(metrics)
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        server_class = type("_MetricsHTTPServer", (ThreadingWSGIServer,), {"address_family": family})
-        self._server: WSGIServer = make_server(host, port, _guarded(make_wsgi_app(self.registry), token), server_class,
-                                   handler_class=_Quiet)
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+            server_class = type("_MetricsHTTPServer", (_BoundedServer,), {"address_family": family,
+                                                                          "max_connections": max_connections})
+            handler_class = type("_MetricsHandler", (_Quiet,), {"timeout": request_timeout_s})
+            self._server: WSGIServer = make_server(host, port, _guarded(make_wsgi_app(self.registry), token),
+                                                   server_class, handler_class=handler_class)
+        except OSError as exc:
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise ConfigError(f"cannot serve metrics on {where}: {exc.strerror or exc}; choose another metrics_port "
+                              "(0: a free one) or a metrics_host of this machine") from None
         self._thread = threading.Thread(target=self._server.serve_forever, name="stead-metrics", daemon=True)
         self._thread.start()
         self.host = host

@@ -10,6 +10,9 @@ does not::
         answer.status, answer.sent      # RESOURCE_EXHAUSTED, and how much the server let through
 
     idle = [await RawPeer.connect(host, port) for _ in range(2000)]  # preface and settings, then nothing
+
+    async with await DeafPeer.connect(host, port) as deaf:  # sends, never reads what the server answers
+        await deaf.pings(1 << 20)                          # a megabyte of PINGs, each answered with a PING ACK
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import socket
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Self
@@ -26,10 +30,14 @@ import h2.connection
 import h2.events
 import h2.exceptions
 
-__all__ = ["RawAnswer", "RawPeer"]
+__all__ = ["DeafPeer", "RawAnswer", "RawPeer"]
 
 #: how much a read takes from the socket at once
 _READ_BYTES = 64 << 10
+#: a deaf peer's receive buffer: the kernel's smallest, so that what the server answers backs up on the server
+_DEAF_RECEIVE_BYTES = 4096
+#: one PING frame: 8 bytes of payload (HTTP/2 section 6.7)
+_PING = b"\x00\x00\x08\x06\x00\x00\x00\x00\x00" + b"\x00" * 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +126,11 @@ class RawPeer:
         return RawAnswer(sent=sent, status=int(status) if status is not None else None,
                          message=headers.get("grpc-message", ""), headers=headers)
 
+    @property
+    def send_window(self) -> int:
+        """The connection's flow-control window the server granted: how much DATA it lets this peer send now."""
+        return int(self._conn.outbound_flow_control_window)
+
     async def server_settings(self, within_s: float = 0.5) -> dict[int, int]:
         """The HTTP/2 settings the server announced (what it sent within ``within_s``, acknowledged)."""
         try:
@@ -140,3 +153,73 @@ class RawPeer:
         except ConnectionError:
             pass
         return True
+
+
+class DeafPeer:
+    """An HTTP/2 connection that sends and never reads: whatever the server answers stays in the server's buffers.
+
+    Its receive buffer is the kernel's smallest, so the server's answers back up after a few kilobytes.
+    """
+
+    def __init__(self, sock: socket.socket, host: str) -> None:
+        self._sock = sock
+        self._conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self._conn.initiate_connection()
+        self.host = host
+        #: bytes sent so far
+        self.sent = 0
+
+    @classmethod
+    async def connect(cls, host: str, port: int) -> DeafPeer:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _DEAF_RECEIVE_BYTES)  # before connect: the window
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        peer = cls(sock, host)
+        await peer._send(peer._conn.data_to_send())
+        return peer
+
+    @property
+    def port(self) -> int:
+        """This end's port (the server sees the connection come from it)."""
+        return int(self._sock.getsockname()[1])
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    async def call(self, path: str, token: str, message: bytes = b"") -> None:
+        """Send a whole unary call of ``path`` with ``token``: its headers and ``message`` (a gRPC frame, prefix
+        included; none: an empty message), and end the stream."""
+        conn = self._conn
+        stream = conn.get_next_available_stream_id()
+        conn.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", path),
+                                   (":authority", self.host), ("content-type", "application/grpc+proto"),
+                                   ("te", "trailers"), ("authorization", f"Bearer {token}")])
+        conn.send_data(stream, message or b"\x00\x00\x00\x00\x00", end_stream=True)
+        await self._send(conn.data_to_send())
+
+    async def pings(self, total: int, *, chunk: int = 64 << 10) -> bool:
+        """Send PINGs, ``chunk`` bytes at a time, until ``total`` bytes went or the server closed the connection;
+        True: it closed it."""
+        frames = _PING * max(1, chunk // len(_PING))
+        while self.sent < total:
+            try:
+                await self._send(frames)
+            except OSError:  # reset, or a broken pipe: the server let the connection go
+                return True
+        return False
+
+    async def _send(self, data: bytes) -> None:
+        await asyncio.get_running_loop().sock_sendall(self._sock, data)
+        self.sent += len(data)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -173,3 +174,72 @@ def test_stead_master_serves_no_metrics_unless_asked() -> None:
 
     args = build_parser().parse_args(["master", "--store", "memory://", "--job", "j"])
     assert args.metrics_port == -1 and Settings().metrics_host == "127.0.0.1"
+
+
+#: the longest a test waits for the metrics server to do something on its own (a bound for a broken test only)
+WITHIN_S = 10.0
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closes ``sock`` within WITHIN_S (it sends nothing first: the request was never read)."""
+    sock.settimeout(WITHIN_S)
+    try:
+        return sock.recv(1024) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_metrics_connection_that_sends_nothing_is_closed_after_metrics_request_timeout_s() -> None:
+    # each connection holds a thread of the master: a silent one held it for ever
+    server = MetricsServer(JobMetrics("m", JobState), host="127.0.0.1", port=0, request_timeout_s=0.2)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as silent:
+            assert _closed_by_server(silent), "a silent metrics connection was kept"
+        with socket.create_connection(("127.0.0.1", server.port)) as partial:
+            partial.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and the rest never comes
+            assert _closed_by_server(partial), "a metrics connection that stopped mid-request was kept"
+        assert "stead_goodput_ratio" in scrape(server.url)
+    finally:
+        server.close()
+
+
+def test_metrics_connections_over_metrics_max_connections_are_closed_at_once_and_scrapes_go_on() -> None:
+    server = MetricsServer(JobMetrics("m", JobState), host="127.0.0.1", port=0, max_connections=2,
+                           request_timeout_s=600)
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as extra:
+            assert _closed_by_server(extra), "a connection over metrics_max_connections was served"
+    finally:
+        for sock in held:
+            sock.close()
+    try:
+        deadline = time.monotonic() + WITHIN_S
+        while True:  # the held connections' threads see them closed, and give their slots back
+            try:
+                assert "stead_goodput_ratio" in scrape(server.url)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, "the slots of closed metrics connections were not given back"
+                time.sleep(0.05)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("what", ["port", "host"])
+async def test_a_metrics_address_the_master_cannot_serve_on_is_a_config_error_that_says_which(
+        tmp_path: Path, what: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1] if what == "port" else 0
+        host = "127.0.0.1" if what == "port" else "no-such-host.invalid"
+        settings = dataclasses.replace(FAST, metrics_host=host)
+        config = MasterConfig(job="met", settings=settings, token_file=str(tmp_path / "met.token"), tcp_store=False,
+                              plugins=[], metrics_port=port)
+        with pytest.raises(ConfigError, match=rf"cannot serve metrics on {host}:{port}: .+; choose another "
+                                              r"metrics_port \(0: a free one\) or a metrics_host of this machine"):
+            async with Master(config):
+                pass

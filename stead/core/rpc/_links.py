@@ -2,12 +2,14 @@
 
 Every connection the RPC server accepts is a :class:`Link`. :class:`Links` keeps them:
 
-- a connection that made no authenticated call within ``auth_timeout_s`` of opening is closed (a client that
-  holds the job token makes its first call as soon as it connects);
+- a connection that made no authenticated call within ``auth_timeout_s`` of opening is closed, with a call open
+  or not (a client that holds the job token makes its first call as soon as it connects, and it passes the token
+  check at once: an unauthenticated call still open is one whose answer its peer does not read);
 - an authenticated connection with no call open for ``idle_timeout_s`` is closed (an agent always has its
   command stream open, so only a client that went quiet is let go; its next call connects again);
-- at ``max_connections``, a new connection sheds the oldest unauthenticated one with no call open, else the
-  authenticated one idle the longest; when every connection has a call open, the newcomer is refused.
+- at ``max_connections``, a new connection sheds the oldest unauthenticated one (one with no call open first),
+  else the authenticated one idle the longest; when every connection is authenticated and has a call open, the
+  newcomer is refused.
 
 It knows nothing of grpclib: the server (:mod:`.server`) hands each link a way to close its connection and to
 tell whether a call is open on it. One timer per link, armed on the event loop, looks at it when it could
@@ -29,6 +31,8 @@ log = structlog.get_logger()
 
 #: a server that sheds or refuses connections logs it at most this often (a storm is a line a second, counted)
 _LOG_EVERY_S = 1.0
+_HINT_LIMIT = ("unauthenticated connections are let go first; if the job's own clients are refused, raise "
+               "rpc_max_connections (and the master's open-files limit)")
 
 
 class Link:
@@ -73,9 +77,11 @@ class Links:
         #: the connections that made no authenticated call yet, oldest first
         self._unauthenticated: dict[Link, None] = {}
         self._logged = -math.inf
-        #: connections closed to make room for newer ones, and newcomers refused, so far
+        #: connections closed to make room for newer ones, newcomers refused, and connections let go because their
+        #: peer read nothing of what it was sent, so far
         self.shed = 0
         self.refused = 0
+        self.cut_off = 0
 
     def __len__(self) -> int:
         return len(self._open)
@@ -86,7 +92,8 @@ class Links:
     def admit(self, link: Link) -> bool:
         """Take a new connection in, shedding another at the limit; False: it is refused (the caller closes it)."""
         if len(self._open) >= self.max_connections:
-            victim = next((old for old in self._unauthenticated if not old.busy), None) or self._idlest()
+            victim = (next((old for old in self._unauthenticated if not old.busy), None)
+                      or next(iter(self._unauthenticated), None) or self._idlest())
             if victim is None:
                 self.refused += 1
                 self._log_pressure("rpc_connection_refused", peer=link.peer)
@@ -120,6 +127,15 @@ class Links:
             link.timer.cancel()
             link.timer = None
 
+    def cut(self, link: Link, *, buffered: int) -> None:
+        """``link``'s peer reads nothing of what it is sent, and the server lets it go (the caller closes it)."""
+        self.cut_off += 1
+        self._log_pressure("rpc_connection_cut", peer=link.peer, authenticated=link.authenticated,
+                           buffered_bytes=buffered, cut_off=self.cut_off,
+                           hint="a client that sends and never reads what it is answered (PINGs, SETTINGS): if it "
+                                "is the job's own, see why it stopped reading")
+        self.gone(link)
+
     def close_all(self, reason: str) -> None:
         for link in list(self._open):
             self.gone(link)
@@ -141,8 +157,8 @@ class Links:
         if link not in self._open:
             return
         now = self._clock()
-        if link.busy:  # a call is open (an unauthenticated one is answered at once): look again later
-            self._arm(link, now + (self.idle_timeout_s if link.authenticated else self.auth_timeout_s))
+        if link.authenticated and link.busy:  # a call is open, such as an agent's command stream: look again later
+            self._arm(link, now + self.idle_timeout_s)
             return
         if not link.authenticated:
             due, reason = link.opened_at + self.auth_timeout_s, (
@@ -158,12 +174,10 @@ class Links:
         self.gone(link)
         link.close(reason)
 
-    def _log_pressure(self, event: str, **fields: object) -> None:
+    def _log_pressure(self, event: str, hint: str = _HINT_LIMIT, **fields: object) -> None:
         now = self._clock()
         if now - self._logged < _LOG_EVERY_S:
             return
         self._logged = now
         log.warning(event, connections=len(self._open), max_connections=self.max_connections, shed=self.shed,
-                    refused=self.refused, **fields,
-                    hint="unauthenticated connections are let go first; if the job's own clients are refused, "
-                         "raise rpc_max_connections (and the master's open-files limit)")
+                    refused=self.refused, **fields, hint=hint)

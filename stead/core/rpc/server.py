@@ -9,7 +9,15 @@ What a client can make the master hold is bounded before it is held:
 
 - a request message's length is checked on its 5-byte prefix, before its body is read
   (``rpc_max_message_bytes``); the HTTP/2 flow-control windows (a stream's and the
-  connection's) are one message, so a client cannot push much more before the server reads;
+  connection's) are one message once a call on the connection passed the token check, so a
+  client cannot push much more before the server reads; before that they are HTTP/2's default
+  (64 KiB), so a stranger pushes no more than that;
+- what the server writes and its peer does not read is bounded: h2 answers every PING and SETTINGS
+  itself, even while writing is paused, so a peer that sends them and never reads would grow the
+  write buffer without end. A connection that made no authenticated call is aborted as soon as its
+  writing pauses (``_WRITE_HIGH_WATER_BYTES`` buffered), any other once ``_MAX_WRITE_BUFFER_BYTES``
+  are; and a connection the server closes is aborted after a best-effort GOAWAY, so that a peer
+  that reads nothing cannot keep its socket and buffer (a graceful close waits for it to read);
 - a connection opens at most ``_MAX_STREAMS_PER_CONNECTION`` calls at once, with headers of at
   most ``_MAX_HEADER_LIST_BYTES``;
 - connections are limited in number and let go when unauthenticated or idle (:mod:`._links`);
@@ -90,6 +98,15 @@ _MIN_WINDOW, _MAX_WINDOW = 65_535, 2**31 - 1
 _PREFIX_BYTES = 5
 #: file descriptors the master keeps for itself (its store, logs, the sockets it opens) below its open-files limit
 _RESERVED_FDS = 256
+#: a connection's write buffer past which its writing pauses (asyncio's default, stated): the server's calls then
+#: wait before they write on; a connection that made no authenticated call is aborted there
+_WRITE_HIGH_WATER_BYTES = 64 << 10
+#: HTTP/2's default frame size: what a reply writes at a time (grpclib writes one frame, then waits if paused)
+_FRAME_BYTES = 16 << 10
+#: the most an authenticated connection's write buffer holds before the connection is aborted: what its calls may
+#: write once paused (one frame each, as they all wake when writing resumes) over the pause point. Only a peer that
+#: stops reading gets there: its own PINGs and SETTINGS, which h2 answers whether writing is paused or not
+_MAX_WRITE_BUFFER_BYTES = _WRITE_HIGH_WATER_BYTES + _MAX_STREAMS_PER_CONNECTION * _FRAME_BYTES
 
 
 class _BoundedBuffer(Buffer):
@@ -156,17 +173,16 @@ class _LinkRoutes:
     """One connection's view of the method table: a call that reaches its method passed the token check
     (grpclib runs the RecvRequest listeners first), which marks the connection authenticated."""
 
-    def __init__(self, routes: _Routes, links: Links, link: Link) -> None:
+    def __init__(self, routes: _Routes, authenticated: Callable[[], None]) -> None:
         self._routes = routes
-        self._links = links
-        self._link = link
+        self._authenticated = authenticated
 
     def get(self, key: str, default: Any = None) -> grpclib.const.Handler:
         found: grpclib.const.Handler = self._routes.get(key)
-        links, link = self._links, self._link
+        passed = self._authenticated
 
         async def authenticated(stream: Any) -> None:
-            links.authenticated(link)
+            passed()
             await found.func(stream)
 
         return grpclib.const.Handler(authenticated, found.cardinality, found.request_type, found.reply_type)
@@ -204,16 +220,19 @@ class _Handler(Handler):
 
 
 class _Protocol(H2Protocol):
-    """A connection: admitted under the connection limit, with stead's HTTP/2 limits, closed with a GOAWAY
-    that says why."""
+    """A connection: admitted under the connection limit, with stead's HTTP/2 limits, its flow-control windows
+    widened to one message once a call authenticates, aborted when its peer does not read what it is sent, closed
+    with a GOAWAY that says why."""
 
-    def __init__(self, *args: Any, links: Links) -> None:
+    def __init__(self, *args: Any, links: Links, window: int) -> None:
         super().__init__(*args)
         self._links = links
+        self._window = window
         self.link = Link(close=self._close, busy=self._busy, peer="", now=links.now())
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        cast(asyncio.WriteTransport, transport).set_write_buffer_limits(high=_WRITE_HIGH_WATER_BYTES)
         peer = transport.get_extra_info("peername")
         self.link.peer = format_address(*peer[:2]) if isinstance(peer, tuple) else str(peer)
         h2_conn = self.connection._connection
@@ -228,17 +247,55 @@ class _Protocol(H2Protocol):
         self._links.gone(self.link)
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        buffered = self._buffered()
+        if buffered > _MAX_WRITE_BUFFER_BYTES:
+            self._cut(buffered, _MAX_WRITE_BUFFER_BYTES)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if not self.link.authenticated:  # a stranger that does not read: let go once whatever runs now is done
+            asyncio.get_running_loop().call_soon(self._cut, self._buffered(), _WRITE_HIGH_WATER_BYTES)
+
+    def authenticated(self) -> None:
+        """A call on this connection passed the token check: the first one widens its windows to one message."""
+        first = not self.link.authenticated
+        self._links.authenticated(self.link)
+        if first and self._window > _MIN_WINDOW and not self.connection.is_closing():
+            h2_conn = self.connection._connection
+            h2_conn.increment_flow_control_window(self._window - _MIN_WINDOW)
+            h2_conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: self._window})
+            self.connection.flush()
+
+    def _buffered(self) -> int:
+        transport = getattr(self.connection, "_transport", None)  # grpclib drops it once closed
+        return transport.get_write_buffer_size() if transport is not None else 0
+
+    def _cut(self, buffered: int, bound: int) -> None:
+        if self.connection.is_closing():
+            return
+        self._links.cut(self.link, buffered=buffered)
+        self._close(f"this master has {buffered} bytes buffered for this connection, over its bound of {bound} "
+                    "bytes, and its peer reads none of them; read what the server sends", ErrorCodes.ENHANCE_YOUR_CALM)
+
     def _busy(self) -> bool:
         return bool(getattr(self, "processor", None) and self.processor.streams)
 
     def _close(self, reason: str, code: ErrorCodes = ErrorCodes.NO_ERROR) -> None:
+        """Send a GOAWAY that says why, then abort: a graceful close would hold the socket and what is buffered
+        until the peer reads it, which a peer that reads nothing never does. The GOAWAY goes out when the
+        socket takes it at once, as it does for a peer that reads."""
         if not hasattr(self, "processor"):  # never connected
             return
+        transport = getattr(self.connection, "_transport", None)
         try:
             self.connection._connection.close_connection(error_code=code, additional_data=reason.encode()[:1024])
             self.connection.flush()
         except (h2.exceptions.ProtocolError, AttributeError):  # closed already (AttributeError: its transport)
             pass
+        if transport is not None:
+            transport.abort()
         self.processor.close(reason)
 
 
@@ -252,19 +309,20 @@ class _Server(Server):
     """
 
     def __init__(self, handlers: Collection[Servicer], *, links: Links, max_message_bytes: int, **kwargs: Any) -> None:
-        window = min(max(max_message_bytes + _PREFIX_BYTES, _MIN_WINDOW), _MAX_WINDOW)
-        super().__init__(handlers, config=Configuration(http2_connection_window_size=window,
-                                                        http2_stream_window_size=window),
+        # HTTP/2's default windows until a call authenticates (see _Protocol.authenticated)
+        super().__init__(handlers, config=Configuration(http2_connection_window_size=_MIN_WINDOW,
+                                                        http2_stream_window_size=_MIN_WINDOW),
                          status_details_codec=RefusalCodec(), **kwargs)
         self._mapping = _Routes(self._mapping)
         self._links = links
         self._max_message_bytes = max_message_bytes
+        self._window = min(max(max_message_bytes + _PREFIX_BYTES, _MIN_WINDOW), _MAX_WINDOW)
 
     def _protocol_factory(self) -> H2Protocol:
         # grpclib's own, with a handler and a protocol of ours
         self.__gc_step__()
-        protocol = _Protocol(None, self._config, self._h2_config, links=self._links)
-        handler = _Handler(_LinkRoutes(cast(_Routes, self._mapping), self._links, protocol.link), self._codec,
+        protocol = _Protocol(None, self._config, self._h2_config, links=self._links, window=self._window)
+        handler = _Handler(_LinkRoutes(cast(_Routes, self._mapping), protocol.authenticated), self._codec,
                            self._status_details_codec, self.__dispatch__, links=self._links, link=protocol.link,
                            max_message_bytes=self._max_message_bytes)
         protocol.handler = handler
