@@ -15,9 +15,10 @@ So a node that replaces a lost one restores the step its surviving peers restore
 Every byte is verified before it reaches the caller's tensors (a copy on disk is checked whole,
 then read; a resharded step is read and checked into memory of its own, then copied), all ranks
 restore the same step (of the same round) or none does, and only committed steps are restored.
-A copy that fails its checks is reported and the ranks try an older step together. Once copying
-into the caller's tensors has begun, a failure stops every rank with an error saying the state
-may be partly overwritten, never with "nothing restored".
+A copy that fails its checks, or that a rank cannot read (an OSError: permissions, EIO, a stale
+NFS handle), is reported and the ranks try an older step together: no rank leaves the others
+waiting in a collective. Once copying into the caller's tensors has begun, a failure stops every
+rank with an error saying the state may be partly overwritten, never with "nothing restored".
 """
 
 from __future__ import annotations
@@ -304,9 +305,21 @@ class Restore:
         collective because one of its files is bad."""
         try:
             return find()
-        except CheckpointError as exc:
-            self.report_corrupt(step, "disk", str(exc))
+        except FileNotFoundError:
+            return None  # gone since it was listed (retention): as if it had never been there
+        except (CheckpointError, OSError) as exc:
+            self._unusable(step, exc)
             return None
+
+    def _unusable(self, step: int, exc: CheckpointError | OSError) -> None:
+        """Report a copy of ``step`` this rank cannot use: damaged, or unreadable (an OSError, with its path)."""
+        if isinstance(exc, OSError):
+            path = exc.filename if exc.filename is not None else _disk.step_dir(self.root, step)
+            detail = f"{path} cannot be read ({exc.strerror or exc!r}): check the storage and its permissions"
+            log.warning("ckpt_unreadable", step=step, rank=self.rank, path=str(path), error=repr(exc))
+        else:
+            detail = str(exc)
+        self.report_corrupt(step, "disk", detail)
 
     def _own(self, step: int, memory: tuple[SlotInfo, LayoutDoc] | None) -> Copy | None:
         """This rank's own copy of ``step``: in memory, else on disk saved at this world size."""
@@ -319,8 +332,8 @@ class Restore:
             manifest = _disk.read_manifest(self.root, step, self.rank)
         except FileNotFoundError:
             return None
-        except CheckpointError as exc:
-            self.report_corrupt(step, "disk", str(exc))
+        except (CheckpointError, OSError) as exc:
+            self._unusable(step, exc)
             return None
         if manifest.world != self.world:
             return None
@@ -339,8 +352,8 @@ class Restore:
                 copies.append(_disk.read_manifest(self.root, step, rank))
             except FileNotFoundError:
                 continue
-            except CheckpointError as exc:
-                self.report_corrupt(step, "disk", str(exc))
+            except (CheckpointError, OSError) as exc:
+                self._unusable(step, exc)
         if round_ is not None:
             copies = [c for c in copies if c.round == round_]
         if not copies:
@@ -386,7 +399,7 @@ class Restore:
                     verified = False  # the data went away since the manifest was read
                 except (CheckpointError, OSError) as exc:
                     verified = False
-                    self.report_corrupt(source.step, "disk", str(exc))
+                    self._unusable(source.step, exc)
             if not self.group.agree(verified):
                 return None
             template = self.agreed_template(given, source.tree, source.tensors, strict, source.step)
@@ -417,7 +430,7 @@ class Restore:
 
     def _read_resharded(self, manifest: _disk.Manifest, given: Template) -> dict[Any, Any] | None:
         """``manifest``'s step resharded into this world, on every rank at once: every chunk a rank restores read
-        and checked first (None on every rank when one fails: an older step is tried), then
+        and checked first (None on every rank when one fails or cannot be read: an older step is tried), then
         copied into the caller's state.
 
         A state that cannot take the step on any rank stops every rank, with nothing loaded.
@@ -432,8 +445,8 @@ class Restore:
             pass  # a file went away since the manifest was read: the ranks try an older step together
         except StateMismatch as exc:
             mismatch = exc
-        except CheckpointError as exc:
-            self.report_corrupt(manifest.step, "disk", str(exc))
+        except (CheckpointError, OSError) as exc:
+            self._unusable(manifest.step, exc)
         if not self.group.agree(mismatch is None):
             raise mismatch or StateMismatch(f"another rank's state could not take step {manifest.step} resharded "
                                             "(its log says why); nothing was loaded")
