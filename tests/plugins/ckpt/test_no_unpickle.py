@@ -87,15 +87,8 @@ def record(root: Path, step: int, rank: int, fqn: str) -> tuple[Path, int, int]:
 
 
 @pytest.fixture
-def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CheckpointSettings:
-    for name in ("STEAD_CKPT_PATH", "STEAD_CKPT_SOCKET", "STEAD_CKPT_STEP"):
-        monkeypatch.delenv(name, raising=False)
-    return CheckpointSettings(dir=str(tmp_path / "ckpt"))
-
-
-@pytest.fixture
-def root(settings: CheckpointSettings) -> Path:
-    return Path(settings.dir) / JOB
+def root(disk_settings: CheckpointSettings) -> Path:
+    return Path(disk_settings.dir) / JOB
 
 
 @pytest.fixture
@@ -107,12 +100,12 @@ def planted(tmp_path: Path) -> tuple[bytes, Path]:
 
 @pytest.mark.parametrize("world", [1, 2], ids=["resharded", "same-world"])
 def test_a_planted_metadata_pickle_is_never_loaded_and_the_step_restores_from_the_manifests(
-        settings: CheckpointSettings, root: Path, planted: tuple[bytes, Path], world: int) -> None:
+        disk_settings: CheckpointSettings, root: Path, planted: tuple[bytes, Path], world: int) -> None:
     pickled, marker = planted
     write_step(root, 1)
     (root / "step_1" / ".metadata").write_bytes(pickled)
 
-    assert_step(restore(settings, world=world), 1, world=world)
+    assert_step(restore(disk_settings, world=world), 1, world=world)
     assert not marker.exists()
 
     with contextlib.suppress(Exception):  # what torch's own reader would have done with the folder
@@ -123,7 +116,7 @@ def test_a_planted_metadata_pickle_is_never_loaded_and_the_step_restores_from_th
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("world", [1, 2], ids=["resharded", "same-world"])
 def test_a_planted_pickle_in_a_plain_values_record_is_never_loaded_and_the_value_comes_from_the_manifest(
-        settings: CheckpointSettings, root: Path, planted: tuple[bytes, Path], world: int) -> None:
+        disk_settings: CheckpointSettings, root: Path, planted: tuple[bytes, Path], world: int) -> None:
     pickled, marker = planted
     write_step(root, 1)
     for rank in range(2):
@@ -133,7 +126,7 @@ def test_a_planted_pickle_in_a_plain_values_record_is_never_loaded_and_the_value
             handle.seek(offset)
             handle.write(pickled.ljust(length, b"\0"))
 
-    assert_step(restore(settings, world=world), 1, world=world)
+    assert_step(restore(disk_settings, world=world), 1, world=world)
     assert not marker.exists()
 
     with pytest.raises(CheckpointException, match="Invalid magic number"):  # torch's own load, after it ran
@@ -142,7 +135,7 @@ def test_a_planted_pickle_in_a_plain_values_record_is_never_loaded_and_the_value
 
 
 def test_a_changed_byte_in_a_shard_is_caught_before_resharding_and_an_older_step_is_restored(
-        settings: CheckpointSettings, root: Path) -> None:
+        disk_settings: CheckpointSettings, root: Path) -> None:
     write_step(root, 1)
     write_step(root, 2)
     manifest = _disk.read_manifest(root, 2, 1)
@@ -153,7 +146,7 @@ def test_a_changed_byte_in_a_shard_is_caught_before_resharding_and_an_older_step
         handle.seek(at + 5)
         handle.write(bytes([byte[0] ^ 0x40]))
     with structlog.testing.capture_logs() as logs:
-        restored = restore(settings, world=1)
+        restored = restore(disk_settings, world=1)
     assert_step(restored, 1, world=1)
     corrupt = [e for e in logs if e["event"] == "ckpt_corrupt"]
     assert corrupt and corrupt[0]["step"] == 2 and "fails its checksum" in corrupt[0]["detail"], logs

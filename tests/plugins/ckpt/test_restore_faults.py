@@ -30,15 +30,8 @@ W, PAIR = 0, 2
 
 
 @pytest.fixture
-def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CheckpointSettings:
-    for name in ("STEAD_CKPT_PATH", "STEAD_CKPT_SOCKET", "STEAD_CKPT_STEP"):
-        monkeypatch.delenv(name, raising=False)
-    return CheckpointSettings(dir=str(tmp_path / "ckpt"))
-
-
-@pytest.fixture
-def root(settings: CheckpointSettings) -> Path:
-    return Path(settings.dir) / JOB
+def root(disk_settings: CheckpointSettings) -> Path:
+    return Path(disk_settings.dir) / JOB
 
 
 def blank() -> dict[str, Any]:
@@ -60,12 +53,12 @@ def flip_byte(root: Path, step: int, rank: int, tensor: int) -> None:
 @pytest.mark.parametrize(("rank", "tensor"), [(1, W), (0, PAIR)],
                          ids=["a-later-shard-of-a-resharded-tensor", "a-tensor-inside-a-tuple"])
 def test_a_resharded_step_with_a_corrupt_chunk_leaves_every_tensor_passed_to_load_untouched(
-        settings: CheckpointSettings, root: Path, rank: int, tensor: int) -> None:
+        disk_settings: CheckpointSettings, root: Path, rank: int, tensor: int) -> None:
     write_step(root, 1)  # by two ranks; restored by one: resharded
     flip_byte(root, 1, rank, tensor)
     state = blank()
     with (structlog.testing.capture_logs() as logs,
-          FlashCheckpointer(settings=settings, job=JOB, rank=0, world_size=1) as ckpt):
+          FlashCheckpointer(settings=disk_settings, job=JOB, rank=0, world_size=1) as ckpt):
         assert ckpt.load(state) is None  # no older step
     assert any(e["event"] == "ckpt_corrupt" and "fails its checksum" in e["detail"] for e in logs), logs
     touched = [name for name, value in [("model.w", state["model"]["w"]), ("model.b", state["model"]["b"]),
@@ -74,11 +67,11 @@ def test_a_resharded_step_with_a_corrupt_chunk_leaves_every_tensor_passed_to_loa
 
 
 def test_a_resharded_step_that_fails_while_it_is_copied_in_says_the_state_may_be_partly_overwritten(
-        settings: CheckpointSettings, root: Path) -> None:
+        disk_settings: CheckpointSettings, root: Path) -> None:
     write_step(root, 1)
     state = blank()
     state["model"]["b"] = torch.zeros(1).expand(COLS)  # one element seen thrice: torch refuses to copy into it
-    with (FlashCheckpointer(settings=settings, job=JOB, rank=0, world_size=1) as ckpt,
+    with (FlashCheckpointer(settings=disk_settings, job=JOB, rank=0, world_size=1) as ckpt,
           pytest.raises(CheckpointError, match="may be partly overwritten: restart the workers")):
         ckpt.load(state)
 
@@ -113,7 +106,7 @@ LOAD = textwrap.dedent("""
     (1, "step_2/__0_0.distcp"),  # the data of a step to reshard
 ], ids=["own-manifest", "another-ranks-manifest", "data-to-reshard"])
 def test_a_file_one_rank_cannot_read_sends_every_rank_to_the_older_step_together(
-        settings: CheckpointSettings, root: Path, tmp_path: Path, saved_by: int, unreadable: str) -> None:
+        disk_settings: CheckpointSettings, root: Path, tmp_path: Path, saved_by: int, unreadable: str) -> None:
     write_step(root, 1, world=saved_by)
     write_step(root, 2, world=saved_by)
     script = tmp_path / "load.py"
@@ -121,7 +114,7 @@ def test_a_file_one_rank_cannot_read_sends_every_rank_to_the_older_step_together
     rows = ROWS // 2 if saved_by == 2 else ROWS  # a shard of its own, or the whole weight resharded
     port = free_port()
     procs = [subprocess.Popen(
-        [sys.executable, str(script), settings.dir, JOB, unreadable, str(rows)], cwd=tmp_path,
+        [sys.executable, str(script), disk_settings.dir, JOB, unreadable, str(rows)], cwd=tmp_path,
         env={"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
