@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 
 from stead.core.config import Settings
 from stead.core.events import Event, PluginsStarted, Record, RecoveryAction, RecoveryDecided, WorkerFailed
-from stead.core.plugins import NoSettings, PluginContext
+from stead.core.plugins import NodeTelemetry, NoSettings, PluginContext
 from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState
 from stead.core.statemachine.rendezvous import RendezvousState
 from stead.core.store import open_store
@@ -165,3 +166,33 @@ async def test_a_master_killed_before_it_caught_up_passes_the_pace_on_to_the_nex
             assert third.clock.threshold()[0] == 3.0, "a master that died young erased the pace: 600 s to a hang"
         finally:
             await third.stop(ctx=ctx)
+
+
+@pytest.mark.anyio
+async def test_a_stall_the_heartbeats_disprove_leaves_the_hang_threshold_as_it_was() -> None:
+    store = await open_store("memory://")
+    emitted: list[Event] = []
+
+    async def emit(event: Event) -> Record:
+        emitted.append(event)
+        return Record(seq=len(emitted), at=0.0, event=event)
+
+    # the progress records of round 4 stopped at step 9 a minute ago (the store was away); the heartbeats say 30
+    heard = {"n0": NodeTelemetry(incarnation=2, round=4, step=30, step_compute_s=None, rss_bytes=None,
+                                 cpu_percent=None, seen=time.monotonic())}
+    ctx = PluginContext(plugin="diagnosis", job="j", settings=NoSettings(), stead_settings=Settings(), store=store,
+                        state=lambda: RUNNING_ROUND_4, emit=emit, add_rpc_handler=None,  # type: ignore[arg-type]
+                        telemetry=lambda: heard)
+    plugin = DiagnosisPlugin(settings=PACED)
+    start = time.time() - 60
+    plugin.clock.start_round(4, start)
+    for step in range(10):
+        plugin.clock.observe(4, step, start + 1 + step / 10)
+    before = plugin.clock.threshold()
+    try:
+        await plugin._check_hang(ctx)
+        assert emitted == [], "the job was diagnosed as hung while its heartbeats showed it training"
+        assert plugin.clock.step == 30
+        assert plugin.clock.threshold() == before, "the unrecorded minute counted as one step's time"
+    finally:
+        await store.close()

@@ -80,6 +80,19 @@ def test_a_new_round_waits_for_its_first_step_again() -> None:
     assert c.threshold()[0] == 20.0  # the pace learnt in round 1 still holds
 
 
+def test_steps_seen_outside_the_progress_records_restart_the_clock_and_leave_the_pace_alone() -> None:
+    c = clock()
+    now = run_steps(c, [1.0] * 10)
+    assert c.stalled(now + 30) is not None  # no record for 30 s: the store was away, the job went on
+    c.advance(1, 25, now + 30)  # as the heartbeats show
+    assert (c.step, c.since) == (25, now + 30)
+    assert c.threshold()[0] == 20.0, "the 30 s without records became a step time: the threshold grew to 300 s"
+    assert c.stalled(now + 49) is None and c.stalled(now + 51) is not None
+    c.advance(1, 20, now + 60)  # nothing newer than what is known
+    c.advance(2, 40, now + 60)  # another round's
+    assert (c.step, c.since) == (25, now + 30)
+
+
 def test_a_clock_taken_over_by_a_new_master_keeps_the_pace_the_old_one_learnt() -> None:
     old = clock()
     run_steps(old, [1.0] * 10)

@@ -3,10 +3,11 @@
 DCP's own FileSystemReader unpickles ``.metadata`` and hands every plain value's
 record to ``torch.load(weights_only=False)``. :class:`ManifestReader` gives DCP the
 step's ``Metadata`` built from the (hashed, JSON) manifests, drops the plain values'
-reads from the plan (they are in the state already, from the JSON tree) and serves
-each tensor chunk from its raw bytes, checked against the manifest's checksum before
-DCP copies any of it. Imported only when a step is resharded: importing DCP takes
-most of a second.
+reads from the plan (they are in the state already, from the JSON tree) and reads
+each tensor chunk from its raw bytes, checked against the manifest's checksum, into
+memory of its own: the copies into the destinations are made once every chunk has
+passed (:func:`stage_chunks` returns them). Imported only when a step is resharded:
+importing DCP takes most of a second.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -27,26 +29,32 @@ from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._codec import TensorMeta, dtype_from_name
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 
-__all__ = ["ManifestReader", "load_chunks"]
+__all__ = ["ManifestReader", "stage_chunks"]
 
 
-def load_chunks(target: dict[Any, Any], index: _disk.DcpIndex) -> None:
-    """Fill ``target``'s tensors (DTensors resharded) from the step ``index`` describes, in place.
+def stage_chunks(target: dict[Any, Any], index: _disk.DcpIndex) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The copies that fill ``target``'s tensors (DTensors resharded) from the step ``index`` describes: (a view
+    of a destination, the checked bytes that go there), for every chunk this rank reads; nothing is copied yet.
+
+    DCP's default planner resolves a destination to a view of the state's tensor and has nothing to do once it
+    is filled (``commit_tensor``), so the copies can be made after the load returns, all chunks checked.
 
     This rank plans its reads alone (``no_dist``): every rank's manifest is in ``index``, so no
     plan (a pickle) is exchanged over the process group, and a rank's failure is its own to report:
     the error raised is the one that stopped the load (DCP wraps it in a CheckpointException, which is
     no ``Exception``).
     """
+    reader = ManifestReader(index)
     try:
         with warnings.catch_warnings():  # no_dist is the intent here, not a process group that went missing
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load(target, storage_reader=ManifestReader(index), no_dist=True)
+            dcp_load(target, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
     except CheckpointException as exc:
         failure = next((error for error, _trace in exc.failures.values()), None)
         if failure is None:
             raise
         raise failure from exc
+    return reader.staged
 
 
 class ManifestReader(StorageReader):
@@ -55,6 +63,8 @@ class ManifestReader(StorageReader):
     def __init__(self, index: _disk.DcpIndex) -> None:
         super().__init__()
         self._index = index
+        #: (a view of a destination, the checked bytes that go there), for every chunk read
+        self.staged: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """Nothing to reset: the reader is made for one step, from its manifests."""
@@ -94,8 +104,8 @@ class ManifestReader(StorageReader):
                     if target.size() != piece.size():
                         raise StateMismatch(f"{item.storage_index.fqn}: torch.distributed.checkpoint planned "
                                             f"{list(target.size())} from a chunk of {list(piece.size())}")
-                    target.copy_(piece)
-                    planner.commit_tensor(item, target)
+                    # only the part this rank restores is kept: the rest of a larger chunk is let go
+                    self.staged.append((target, piece if piece.numel() == chunk_tensor.numel() else piece.clone()))
         done: Future[None] = Future()
         done.set_result(None)
         return done

@@ -5,11 +5,13 @@ straight into the destination tensors once the whole file, open on the same hand
 checked against the XXH3 checksums (:func:`_disk.verify_data`): nothing unverified reaches them.
 
 At another world size, with sharded tensors (FSDP2, DTensor), torch.distributed.checkpoint
-plans the reshard (:func:`read_resharded`), but reads nothing itself: it is handed the
+plans the reshard (:func:`stage_resharded`), but reads nothing itself: it is handed the
 step's ``Metadata`` built in memory from the manifests (:func:`_disk.dcp_index`; the
 ``.metadata`` pickle beside them is for torch's own tools) and a storage reader
-(:mod:`._dcp_reader`) that reads each chunk's raw bytes and checks its checksum before
-torch copies any of it.
+(:mod:`._dcp_reader`) that reads each chunk's raw bytes and checks its checksum. Every
+chunk and tensor this rank restores is read and checked into memory of its own (the size
+of what the rank restores) before any byte is copied into the caller's tensors
+(:meth:`Staged.copy_in`): a corrupt chunk leaves them as they were.
 Plain values (and the tensors DCP keeps inside one, in a tuple) come from the manifest's
 JSON tree and raw bytes: DCP's records of them would be read with
 ``torch.load(weights_only=False)``, so they are never handed to it. Each rank plans its
@@ -19,6 +21,7 @@ plan crosses the process group either.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +32,24 @@ from stead.plugins.ckpt._codec import TensorMeta, decode, dtype_from_name, find
 from stead.plugins.ckpt._restore import Template, as_dict, destination
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 
-__all__ = ["read_resharded", "read_step"]
+__all__ = ["Staged", "read_step", "stage_resharded"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """A step read and checked whole, waiting to be copied into the caller's tensors."""
+
+    #: the restored state: the caller's tensors where it had them (still unchanged), new ones elsewhere
+    state: dict[Any, Any]
+    #: (destination, its checked bytes), for every destination that is not a new tensor of ``state``'s own
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def copy_in(self) -> dict[Any, Any]:
+        """Copy the checked bytes into their destinations; the state."""
+        with torch.no_grad():
+            for destination_, checked in self.copies:
+                destination_.copy_(checked)
+        return self.state
 
 
 def read_step(manifest: _disk.Manifest, template: Mapping[str, Any] | None, handle: Any) -> dict[Any, Any]:
@@ -39,15 +59,18 @@ def read_step(manifest: _disk.Manifest, template: Mapping[str, Any] | None, hand
 
     def leaf(index: int, path: tuple[object, ...]) -> Any:
         existing = find(template, path) if template is not None else None
-        return _read_leaf(manifest, handle, index, metas[index], existing, path, verified=True)
+        value, target = destination(metas[index], existing, path)
+        _read_into(manifest, handle, index, target, check=False)
+        return value
 
     with torch.no_grad():
         return as_dict(decode(manifest.tree, leaf, where=str(manifest.dir)))
 
 
-def read_resharded(manifest: _disk.Manifest, given: Template, *, world: int) -> dict[Any, Any]:
-    """Restore ``manifest``'s step, saved by ``manifest.world`` ranks with shards, into this job's ``world`` ranks:
-    into the caller's tensors (DTensors resharded), the replicated tensors and plain values alongside.
+def stage_resharded(manifest: _disk.Manifest, given: Template, *, world: int) -> Staged:
+    """``manifest``'s step, saved by ``manifest.world`` ranks with shards, read for this job's ``world`` ranks and
+    checked, ready to go into the caller's tensors (DTensors resharded), the replicated tensors and plain values
+    alongside; nothing of the caller's is written until :meth:`Staged.copy_in`.
 
     A chunk that fails its checksum raises :class:`CheckpointError` (an older step can be tried); a state that
     cannot take the step raises :class:`StateMismatch`.
@@ -60,6 +83,7 @@ def read_resharded(manifest: _disk.Manifest, given: Template, *, world: int) -> 
              for rank in range(manifest.world)]
     index = _disk.dcp_index(manifest.dir, ranks)
     dcp_tensors = {int(item["tensor"]) for item in manifest.dcp if "tensor" in item}
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     with _disk.open_data(manifest) as handle:
 
         def leaf(i: int, path: tuple[object, ...]) -> Any:
@@ -69,7 +93,14 @@ def read_resharded(manifest: _disk.Manifest, given: Template, *, world: int) -> 
                     raise StateMismatch(f"{where}: the shard at {list(path)} sits inside a tuple, which "
                                         "torch.distributed.checkpoint cannot reshard; restore it with the "
                                         f"{manifest.world} ranks that saved it")
-                return _read_leaf(manifest, handle, i, meta, existing, path)
+                value, target = destination(meta, existing, path)
+                if value is not existing:  # a new tensor, nobody's yet
+                    _read_into(manifest, handle, i, target, check=True)
+                    return value
+                checked = torch.empty(meta.shape, dtype=target.dtype)
+                _disk.read_tensor_into(manifest, handle, i, _disk.tensor_bytes(checked))
+                copies.append((target, checked))
+                return value
             if isinstance(existing, torch.Tensor):
                 return existing
             if meta.sharded:
@@ -81,31 +112,28 @@ def read_resharded(manifest: _disk.Manifest, given: Template, *, world: int) -> 
         with torch.no_grad():
             target = decode(manifest.tree, leaf, where=where)
     _disk.load_dcp()
-    from stead.plugins.ckpt._dcp_reader import load_chunks  # torch.distributed.checkpoint takes a while to import
+    from stead.plugins.ckpt._dcp_reader import stage_chunks  # torch.distributed.checkpoint takes a while to import
 
     try:
-        load_chunks(target, index)
+        copies += stage_chunks(target, index)
     except CheckpointError:
         raise
     except Exception as exc:  # DCP's own errors (a missing key, a shape it cannot reshard) say what is wrong
         raise StateMismatch(f"{where} (saved by {manifest.world} ranks) could not be resharded into this job's "
-                            f"{world} ranks: {exc}") from exc
-    return as_dict(target)
+                            f"{world} ranks: {exc}; nothing was loaded") from exc
+    return Staged(state=as_dict(target), copies=copies)
 
 
 def _metas(manifest: _disk.Manifest) -> list[TensorMeta]:
     return [TensorMeta.from_json(t, where=str(manifest.dir)) for t in manifest.tensors]
 
 
-def _read_leaf(manifest: _disk.Manifest, handle: Any, index: int, meta: TensorMeta, existing: Any,
-               path: tuple[object, ...], *, verified: bool = False) -> Any:
-    """Tensor ``index`` of ``manifest``, read into ``existing`` when it fits, else into a new one: checked as it is
-    read unless the file open as ``handle`` was ``verified`` whole."""
-    value, target = destination(meta, existing, path)
+def _read_into(manifest: _disk.Manifest, handle: Any, index: int, target: torch.Tensor, *, check: bool) -> None:
+    """Tensor ``index`` of ``manifest`` read into ``target``: checked as it is read, unless ``check`` is False
+    because the file open as ``handle`` was verified whole."""
     if target.device.type == "cpu" and target.is_contiguous():
-        _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(target), check=not verified)
+        _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(target), check=check)
     else:
-        staging = torch.empty(meta.shape, dtype=target.dtype)
-        _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(staging), check=not verified)
+        staging = torch.empty(target.shape, dtype=target.dtype)
+        _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(staging), check=check)
         target.copy_(staging)
-    return value

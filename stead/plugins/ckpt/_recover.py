@@ -9,13 +9,16 @@ ranks agree on the newest step that every rank can take, each from the best tier
 2. its own copy on disk, saved at this world size;
 3. another rank's copy on disk, for a replicated state only (DDP: :mod:`._copies` says when),
    the same state as every copy the other ranks restore; or, for a sharded state saved by
-   another world size, the step resharded (:func:`._fromdisk.read_resharded`).
+   another world size, the step resharded (:func:`._fromdisk.stage_resharded`).
 
 So a node that replaces a lost one restores the step its surviving peers restore from memory.
 Every byte is verified before it reaches the caller's tensors (a copy on disk is checked whole,
-then read), all ranks restore the same step (of the same round) or none does, and only
-committed steps are restored. A copy that fails its checks is reported and the ranks try an
-older step together.
+then read; a resharded step is read and checked into memory of its own, then copied), all ranks
+restore the same step (of the same round) or none does, and only committed steps are restored.
+A copy that fails its checks, or that a rank cannot read (an OSError: permissions, EIO, a stale
+NFS handle), is reported and the ranks try an older step together: no rank leaves the others
+waiting in a collective. Once copying into the caller's tensors has begun, a failure stops every
+rank with an error saying the state may be partly overwritten, never with "nothing restored".
 """
 
 from __future__ import annotations
@@ -262,8 +265,9 @@ class Restore:
                 return None, None
             source = self._source(step, memory)
             if source is not None and source.reshard:
-                state = self._read_resharded(source.manifest, given) if source.manifest is not None else None
-                if self.group.agree(state is not None) and state is not None:
+                assert source.manifest is not None  # a resharded copy is always read from a manifest
+                state = self._read_resharded(source.manifest, given)
+                if state is not None:
                     return (step, state), source
             elif source is not None:
                 state = self._take(source, given, strict)
@@ -301,9 +305,21 @@ class Restore:
         collective because one of its files is bad."""
         try:
             return find()
-        except CheckpointError as exc:
-            self.report_corrupt(step, "disk", str(exc))
+        except FileNotFoundError:
+            return None  # gone since it was listed (retention): as if it had never been there
+        except (CheckpointError, OSError) as exc:
+            self._unusable(step, exc)
             return None
+
+    def _unusable(self, step: int, exc: CheckpointError | OSError) -> None:
+        """Report a copy of ``step`` this rank cannot use: damaged, or unreadable (an OSError, with its path)."""
+        if isinstance(exc, OSError):
+            path = exc.filename if exc.filename is not None else _disk.step_dir(self.root, step)
+            detail = f"{path} cannot be read ({exc.strerror or exc!r}): check the storage and its permissions"
+            log.warning("ckpt_unreadable", step=step, rank=self.rank, path=str(path), error=repr(exc))
+        else:
+            detail = str(exc)
+        self.report_corrupt(step, "disk", detail)
 
     def _own(self, step: int, memory: tuple[SlotInfo, LayoutDoc] | None) -> Copy | None:
         """This rank's own copy of ``step``: in memory, else on disk saved at this world size."""
@@ -316,8 +332,8 @@ class Restore:
             manifest = _disk.read_manifest(self.root, step, self.rank)
         except FileNotFoundError:
             return None
-        except CheckpointError as exc:
-            self.report_corrupt(step, "disk", str(exc))
+        except (CheckpointError, OSError) as exc:
+            self._unusable(step, exc)
             return None
         if manifest.world != self.world:
             return None
@@ -336,8 +352,8 @@ class Restore:
                 copies.append(_disk.read_manifest(self.root, step, rank))
             except FileNotFoundError:
                 continue
-            except CheckpointError as exc:
-                self.report_corrupt(step, "disk", str(exc))
+            except (CheckpointError, OSError) as exc:
+                self._unusable(step, exc)
         if round_ is not None:
             copies = [c for c in copies if c.round == round_]
         if not copies:
@@ -383,51 +399,60 @@ class Restore:
                     verified = False  # the data went away since the manifest was read
                 except (CheckpointError, OSError) as exc:
                     verified = False
-                    self.report_corrupt(source.step, "disk", str(exc))
+                    self._unusable(source.step, exc)
             if not self.group.agree(verified):
                 return None
             template = self.agreed_template(given, source.tree, source.tensors, strict, source.step)
-            state: dict[Any, Any] | None = None
-            failure: Exception | None = None
-            try:
-                if source.memory is not None:
-                    state = self.restore_memory(source.memory[0], source.memory[1], template)
-                else:
-                    assert source.manifest is not None
-                    state = _fromdisk.read_step(source.manifest, template, handle)
-            except (CheckpointError, OSError, StateMismatch) as exc:
-                failure = exc
-            if not self.group.agree(failure is None):
-                cause = str(failure) if failure is not None else "on another rank: its log says why"
-                raise CheckpointError(
-                    f"step {source.step} failed while it was copied into the state passed to load(), after every "
-                    f"rank's copy had been verified ({cause}): the files under {self.root} changed meanwhile or "
-                    "cannot be read. The state may be partly overwritten: restart the workers (they restore "
-                    "again) and check the storage") from failure
-            return state
+            if source.memory is not None:
+                slot, doc = source.memory
+                return self._copy_in(source.step, lambda: self.restore_memory(slot, doc, template))
+            manifest = source.manifest
+            assert manifest is not None
+            return self._copy_in(source.step, lambda: _fromdisk.read_step(manifest, template, handle))
+
+    def _copy_in(self, step: int, copy: Callable[[], dict[Any, Any]]) -> dict[Any, Any]:
+        """``copy()``: the verified ``step`` copied into the caller's state, on every rank; a failure on any rank
+        stops every rank, saying the state may be partly overwritten."""
+        state: dict[Any, Any] | None = None
+        failure: Exception | None = None
+        try:
+            state = copy()
+        except Exception as exc:  # whatever stopped it (a file, torch refusing a destination), every rank must hear
+            failure = exc
+        if not self.group.agree(failure is None) or state is None:
+            cause = repr(failure) if failure is not None else "on another rank: its log says why"
+            raise CheckpointError(
+                f"step {step} failed while it was copied into the state passed to load(), after every "
+                f"rank's copy had been verified ({cause}). The state may be partly overwritten: restart the workers "
+                f"(they restore again), and check the storage under {self.root} if the files changed meanwhile or "
+                "cannot be read") from failure
+        return state
 
     def _read_resharded(self, manifest: _disk.Manifest, given: Template) -> dict[Any, Any] | None:
-        """``manifest``'s step resharded into this world; None when its files are damaged or gone (an older step is
-        tried then).
+        """``manifest``'s step resharded into this world, on every rank at once: every chunk a rank restores read
+        and checked first (None on every rank when one fails or cannot be read: an older step is tried), then
+        copied into the caller's state.
 
         A state that cannot take the step on any rank stops every rank, with nothing loaded.
         """
         log.info("ckpt_resharding", step=manifest.step, saved_world=manifest.world, world=self.world,
                  rank=self.rank)
-        state: dict[Any, Any] | None = None
+        staged: _fromdisk.Staged | None = None
         mismatch: StateMismatch | None = None
         try:
-            state = _fromdisk.read_resharded(manifest, given, world=self.world)
+            staged = _fromdisk.stage_resharded(manifest, given, world=self.world)
         except FileNotFoundError:
             pass  # a file went away since the manifest was read: the ranks try an older step together
         except StateMismatch as exc:
             mismatch = exc
-        except CheckpointError as exc:
-            self.report_corrupt(manifest.step, "disk", str(exc))
+        except (CheckpointError, OSError) as exc:
+            self._unusable(manifest.step, exc)
         if not self.group.agree(mismatch is None):
             raise mismatch or StateMismatch(f"another rank's state could not take step {manifest.step} resharded "
                                             "(its log says why); nothing was loaded")
-        return state
+        if not self.group.agree(staged is not None) or staged is None:
+            return None
+        return self._copy_in(manifest.step, staged.copy_in)
 
 
 def _bounds(value: int | None) -> tuple[int, int]:

@@ -203,7 +203,7 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             # training goes on, no hang
             ctx.log.info("hang_not_confirmed", round=stall.round, recorded_step=stall.step, live_step=live,
                          reason="the nodes' heartbeats show newer steps than the recorded progress")
-            self.clock.observe(stall.round, live, now)
+            self.clock.advance(stall.round, live, now)
             return
         self._hung_round = stall.round
         await self._diagnose(ctx, stall)

@@ -77,6 +77,14 @@ class StepClock:
             self.step = step
         self.phase = phase
 
+    def advance(self, round_: int, step: int, at: float) -> None:
+        """The round reached ``step`` by ``at``, as seen other than by a progress record (the nodes' heartbeats while
+        progress went unrecorded): the clock starts again from ``at``, and no gap is recorded, since the time since
+        the last record is not one step's time (it would raise the threshold by the length of the stall)."""
+        if round_ != self.round or at < self.since or (self.step is not None and step <= self.step):
+            return
+        self.step, self.since = step, at
+
     def threshold(self) -> tuple[float, str]:
         """How long without progress is a hang now, and why that long."""
         if self.phase:

@@ -27,3 +27,12 @@ def settings(tmp_path: Path) -> CheckpointSettings:
 def cluster(tmp_path: Path, settings: CheckpointSettings) -> Iterator[Cluster]:
     with Cluster(tmp_path, settings, job="ckpt-test", stead_settings=Settings(retry_deadline_s=5.0)) as running:
         yield running
+
+
+@pytest.fixture
+def disk_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CheckpointSettings:
+    """Settings for a checkpointer without an agent (it reads and writes the disk alone), whatever the environment
+    of the test run says."""
+    for name in ("STEAD_CKPT_PATH", "STEAD_CKPT_SOCKET", "STEAD_CKPT_STEP"):
+        monkeypatch.delenv(name, raising=False)
+    return CheckpointSettings(dir=str(tmp_path / "ckpt"))

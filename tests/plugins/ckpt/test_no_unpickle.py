@@ -45,19 +45,19 @@ def weight(step: int) -> torch.Tensor:
     return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + 100 * step
 
 
-def write_two_rank_step(root: Path, step: int) -> None:
-    """``step`` as two ranks persist it: each its half of a sharded weight (as a DTensor's shard is stored), a
+def write_step(root: Path, step: int, *, world: int = 2) -> None:
+    """``step`` as ``world`` ranks persist it: each its part of a sharded weight (as a DTensor's shard is stored), a
     replicated bias, a tensor inside a tuple (which DCP stores as one pickled value) and plain values."""
-    for rank in range(2):
-        rows = ROWS // 2
+    for rank in range(world):
+        rows = ROWS // world
         state = {"model": {"w": weight(step)[rank * rows:(rank + 1) * rows].clone(), "b": torch.full((COLS,), 0.5)},
                  "pair": (torch.full((2,), float(step)), "tag"), "epoch": step, "lrs": [0.1, 0.2]}
         encoded = encode(state)
         metas = [m.to_json() for m in encoded.metas]
         metas[0].update(global_shape=[ROWS, COLS], offsets=[rank * rows, 0])  # model.w: a shard
-        _disk.write_rank(root, step=step, round_=1, rank=rank, world=2, tree=encoded.tree, metas=metas,
+        _disk.write_rank(root, step=step, round_=1, rank=rank, world=world, tree=encoded.tree, metas=metas,
                          tensors=list(encoded.tensors))
-    assert _disk.finish_step(root, step, 2, keep_last=5)
+    assert _disk.finish_step(root, step, world, keep_last=5)
 
 
 def restore(settings: CheckpointSettings, *, world: int) -> tuple[int, dict[Any, Any]] | None:
@@ -87,15 +87,8 @@ def record(root: Path, step: int, rank: int, fqn: str) -> tuple[Path, int, int]:
 
 
 @pytest.fixture
-def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CheckpointSettings:
-    for name in ("STEAD_CKPT_PATH", "STEAD_CKPT_SOCKET", "STEAD_CKPT_STEP"):
-        monkeypatch.delenv(name, raising=False)
-    return CheckpointSettings(dir=str(tmp_path / "ckpt"))
-
-
-@pytest.fixture
-def root(settings: CheckpointSettings) -> Path:
-    return Path(settings.dir) / JOB
+def root(disk_settings: CheckpointSettings) -> Path:
+    return Path(disk_settings.dir) / JOB
 
 
 @pytest.fixture
@@ -107,12 +100,12 @@ def planted(tmp_path: Path) -> tuple[bytes, Path]:
 
 @pytest.mark.parametrize("world", [1, 2], ids=["resharded", "same-world"])
 def test_a_planted_metadata_pickle_is_never_loaded_and_the_step_restores_from_the_manifests(
-        settings: CheckpointSettings, root: Path, planted: tuple[bytes, Path], world: int) -> None:
+        disk_settings: CheckpointSettings, root: Path, planted: tuple[bytes, Path], world: int) -> None:
     pickled, marker = planted
-    write_two_rank_step(root, 1)
+    write_step(root, 1)
     (root / "step_1" / ".metadata").write_bytes(pickled)
 
-    assert_step(restore(settings, world=world), 1, world=world)
+    assert_step(restore(disk_settings, world=world), 1, world=world)
     assert not marker.exists()
 
     with contextlib.suppress(Exception):  # what torch's own reader would have done with the folder
@@ -123,9 +116,9 @@ def test_a_planted_metadata_pickle_is_never_loaded_and_the_step_restores_from_th
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("world", [1, 2], ids=["resharded", "same-world"])
 def test_a_planted_pickle_in_a_plain_values_record_is_never_loaded_and_the_value_comes_from_the_manifest(
-        settings: CheckpointSettings, root: Path, planted: tuple[bytes, Path], world: int) -> None:
+        disk_settings: CheckpointSettings, root: Path, planted: tuple[bytes, Path], world: int) -> None:
     pickled, marker = planted
-    write_two_rank_step(root, 1)
+    write_step(root, 1)
     for rank in range(2):
         data, offset, length = record(root, 1, rank, "epoch")
         assert len(pickled) <= length
@@ -133,7 +126,7 @@ def test_a_planted_pickle_in_a_plain_values_record_is_never_loaded_and_the_value
             handle.seek(offset)
             handle.write(pickled.ljust(length, b"\0"))
 
-    assert_step(restore(settings, world=world), 1, world=world)
+    assert_step(restore(disk_settings, world=world), 1, world=world)
     assert not marker.exists()
 
     with pytest.raises(CheckpointException, match="Invalid magic number"):  # torch's own load, after it ran
@@ -142,9 +135,9 @@ def test_a_planted_pickle_in_a_plain_values_record_is_never_loaded_and_the_value
 
 
 def test_a_changed_byte_in_a_shard_is_caught_before_resharding_and_an_older_step_is_restored(
-        settings: CheckpointSettings, root: Path) -> None:
-    write_two_rank_step(root, 1)
-    write_two_rank_step(root, 2)
+        disk_settings: CheckpointSettings, root: Path) -> None:
+    write_step(root, 1)
+    write_step(root, 2)
     manifest = _disk.read_manifest(root, 2, 1)
     data, at = manifest.dir / manifest.data_file, int(manifest.tensors[0]["file_offset"])  # rank 1's shard of w
     with open(data, "r+b") as handle:
@@ -153,7 +146,7 @@ def test_a_changed_byte_in_a_shard_is_caught_before_resharding_and_an_older_step
         handle.seek(at + 5)
         handle.write(bytes([byte[0] ^ 0x40]))
     with structlog.testing.capture_logs() as logs:
-        restored = restore(settings, world=1)
+        restored = restore(disk_settings, world=1)
     assert_step(restored, 1, world=1)
     corrupt = [e for e in logs if e["event"] == "ckpt_corrupt"]
     assert corrupt and corrupt[0]["step"] == 2 and "fails its checksum" in corrupt[0]["detail"], logs
@@ -161,7 +154,7 @@ def test_a_changed_byte_in_a_shard_is_caught_before_resharding_and_an_older_step
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_torch_still_loads_a_persisted_step_with_its_own_reader(root: Path) -> None:
-    write_two_rank_step(root, 3)
+    write_step(root, 3)
     target: dict[str, Any] = {"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS)}, "epoch": 0}
     dcp.load(target, checkpoint_id=str(root / "step_3"), no_dist=True)
     assert torch.equal(target["model"]["w"], weight(3)) and target["epoch"] == 3
