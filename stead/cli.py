@@ -182,12 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _settings(overrides: Sequence[str]) -> Settings:
-    values = {}
-    for item in overrides:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {item!r} must look like NAME=VALUE, e.g. --set heartbeat_timeout_s=10")
-        values[name.strip()] = value.strip()
+    from stead.core.launch import parse_settings
+
+    values = parse_settings(overrides)
     settings = Settings.from_mapping(values, base=Settings.from_env())
     check_plugin_settings(settings)
     return settings

@@ -130,6 +130,9 @@ class Settings:
     etcd_user: str = ""
     #: the file holding etcd_user's password (one line); a password never goes in a URL or on a command line
     etcd_password_file: str = ""
+    #: send etcd_user's password to an etcd without TLS (no etcd_ca_file), where anyone on the path reads it:
+    #: refused unless this is true (an etcd on loopback, a test)
+    etcd_allow_plaintext_password: bool = False
     #: an RPC to the master that takes longer than this counts as "master unavailable"
     rpc_timeout_s: float = setting(5.0, min=0.001)
     #: the largest RPC message the master accepts, bytes (gRPC's own default is 4 MiB); a larger one is refused

@@ -33,7 +33,8 @@ from stead.core.logging import LOG_LEVELS, TRACE_CHOICES, TRACE_HELP
 from stead.core.plugins import GROUP as PLUGIN_GROUP
 from stead.core.plugins import PLATFORM_GROUP, check_plugin_settings
 
-__all__ = ["PLATFORM_GROUP", "RunConfig", "Streams", "build_parser", "gpu_count", "parse_run_args", "worker_env"]
+__all__ = ["PLATFORM_GROUP", "SETTING_NAME", "RunConfig", "Streams", "build_parser", "gpu_count", "parse_run_args",
+           "parse_setting", "parse_settings", "worker_env"]
 
 log = structlog.get_logger()
 
@@ -48,6 +49,9 @@ RDZV_CONF_SETTINGS: Mapping[str, str] = {
 RDZV_CONF_IGNORED = frozenset({"close_timeout", "is_host", "keep_alive_max_attempt", "read_timeout",
                                "store_type", "timeout"})
 
+#: a setting's name: stead's own (heartbeat_timeout_s) or a plugin's or platform's, after its namespace
+#: (ckpt.keep_last, k8s.image)
+SETTING_NAME = re.compile(r"[a-z][a-z0-9_.]*")
 _JOB_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _STORE_URL = re.compile(r"[a-z][a-z0-9+.-]*://.*")
 
@@ -550,16 +554,36 @@ def _settings_overrides(rdzv_conf: Mapping[str, str], assignments: Sequence[str]
                if key in RDZV_CONF_SETTINGS}
     if shutdown_timeout is not None:
         implied["worker_stop_grace_s"] = ("--shutdown-timeout", str(shutdown_timeout))
-    explicit: dict[str, str] = {}
-    for assignment in assignments:
-        name, sep, raw = assignment.partition("=")
-        if not sep or not name.strip():
-            raise ConfigError(f"--set {assignment!r} is not NAME=VALUE; e.g. --set heartbeat_timeout_s=10")
-        explicit[name.strip()] = raw.strip()
+    explicit = parse_settings(assignments)
     for name, (source, raw) in implied.items():
         if name in explicit and explicit[name] != raw:
             raise ConfigError(f"{source}={raw} and --set {name}={explicit[name]} disagree; give only one of them")
     return {**{name: raw for name, (_, raw) in implied.items()}, **explicit}
+
+
+def parse_setting(assignment: str) -> tuple[str, str]:
+    """The name and value of ``--set NAME=VALUE``, without the spaces around either; ConfigError for a name that
+    is not one (:data:`SETTING_NAME`): lowercase letters, digits, '_' and '.', a letter first."""
+    name, sep, raw = assignment.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise ConfigError(f"--set {assignment!r} is not NAME=VALUE; e.g. --set heartbeat_timeout_s=10")
+    if not SETTING_NAME.fullmatch(name):
+        raise ConfigError(f"--set {assignment!r}: {name!r} is not a setting's name; a name is lowercase letters, "
+                          "digits, '_' and '.', starting with a letter, e.g. heartbeat_timeout_s or ckpt.keep_last")
+    return name, raw.strip()
+
+
+def parse_settings(assignments: Sequence[str]) -> dict[str, str]:
+    """Every ``--set NAME=VALUE`` (:func:`parse_setting`) by name; a name given twice with different values is
+    refused, never last-wins (a later ``--set`` must not quietly undo an earlier one, e.g. one the operator set)."""
+    found: dict[str, str] = {}
+    for assignment in assignments:
+        name, raw = parse_setting(assignment)
+        if found.get(name, raw) != raw:
+            raise ConfigError(f"--set {name}={found[name]} and --set {name}={raw} disagree; give {name} once")
+        found[name] = raw
+    return found
 
 
 def _job_name(explicit: str | None, rdzv_id: str, script: str) -> str:

@@ -47,6 +47,7 @@ import anyio.to_thread
 import grpc
 from aetcd import rpc
 
+from stead.core.store import prefix_end
 from stead.testing.steps import free_port
 from stead.testing.tls import CertificateAuthority, CertPair
 
@@ -122,6 +123,8 @@ class EtcdServer:
         if self.password_file is not None:
             values["etcd_user"] = STEAD_USER
             values["etcd_password_file"] = str(self.password_file)
+            if self.ca is None:  # on loopback: a password in the clear reaches no one else
+                values["etcd_allow_plaintext_password"] = "true"
         return values
 
     @property
@@ -246,7 +249,7 @@ class EtcdServer:
             return path
         api.RoleAdd(rpc.AuthRoleAddRequest(name=name), timeout=timeout, metadata=metadata)
         permission = rpc.Permission(permType=rpc.Permission.READWRITE, key=prefix.encode(),
-                                    range_end=_prefix_end(prefix.encode()))
+                                    range_end=prefix_end(prefix.encode()))
         api.RoleGrantPermission(rpc.AuthRoleGrantPermissionRequest(name=name, perm=permission), timeout=timeout,
                                 metadata=metadata)
         api.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=name, role=name), timeout=timeout, metadata=metadata)
@@ -340,9 +343,3 @@ class EtcdServer:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await anyio.to_thread.run_sync(self.close)
-
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    """The end of the key range of ``prefix`` (its last byte one larger; prefixes that end below 0xff)."""
-    return prefix[:-1] + bytes([prefix[-1] + 1])

@@ -266,6 +266,11 @@ def test_gpu_count_is_limited_by_cuda_visible_devices(monkeypatch: pytest.Monkey
     (["--standalone", "--nnodes", "2", "train.py"], "--standalone runs a single node"),
     (["--set", "nope=1", "train.py"], "unknown setting 'nope'"),
     (["--set", "heartbeat_timeout_s", "train.py"], "is not NAME=VALUE"),
+    # a name is a setting's name, read without the spaces around it; a later --set never quietly undoes one
+    (["--set", "K8S.ptrace=true", "train.py"], r"'K8S.ptrace' is not a setting's name; a name is lowercase"),
+    (["--set", "ckpt keep_last=3", "train.py"], r"'ckpt keep_last' is not a setting's name"),
+    (["--set", "k8s.ptrace=false", "--set", " k8s.ptrace = true", "train.py"],
+     "--set k8s.ptrace=false and --set k8s.ptrace=true disagree; give k8s.ptrace once"),
     (["--set", "heartbeat_timeout_s=abc", "train.py"], "not a valid float"),
     (["--set", "heartbeat_timeout_s=-1", "train.py"], "must not be negative"),
     (["--rdzv-conf", "join_timeout=10", "--set", "join_timeout_s=20", "train.py"], "disagree"),

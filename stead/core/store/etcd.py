@@ -41,7 +41,7 @@ import structlog
 from aetcd import rpc
 
 from stead.core.config import Settings
-from stead.core.errors import StoreError, StoreUnavailable, WriteTooLarge
+from stead.core.errors import ConfigError, StoreError, StoreUnavailable, WriteTooLarge
 from stead.core.store._common import (
     LoopAffinity,
     StoreLease,
@@ -128,6 +128,11 @@ class EtcdStore:
             ("grpc.max_reconnect_backoff_ms", max(1, int(settings.retry_max_s * 1000))),
             ("grpc.max_receive_message_length", -1),
         ]
+        if access.user and not access.tls and not settings.etcd_allow_plaintext_password:
+            raise ConfigError(f"etcd at {access.public_url}: user {access.user!r} ({access.origin('user')}) would "
+                              "send its password without TLS, readable by anyone on the path; set etcd_ca_file (or "
+                              "ca_file= in the store URL) to the CA of etcd's server certificate, or, for an etcd on "
+                              "loopback or a test, etcd_allow_plaintext_password=true")
         #: with a user: the password (read once, at open) and etcd's token for it, renewed when etcd refuses it
         self._password = access.password() if access.user else ""
         self._auth_token = ""

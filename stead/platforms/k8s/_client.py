@@ -255,13 +255,34 @@ class _AlreadyExists(PlatformError):
     pass
 
 
+#: the objects a job's maker (the operator, or `stead run --platform k8s` with its user's kubeconfig) needs rights
+#: on beyond what the job's own Role grants
+_JOB_RBAC = frozenset({"serviceaccounts", "roles", "rolebindings"})
+
+
+def _rbac_hint(what: str) -> str:
+    """Whose rules to change for a refused request (``what``: its method and path), since three parties call."""
+    kinds = set(what.split()[-1].partition("?")[0].split("/"))
+    if "nodes" in kinds:
+        return ("cordoning a host needs the optional ClusterRole stead-node-cordon: apply deploy/node-cordon.yaml "
+                "(`stead k8s manifests --with-node-cordon`) and run the job's master as the account it binds, "
+                "stead-master (serviceAccountName, in the operator's k8s.allowed_service_accounts); or leave "
+                "k8s.cordon_bad_hosts off")
+    if kinds & _JOB_RBAC:
+        return ("whoever makes a job's objects needs create, get and delete on serviceaccounts, roles and "
+                "rolebindings in the job's namespace, and every permission the job's Role grants (pods; get on "
+                "secrets and steadjobs): the operator's Role (deploy/rbac.yaml) has them; for `stead run --platform "
+                "k8s`, ask your cluster's admin for them for your kubeconfig's user")
+    return ("a job's master uses its own Role, <job>-master, made with the job (pods; get on its Secret and "
+            "SteadJob); the operator uses its Role in deploy/rbac.yaml (`stead k8s manifests`); `stead run "
+            "--platform k8s` uses your kubeconfig's user, which needs what the operator's Role holds")
+
+
 def _error(status: int, payload: Any, host: str, what: str) -> PlatformError | PlatformUnavailable:
     message = payload.get("message") if isinstance(payload, dict) else None
     message = message or f"HTTP {status}"
     if status in (401, 403):
-        return PlatformRejected(f"the Kubernetes API server refused {what}: {message}; give stead's service account "
-                                "the RBAC rules in deploy/rbac.yaml (`stead k8s manifests`), or use a kubeconfig "
-                                "that has them")
+        return PlatformRejected(f"the Kubernetes API server refused {what}: {message}; {_rbac_hint(what)}")
     if status in (400, 422):
         return PlatformRejected(f"the Kubernetes API server rejected {what}: {message}; fix the job's "
                                 "specification (k8s.* settings, resources, image)")

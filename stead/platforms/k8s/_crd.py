@@ -15,7 +15,8 @@ from typing import Any
 
 from stead.platforms.k8s.names import API_GROUP, API_VERSION, JOB_KIND, JOB_PLURAL
 
-__all__ = ["JOB_NAME_MAX", "JOB_NAME_PATTERN", "MASTER_ACCOUNT", "PHASES", "custom_resource_definition"]
+__all__ = ["JOB_NAME_MAX", "JOB_NAME_PATTERN", "MASTER_ACCOUNT", "PHASES", "STORE_PATTERN",
+           "custom_resource_definition"]
 
 #: the shared ServiceAccount of masters that cordon hosts (manifests.node_cordon_rbac); a job names it in
 #: spec.serviceAccountName, which the operator must allow
@@ -33,7 +34,15 @@ PHASES = ("Pending", "Running", "Recovering", "Succeeded", "Failed", "Stopped", 
 _QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
                      r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 _NNODES_PATTERN = r"^[1-9][0-9]{0,5}(:[1-9][0-9]{0,5})?$"
-_STORE_PATTERN = r"^etcd://[^\s/,]+(,[^\s/,]+)*$"
+#: etcd://host[:port][,host[:port]]: no user, no query; the store's credentials are the operator's settings
+#: (a query's password_file would make the operator read its own files and send them to the job's host)
+_STORE_ENDPOINT = r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?)(:[0-9]{1,5})?"
+STORE_PATTERN = rf"^etcd://{_STORE_ENDPOINT}(,{_STORE_ENDPOINT})*$"
+#: CEL regular expressions (RE2, matched anywhere unless anchored): a settings key is a setting's name
+#: (stead.core.launch.SETTING_NAME); a run argument that sets a k8s.* setting however it is spaced
+#: (``k8s.x=1``, ``--set=k8s.x=1``, ``--set= k8s.x=1``), as the master strips a name before it reads it
+_SETTING_KEY = "^[a-z][a-z0-9_.]*$"
+_K8S_RUN_ARG = "^[^a-z]*(set=[^a-z]*)?k8s[.]"
 
 Schema = dict[str, Any]
 
@@ -78,8 +87,9 @@ def _free_object(description: str) -> Schema:
 def _no_k8s_settings(rule: str) -> Schema:
     """A CEL rule the API server checks (the operator checks the same: :mod:`.policy`)."""
     return {"x-kubernetes-validations": [{
-        "rule": rule, "message": "a SteadJob's pods are set by its own fields, which the operator checks against "
-                                 "what it allows, never by k8s.* settings"}]}
+        "rule": rule, "message": "a setting is named by lowercase letters, digits, '_' and '.', and never k8s.*: "
+                                 "a SteadJob's pods are set by its own fields, which the operator checks against "
+                                 "what it allows"}]}
 
 
 def _object(description: str, properties: dict[str, Schema], *, required: tuple[str, ...] = ()) -> Schema:
@@ -123,12 +133,11 @@ def _spec() -> Schema:
         "module": _boolean("Run the script as a module, like python -m (stead run --module).", default=False),
         "runArgs": {**_string_list("Further `stead run` flags, placed before the script, "
                                    "e.g. [--set, ckpt.keep_last=3]; no k8s.* setting (the pods are this resource's "
-                                   "fields)."), **_no_k8s_settings("self.all(a, !a.startsWith('k8s.') && "
-                                                                   "!a.startsWith('--set=k8s.'))")},
+                                   "fields)."), **_no_k8s_settings(f"self.all(a, !a.matches('{_K8S_RUN_ARG}'))")},
         "settings": {**_string_map("stead settings by name, each passed as --set NAME=VALUE "
                                    "(e.g. heartbeat_timeout_s: '10', ckpt.keep_last: '3'); no k8s.* setting (the "
                                    "pods are this resource's fields)."),
-                     **_no_k8s_settings("self.all(k, !k.startsWith('k8s.'))")},
+                     **_no_k8s_settings(f"self.all(k, k.matches('{_SETTING_KEY}') && !k.startsWith('k8s.'))")},
         "resources": _resource_requirements("Compute resources of each node's pod (the node container)."),
         "shmSize": _quantity("Size of the memory-backed /dev/shm of each node's pod, which holds the flash "
                              "checkpoints (two copies of each local rank's state) and torch's shared tensors.",
@@ -141,8 +150,9 @@ def _spec() -> Schema:
                                                              "there.", pattern="^/", default="/stead/checkpoints"),
                                     }, required=("claimName",)),
         "store": _string("The state store, etcd://HOST:PORT[,HOST:PORT] (stead run --store); the event log that "
-                         "lets a restarted master pick the job up lives there. Required unless the operator runs "
-                         "with a default store.", pattern=_STORE_PATTERN),
+                         "lets a restarted master pick the job up lives there. No user or query: its TLS files and "
+                         "login are the operator's (STEAD_ETCD_*). Required unless the operator runs with a default "
+                         "store.", pattern=STORE_PATTERN),
         "env": {"description": "Environment variables of the node containers (Kubernetes EnvVar: name with value or "
                                "valueFrom).",
                 "type": "array",

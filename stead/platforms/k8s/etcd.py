@@ -27,7 +27,6 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from stead.core.errors import ConfigError
 from stead.platforms.k8s.isolation import namespace_peer
 from stead.platforms.k8s.names import LABEL_ROLE, ROLE_MASTER
 from stead.platforms.k8s.pods import ETCD_PASSWORD_KEY, ETCD_TLS_KEYS, container_security, pod_security
@@ -204,15 +203,12 @@ def generate_secrets(namespace: str, *, now: datetime.datetime | None = None) ->
     """The three Secrets etcd and its clients read, made anew: a CA (EC P-256), the server's certificate for
     :func:`server_names`, a client certificate (no common name: see below) and two random passwords. They hold private
     keys."""
-    try:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-    except ImportError as exc:
-        raise ConfigError(f"--etcd-generate-certs needs the cryptography package ({exc}); pip install cryptography, "
-                          "or make the Secrets yourself (README: Running on Kubernetes)") from None
     import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     start = (now or datetime.datetime.now(datetime.UTC)) - datetime.timedelta(minutes=5)
     end = start + datetime.timedelta(days=_VALID_DAYS)

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stead.core.errors import ConfigError
+from stead.core.store.etcd import parse_etcd_url
 from stead.platforms.k8s.names import API_GROUP, JOB_PLURAL, LABEL_JOB, LABEL_ROLE, MANAGED_BY, ROLE_MASTER, master_name
 from stead.platforms.k8s.names import secret_name as token_secret_name
 
@@ -41,7 +42,6 @@ Manifest = dict[str, Any]
 #: (a NetworkPolicy sees the connection after the Service's address was translated to an endpoint's)
 API_SERVER_PORTS = (443, 6443)
 DNS_PORT = 53
-_ETCD_DEFAULT_PORT = 2379
 _RBAC = "rbac.authorization.k8s.io"
 
 
@@ -102,12 +102,11 @@ def namespace_peer(namespace: str | None, labels: dict[str, str]) -> Manifest:
 
 
 def store_ports(store_url: str) -> list[int]:
-    """The TCP ports of an ``etcd://host[:port][,host[:port]]`` URL (2379 where none is given)."""
-    ports = set()
-    for endpoint in filter(None, (e.strip() for e in store_url.partition("://")[2].split(","))):
-        _, sep, port = endpoint.rpartition(":")
-        ports.add(int(port) if sep and port.isdigit() else _ETCD_DEFAULT_PORT)
-    return sorted(ports)
+    """The TCP ports of an ``etcd://`` store URL (2379 where none is given), read as the store reads it (a user,
+    a query of TLS files); none for another store."""
+    if not store_url.startswith("etcd://"):
+        return []
+    return sorted({port for _, port in parse_etcd_url(store_url)})
 
 
 def network_policies(job: str, namespace: str, *, store_url: str, metrics_port: int = -1,

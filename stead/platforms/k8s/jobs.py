@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from stead.core.errors import ConfigError, PlatformError
+from stead.core.errors import ConfigError, PlatformError, PlatformUnavailable
 from stead.core.rpc import new_token
 from stead.platforms.k8s import names
 from stead.platforms.k8s._client import (
@@ -36,6 +36,7 @@ from stead.platforms.k8s._client import (
 )
 from stead.platforms.k8s.isolation import job_rbac, network_policies
 from stead.platforms.k8s.pods import JobObjects, Owner, master_pod, master_service, token_secret
+from stead.platforms.k8s.policy import JobRefused
 from stead.platforms.k8s.settings import K8sSettings
 from stead.platforms.k8s.status import parse_time
 
@@ -130,12 +131,32 @@ async def create_job_objects(kube: Kube, spec: MasterSpec, *, owner: Owner | Non
         for body in owned:
             body["metadata"]["ownerReferences"] = [anchor.reference()]
             resource = _RESOURCES[body["kind"]]
-            if await kube.create(resource, body, exist_ok=True) is not None:
+            if await kube.create(resource, body, exist_ok=True) is not None or not await _owned(kube, body, anchor):
                 made.append((resource, str(body["metadata"]["name"])))
     except BaseException:
         await _undo(kube, made)
         raise
     return objects
+
+
+async def _owned(kube: Kube, body: JsonObject, owner: Owner) -> bool:
+    """Whether the object of ``body``'s name that is already there is ``owner``'s (made for this job before);
+    False when it is gone by now (then made anew). One that is another's is never adopted: a job named so that
+    its ``<job>-master`` is another's account would get that account's rights, and lose them to it."""
+    resource, name = _RESOURCES[body["kind"]], str(body["metadata"]["name"])
+    found = await kube.get(resource, name)
+    if found is None:
+        await kube.create(resource, body)
+        return False
+    owners = found["metadata"].get("ownerReferences") or []
+    if any(ref.get("uid") == owner.uid for ref in owners):
+        return True
+    if any(ref.get("kind") == owner.kind and ref.get("name") == owner.name for ref in owners):
+        raise PlatformUnavailable(f"{body['kind']} {name!r} in namespace {kube.namespace} belongs to an earlier "
+                                  f"{owner.kind} {owner.name!r}, which Kubernetes is deleting with it; retried")
+    raise JobRefused(f"{body['kind']} {name!r} in namespace {kube.namespace} is there already and is not job "
+                     f"{owner.name!r}'s (it is not owned by its {owner.kind}): a job never takes over an object it "
+                     "did not make; delete that object, or give the job another name")
 
 
 async def start_master(kube: Kube, spec: MasterSpec, objects: JobObjects, *, index: int) -> str:

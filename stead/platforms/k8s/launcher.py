@@ -46,8 +46,10 @@ _PROGRESS_S = 10.0
 
 
 def run_arguments(argv: Sequence[str]) -> tuple[str, ...]:
-    """``argv`` without the flags the master pod is given anew (platform, store, job name) and without the
-    k8s settings that only mean something on this machine (its kubeconfig, its API URL)."""
+    """``argv`` without the flags the master pod is given anew (platform, store, job name) and without its k8s
+    settings: :meth:`MasterSpec.master_args` gives the master each one as this command resolved it (the settings
+    that only mean something on this machine, its kubeconfig and API URL, left out), and a k8s setting given
+    twice is refused."""
     kept: list[str] = []
     skip = False
     for i, arg in enumerate(argv):
@@ -58,18 +60,17 @@ def run_arguments(argv: Sequence[str]) -> tuple[str, ...]:
         if flag in _PINNED:
             skip = "=" not in arg
             continue
-        if arg == "--set" and i + 1 < len(argv) and _local_setting(argv[i + 1]):
+        if arg == "--set" and i + 1 < len(argv) and _k8s_setting(argv[i + 1]):
             skip = True
             continue
-        if arg.startswith("--set=") and _local_setting(arg[len("--set="):]):
+        if arg.startswith("--set=") and _k8s_setting(arg[len("--set="):]):
             continue
         kept.append(arg)
     return tuple(kept)
 
 
-def _local_setting(item: str) -> bool:
-    name = item.split("=", 1)[0].strip()
-    return name in {f"k8s.{n}" for n in ("api_url", "api_ca_file", "kubeconfig", "context", "pod_api_url", "namespace")}
+def _k8s_setting(item: str) -> bool:
+    return item.split("=", 1)[0].strip().startswith("k8s.")
 
 
 async def launch_job(config: RunConfig, argv: Sequence[str]) -> int:

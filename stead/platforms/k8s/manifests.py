@@ -33,7 +33,7 @@ from stead.platforms.k8s import etcd as store
 from stead.platforms.k8s._crd import JOB_NAME_MAX, JOB_NAME_PATTERN, MASTER_ACCOUNT, custom_resource_definition
 from stead.platforms.k8s.etcd import ETCD_IMAGE, ETCD_PORT, ETCD_SERVICE
 from stead.platforms.k8s.isolation import job_rbac, master_rules, network_policies, network_policy_name, rule
-from stead.platforms.k8s.names import API_GROUP, API_VERSION, JOB_KIND, JOB_PLURAL
+from stead.platforms.k8s.names import API_GROUP, API_VERSION, JOB_KIND, JOB_PLURAL, master_name
 from stead.platforms.k8s.pods import METRICS_PORT_NAME, container_security, etcd_client, pod_security
 from stead.platforms.k8s.settings import K8sSettings
 
@@ -105,15 +105,16 @@ def operator_rules() -> list[Manifest]:
         rule(API_GROUP, [JOB_PLURAL], ["get", "list", "watch", "patch"]),
         rule(API_GROUP, [f"{JOB_PLURAL}/status"], ["get", "patch"]),
         # a job's master pod (watched: a deleted one is replaced), its Service, NetworkPolicies and token Secret;
-        # a suspended job's pods are deleted; what a failed creation made is deleted again
+        # a suspended job's pods are deleted; what a failed creation made is deleted again; an object of a job's
+        # name that is already there is read, to take it only if the job owns it (jobs._owned)
         rule("", ["pods"], ["list", "watch", "create", "delete"]),
-        rule("", ["services"], ["create", "delete"]),
-        rule("networking.k8s.io", ["networkpolicies"], ["create", "delete"]),
+        rule("", ["services"], ["get", "create", "delete"]),
+        rule("networking.k8s.io", ["networkpolicies"], ["get", "create", "delete"]),
         rule("", ["secrets"], ["get", "create", "delete"]),
         # each job's master gets a ServiceAccount and a Role of its own (isolation.job_rbac); Kubernetes lets the
         # operator create that Role and bind it only because it holds every permission the Role grants
-        rule("", ["serviceaccounts"], ["create", "delete"]),
-        rule("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["create", "delete"]),
+        rule("", ["serviceaccounts"], ["get", "create", "delete"]),
+        rule("rbac.authorization.k8s.io", ["roles", "rolebindings"], ["get", "create", "delete"]),
         # kopf posts its handlers' outcomes (a refused job's reason) as core/v1 events
         rule("", ["events"], ["create"]),
     ]
@@ -203,8 +204,9 @@ def operator_deployment(namespace: str, image: str | None = None, *, all_namespa
     """The operator: one replica (two kopf operators on the same jobs would collide), replaced, never rolled.
 
     It lets jobs mount the example's checkpoint claim (``k8s.allowed_claims``; nothing else escalating: see
-    :mod:`.policy`). ``with_etcd``: it and the masters it starts talk to the optional etcd with its client
-    certificate and the password of its user ``stead``.
+    :mod:`.policy`) and runs their masters with its own ``image`` (``k8s.master_image``). ``with_etcd``: it and
+    the masters it starts talk to the optional etcd with its client certificate and the password of its user
+    ``stead``.
     """
     _check_namespace(namespace)
     image = _check_image(image) if image is not None else default_image()
@@ -220,6 +222,8 @@ def operator_deployment(namespace: str, image: str | None = None, *, all_namespa
             {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
             {"name": "HOME", "value": "/tmp"},
             {"name": "STEAD_K8S_ALLOWED_CLAIMS", "value": EXAMPLE_CHECKPOINT_CLAIM},
+            # the masters it starts run stead's image, its own, never a job's: a master's account may create pods
+            {"name": "STEAD_K8S_MASTER_IMAGE", "value": image},
         ],
         "ports": [{"name": "health", "containerPort": OPERATOR_HEALTH_PORT, "protocol": "TCP"}],
         "livenessProbe": {"httpGet": {"path": OPERATOR_HEALTH_PATH, "port": "health"},
@@ -256,9 +260,6 @@ def operator_deployment(namespace: str, image: str | None = None, *, all_namespa
             },
         },
     }
-
-
-# -- per job --------------------------------------------------------------------------------------------------------
 
 
 # -- trying it out: etcd and an example job -------------------------------------------------------------------------
@@ -479,11 +480,15 @@ def _check_namespace(namespace: str) -> None:
 
 
 def check_job_name(job: str) -> None:
-    """A job name that can name its Kubernetes objects (its master's Service is ``<job>-master``)."""
+    """A job name that can name its Kubernetes objects (its master's Service is ``<job>-master``) and whose
+    objects are not shared ones (``stead-master``, the ServiceAccount of :func:`node_cordon_rbac`)."""
     if len(job) > JOB_NAME_MAX or not _JOB_NAME.fullmatch(job):
         raise ConfigError(f"job name {job!r} cannot name Kubernetes objects: use at most {JOB_NAME_MAX} lowercase "
                           "letters, digits and '-', starting with a letter and ending with a letter or digit "
                           "(its master's Service is <job>-master)")
+    if master_name(job) == MASTER_ACCOUNT:
+        raise ConfigError(f"job name {job!r} would make its master's account {MASTER_ACCOUNT}, the ServiceAccount "
+                          "that jobs allowed to cordon hosts share; choose another name")
 
 
 def _check_image(image: str) -> str:

@@ -24,14 +24,14 @@ import datetime
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import kopf
 import structlog
 
 from stead.core.config import Settings, load_settings
 from stead.core.entrypoints import installed
-from stead.core.errors import PlatformError, SteadError
+from stead.core.errors import ConfigError, PlatformError, SteadError
 from stead.core.events.log import EventLog
 from stead.core.goodput import ledger
 from stead.core.plugins import GROUP as PLUGIN_GROUP
@@ -40,8 +40,9 @@ from stead.core.store import open_store
 from stead.platforms.k8s import names
 from stead.platforms.k8s._client import PODS, Kube, warn_insecure
 from stead.platforms.k8s.jobs import MasterSpec, create_job_objects, master_pods, start_master
+from stead.platforms.k8s.manifests import check_job_name, default_image
 from stead.platforms.k8s.pods import Owner, passed_env
-from stead.platforms.k8s.policy import OPERATOR_FIELDS, JobRefused, check_allowed, check_run_args
+from stead.platforms.k8s.policy import OPERATOR_FIELDS, check_allowed, check_run_args, check_store
 from stead.platforms.k8s.settings import K8sSettings
 
 __all__ = ["master_spec", "registry", "run"]
@@ -86,9 +87,12 @@ def master_spec(name: str, spec: Mapping[str, Any], base: K8sSettings) -> Master
     selector = ",".join(f"{k}={v}" for k, v in sorted((spec.get("nodeSelector") or {}).items()))
     import json
 
+    store = str(spec.get("store", ""))
+    if store:
+        check_store(store)
     settings = K8sSettings(**{
         **{f: getattr(base, f) for f in _FROM_OPERATOR},
-        "namespace": base.namespace, "api_url": base.api_url,
+        "namespace": base.namespace, "api_url": base.api_url, "master_image": base.master_image or default_image(),
         "image": str(spec.get("image", "")), "image_pull_policy": str(spec.get("imagePullPolicy", "IfNotPresent")),
         "service_account": str(spec.get("serviceAccountName") or ""),
         "cpu": str(limits.get("cpu") or requests.get("cpu") or ""),
@@ -103,7 +107,7 @@ def master_spec(name: str, spec: Mapping[str, Any], base: K8sSettings) -> Master
         "env": json.dumps(spec["env"]) if spec.get("env") else "",
     })
     env = passed_env(os.environ, Settings(), installed(PLUGIN_GROUP))
-    return MasterSpec(job=name, store_url=str(spec.get("store", "")), run_args=(*args, *command), settings=settings,
+    return MasterSpec(job=name, store_url=store, run_args=(*args, *command), settings=settings,
                       env=tuple(sorted(env.items())))
 
 
@@ -131,24 +135,19 @@ def registry(base: K8sSettings | None = None, *, status_interval_s: float = STAT
 
     @kopf.on.resume(**on)  # type: ignore[arg-type]
     @kopf.on.create(**on)  # type: ignore[arg-type]
-    async def job_created(name: str, namespace: str, uid: str, spec: Mapping[str, Any], status: Mapping[str, Any],
-                          patch: kopf.Patch, body: kopf.Body, **_: Any) -> None:
+    async def job_created(spec: Mapping[str, Any], status: Mapping[str, Any], patch: kopf.Patch, body: kopf.Body,
+                          **_: Any) -> None:
         if status.get("phase") in _TERMINAL:
             return
         if spec.get("suspend"):
             patch.status["phase"] = "Suspended"
             return
-        try:
-            master = await _ensure_master(base, name, namespace, uid, spec, after=status.get("master"))
-        except JobRefused as exc:
-            _refused(body, patch, exc)
-            return
-        patch.status.update({"phase": status.get("phase") or "Pending", "master": master,
-                             "startTime": status.get("startTime") or _now()})
+        await _start(base, body, patch, {"phase": status.get("phase") or "Pending",
+                                         "startTime": status.get("startTime") or _now()})
 
     @kopf.on.field(field="spec.suspend", **on)  # type: ignore[arg-type]
-    async def suspend_changed(name: str, namespace: str, uid: str, spec: Mapping[str, Any], new: Any,
-                              status: Mapping[str, Any], patch: kopf.Patch, body: kopf.Body, **_: Any) -> None:
+    async def suspend_changed(name: str, namespace: str, new: Any, status: Mapping[str, Any], patch: kopf.Patch,
+                              body: kopf.Body, **_: Any) -> None:
         if status.get("phase") in _TERMINAL:
             return
         if new:
@@ -156,12 +155,7 @@ def registry(base: K8sSettings | None = None, *, status_interval_s: float = STAT
             patch.status.update({"phase": "Suspended", "message": "suspended: its pods were stopped; set "
                                                                   "spec.suspend to false to resume it"})
         else:
-            try:
-                master = await _ensure_master(base, name, namespace, uid, spec, after=status.get("master"))
-            except JobRefused as exc:
-                _refused(body, patch, exc)
-                return
-            patch.status.update({"phase": "Pending", "master": master, "message": "resumed"})
+            await _start(base, body, patch, {"phase": "Pending", "message": "resumed"})
 
     @kopf.on.event("", "v1", "pods", labels={names.LABEL_ROLE: names.ROLE_MASTER},  # type: ignore[arg-type]
                    registry=found)
@@ -187,13 +181,21 @@ def registry(base: K8sSettings | None = None, *, status_interval_s: float = STAT
                     "message": f"the master exited with code {code}"}}, subresource="status")
                 return
             if type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp"):
-                master = await _ensure_master(base, job, namespace, resource["metadata"]["uid"],
-                                              resource.get("spec") or {}, after=status.get("master"))
+                try:
+                    master = await _ensure_master(base, job, namespace, resource["metadata"]["uid"],
+                                                  resource.get("spec") or {}, after=status.get("master"),
+                                                  check=_unchecked(resource, status))
+                except ConfigError as exc:  # its spec changed to one refused: no new master, its nodes stopped
+                    await _delete_pods(base, job, namespace)
+                    _refusal_event(kopf.Body(cast(kopf.RawBody, resource)), exc)
+                    await kube.patch(JOBS, job, {"status": {"phase": "Failed", "message": _refusal(exc),
+                                                            "completionTime": _now()}}, subresource="status")
+                    return
                 if master != status.get("master"):
                     log.warning("k8s_master_replaced", job=job, gone=body["metadata"]["name"], new=master)
-                    await kube.patch(JOBS, job, {"status": {"master": master, "message": f"master pod "
-                                     f"{body['metadata']['name']} was deleted; {master} took the job over"}},
-                                     subresource="status")
+                    await kube.patch(JOBS, job, {"status": {"master": master, **_checked(resource), "message":
+                                     f"master pod {body['metadata']['name']} was deleted; {master} took the job "
+                                     "over"}}, subresource="status")
 
     @kopf.timer(interval=status_interval_s, **on)  # type: ignore[arg-type]
     async def mirror_status(name: str, spec: Mapping[str, Any], status: Mapping[str, Any], patch: kopf.Patch,
@@ -201,6 +203,7 @@ def registry(base: K8sSettings | None = None, *, status_interval_s: float = STAT
         if status.get("phase") in (*_TERMINAL, "Suspended") or spec.get("suspend") or not spec.get("store"):
             return
         try:
+            check_store(str(spec["store"]))  # the store is opened with the operator's own credentials
             patch.status.update(await _read_status(name, str(spec["store"])))
         except SteadError as exc:
             log.warning("k8s_status_unreadable", job=name, error=str(exc))
@@ -217,13 +220,20 @@ async def run(base: K8sSettings, *, namespaces: Sequence[str] = (), liveness: st
 
 
 async def _ensure_master(base: K8sSettings, job: str, namespace: str, uid: str, spec: Mapping[str, Any], *,
-                         after: object = None) -> str:
+                         after: object = None, check: bool = True) -> str:
     """The running master pod of the job, made (with the job's objects) when there is none; a new one is numbered
-    after every earlier one (``after``: the last the job's status names, which may be gone)."""
+    after every earlier one (``after``: the last the job's status names, which may be gone).
+
+    ``check``: whether what the spec asks for is checked against what the operator allows (:mod:`.policy`); not
+    for a spec that already has a master, so that a stricter configuration, or an operator restart, never fails a
+    job that runs (its master was allowed when it was made).
+    """
+    check_job_name(job)
     settings = _in(base, namespace)
     wanted = master_spec(job, spec, settings)
-    check_run_args(spec.get("settings") or {}, [str(a) for a in spec.get("runArgs") or []])
-    check_allowed(wanted.settings, base, fields=OPERATOR_FIELDS, who="the operator", job=job)
+    if check:
+        check_run_args(spec.get("settings") or {}, [str(a) for a in spec.get("runArgs") or []])
+        check_allowed(wanted.settings, base, fields=OPERATOR_FIELDS, who="the operator", job=job)
     async with Kube(settings, pool=4) as kube:
         owner = Owner(f"{names.API_GROUP}/{names.API_VERSION}", names.JOB_KIND, job, uid)
         objects = await create_job_objects(kube, wanted, owner=owner)
@@ -233,6 +243,19 @@ async def _ensure_master(base: K8sSettings, job: str, namespace: str, uid: str, 
         suffix = str(after).rsplit("-", 1)[-1] if after else ""
         last = max(masters.last_index, int(suffix) if suffix.isdigit() else 0)
         return await start_master(kube, wanted, objects, index=last + 1)
+
+
+async def _start(base: K8sSettings, body: kopf.Body, patch: kopf.Patch, status: Mapping[str, Any]) -> None:
+    """Make sure the job has a master (:func:`_ensure_master`) and patch ``status`` and its master's name onto its
+    status; a job the operator refuses is Failed instead (:func:`_refused`)."""
+    meta, before = body["metadata"], body.get("status") or {}
+    try:
+        master = await _ensure_master(base, meta["name"], meta["namespace"], meta["uid"], body.get("spec") or {},
+                                      after=before.get("master"), check=_unchecked(body, before))
+    except ConfigError as exc:
+        _refused(body, patch, exc)
+        return
+    patch.status.update({**status, "master": master, **_checked(body)})
 
 
 async def _delete_pods(base: K8sSettings, job: str, namespace: str) -> None:
@@ -269,11 +292,40 @@ async def _read_status(job: str, store_url: str) -> dict[str, Any]:
     return found
 
 
-def _refused(body: kopf.Body, patch: kopf.Patch, exc: JobRefused) -> None:
-    """A job that asks for more than the operator allows: Failed, with the reason on its status and an event."""
-    log.warning("k8s_job_refused", job=body.get("metadata", {}).get("name"), reason=str(exc))
-    kopf.warn(body, reason="Refused", message=str(exc))
-    patch.status.update({"phase": "Failed", "message": str(exc), "completionTime": _now()})
+def _unchecked(job: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+    """Whether the job's spec is yet to be checked against what the operator allows: it has no master yet, or its
+    spec changed since it was checked (a job made before the operator recorded ``observedGeneration`` was
+    checked by the operator that made its master)."""
+    checked = status.get("observedGeneration")
+    return not status.get("master") or (checked is not None and checked != _generation(job))
+
+
+def _checked(job: Mapping[str, Any]) -> dict[str, Any]:
+    """The status field that records the spec generation the operator checked and runs."""
+    generation = _generation(job)
+    return {} if generation is None else {"observedGeneration": generation}
+
+
+def _generation(job: Mapping[str, Any]) -> int | None:
+    generation = (job.get("metadata") or {}).get("generation")
+    return int(generation) if generation is not None else None
+
+
+def _refusal(exc: ConfigError) -> str:
+    return (f"{exc}; a refused job stays Failed: fix its spec, then delete it and create it again "
+            "(kubectl delete steadjob NAME, then kubectl apply)")
+
+
+def _refusal_event(job: kopf.Body, exc: ConfigError) -> None:
+    log.warning("k8s_job_refused", job=job.get("metadata", {}).get("name"), reason=str(exc))
+    kopf.warn(job, reason="Refused", message=_refusal(exc))
+
+
+def _refused(body: kopf.Body, patch: kopf.Patch, exc: ConfigError) -> None:
+    """A job the operator cannot run as its spec says (it asks for more than the operator allows, or names what
+    is not its own): Failed, with the reason on its status and an event."""
+    _refusal_event(body, exc)
+    patch.status.update({"phase": "Failed", "message": _refusal(exc), "completionTime": _now()})
 
 
 def _in(base: K8sSettings, namespace: str) -> K8sSettings:

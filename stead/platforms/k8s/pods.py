@@ -264,7 +264,8 @@ def master_pod(objects: JobObjects, settings: K8sSettings, *, name: str, store_u
         volumes.append(_secret_volume("metrics-token", settings.metrics_token_secret, (TOKEN_KEY,)))
     etcd_env, etcd_mounts, etcd_volumes = etcd_client(settings)
     container: JsonObject = {
-        "name": MASTER_CONTAINER, "image": _image(settings), "imagePullPolicy": settings.image_pull_policy,
+        "name": MASTER_CONTAINER, "image": settings.master_image or _image(settings),
+        "imagePullPolicy": settings.image_pull_policy,
         "command": command, "env": [*container_env, *etcd_env], "ports": ports,
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
         "securityContext": container_security(),

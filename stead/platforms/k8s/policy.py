@@ -26,13 +26,18 @@ Pure functions, so that every case is a row of a table test.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stead.core.errors import ConfigError
+from stead.core.launch import SETTING_NAME
+from stead.core.store import public_store_url
+from stead.platforms.k8s._crd import STORE_PATTERN
 from stead.platforms.k8s.settings import K8sSettings
 
-__all__ = ["LAUNCHER_FIELDS", "OPERATOR_FIELDS", "JobRefused", "check_allowed", "check_run_args", "refusals"]
+__all__ = ["LAUNCHER_FIELDS", "OPERATOR_FIELDS", "JobRefused", "check_allowed", "check_run_args", "check_store",
+           "refusals"]
 
 #: how each checked setting is named to the one who asked: a SteadJob's field, or `stead run`'s setting
 OPERATOR_FIELDS = {"service_account": "spec.serviceAccountName", "checkpoint_claim": "spec.checkpointVolume.claimName",
@@ -98,15 +103,32 @@ def check_allowed(settings: K8sSettings, policy: K8sSettings, *, fields: Mapping
 
 def check_run_args(settings: Mapping[str, Any], run_args: Sequence[str]) -> None:
     """A SteadJob's ``spec.settings`` and ``spec.runArgs`` set no ``k8s.*`` setting: its pods are described by
-    its own fields, which the operator checks (a ``--set k8s.ptrace=true`` would go around that)."""
-    found = [f"spec.settings.{key}" for key in settings if str(key).startswith("k8s.")]
+    its own fields, which the operator checks (a ``--set k8s.ptrace=true`` would go around that). A name is read
+    as the master reads it (spaces around it do not hide it), and a ``spec.settings`` key that is not a setting's
+    name is refused."""
+    bad = [repr(key) for key in settings if not SETTING_NAME.fullmatch(str(key).strip())]
+    if bad:
+        raise JobRefused(f"spec.settings {', '.join(bad)}: not a setting's name; a name is lowercase letters, "
+                         "digits, '_' and '.', starting with a letter, e.g. heartbeat_timeout_s or ckpt.keep_last")
+    found = [f"spec.settings.{key}" for key in settings if str(key).strip().startswith("k8s.")]
     found += [f"spec.runArgs[{i}]={arg}" for i, arg in enumerate(run_args)
-              if str(arg).removeprefix("--set=").startswith("k8s.")]
+              if str(arg).strip().removeprefix("--set=").strip().startswith("k8s.")]
     if found:
         raise JobRefused(f"{', '.join(found)}: a SteadJob's pods are set by its own fields (image, resources, env, "
                          "checkpointVolume, serviceAccountName, ...), which the operator checks against what it "
                          "allows, never by k8s.* settings; move it to its field, or ask for it in the operator's "
                          "settings")
+
+
+def check_store(url: str) -> None:
+    """A SteadJob's ``spec.store`` names etcd's endpoints and nothing else: no user and no query. The operator
+    and the masters it starts open it with their own TLS files and login (``STEAD_ETCD_*``); a URL's
+    ``password_file=`` or user would have them read a file of the job author's choosing and send it, as a
+    password, to a host of the author's choosing."""
+    if not re.fullmatch(STORE_PATTERN, url):
+        raise JobRefused(f"spec.store {public_store_url(url)!r} must be etcd://HOST[:PORT][,HOST[:PORT]], with no "
+                         "user and no query: the store's TLS files and login are the operator's settings "
+                         "(STEAD_ETCD_*), never a job's")
 
 
 def _env(text: str) -> list[Mapping[str, Any]]:

@@ -33,6 +33,10 @@ class K8sSettings:
     image: str = setting("", help="container image of the job's pods: stead and the training script installed "
                                   "(required on Kubernetes)")
     image_pull_policy: str = setting("IfNotPresent", help="Always, IfNotPresent or Never")
+    master_image: str = setting("", help="container image of the job's master pod (default: image); the operator "
+                                         "runs every master with its own (stead's image, as its Deployment sets "
+                                         "STEAD_K8S_MASTER_IMAGE), never a SteadJob's, since the master's account "
+                                         "may create pods")
     working_dir: str = setting("", help="working directory of the agents in their pods (default: the image's)")
     service_account: str = setting("", help="service account of the master pod (default: the job's own, "
                                             "<job>-master, made with a Role that reads only this job's Secret); "

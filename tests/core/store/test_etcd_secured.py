@@ -196,6 +196,21 @@ async def test_no_login_to_an_etcd_that_requires_one_says_which_settings_to_give
         await store.close()
 
 
+async def test_a_password_goes_to_an_etcd_without_tls_only_when_a_setting_allows_it(
+        plain_auth_etcd: EtcdServer) -> None:
+    allowed = secured(plain_auth_etcd)
+    assert allowed.etcd_allow_plaintext_password  # what the test server's clients are given on loopback
+    refused = dataclasses.replace(allowed, etcd_allow_plaintext_password=False)
+    with pytest.raises(ConfigError, match=r"user 'stead' \(setting etcd_user\) would send its password without "
+                                          r"TLS.* set etcd_ca_file .* etcd_allow_plaintext_password=true"):
+        await open_store(plain_auth_etcd.url, settings=refused)
+    store = await open_store(plain_auth_etcd.url, settings=allowed)
+    try:
+        assert await store.put("/plain/k", b"v") > 0
+    finally:
+        await store.close()
+
+
 async def test_tls_to_a_plain_etcd_says_it_may_serve_plain_http(etcd: str, secure_etcd: EtcdServer) -> None:
     settings = secured(secure_etcd, etcd_user="", etcd_password_file="")
     with pytest.raises(StoreUnavailable, match=r"TLS handshake with etcd at .* either etcd serves plain HTTP there"):

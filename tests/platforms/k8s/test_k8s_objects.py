@@ -188,8 +188,11 @@ def test_a_pod_that_can_never_start_or_is_not_scheduled_says_why() -> None:
 def test_the_master_pod_gets_the_run_arguments_without_this_machines_flags() -> None:
     argv = ["--platform", "k8s", "--store=etcd://e:2379", "--job-name", "demo", "--nnodes", "2",
             "--set", "k8s.api_url=http://127.0.0.1:1", "--set=k8s.kubeconfig=/home/me/.kube/config",
-            "--set", "k8s.image=img", "train.py", "--lr", "0.1"]
-    assert run_arguments(argv) == ("--nnodes", "2", "--set", "k8s.image=img", "train.py", "--lr", "0.1")
+            "--set", "k8s.image=img", "--set= k8s.pending_timeout_s=5", "--set", "ckpt.keep_last=3", "train.py",
+            "--lr", "0.1"]
+    # every k8s setting reaches the master once, from master_args as this command resolved it (5 -> 5.0): the
+    # master refuses a setting given twice with two values
+    assert run_arguments(argv) == ("--nnodes", "2", "--set", "ckpt.keep_last=3", "train.py", "--lr", "0.1")
     spec = MasterSpec(job="demo", store_url="etcd://e:2379", run_args=("train.py",),
                       settings=K8sSettings(image="img", memory="4Gi", api_url="http://laptop", ptrace=True,
                                            pod_api_url="http://in-cluster"))

@@ -18,7 +18,7 @@ from stead.core.events import JobSubmitted, NodeRequested
 from stead.core.events.log import EventLog
 from stead.core.store import open_store
 from stead.platforms.k8s import operator
-from stead.platforms.k8s._client import JOBS, PODS, Kube, Resource
+from stead.platforms.k8s._client import JOBS, PODS, SERVICE_ACCOUNTS, Kube, Resource
 from stead.platforms.k8s.manifests import custom_resource_definition
 from stead.platforms.k8s.settings import K8sSettings
 from stead.testing.kube import FakeKubeApi
@@ -160,3 +160,56 @@ async def test_a_steadjob_asking_for_what_the_operator_does_not_allow_is_refused
             binding = kube_api.get_object("rolebindings", "default", "modest-master")
             assert binding is not None and binding["subjects"][0]["name"] == "shared"
             assert kube_api.get_object("serviceaccounts", "default", "modest-master") is None
+
+
+def _operator(base: K8sSettings) -> KopfRunner:
+    return KopfRunner(["run", "--standalone", "--namespace", "default"], registry=operator.registry(base), timeout=60)
+
+
+async def test_an_operator_restart_keeps_a_running_job_and_a_spec_changed_to_a_refused_one_gets_no_new_master(
+        kube_api: FakeKubeApi) -> None:
+    lenient = K8sSettings(api_url=kube_api.url, master_host="127.0.0.1", allowed_service_accounts="shared",
+                          master_image="stead:operator")
+    strict = K8sSettings(api_url=kube_api.url, master_host="127.0.0.1", master_image="stead:operator")
+    async with Kube(lenient, pool=2) as kube:
+        await kube.create(CRDS, custom_resource_definition())
+        with _operator(lenient):
+            await kube.create(JOBS, steadjob("kept", "etcd://127.0.0.1:2379", serviceAccountName="shared"))
+            await until(kube_api, lambda: _status(kube_api, "kept").get("master") == "kept-master-1")
+        pod = _pod(kube_api, "kept-master-1")
+        assert pod is not None and pod["spec"]["containers"][0]["image"] == "stead:operator"  # never the job's
+        with _operator(strict):  # restarted with a stricter configuration: the running job is not failed ...
+            await kube.delete(PODS, "kept-master-1", grace_period_s=0)
+            await until(kube_api, lambda: _pod(kube_api, "kept-master-2") is not None)  # ... and keeps a master
+            assert _status(kube_api, "kept")["phase"] == "Pending"
+
+            # its spec changed: what it asks for now is checked before a new master runs it
+            await kube.patch(JOBS, "kept", {"spec": {"settings": {"ckpt.keep_last": "2"}}})
+            await kube.delete(PODS, "kept-master-2", grace_period_s=0)
+            await until(kube_api, lambda: _status(kube_api, "kept").get("phase") == "Failed")
+            message = _status(kube_api, "kept")["message"]
+            assert "spec.serviceAccountName=shared" in message and "delete it and create it again" in message
+            await until(kube_api, lambda: any(e.get("reason") == "Refused" and "shared" in e.get("message", "")
+                                              for e in kube_api.objects("events", "default")))
+            assert _pod(kube_api, "kept-master-3") is None
+
+
+async def test_a_job_never_takes_over_an_object_it_did_not_make(kube_api: FakeKubeApi) -> None:
+    base = K8sSettings(api_url=kube_api.url, master_host="127.0.0.1", master_image="stead:operator")
+    async with Kube(base, pool=2) as kube:
+        await kube.create(CRDS, custom_resource_definition())
+        await kube.create(SERVICE_ACCOUNTS, {"apiVersion": "v1", "kind": "ServiceAccount",
+                                             "metadata": {"name": "taken-master", "namespace": "default"}})
+        with _operator(base):
+            await kube.create(JOBS, steadjob("taken", "etcd://127.0.0.1:2379"))
+            await kube.create(JOBS, steadjob("stead", "etcd://127.0.0.1:2379"))  # its account: the shared one
+            await until(kube_api, lambda: _status(kube_api, "taken").get("phase") == "Failed"
+                        and _status(kube_api, "stead").get("phase") == "Failed")
+        assert ("ServiceAccount 'taken-master' in namespace default is there already and is not job 'taken''s"
+                in _status(kube_api, "taken")["message"])
+        assert "stead-master, the ServiceAccount that jobs allowed to cordon hosts share" in _status(
+            kube_api, "stead")["message"]
+        account = kube_api.get_object("serviceaccounts", "default", "taken-master")
+        assert account is not None and not account["metadata"].get("ownerReferences")  # left as it was
+        assert not kube_api.objects("pods", "default") and kube_api.get_object("roles", "default", "taken-master") \
+            is None

@@ -170,7 +170,7 @@ async def test_an_api_server_that_refuses_or_is_not_there_is_one_clear_error_and
         kube_api: FakeKubeApi, kubelet: FakeKubelet, tmp_path: Path) -> None:
     kube_api.deny("create", "pods")
     async with platform(kube_api) as made:
-        with pytest.raises(PlatformRejected, match=r"refused POST .*pods.*RBAC rules in deploy/rbac\.yaml"):
+        with pytest.raises(PlatformRejected, match=r"refused POST .*pods.*own Role, <job>-master.*deploy/rbac\.yaml"):
             await made.launch(agent())
         kube_api.allow_all()
         await made.launch(agent())  # a launch that failed left nothing behind: the same node launches now

@@ -20,9 +20,9 @@ TIMEOUT_S = 120.0
 async def stead_run(tmp_path: Path, api_url: str, *flags: str, store: str = "etcd://127.0.0.1:2379",
                     job: str = "bad") -> tuple[int, str]:
     (tmp_path / "train.py").write_text("print('never run')\n")
+    image = () if any(flag.startswith("k8s.image=") for flag in flags) else ("--set", "k8s.image=stead:test")
     command = [sys.executable, "-m", "stead", "run", "--platform", "k8s", "--job-name", job, "--store", store,
-               "--set", f"k8s.api_url={api_url}", "--set", "k8s.image=stead:test", "--set", "k8s.request_timeout_s=5",
-               *flags, "train.py"]
+               "--set", f"k8s.api_url={api_url}", *image, "--set", "k8s.request_timeout_s=5", *flags, "train.py"]
     with anyio.fail_after(TIMEOUT_S):
         done = await anyio.run_process(command, cwd=tmp_path, check=False, stdin=subprocess.DEVNULL)
     return done.returncode, done.stderr.decode()

@@ -14,14 +14,22 @@ from typing import Any
 
 import pytest
 
-from stead.core.errors import ConfigError, PlatformUnavailable
+from stead.core.errors import ConfigError, PlatformRejected, PlatformUnavailable
 from stead.core.platform import NodeSpec
 from stead.platforms.k8s import manifests, operator
-from stead.platforms.k8s._client import PODS, Kube
+from stead.platforms.k8s._client import NODES, PODS, ROLES, SERVICE_ACCOUNTS, Kube, Resource
 from stead.platforms.k8s.etcd import generate_secrets
 from stead.platforms.k8s.pods import JobObjects, master_pod, node_pod
-from stead.platforms.k8s.policy import OPERATOR_FIELDS, JobRefused, check_allowed, check_run_args, refusals
+from stead.platforms.k8s.policy import (
+    OPERATOR_FIELDS,
+    JobRefused,
+    check_allowed,
+    check_run_args,
+    check_store,
+    refusals,
+)
 from stead.platforms.k8s.settings import K8sSettings
+from stead.testing.kube import FakeKubeApi
 from stead.testing.kube_validate import pod_security_violations, validate_builtin
 
 pytestmark = pytest.mark.anyio
@@ -175,9 +183,49 @@ def test_a_steadjob_sets_no_k8s_setting_through_settings_or_run_args() -> None:
     check_run_args({"ckpt.keep_last": "3"}, ["--set", "ckpt.keep_last=3"])
     for settings, args, field in (({"k8s.ptrace": "true"}, [], "spec.settings.k8s.ptrace"),
                                   ({}, ["--set", "k8s.service_account=admin"], "spec.runArgs[1]"),
-                                  ({}, ["--set=k8s.env=[]"], "spec.runArgs[0]")):
+                                  ({}, ["--set=k8s.env=[]"], "spec.runArgs[0]"),
+                                  # the master strips a name before it reads it: spaces hide nothing
+                                  ({" k8s.ptrace": "true"}, [], "spec.settings. k8s.ptrace"),
+                                  ({}, ["--set", " k8s.ptrace=true"], "spec.runArgs[1]"),
+                                  ({}, ["--set= k8s.ptrace=true"], "spec.runArgs[0]"),
+                                  ({}, ["--set=\u00a0k8s.ptrace=true"], "spec.runArgs[0]")):
         with pytest.raises(JobRefused, match=re.escape(field)):
             check_run_args(settings, args)
+    with pytest.raises(JobRefused, match=r"spec.settings 'K8S.ptrace': not a setting's name; a name is lowercase"):
+        check_run_args({"K8S.ptrace": "true"}, [])
+
+
+@pytest.mark.parametrize("store", ["etcd://x@evil:2379", "etcd://evil:2379?password_file=%2Fvar%2Frun%2Ftoken",
+                                   "etcd://a:2379,evil:2379?ca_file=/etc/ssl/private/key.pem", "etcd://a:2379/"])
+def test_a_steadjob_s_store_names_endpoints_and_no_credentials(store: str) -> None:
+    check_store("etcd://stead-etcd:2379,10.0.0.7,[fd00::1]:32379")
+    with pytest.raises(JobRefused, match=r"must be etcd://HOST\[:PORT\]\[,HOST\[:PORT\]\], with no user and no "
+                                         r"query: the store's TLS files and login are the operator's") as caught:
+        check_store(store)
+    assert "password_file" not in str(caught.value) and "x@" not in str(caught.value)
+    with pytest.raises(JobRefused, match=r"^spec\.store"):
+        operator.master_spec("demo", {"image": IMAGE, "command": ["train.py"], "store": store}, PLAIN)
+
+
+@pytest.mark.parametrize(("resource", "verb", "words"), [
+    (ROLES, "create", "whoever makes a job's objects needs create, get and delete on serviceaccounts, roles and "
+                      "rolebindings"),
+    (SERVICE_ACCOUNTS, "create", "the operator's Role (deploy/rbac.yaml) has them; for `stead run --platform k8s`"),
+    (NODES, "patch", "apply deploy/node-cordon.yaml (`stead k8s manifests --with-node-cordon`) and run the job's "
+                     "master as the account it binds, stead-master"),
+    (PODS, "create", "a job's master uses its own Role, <job>-master, made with the job"),
+])
+async def test_a_refused_request_names_whose_rules_to_change(kube_api: FakeKubeApi, resource: Resource, verb: str,
+                                                             words: str) -> None:
+    kube_api.deny(verb, resource.plural)
+    body = {"apiVersion": "v1", "kind": "X", "metadata": {"name": "x"}}
+    async with Kube(K8sSettings(api_url=kube_api.url, namespace="default"), pool=1) as kube:
+        with pytest.raises(PlatformRejected) as caught:
+            if verb == "patch":
+                await kube.patch(resource, "host-1", {"spec": {"unschedulable": True}})
+            else:
+                await kube.create(resource, body)
+    assert "the Kubernetes API server refused" in str(caught.value) and words in str(caught.value)
 
 
 # -- TLS to the API server ----------------------------------------------------------------------------------------

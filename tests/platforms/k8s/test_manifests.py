@@ -16,6 +16,7 @@ import yaml
 from stead.core.errors import ConfigError
 from stead.core.launch import build_parser
 from stead.platforms.k8s import manifests
+from stead.platforms.k8s.isolation import store_ports
 from stead.platforms.k8s.names import API_GROUP, LABEL_JOB
 from stead.testing.kube_validate import (
     KUBERNETES_VERSION,
@@ -71,6 +72,8 @@ def test_the_operator_serves_its_namespace_as_an_unprivileged_single_replica() -
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
     assert container["command"] == ["stead", "k8s", "operator", "--namespace", "default"]
     assert container["image"] == IMAGE and pod["serviceAccountName"] == manifests.OPERATOR_ACCOUNT
+    # the masters it starts run its own image, never a job's (a master's account may create pods)
+    assert {"name": "STEAD_K8S_MASTER_IMAGE", "value": IMAGE} in container["env"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -218,6 +221,11 @@ def test_the_example_job_is_a_valid_steadjob() -> None:
     (lambda spec: spec.update(maxRestarts=-1), "spec.maxRestarts", "less than the minimum of 0"),
     (lambda spec: spec.update(shmSize="lots"), "spec.shmSize", "does not match"),
     (lambda spec: spec.update(store="sqlite:///x.db"), "spec.store", "does not match"),
+    # the store's credentials are the operator's: a user or a query would have it send them where the job says
+    (lambda spec: spec.update(store="etcd://x@evil:2379"), "spec.store", "does not match"),
+    (lambda spec: spec.update(store="etcd://evil:2379?password_file=%2Fvar%2Frun%2Fsecrets%2Ftoken"), "spec.store",
+     "does not match"),
+    (lambda spec: spec.update(store="etcd://a:2379,evil:2379/?ca_file=/x"), "spec.store", "does not match"),
     (lambda spec: spec.update(command=[]), "spec.command", "should be non-empty"),
     (lambda spec: spec.update(imagePullPolicy="Sometimes"), "spec.imagePullPolicy", "is not one of"),
     (lambda spec: spec.update(settings={"heartbeat_timeout_s": 10}), "spec.settings.heartbeat_timeout_s",
@@ -241,6 +249,20 @@ def test_a_job_name_that_cannot_name_its_master_service_is_refused() -> None:
     job = _job()
     job["metadata"]["name"] = "1st-job"  # a Service name starts with a letter
     with pytest.raises(ManifestInvalid, match=r"metadata\.name"):
+        validate_custom(job, CRD)
+
+
+def test_a_job_name_whose_master_account_is_the_shared_one_is_refused() -> None:
+    manifests.check_job_name("steady")
+    with pytest.raises(ConfigError, match="job name 'stead' would make its master's account stead-master, the "
+                                          "ServiceAccount that jobs allowed to cordon hosts share"):
+        manifests.check_job_name("stead")
+
+
+def test_the_crd_takes_a_store_of_endpoints_only() -> None:
+    for store in ("etcd://stead-etcd:2379", "etcd://a:2379,b,c.ns.svc:32379", "etcd://[fd00::1]:2379,10.0.0.7"):
+        job = _job()
+        job["spec"]["store"] = store
         validate_custom(job, CRD)
 
 
@@ -329,12 +351,12 @@ def test_the_operator_role_holds_exactly_what_it_and_kopf_use() -> None:
         ("stead.dev", "steadjobs"): ["get", "list", "watch", "patch"],
         ("stead.dev", "steadjobs/status"): ["get", "patch"],
         ("", "pods"): ["list", "watch", "create", "delete"],
-        ("", "services"): ["create", "delete"],
-        ("networking.k8s.io", "networkpolicies"): ["create", "delete"],
+        ("", "services"): ["get", "create", "delete"],
+        ("networking.k8s.io", "networkpolicies"): ["get", "create", "delete"],
         ("", "secrets"): ["get", "create", "delete"],
-        ("", "serviceaccounts"): ["create", "delete"],
-        ("rbac.authorization.k8s.io", "roles"): ["create", "delete"],
-        ("rbac.authorization.k8s.io", "rolebindings"): ["create", "delete"],
+        ("", "serviceaccounts"): ["get", "create", "delete"],
+        ("rbac.authorization.k8s.io", "roles"): ["get", "create", "delete"],
+        ("rbac.authorization.k8s.io", "rolebindings"): ["get", "create", "delete"],
         ("", "events"): ["create"],
     }  # kopf standalone, without CRD or namespace watches: no peering, nothing cluster-wide
 
@@ -378,6 +400,9 @@ def test_a_job_s_pods_reach_only_each_other_and_dns_and_its_master_the_api_and_t
     assert master["spec"]["policyTypes"] == ["Egress"]
     ports = [sorted(p["port"] for p in rule["ports"]) for rule in master["spec"]["egress"]]
     assert ports == [[443, 6443], [2379, 32379]]
+    # read as the store reads its URL: a user and a query of TLS files are not part of the port
+    assert store_ports("etcd://stead@etcd:32379?ca_file=/etc/stead/ca.pem") == [32379]
+    assert store_ports("etcd://stead@etcd?ca_file=/etc/stead/ca.pem:1") == [2379]
 
 
 def test_node_egress_cidrs_and_master_metrics_are_let_through_only_when_asked() -> None:
@@ -525,9 +550,28 @@ def test_the_readmes_steadjob_is_valid_against_the_crd() -> None:
     assert job["spec"]["store"].startswith("etcd://")
 
 
+def _cel_pattern(rule: str) -> re.Pattern[str]:
+    """The RE2 expression of a CEL rule's ``matches()``, as Python's re (the same language for these); CEL
+    matches anywhere in the string, as re.search does."""
+    (pattern,) = re.findall(r"matches\('([^']*)'\)", rule)
+    return re.compile(pattern)
+
+
 def test_the_crd_refuses_k8s_settings_in_settings_and_run_args_with_cel_rules() -> None:
     spec = SCHEMA["properties"]["spec"]["properties"]
-    for field in ("settings", "runArgs"):
-        (rule,) = spec[field]["x-kubernetes-validations"]
-        assert "k8s." in rule["rule"] and "operator checks" in rule["message"]
+    (keys,) = spec["settings"]["x-kubernetes-validations"]
+    (args,) = spec["runArgs"]["x-kubernetes-validations"]
+    for rule in (keys, args):
+        assert "operator checks" in rule["message"]
+    assert keys["rule"].startswith("self.all(k, k.matches(") and "&& !k.startsWith('k8s.'))" in keys["rule"]
+    key = _cel_pattern(keys["rule"])  # a key is a setting's name, so spaces cannot hide a k8s.* one
+    assert all(key.search(k) for k in ("ckpt.keep_last", "heartbeat_timeout_s"))
+    assert not any(key.search(k) for k in (" k8s.ptrace", "k8s.ptrace ", "K8S.ptrace", "ckpt keep_last", ""))
+    assert args["rule"].startswith("self.all(a, !a.matches(")
+    arg = _cel_pattern(args["rule"])  # however the master's stripping of a name would read it
+    for refused in ("k8s.ptrace=true", "--set=k8s.ptrace=true", " k8s.ptrace=true", "--set= k8s.ptrace=true",
+                    "\tk8s.env=[]", "\u00a0k8s.env=[]", "--set=\u2003k8s.env=[]"):
+        assert arg.search(refused), refused
+    for allowed in ("--set", "ckpt.keep_last=3", "--set=ckpt.keep_last=3", "--max-restarts", "--set=x.k8s.y=1"):
+        assert not arg.search(allowed), allowed
     assert "default" not in spec["serviceAccountName"]  # a job's master runs as its own account
