@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 import structlog
@@ -68,6 +69,9 @@ __all__ = ["EXIT_MASTER_GONE", "EXIT_TERMINATED", "RUN_ARGV_ENV", "ZYGOTE_LATE_P
            "clean_up_after", "load_run_config", "run_agent", "zygote_env"]
 
 log = structlog.get_logger("stead.agent")
+
+#: an event an agent reports (see stead.core.rpc.backend)
+_Reported = TypeVar("_Reported", WorkerFailed, WorkersStarted, WorkersSucceeded, StacksDumped, NodeHealthReported)
 
 #: the agent's exit code when it gave up on a master gone for longer than master_gone_timeout_s
 EXIT_MASTER_GONE = 3
@@ -261,9 +265,8 @@ class Agent:
         workers = tuple(StackSample(local_rank=rank, rank=self.node_rank * self.nproc + rank, stack=stack,
                                     step=steps[rank].step if rank in steps else None)
                         for rank, stack in sorted(stacks.items()))
-        await self._report(lambda: self.client.report_stacks(AgentReport(incarnation=self.incarnation, event=(
-            StacksDumped(node_id=self.node_id, round=command.round, workers=workers, method="faulthandler",
-                         error=error)))))
+        await self._report(lambda: self.client.report_stacks(self._reported(StacksDumped(
+            node_id=self.node_id, round=command.round, workers=workers, method="faulthandler", error=error))))
 
     async def _check_health(self, command: CheckHealthCmd) -> None:
         """Run this node's part of a health check in a worker process (forked warm) and report it."""
@@ -316,7 +319,7 @@ class Agent:
             seconds=time.monotonic() - started)
         self._log.info("health_checked", check=command.check, matmul_s=report.matmul_s, error=report.error,
                        collectives=[(c.peer, c.seconds, c.error) for c in collectives], seconds=report.seconds)
-        await self._report(lambda: self.client.report_health(AgentReport(incarnation=self.incarnation, event=report)))
+        await self._report(lambda: self.client.report_health(self._reported(report)))
 
     async def _heartbeats(self) -> None:
         async with anyio.create_task_group() as background:  # imports in the zygote never hold a heartbeat up
@@ -399,8 +402,7 @@ class Agent:
         await self._workers_started(command.round)
 
     async def _workers_started(self, round_: int) -> None:
-        event = WorkersStarted(node_id=self.node_id, round=round_)
-        await self.client.report_workers(AgentReport(incarnation=self.incarnation, event=event))
+        await self.client.report_workers(self._reported(WorkersStarted(node_id=self.node_id, round=round_)))
 
     def _spec(self, command: StartWorkersCmd, local_rank: int, extra_env: dict[str, str]) -> WorkerSpec:
         assert self._progress is not None
@@ -450,8 +452,8 @@ class Agent:
                 if stopped_at == math.inf:
                     succeeded += 1
                     if succeeded == self.nproc:
-                        await self._report(lambda: self.client.report_workers(AgentReport(
-                            incarnation=self.incarnation, event=WorkersSucceeded(node_id=self.node_id, round=round_))))
+                        await self._report(lambda: self.client.report_workers(self._reported(
+                            WorkersSucceeded(node_id=self.node_id, round=round_))))
             elif worker_exit.at <= stopped_at:
                 # every worker that failed on its own is reported, even after the stop (another failure decided
                 # first) came: the real cause of a round's end must be on record, not only its first symptom; the
@@ -475,7 +477,7 @@ class Agent:
         )
         self._log.warning("worker_failed", round=round_, local_rank=failure.local_rank, exit_code=failure.exit_code,
                           signal=failure.signal, oom=oom or None, gpu=gpu or None)
-        await self._report(lambda: self.client.report_failure(AgentReport(incarnation=self.incarnation, event=failure)))
+        await self._report(lambda: self.client.report_failure(self._reported(failure)))
 
     async def _open_gpus(self) -> None:
         with anyio.move_on_after(self.settings.rpc_timeout_s) as scope:  # a wedged driver must not hold the agent
@@ -500,6 +502,10 @@ class Agent:
         with anyio.move_on_after(self.settings.rpc_timeout_s):
             return await anyio.to_thread.run_sync(self._gpu.usage, abandon_on_cancel=True)
         return None, None
+
+    def _reported(self, event: _Reported) -> AgentReport[_Reported]:
+        """``event`` as this node incarnation reports it to the master."""
+        return AgentReport(incarnation=self.incarnation, event=event)
 
     async def _report(self, call: object) -> None:
         try:

@@ -3,9 +3,9 @@
 A request with a bad field is answered INVALID_ARGUMENT with a message that
 names the field and says what to send; the backend only sees valid requests,
 as plain dataclasses, and an agent's report as the event it reports (see
-:mod:`~stead.core.rpc.backend`). Counts are checked for every request before it is decoded
-(:mod:`._wire`), strings' lengths and floats' finiteness as it is decoded
-(:mod:`._checks`); what each field means is checked here.
+:mod:`~stead.core.rpc.backend`). Counts are checked for every request before it
+is decoded (:mod:`._wire`), strings' lengths and floats' finiteness as it is
+decoded (:mod:`._checks`); what each field means is checked here.
 """
 
 from __future__ import annotations
