@@ -11,10 +11,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from stead.core.events import JobStopped, JobSubmitted, WorkerFailed
+from stead.core.events import JobStopped, JobSubmitted, WorkerFailed, WorkersStarted, WorkersSucceeded
 from stead.core.events.log import EventLog
 from stead.core.goodput import PARTS
-from stead.core.rpc import MasterClient, RegisterInfo, read_token_file
+from stead.core.rpc import AgentReport, MasterClient, RegisterInfo, StartWorkersCmd, read_token_file
 from stead.core.store import open_store
 
 
@@ -45,8 +45,10 @@ async def _play_agent(address: str, token: str) -> None:
         commands = client.commands("node-0", 1)
         with anyio.fail_after(20):
             start = await commands.__anext__()
-        await client.report_workers("node-0", 1, start.round, "started")  # type: ignore[union-attr]
-        await client.report_workers("node-0", 1, start.round, "succeeded")  # type: ignore[union-attr]
+        assert isinstance(start, StartWorkersCmd)
+        for done in (WorkersStarted(node_id="node-0", round=start.round),
+                     WorkersSucceeded(node_id="node-0", round=start.round)):
+            await client.report_workers(AgentReport(incarnation=1, event=done))
         await commands.aclose()
 
 

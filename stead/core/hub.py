@@ -1,8 +1,10 @@
 """The master's side of the agent protocol: registration, heartbeats, commands.
 
-The hub turns agent calls into events (NodeJoined, WorkerFailed, ...), keeps one
-ordered command queue per node incarnation, watches heartbeats to declare silent
-nodes lost, and aggregates step progress into StepProgress events. Heartbeats
+The hub turns agent calls into events (a registration into NodeJoined; a report
+arrives as the event it reports, WorkerFailed, ..., recorded once its node
+incarnation is known live), keeps one ordered command queue per node
+incarnation, watches heartbeats to declare silent nodes lost, and aggregates
+step progress into StepProgress events. Heartbeats
 themselves are not events: only what they change is recorded.
 """
 
@@ -25,7 +27,6 @@ from stead.core.events import (
     NodeJoined,
     NodeLost,
     Record,
-    StackSample,
     StacksDumped,
     StepProgress,
     WorkerFailed,
@@ -35,17 +36,15 @@ from stead.core.events import (
 from stead.core.plugins import NodeTelemetry
 from stead.core.rpc.backend import (
     AgentCommand,
+    AgentReport,
     CheckHealthCmd,
     DumpStacksCmd,
-    FailureInfo,
     HeartbeatInfo,
     RegisterInfo,
     RegisterResult,
-    StacksInfo,
     StartWorkersCmd,
     StopNodeCmd,
     StopWorkersCmd,
-    WorkersState,
 )
 from stead.core.statemachine import (
     CheckHealth,
@@ -256,7 +255,7 @@ class AgentHub:
             if isinstance(command, StopNodeCmd):
                 return
 
-    async def report_failure(self, info: FailureInfo) -> None:
+    async def report_failure(self, report: AgentReport[WorkerFailed]) -> None:
         """Record a worker's failure once: the same failure reported again (the agent retried because the reply
         was lost or slow) is acknowledged without a second record.
 
@@ -265,29 +264,26 @@ class AgentHub:
         one failed); a master that took over finds the round's first failure, the one its decision is about, in
         the job state (``last_failure``).
         """
-        if not self._check(info.node_id, info.incarnation):
-            raise InvalidRequest(f"node {info.node_id} incarnation {info.incarnation} is not a live node")
-        key = (info.node_id, info.incarnation, info.round, info.rank)
+        failure = report.event
+        if not self._check(report.node_id, report.incarnation):
+            raise InvalidRequest(f"node {report.node_id} incarnation {report.incarnation} is not a live node")
+        key = (failure.node_id, report.incarnation, failure.round, failure.rank)
         while (recording := self._failures.get(key)) is not None:
             if await asyncio.shield(recording):
-                log.info("worker_failure_repeated", node=info.node_id, rank=info.rank, round=info.round)
+                log.info("worker_failure_repeated", node=failure.node_id, rank=failure.rank, round=failure.round)
                 return
             # the first report of it could not be recorded: this one tries
         last = self._state().last_failure
-        if last is not None and (last.node_id, last.round, last.rank) == (info.node_id, info.round, info.rank):
-            log.info("worker_failure_repeated", node=info.node_id, rank=info.rank, round=info.round)
+        if last is not None and (last.node_id, last.round, last.rank) == (failure.node_id, failure.round, failure.rank):
+            log.info("worker_failure_repeated", node=failure.node_id, rank=failure.rank, round=failure.round)
             return  # (the live-node check above ties it to this incarnation: a relaunched node joins a later round)
-        self._forget_failures_before(info.round - 1)
+        self._forget_failures_before(failure.round - 1)
         recorded = self._failures[key] = asyncio.get_running_loop().create_future()
-        log.warning("worker_failed", node=info.node_id, rank=info.rank, local_rank=info.local_rank,
-                    exit_code=info.exit_code, signal=info.signal, round=info.round)
+        log.warning("worker_failed", node=failure.node_id, rank=failure.rank, local_rank=failure.local_rank,
+                    exit_code=failure.exit_code, signal=failure.signal, round=failure.round)
         # recorded (True) or not (False) once the reactor has written it or failed to: not when the caller goes
         # away (its RPC deadline passed while the store was slow), for the append may still fail after that
-        submitting = asyncio.ensure_future(self._submit(WorkerFailed(
-            node_id=info.node_id, round=info.round, local_rank=info.local_rank, rank=info.rank,
-            exit_code=info.exit_code, signal=info.signal, step=info.step, error_tail=info.error_tail,
-            exited_at=info.exited_at, oom=info.oom, gpu=info.gpu, exited_ok_ranks=info.exited_ok_ranks,
-        )))
+        submitting = asyncio.ensure_future(self._submit(failure))
 
         def settle(done: asyncio.Task[Record]) -> None:
             ok = not done.cancelled() and done.exception() is None
@@ -307,33 +303,28 @@ class AgentHub:
         for key in [k for k, recording in self._failures.items() if k[2] < round_ and recording.done()]:
             del self._failures[key]
 
-    async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None:
-        if not self._check(node_id, incarnation):
-            raise InvalidRequest(f"node {node_id} incarnation {incarnation} is not a live node")
-        node = self._node(node_id, incarnation)
-        if state == "started":
-            node.round, node.step = round, None
-            await self._submit(WorkersStarted(node_id=node_id, round=round))
-        else:
-            await self._submit(WorkersSucceeded(node_id=node_id, round=round))
+    async def report_workers(self, report: AgentReport[WorkersStarted | WorkersSucceeded]) -> None:
+        if not self._check(report.node_id, report.incarnation):
+            raise InvalidRequest(f"node {report.node_id} incarnation {report.incarnation} is not a live node")
+        node = self._node(report.node_id, report.incarnation)
+        if isinstance(report.event, WorkersStarted):
+            node.round, node.step = report.event.round, None
+        await self._submit(report.event)
 
-    async def report_stacks(self, info: StacksInfo) -> None:
-        if not self._check(info.node_id, info.incarnation):
-            raise InvalidRequest(f"node {info.node_id} incarnation {info.incarnation} is not a live node of job "
-                                 f"{self.job!r}; this agent is stale and should exit")
-        await self._submit(StacksDumped(
-            node_id=info.node_id, round=info.round, method=info.method, error=info.error,
-            workers=tuple(StackSample(rank=w.rank, local_rank=w.local_rank, step=w.step, stack=w.stack)
-                          for w in info.workers),
-        ))
-
-    async def report_health(self, report: NodeHealthReported) -> None:
+    async def report_stacks(self, report: AgentReport[StacksDumped]) -> None:
         if not self._check(report.node_id, report.incarnation):
             raise InvalidRequest(f"node {report.node_id} incarnation {report.incarnation} is not a live node of job "
                                  f"{self.job!r}; this agent is stale and should exit")
-        log.info("node_health", node=report.node_id, check=report.check, matmul_s=report.matmul_s,
-                 collectives=[(c.peer, c.seconds, c.error) for c in report.collectives], error=report.error)
-        await self._submit(report)
+        await self._submit(report.event)
+
+    async def report_health(self, report: AgentReport[NodeHealthReported]) -> None:
+        if not self._check(report.node_id, report.incarnation):
+            raise InvalidRequest(f"node {report.node_id} incarnation {report.incarnation} is not a live node of job "
+                                 f"{self.job!r}; this agent is stale and should exit")
+        health = report.event
+        log.info("node_health", node=health.node_id, check=health.check, matmul_s=health.matmul_s,
+                 collectives=[(c.peer, c.seconds, c.error) for c in health.collectives], error=health.error)
+        await self._submit(health)
 
     # -- effects -----------------------------------------------------------------
 

@@ -31,10 +31,11 @@ from typing import Any, Self
 
 from stead.core.config import Settings
 from stead.core.errors import InvalidRequest, RetryableError, SteadError
+from stead.core.events import WorkerFailed, WorkersStarted
 from stead.core.platform import NodeSpec
 from stead.core.retry import Backoff
 from stead.core.rpc import (
-    FailureInfo,
+    AgentReport,
     HeartbeatInfo,
     HeartbeatStream,
     MasterClient,
@@ -164,10 +165,10 @@ class Swarm:
         """Each node reports a worker failure of ``round`` (all together, or one after the other)."""
         async def one(node: SimNode) -> None:
             rank = node.ranks.get(round, 0)
-            info = FailureInfo(node_id=node.node_id, incarnation=node.incarnation, round=round, local_rank=0,
-                               rank=rank * self._nproc, exit_code=1, signal=None, step=node.step,
-                               error_tail="simulated failure", exited_at=time.time())
-            await (await self._client(node)).report_failure(info)
+            failure = WorkerFailed(node_id=node.node_id, round=round, local_rank=0, rank=rank * self._nproc,
+                                   exit_code=1, signal=None, step=node.step, error_tail="simulated failure",
+                                   exited_at=time.time())
+            await (await self._client(node)).report_failure(AgentReport(incarnation=node.incarnation, event=failure))
 
         chosen = [self.nodes[n] for n in node_ids]
         if at_once:
@@ -259,7 +260,9 @@ class Swarm:
                             node.assigned_at[command.round] = now
                             node.step = None
                             self._notify()
-                            await client.report_workers(node.node_id, node.incarnation, command.round, "started")
+                            await client.report_workers(AgentReport(
+                                incarnation=node.incarnation,
+                                event=WorkersStarted(node_id=node.node_id, round=command.round)))
                         case StopWorkersCmd():
                             node.stopped_at.setdefault(command.round, now)
                             self._notify()

@@ -15,11 +15,20 @@ import pytest
 
 from stead.core.config import Settings
 from stead.core.errors import InvalidRequest, RpcUnavailable, StoreUnavailable
-from stead.core.events import JobStopped, JobSubmitted, PluginFailed, Record, RoundStarted, WorkerFailed
+from stead.core.events import (
+    JobStopped,
+    JobSubmitted,
+    PluginFailed,
+    Record,
+    RoundStarted,
+    WorkerFailed,
+    WorkersStarted,
+    WorkersSucceeded,
+)
 from stead.core.events.log import EventLog
 from stead.core.master import Master, MasterConfig, MasterTaskFailed
 from stead.core.platform import NodeSpec, PlatformEvent
-from stead.core.rpc import HeartbeatInfo, MasterClient, RegisterInfo, StartWorkersCmd, StopNodeCmd
+from stead.core.rpc import AgentReport, HeartbeatInfo, MasterClient, RegisterInfo, StartWorkersCmd, StopNodeCmd
 from stead.core.statemachine import JobPhase, NodePhase
 from stead.core.store import open_store
 from stead.core.tcpstore import HEALTH_STORE_ROUND, RoundStores
@@ -70,9 +79,9 @@ async def test_registration_heartbeat_and_commands_work_end_to_end(tmp_path: Pat
             assert await client.heartbeat(HeartbeatInfo(**{**beat.__dict__, "incarnation": 7})) is False
             with pytest.raises(InvalidRequest, match="node-9 incarnation 1 is not a live node"):
                 await client.register(_register("node-9"))
-            await client.report_workers("node-0", 1, 1, "started")
+            await client.report_workers(AgentReport(incarnation=1, event=WorkersStarted(node_id="node-0", round=1)))
             await client.heartbeat(HeartbeatInfo(**{**beat.__dict__, "step": 0}))
-            await client.report_workers("node-0", 1, 1, "succeeded")
+            await client.report_workers(AgentReport(incarnation=1, event=WorkersSucceeded(node_id="node-0", round=1)))
             state = await master.wait()
             assert state.phase is JobPhase.SUCCEEDED and state.step == 0
             assert isinstance(await _next(commands), StopNodeCmd)
@@ -146,7 +155,7 @@ async def test_a_round_command_queued_by_a_master_that_died_reaches_the_agent_fr
         await client.register(_register("node-0"))
         command = await _next(client.commands("node-0", 1))
         assert isinstance(command, StartWorkersCmd) and (command.round, command.node_rank) == (1, 0)
-        await client.report_workers("node-0", 1, 1, "started")
+        await client.report_workers(AgentReport(incarnation=1, event=WorkersStarted(node_id="node-0", round=1)))
         state = await master.reactor.wait_until(lambda s: s.rdzv.completed)
     assert state.rdzv.round == 1  # the same round, not a new one
 

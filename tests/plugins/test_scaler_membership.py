@@ -24,11 +24,12 @@ from stead.core.events import (
     RecoveryDecided,
     RoundStarted,
     TransitionRejected,
+    WorkersSucceeded,
 )
 from stead.core.master import Master, MasterConfig
 from stead.core.platform import NodeSpec
 from stead.core.plugins import PluginContext
-from stead.core.rpc import MasterClient, RpcServer, new_token, write_token_file
+from stead.core.rpc import AgentReport, MasterClient, RpcServer, new_token, write_token_file
 from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState, RendezvousState
 from stead.core.store import open_store
 from stead.plugin import proto
@@ -146,7 +147,7 @@ async def test_stead_scale_grows_and_shrinks_a_running_job_and_refuses_what_it_c
         assert master.state.target_nodes == 1 and master.state.phase is JobPhase.RUNNING
 
         async with MasterClient(master.address, master.token, call_timeout_s=10) as client:
-            await client.report_workers("node-0", 1, 3, "succeeded")
+            await client.report_workers(AgentReport(incarnation=1, event=WorkersSucceeded(node_id="node-0", round=3)))
         await master.reactor.wait_until(lambda s: s.phase is JobPhase.SUCCEEDED, timeout_s=30)
         with pytest.raises(InvalidRequest, match=r"job 'elastic' has succeeded; only a running job can be scaled"):
             await scale(2)

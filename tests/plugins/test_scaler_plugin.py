@@ -8,10 +8,10 @@ import anyio
 import pytest
 
 from stead.core.config import Settings
-from stead.core.events import JobSubmitted, JobSucceeded
+from stead.core.events import JobSubmitted, JobSucceeded, WorkersSucceeded
 from stead.core.master import Master, MasterConfig
 from stead.core.platform import NodeSpec
-from stead.core.rpc import MasterClient
+from stead.core.rpc import AgentReport, MasterClient
 from stead.core.statemachine import JobPhase
 from stead.core.statemachine.job import node_ids
 from stead.core.top import published_lines
@@ -48,7 +48,8 @@ async def _run(tmp_path: Path, plugin: ScalerPlugin, *, usage: dict[str, tuple[i
                 await anyio.sleep(0.05)
         async with MasterClient(master.address, master.token, call_timeout_s=10) as client:
             for node_id in nodes:
-                await client.report_workers(node_id, 1, 1, "succeeded")
+                await client.report_workers(AgentReport(incarnation=1,
+                                                        event=WorkersSucceeded(node_id=node_id, round=1)))
         await master.reactor.wait_until(lambda s: s.phase is JobPhase.SUCCEEDED, timeout_s=30)
         with anyio.fail_after(30):
             while not [r for r in await master.reactor.log.read()  # noqa: ASYNC110 -- the store is read

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 import structlog
@@ -37,22 +38,28 @@ from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote
 from stead.core.config import Settings, settings_env
 from stead.core.errors import ConfigError, InvalidRequest, RetryableError
-from stead.core.events import NodeHealthReported, PeerCollective
+from stead.core.events import (
+    NodeHealthReported,
+    PeerCollective,
+    StackSample,
+    StacksDumped,
+    WorkerFailed,
+    WorkersStarted,
+    WorkersSucceeded,
+)
 from stead.core.launch import RunConfig, Streams, parse_run_args, worker_env
 from stead.core.platform import HOST_ENV, WARM_FIRST_ENV
 from stead.core.retry import Backoff
 from stead.core.rpc import (
+    AgentReport,
     CheckHealthCmd,
     DumpStacksCmd,
-    FailureInfo,
     HeartbeatInfo,
     MasterClient,
     RegisterInfo,
-    StacksInfo,
     StartWorkersCmd,
     StopNodeCmd,
     StopWorkersCmd,
-    WorkerStack,
     read_token_file,
     retrying,
 )
@@ -62,6 +69,9 @@ __all__ = ["EXIT_MASTER_GONE", "EXIT_TERMINATED", "RUN_ARGV_ENV", "ZYGOTE_LATE_P
            "clean_up_after", "load_run_config", "run_agent", "zygote_env"]
 
 log = structlog.get_logger("stead.agent")
+
+#: an event an agent reports (see stead.core.rpc.backend)
+_Reported = TypeVar("_Reported", WorkerFailed, WorkersStarted, WorkersSucceeded, StacksDumped, NodeHealthReported)
 
 #: the agent's exit code when it gave up on a master gone for longer than master_gone_timeout_s
 EXIT_MASTER_GONE = 3
@@ -252,12 +262,11 @@ class Agent:
         stacks, error = await dump_stacks(self._group.pids, self._progress.paths,
                                           timeout_s=self.settings.stacks_timeout_s)
         steps = self._reader.read()
-        workers = tuple(WorkerStack(local_rank=rank, rank=self.node_rank * self.nproc + rank, stack=stack,
+        workers = tuple(StackSample(local_rank=rank, rank=self.node_rank * self.nproc + rank, stack=stack,
                                     step=steps[rank].step if rank in steps else None)
                         for rank, stack in sorted(stacks.items()))
-        await self._report(lambda: self.client.report_stacks(StacksInfo(
-            node_id=self.node_id, incarnation=self.incarnation, round=command.round, workers=workers,
-            method="faulthandler", error=error)))
+        await self._report(lambda: self.client.report_stacks(self._reported(StacksDumped(
+            node_id=self.node_id, round=command.round, workers=workers, method="faulthandler", error=error))))
 
     async def _check_health(self, command: CheckHealthCmd) -> None:
         """Run this node's part of a health check in a worker process (forked warm) and report it."""
@@ -310,7 +319,7 @@ class Agent:
             seconds=time.monotonic() - started)
         self._log.info("health_checked", check=command.check, matmul_s=report.matmul_s, error=report.error,
                        collectives=[(c.peer, c.seconds, c.error) for c in collectives], seconds=report.seconds)
-        await self._report(lambda: self.client.report_health(report))
+        await self._report(lambda: self.client.report_health(self._reported(report)))
 
     async def _heartbeats(self) -> None:
         async with anyio.create_task_group() as background:  # imports in the zygote never hold a heartbeat up
@@ -373,7 +382,7 @@ class Agent:
             if command.round == self.round and self._group.alive:
                 # the same command again after a reconnect (the first "started" report may have been lost with
                 # the master that sent it): the workers run; say so again
-                await self.client.report_workers(self.node_id, self.incarnation, command.round, "started")
+                await self._workers_started(command.round)
                 return
             await self._stop_workers(f"round {command.round} starts")
             self._progress.reset()
@@ -390,7 +399,10 @@ class Agent:
             tg.start_soon(self._watch_round, command.round, self._group.exits())
             self._log.info("round_started", round=command.round, node_rank=command.node_rank,
                            world_size=command.world_size)
-        await self.client.report_workers(self.node_id, self.incarnation, command.round, "started")
+        await self._workers_started(command.round)
+
+    async def _workers_started(self, round_: int) -> None:
+        await self.client.report_workers(self._reported(WorkersStarted(node_id=self.node_id, round=round_)))
 
     def _spec(self, command: StartWorkersCmd, local_rank: int, extra_env: dict[str, str]) -> WorkerSpec:
         assert self._progress is not None
@@ -440,8 +452,8 @@ class Agent:
                 if stopped_at == math.inf:
                     succeeded += 1
                     if succeeded == self.nproc:
-                        await self._report(lambda: self.client.report_workers(
-                            self.node_id, self.incarnation, round_, "succeeded"))
+                        await self._report(lambda: self.client.report_workers(self._reported(
+                            WorkersSucceeded(node_id=self.node_id, round=round_))))
             elif worker_exit.at <= stopped_at:
                 # every worker that failed on its own is reported, even after the stop (another failure decided
                 # first) came: the real cause of a round's end must be on record, not only its first symptom; the
@@ -456,16 +468,16 @@ class Agent:
         oom = self._oom.evidence(worker_exit.pid) if killed_like_oom(worker_exit.exit_code, worker_exit.signal) else ""
         self._oom.forget(worker_exit.pid)
         gpu = await self._gpu_faults()
-        info = FailureInfo(
-            node_id=self.node_id, incarnation=self.incarnation, round=round_, local_rank=worker_exit.local_rank,
+        failure = WorkerFailed(
+            node_id=self.node_id, round=round_, local_rank=worker_exit.local_rank,
             rank=self.node_rank * self.nproc + worker_exit.local_rank, exit_code=worker_exit.exit_code,
             signal=worker_exit.signal, step=progress.step if progress else None, error_tail=worker_exit.error_tail,
             exited_at=worker_exit.at or None, oom=oom[:MAX_EVIDENCE_CHARS], gpu=gpu[:MAX_EVIDENCE_CHARS],
             exited_ok_ranks=exited_ok,
         )
-        self._log.warning("worker_failed", round=round_, local_rank=info.local_rank, exit_code=info.exit_code,
-                          signal=info.signal, oom=oom or None, gpu=gpu or None)
-        await self._report(lambda: self.client.report_failure(info))
+        self._log.warning("worker_failed", round=round_, local_rank=failure.local_rank, exit_code=failure.exit_code,
+                          signal=failure.signal, oom=oom or None, gpu=gpu or None)
+        await self._report(lambda: self.client.report_failure(self._reported(failure)))
 
     async def _open_gpus(self) -> None:
         with anyio.move_on_after(self.settings.rpc_timeout_s) as scope:  # a wedged driver must not hold the agent
@@ -490,6 +502,10 @@ class Agent:
         with anyio.move_on_after(self.settings.rpc_timeout_s):
             return await anyio.to_thread.run_sync(self._gpu.usage, abandon_on_cancel=True)
         return None, None
+
+    def _reported(self, event: _Reported) -> AgentReport[_Reported]:
+        """``event`` as this node incarnation reports it to the master."""
+        return AgentReport(incarnation=self.incarnation, event=event)
 
     async def _report(self, call: object) -> None:
         try:

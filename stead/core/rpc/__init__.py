@@ -3,7 +3,8 @@
 The wire schema is ``proto/stead/v1/*.proto``; ``_proto/`` is generated from it
 by ``make proto`` (scripts/gen_proto.sh) and never edited by hand. Protobuf
 types stay inside this package: the master implements :class:`AgentBackend`
-with plain dataclasses, agents use :class:`MasterClient`;
+with plain dataclasses (an agent's report is the event it reports, in an
+:class:`AgentReport`), agents use :class:`MasterClient`;
 :class:`RpcConnection` is the channel plugins' clients build on. Every call carries
 the job token (see :mod:`.auth`).
 """
@@ -24,18 +25,15 @@ from stead.core.rpc.auth import (
 from stead.core.rpc.backend import (
     AgentBackend,
     AgentCommand,
+    AgentReport,
     CheckHealthCmd,
     DumpStacksCmd,
-    FailureInfo,
     HeartbeatInfo,
     RegisterInfo,
     RegisterResult,
-    StacksInfo,
     StartWorkersCmd,
     StopNodeCmd,
     StopWorkersCmd,
-    WorkersState,
-    WorkerStack,
 )
 from stead.core.rpc.client import HeartbeatStream, MasterClient, RpcConnection, retrying
 from stead.core.rpc.server import RpcServer, Servicer
@@ -44,10 +42,10 @@ __all__ = [
     "AUTH_METADATA_KEY",
     "AgentBackend",
     "AgentCommand",
+    "AgentReport",
     "AgentServicer",
     "CheckHealthCmd",
     "DumpStacksCmd",
-    "FailureInfo",
     "HeartbeatInfo",
     "HeartbeatStream",
     "MasterClient",
@@ -56,12 +54,9 @@ __all__ = [
     "RpcConnection",
     "RpcServer",
     "Servicer",
-    "StacksInfo",
     "StartWorkersCmd",
     "StopNodeCmd",
     "StopWorkersCmd",
-    "WorkerStack",
-    "WorkersState",
     "attach_token",
     "check_token",
     "format_address",

@@ -1,14 +1,29 @@
-"""Conversions between the generated protobuf messages and the backend's dataclasses.
+"""Conversions between the generated protobuf messages and the backend's dataclasses and events.
 
 Both directions live here so that the server and the client agree on them; the
-server validates requests before converting them (see ``agent_service``).
+server validates requests before converting them (see ``agent_service``). An
+agent's report converts straight to the event it reports (see
+:mod:`~stead.core.rpc.backend`): the message and the event spell their fields
+the same way, so the conversion goes by name, and a field added to both crosses
+without a line here.
 """
 
 from __future__ import annotations
 
-from typing import assert_never
+import dataclasses
+from typing import TYPE_CHECKING, Any, TypeVar, assert_never
 
-from stead.core.events import NodeHealthReported, PeerCollective
+import betterproto2
+
+from stead.core.events import (
+    NodeHealthReported,
+    PeerCollective,
+    StackSample,
+    StacksDumped,
+    WorkerFailed,
+    WorkersStarted,
+    WorkersSucceeded,
+)
 from stead.core.rpc._proto.stead.v1 import (
     CheckHealth,
     Command,
@@ -22,6 +37,7 @@ from stead.core.rpc._proto.stead.v1 import (
     StartWorkers,
     StopNode,
     StopWorkers,
+    WorkersReport,
 )
 from stead.core.rpc._proto.stead.v1 import (
     PeerCollective as ProtoPeerCollective,
@@ -34,19 +50,19 @@ from stead.core.rpc._proto.stead.v1 import (
 )
 from stead.core.rpc.backend import (
     AgentCommand,
+    AgentReport,
     CheckHealthCmd,
     DumpStacksCmd,
-    FailureInfo,
     HeartbeatInfo,
     RegisterInfo,
     RegisterResult,
-    StacksInfo,
     StartWorkersCmd,
     StopNodeCmd,
     StopWorkersCmd,
-    WorkersState,
-    WorkerStack,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "NO_STEP",
@@ -54,6 +70,7 @@ __all__ = [
     "command_to_proto",
     "failure_from_proto",
     "failure_to_proto",
+    "from_proto",
     "health_from_proto",
     "health_to_proto",
     "heartbeat_from_proto",
@@ -64,8 +81,9 @@ __all__ = [
     "register_to_proto",
     "stacks_from_proto",
     "stacks_to_proto",
-    "workers_state_from_proto",
-    "workers_state_to_proto",
+    "to_proto",
+    "workers_from_proto",
+    "workers_to_proto",
 ]
 
 #: the wire value of "no step yet" in HeartbeatRequest.step
@@ -152,64 +170,82 @@ def command_from_proto(message: Command) -> AgentCommand | None:
     return None
 
 
-def health_to_proto(report: NodeHealthReported) -> HealthReport:
-    return HealthReport(node_id=report.node_id, incarnation=report.incarnation, check=report.check,
-                        matmul_s=report.matmul_s, device=report.device, error=report.error, seconds=report.seconds,
-                        collectives=[ProtoPeerCollective(peer=c.peer, seconds=c.seconds, error=c.error)
-                                     for c in report.collectives])
+D = TypeVar("D", bound="DataclassInstance")
+M = TypeVar("M", bound=betterproto2.Message)
 
 
-def health_from_proto(message: HealthReport) -> NodeHealthReported:
-    return NodeHealthReported(node_id=message.node_id, incarnation=message.incarnation, check=message.check,
-                              matmul_s=message.matmul_s, device=message.device, error=message.error,
-                              seconds=message.seconds, collectives=tuple(
-                                  PeerCollective(peer=c.peer, seconds=c.seconds, error=c.error)
-                                  for c in message.collectives))
+def from_proto(kind: type[D], message: betterproto2.Message, **given: Any) -> D:
+    """The ``kind`` (an event, or a value an event holds) whose fields are ``message``'s fields of the same names (a
+    list becomes a tuple), but for those ``given`` (a nested message's values, converted by the caller)."""
+    values = {field.name: _tupled(getattr(message, field.name)) for field in dataclasses.fields(kind)
+              if field.name not in given}
+    return kind(**values, **given)
 
 
-def stacks_to_proto(info: StacksInfo) -> StacksReport:
-    return StacksReport(node_id=info.node_id, incarnation=info.incarnation, round=info.round, method=info.method,
-                        error=info.error, workers=[
-                            ProtoWorkerStack(local_rank=w.local_rank, rank=w.rank, step=w.step, stack=w.stack)
-                            for w in info.workers])
+def to_proto(kind: type[M], value: DataclassInstance, **given: Any) -> M:
+    """The message of ``kind`` whose fields are ``value``'s fields of the same names (a tuple becomes a list), and
+    those ``given`` (what the value does not hold, or a nested message's values, converted by the caller)."""
+    values = {field.name: _listed(getattr(value, field.name)) for field in dataclasses.fields(value)
+              if field.name not in given}
+    return kind(**values, **given)
 
 
-def stacks_from_proto(message: StacksReport) -> StacksInfo:
-    return StacksInfo(node_id=message.node_id, incarnation=message.incarnation, round=message.round,
-                      method=message.method, error=message.error, workers=tuple(
-                          WorkerStack(local_rank=w.local_rank, rank=w.rank, step=w.step, stack=w.stack)
-                          for w in message.workers))
+def _tupled(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
-def failure_to_proto(info: FailureInfo) -> FailureReport:
-    return FailureReport(node_id=info.node_id, incarnation=info.incarnation, round=info.round,
-                         local_rank=info.local_rank, rank=info.rank, exit_code=info.exit_code, signal=info.signal,
-                         step=info.step, error_tail=info.error_tail, exited_at=info.exited_at, oom=info.oom,
-                         gpu=info.gpu, exited_ok_ranks=list(info.exited_ok_ranks))
+def _listed(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
-def failure_from_proto(message: FailureReport) -> FailureInfo:
-    return FailureInfo(node_id=message.node_id, incarnation=message.incarnation, round=message.round,
-                       local_rank=message.local_rank, rank=message.rank, exit_code=message.exit_code,
-                       signal=message.signal, step=message.step, error_tail=message.error_tail,
-                       exited_at=message.exited_at, oom=message.oom, gpu=message.gpu,
-                       exited_ok_ranks=tuple(message.exited_ok_ranks))
+def failure_to_proto(report: AgentReport[WorkerFailed]) -> FailureReport:
+    return to_proto(FailureReport, report.event, incarnation=report.incarnation)
 
 
-def workers_state_to_proto(state: WorkersState) -> ProtoWorkersState:
-    match state:
-        case "started":
-            return ProtoWorkersState.STARTED
-        case "succeeded":
-            return ProtoWorkersState.SUCCEEDED
+def failure_from_proto(message: FailureReport) -> AgentReport[WorkerFailed]:
+    return AgentReport(incarnation=message.incarnation, event=from_proto(WorkerFailed, message))
+
+
+def stacks_to_proto(report: AgentReport[StacksDumped]) -> StacksReport:
+    return to_proto(StacksReport, report.event, incarnation=report.incarnation,
+                    workers=[to_proto(ProtoWorkerStack, w) for w in report.event.workers])
+
+
+def stacks_from_proto(message: StacksReport) -> AgentReport[StacksDumped]:
+    workers = tuple(from_proto(StackSample, w) for w in message.workers)
+    return AgentReport(incarnation=message.incarnation, event=from_proto(StacksDumped, message, workers=workers))
+
+
+def health_to_proto(report: AgentReport[NodeHealthReported]) -> HealthReport:
+    return to_proto(HealthReport, report.event, collectives=[
+        to_proto(ProtoPeerCollective, c) for c in report.event.collectives])
+
+
+def health_from_proto(message: HealthReport) -> AgentReport[NodeHealthReported]:
+    collectives = tuple(from_proto(PeerCollective, c) for c in message.collectives)
+    return AgentReport(incarnation=message.incarnation,
+                       event=from_proto(NodeHealthReported, message, collectives=collectives))
+
+
+def workers_to_proto(report: AgentReport[WorkersStarted | WorkersSucceeded]) -> WorkersReport:
+    event = report.event
+    match event:
+        case WorkersStarted():
+            state = ProtoWorkersState.STARTED
+        case WorkersSucceeded():
+            state = ProtoWorkersState.SUCCEEDED
         case _:
-            assert_never(state)
+            assert_never(event)
+    return to_proto(WorkersReport, event, incarnation=report.incarnation, state=state)
 
 
-def workers_state_from_proto(state: ProtoWorkersState) -> WorkersState | None:
-    """The state, or None for UNSPECIFIED or a value this stead version does not know."""
-    if state == ProtoWorkersState.STARTED:
-        return "started"
-    if state == ProtoWorkersState.SUCCEEDED:
-        return "succeeded"
-    return None
+def workers_from_proto(message: WorkersReport) -> AgentReport[WorkersStarted | WorkersSucceeded] | None:
+    """The report, or None for state UNSPECIFIED or a state this stead version does not know."""
+    kind: type[WorkersStarted | WorkersSucceeded]
+    if message.state == ProtoWorkersState.STARTED:
+        kind = WorkersStarted
+    elif message.state == ProtoWorkersState.SUCCEEDED:
+        kind = WorkersSucceeded
+    else:
+        return None
+    return AgentReport(incarnation=message.incarnation, event=from_proto(kind, message))

@@ -2,9 +2,10 @@
 
 A request with a bad field is answered INVALID_ARGUMENT with a message that
 names the field and says what to send; the backend only sees valid requests,
-as plain dataclasses. Counts are checked for every request before it is decoded
-(:mod:`._wire`), strings' lengths and floats' finiteness as it is decoded
-(:mod:`._checks`); what each field means is checked here.
+as plain dataclasses, and an agent's report as the event it reports (see
+:mod:`~stead.core.rpc.backend`). Counts are checked for every request before it
+is decoded (:mod:`._wire`), strings' lengths and floats' finiteness as it is
+decoded (:mod:`._checks`); what each field means is checked here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from stead.core.rpc._convert import (
     register_from_proto,
     register_reply_to_proto,
     stacks_from_proto,
-    workers_state_from_proto,
+    workers_from_proto,
 )
 from stead.core.rpc._proto.stead.v1 import (
     Ack,
@@ -153,11 +154,11 @@ class AgentServicer(AgentServiceBase):
         where = "WorkersReport"
         _check_node(where, message.node_id, message.incarnation)
         _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
-        state = workers_state_from_proto(message.state)
-        if state is None:
+        report = workers_from_proto(message)
+        if report is None:
             invalid(f"{where}.state is {message.state!r}: send WORKERS_STATE_STARTED or WORKERS_STATE_SUCCEEDED")
         with backend_errors("AgentService.ReportWorkers"):
-            await self._backend.report_workers(message.node_id, message.incarnation, message.round, state)
+            await self._backend.report_workers(report)
         return Ack()
 
     async def report_stacks(self, message: StacksReport) -> Ack:

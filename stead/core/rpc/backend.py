@@ -1,24 +1,38 @@
 """What the master must provide behind the agent RPC service, in plain Python types.
 
 The master implements :class:`AgentBackend`; the RPC layer validates requests,
-converts protobuf messages to the frozen dataclasses below and back, and maps
-errors to gRPC statuses. Protobuf types never leave ``stead.core.rpc``.
+converts protobuf messages to the frozen dataclasses below (or to events) and
+back, and maps errors to gRPC statuses. Protobuf types never leave ``stead.core.rpc``.
+
+One convention for every report an agent sends (a worker failed, its workers
+started or succeeded, its workers' stacks, its part of a health check): the
+report *is* the event the master records for it. The servicer checks the
+message and converts it straight to that event (``WorkerFailed``,
+``WorkersStarted`` / ``WorkersSucceeded``, ``StacksDumped``,
+``NodeHealthReported``), held in an :class:`AgentReport` with the node
+incarnation that sent it; the backend takes that one value, checks the
+incarnation is live and records the event. The client takes the same value, so
+an agent builds the event itself. A message and its event spell their fields
+the same way (``tests/core/rpc/test_report_shapes.py`` holds every pair to it).
+Heartbeats are not reports of this kind: they are never recorded, and reach the
+backend as :class:`HeartbeatInfo`; a registration is answered, and arrives as
+:class:`RegisterInfo`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
-from typing import Literal, Protocol
+from typing import Generic, Protocol, TypeVar
 
-from stead.core.events import NodeHealthReported
+from stead.core.events import NodeHealthReported, StacksDumped, WorkerFailed, WorkersStarted, WorkersSucceeded
 
 __all__ = [
     "AgentBackend",
     "AgentCommand",
+    "AgentReport",
     "CheckHealthCmd",
     "DumpStacksCmd",
-    "FailureInfo",
     "HEARTBEAT_STREAM_ROUTE",
     "HeartbeatInfo",
     "MAX_BATCH_BEATS",
@@ -32,13 +46,7 @@ __all__ = [
     "StartWorkersCmd",
     "StopNodeCmd",
     "StopWorkersCmd",
-    "StacksInfo",
-    "WorkerStack",
-    "WorkersState",
 ]
-
-#: what a node's workers did: all of a round's workers started, or all of them finished with success
-WorkersState = Literal["started", "succeeded"]
 
 
 #: the longest OOM record or GPU fault line a failure report carries
@@ -165,53 +173,36 @@ class CheckHealthCmd:
 AgentCommand = StartWorkersCmd | StopWorkersCmd | StopNodeCmd | DumpStacksCmd | CheckHealthCmd
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FailureInfo:
-    """A worker process that exited with an error."""
+class _FromNode(Protocol):
+    """An event about one node (every event an agent reports is one)."""
 
-    node_id: str
+    @property
+    def node_id(self) -> str: ...
+
+
+E = TypeVar("E", bound=_FromNode, covariant=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentReport(Generic[E]):
+    """What a node's agent reports: the event the master records for it, and the node incarnation that sent it.
+
+    The incarnation tells a live node's report from a stale one (an agent from before its node was relaunched);
+    the event need not carry it.
+    """
+
     incarnation: int
-    round: int
-    local_rank: int
-    rank: int
-    exit_code: int | None
-    signal: int | None
-    step: int | None
-    #: the last lines of the worker's stderr
-    error_tail: str
-    #: wall-clock time the agent saw the worker end
-    exited_at: float | None = None
-    #: the kernel's record that it OOM-killed the worker; "" when none
-    oom: str = ""
-    #: GPU faults seen on the node when the worker ended; "" when none or no GPU
-    gpu: str = ""
-    #: global ranks of this node that exited 0 earlier in the round, while this worker still ran
-    exited_ok_ranks: tuple[int, ...] = ()
+    event: E
 
+    def __post_init__(self) -> None:
+        own = getattr(self.event, "incarnation", self.incarnation)
+        if own != self.incarnation:
+            raise ValueError(f"a report of incarnation {self.incarnation} holds an event of incarnation {own}: "
+                             "report an event with the incarnation of the node that sends it")
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class WorkerStack:
-    """One worker's Python stacks, as faulthandler prints them, and its last reported step."""
-
-    local_rank: int
-    rank: int
-    step: int | None
-    #: every thread, most recent call first; "" when the worker did not answer
-    stack: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StacksInfo:
-    """A node's answer to a DumpStacks command."""
-
-    node_id: str
-    incarnation: int
-    round: int
-    workers: tuple[WorkerStack, ...]
-    #: how the stacks were taken ("faulthandler")
-    method: str
-    #: what went wrong taking them, if anything
-    error: str = ""
+    @property
+    def node_id(self) -> str:
+        return self.event.node_id
 
 
 class AgentBackend(Protocol):
@@ -237,10 +228,10 @@ class AgentBackend(Protocol):
         """The commands for one node incarnation, in order; ends when the node must stop listening."""
         ...
 
-    async def report_failure(self, info: FailureInfo) -> None: ...
+    async def report_failure(self, report: AgentReport[WorkerFailed]) -> None: ...
 
-    async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None: ...
+    async def report_workers(self, report: AgentReport[WorkersStarted | WorkersSucceeded]) -> None: ...
 
-    async def report_stacks(self, info: StacksInfo) -> None: ...
+    async def report_stacks(self, report: AgentReport[StacksDumped]) -> None: ...
 
-    async def report_health(self, report: NodeHealthReported) -> None: ...
+    async def report_health(self, report: AgentReport[NodeHealthReported]) -> None: ...

@@ -1,7 +1,7 @@
 """Clients of the master's RPC services, with grpclib's errors mapped to stead's.
 
 :class:`MasterClient` mirrors :class:`~stead.core.rpc.backend.AgentBackend` (the
-same dataclasses in and out); plugins build their clients on :class:`RpcConnection`. A master
+same dataclasses and reports in and out); plugins build their clients on :class:`RpcConnection`. A master
 that cannot be reached raises :class:`~stead.core.errors.RpcUnavailable`, which
 :func:`retrying` retries with exponential backoff (no sooner than a shedding master's
 retry-after); a refused token raises :class:`~stead.core.errors.Unauthenticated` and a
@@ -32,7 +32,7 @@ from stead.core.errors import (
     SteadError,
     Unauthenticated,
 )
-from stead.core.events import NodeHealthReported
+from stead.core.events import NodeHealthReported, StacksDumped, WorkerFailed, WorkersStarted, WorkersSucceeded
 from stead.core.retry import retrying
 from stead.core.rpc._convert import (
     command_from_proto,
@@ -42,7 +42,7 @@ from stead.core.rpc._convert import (
     register_reply_from_proto,
     register_to_proto,
     stacks_to_proto,
-    workers_state_to_proto,
+    workers_to_proto,
 )
 from stead.core.rpc._proto.stead.v1 import (
     AgentServiceStub,
@@ -51,7 +51,6 @@ from stead.core.rpc._proto.stead.v1 import (
     HeartbeatBatch,
     HeartbeatReply,
     HeartbeatRequest,
-    WorkersReport,
 )
 from stead.core.rpc._refusals import Refusal, RefusalCodec
 from stead.core.rpc.address import parse_address
@@ -59,12 +58,10 @@ from stead.core.rpc.auth import attach_token, check_token
 from stead.core.rpc.backend import (
     HEARTBEAT_STREAM_ROUTE,
     AgentCommand,
-    FailureInfo,
+    AgentReport,
     HeartbeatInfo,
     RegisterInfo,
     RegisterResult,
-    StacksInfo,
-    WorkersState,
 )
 
 __all__ = ["HeartbeatStream", "MasterClient", "RpcConnection", "retrying"]
@@ -245,21 +242,19 @@ class MasterClient:
             with self._conn.errors(method):
                 await stream.aclose()
 
-    async def report_failure(self, info: FailureInfo) -> None:
+    async def report_failure(self, report: AgentReport[WorkerFailed]) -> None:
         with self._conn.errors("AgentService.ReportFailure"):
-            await self._stub.report_failure(failure_to_proto(info), timeout=self._conn.call_timeout_s)
+            await self._stub.report_failure(failure_to_proto(report), timeout=self._conn.call_timeout_s)
 
-    async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None:
-        report = WorkersReport(node_id=node_id, incarnation=incarnation, round=round,
-                               state=workers_state_to_proto(state))
+    async def report_workers(self, report: AgentReport[WorkersStarted | WorkersSucceeded]) -> None:
         with self._conn.errors("AgentService.ReportWorkers"):
-            await self._stub.report_workers(report, timeout=self._conn.call_timeout_s)
+            await self._stub.report_workers(workers_to_proto(report), timeout=self._conn.call_timeout_s)
 
-    async def report_stacks(self, info: StacksInfo) -> None:
+    async def report_stacks(self, report: AgentReport[StacksDumped]) -> None:
         with self._conn.errors("AgentService.ReportStacks"):
-            await self._stub.report_stacks(stacks_to_proto(info), timeout=self._conn.call_timeout_s)
+            await self._stub.report_stacks(stacks_to_proto(report), timeout=self._conn.call_timeout_s)
 
-    async def report_health(self, report: NodeHealthReported) -> None:
+    async def report_health(self, report: AgentReport[NodeHealthReported]) -> None:
         with self._conn.errors("AgentService.ReportHealth"):
             await self._stub.report_health(health_to_proto(report), timeout=self._conn.call_timeout_s)
 

@@ -6,8 +6,12 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from stead.plugin import RpcConnection, proto
+from stead.plugins.ckpt.events import CheckpointCorrupt
 
-__all__ = ["CheckpointClient", "Committed", "Saved"]
+__all__ = ["CheckpointClient", "Committed", "Saved", "corrupt_to_proto"]
+
+#: the most of a corrupt copy's detail a report carries (the master takes up to MAX_EVIDENCE_CHARS)
+_CORRUPT_DETAIL_CHARS = 2000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +74,13 @@ class CheckpointClient:
         with self._conn.errors("CheckpointService.ReportRestored"):
             await self._stub.report_restored(request, timeout=self._conn.call_timeout_s)
 
-    async def report_corrupt(self, *, rank: int, step: int, tier: str, detail: str) -> None:
-        request = proto.ReportCorruptRequest(node_id=self.node_id, rank=rank, step=step, tier=tier,
-                                             detail=detail[:2000])
+    async def report_corrupt(self, report: CheckpointCorrupt) -> None:
+        """Report a copy that failed its checksums, as the event the master records for it."""
         with self._conn.errors("CheckpointService.ReportCorrupt"):
-            await self._stub.report_corrupt(request, timeout=self._conn.call_timeout_s)
+            await self._stub.report_corrupt(corrupt_to_proto(report), timeout=self._conn.call_timeout_s)
+
+
+def corrupt_to_proto(report: CheckpointCorrupt) -> proto.ReportCorruptRequest:
+    """The ReportCorrupt message of ``report`` (the message and the event spell their fields the same way)."""
+    return proto.ReportCorruptRequest(node_id=report.node_id, rank=report.rank, step=report.step, tier=report.tier,
+                                      detail=report.detail[:_CORRUPT_DETAIL_CHARS])

@@ -46,6 +46,7 @@ from stead.plugins.ckpt._shm import (
     unlink_quietly,
 )
 from stead.plugins.ckpt.errors import CheckpointError, SharedMemoryTooSmall
+from stead.plugins.ckpt.events import CheckpointCorrupt
 from stead.plugins.ckpt.settings import CheckpointSettings
 
 __all__ = ["NodeCheckpoints"]
@@ -696,8 +697,9 @@ class NodeCheckpoints:
 
     async def _report_corrupt(self, state: RankMemory, step: int, tier: str, detail: str, *, rank: int = -1) -> None:
         try:
-            await self._client.report_corrupt(rank=rank if rank >= 0 else state.rank, step=step, tier=tier,
-                                              detail=detail)
+            await self._client.report_corrupt(CheckpointCorrupt(
+                node_id=self._client.node_id, rank=rank if rank >= 0 else state.rank, step=step, tier=tier,
+                detail=detail))
         except SteadError as exc:
             log.warning("ckpt_report_failed", what="corrupt", error=str(exc))
 

@@ -31,7 +31,7 @@ from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, 
 from stead.plugins.ckpt.events import CheckpointCorrupt, CheckpointPersisted, CheckpointRestored
 from stead.plugins.ckpt.settings import CheckpointSettings
 
-__all__ = ["CheckpointPlugin", "CheckpointServicer"]
+__all__ = ["CheckpointPlugin", "CheckpointServicer", "corrupt_from_proto"]
 
 log = structlog.get_logger("stead.plugins.ckpt")
 
@@ -130,9 +130,11 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
             if len(steps) > 1:
                 log.error("ckpt_ranks_restored_different_steps", round=round_, steps=sorted(steps))
 
-    async def corrupt(self, *, node_id: str, rank: int, step: int, tier: str, detail: str) -> None:
-        log.warning("ckpt_corrupt", node=node_id, rank=rank, step=step, tier=tier, detail=detail)
-        await self.ctx.emit(CheckpointCorrupt(step=step, tier=tier, rank=rank, node_id=node_id, detail=detail))
+    async def corrupt(self, report: CheckpointCorrupt) -> None:
+        """Record an agent's report of a corrupt copy (it arrives as the event it reports)."""
+        log.warning("ckpt_corrupt", node=report.node_id, rank=report.rank, step=report.step, tier=report.tier,
+                    detail=report.detail)
+        await self.ctx.emit(report)
 
     async def _save(self, book: Book) -> None:
         value = json.dumps({"step": book.step, "step_round": book.step_round, "persisted": book.persisted})
@@ -231,6 +233,11 @@ class CheckpointServicer(proto.CheckpointServiceBase):
         at_least(f"{where}.rank", message.rank, 0, "ranks count from 0")
         at_least(f"{where}.step", message.step, 0, "a training step")
         with backend_errors("CheckpointService.ReportCorrupt"):
-            await self._plugin.corrupt(node_id=message.node_id, rank=message.rank, step=message.step,
-                                       tier=message.tier, detail=message.detail)
+            await self._plugin.corrupt(corrupt_from_proto(message))
         return proto.Ack()
+
+
+def corrupt_from_proto(message: proto.ReportCorruptRequest) -> CheckpointCorrupt:
+    """The event a ReportCorrupt call reports (the message and the event spell their fields the same way)."""
+    return CheckpointCorrupt(node_id=message.node_id, rank=message.rank, step=message.step, tier=message.tier,
+                             detail=message.detail)

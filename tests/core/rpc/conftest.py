@@ -9,17 +9,16 @@ from pathlib import Path
 import anyio
 import pytest
 
-from stead.core.events import NodeHealthReported
+from stead.core.events import NodeHealthReported, StacksDumped, WorkerFailed, WorkersStarted, WorkersSucceeded
 from stead.core.rpc import (
     AgentCommand,
+    AgentReport,
     AgentServicer,
-    FailureInfo,
     HeartbeatInfo,
     MasterClient,
     RegisterInfo,
     RegisterResult,
     RpcServer,
-    WorkersState,
     new_token,
 )
 
@@ -47,16 +46,17 @@ class FakeBackend:
     error: Exception | None = None
     registered: list[RegisterInfo] = dataclasses.field(default_factory=list)
     heartbeats: list[HeartbeatInfo] = dataclasses.field(default_factory=list)
-    failures: list[FailureInfo] = dataclasses.field(default_factory=list)
-    workers: list[tuple[str, int, int, WorkersState]] = dataclasses.field(default_factory=list)
+    failures: list[AgentReport[WorkerFailed]] = dataclasses.field(default_factory=list)
+    workers: list[AgentReport[WorkersStarted | WorkersSucceeded]] = dataclasses.field(default_factory=list)
     subscribed: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    health: list[NodeHealthReported] = dataclasses.field(default_factory=list)
+    stacks: list[AgentReport[StacksDumped]] = dataclasses.field(default_factory=list)
+    health: list[AgentReport[NodeHealthReported]] = dataclasses.field(default_factory=list)
     stream_closed: anyio.Event = dataclasses.field(default_factory=anyio.Event)
 
     @property
     def calls(self) -> int:
         return (len(self.registered) + len(self.heartbeats) + len(self.failures) + len(self.workers)
-                + len(self.subscribed) + len(self.health))
+                + len(self.subscribed) + len(self.stacks) + len(self.health))
 
     def _maybe_fail(self) -> None:
         if self.error is not None:
@@ -83,15 +83,19 @@ class FakeBackend:
         finally:
             self.stream_closed.set()
 
-    async def report_failure(self, info: FailureInfo) -> None:
-        self.failures.append(info)
+    async def report_failure(self, report: AgentReport[WorkerFailed]) -> None:
+        self.failures.append(report)
         self._maybe_fail()
 
-    async def report_workers(self, node_id: str, incarnation: int, round: int, state: WorkersState) -> None:
-        self.workers.append((node_id, incarnation, round, state))
+    async def report_workers(self, report: AgentReport[WorkersStarted | WorkersSucceeded]) -> None:
+        self.workers.append(report)
         self._maybe_fail()
 
-    async def report_health(self, report: NodeHealthReported) -> None:
+    async def report_stacks(self, report: AgentReport[StacksDumped]) -> None:
+        self.stacks.append(report)
+        self._maybe_fail()
+
+    async def report_health(self, report: AgentReport[NodeHealthReported]) -> None:
         self.health.append(report)
         self._maybe_fail()
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +16,7 @@ from stead.core.events.log import EventLog
 from stead.core.hub import AgentHub
 from stead.core.master import Master, MasterConfig
 from stead.core.platform import NodeSpec
-from stead.core.rpc import FailureInfo, MasterClient, RegisterInfo
+from stead.core.rpc import AgentReport, MasterClient, RegisterInfo
 from stead.core.statemachine import JobState, NodePhase, NodeState
 from stead.core.store import open_store
 from stead.testing.platforms import RecordingPlatform
@@ -22,8 +24,12 @@ from stead.testing.platforms import RecordingPlatform
 pytestmark = pytest.mark.anyio
 
 JOB = "failures"
-FAILURE = FailureInfo(node_id="node-0", incarnation=1, round=1, local_rank=0, rank=0, exit_code=1, signal=None,
-                      step=3, error_tail="RuntimeError: boom")
+FAILURE = AgentReport(incarnation=1, event=WorkerFailed(node_id="node-0", round=1, local_rank=0, rank=0, exit_code=1,
+                                                       signal=None, step=3, error_tail="RuntimeError: boom"))
+
+
+def _with(**changes: Any) -> AgentReport[WorkerFailed]:
+    return AgentReport(incarnation=1, event=dataclasses.replace(FAILURE.event, **changes))
 
 
 def _config(tmp_path: Path, store_url: str) -> MasterConfig:
@@ -55,7 +61,7 @@ async def test_a_failure_reported_again_is_recorded_once_even_by_the_master_that
             # the first report and its retry, the retry arriving while the first is being recorded
             await asyncio.gather(agent0.report_failure(FAILURE), agent1.report_failure(FAILURE))
             await agent0.report_failure(FAILURE)  # a retry after the first was answered (its reply was lost)
-            other = FailureInfo(**{**FAILURE.__dict__, "node_id": "node-1", "rank": 1, "error_tail": "collective"})
+            other = _with(node_id="node-1", rank=1, error_tail="collective")
             await agent1.report_failure(other)  # another rank's failure of the same round is a failure of its own
             await agent1.report_failure(other)
     assert [(f.node_id, f.rank) for f in await _failures(store_url)] == [("node-0", 0), ("node-1", 1)]
@@ -86,7 +92,7 @@ async def test_a_report_whose_recording_failed_is_recorded_by_its_retry() -> Non
         await hub.report_failure(FAILURE)
     await hub.report_failure(FAILURE)
     await hub.report_failure(FAILURE)
-    await hub.report_failure(FailureInfo(**{**FAILURE.__dict__, "round": 2}))  # a later round: a new failure
+    await hub.report_failure(_with(round=2))  # a later round: a new failure
     assert [(e.round, e.rank) for e in recorded if isinstance(e, WorkerFailed)] == [(1, 0), (2, 0)]
 
 

@@ -13,10 +13,18 @@ from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 
 from stead.core.errors import InvalidRequest, RpcUnavailable, StoreUnavailable, Unauthenticated
-from stead.core.events import NodeHealthReported, PeerCollective
+from stead.core.events import (
+    NodeHealthReported,
+    PeerCollective,
+    StackSample,
+    StacksDumped,
+    WorkerFailed,
+    WorkersStarted,
+    WorkersSucceeded,
+)
 from stead.core.rpc import (
+    AgentReport,
     CheckHealthCmd,
-    FailureInfo,
     HeartbeatInfo,
     MasterClient,
     RegisterInfo,
@@ -41,9 +49,10 @@ pytestmark = pytest.mark.anyio
 REGISTER = RegisterInfo(node_id="node-0", incarnation=1, host="host-a", pid=4242, nproc=2)
 HEARTBEAT = HeartbeatInfo(node_id="node-0", incarnation=1, round=0, step=None, workers_alive=2, rss_bytes=1 << 30,
                           cpu_percent=12.5, step_compute_s=0.125, gpu_memory_bytes=3 << 30, gpu_util_percent=87.5)
-FAILURE = FailureInfo(node_id="node-0", incarnation=1, round=2, local_rank=1, rank=3, exit_code=1, signal=None,
-                      step=None, error_tail="Traceback ...\nRuntimeError: boom\n", oom="kernel: Killed process 7",
-                      gpu="GPU 0: XID 79 (GPU has fallen off the bus)", exited_ok_ranks=(2,))
+FAILURE = AgentReport(incarnation=1, event=WorkerFailed(
+    node_id="node-0", round=2, local_rank=1, rank=3, exit_code=1, signal=None, step=None,
+    error_tail="Traceback ...\nRuntimeError: boom\n", oom="kernel: Killed process 7",
+    gpu="GPU 0: XID 79 (GPU has fallen off the bus)", exited_ok_ranks=(2,)))
 COMMANDS = [
     StartWorkersCmd(id="start-1", round=1, node_rank=0, nnodes=2, nproc_per_node=2, world_size=4, restart_count=0,
                     master_addr="10.0.0.1", master_port=29500),
@@ -54,9 +63,23 @@ COMMANDS = [
                    store_port=29502, timeout_s=60.0),
     StopNodeCmd(id="stop-node", reason="job finished"),
 ]
-HEALTH = NodeHealthReported(node_id="node-0", incarnation=1, check=1, matmul_s=0.012, device="cpu", seconds=1.5,
-                            collectives=(PeerCollective(peer="node-1", seconds=0.004),
-                                         PeerCollective(peer="node-2", error="RuntimeError: timed out")))
+HEALTH = AgentReport(incarnation=1, event=NodeHealthReported(
+    node_id="node-0", incarnation=1, check=1, matmul_s=0.012, device="cpu", seconds=1.5,
+    collectives=(PeerCollective(peer="node-1", seconds=0.004),
+                 PeerCollective(peer="node-2", error="RuntimeError: timed out"))))
+STACKS = AgentReport(incarnation=1, event=StacksDumped(node_id="node-0", round=2, method="faulthandler", workers=(
+    StackSample(rank=2, local_rank=0, step=7, stack='Thread 0x1 (most recent call first):\n  File "train.py"'),
+    StackSample(rank=3, local_rank=1, step=None, stack=""))))
+
+
+def _with(report: AgentReport[Any], **changes: Any) -> AgentReport[Any]:
+    """``report`` with these fields of its event changed."""
+    return AgentReport(incarnation=report.incarnation, event=dataclasses.replace(report.event, **changes))
+
+
+def _workers(node_id: str, round_: int, *, started: bool = True) -> AgentReport[WorkersStarted | WorkersSucceeded]:
+    kind = WorkersStarted if started else WorkersSucceeded
+    return AgentReport(incarnation=1, event=kind(node_id=node_id, round=round_))
 
 
 async def test_register_and_heartbeat_reach_the_backend_and_return_its_answers(client: MasterClient,
@@ -93,21 +116,26 @@ async def test_leaving_the_command_stream_early_closes_the_backends_iterator(cli
     assert await client.heartbeat(HEARTBEAT) is True  # the connection is still usable
 
 
-async def test_failure_and_workers_reports_reach_the_backend(client: MasterClient, backend: Any) -> None:
-    signalled = FailureInfo(**{**FAILURE.__dict__, "exit_code": None, "signal": 9, "step": 77})
+async def test_failure_and_workers_reports_reach_the_backend_as_the_events_they_are(client: MasterClient,
+                                                                                     backend: Any) -> None:
+    signalled = _with(FAILURE, exit_code=None, signal=9, step=77)
     await client.report_failure(FAILURE)
     await client.report_failure(signalled)
-    await client.report_workers("node-0", 1, 2, "started")
-    await client.report_workers("node-0", 1, 2, "succeeded")
+    await client.report_workers(_workers("node-0", 2))
+    await client.report_workers(_workers("node-0", 2, started=False))
     assert backend.failures == [FAILURE, signalled]
-    assert backend.workers == [("node-0", 1, 2, "started"), ("node-0", 1, 2, "succeeded")]
+    assert backend.workers == [_workers("node-0", 2), _workers("node-0", 2, started=False)]
 
 
-async def test_a_health_report_reaches_the_backend_as_the_event_it_is(client: MasterClient, backend: Any) -> None:
-    failed = NodeHealthReported(node_id="node-1", incarnation=2, check=3, error="matmul: RuntimeError: boom")
+async def test_health_and_stacks_reports_reach_the_backend_as_the_events_they_are(client: MasterClient,
+                                                                                   backend: Any) -> None:
+    failed = AgentReport(incarnation=2, event=NodeHealthReported(node_id="node-1", incarnation=2, check=3,
+                                                                 error="matmul: RuntimeError: boom"))
     await client.report_health(HEALTH)
     await client.report_health(failed)
+    await client.report_stacks(STACKS)
     assert backend.health == [HEALTH, failed]  # an unset matmul time travels as unset
+    assert backend.stacks == [STACKS]  # and an unset step as unset
 
 
 @pytest.mark.parametrize(("call", "field"), [
@@ -134,35 +162,46 @@ async def test_a_health_report_reaches_the_backend_as_the_event_it_is(client: Ma
      "HeartbeatRequest.step_compute_s"),
     (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "step_compute_s": float("inf")})),
      "HeartbeatRequest.step_compute_s"),
-    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "oom": "x" * 5000})), "FailureReport.oom"),
-    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "gpu": "x" * 5000})), "FailureReport.gpu"),
-    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "rank": -1})), "FailureReport.rank"),
-    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "error_tail": "x" * 40_000})),
+    (lambda c: c.report_failure(_with(FAILURE, oom="x" * 5000)), "FailureReport.oom"),
+    (lambda c: c.report_failure(_with(FAILURE, gpu="x" * 5000)), "FailureReport.gpu"),
+    (lambda c: c.report_failure(_with(FAILURE, rank=-1)), "FailureReport.rank"),
+    (lambda c: c.report_failure(_with(FAILURE, error_tail="x" * 40_000)),
      "FailureReport.error_tail"),
-    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "exited_ok_ranks": (1, -1)})),
+    (lambda c: c.report_failure(_with(FAILURE, exited_ok_ranks=(1, -1))),
      "FailureReport.exited_ok_ranks"),
-    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "local_rank": -2})), "FailureReport.local_rank"),
-    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "round": -1})), "FailureReport.round"),
-    (lambda c: c.report_workers("", 1, 0, "started"), "WorkersReport.node_id"),
-    (lambda c: c.report_health(dataclasses.replace(HEALTH, check=0)), "HealthReport.check"),
-    (lambda c: c.report_health(dataclasses.replace(HEALTH, matmul_s=float("nan"))), "HealthReport.matmul_s"),
-    (lambda c: c.report_health(dataclasses.replace(HEALTH, seconds=-1.0)), "HealthReport.seconds"),
-    (lambda c: c.report_health(dataclasses.replace(HEALTH, collectives=(PeerCollective(peer="a/b"),))),
+    (lambda c: c.report_failure(_with(FAILURE, local_rank=-2)), "FailureReport.local_rank"),
+    (lambda c: c.report_failure(_with(FAILURE, round=-1)), "FailureReport.round"),
+    (lambda c: c.report_workers(_workers("", 0)), "WorkersReport.node_id"),
+    (lambda c: c.report_health(_with(HEALTH, check=0)), "HealthReport.check"),
+    (lambda c: c.report_health(_with(HEALTH, matmul_s=float("nan"))), "HealthReport.matmul_s"),
+    (lambda c: c.report_health(_with(HEALTH, seconds=-1.0)), "HealthReport.seconds"),
+    (lambda c: c.report_health(_with(HEALTH, collectives=(PeerCollective(peer="a/b"),))),
      "HealthReport.collectives[0].peer"),
-    (lambda c: c.report_health(dataclasses.replace(HEALTH, collectives=(PeerCollective(peer="n", seconds=-2),))),
+    (lambda c: c.report_health(_with(HEALTH, collectives=(PeerCollective(peer="n", seconds=-2),))),
      "HealthReport.collectives[0].seconds"),
-    (lambda c: c.report_health(dataclasses.replace(HEALTH, collectives=(PeerCollective(peer="n"),) * 4)),
+    (lambda c: c.report_health(_with(HEALTH, collectives=(PeerCollective(peer="n"),) * 4)),
      "HealthReport.collectives"),
-    (lambda c: c.report_health(dataclasses.replace(HEALTH, error="x" * 5000)), "HealthReport.error"),
-    (lambda c: c.report_workers("node-0", 1, -1, "started"), "WorkersReport.round"),
+    (lambda c: c.report_health(_with(HEALTH, error="x" * 5000)), "HealthReport.error"),
+    (lambda c: c.report_workers(_workers("node-0", -1)), "WorkersReport.round"),
+    (lambda c: c.report_failure(AgentReport(incarnation=0, event=FAILURE.event)), "FailureReport.incarnation"),
+    (lambda c: c.report_stacks(_with(STACKS, node_id="a/b")), "StacksReport.node_id"),
+    (lambda c: c.report_stacks(_with(STACKS, round=-1)), "StacksReport.round"),
+    (lambda c: c.report_stacks(_with(STACKS, workers=(StackSample(rank=-1, local_rank=0, step=None, stack=""),))),
+     "StacksReport.workers[0].rank"),
+    (lambda c: c.report_stacks(_with(STACKS, workers=(StackSample(rank=0, local_rank=0, step=-3, stack=""),))),
+     "StacksReport.workers[0].step"),
+    (lambda c: c.report_stacks(_with(STACKS, workers=(StackSample(rank=0, local_rank=0, step=1,
+                                                                  stack="s" * (64 * 1024 + 1)),))),
+     "StacksReport.workers[0].stack has 65537 characters: send at most 65536"),
+    (lambda c: c.report_stacks(_with(STACKS, method="m" * 65)), "StacksReport.method has 65 characters"),
     (lambda c: c.register(RegisterInfo(**{**REGISTER.__dict__, "node_id": ".."})), "RegisterRequest.node_id"),
     (lambda c: c.register(RegisterInfo(**{**REGISTER.__dict__, "node_id": "../../x y"})), "RegisterRequest.node_id"),
     (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "phase": "p" * (2 << 20)})),
      "HeartbeatRequest.phase has 2097152 characters: send at most 24"),
-    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "exited_at": float("nan")})),
+    (lambda c: c.report_failure(_with(FAILURE, exited_at=float("nan"))),
      "FailureReport.exited_at is nan: send a finite number"),
-    (lambda c: c.report_failure(FailureInfo(**{**FAILURE.__dict__, "exited_at": -1.0})), "FailureReport.exited_at"),
-    (lambda c: c.report_health(dataclasses.replace(HEALTH, device="d" * 300)),
+    (lambda c: c.report_failure(_with(FAILURE, exited_at=-1.0)), "FailureReport.exited_at"),
+    (lambda c: c.report_health(_with(HEALTH, device="d" * 300)),
      "HealthReport.device has 300 characters: send at most 256"),
 ])
 async def test_malformed_requests_are_rejected_with_the_field_named(client: MasterClient, backend: Any, call: Any,

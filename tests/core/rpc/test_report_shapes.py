@@ -1,0 +1,268 @@
+"""An agent's report has one shape from the wire to the event log: each message converts to its event with every
+field, and each bad report is refused, by the servicer or by the master's hub, in the same words as before."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from typing import Any, cast
+
+import betterproto2
+import pytest
+from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+import stead.core.rpc._proto.stead.v1 as pb
+from stead.core.config import Settings
+from stead.core.events import (
+    Event,
+    NodeHealthReported,
+    PeerCollective,
+    Record,
+    StackSample,
+    StacksDumped,
+    WorkerFailed,
+    WorkersStarted,
+    WorkersSucceeded,
+)
+from stead.core.hub import AgentHub
+from stead.core.rpc import AgentReport, AgentServicer, RpcServer, attach_token, new_token
+from stead.core.rpc._convert import (
+    failure_from_proto,
+    failure_to_proto,
+    health_from_proto,
+    health_to_proto,
+    stacks_from_proto,
+    stacks_to_proto,
+    workers_from_proto,
+    workers_to_proto,
+)
+from stead.core.statemachine import JobState, NodePhase, NodeState
+from stead.plugins.ckpt._client import corrupt_to_proto
+from stead.plugins.ckpt.events import CheckpointCorrupt
+from stead.plugins.ckpt.plugin import corrupt_from_proto
+
+pytestmark = pytest.mark.anyio
+
+#: (message, event it converts to, the message's fields the event does not hold: the report's envelope)
+SHAPES: list[tuple[type[betterproto2.Message], type[Any], set[str]]] = [
+    (pb.FailureReport, WorkerFailed, {"incarnation"}),
+    (pb.WorkersReport, WorkersStarted, {"incarnation", "state"}),
+    (pb.WorkersReport, WorkersSucceeded, {"incarnation", "state"}),
+    (pb.StacksReport, StacksDumped, {"incarnation"}),
+    (pb.WorkerStack, StackSample, set()),
+    (pb.HealthReport, NodeHealthReported, set()),
+    (pb.PeerCollective, PeerCollective, set()),
+    (pb.ReportCorruptRequest, CheckpointCorrupt, set()),
+]
+
+
+@pytest.mark.parametrize(("message", "event", "envelope"), SHAPES,
+                         ids=[f"{m.__name__}-{e.__name__}" for m, e, _ in SHAPES])
+def test_each_report_message_and_its_event_spell_the_same_fields(message: type[betterproto2.Message],
+                                                                 event: type[Any], envelope: set[str]) -> None:
+    message_fields = {f.name for f in dataclasses.fields(cast(Any, message))}
+    event_fields = {f.name for f in dataclasses.fields(event)}
+    assert message_fields - envelope == event_fields, "a field the wire or the event log would drop"
+    assert envelope <= message_fields
+
+
+# -- every field crosses ---------------------------------------------------------------
+
+FAILURE = AgentReport(incarnation=3, event=WorkerFailed(
+    node_id="node-1", round=4, local_rank=1, rank=5, exit_code=137, signal=9, step=1234, error_tail="Killed\n",
+    exited_at=1.7e9, oom="memory cgroup out of memory: Killed process 7", gpu="GPU 0: XID 79",
+    exited_ok_ranks=(4, 6)))
+STACKS = AgentReport(incarnation=3, event=StacksDumped(
+    node_id="node-1", round=4, method="faulthandler", error="rank 6 did not answer",
+    workers=(StackSample(rank=5, local_rank=1, step=77, stack='Thread 0x1:\n  File "train.py", line 3'),)))
+HEALTH = AgentReport(incarnation=3, event=NodeHealthReported(
+    node_id="node-1", incarnation=3, check=2, matmul_s=0.0125, device="cuda:0 NVIDIA H100", error="slow peer",
+    seconds=4.5, collectives=(PeerCollective(peer="node-2", seconds=0.25, error="slow"),)))
+STARTED = AgentReport(incarnation=3, event=WorkersStarted(node_id="node-1", round=4))
+SUCCEEDED = AgentReport(incarnation=3, event=WorkersSucceeded(node_id="node-1", round=4))
+CORRUPT = CheckpointCorrupt(node_id="node-1", rank=5, step=1200, tier="disk", detail="tensor w fails its checksum")
+
+#: (report with every field set, to the message, from the message)
+CROSSINGS: list[tuple[Any, Callable[[Any], betterproto2.Message], Callable[[Any], Any]]] = [
+    (FAILURE, failure_to_proto, failure_from_proto),
+    (STACKS, stacks_to_proto, stacks_from_proto),
+    (HEALTH, health_to_proto, health_from_proto),
+    (STARTED, workers_to_proto, workers_from_proto),
+    (SUCCEEDED, workers_to_proto, workers_from_proto),
+    (CORRUPT, corrupt_to_proto, corrupt_from_proto),
+]
+
+
+def _unset_fields(value: Any) -> list[str]:
+    """The fields of a dataclass or message (nested ones included) left at their defaults."""
+    if not dataclasses.is_dataclass(value):
+        return []
+    blank = type(value)() if isinstance(value, betterproto2.Message) else None
+    unset = []
+    for field in dataclasses.fields(value):
+        item = getattr(value, field.name)
+        default = getattr(blank, field.name) if blank is not None else field.default
+        if item == default or item in ((), []):
+            unset.append(field.name)
+        for inner in item if isinstance(item, tuple | list) else (item,):
+            unset += [f"{field.name}.{name}" for name in _unset_fields(inner)]
+    return unset
+
+
+@pytest.mark.parametrize(("report", "to_proto", "from_proto"), CROSSINGS,
+                         ids=[type(getattr(r, "event", r)).__name__ for r, _, _ in CROSSINGS])
+def test_each_report_crosses_the_wire_with_every_field(report: Any, to_proto: Callable[[Any], betterproto2.Message],
+                                                       from_proto: Callable[[Any], Any]) -> None:
+    event = getattr(report, "event", report)
+    assert _unset_fields(event) == [], "set every field of the sample, a new one too, so that it is seen crossing"
+    message = to_proto(report)
+    assert _unset_fields(message) == [], "a field the message is not given"
+    received = type(message)().parse(bytes(message))
+    assert from_proto(received) == report
+
+
+def test_a_report_and_the_event_it_holds_name_the_same_incarnation() -> None:
+    with pytest.raises(ValueError, match="a report of incarnation 2 holds an event of incarnation 3"):
+        AgentReport(incarnation=2, event=HEALTH.event)
+
+
+# -- every bad report is refused as before -----------------------------------------------
+
+_LIVE = "node-0"
+#: (the stub's method, the message, the exact refusal) for the counts over a bound, checked before the message is
+#: decoded: answered RESOURCE_EXHAUSTED (told apart from a master shedding load, so the agent does not retry)
+OVER_BOUNDS: list[tuple[str, betterproto2.Message, str]] = [
+    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=1, exited_ok_ranks=list(range(1025))),
+     "FailureReport.exited_ok_ranks has 1025 entries or more: send at most 1024 "
+     "(MAX_NODE_WORKERS: a node runs at most 1024 workers)"),
+    ("report_stacks", pb.StacksReport(node_id=_LIVE, incarnation=1, workers=[pb.WorkerStack()] * 1025),
+     "StacksReport.workers has 1025 entries or more: send at most 1024 "
+     "(MAX_NODE_WORKERS: a node runs at most 1024 workers)"),
+    ("report_health", pb.HealthReport(node_id=_LIVE, incarnation=1, check=1, collectives=[pb.PeerCollective()] * 4),
+     "HealthReport.collectives has 4 entries or more: send at most 3 "
+     "(MAX_HEALTH_PEERS: one partner per stage of a check)"),
+]
+#: (the stub's method, the message, the exact refusal) for the rest: answered INVALID_ARGUMENT
+REFUSALS: list[tuple[str, betterproto2.Message, str]] = [
+    # strings' lengths and floats' finiteness, as the message is decoded
+    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=1, error_tail="x" * (32 * 1024 + 1)),
+     "FailureReport.error_tail has 32769 characters: send at most 32768 (the end of the worker's stderr)"),
+    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=1, oom="x" * 4097),
+     "FailureReport.oom has 4097 characters: send at most 4096 (the record itself, not a log)"),
+    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=1, gpu="x" * 4097),
+     "FailureReport.gpu has 4097 characters: send at most 4096 (the record itself, not a log)"),
+    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=1, exited_at=float("inf")),
+     "FailureReport.exited_at is inf: send a finite number"),
+    ("report_stacks", pb.StacksReport(node_id=_LIVE, incarnation=1, workers=[pb.WorkerStack(stack="s" * 65537)]),
+     "StacksReport.workers[0].stack has 65537 characters: send at most 65536 (cut the dump)"),
+    ("report_stacks", pb.StacksReport(node_id=_LIVE, incarnation=1, method="m" * 65),
+     "StacksReport.method has 65 characters: send at most 64 (how the stacks were taken, e.g. faulthandler)"),
+    ("report_stacks", pb.StacksReport(node_id=_LIVE, incarnation=1, error="e" * 4097),
+     "StacksReport.error has 4097 characters: send at most 4096 (what went wrong, not a log)"),
+    ("report_health", pb.HealthReport(node_id=_LIVE, incarnation=1, check=1, matmul_s=float("nan")),
+     "HealthReport.matmul_s is nan: send a finite number"),
+    ("report_health", pb.HealthReport(node_id=_LIVE, incarnation=1, check=1, device="d" * 257),
+     "HealthReport.device has 257 characters: send at most 256 (a name or a short label)"),
+    ("report_health", pb.HealthReport(node_id=_LIVE, incarnation=1, check=1,
+                                     collectives=[pb.PeerCollective(peer="n", error="e" * 4097)]),
+     "HealthReport.collectives[0].error has 4097 characters: send at most 4096 (what went wrong, not a log)"),
+    # what each field means, in the servicer
+    ("report_failure", pb.FailureReport(node_id="a/b", incarnation=1),
+     "FailureReport.node_id 'a/b' is not a valid name: pass the node's id (the one the agent was started with): "
+     "1-253 letters, digits, '.', '_' or '-', starting with a letter or digit"),
+    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=0),
+     "FailureReport.incarnation is 0: incarnations start at 1; pass the node's launch count"),
+    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=1, rank=-1),
+     "FailureReport.rank is -1: it must be at least 0 (ranks count from 0)"),
+    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=1, signal=0),
+     "FailureReport.signal is 0: it must be at least 1 (a signal number; leave it unset when none)"),
+    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=1, exited_ok_ranks=[1, -1]),
+     "FailureReport.exited_ok_ranks[1] is -1: it must be at least 0 (ranks count from 0)"),
+    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=1, exited_at=-1.0),
+     "FailureReport.exited_at is -1.0: send a finite time in seconds since the epoch >= 0, or leave it unset"),
+    ("report_workers", pb.WorkersReport(node_id=_LIVE, incarnation=1, round=-1, state=pb.WorkersState.STARTED),
+     "WorkersReport.round is -1: it must be at least 0 (rendezvous rounds count from 0)"),
+    ("report_workers", pb.WorkersReport(node_id=_LIVE, incarnation=1),
+     "WorkersReport.state is <WorkersState.UNSPECIFIED: 0>: send WORKERS_STATE_STARTED or WORKERS_STATE_SUCCEEDED"),
+    ("report_stacks", pb.StacksReport(node_id=_LIVE, incarnation=1, workers=[pb.WorkerStack(step=-1)]),
+     "StacksReport.workers[0].step is -1: it must be at least 0 (a training step; leave it unset when none)"),
+    ("report_health", pb.HealthReport(node_id=_LIVE, incarnation=1, check=0),
+     "HealthReport.check is 0: it must be at least 1 (health checks count from 1)"),
+    ("report_health", pb.HealthReport(node_id=_LIVE, incarnation=1, check=1, seconds=-1.0),
+     "HealthReport.seconds is -1.0: send a finite number of seconds >= 0, or leave it unset"),
+    ("report_health", pb.HealthReport(node_id=_LIVE, incarnation=1, check=1,
+                                     collectives=[pb.PeerCollective(peer="")]),
+     "HealthReport.collectives[0].peer is empty: pass the node's id (the one the agent was started with): "
+     "1-253 letters, digits, '.', '_' or '-', starting with a letter or digit"),
+    # a node incarnation the job does not know (a stale agent), in the hub
+    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=2),
+     "node node-0 incarnation 2 is not a live node"),
+    ("report_failure", pb.FailureReport(node_id="node-9", incarnation=1),
+     "node node-9 incarnation 1 is not a live node"),
+    ("report_workers", pb.WorkersReport(node_id=_LIVE, incarnation=2, state=pb.WorkersState.SUCCEEDED),
+     "node node-0 incarnation 2 is not a live node"),
+    ("report_stacks", pb.StacksReport(node_id=_LIVE, incarnation=2),
+     "node node-0 incarnation 2 is not a live node of job 'shapes'; this agent is stale and should exit"),
+    ("report_health", pb.HealthReport(node_id="node-9", incarnation=1, check=1),
+     "node node-9 incarnation 1 is not a live node of job 'shapes'; this agent is stale and should exit"),
+]
+
+
+@pytest.fixture
+async def hub_server() -> AsyncIterator[tuple[RpcServer, str, list[Event]]]:
+    """A real hub, whose job has node-0 (incarnation 1) joined, behind a real server; and what it recorded."""
+    recorded: list[Event] = []
+
+    async def submit(event: Event) -> Record:
+        recorded.append(event)
+        return Record(seq=len(recorded), at=0.0, event=event)
+
+    state = JobState(nodes={_LIVE: NodeState(node_id=_LIVE, incarnation=1, phase=NodePhase.JOINED)})
+    hub = AgentHub(job="shapes", settings=Settings(), submit=submit, get_state=lambda: state,
+                   store_addr=lambda: ("127.0.0.1", 1))
+    token = new_token()
+    async with RpcServer([AgentServicer(hub)], token=token, token_file="/run/stead/shapes/token") as server:
+        yield server, token, recorded
+
+
+@pytest.mark.parametrize(("method", "message", "status", "refusal"),
+                         [(m, msg, Status.RESOURCE_EXHAUSTED, r) for m, msg, r in OVER_BOUNDS]
+                         + [(m, msg, Status.INVALID_ARGUMENT, r) for m, msg, r in REFUSALS],
+                         ids=[r for _, _, r in OVER_BOUNDS + REFUSALS])
+async def test_each_bad_report_is_refused_in_the_same_words_and_nothing_is_recorded(
+        hub_server: tuple[RpcServer, str, list[Event]], method: str, message: betterproto2.Message, status: Status,
+        refusal: str) -> None:
+    server, token, recorded = hub_server
+    channel = Channel(server.host, server.port)
+    attach_token(channel, token)
+    call = getattr(pb.AgentServiceStub(channel), method)
+    try:
+        with pytest.raises(GRPCError) as caught:
+            await call(message, timeout=10)
+    finally:
+        channel.close()
+    assert caught.value.status == status
+    assert caught.value.message == refusal
+    assert recorded == []
+
+
+async def test_a_live_nodes_reports_are_recorded_as_the_events_they_hold(
+        hub_server: tuple[RpcServer, str, list[Event]]) -> None:
+    server, token, recorded = hub_server
+    started = WorkersStarted(node_id=_LIVE, round=4)
+    failure = dataclasses.replace(FAILURE.event, node_id=_LIVE)
+    stacks = dataclasses.replace(STACKS.event, node_id=_LIVE)
+    health = dataclasses.replace(HEALTH.event, node_id=_LIVE, incarnation=1)
+    channel = Channel(server.host, server.port)
+    attach_token(channel, token)
+    stub = pb.AgentServiceStub(channel)
+    try:
+        await stub.report_workers(workers_to_proto(AgentReport(incarnation=1, event=started)), timeout=10)
+        await stub.report_failure(failure_to_proto(AgentReport(incarnation=1, event=failure)), timeout=10)
+        await stub.report_stacks(stacks_to_proto(AgentReport(incarnation=1, event=stacks)), timeout=10)
+        await stub.report_health(health_to_proto(AgentReport(incarnation=1, event=health)), timeout=10)
+    finally:
+        channel.close()
+    assert recorded == [started, failure, stacks, health]
