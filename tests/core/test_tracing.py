@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -39,14 +40,16 @@ class _Nothing:
         return None
 
 
-async def _trace(*events: Event) -> tuple[InMemorySpanExporter, RecoveryTracer]:
-    """Fold ``events`` through a reactor whose recovery tracer exports to memory."""
+async def _trace(*events: Event, clock: Callable[[], float] = time.time) -> tuple[InMemorySpanExporter,
+                                                                                   RecoveryTracer]:
+    """Fold ``events`` through a reactor whose recovery tracer exports to memory (``clock``: the records' times)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = RecoveryTracer(provider.get_tracer("test"), job="t")
     store = await open_store("memory://")
-    async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings(), observers=[tracer]) as reactor:
+    event_log = EventLog(store, "t", clock=clock)
+    async with Reactor(event_log, _Nothing(), settings=Settings(), observers=[tracer]) as reactor:
         await reactor.resume()
         for event in events:
             await reactor.submit(event)
@@ -93,7 +96,9 @@ async def test_a_failed_recovery_ends_its_trace_with_the_job_outcome() -> None:
 
 
 async def test_a_killed_worker_is_recorded_by_its_signal_and_detect_starts_when_its_agent_saw_it_end() -> None:
-    seen = time.time() - 0.5  # the agent saw the worker end half a second before the master recorded it
+    # each append 10 s after the one before (ahead of the timers' clock: none fires): the agent saw the worker end
+    # after the job was submitted and seconds before the master recorded it (detect never starts before the job did)
+    seen, appends = time.time() + 5.0, itertools.count()
     exporter, tracer = await _trace(
         JobSubmitted(job="t", min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=1),
         NodeJoined(node_id="node-0", incarnation=1),
@@ -102,6 +107,7 @@ async def test_a_killed_worker_is_recorded_by_its_signal_and_detect_starts_when_
         RecoveryDecided(round=1, action=RecoveryAction.RESTART, reason="transient"),
         WorkersStarted(node_id="node-0", round=2),
         StepProgress(round=2, step=5),
+        clock=lambda: time.time() + 10.0 * next(appends),
     )
     spans = exporter.get_finished_spans()
     (root,) = [s for s in spans if s.name == "recovery"]
