@@ -18,9 +18,14 @@ from stead.core.errors import ConfigError
 from stead.core.events import (
     Event,
     JobSubmitted,
+    NodeExited,
     NodeJoined,
+    Record,
     RecoveryAction,
     RecoveryDecided,
+    RestartRequested,
+    RoundCompleted,
+    RoundStarted,
     StepProgress,
     WorkerFailed,
     WorkersStarted,
@@ -28,7 +33,7 @@ from stead.core.events import (
 )
 from stead.core.events.log import EventLog
 from stead.core.reactor import Reactor
-from stead.core.statemachine import Effect
+from stead.core.statemachine import Effect, JobState
 from stead.core.store import open_store
 from stead.core.tracing import RecoveryTracer, chosen_exporter, configure_tracing, summary_line
 
@@ -141,6 +146,32 @@ async def test_with_no_step_reported_the_trace_says_so_instead_of_timing_the_end
     assert root.attributes["stead.first_step"] == "none reported before the job ended"
     assert root.attributes["stead.outcome"] == "succeeded" and root.end_time == rendezvous.end_time
     assert "first_step" not in tracer.completed[0]
+
+
+def test_a_killed_agent_and_a_hang_are_traced_as_the_goodput_ledger_counts_them() -> None:
+    # before the one recovery fold, tracing ignored node.exited and plugins' restart requests
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = RecoveryTracer(provider.get_tracer("test"), job="t")
+    members = ("node-0", "node-1")
+    timed: list[tuple[float, Event]] = [
+        (0.0, JobSubmitted(job="t", min_nodes=2, max_nodes=2, nproc_per_node=1)),
+        (1.0, RoundStarted(round=1, members=members, nproc_per_node=1)), (1.5, RoundCompleted(round=1)),
+        (2.0, StepProgress(round=1, step=1)), (3.0, NodeExited(node_id="node-1", incarnation=1, signal=9)),
+        (4.0, RoundStarted(round=2, members=members, nproc_per_node=1)), (4.5, RoundCompleted(round=2)),
+        (5.0, StepProgress(round=2, step=1)),
+        (25.0, RestartRequested(round=2, reason="no step for 20 s", by="diagnosis")),
+        (26.0, RoundStarted(round=3, members=members, nproc_per_node=1)), (26.5, RoundCompleted(round=3)),
+        (27.0, StepProgress(round=3, step=1)),
+    ]
+    for seq, (at, event) in enumerate(timed, 1):
+        tracer(Record(seq=seq, at=at, event=event), JobState())
+    roots = [s for s in exporter.get_finished_spans() if s.name == "recovery"]
+    assert [(r.attributes or {}).get("stead.cause") for r in roots] == ["node_exited", "restart_requested"]
+    assert [c["outcome"] for c in tracer.completed] == ["recovered", "recovered"]
+    assert tracer.completed[1]["detect"] == pytest.approx(20.0)  # the stall: since the last step report
+    assert "detect" not in tracer.completed[0] and tracer.completed[0]["restart"] == pytest.approx(1.0)
 
 
 def test_the_exporter_is_chosen_as_opentelemetry_says() -> None:
