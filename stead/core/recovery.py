@@ -234,6 +234,7 @@ class RecoveryFold:
         self._round: int | None = None
         self._members: tuple[str, ...] = ()
         self._finishing = False
+        self._ended = False
         #: no failure began before this: the job's submission or its last step report
         self._floor = float("-inf")
         self._last_at = float("-inf")
@@ -261,16 +262,16 @@ class RecoveryFold:
         rec = self._open
         match event:
             case JobSubmitted():  # (JobResumed too): a new runner starts the job again
-                self._round, self._members, self._finishing, self._floor = None, (), False, at
+                self._round, self._members, self._finishing, self._ended, self._floor = None, (), False, False, at
                 if rec is not None:
                     self._open = None
                     return Folded(closed=(rec.view(RecoveryOutcome.RESUMED, at),))
             case JobSucceeded() | JobFailed() | JobStopped():
-                self._round, self._finishing = None, True
+                self._round, self._ended = None, True
                 if rec is not None:
                     self._open = None
                     return Folded(closed=(rec.view(_ENDS[type(event)], at),))
-            case RoundStarted():
+            case RoundStarted() if not self._ended:  # (a round recorded after the job's end starts nothing)
                 self._round, self._members, self._finishing = event.round, event.members, False
                 if rec is not None and event.round > max(rec.round, rec.new_round or 0):
                     rec.new_round = event.round
