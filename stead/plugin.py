@@ -115,10 +115,19 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
         CheckpointCommitted as CheckpointCommitted,
     )
     from stead.core.events import (
+        CheckpointPersisted as CheckpointPersisted,
+    )
+    from stead.core.events import (
+        CheckpointRestored as CheckpointRestored,
+    )
+    from stead.core.events import (
         EffectFailed as EffectFailed,
     )
     from stead.core.events import (
         Event as Event,
+    )
+    from stead.core.events import (
+        EventMark as EventMark,
     )
     from stead.core.events import (
         JobFailed as JobFailed,
@@ -309,7 +318,8 @@ _WHERE = {
     "stead.core.errors": ("CodecError", "ConfigError", "InvalidRequest", "LogCorrupt", "PermanentError", "PluginError",
                           "RetryableError", "RpcUnavailable", "SteadError", "StoreError", "StoreUnavailable",
                           "WriteTooLarge"),
-    "stead.core.events": ("CheckpointCommitted", "EffectFailed", "Event", "JobFailed", "JobStopped", "JobSubmitted",
+    "stead.core.events": ("CheckpointCommitted", "CheckpointPersisted", "CheckpointRestored", "EffectFailed", "Event",
+                          "EventMark", "JobFailed", "JobStopped", "JobSubmitted",
                           "JobSucceeded", "MembershipDecided", "NodeExited", "NodeJoined", "NodeLost", "NodePending",
                           "NodeRequested", "NodeResourcesDecided", "NodeStarted",
                           "PluginFailed", "PluginsStarted", "Record", "RecoveryAction", "RecoveryDecided",
@@ -336,6 +346,8 @@ __all__ = [
     "AgentExtension",
     "Backoff",
     "CheckpointCommitted",
+    "CheckpointPersisted",
+    "CheckpointRestored",
     "ChunkedValue",
     "CodecError",
     "ConfigError",
@@ -343,6 +355,7 @@ __all__ = [
     "DETERMINISTIC",
     "EffectFailed",
     "Event",
+    "EventMark",
     "InvalidRequest",
     "JobFailed",
     "JobPhase",

@@ -9,7 +9,8 @@ from collections.abc import Iterable, Mapping
 
 from stead.core.events import HealthChecked, Record
 from stead.core.events.log import BadRecord
-from stead.core.goodput import RECOVERY_PHASES, Ledger
+from stead.core.goodput import Ledger
+from stead.core.recovery import RecoveryPhase
 from stead.core.serde import to_json
 from stead.core.statemachine import JobState
 
@@ -74,7 +75,7 @@ def goodput_lines(ledger: Ledger) -> list[str]:
     lines = [f"goodput    {ledger.goodput:.1%} of {ledger.wall_s:.1f} s{'' if ledger.ended else ' so far'}: "
              f"useful {ledger.parts['useful']:.1f} s" + (f"; {parts}" if parts else "")]
     if ledger.recoveries:
-        phases = ", ".join(f"{p.replace('_', ' ')} {ledger.recovery_phases[p]:.2f} s" for p in RECOVERY_PHASES)
+        phases = ", ".join(f"{p.value.replace('_', ' ')} {ledger.recovery_phases[p]:.2f} s" for p in RecoveryPhase)
         count = len(ledger.recoveries)
         lines.append(f"recovery   {count} {'recovery' if count == 1 else 'recoveries'}: {phases}")
     lines += [f"           (not counted: {what})" for what in ledger.missing]

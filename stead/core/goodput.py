@@ -8,7 +8,8 @@ split, every second of it exactly once, into:
   older checkpoint, or because they were never reported before the failure;
 - ``recovery``: from a failure to the next round's first step, in phases ``detect`` (the
   failure happened -> the master knew), ``decide``, ``restart`` (-> the next round started,
-  a relaunched node included), ``rendezvous`` (-> every worker started) and ``first_step``;
+  a relaunched node included), ``rendezvous`` (-> every worker started) and ``first_step``:
+  the recoveries of :mod:`stead.core.recovery`, which tracing and the metrics read too;
 - ``checkpoint``: phases a worker declared for checkpointing (``stead.phase("checkpoint")``,
   or any phase named ``ckpt``/``save``/``persist``), ``phases``: other declared phases (eval);
 - ``waiting``: start-up, from the submission to the first step (nodes launched, joined,
@@ -28,41 +29,26 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 
 from stead.core.events import (
+    CheckpointRestored,
     JobFailed,
     JobResumed,
     JobStopped,
     JobSubmitted,
     JobSucceeded,
-    NodeExited,
-    NodeLost,
     Record,
-    RecoveryDecided,
-    RelaunchRequested,
-    RestartRequested,
-    RoundCompleted,
-    RoundStarted,
     StepProgress,
     WorkerFailed,
     WorkersSucceeded,
 )
 from stead.core.events.log import BadRecord
+from stead.core.recovery import Recovery, RecoveryFold, RecoveryOutcome, RecoveryPhase
 
 __all__ = ["PARTS", "RECOVERY_PHASES", "Ledger", "Recovery", "ledger", "step_rates"]
 
 PARTS = ("useful", "lost", "recovery", "checkpoint", "phases", "waiting", "idle")
-RECOVERY_PHASES = ("detect", "decide", "restart", "rendezvous", "first_step")
+#: the recovery phases' names, in order (:class:`~stead.core.recovery.RecoveryPhase`)
+RECOVERY_PHASES = tuple(phase.value for phase in RecoveryPhase)
 _CHECKPOINT_PHASES = ("checkpoint", "ckpt", "save", "persist")
-
-
-@dataclasses.dataclass(frozen=True)
-class Recovery:
-    """One recovery: what caused it, and its phases in seconds, in :data:`RECOVERY_PHASES` order."""
-
-    cause: str
-    #: when its first phase began: the failure (a crash's exit, a hang's last step report) or the loss's record
-    at: float
-    phases: Mapping[str, float]
-    ended: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +56,8 @@ class Ledger:
     wall_s: float
     #: seconds per part of :data:`PARTS`; they add up to ``wall_s``
     parts: Mapping[str, float]
-    #: seconds per recovery phase (:data:`RECOVERY_PHASES`), all recoveries together
-    recovery_phases: Mapping[str, float]
+    #: seconds per recovery phase, all recoveries together
+    recovery_phases: Mapping[RecoveryPhase, float]
     recoveries: tuple[Recovery, ...]
     #: steps that count (rolled-back ones excluded)
     useful_steps: int
@@ -89,7 +75,7 @@ class Ledger:
         """``goodput`` (0..1), ``wall_s``, one ``<part>_s`` key per part, the recovery phases, and what is missing."""
         return {"goodput": round(self.goodput, 4), "wall_s": round(self.wall_s, 3),
                 **{f"{part}_s": round(seconds, 3) for part, seconds in self.parts.items()},
-                "recovery_phases_s": {k: round(v, 3) for k, v in self.recovery_phases.items()},
+                "recovery_phases_s": {k.value: round(v, 3) for k, v in self.recovery_phases.items()},
                 "recoveries": len(self.recoveries), "useful_steps": self.useful_steps, "ended": self.ended,
                 "missing": list(self.missing)}
 
@@ -107,22 +93,17 @@ class _Segment:
 class _Fold:
     def __init__(self) -> None:
         self.parts = dict.fromkeys(PARTS, 0.0)
-        self.phases = dict.fromkeys(RECOVERY_PHASES, 0.0)
         self.mode = "none"  # none | waiting | running | recovering | finishing | idle
         self.cursor: float | None = None
         self.start: float | None = None
         self.pending = 0.0  # running time since the last step report, not yet attributed
         self.segments: list[_Segment] = []
         self.round = 0
-        self.members: tuple[str, ...] = ()
         self.last_step: int | None = None
         self.phase = ""
         self.restored: dict[int, int] = {}
         self.recoveries: list[Recovery] = []
-        self.sub = ""  # the running recovery's phase
-        self.current: dict[str, float] = {}
-        self.cause = ""
-        self.cause_at = 0.0
+        self.fold = RecoveryFold()
         self.ended = False
         self.missing: list[str] = []
         self.progress_seen = False
@@ -145,8 +126,6 @@ class _Fold:
                 self.pending += span
             case "recovering":
                 self.parts["recovery"] += span
-                self.phases[self.sub] += span
-                self.current[self.sub] = self.current.get(self.sub, 0.0) + span
             case "waiting":
                 self.parts["waiting"] += span
             case "finishing" | "idle":
@@ -159,31 +138,25 @@ class _Fold:
 
     # -- transitions -------------------------------------------------------------------
 
-    def begin_recovery(self, cause: str, at: float, sub: str, *, failed_at: float | None = None,
-                       failed_step: int | None = None) -> None:
-        if self.mode != "running":
-            return
-        last = self.last_step or 0
-        if failed_at is not None and self.cursor is not None and failed_at < self.cursor:
-            # the failure happened before this record: the time since is detection, not lost steps
-            late = self.cursor - max(failed_at, self.cursor - self.pending)
+    def begin_recovery(self, recovery: Recovery) -> None:
+        """A recovery began at ``recovery.at``: the time since was its detection, not steps or start-up."""
+        assert self.cursor is not None
+        late = max(0.0, self.cursor - recovery.at)
+        if self.mode in ("waiting", "finishing"):  # (a failure before the first step, or as the workers end)
+            self.parts["waiting" if self.mode == "waiting" else "idle"] -= late
+        elif self.mode == "running":
+            last = self.last_step or 0
+            failed_step = recovery.failure.step if isinstance(recovery.failure, WorkerFailed) else None
             self.pending -= late
             self.unreported = _Segment(self.round, last, max(last, failed_step or last), self.pending)
             self.settle("lost")
-            self.parts["recovery"] += late
-            self.phases["detect"] += late
-            self.current = {"detect": late}
-        else:
-            self.unreported = _Segment(self.round, last, max(last, failed_step or last), self.pending)
-            self.settle("lost")
-            self.current = {}
-        self.mode, self.sub, self.cause, self.cause_at = "recovering", sub, cause, at
+        else:  # (a failure that interrupts a recovery: the time since it was recovery already)
+            return
+        self.parts["recovery"] += late
+        self.mode = "recovering"
 
     def first_step(self, event: StepProgress) -> None:
         """A round's first step report: start-up or a recovery ends; a rollback throws work away."""
-        if self.mode == "recovering":
-            self.recoveries.append(Recovery(cause=self.cause, at=self.cause_at, phases=dict(self.current),
-                                            ended=True))
         self.settle("lost")  # another round began with no failure on record: the last report's work is gone
         restored = self.restored.get(event.round, event.step - 1)
         cut = self.unreported
@@ -222,74 +195,59 @@ class _Fold:
             self.advance(at)
             if self.mode == "running":
                 self.settle("lost")  # the previous run's runner died mid-round
+            self.recoveries.extend(self.fold.apply(record).closed)
             self.mode, self.ended, self.round, self.last_step = "waiting", False, 0, None
             return
         if self.cursor is None:
             return  # nothing before the submission counts
         self.advance(at)
+        folded = self.fold.apply(record)
+        self.recoveries.extend(folded.closed)
+        if folded.began is not None:
+            self.begin_recovery(folded.began)
         match event:
-            case RoundStarted():
-                self.members = event.members
-                if self.mode == "recovering":
-                    self.sub = "rendezvous"
-            case RoundCompleted() if self.mode == "recovering":
-                self.sub = "first_step"
-            case RecoveryDecided() if self.mode == "recovering" and self.sub == "decide":
-                self.sub = "restart"
             case StepProgress() if self.mode != "idle":  # a late report after the end changes nothing
                 self.progress_seen = True
-                if self.mode in ("waiting", "recovering") or event.round != self.round:
+                recovered = any(r.outcome is RecoveryOutcome.RECOVERED for r in folded.closed)
+                if recovered or self.mode == "waiting" or (self.mode != "recovering" and event.round != self.round):
                     self.first_step(event)
                 elif self.mode == "running":
                     self.step(event)
-            case WorkerFailed() if event.round == self.round:
-                self.begin_recovery(f"worker failed on {event.node_id} (rank {event.rank})",
-                                    event.exited_at or at, "decide", failed_at=event.exited_at, failed_step=event.step)
-            case NodeLost() if event.node_id in self.members:
-                self.begin_recovery(f"node {event.node_id} lost: {event.reason}", at, "restart")
-            case NodeExited() if event.node_id in self.members:  # its agent died while the round ran (killed)
-                how = f"signal {event.signal}" if event.signal is not None else f"exit code {event.exit_code}"
-                self.begin_recovery(f"node {event.node_id} exited ({how})", at, "restart")
-            case RestartRequested() | RelaunchRequested():
-                if self.mode == "running":  # a hang: the time since the last step was the detector's
-                    self.pending, late = 0.0, self.pending
-                    self.begin_recovery(f"{event.by}: {event.reason}", at - late, "restart")
-                    self.parts["recovery"] += late
-                    self.phases["detect"] += late
-                    self.current["detect"] = late
             case WorkersSucceeded() if self.mode == "running":
                 self.settle("useful")  # the steps after the last report, up to the first node's end
                 self.mode = "finishing"
             case JobSucceeded() | JobFailed() | JobStopped():
                 if self.mode == "running":
                     self.settle("useful" if isinstance(event, JobSucceeded) else "lost")
-                if self.mode == "recovering":
-                    self.recoveries.append(Recovery(cause=self.cause, at=self.cause_at, phases=dict(self.current),
-                                                    ended=False))
                 self.mode, self.ended = "idle", True
+            case CheckpointRestored():
+                self.restored[event.round] = event.step
             case _:
-                if type(event).type_name == "ckpt.restored" and isinstance(getattr(event, "step", None), int):
-                    self.restored[int(getattr(event, "round", 0))] = int(event.step)  # type: ignore[attr-defined]
+                pass
 
     def result(self, now: float | None) -> Ledger:
         if self.cursor is None:
-            return Ledger(wall_s=0.0, parts=dict(self.parts), recovery_phases=dict(self.phases), recoveries=(),
+            return Ledger(wall_s=0.0, parts=dict(self.parts), recovery_phases=dict.fromkeys(RecoveryPhase, 0.0),
+                          recoveries=(),
                           useful_steps=0, ended=False, missing=(*self.missing, "the job was never submitted"))
         if not self.ended and now is not None:
             self.advance(now)
             if self.mode == "running":
                 self.settle("useful")  # still stepping: the time since the last report, provisionally
         self.settle("lost")  # (nothing left by now: every way out of running settles what was pending)
-        recoveries = list(self.recoveries)
-        if self.mode == "recovering" and not self.ended:
-            recoveries.append(Recovery(cause=self.cause, at=self.cause_at, phases=dict(self.current), ended=False))
+        ongoing = self.fold.ongoing(self.cursor)
+        recoveries = [*self.recoveries, *([ongoing] if ongoing is not None else [])]
+        phases = dict.fromkeys(RecoveryPhase, 0.0)
+        for recovery in recoveries:
+            for phase, seconds in recovery.phases.items():
+                phases[phase] += seconds
         missing = list(self.missing)
         if not self.progress_seen:
             missing.append("no step progress was recorded: no time can be counted as useful")
         assert self.start is not None
         wall = self.cursor - self.start
         steps = sum(s.upto - s.after for s in self.segments)
-        return Ledger(wall_s=wall, parts=dict(self.parts), recovery_phases=dict(self.phases),
+        return Ledger(wall_s=wall, parts=dict(self.parts), recovery_phases=phases,
                       recoveries=tuple(recoveries), useful_steps=steps, ended=self.ended, missing=tuple(missing))
 
 

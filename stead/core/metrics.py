@@ -43,12 +43,14 @@ from stead.core.config import Settings
 from stead.core.errors import ConfigError
 from stead.core.events import (
     CheckpointCommitted,
+    CheckpointPersisted,
     Record,
     RecoveryDecided,
     StepProgress,
 )
 from stead.core.events.log import BadRecord
-from stead.core.goodput import RECOVERY_PHASES, ledger
+from stead.core.goodput import ledger
+from stead.core.recovery import RecoveryPhase
 from stead.core.statemachine import JobState, NodePhase
 
 __all__ = ["JobMetrics", "MetricsServer", "RECOVERY_BUCKETS_S", "read_metrics_token"]
@@ -110,9 +112,9 @@ class JobMetrics(Collector):
         phases = HistogramMetricFamily("stead_recovery_phase_seconds",
                                        "Each recovery's phases (detect, decide, restart, rendezvous, first step)",
                                        labels=["job", "phase"])
-        for phase in RECOVERY_PHASES:
+        for phase in RecoveryPhase:
             values = [r.phases[phase] for r in book.recoveries if phase in r.phases]
-            phases.add_metric([self.job, phase], _buckets(values), sum_value=sum(values))
+            phases.add_metric([self.job, phase.value], _buckets(values), sum_value=sum(values))
         yield phases
 
         decided = Counter((r.event.failure_class or "unclassified", r.event.action.value)
@@ -123,19 +125,18 @@ class JobMetrics(Collector):
             restarts.add_metric([self.job, failure_class, action], count)
         yield restarts
 
-        kinds = Counter(r.event.type_name for r in records if isinstance(r, Record))
+        committed = [r.event for r in records if isinstance(r, Record) and isinstance(r.event, CheckpointCommitted)]
+        persisted = [r.event for r in records if isinstance(r, Record) and isinstance(r.event, CheckpointPersisted)]
         checkpoints = CounterMetricFamily("stead_checkpoints", "Checkpoints committed (in memory) and persisted",
                                           labels=["job", "tier"])
-        checkpoints.add_metric([self.job, "memory"], kinds[CheckpointCommitted.type_name])
-        checkpoints.add_metric([self.job, "disk"], kinds["ckpt.persisted"])
+        checkpoints.add_metric([self.job, "memory"], len(committed))
+        checkpoints.add_metric([self.job, "disk"], len(persisted))
         yield checkpoints
         took = HistogramMetricFamily("stead_checkpoint_seconds", "Checkpoint times: save (the in-memory copy, the "
                                      "training loop's stall) and persist (writing to disk), the slowest rank's",
                                      labels=["job", "stage"])
-        for stage, kind, field in (("save", CheckpointCommitted.type_name, "save_s"),
-                                   ("persist", "ckpt.persisted", "persist_s")):
-            values = [v for r in records if isinstance(r, Record) and r.event.type_name == kind
-                      for v in [getattr(r.event, field, None)] if isinstance(v, float)]
+        for stage, values in (("save", [e.save_s for e in committed if e.save_s is not None]),
+                              ("persist", [e.persist_s for e in persisted if e.persist_s is not None])):
             took.add_metric([self.job, stage], _buckets(values), sum_value=sum(values))
         yield took
 

@@ -30,19 +30,12 @@ from stead.core.events import (
     StepProgress,
 )
 from stead.core.events.log import BadRecord
-from stead.core.goodput import PARTS, RECOVERY_PHASES, Ledger, ledger, step_rates
+from stead.core.goodput import PARTS, Ledger, ledger, step_rates
+from stead.core.recovery import RecoveryOutcome, RecoveryPhase
 
 __all__ = ["JOB_LANE", "Mark", "Span", "Timeline", "render_html", "timeline", "write_report"]
 
 JOB_LANE = "job"
-#: events drawn as marks, by type name: what kind of mark each is
-_MARKS = {
-    "worker.failed": "failure", "node.lost": "failure", "diagnosis.hang": "failure", "job.failed": "failure",
-    "diagnosis.classified": "diagnosis", "diagnosis.straggler": "diagnosis", "health.checked": "diagnosis",
-    "recovery.decided": "decision", "request.restart": "decision", "request.relaunch": "decision",
-    "checkpoint.committed": "checkpoint", "ckpt.persisted": "checkpoint", "ckpt.restored": "checkpoint",
-    "ckpt.corrupt": "failure",
-}
 _COLORS = {
     "waiting": "#b0bec5", "idle": "#eceff1", "round": "#81c784", "node": "#90caf9", "detect": "#e57373",
     "decide": "#ffb74d", "restart": "#ba68c8", "rendezvous": "#4fc3f7", "first_step": "#aed581",
@@ -134,21 +127,20 @@ def timeline(records: Iterable[Record | BadRecord], *, now: float | None = None)
                 first_step = at if first_step is None else first_step
             case JobSucceeded() | JobFailed() | JobStopped():
                 ended_at = at
-        kind = _MARKS.get(event.type_name)
+        kind = type(event).mark  # (declared by each event kind, a plugin's included)
         if kind is not None:
-            marks.append(Mark(at, kind, _describe(record)))
+            marks.append(Mark(at, kind.value, _describe(record)))
     length = end_at - origin
     close_round(ended_at if ended_at is not None else length)
     spans += [Span(node, "node", joined, length, f"{node} #{inc} (still up)" if not book.ended else f"{node} #{inc}")
               for (node, inc), joined in open_nodes.items()]
-    spans.append(Span(JOB_LANE, "waiting", 0.0, first_step if first_step is not None else length, "start-up"))
+    up = min([first_step if first_step is not None else length, *(r.at - origin for r in book.recoveries)])
+    spans.append(Span(JOB_LANE, "waiting", 0.0, up, "start-up"))  # (a failure before the first step ends it)
     for recovery in book.recoveries:
-        t = recovery.at - origin
-        for phase in RECOVERY_PHASES:
-            seconds = recovery.phases.get(phase, 0.0)
-            if seconds > 0:
-                spans.append(Span(JOB_LANE, phase, t, t + seconds, f"{phase.replace('_', ' ')}: {recovery.cause}"))
-                t += seconds
+        for phase in recovery.spans:
+            if phase.seconds > 0:
+                spans.append(Span(JOB_LANE, phase.phase.value, phase.start - origin, phase.end - origin,
+                                  f"{_label(phase.phase)}: {recovery.cause}"))
     if ended_at is not None:
         spans.append(Span(JOB_LANE, "idle", ended_at, length, "ended"))
     missing = list(book.missing)
@@ -159,6 +151,16 @@ def timeline(records: Iterable[Record | BadRecord], *, now: float | None = None)
         missing.append("no step rate: fewer than two step reports in one round")
     return Timeline(origin=origin, length=length, spans=tuple(spans), marks=tuple(marks), rates=tuple(rates),
                     ledger=book, ended=book.ended, missing=tuple(missing))
+
+
+def _label(phase: RecoveryPhase) -> str:
+    return phase.value.replace("_", " ")
+
+
+#: how the report's table says a recovery ended, when it did not recover
+_UNFINISHED = {RecoveryOutcome.ONGOING: " (going on)", RecoveryOutcome.INTERRUPTED: " (interrupted by another failure)",
+               RecoveryOutcome.RESUMED: " (the job was resumed)", RecoveryOutcome.SUCCEEDED: " (the job succeeded)",
+               RecoveryOutcome.FAILED: " (the job failed)", RecoveryOutcome.STOPPED: " (the job was stopped)"}
 
 
 def _timeline_figure(job: str, tl: Timeline) -> object:
@@ -224,11 +226,11 @@ def render_html(job: str, tl: Timeline) -> str:
     rows = "".join(
         f"<tr><td>{html.escape(datetime.datetime.fromtimestamp(r.at).strftime('%H:%M:%S.%f')[:-3])}</td>"
         f"<td>{html.escape(r.cause)}</td>"
-        + "".join(f"<td>{r.phases.get(p, 0.0):.2f}</td>" for p in RECOVERY_PHASES)
-        + f"<td>{sum(r.phases.values()):.2f}{'' if r.ended else ' (going on)'}</td></tr>"
+        + "".join(f"<td>{r.phases.get(p, 0.0):.2f}</td>" for p in RecoveryPhase)
+        + f"<td>{r.seconds:.2f}{_UNFINISHED.get(r.outcome, '')}</td></tr>"
         for r in book.recoveries)
     recoveries = (
-        "<table><tr><th>at</th><th>cause</th>" + "".join(f"<th>{p.replace('_', ' ')} s</th>" for p in RECOVERY_PHASES)
+        "<table><tr><th>at</th><th>cause</th>" + "".join(f"<th>{_label(p)} s</th>" for p in RecoveryPhase)
         + f"<th>total s</th></tr>{rows}</table>" if rows else "<p>No recoveries.</p>")
     missing = ("<ul class='missing'>" + "".join(f"<li>{html.escape(m)}</li>" for m in tl.missing) + "</ul>"
                if tl.missing else "")

@@ -5,14 +5,14 @@ first training step after it, with children ``detect`` (the agent seeing the
 worker end, to the failure's record), ``decide`` (record to the diagnosis' decision), ``restart`` (decision to
 the new round), ``rendezvous`` (round to every node's workers running) and
 ``first_step`` (workers running to the first step of the new round; with no step
-reported before the job ended, the root says so instead). Span times come from the
-event log, so the trace tells the same story as ``stead events``.
+reported before the job ended, the root says so instead). The recoveries and their
+phases are :mod:`stead.core.recovery`'s, the goodput ledger's too; span times come
+from the event log, so the trace tells the same story as ``stead events``.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import importlib
 import os
 import sys
@@ -25,16 +25,16 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from stead.core.errors import ConfigError
 from stead.core.events import (
+    NodeExited,
     NodeLost,
     Record,
-    RecoveryDecided,
-    RoundCompleted,
-    RoundStarted,
-    StepProgress,
+    RelaunchRequested,
+    RestartRequested,
     WorkerFailed,
 )
 from stead.core.logging import TRACE_CHOICES
-from stead.core.statemachine import JobPhase, JobState
+from stead.core.recovery import Failure, Recovery, RecoveryFold, RecoveryOutcome, RecoveryPhase
+from stead.core.statemachine import JobState
 
 __all__ = ["TRACE_CHOICES", "RecoveryTracer", "RecoverySummaryExporter", "chosen_exporter", "configure_tracing",
            "summary_line"]
@@ -46,90 +46,79 @@ def _ns(t: float) -> int:
     return int(t * _NS)
 
 
-@dataclasses.dataclass
-class _Recovery:
-    root: trace.Span
-    cause: str
-    mark: float
-    start: float
-    phase: str = "decide"
-    round: int | None = None
-    durations: dict[str, float] = dataclasses.field(default_factory=dict)
+def _failure_attributes(failure: Failure) -> dict[str, str | int]:
+    match failure:
+        case WorkerFailed():
+            attrs: dict[str, str | int] = {"node": failure.node_id, "rank": failure.rank}
+            if failure.exit_code is not None:
+                attrs["exit_code"] = failure.exit_code
+            if failure.signal is not None:
+                attrs["signal"] = failure.signal
+            return attrs
+        case NodeLost() | NodeExited() | RelaunchRequested():
+            return {"node": failure.node_id}
+        case RestartRequested():
+            return {"by": failure.by}
 
 
 class RecoveryTracer:
-    """Observes the reactor's records and turns each recovery into one trace."""
+    """Observes the reactor's records and turns each recovery (:class:`~stead.core.recovery.RecoveryFold`) into one
+    trace, exported when the recovery ends.
+
+    A master that takes over learns the running round from the state it is told with its first record; a recovery
+    already under way then is not traced, the next one is.
+    """
 
     def __init__(self, tracer: trace.Tracer | None = None, *, job: str = "") -> None:
         self._tracer = tracer or trace.get_tracer("stead")
         self._job = job
-        self._current: _Recovery | None = None
+        self._fold = RecoveryFold()
+        self._joined = False
         #: one entry per finished recovery: its cause, outcome and each phase's duration in seconds
         self.completed: list[dict[str, str | float]] = []
 
     def __call__(self, record: Record, state: JobState) -> None:
-        event = record.event
-        rec = self._current
-        if rec is None:
-            if isinstance(event, WorkerFailed) and state.awaiting_decision and state.last_failure == event:
-                attrs: dict[str, str | int] = {"node": event.node_id, "rank": event.rank}
-                if event.exit_code is not None:
-                    attrs["exit_code"] = event.exit_code
-                if event.signal is not None:
-                    attrs["signal"] = event.signal
-                seen = event.exited_at if event.exited_at is not None and event.exited_at <= record.at else None
-                self._begin(record, cause="worker_failed", attrs=attrs, since=seen)
-            elif isinstance(event, NodeLost) and state.phase is JobPhase.RECOVERING:
-                self._begin(record, cause="node_lost", attrs={"node": event.node_id})
-                if self._current is not None:
-                    self._current.phase = "restart"
-            return
-        if state.phase.terminal:
-            if rec.phase == "first_step":  # no step reported: say so rather than time the job's end
-                rec.root.set_attribute("stead.first_step", "none reported before the job ended")
-                self._finish(rec, state.phase.value, rec.mark)
-            else:
-                self._child(rec, rec.phase, record.at)
-                self._finish(rec, state.phase.value, record.at)
-            return
-        if isinstance(event, RecoveryDecided) and rec.phase == "decide":
-            self._child(rec, "decide", record.at, action=event.action.value)
-            rec.phase = "restart"
-        elif isinstance(event, RoundStarted) and rec.phase == "restart":
-            self._child(rec, "restart", record.at, round=event.round)
-            rec.phase, rec.round = "rendezvous", event.round
-        elif isinstance(event, RoundCompleted) and rec.phase == "rendezvous" and event.round == rec.round:
-            self._child(rec, "rendezvous", record.at)
-            rec.phase = "first_step"
-        elif isinstance(event, StepProgress) and rec.phase == "first_step" and event.round == rec.round:
-            self._child(rec, "first_step", record.at, step=event.step)
-            self._finish(rec, "recovered", record.at)
+        if not self._joined:
+            self._joined = True
+            self._fold.join(state.rdzv.round, state.rdzv.members)
+        for recovery in self._fold.apply(record).closed:
+            self._trace(recovery)
 
-    def _begin(self, record: Record, *, cause: str, attrs: dict[str, str | int], since: float | None = None) -> None:
-        """A recovery starts: at ``since`` (the worker seen ending), else at the record; ``detect`` until the record."""
-        start = record.at if since is None else since
+    def _trace(self, recovery: Recovery) -> None:
+        """The recovery's root span and one child per phase; with no step reported before the job ended, the
+        root says so and ends where ``first_step`` began, rather than timing the job's end."""
+        spans = list(recovery.spans)
+        no_step = recovery.outcome not in _OPEN_ENDS and spans[-1].phase is RecoveryPhase.FIRST_STEP
+        if no_step:
+            spans.pop()
+        end = spans[-1].end if spans else recovery.at
         root = self._tracer.start_span(
-            "recovery", start_time=_ns(start), attributes={"stead.job": self._job, "stead.cause": cause,
-                                                           **{f"stead.{k}": v for k, v in attrs.items()}}
-        )
-        rec = _Recovery(root=root, cause=cause, mark=start, start=start)
-        self._current = rec
-        self._child(rec, "detect", record.at)
+            "recovery", start_time=_ns(recovery.at),
+            attributes={"stead.job": self._job, "stead.cause": recovery.kind.value,
+                        **{f"stead.{k}": v for k, v in _failure_attributes(recovery.failure).items()}})
+        durations: dict[str, float] = {}
+        for span in spans:
+            attrs: dict[str, str | int] = {}
+            if span.phase is RecoveryPhase.DECIDE and recovery.action is not None:
+                attrs["stead.action"] = recovery.action.value
+            elif span.phase is RecoveryPhase.RESTART and recovery.new_round is not None:
+                attrs["stead.round"] = recovery.new_round
+            elif span.phase is RecoveryPhase.FIRST_STEP and recovery.first_step is not None:
+                attrs["stead.step"] = recovery.first_step
+            child = self._tracer.start_span(span.phase.value, context=trace.set_span_in_context(root),
+                                            start_time=_ns(span.start), attributes=attrs)
+            child.end(end_time=_ns(span.end))
+            durations[span.phase.value] = durations.get(span.phase.value, 0.0) + span.seconds
+        if no_step:
+            root.set_attribute("stead.first_step", "none reported before the job ended")
+        root.set_attribute("stead.outcome", recovery.outcome.value)
+        root.end(end_time=_ns(end))
+        self.completed.append({"cause": recovery.kind.value, "outcome": recovery.outcome.value, **durations,
+                               "total": end - recovery.at})
 
-    def _finish(self, rec: _Recovery, outcome: str, at: float) -> None:
-        rec.root.set_attribute("stead.outcome", outcome)
-        rec.root.end(end_time=_ns(at))
-        self.completed.append({"cause": rec.cause, "outcome": outcome, **rec.durations, "total": at - rec.start})
-        self._current = None
 
-    def _child(self, rec: _Recovery, name: str, end: float, **attrs: str | int) -> None:
-        span = self._tracer.start_span(
-            name, context=trace.set_span_in_context(rec.root), start_time=_ns(rec.mark),
-            attributes={f"stead.{k}": v for k, v in attrs.items()},
-        )
-        span.end(end_time=_ns(end))
-        rec.durations[name] = end - rec.mark
-        rec.mark = end
+#: outcomes of a recovery that did not end with the job: its last phase is timed to its end
+_OPEN_ENDS = (RecoveryOutcome.RECOVERED, RecoveryOutcome.INTERRUPTED, RecoveryOutcome.RESUMED)
 
 
 #: the OTLP exporter of each protocol: (module, the package that provides it)

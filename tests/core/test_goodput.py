@@ -172,3 +172,11 @@ def test_any_log_splits_its_wall_time_exactly_into_the_parts(timed: list[tuple[f
     assert sum(result.parts.values()) == pytest.approx(result.wall_s, abs=1e-6)
     assert 0.0 <= result.goodput <= 1.0 + 1e-9
     assert result.parts["useful"] >= -1e-9 and result.parts["lost"] >= -1e-9
+
+
+@given(st.lists(st.tuples(st.floats(0, 50), EVENTS), max_size=40), st.floats(0, 100))
+def test_the_recovery_part_is_the_recoveries_of_the_one_fold(timed: list[tuple[float, Event]], now: float) -> None:
+    records = log((0.0, SPEC), *sorted(timed, key=lambda t: t[0]))
+    result = ledger(records, now=max(now, records[-1].at))
+    assert sum(r.seconds for r in result.recoveries) == pytest.approx(result.parts["recovery"], abs=1e-6)
+    assert sum(result.recovery_phases.values()) == pytest.approx(result.parts["recovery"], abs=1e-6)

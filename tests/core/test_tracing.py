@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,9 +18,14 @@ from stead.core.errors import ConfigError
 from stead.core.events import (
     Event,
     JobSubmitted,
+    NodeExited,
     NodeJoined,
+    Record,
     RecoveryAction,
     RecoveryDecided,
+    RestartRequested,
+    RoundCompleted,
+    RoundStarted,
     StepProgress,
     WorkerFailed,
     WorkersStarted,
@@ -27,7 +33,7 @@ from stead.core.events import (
 )
 from stead.core.events.log import EventLog
 from stead.core.reactor import Reactor
-from stead.core.statemachine import Effect
+from stead.core.statemachine import Effect, JobState
 from stead.core.store import open_store
 from stead.core.tracing import RecoveryTracer, chosen_exporter, configure_tracing, summary_line
 
@@ -39,14 +45,16 @@ class _Nothing:
         return None
 
 
-async def _trace(*events: Event) -> tuple[InMemorySpanExporter, RecoveryTracer]:
-    """Fold ``events`` through a reactor whose recovery tracer exports to memory."""
+async def _trace(*events: Event, clock: Callable[[], float] = time.time) -> tuple[InMemorySpanExporter,
+                                                                                   RecoveryTracer]:
+    """Fold ``events`` through a reactor whose recovery tracer exports to memory (``clock``: the records' times)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = RecoveryTracer(provider.get_tracer("test"), job="t")
     store = await open_store("memory://")
-    async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings(), observers=[tracer]) as reactor:
+    event_log = EventLog(store, "t", clock=clock)
+    async with Reactor(event_log, _Nothing(), settings=Settings(), observers=[tracer]) as reactor:
         await reactor.resume()
         for event in events:
             await reactor.submit(event)
@@ -93,7 +101,9 @@ async def test_a_failed_recovery_ends_its_trace_with_the_job_outcome() -> None:
 
 
 async def test_a_killed_worker_is_recorded_by_its_signal_and_detect_starts_when_its_agent_saw_it_end() -> None:
-    seen = time.time() - 0.5  # the agent saw the worker end half a second before the master recorded it
+    # each append 10 s after the one before (ahead of the timers' clock: none fires): the agent saw the worker end
+    # after the job was submitted and seconds before the master recorded it (detect never starts before the job did)
+    seen, appends = time.time() + 5.0, itertools.count()
     exporter, tracer = await _trace(
         JobSubmitted(job="t", min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=1),
         NodeJoined(node_id="node-0", incarnation=1),
@@ -102,6 +112,7 @@ async def test_a_killed_worker_is_recorded_by_its_signal_and_detect_starts_when_
         RecoveryDecided(round=1, action=RecoveryAction.RESTART, reason="transient"),
         WorkersStarted(node_id="node-0", round=2),
         StepProgress(round=2, step=5),
+        clock=lambda: time.time() + 10.0 * next(appends),
     )
     spans = exporter.get_finished_spans()
     (root,) = [s for s in spans if s.name == "recovery"]
@@ -135,6 +146,32 @@ async def test_with_no_step_reported_the_trace_says_so_instead_of_timing_the_end
     assert root.attributes["stead.first_step"] == "none reported before the job ended"
     assert root.attributes["stead.outcome"] == "succeeded" and root.end_time == rendezvous.end_time
     assert "first_step" not in tracer.completed[0]
+
+
+def test_a_killed_agent_and_a_hang_are_traced_as_the_goodput_ledger_counts_them() -> None:
+    # before the one recovery fold, tracing ignored node.exited and plugins' restart requests
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = RecoveryTracer(provider.get_tracer("test"), job="t")
+    members = ("node-0", "node-1")
+    timed: list[tuple[float, Event]] = [
+        (0.0, JobSubmitted(job="t", min_nodes=2, max_nodes=2, nproc_per_node=1)),
+        (1.0, RoundStarted(round=1, members=members, nproc_per_node=1)), (1.5, RoundCompleted(round=1)),
+        (2.0, StepProgress(round=1, step=1)), (3.0, NodeExited(node_id="node-1", incarnation=1, signal=9)),
+        (4.0, RoundStarted(round=2, members=members, nproc_per_node=1)), (4.5, RoundCompleted(round=2)),
+        (5.0, StepProgress(round=2, step=1)),
+        (25.0, RestartRequested(round=2, reason="no step for 20 s", by="diagnosis")),
+        (26.0, RoundStarted(round=3, members=members, nproc_per_node=1)), (26.5, RoundCompleted(round=3)),
+        (27.0, StepProgress(round=3, step=1)),
+    ]
+    for seq, (at, event) in enumerate(timed, 1):
+        tracer(Record(seq=seq, at=at, event=event), JobState())
+    roots = [s for s in exporter.get_finished_spans() if s.name == "recovery"]
+    assert [(r.attributes or {}).get("stead.cause") for r in roots] == ["node_exited", "restart_requested"]
+    assert [c["outcome"] for c in tracer.completed] == ["recovered", "recovered"]
+    assert tracer.completed[1]["detect"] == pytest.approx(20.0)  # the stall: since the last step report
+    assert "detect" not in tracer.completed[0] and tracer.completed[0]["restart"] == pytest.approx(1.0)
 
 
 def test_the_exporter_is_chosen_as_opentelemetry_says() -> None:

@@ -4,12 +4,15 @@ Every event kind is a frozen dataclass registered under a dotted type name
 (``node.joined``) and a schema version. The codec writes
 ``{"type": ..., "v": ..., "seq": ..., "at": ..., "data": {...}}`` and refuses
 unknown types and malformed records with an error that names the record.
-Plugins add their own kinds under their own namespace (``ckpt.persisted``).
+Plugins add their own kinds under their own namespace (``diagnosis.hang``). A kind may say how a
+timeline (``stead report``) marks it (:class:`EventMark`), so readers of the log find what it
+means from its class, not from its name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from collections.abc import Callable
@@ -18,11 +21,21 @@ from typing import Any, ClassVar, TypeVar
 from stead.core.errors import CodecError
 from stead.core.serde import from_json, to_json
 
-__all__ = ["EncodedEvent", "Event", "Record", "decode_record", "encode", "encode_record", "event_kind", "event_types"]
+__all__ = ["EncodedEvent", "Event", "EventMark", "Record", "decode_record", "encode", "encode_record", "event_kind",
+           "event_types"]
 
 _REGISTRY: dict[str, type[Event]] = {}
 
 E = TypeVar("E", bound="Event")
+
+
+class EventMark(enum.StrEnum):
+    """What an event of a kind says happened, as a timeline marks it (``stead report``)."""
+
+    FAILURE = "failure"
+    DIAGNOSIS = "diagnosis"
+    DECISION = "decision"
+    CHECKPOINT = "checkpoint"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,10 +44,12 @@ class Event:
 
     type_name: ClassVar[str] = ""
     version: ClassVar[int] = 1
+    #: how a timeline marks events of this kind; None: it does not
+    mark: ClassVar[EventMark | None] = None
 
 
-def event_kind(name: str, *, version: int = 1) -> Callable[[type[E]], type[E]]:
-    """Register an event class under ``name`` (dotted, namespaced by owner)."""
+def event_kind(name: str, *, version: int = 1, mark: EventMark | None = None) -> Callable[[type[E]], type[E]]:
+    """Register an event class under ``name`` (dotted, namespaced by owner); ``mark``: how a timeline marks it."""
 
     def register(cls: type[E]) -> type[E]:
         params = cls.__dict__.get("__dataclass_params__")  # the class itself, not only a base, is a dataclass
@@ -46,6 +61,7 @@ def event_kind(name: str, *, version: int = 1) -> Callable[[type[E]], type[E]]:
             raise TypeError(f"event type {name!r} is already registered by {existing.__qualname__}")
         cls.type_name = name
         cls.version = version
+        cls.mark = mark
         _REGISTRY[name] = cls
         return cls
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from stead.core.events.base import Event, event_kind
+from stead.core.events.base import Event, EventMark, event_kind
 
 __all__ = [
     "CheckpointCommitted",
+    "CheckpointPersisted",
+    "CheckpointRestored",
     "EffectFailed",
     "HealthCheckStarted",
     "HealthChecked",
@@ -110,7 +112,7 @@ class JobSucceeded(Event):
     reason: str = "all workers exited 0"
 
 
-@event_kind("job.failed")
+@event_kind("job.failed", mark=EventMark.FAILURE)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JobFailed(Event):
     reason: str
@@ -168,7 +170,7 @@ class NodeJoined(Event):
     nproc: int = 1
 
 
-@event_kind("node.lost")
+@event_kind("node.lost", mark=EventMark.FAILURE)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NodeLost(Event):
     """The node stopped answering (heartbeat timeout) or its pod vanished."""
@@ -228,7 +230,7 @@ class NodePending(Event):
 # -- workers and rounds --------------------------------------------------------
 
 
-@event_kind("worker.failed")
+@event_kind("worker.failed", mark=EventMark.FAILURE)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkerFailed(Event):
     """A worker process exited non-zero or by a signal."""
@@ -279,7 +281,7 @@ class RecoveryAction(enum.Enum):
     RELAUNCH = "relaunch"
 
 
-@event_kind("recovery.decided")
+@event_kind("recovery.decided", mark=EventMark.DECISION)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RecoveryDecided(Event):
     """What a failure in ``round`` leads to, decided by a plugin (diagnosis) or by the default policy."""
@@ -299,7 +301,7 @@ class RecoveryDecided(Event):
     evidence: str = ""
 
 
-@event_kind("request.restart")
+@event_kind("request.restart", mark=EventMark.DECISION)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RestartRequested(Event):
     """A plugin asks to restart the workers of the running ``round`` (a hang, say); costs one restart."""
@@ -309,7 +311,7 @@ class RestartRequested(Event):
     by: str
 
 
-@event_kind("request.relaunch")
+@event_kind("request.relaunch", mark=EventMark.DECISION)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RelaunchRequested(Event):
     """A plugin asks to replace a node (a straggler, a sick host): it is killed and relaunched."""
@@ -446,7 +448,7 @@ class HealthVerdict:
     reason: str
 
 
-@event_kind("health.checked")
+@event_kind("health.checked", mark=EventMark.DIAGNOSIS)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HealthChecked(Event):
     """The verdict of health check ``check``: ``failed`` nodes are relaunched elsewhere, the others may train."""
@@ -462,13 +464,40 @@ class HealthChecked(Event):
 # -- checkpoints, plugins, errors ----------------------------------------------
 
 
-@event_kind("checkpoint.committed")
+@event_kind("checkpoint.committed", mark=EventMark.CHECKPOINT)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointCommitted(Event):
     step: int
     tier: str = "memory"
     #: how long the slowest rank's save() took to copy the step (None: not reported)
     save_s: float | None = None
+
+
+# the flash checkpoint plugin records these (``ckpt.*``); they are core kinds because the goodput ledger and the
+# metrics read their fields
+
+
+@event_kind("ckpt.persisted", mark=EventMark.CHECKPOINT)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointPersisted(Event):
+    """Every rank of the world wrote its shard of ``step`` to ``path`` (loadable by torch.distributed.checkpoint)."""
+
+    step: int
+    path: str
+    world_size: int
+    #: how long the slowest rank took to write its files (None: not reported)
+    persist_s: float | None = None
+
+
+@event_kind("ckpt.restored", mark=EventMark.CHECKPOINT)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointRestored(Event):
+    """The workers of ``round`` restored ``step`` (-1: started fresh); ranks counted by where they read it."""
+
+    round: int
+    step: int
+    memory_ranks: int = 0
+    disk_ranks: int = 0
 
 
 @event_kind("plugin.failed")

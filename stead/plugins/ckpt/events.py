@@ -1,27 +1,19 @@
-"""Event kinds of the flash checkpoint plugin (``ckpt.*``); CheckpointCommitted is a core kind."""
+"""Event kinds of the flash checkpoint plugin (``ckpt.*``).
+
+CheckpointCommitted, CheckpointPersisted and CheckpointRestored are core kinds (the goodput ledger and the
+metrics read them), re-exported here with the plugin's own.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
-from stead.plugin import Event, event_kind
+from stead.plugin import CheckpointPersisted, CheckpointRestored, Event, EventMark, event_kind
 
 __all__ = ["CheckpointCorrupt", "CheckpointPersisted", "CheckpointRestored"]
 
 
-@event_kind("ckpt.persisted")
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckpointPersisted(Event):
-    """Every rank of the world wrote its shard of ``step`` to ``path`` (loadable by torch.distributed.checkpoint)."""
-
-    step: int
-    path: str
-    world_size: int
-    #: how long the slowest rank took to write its files (None: not reported)
-    persist_s: float | None = None
-
-
-@event_kind("ckpt.corrupt")
+@event_kind("ckpt.corrupt", mark=EventMark.FAILURE)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointCorrupt(Event):
     """A copy of ``step`` failed its checksums (or could not be read); the reader fell back to an older copy."""
@@ -31,14 +23,3 @@ class CheckpointCorrupt(Event):
     rank: int
     node_id: str = ""
     detail: str = ""
-
-
-@event_kind("ckpt.restored")
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckpointRestored(Event):
-    """The workers of ``round`` restored ``step`` (-1: started fresh); ranks counted by where they read it."""
-
-    round: int
-    step: int
-    memory_ranks: int = 0
-    disk_ranks: int = 0

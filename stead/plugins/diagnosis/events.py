@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from stead.plugin import Event, event_kind
+from stead.plugin import Event, EventMark, event_kind
 
 __all__ = ["FailureClassified", "HangDetected", "StragglerCleared", "StragglerDetected"]
 
 
-@event_kind("diagnosis.hang")
+@event_kind("diagnosis.hang", mark=EventMark.FAILURE)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HangDetected(Event):
     """No rank of ``round`` finished a step for ``stalled_s`` (over ``threshold_s``); ``rank``: the one that hangs.
@@ -29,7 +29,7 @@ class HangDetected(Event):
     evidence: str = ""
 
 
-@event_kind("diagnosis.classified")
+@event_kind("diagnosis.classified", mark=EventMark.DIAGNOSIS)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FailureClassified(Event):
     """A node failure (lost, or its agent gone) classified by the rules; a worker failure's class is in its decision.
@@ -46,7 +46,7 @@ class FailureClassified(Event):
     evidence: str
 
 
-@event_kind("diagnosis.straggler")
+@event_kind("diagnosis.straggler", mark=EventMark.DIAGNOSIS)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StragglerDetected(Event):
     """``node_id`` has spent ``compute_s`` per step on its own work for ``window_s``, ``ratio`` x the others' median."""
