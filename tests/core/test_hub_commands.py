@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -34,10 +36,18 @@ def _spec(node_id: str, incarnation: int, address: str, token_file: str) -> Node
     return NodeSpec(job="t", node_id=node_id, incarnation=incarnation, command=("stead", "agent"))
 
 
-def _master(tmp_path: Path, store_url: str, job: str) -> Master:
-    return Master(MasterConfig(job=job, store_url=store_url, settings=FAST, platform=RecordingPlatform(),
-                               node_spec=_spec, token_file=str(tmp_path / f"{job}.token"), tcp_store=False,
-                               plugins=[]))
+@contextlib.asynccontextmanager
+async def _serving(tmp_path: Path, store_url: str, job: str, nodes: tuple[str, ...], *,
+                   submit: bool = True) -> AsyncIterator[tuple[Master, MasterClient]]:
+    """A master of ``job`` (submitted, unless it resumes one) with ``nodes`` registered, and a client of it."""
+    config = MasterConfig(job=job, store_url=store_url, settings=FAST, platform=RecordingPlatform(), node_spec=_spec,
+                          token_file=str(tmp_path / f"{job}.token"), tcp_store=False, plugins=[])
+    async with Master(config) as master, MasterClient(master.address, master.token, call_timeout_s=5) as client:
+        if submit:
+            await master.submit_job(_job(len(nodes)))
+        for node in nodes:
+            await client.register(_register(node))
+        yield master, client
 
 
 def _job(nodes: int) -> JobSubmitted:
@@ -77,10 +87,7 @@ def _resumable(store_url: str) -> None:
 
 async def test_a_command_is_given_on_every_new_stream_until_acknowledged_and_its_ack_recorded_once(
         tmp_path: Path) -> None:
-    async with _master(tmp_path, "memory://", "acks") as master, \
-            MasterClient(master.address, master.token, call_timeout_s=5) as client:
-        await master.submit_job(_job(1))
-        await client.register(_register("node-0"))
+    async with _serving(tmp_path, "memory://", "acks", ("node-0",)) as (master, client):
         first, again = await _first(client, "node-0"), await _first(client, "node-0")
         assert isinstance(first, StartWorkersCmd) and first == again  # the stream broke before any ack
         assert await client.heartbeat(_beat("node-0", first.id))
@@ -94,12 +101,8 @@ async def test_a_command_is_given_on_every_new_stream_until_acknowledged_and_its
 
 
 async def test_the_acknowledgements_of_many_nodes_taken_together_are_one_record(tmp_path: Path) -> None:
-    nodes = [f"node-{i}" for i in range(40)]
-    async with _master(tmp_path, "memory://", "many") as master, \
-            MasterClient(master.address, master.token, call_timeout_s=5) as client:
-        await master.submit_job(_job(len(nodes)))
-        for node in nodes:
-            await client.register(_register(node))
+    nodes = tuple(f"node-{i}" for i in range(40))
+    async with _serving(tmp_path, "memory://", "many", nodes) as (master, client):
         state = await master.wait(lambda s: s.rdzv.active)
         assert len(state.commands) == len(nodes)
         assert await client.heartbeats([_beat(n, f"start-workers/1/{n}") for n in nodes]) == []
@@ -112,18 +115,11 @@ async def test_a_master_that_takes_over_resends_what_was_not_acknowledged_and_no
         tmp_path: Path, store_url: str) -> None:
     _resumable(store_url)
     job = f"takeover-{uuid.uuid4().hex[:6]}"
-    async with _master(tmp_path, store_url, job) as master, \
-            MasterClient(master.address, master.token, call_timeout_s=5) as client:
-        await master.submit_job(_job(2))
-        for node in ("node-0", "node-1"):
-            await client.register(_register(node))
+    async with _serving(tmp_path, store_url, job, ("node-0", "node-1")) as (master, client):
         starts = {node: await _first(client, node) for node in ("node-0", "node-1")}
         assert await client.heartbeat(_beat("node-0", starts["node-0"].id))  # node-1's ack is lost with the master
         await master.wait(lambda s: set(s.commands) == {"node-1"})
-    async with _master(tmp_path, store_url, job) as master, \
-            MasterClient(master.address, master.token, call_timeout_s=5) as client:
-        for node in ("node-0", "node-1"):
-            await client.register(_register(node))
+    async with _serving(tmp_path, store_url, job, ("node-0", "node-1"), submit=False) as (master, client):
         assert await _first(client, "node-1") == starts["node-1"]
         await master.submit(JobStopped(reason="test over"))
         assert isinstance(await _first(client, "node-0"), StopNodeCmd)  # its acknowledged start was not resent
@@ -134,19 +130,13 @@ async def test_a_start_superseded_by_a_later_round_is_not_resent_by_the_next_mas
         tmp_path: Path, store_url: str) -> None:
     _resumable(store_url)
     job = f"superseded-{uuid.uuid4().hex[:6]}"
-    async with _master(tmp_path, store_url, job) as master, \
-            MasterClient(master.address, master.token, call_timeout_s=5) as client:
-        await master.submit_job(_job(2))
-        for node in ("node-0", "node-1"):
-            await client.register(_register(node))
+    async with _serving(tmp_path, store_url, job, ("node-0", "node-1")) as (master, client):
         first = await _first(client, "node-0")
         assert isinstance(first, StartWorkersCmd) and first.round == 1
         await client.report_workers("node-1", 1, 1, "started")
         await client.report_failure(FailureInfo(node_id="node-1", incarnation=1, round=1, local_rank=0, rank=1,
                                                 exit_code=1, signal=None, step=None, error_tail="reset"))
         await master.wait(lambda s: s.rdzv.round == 2 and s.rdzv.active)  # restarted by the built-in policy
-    async with _master(tmp_path, store_url, job) as master, \
-            MasterClient(master.address, master.token, call_timeout_s=5) as client:
-        await client.register(_register("node-0"))
+    async with _serving(tmp_path, store_url, job, ("node-0",), submit=False) as (_, client):
         resent = await _first(client, "node-0")
     assert isinstance(resent, StartWorkersCmd) and (resent.round, resent.id) == (2, "start-workers/2/node-0")
