@@ -4,6 +4,9 @@ Nodes are launched and killed through the platform; workers are started and
 stopped, and nodes told to exit, through the agent hub's command streams. The
 reactor claims each effect before it calls :meth:`Executor.run` and turns an
 exception into an ``EffectFailed`` event; here an effect either happens or raises.
+A command's effect is done once the hub queued the command: the command itself
+stays in force in the job state until its agent acknowledges it, and a new master
+gives it again from there (see :mod:`stead.core.statemachine.commands`).
 """
 
 from __future__ import annotations

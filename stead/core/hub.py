@@ -6,6 +6,14 @@ incarnation is known live), keeps one ordered command queue per node
 incarnation, watches heartbeats to declare silent nodes lost, and aggregates
 step progress into StepProgress events. Heartbeats
 themselves are not events: only what they change is recorded.
+
+A command is done when its agent acknowledged it, not when it is queued here: the
+job state keeps each node's command in force until then (see
+:mod:`stead.core.statemachine.commands`), and every command stream an agent opens,
+to this master or to one that took over, starts with that command. Agents
+acknowledge on their heartbeats; the hub records the acknowledgements of many
+nodes in one ``CommandsAcked`` event (:meth:`AgentHub.record_acks`), not one store
+write each.
 """
 
 from __future__ import annotations
@@ -20,8 +28,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import structlog
 
 from stead.core.config import Settings
-from stead.core.errors import InvalidRequest, Overloaded, RpcUnavailable
+from stead.core.errors import InvalidRequest, Overloaded, RpcUnavailable, StoreError
 from stead.core.events import (
+    CommandAck,
+    CommandsAcked,
     Event,
     NodeHealthReported,
     NodeJoined,
@@ -47,6 +57,7 @@ from stead.core.rpc.backend import (
     StopWorkersCmd,
 )
 from stead.core.statemachine import (
+    AgentOrder,
     CheckHealth,
     DumpStacks,
     JobState,
@@ -54,6 +65,7 @@ from stead.core.statemachine import (
     StartWorkers,
     StopNode,
     StopWorkers,
+    in_force,
 )
 
 __all__ = ["AgentHub"]
@@ -70,6 +82,12 @@ _SHED_LOG_EVERY_S = 1.0
 _RETRY_AFTER_MAX_S = 30.0
 #: progress is recorded at most once per progress_interval_s, give or take the jitter of the timer that looks
 _PROGRESS_SLACK = 0.9
+#: the most bytes of ids one CommandsAcked record carries (each ack counts its node's and its command's id and
+#: _ACK_OVERHEAD_BYTES): half the smallest write a store may take (64 KiB), so a record always fits one; 300 or so
+#: acks of a 10,000-node round's start
+_ACK_RECORD_BYTES = 32 << 10
+#: what one acknowledgement adds to a record besides its ids: its JSON keys and incarnation
+_ACK_OVERHEAD_BYTES = 64
 
 
 @dataclasses.dataclass
@@ -77,7 +95,8 @@ class _Node:
     incarnation: int
     queue: asyncio.Queue[AgentCommand]
     seen: float
-    last: AgentCommand | None = None
+    #: the ids of commands its agent acknowledged that are not on record yet
+    acked: set[str] = dataclasses.field(default_factory=set)
     round: int = 0
     step: int | None = None
     #: a long phase one of its workers declared; "" when none
@@ -97,13 +116,17 @@ class AgentHub:
         submit: Callable[[Event], Awaitable[Record]],
         get_state: Callable[[], JobState],
         store_addr: Callable[[], tuple[str, int]],
+        round_store: Callable[[int], Awaitable[tuple[str, int]]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``store_addr``: the newest round's rendezvous store (told to registering agents); ``round_store(r)``:
+        round ``r``'s, for a start command resent from the job state (default: the newest)."""
         self.job = job
         self.settings = settings
         self._submit = submit
         self._state = get_state
         self._store_addr = store_addr
+        self._round_store = round_store
         self._clock = clock
         self._nodes: dict[str, _Node] = {}
         self._progress_round = 0
@@ -126,6 +149,10 @@ class AgentHub:
         self._failures: dict[tuple[str, int, int, int], asyncio.Future[bool]] = {}
         #: the rounds before this one are forgotten from ``_failures``
         self._failures_from = 0
+        #: acknowledgements taken in and not on record yet (at most one per node: one command is in force), and
+        #: set while there are some
+        self._acks: list[CommandAck] = []
+        self._acks_waiting = asyncio.Event()
 
     def _node(self, node_id: str, incarnation: int) -> _Node:
         node = self._nodes.get(node_id)
@@ -205,6 +232,8 @@ class AgentHub:
             return False
         node = self._node(info.node_id, info.incarnation)
         node.seen = self._clock()
+        if info.acked:
+            self._take_acks(info.node_id, node, info.acked)
         node.phase_changed = node.phase_changed or info.phase != node.phase
         node.round, node.step, node.phase = info.round, info.step, info.phase
         node.telemetry = NodeTelemetry(incarnation=node.incarnation, round=info.round, step=info.step,
@@ -244,16 +273,93 @@ class AgentHub:
         return {node_id: node.telemetry for node_id, node in self._nodes.items() if node.telemetry is not None}
 
     async def commands(self, node_id: str, incarnation: int) -> AsyncIterator[AgentCommand]:
+        """The node's commands, starting with the one in force that its agent has not acknowledged (it may never
+        have reached the agent: this stream replaces a broken one, or this master took over from one that died)."""
         if not self._check(node_id, incarnation):
             raise InvalidRequest(f"node {node_id} incarnation {incarnation} is not a live node of job {self.job!r}")
         node = self._node(node_id, incarnation)
-        if node.last is not None and node.queue.empty():  # a reconnecting agent gets the command in force again
-            yield node.last
+        waiting: list[AgentCommand] = []
+        while not node.queue.empty():
+            waiting.append(node.queue.get_nowait())
+        order = self._in_force(node_id, node)
+        given = ""
+        if order is not None:
+            queued = next((c for c in waiting if c.id == order.id), None)
+            if queued is None:
+                log.info("command_resent", node=node_id, command=order.id, reason="not acknowledged")
+            yield queued or await self._resent(order)
+            if isinstance(order, StopNode):
+                return
+            given = order.id
+        for command in waiting:  # the one-offs: the durable ones queued were the one in force, or superseded
+            if _one_off(command):
+                yield command
         while True:
             command = await node.queue.get()
+            if not _one_off(command):
+                order = self._in_force(node_id, node)
+                if order is None or order.id != command.id or command.id == given:
+                    log.debug("command_not_sent", node=node_id, command=command.id,
+                              reason="superseded, acknowledged, or given on this stream already")
+                    continue
+                given = command.id
             yield command
             if isinstance(command, StopNodeCmd):
                 return
+
+    def _in_force(self, node_id: str, node: _Node) -> AgentOrder | None:
+        """The node's command in force (:func:`~stead.core.statemachine.in_force`) unless its agent acknowledged it."""
+        order = in_force(self._state(), node_id)
+        if order is None or order.incarnation != node.incarnation or order.id in node.acked:
+            return None
+        return order
+
+    async def _resent(self, order: AgentOrder) -> AgentCommand:
+        """The command ``order`` stands for, made again from the job state (a round's start with its round's
+        rendezvous store)."""
+        if not isinstance(order, StartWorkers):
+            return _command(order, self._store_addr())
+        try:
+            address = await self._round_store(order.round) if self._round_store else self._store_addr()
+        except StoreError as exc:
+            raise RpcUnavailable(f"the rendezvous store of round {order.round} of job {self.job!r} is not available "
+                                 f"({exc}); try again in a moment") from exc
+        return _command(order, address)
+
+    def _take_acks(self, node_id: str, node: _Node, ids: Sequence[str]) -> None:
+        """Take a heartbeat's acknowledgements in, to be recorded by :meth:`record_acks`; one of a command not in
+        force (a one-off, superseded, acknowledged already, or unknown) is harmless and only logged."""
+        order = self._in_force(node_id, node)
+        for command_id in ids:
+            if order is None or command_id != order.id:
+                log.debug("command_ack_ignored", node=node_id, command=command_id,
+                          reason="no such command awaits an acknowledgement")
+                continue
+            node.acked.add(command_id)
+            self._acks.append(CommandAck(node_id=node_id, incarnation=node.incarnation, command_id=command_id))
+            order = None
+        if self._acks:
+            self._acks_waiting.set()
+
+    async def record_acks(self) -> None:
+        """Record the acknowledgements taken in, as they come: all those that wait go in ``CommandsAcked`` records
+        of many nodes each (a 10,000-node round's acks are a handful of store writes, not 10,000)."""
+        while True:
+            await self._acks_waiting.wait()
+            self._acks_waiting.clear()
+            while self._acks:
+                batch = _first_record(self._acks)
+                del self._acks[:len(batch)]
+                try:
+                    await self._submit(CommandsAcked(acks=tuple(batch)))
+                except BaseException:  # recorded when this task runs again (the store back, say)
+                    self._acks[:0] = batch
+                    self._acks_waiting.set()
+                    raise
+                for ack in batch:
+                    node = self._nodes.get(ack.node_id)
+                    if node is not None:
+                        node.acked.discard(ack.command_id)
 
     async def report_failure(self, report: AgentReport[WorkerFailed]) -> None:
         """Record a worker's failure once: the same failure reported again (the agent retried because the reply
@@ -336,44 +442,7 @@ class AgentHub:
         the latest).
         """
         node = self._node(effect.node_id, effect.incarnation)
-        command: AgentCommand
-        match effect:
-            case StartWorkers():
-                host, port = store_addr or self._store_addr()
-                command = StartWorkersCmd(
-                    id=effect.id, round=effect.round, node_rank=effect.node_rank, nnodes=effect.nnodes,
-                    nproc_per_node=effect.nproc_per_node, world_size=effect.world_size,
-                    restart_count=effect.restart_count, master_addr=host, master_port=port,
-                )
-            case StopWorkers():
-                command = StopWorkersCmd(id=effect.id, round=effect.round, reason=effect.reason)
-            case StopNode():
-                command = StopNodeCmd(id=effect.id, reason=effect.reason)
-            case DumpStacks():  # a one-off: not the command in force a reconnecting agent is given again
-                node.queue.put_nowait(DumpStacksCmd(id=effect.id, round=effect.round, reason=effect.reason))
-                return
-            case CheckHealth():  # a one-off too: its report reaches whichever master runs by then
-                host, port = store_addr or self._store_addr()
-                node.queue.put_nowait(CheckHealthCmd(id=effect.id, check=effect.check, nodes=effect.nodes,
-                                                     store_host=host, store_port=port, timeout_s=effect.timeout_s))
-                return
-        node.last = command
-        node.queue.put_nowait(command)
-
-    def resend_round(self, state: JobState, *, store_addr: tuple[str, int]) -> None:
-        """After a takeover: queue the running round's start command for each member that has not reported its
-        workers started (a duplicate is harmless: an agent whose workers run that round says so again)."""
-        rdzv, spec = state.rdzv, state.spec
-        if not rdzv.active or spec is None:
-            return
-        for rank, member in enumerate(rdzv.members):
-            node = state.nodes.get(member)
-            if member in rdzv.started or node is None or node.phase is not NodePhase.JOINED:
-                continue
-            log.info("round_command_resent", node=member, round=rdzv.round)
-            self.send(StartWorkers(node_id=member, incarnation=node.incarnation, round=rdzv.round, node_rank=rank,
-                                   nnodes=len(rdzv.members), nproc_per_node=spec.nproc_per_node,
-                                   restart_count=state.restarts), store_addr=store_addr)
+        node.queue.put_nowait(_command(effect, store_addr or self._store_addr()))
 
     # -- monitoring ----------------------------------------------------------------
 
@@ -446,3 +515,40 @@ class AgentHub:
         self._progress_round, self._progress_step, self._progress_at = rdzv.round, step, now
         self._progress_phase = phase
         await self._submit(StepProgress(round=rdzv.round, step=step, phase=phase))
+
+
+def _first_record(acks: Sequence[CommandAck]) -> list[CommandAck]:
+    """As many of ``acks``, from the first, as one CommandsAcked record carries (at least one)."""
+    size = 0
+    for count, ack in enumerate(acks):
+        size += len(ack.node_id) + len(ack.command_id) + _ACK_OVERHEAD_BYTES
+        if size > _ACK_RECORD_BYTES and count:
+            return list(acks[:count])
+    return list(acks)
+
+
+def _one_off(command: AgentCommand) -> bool:
+    """Whether ``command`` is given once, on the stream open then, and never kept in force."""
+    return isinstance(command, DumpStacksCmd | CheckHealthCmd)
+
+
+def _command(effect: StartWorkers | StopWorkers | StopNode | DumpStacks | CheckHealth,
+             store_addr: tuple[str, int]) -> AgentCommand:
+    """The command an effect stands for; ``store_addr``: the rendezvous store of a start's round or a check."""
+    host, port = store_addr
+    match effect:
+        case StartWorkers():
+            return StartWorkersCmd(
+                id=effect.id, round=effect.round, node_rank=effect.node_rank, nnodes=effect.nnodes,
+                nproc_per_node=effect.nproc_per_node, world_size=effect.world_size,
+                restart_count=effect.restart_count, master_addr=host, master_port=port,
+            )
+        case StopWorkers():
+            return StopWorkersCmd(id=effect.id, round=effect.round, reason=effect.reason)
+        case StopNode():
+            return StopNodeCmd(id=effect.id, reason=effect.reason)
+        case DumpStacks():  # a one-off: not kept in force (see stead.core.statemachine.commands)
+            return DumpStacksCmd(id=effect.id, round=effect.round, reason=effect.reason)
+        case CheckHealth():  # a one-off too: its report reaches whichever master runs by then
+            return CheckHealthCmd(id=effect.id, check=effect.check, nodes=effect.nodes, store_host=host,
+                                  store_port=port, timeout_s=effect.timeout_s)

@@ -151,7 +151,7 @@ class Master:
         self.metrics_url: str | None = None
         self.plugin_host: PluginHost | None = None
         self.hub = AgentHub(job=config.job, settings=self.settings, submit=self.submit, get_state=lambda: self.state,
-                            store_addr=lambda: self.rounds.latest)
+                            store_addr=lambda: self.rounds.latest, round_store=self.rounds.for_round)
         self.hub.serving = False  # until the log is replayed (see _start)
 
     # -- public API --------------------------------------------------------------
@@ -305,6 +305,7 @@ class Master:
             tasks.start("platform-events", lambda: self._pump_platform(platform))
         tasks.start("heartbeats", self.hub.watch_heartbeats)
         tasks.start("progress", self.hub.watch_progress)
+        tasks.start("acks", self.hub.record_acks)
         tasks.start("gc", lambda: steward_gc(self.settings))
         await self._reactor.resume(before_acting=self._adopt_nodes)
         self.hub.serving = True
@@ -315,11 +316,8 @@ class Master:
                  plugins=host.names, deciders=host.deciders, store=public_store_url(cfg.store_url))
 
     async def _adopt_nodes(self, state: JobState) -> None:
-        """Have the platform take over the nodes an earlier master launched that the log says still run, and give
-        the running round's start command again to the members that never said they started it."""
-        if state.rdzv.active and not state.phase.terminal and not state.rdzv.started >= set(state.rdzv.members):
-            # the master that queued it may have died before the agents read it: it is on record as done
-            self.hub.resend_round(state, store_addr=await self.rounds.for_round(state.rdzv.round))
+        """Have the platform take over the nodes an earlier master launched that the log says still run (the
+        commands their agents did not acknowledge are in the state: the hub gives them when the agents connect)."""
         platform = self.config.platform
         if platform is None or state.phase.terminal:
             return

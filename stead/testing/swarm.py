@@ -4,7 +4,8 @@
 registers (retrying with jittered backoff while the master is away or sheds
 load), follows its command stream, answers ``StartWorkers`` by reporting its
 workers started, and sends heartbeats at the interval the master asked for,
-timing each round trip. A test or benchmark then asks the nodes to fail, to go
+timing each round trip; each heartbeat acknowledges the commands taken since
+the last one the master answered, as an agent's does. A test or benchmark then asks the nodes to fail, to go
 silent or to report progress, and reads what each node was told::
 
     async with Swarm(master.address, master.token) as swarm:
@@ -44,6 +45,7 @@ from stead.core.rpc import (
     StopNodeCmd,
     StopWorkersCmd,
 )
+from stead.core.rpc.backend import MAX_ACKS_PER_BEAT
 from stead.testing.platforms import RecordingPlatform
 
 __all__ = ["SimNode", "Swarm", "SwarmPlatform"]
@@ -82,6 +84,8 @@ class SimNode:
     #: what its heartbeats say its workers use (memory bytes, CPU percent of one core); None: not reported
     rss_bytes: int | None = None
     cpu_percent: float | None = None
+    #: the ids of the commands it took that no heartbeat the master answered has acknowledged yet
+    acks: list[str] = dataclasses.field(default_factory=list)
 
 
 class Swarm:
@@ -271,6 +275,8 @@ class Swarm:
                             return
                         case _:
                             pass
+                    if command.id not in node.acks:
+                        node.acks.append(command.id)
                 return
             except RetryableError:  # the master went away: register again with the next one
                 await asyncio.sleep(self._rng.uniform(0, _BACKOFF_FIRST_S))
@@ -291,11 +297,13 @@ class Swarm:
             next_at += interval
             if not node.silent:
                 started = time.monotonic()
+                beat = self._beat_info(node)
                 try:
-                    known = await beats.send(self._beat_info(node))
+                    known = await beats.send(beat)
                 except SteadError:
                     self.heartbeat_errors += 1
                 else:
+                    _acknowledged(node, beat)
                     node.last_beat = time.monotonic()
                     if self.record_latencies:
                         self.latencies.append(node.last_beat - started)
@@ -307,7 +315,8 @@ class Swarm:
         # a node that steps reports its own time per step, as an agent does (the master's straggler watch reads it)
         return HeartbeatInfo(node_id=node.node_id, incarnation=node.incarnation, round=node.round, step=node.step,
                              workers_alive=self._nproc, step_compute_s=None if node.step is None else 0.1,
-                             rss_bytes=node.rss_bytes, cpu_percent=node.cpu_percent)
+                             rss_bytes=node.rss_bytes, cpu_percent=node.cpu_percent,
+                             acked=tuple(node.acks[:MAX_ACKS_PER_BEAT]))
 
     async def _beat_batches(self) -> None:
         """As a per-rack aggregator: every interval, the nodes' heartbeats ``batch`` per call, spread out."""
@@ -326,15 +335,17 @@ class Swarm:
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         client = await self._client(group[0])
         started = time.monotonic()
+        beats = [self._beat_info(node) for node in group]
         try:
-            unknown = await client.heartbeats([self._beat_info(node) for node in group])
+            unknown = await client.heartbeats(beats)
         except SteadError:
             self.heartbeat_errors += 1
             return
         done = time.monotonic()
         if self.record_latencies:
             self.latencies.append(done - started)
-        for node in group:
+        for node, beat in zip(group, beats, strict=True):
+            _acknowledged(node, beat)
             node.last_beat = done
         for node_id in unknown:
             node = self.nodes[node_id]
@@ -350,6 +361,12 @@ class Swarm:
 
     def _notify(self) -> None:
         self._changed.set()
+
+
+def _acknowledged(node: SimNode, beat: HeartbeatInfo) -> None:
+    """The master answered ``beat``: the commands it acknowledged are taken in."""
+    if beat.acked:
+        node.acks = [a for a in node.acks if a not in beat.acked]
 
 
 class SwarmPlatform(RecordingPlatform):

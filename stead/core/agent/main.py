@@ -3,13 +3,16 @@
 One agent per node. It owns the node's worker processes (through a
 :class:`WorkerGroup` fed by a warm :class:`Zygote`), reports each worker failure
 at once with its exit code, signal and stderr tail, and obeys the master's
-command stream: start workers for round R, stop them, stop the node. When the
-master cannot be reached it keeps the workers running and retries with backoff:
-a master restart must not stop training.
+command stream: start workers for round R, stop them, stop the node. It applies
+each command id once (a master resends the command in force until it hears of
+it) and acknowledges it on its next heartbeat. When the master cannot be reached
+it keeps the workers running and retries with backoff: a master restart must not
+stop training.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -63,7 +66,7 @@ from stead.core.rpc import (
     read_token_file,
     retrying,
 )
-from stead.core.rpc.backend import MAX_EVIDENCE_CHARS
+from stead.core.rpc.backend import MAX_ACKS_PER_BEAT, MAX_EVIDENCE_CHARS
 
 __all__ = ["EXIT_MASTER_GONE", "EXIT_TERMINATED", "RUN_ARGV_ENV", "ZYGOTE_LATE_PRELOAD", "ZYGOTE_PRELOAD", "Agent",
            "clean_up_after", "load_run_config", "run_agent", "zygote_env"]
@@ -90,6 +93,9 @@ ZYGOTE_LATE_PRELOAD = ("torch._dynamo",)
 _HEALTH_RUN_SHARE, _HEALTH_WAIT_SHARE = 0.8, 0.9
 #: poll the progress files this often between a round's start and its first step (fast "first step" report)
 _FIRST_STEP_POLL_S = 0.01
+#: the ids of the last commands applied that the agent remembers, to apply a repeated one once: a master resends
+#: only a node's latest command, so a few would do
+_APPLIED_IDS_KEPT = 64
 
 
 class Agent:
@@ -128,6 +134,10 @@ class Agent:
         self._oom = OomRecords()
         self._gpu = GpuHealth()
         self._log = log.bind(node=node_id, incarnation=incarnation)
+        #: the ids of the commands applied, newest last (see _APPLIED_IDS_KEPT)
+        self._applied: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: the ids of commands applied that no heartbeat the master answered has carried yet
+        self._acks: collections.deque[str] = collections.deque(maxlen=MAX_ACKS_PER_BEAT)
 
     async def run(self) -> int:
         preload = ZYGOTE_PRELOAD if not self.config.no_python else ()
@@ -223,6 +233,10 @@ class Agent:
             try:
                 async for command in self.client.commands(self.node_id, self.incarnation):
                     backoff.reset()
+                    if command.id in self._applied:  # its acknowledgement is not on record yet: say it again
+                        self._log.debug("command_repeated", command=command.id)
+                        self._acked(command.id)
+                        continue
                     match command:
                         case StartWorkersCmd():
                             await self._start_round(command, tg)
@@ -233,11 +247,12 @@ class Agent:
                             tg.start_soon(self._dump_stacks, command)
                         case CheckHealthCmd():
                             tg.start_soon(self._check_health, command)
-                        case StopNodeCmd():
+                        case StopNodeCmd():  # acknowledged by the node's exit, which ends its incarnation
                             self._log.info("agent_stop", reason=command.reason)
                             self._job_ended = True
                             await self._stop_workers(command.reason)
                             return
+                    self._acked(command.id)
             except RetryableError as exc:
                 self._log.warning("master_unreachable", error=str(exc), action="workers keep running; retrying")
                 retry_after = exc.retry_after_s
@@ -253,6 +268,15 @@ class Agent:
                 await self._stop_workers("the master is gone")
                 return
             gone_since = None
+
+    def _acked(self, command_id: str) -> None:
+        """Remember ``command_id`` as applied, and acknowledge it with the next heartbeat."""
+        self._applied[command_id] = None
+        self._applied.move_to_end(command_id)
+        while len(self._applied) > _APPLIED_IDS_KEPT:
+            self._applied.popitem(last=False)
+        if command_id not in self._acks:
+            self._acks.append(command_id)
 
     async def _dump_stacks(self, command: DumpStacksCmd) -> None:
         assert self._group is not None and self._progress is not None and self._reader is not None
@@ -347,9 +371,13 @@ class Agent:
                                  workers_alive=self._group.alive, rss_bytes=rss, cpu_percent=cpu,
                                  phase=self._reader.phase() if self._reader is not None else "",
                                  step_compute_s=self._pace.compute_s(self.nproc), gpu_memory_bytes=gpu_memory,
-                                 gpu_util_percent=gpu_util)
+                                 gpu_util_percent=gpu_util, acked=tuple(self._acks))
             try:
-                if not await self.client.heartbeat(beat):
+                if await self.client.heartbeat(beat):
+                    for command_id in beat.acked:  # on record, or recorded soon: the master took them in
+                        with contextlib.suppress(ValueError):
+                            self._acks.remove(command_id)
+                else:
                     self._log.warning("master_forgot_node", action="registering again")
                     await self._register(deadline_s=0.0)  # one try: the command loop rides out a longer outage
             except RetryableError as exc:

@@ -15,6 +15,8 @@ __all__ = [
     "CheckpointCommitted",
     "CheckpointPersisted",
     "CheckpointRestored",
+    "CommandAck",
+    "CommandsAcked",
     "EffectFailed",
     "HealthCheckStarted",
     "HealthChecked",
@@ -393,6 +395,23 @@ class StacksDumped(Event):
     workers: tuple[StackSample, ...]
     method: str
     error: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommandAck:
+    """A node incarnation's agent applied the command ``command_id``."""
+
+    node_id: str
+    incarnation: int
+    command_id: str
+
+
+@event_kind("commands.acked")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommandsAcked(Event):
+    """Agents acknowledged these commands: a master no longer resends them (many nodes' acks in one record)."""
+
+    acks: tuple[CommandAck, ...]
 
 
 @event_kind("timer.fired")

@@ -45,6 +45,8 @@ MAX_NODE_ID_CHARS = 253
 MAX_PHASE_CHARS = 24
 #: the longest stack dump of one worker a StacksReport carries
 MAX_STACK_CHARS = 64 * 1024
+#: the longest command id an agent acknowledges: a node id and a kind, a round or a check number
+MAX_COMMAND_ID_CHARS = MAX_NODE_ID_CHARS + 64
 #: the longest file system path a request carries (Linux's PATH_MAX)
 MAX_PATH_CHARS = 4096
 
@@ -52,6 +54,7 @@ MAX_PATH_CHARS = 4096
 FIELD_BOUNDS: Mapping[str, tuple[int, str]] = {
     "RegisterRequest.host": (MAX_HOST_CHARS, "the agent's host name or address"),
     "HeartbeatRequest.phase": (MAX_PHASE_CHARS, "the phase's name, as stead.phase() keeps it"),
+    "HeartbeatRequest.acked": (MAX_COMMAND_ID_CHARS, "the command's id, as the master sent it"),
     "FailureReport.error_tail": (MAX_ERROR_TAIL_CHARS, "the end of the worker's stderr"),
     "FailureReport.oom": (MAX_EVIDENCE_CHARS, "the record itself, not a log"),
     "FailureReport.gpu": (MAX_EVIDENCE_CHARS, "the record itself, not a log"),

@@ -117,7 +117,7 @@ def heartbeat_to_proto(info: HeartbeatInfo) -> HeartbeatRequest:
                             step=NO_STEP if info.step is None else info.step, workers_alive=info.workers_alive,
                             rss_bytes=info.rss_bytes, cpu_percent=info.cpu_percent, phase=info.phase,
                             step_compute_s=info.step_compute_s, gpu_memory_bytes=info.gpu_memory_bytes,
-                            gpu_util_percent=info.gpu_util_percent)
+                            gpu_util_percent=info.gpu_util_percent, acked=list(info.acked))
 
 
 def heartbeat_from_proto(message: HeartbeatRequest) -> HeartbeatInfo:
@@ -126,7 +126,7 @@ def heartbeat_from_proto(message: HeartbeatRequest) -> HeartbeatInfo:
                          workers_alive=message.workers_alive, rss_bytes=message.rss_bytes,
                          cpu_percent=message.cpu_percent, phase=message.phase,
                          step_compute_s=message.step_compute_s, gpu_memory_bytes=message.gpu_memory_bytes,
-                         gpu_util_percent=message.gpu_util_percent)
+                         gpu_util_percent=message.gpu_util_percent, acked=tuple(message.acked))
 
 
 def command_to_proto(command: AgentCommand) -> Command:

@@ -46,7 +46,7 @@ from stead.core.rpc._proto.stead.v1 import (
     WorkersReport,
 )
 from stead.core.rpc._status import at_least, backend_errors, finite_figure, invalid
-from stead.core.rpc.backend import HEARTBEAT_STREAM_ROUTE, MAX_NODE_WORKERS, AgentBackend
+from stead.core.rpc.backend import HEARTBEAT_STREAM_ROUTE, MAX_ACKS_PER_BEAT, MAX_NODE_WORKERS, AgentBackend
 
 __all__ = ["AgentServicer", "check_node_id"]
 
@@ -84,6 +84,9 @@ def _check_heartbeat(where: str, message: HeartbeatRequest) -> None:
     _finite_figure(where, "cpu_percent", message.cpu_percent, "percentage")
     _finite_figure(where, "gpu_util_percent", message.gpu_util_percent, "percentage")
     _finite_figure(where, "step_compute_s", message.step_compute_s, "number of seconds")
+    if len(message.acked) > MAX_ACKS_PER_BEAT:
+        invalid(f"{where}.acked holds {len(message.acked)} command ids: send at most {MAX_ACKS_PER_BEAT} a heartbeat "
+                "and the rest with the next ones")
 
 
 class AgentServicer(AgentServiceBase):

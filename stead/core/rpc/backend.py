@@ -35,6 +35,7 @@ __all__ = [
     "DumpStacksCmd",
     "HEARTBEAT_STREAM_ROUTE",
     "HeartbeatInfo",
+    "MAX_ACKS_PER_BEAT",
     "MAX_BATCH_BEATS",
     "MAX_ERROR_TAIL_CHARS",
     "MAX_EVIDENCE_CHARS",
@@ -55,6 +56,9 @@ MAX_EVIDENCE_CHARS = 4096
 MAX_ERROR_TAIL_CHARS = 32 * 1024
 #: the most heartbeats one Heartbeats call may carry (an aggregator for a rack, or a few racks)
 MAX_BATCH_BEATS = 10_000
+#: the most command ids one heartbeat acknowledges (an agent applies a command or two between beats; one that
+#: has more waiting sends the rest with its next beats)
+MAX_ACKS_PER_BEAT = 64
 #: the HeartbeatStream call's route: the client opens it and the servicer serves it by hand, not through the stubs
 HEARTBEAT_STREAM_ROUTE = "/stead.v1.AgentService/HeartbeatStream"
 #: the longest host name an agent may announce (a DNS name)
@@ -112,6 +116,8 @@ class HeartbeatInfo:
     #: memory in use on the node's fullest GPU, bytes, and its GPUs' mean utilisation, percent; None when unknown
     gpu_memory_bytes: int | None = None
     gpu_util_percent: float | None = None
+    #: the ids of the commands the agent applied since a heartbeat the master answered: their acknowledgement
+    acked: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

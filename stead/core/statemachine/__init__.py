@@ -1,7 +1,9 @@
 """Pure state machines: job, node and rendezvous. No IO, no clock, no logging."""
 
 from stead.core.statemachine.base import Transition
+from stead.core.statemachine.commands import in_force
 from stead.core.statemachine.effects import (
+    AgentOrder,
     CheckHealth,
     DumpStacks,
     Effect,
@@ -20,6 +22,7 @@ from stead.core.statemachine.rendezvous import RendezvousState
 from stead.core.statemachine.state import JobPhase, JobState
 
 __all__ = [
+    "AgentOrder",
     "CheckHealth",
     "DumpStacks",
     "Effect",
@@ -38,5 +41,6 @@ __all__ = [
     "Transition",
     "fold",
     "fold_all",
+    "in_force",
     "transition",
 ]

@@ -12,8 +12,8 @@ from typing import ClassVar
 
 from stead.core.events import Event
 
-__all__ = ["CheckHealth", "DumpStacks", "Effect", "Emit", "KillNode", "LaunchNode", "StartTimer", "StartWorkers",
-           "StopNode", "StopWorkers"]
+__all__ = ["AgentOrder", "CheckHealth", "DumpStacks", "Effect", "Emit", "KillNode", "LaunchNode", "StartTimer",
+           "StartWorkers", "StopNode", "StopWorkers"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,3 +165,9 @@ class Emit:
 
 Effect = (LaunchNode | KillNode | StartWorkers | StopWorkers | StopNode | DumpStacks | CheckHealth | StartTimer
           | Emit)
+
+AgentOrder = StartWorkers | StopWorkers | StopNode
+"""A command an agent is told until it acknowledges it, a new master included (see :mod:`.commands`).
+
+Stored in the job state's snapshot: decoding tries the kinds in this order, each one's fields a set the next
+ones' are not (a start has no ``reason``, a stop of workers has a ``round``), so keep the order."""

@@ -24,7 +24,9 @@ Plugins ask for actions through request events (``RestartRequested``,
 ``RelaunchRequested``), checked here like any other event.
 
 The armed timers are part of the state (``timers``), so that replaying the log
-re-arms exactly the timers that were pending.
+re-arms exactly the timers that were pending; so are the commands agents have not
+acknowledged (``commands``, see :mod:`.commands`), so that a new master resends
+exactly those.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from stead.core.events import (
     WorkersStarted,
     WorkersSucceeded,
 )
-from stead.core.statemachine import gone, membership, rounds
+from stead.core.statemachine import commands, gone, membership, rounds
 from stead.core.statemachine import health as health_machine
 from stead.core.statemachine import node as node_machine
 from stead.core.statemachine import rendezvous as rdzv_machine
@@ -113,7 +115,8 @@ def transition(state: JobState, event: Event, *, now: float, seq: int = 0) -> Tr
     result = _transition(dataclasses.replace(state, seq=max(seq, state.seq)), event, now=now)
     if result.rejected is not None:
         return Transition(state, (), result.rejected)
-    return Transition(_with_timers(result.state, event, result.effects), result.effects)
+    tracked = commands.track(_with_timers(result.state, event, result.effects), event, result.effects)
+    return Transition(tracked, result.effects)
 
 
 def _with_timers(state: JobState, event: Event, effects: tuple[Effect, ...]) -> JobState:

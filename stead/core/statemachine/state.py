@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from stead.core.events import JobSubmitted, WorkerFailed
 from stead.core.statemachine import membership
 from stead.core.statemachine._nodes import is_ready
+from stead.core.statemachine.effects import AgentOrder
 from stead.core.statemachine.health import HealthState
 from stead.core.statemachine.node import NodePhase, NodeState
 from stead.core.statemachine.rendezvous import RendezvousState
@@ -65,6 +66,8 @@ class JobState:
     #: nodes killed for using too much memory whose relaunch waits for their resources to be decided
     #: (NodeResourcesDecided, or decision_timeout_s)
     awaiting_resources: frozenset[str] = frozenset()
+    #: node id -> the command its agent was last given and has not acknowledged (see :mod:`.commands`)
+    commands: Mapping[str, AgentOrder] = dataclasses.field(default_factory=dict)
     #: seq of the last event folded in (0 before any)
     seq: int = 0
 

@@ -86,7 +86,7 @@ async def test_register_and_heartbeat_reach_the_backend_and_return_its_answers(c
                                                                             backend: Any) -> None:
     assert await client.register(REGISTER) == backend.result
     assert await client.heartbeat(HEARTBEAT) is True
-    stepped = HeartbeatInfo(**{**HEARTBEAT.__dict__, "round": 3, "step": 1234})
+    stepped = HeartbeatInfo(**{**HEARTBEAT.__dict__, "round": 3, "step": 1234, "acked": ("start-workers/3/node-0",)})
     assert await client.heartbeat(stepped) is True
     backend.known = False
     assert await client.heartbeat(HEARTBEAT) is False
@@ -162,6 +162,9 @@ async def test_health_and_stacks_reports_reach_the_backend_as_the_events_they_ar
      "HeartbeatRequest.step_compute_s"),
     (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "step_compute_s": float("inf")})),
      "HeartbeatRequest.step_compute_s"),
+    (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "acked": ("stop-workers/1/node-0",) * 65})),
+     "HeartbeatRequest.acked"),
+    (lambda c: c.heartbeat(HeartbeatInfo(**{**HEARTBEAT.__dict__, "acked": ("x" * 400,)})), "HeartbeatRequest.acked"),
     (lambda c: c.report_failure(_with(FAILURE, oom="x" * 5000)), "FailureReport.oom"),
     (lambda c: c.report_failure(_with(FAILURE, gpu="x" * 5000)), "FailureReport.gpu"),
     (lambda c: c.report_failure(_with(FAILURE, rank=-1)), "FailureReport.rank"),

@@ -178,7 +178,8 @@ class Command(betterproto2.Message):
 
     id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
     """
-    Deterministic id: the same command delivered twice has the same id.
+    Deterministic id: the same command delivered twice has the same id. The agent applies an id once and
+    acknowledges it on its next heartbeat (HeartbeatRequest.acked); until then a master resends it.
     """
 
     start_workers: "StartWorkers | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True, group="body")
@@ -465,6 +466,13 @@ class HeartbeatRequest(betterproto2.Message):
     gpu_util_percent: "float | None" = betterproto2.field(11, betterproto2.TYPE_DOUBLE, optional=True)
     """
     Mean utilisation of the node's GPUs over NVML's last sample period (0-100); unset when unknown.
+    """
+
+    acked: "list[str]" = betterproto2.field(12, betterproto2.TYPE_STRING, repeated=True)
+    """
+    The ids of the commands this agent applied that no heartbeat the master answered has carried yet: their
+    acknowledgement. The master records it (batched) and no longer resends them; an id it does not await is
+    ignored, so sending one again is harmless.
     """
 
 
