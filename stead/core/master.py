@@ -54,14 +54,14 @@ from stead.core.events.log import EventLog, job_prefix
 from stead.core.executor import Executor, NodeSpecFactory
 from stead.core.gcsteward import steward_gc
 from stead.core.hub import AgentHub
-from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, forget_job_token, job_token
+from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, held_job_token
 from stead.core.master_tasks import MasterTasks
 from stead.core.metrics import JobMetrics, MetricsServer, read_metrics_token
 from stead.core.platform import NodeSpec, Platform
 from stead.core.plugins import PluginHost, load_plugins
 from stead.core.reactor import Reactor
 from stead.core.retry import retrying
-from stead.core.rpc import AgentServicer, RpcServer, write_token_file
+from stead.core.rpc import AgentServicer, RpcServer
 from stead.core.statemachine import JobPhase, JobState, NodePhase
 from stead.core.store import StateStore, open_store, public_store_url
 from stead.core.tcpstore import RoundStores
@@ -243,12 +243,6 @@ class Master:
         await retrying(lambda: self.store.put(f"{job_prefix(self.config.job)}master", json.dumps(about).encode()),
                        self.settings, what=f"master record of {self.config.job}")
 
-    async def _forget_token_if_ended(self) -> None:
-        """A master leaving a job that ended removes its token's verifier and file; otherwise they stay, for the
-        master that takes the job over and for `stead scale`."""
-        if self.state.phase.terminal:
-            await forget_job_token(self.store, self.config.job, self.token_file)
-
     async def _start(self) -> None:
         cfg = self.config
         structlog.contextvars.bind_contextvars(job=cfg.job)
@@ -273,15 +267,13 @@ class Master:
             EventLog(self._store, cfg.job), executor, settings=self.settings, plugins=self.plugin_host,
             observers=observers))
         await self._stack.enter_async_context(self.plugin_host)
-        self.token = await job_token(self._store, cfg.job, given=cfg.token, token_file=self.token_file,
-                                     settings=self.settings)
+        self.token = await self._stack.enter_async_context(held_job_token(
+            self._store, cfg.job, given=cfg.token, token_file=self.token_file, settings=self.settings,
+            ended=lambda: self.state.phase.terminal))
         # the workers' rendezvous stores: a process of their own, found again (or started) here; it imports
         # torch while the nodes start
         await self.rounds.start(self._store, cfg.job, self.token)
         self._stack.push_async_exit(self._close_rounds)
-        self.token_file.parent.mkdir(parents=True, exist_ok=True)
-        write_token_file(self.token_file, self.token)
-        self._stack.push_async_callback(self._forget_token_if_ended)
         self._rpc = await self._stack.enter_async_context(
             RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file,
                       max_message_bytes=self.settings.rpc_max_message_bytes,
