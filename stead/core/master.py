@@ -42,6 +42,7 @@ import anyio
 import anyio.abc
 import structlog
 
+from stead.core.clock import WALL_CLOCK, Clock
 from stead.core.config import Settings
 from stead.core.errors import (
     LogConflict,
@@ -105,6 +106,8 @@ class MasterConfig:
     #: a master that fails with a retryable error leaves its nodes running for the next master to adopt (instead of
     #: stopping them, as it does when the job ends or a bug stops it)
     leave_nodes_on_failure: bool = False
+    #: what the reactor's timers, the log's record times and the plugins' waits go by (a test's FakeClock)
+    clock: Clock = WALL_CLOCK
 
 
 async def open_store_retrying(url: str, settings: Settings, *, deadline_s: float | None = None) -> StateStore:
@@ -259,7 +262,7 @@ class Master:
                    *cfg.plugin_objects]
         self.plugin_host = PluginHost(plugins, job=cfg.job, settings=self.settings, store=self._store,
                                       state=lambda: self.state, emit=self.submit, add_rpc_handler=handlers.append,
-                                      telemetry=self.hub.telemetry)
+                                      telemetry=self.hub.telemetry, clock=cfg.clock)
         observers: list[Any] = [self.tracer]
         if cfg.metrics_port >= 0:  # the log so far first: a master that takes over counts the whole job
             self.metrics = JobMetrics(cfg.job, lambda: self.state)
@@ -270,8 +273,8 @@ class Master:
                                              rounds=self.rounds, address=lambda: self.address,
                                              token_file=self.token_file)
         self._reactor = await self._stack.enter_async_context(Reactor(
-            EventLog(self._store, cfg.job), executor, settings=self.settings, plugins=self.plugin_host,
-            observers=observers))
+            EventLog(self._store, cfg.job, clock=cfg.clock.now), executor, settings=self.settings,
+            plugins=self.plugin_host, observers=observers, clock=cfg.clock))
         await self._stack.enter_async_context(self.plugin_host)
         self.token = await job_token(self._store, cfg.job, given=cfg.token, token_file=self.token_file,
                                      settings=self.settings)
