@@ -1,4 +1,5 @@
-"""The clocks: the real one waits, the fake one (stead.testing.FakeClock) moves only when advanced, in order."""
+"""The clocks: the real one waits; the fake one (stead.testing.FakeClock) moves only when advanced, in order, and
+a master given one (plugin_master(clock=)) fires its timers and its plugins' waits by it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import anyio
 import pytest
 
 from stead.core.clock import WALL_CLOCK
-from stead.testing import FakeClock
+from stead.core.events import JobSubmitted, NodeJoined, PluginFailed, Record, RoundStarted
+from stead.core.plugins import NoSettings, Plugin, PluginContext
+from stead.testing import FakeClock, plugin_master, settle
 
 pytestmark = pytest.mark.anyio
 
@@ -93,3 +96,36 @@ async def test_an_error_inside_its_deadline_comes_out_as_itself() -> None:
 async def test_time_does_not_go_back() -> None:
     with pytest.raises(ValueError, match="cannot go back"):
         await FakeClock().advance(-1)
+
+
+class _Pause(Plugin[NoSettings]):
+    """Waits 10 s of the master's clock after each round starts, then says so."""
+
+    name = "pause"
+    subscriptions = (RoundStarted,)
+
+    async def handle(self, *, record: Record, ctx: PluginContext[NoSettings]) -> None:
+        await ctx.clock.sleep(10)
+        await ctx.emit(PluginFailed(plugin=self.name, event_type="round.started", error="paused 10 s"))
+
+
+async def test_a_master_on_a_fake_clock_fires_its_timers_and_its_plugins_waits_when_advanced() -> None:
+    clock = FakeClock()
+    async with plugin_master(_Pause(settings=NoSettings()), clock=clock) as master:
+        await master.submit(JobSubmitted(job="test", min_nodes=2, max_nodes=3, nproc_per_node=1,
+                                         last_call_timeout_s=30))
+        for i in range(2):
+            await master.submit(NodeJoined(node_id=f"node-{i}", incarnation=1))
+        await clock.advance(29)
+        assert master.state.rdzv.round == 0  # the last call is still open
+        await clock.advance(1)
+        assert master.state.rdzv.round == 1
+        await clock.advance(9.9)
+        assert not _paused(await master.reactor.log.read())  # the plugin still waits
+        await clock.advance(0.1)
+        await settle(master)
+        assert _paused(await master.reactor.log.read())
+
+
+def _paused(records: list[Record]) -> bool:
+    return any(isinstance(r.event, PluginFailed) and r.event.error == "paused 10 s" for r in records)
