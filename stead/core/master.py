@@ -45,6 +45,7 @@ import anyio
 import anyio.abc
 import structlog
 
+from stead.core.clock import WALL_CLOCK, Clock
 from stead.core.config import Settings
 from stead.core.errors import MasterTaskFailed, RetryableError, StoreUnavailable
 from stead.core.events import Event, JobSubmitted, PluginsStarted, Record
@@ -104,6 +105,8 @@ class MasterConfig:
     #: a master that fails with a retryable error leaves its nodes running for the next master to adopt (instead of
     #: stopping them, as it does when the job ends or a bug stops it)
     leave_nodes_on_failure: bool = False
+    #: what the reactor's timers, the log's record times and the plugins' waits go by (a test's FakeClock)
+    clock: Clock = WALL_CLOCK
 
 
 async def open_store_retrying(url: str, settings: Settings, *, deadline_s: float | None = None) -> StateStore:
@@ -251,7 +254,7 @@ class Master:
                    *cfg.plugin_objects]
         self.plugin_host = PluginHost(plugins, job=cfg.job, settings=self.settings, store=self._store,
                                       state=lambda: self.state, emit=self.submit, add_rpc_handler=handlers.append,
-                                      telemetry=self.hub.telemetry)
+                                      telemetry=self.hub.telemetry, clock=cfg.clock)
         observers: list[Any] = [self.tracer]
         if cfg.metrics_port >= 0:  # the log so far first: a master that takes over counts the whole job
             self.metrics = JobMetrics(cfg.job, lambda: self.state)
@@ -261,8 +264,8 @@ class Master:
         executor = Executor(platform=cfg.platform, node_spec=cfg.node_spec, hub=self.hub, rounds=self.rounds,
                             address=lambda: self.address, token_file=self.token_file)
         self._reactor = await self._stack.enter_async_context(Reactor(
-            EventLog(self._store, cfg.job), executor, settings=self.settings, plugins=self.plugin_host,
-            observers=observers))
+            EventLog(self._store, cfg.job, clock=cfg.clock.now), executor, settings=self.settings,
+            plugins=self.plugin_host, observers=observers, clock=cfg.clock))
         takeover = Takeover(
             job=cfg.job, platform=cfg.platform, rounds=self.rounds, leave_nodes_on_failure=cfg.leave_nodes_on_failure,
             spec_for=executor.spec_for, state=lambda: self.state, reactor_failure=lambda: self.reactor.failure)

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import structlog
 
+from stead.core.clock import WALL_CLOCK, Clock
 from stead.core.config import Settings, load_settings
 from stead.core.entrypoints import installed, load_group, load_named
 from stead.core.errors import ConfigError, PluginError
@@ -84,7 +85,8 @@ class PluginContext(Generic[S]):
                  state: Callable[[], JobState], emit: Callable[[Event], Awaitable[Record]],
                  add_rpc_handler: Callable[[object], None] | None,
                  live: Callable[[], JobState] | None = None,
-                 telemetry: Callable[[], Mapping[str, NodeTelemetry]] | None = None) -> None:
+                 telemetry: Callable[[], Mapping[str, NodeTelemetry]] | None = None,
+                 clock: Clock = WALL_CLOCK) -> None:
         self.plugin = plugin
         self.job = job
         #: the plugin's own typed settings (``--set <plugin>.<name>=value``, ``STEAD_<PLUGIN>_<NAME>``)
@@ -93,6 +95,9 @@ class PluginContext(Generic[S]):
         self.stead_settings = stead_settings
         #: the job's state store; keep your own data under :meth:`key`
         self.store = store
+        #: the master's clock: wait on it (``await ctx.clock.sleep(s)``, ``async with ctx.clock.fail_after(s)``)
+        #: rather than on asyncio, so that a test's :class:`stead.testing.FakeClock` moves the plugin's waits too
+        self.clock = clock
         self.log = structlog.get_logger(f"stead.plugins.{plugin}").bind(plugin=plugin)
         self._state = state
         self._live = live or state
@@ -145,7 +150,8 @@ class PluginContext(Generic[S]):
         """This context with ``state`` fixed (the state at one record)."""
         return PluginContext(plugin=self.plugin, job=self.job, settings=self.settings,
                              stead_settings=self.stead_settings, store=self.store, state=lambda: state,
-                             emit=self._emit, add_rpc_handler=None, live=self._live, telemetry=self._telemetry)
+                             emit=self._emit, add_rpc_handler=None, live=self._live, telemetry=self._telemetry,
+                             clock=self.clock)
 
 
 class Plugin(Generic[S]):
@@ -285,7 +291,8 @@ class PluginHost:
     def __init__(self, plugins: Sequence[Any], *, job: str, settings: Settings, store: StateStore,
                  state: Callable[[], JobState], emit: Callable[[Event], Awaitable[Record]],
                  add_rpc_handler: Callable[[object], None],
-                 telemetry: Callable[[], Mapping[str, NodeTelemetry]] | None = None) -> None:
+                 telemetry: Callable[[], Mapping[str, NodeTelemetry]] | None = None,
+                 clock: Clock = WALL_CLOCK) -> None:
         self.settings = settings
         self._emit = emit
         self._starting = True
@@ -306,7 +313,7 @@ class PluginHost:
         self._slots = [
             _Slot(p, PluginContext(plugin=p.name, job=job, settings=getattr(p, "settings", NoSettings()),
                                    stead_settings=settings, store=store, state=state, emit=emit_after_start,
-                                   add_rpc_handler=adder, telemetry=telemetry), asyncio.Queue())
+                                   add_rpc_handler=adder, telemetry=telemetry, clock=clock), asyncio.Queue())
             for p in plugins
         ]
         self._group: asyncio.TaskGroup | None = None
