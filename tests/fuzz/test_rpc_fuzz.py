@@ -297,6 +297,14 @@ def _request_with(cls: type, path: tuple[str, ...], value: Any) -> Any:
     return cls(**{name: [inner] if field.metadata["betterproto"].repeated else inner})
 
 
+def _repeated(cls: type, path: tuple[str, ...]) -> bool:
+    """Whether the field at ``path`` of ``cls`` is a list."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == path[0])
+    if len(path) == 1:
+        return bool(field.metadata["betterproto"].repeated)
+    return _repeated(_inner(typing.get_type_hints(cls)[path[0]]), path[1:])
+
+
 def _cases(kinds: frozenset[str]) -> list[tuple[str, tuple[str, ...], str]]:
     return [(route, path, owner) for route in sorted(ROUTES)
             for path, owner in _field_paths(ROUTES[route].request_type, kinds)]
@@ -314,7 +322,8 @@ def test_every_string_field_of_every_method_is_bounded(running: Running, route: 
     request = _request_with(ROUTES[route].request_type, path, "x" * (longest + 1))
     error = check_one(running, route, request)
     assert error is not None and error.status is Status.INVALID_ARGUMENT, (route, path, error)
-    assert f".{path[-1]} has {longest + 1} characters: send at most {longest}" in (error.message or ""), error
+    index = "[0]" if _repeated(ROUTES[route].request_type, path) else ""  # a list's entry is named by its index
+    assert f".{path[-1]}{index} has {longest + 1} characters: send at most {longest}" in (error.message or ""), error
 
 
 @pytest.mark.parametrize(("route", "path", "owner"), FLOAT_FIELDS,

@@ -82,6 +82,10 @@ _JOB_WORLD = "one per rank, and this job's world has at most that many ranks (MA
 #: (message, field number) -> its bound, for every repeated field of every message a stead master receives
 COUNT_BOUNDS: Mapping[tuple[str, int], CountBound] = {
     ("HeartbeatBatch", 1): CountBound("beats", MAX_BATCH_BEATS, "MAX_BATCH_BEATS per call: split the batch"),
+    # before decoding, only what keeps the decoding bounded: the servicer refuses more than MAX_ACKS_PER_BEAT
+    # within the heartbeat stream, which a refusal here would reset
+    ("HeartbeatRequest", 12): CountBound("acked", MAX_ENTRIES,
+                                         "MAX_ACKS_PER_BEAT a heartbeat: send the rest with the next ones"),
     ("FailureReport", 13): CountBound("exited_ok_ranks", MAX_NODE_WORKERS, _NODE_WORKERS),
     ("StacksReport", 4): CountBound("workers", MAX_NODE_WORKERS, _NODE_WORKERS),
     ("HealthReport", 5): CountBound("collectives", MAX_HEALTH_PEERS,
