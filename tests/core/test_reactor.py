@@ -22,12 +22,15 @@ from stead.core.events import (
     Event,
     JobFailed,
     JobSubmitted,
+    JoinTimeout,
+    LastCall,
     NodeJoined,
     NodeLost,
     PluginFailed,
     Record,
     RoundStarted,
     StepProgress,
+    TimerFired,
     TransitionRejected,
 )
 from stead.core.events.log import EventLog
@@ -64,7 +67,7 @@ async def test_a_last_call_timer_armed_again_after_firing_starts_the_round() -> 
     async with _one_joined(spec) as reactor:
         await reactor.submit(NodeJoined(node_id="node-1", incarnation=1))  # MIN joined: last call armed
         await reactor.submit(NodeLost(node_id="node-1", incarnation=1))  # fires with one node: no round
-        await reactor.wait_until(lambda s: "last-call/1" not in s.timers)
+        await reactor.wait_until(lambda s: LastCall(round=1) not in s.timers)
         await reactor.submit(NodeJoined(node_id="node-1", incarnation=2))  # MIN again: armed again
         state = await reactor.wait_until(lambda s: s.rdzv.round == 1)
         records = await reactor.log.read()
@@ -120,6 +123,27 @@ async def test_snapshots_bound_the_replay_and_compact_the_store_history(tmp_path
     async with Reactor(EventLog(store, "t"), _Nothing(), settings=settings) as again:
         assert await again.resume() == before
     await store.close()
+
+
+async def test_a_snapshot_from_before_timers_were_in_the_state_arms_its_timers_by_their_old_names() -> None:
+    store = await open_store("memory://")
+    try:
+        async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as reactor:
+            await reactor.resume()
+            await reactor.submit(JobSubmitted(job="t", min_nodes=1, max_nodes=1, nproc_per_node=1))
+            state = reactor.state
+        assert JoinTimeout() in state.timers
+        # such a snapshot kept the armed timers beside the state, by name; this one's is due already
+        old = {"state": to_json(dataclasses.replace(state, timers={})), "timers": {"join-timeout": 0.0}}
+        await EventLog(store, "t").save_snapshot(state.seq, old)
+        async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as again:
+            await again.resume()
+            ended = await again.wait_until(lambda s: s.phase.terminal)
+            records = await again.log.read(state.seq + 1)
+        assert ended.phase is JobPhase.FAILED and "only 0 of at least 1 nodes joined" in ended.reason
+        assert records[0].event == TimerFired(name=JoinTimeout())
+    finally:
+        await store.close()
 
 
 async def test_an_illegal_event_is_recorded_as_rejected_and_changes_nothing() -> None:

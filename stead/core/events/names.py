@@ -1,0 +1,208 @@
+"""Typed names: the job machine's timers and the ids of its effects, with the string form the log stores.
+
+A timer or an effect id is a frozen dataclass with the fields the machine needs (a
+round, a node and its incarnation), never a string taken apart again. The log, the
+state's snapshot and the store's effect keys hold each one's string form
+(:class:`~stead.core.serde.WireName`): ``decision/3``, ``rejoin/node-1/2``,
+``check-health/1/node-0``, the names stead has always written, so a log written before
+these types replays to the same state. ``str(name)`` gives that form.
+
+:data:`TimerName` is every timer the job machine arms (``StartTimer``) and is told of
+(``TimerFired``); :data:`EffectId` every effect's id (``EffectFailed`` names the one that
+failed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Self
+
+from stead.core.serde import WireName
+
+__all__ = ["CheckHealthId", "DecisionTimeout", "DumpStacksId", "EffectId", "EmitId", "GrowWindow", "HealthTimeout",
+           "JoinTimeout", "KillId", "LastCall", "LaunchId", "RejoinTimeout", "ResizeWait", "ResourcesTimeout",
+           "StartWorkersId", "StopNodeId", "StopWorkersId", "TimerId", "TimerName"]
+
+
+# -- timers ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JoinTimeout(WireName):
+    """The job's first nodes must join by then (``join_timeout_s``); one per run of the job (``life``)."""
+
+    life: int = 0
+
+    prefix: ClassVar[str] = "join-timeout"
+    form: ClassVar[str] = "join-timeout[/LIFE]"
+
+    def __str__(self) -> str:  # the first run's was named before a job could be resumed
+        return self.prefix if self.life == 0 else f"{self.prefix}/{self.life}"
+
+    @classmethod
+    def parse(cls, text: str) -> Self | None:
+        return cls() if text == cls.prefix else super().parse(text)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecisionTimeout(WireName):
+    """A worker failure of ``round`` waits this long for a plugin's decision (``decision_timeout_s``)."""
+
+    round: int
+
+    prefix: ClassVar[str] = "decision"
+    form: ClassVar[str] = "decision/ROUND"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HealthTimeout(WireName):
+    """Health check ``check`` gives its verdict with the reports in by then (``health_timeout_s``)."""
+
+    check: int
+
+    prefix: ClassVar[str] = "health"
+    form: ClassVar[str] = "health/CHECK"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResizeWait(WireName):
+    """Running ``round`` waits this long for a checkpoint commit before it is resized anyway (``resize_wait_s``)."""
+
+    round: int
+
+    prefix: ClassVar[str] = "resize"
+    form: ClassVar[str] = "resize/ROUND"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GrowWindow(WireName):
+    """Running ``round`` grows by every node that comes within this window (``grow_window_s``)."""
+
+    round: int
+
+    prefix: ClassVar[str] = "grow"
+    form: ClassVar[str] = "grow/ROUND"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RejoinTimeout(WireName):
+    """Relaunched node incarnation must join by then (``join_timeout_s``)."""
+
+    node_id: str
+    incarnation: int
+
+    prefix: ClassVar[str] = "rejoin"
+    form: ClassVar[str] = "rejoin/NODE/INCARNATION"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResourcesTimeout(WireName):
+    """A node incarnation killed for its memory waits this long for its resources to be decided."""
+
+    node_id: str
+    incarnation: int
+
+    prefix: ClassVar[str] = "resources"
+    form: ClassVar[str] = "resources/NODE/INCARNATION"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LastCall(WireName):
+    """``round`` starts with the nodes joined by then, at least MIN (``last_call_timeout_s``)."""
+
+    round: int
+
+    prefix: ClassVar[str] = "last-call"
+    form: ClassVar[str] = "last-call/ROUND"
+
+
+TimerName = (JoinTimeout | DecisionTimeout | HealthTimeout | ResizeWait | GrowWindow | RejoinTimeout
+             | ResourcesTimeout | LastCall)
+
+
+# -- effect ids -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchId(WireName):
+    node_id: str
+    incarnation: int
+
+    prefix: ClassVar[str] = "launch"
+    form: ClassVar[str] = "launch/NODE/INCARNATION"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KillId(WireName):
+    node_id: str
+    incarnation: int
+
+    prefix: ClassVar[str] = "kill"
+    form: ClassVar[str] = "kill/NODE/INCARNATION"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StopNodeId(WireName):
+    node_id: str
+    incarnation: int
+
+    prefix: ClassVar[str] = "stop-node"
+    form: ClassVar[str] = "stop-node/NODE/INCARNATION"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StartWorkersId(WireName):
+    round: int
+    node_id: str
+
+    prefix: ClassVar[str] = "start-workers"
+    form: ClassVar[str] = "start-workers/ROUND/NODE"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StopWorkersId(WireName):
+    round: int
+    node_id: str
+
+    prefix: ClassVar[str] = "stop-workers"
+    form: ClassVar[str] = "stop-workers/ROUND/NODE"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DumpStacksId(WireName):
+    #: the seq of the StacksRequested record it answers
+    request: int
+    node_id: str
+
+    prefix: ClassVar[str] = "dump-stacks"
+    form: ClassVar[str] = "dump-stacks/REQUEST/NODE"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckHealthId(WireName):
+    check: int
+    node_id: str
+
+    prefix: ClassVar[str] = "check-health"
+    form: ClassVar[str] = "check-health/CHECK/NODE"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TimerId(WireName):
+    timer: TimerName
+
+    prefix: ClassVar[str] = "timer"
+    form: ClassVar[str] = "timer/TIMER"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EmitId(WireName):
+    #: the emission's key, unique per follow-up event (``request/node-1/2``, ``job-end``)
+    key: str
+
+    prefix: ClassVar[str] = "emit"
+    form: ClassVar[str] = "emit/KEY"
+
+
+EffectId = (LaunchId | KillId | StopNodeId | StartWorkersId | StopWorkersId | DumpStacksId | CheckHealthId | TimerId
+            | EmitId)
