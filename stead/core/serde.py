@@ -41,8 +41,12 @@ class WireName:
     """
 
     prefix: ClassVar[str]
-    #: the stored form, for an error that lists what a name may be (``decision/ROUND``)
-    form: ClassVar[str]
+
+    @classmethod
+    def form(cls) -> str:
+        """The stored form, for an error that lists what a name may be (``decision/ROUND``)."""
+        kind: type = cls
+        return "/".join((cls.prefix, *(f.name.upper() for f in _fields(kind))))
 
     def __str__(self) -> str:
         kind: type = type(self)
@@ -147,7 +151,7 @@ def _convert(tp: Any, data: Any, path: str) -> Any:
         value = _parse_name(names, data)
         if value is None:
             raise CodecError(f"{path}: {data!r} is not a name this stead reads (expected "
-                             f"{' or '.join(kind.form for kind in names)}); read it with the stead that wrote it")
+                             f"{' or '.join(kind.form() for kind in names)}); read it with the stead that wrote it")
         return value
     if origin is Union or origin is types.UnionType:
         args = get_args(tp)

@@ -24,6 +24,23 @@ __all__ = ["CheckHealthId", "DecisionTimeout", "DumpStacksId", "EffectId", "Emit
            "StartWorkersId", "StopNodeId", "StopWorkersId", "TimerId", "TimerName"]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _OfRound(WireName):
+    round: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _OfIncarnation(WireName):
+    node_id: str
+    incarnation: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _OfRoundNode(WireName):
+    round: int
+    node_id: str
+
+
 # -- timers ---------------------------------------------------------------------------------------
 
 
@@ -34,7 +51,6 @@ class JoinTimeout(WireName):
     life: int = 0
 
     prefix: ClassVar[str] = "join-timeout"
-    form: ClassVar[str] = "join-timeout[/LIFE]"
 
     def __str__(self) -> str:  # the first run's was named before a job could be resumed
         return self.prefix if self.life == 0 else f"{self.prefix}/{self.life}"
@@ -43,15 +59,16 @@ class JoinTimeout(WireName):
     def parse(cls, text: str) -> Self | None:
         return cls() if text == cls.prefix else super().parse(text)
 
+    @classmethod
+    def form(cls) -> str:
+        return f"{cls.prefix}[/LIFE]"
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DecisionTimeout(WireName):
+class DecisionTimeout(_OfRound):
     """A worker failure of ``round`` waits this long for a plugin's decision (``decision_timeout_s``)."""
 
-    round: int
-
     prefix: ClassVar[str] = "decision"
-    form: ClassVar[str] = "decision/ROUND"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,111 +78,73 @@ class HealthTimeout(WireName):
     check: int
 
     prefix: ClassVar[str] = "health"
-    form: ClassVar[str] = "health/CHECK"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ResizeWait(WireName):
+class ResizeWait(_OfRound):
     """Running ``round`` waits this long for a checkpoint commit before it is resized anyway (``resize_wait_s``)."""
 
-    round: int
-
     prefix: ClassVar[str] = "resize"
-    form: ClassVar[str] = "resize/ROUND"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GrowWindow(WireName):
+class GrowWindow(_OfRound):
     """Running ``round`` grows by every node that comes within this window (``grow_window_s``)."""
 
-    round: int
-
     prefix: ClassVar[str] = "grow"
-    form: ClassVar[str] = "grow/ROUND"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RejoinTimeout(WireName):
+class RejoinTimeout(_OfIncarnation):
     """Relaunched node incarnation must join by then (``join_timeout_s``)."""
 
-    node_id: str
-    incarnation: int
-
     prefix: ClassVar[str] = "rejoin"
-    form: ClassVar[str] = "rejoin/NODE/INCARNATION"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ResourcesTimeout(WireName):
+class ResourcesTimeout(_OfIncarnation):
     """A node incarnation killed for its memory waits this long for its resources to be decided."""
 
-    node_id: str
-    incarnation: int
-
     prefix: ClassVar[str] = "resources"
-    form: ClassVar[str] = "resources/NODE/INCARNATION"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LastCall(WireName):
+class LastCall(_OfRound):
     """``round`` starts with the nodes joined by then, at least MIN (``last_call_timeout_s``)."""
 
-    round: int
-
     prefix: ClassVar[str] = "last-call"
-    form: ClassVar[str] = "last-call/ROUND"
 
 
 TimerName = (JoinTimeout | DecisionTimeout | HealthTimeout | ResizeWait | GrowWindow | RejoinTimeout
              | ResourcesTimeout | LastCall)
 
 
-# -- effect ids -----------------------------------------------------------------------------------
+# -- effect ids: one kind per effect (see stead.core.statemachine.effects) -------------------------
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LaunchId(WireName):
-    node_id: str
-    incarnation: int
-
+class LaunchId(_OfIncarnation):
     prefix: ClassVar[str] = "launch"
-    form: ClassVar[str] = "launch/NODE/INCARNATION"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class KillId(WireName):
-    node_id: str
-    incarnation: int
-
+class KillId(_OfIncarnation):
     prefix: ClassVar[str] = "kill"
-    form: ClassVar[str] = "kill/NODE/INCARNATION"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StopNodeId(WireName):
-    node_id: str
-    incarnation: int
-
+class StopNodeId(_OfIncarnation):
     prefix: ClassVar[str] = "stop-node"
-    form: ClassVar[str] = "stop-node/NODE/INCARNATION"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StartWorkersId(WireName):
-    round: int
-    node_id: str
-
+class StartWorkersId(_OfRoundNode):
     prefix: ClassVar[str] = "start-workers"
-    form: ClassVar[str] = "start-workers/ROUND/NODE"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StopWorkersId(WireName):
-    round: int
-    node_id: str
-
+class StopWorkersId(_OfRoundNode):
     prefix: ClassVar[str] = "stop-workers"
-    form: ClassVar[str] = "stop-workers/ROUND/NODE"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -175,7 +154,6 @@ class DumpStacksId(WireName):
     node_id: str
 
     prefix: ClassVar[str] = "dump-stacks"
-    form: ClassVar[str] = "dump-stacks/REQUEST/NODE"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,7 +162,6 @@ class CheckHealthId(WireName):
     node_id: str
 
     prefix: ClassVar[str] = "check-health"
-    form: ClassVar[str] = "check-health/CHECK/NODE"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,7 +169,6 @@ class TimerId(WireName):
     timer: TimerName
 
     prefix: ClassVar[str] = "timer"
-    form: ClassVar[str] = "timer/TIMER"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -201,7 +177,6 @@ class EmitId(WireName):
     key: str
 
     prefix: ClassVar[str] = "emit"
-    form: ClassVar[str] = "emit/KEY"
 
 
 EffectId = (LaunchId | KillId | StopNodeId | StartWorkersId | StopWorkersId | DumpStacksId | CheckHealthId | TimerId

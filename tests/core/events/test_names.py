@@ -85,7 +85,8 @@ def test_a_record_written_before_the_types_reads_as_the_typed_timer(stored: str,
 def test_a_timer_name_stead_never_wrote_is_refused_with_the_names_it_reads(stored: str) -> None:
     raw = json.dumps({"at": 1.5, "data": {"name": stored}, "seq": 7, "type": "timer.fired", "v": 1}).encode()
     with pytest.raises(CodecError, match=r"timer\.fired\.name: .* is not a name this stead reads \(expected "
-                                         r"join-timeout\[/LIFE\] or decision/ROUND or .*last-call/ROUND\)"):
+                                         r"join-timeout\[/LIFE\] or decision/ROUND or .*rejoin/NODE_ID/INCARNATION "
+                                         r"or .*last-call/ROUND\)"):
         decode_record(raw, where="k")
 
 
