@@ -13,6 +13,10 @@ that cannot answer them would split the job. The verifier and the token file
 last until the job ends: the master of its end removes both, and the next run
 of that job name starts with a new token.
 
+A master holds the token for as long as it runs with :func:`held_job_token`: it
+gives the token, writes the token file and, when the master leaves a job that
+ended, forgets both.
+
 A store written before the verifier holds the token in plaintext under
 ``/stead/jobs/<job>/token``: the first master that sees it takes it (when it
 was given no other), writes the verifier and deletes the plaintext.
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 import structlog
@@ -31,11 +35,11 @@ from stead.core.config import Settings
 from stead.core.errors import ConfigError, StoreError, StoreUnavailable
 from stead.core.events.log import job_prefix
 from stead.core.retry import retrying
-from stead.core.rpc import check_token, new_token, read_token_file, token_verifier, verifies
+from stead.core.rpc import check_token, new_token, read_token_file, token_verifier, verifies, write_token_file
 from stead.core.store import StateStore
 
-__all__ = ["JOB_TOKEN_ENV", "default_token_file", "find_token", "forget_job_token", "job_token", "legacy_token_key",
-           "verifier_key"]
+__all__ = ["JOB_TOKEN_ENV", "default_token_file", "find_token", "forget_job_token", "held_job_token", "job_token",
+           "legacy_token_key", "verifier_key"]
 
 log = structlog.get_logger("stead.jobtoken")
 
@@ -153,3 +157,18 @@ async def forget_job_token(store: StateStore, job: str, token_file: Path) -> Non
         return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(token_file)
+
+
+@contextlib.asynccontextmanager
+async def held_job_token(store: StateStore, job: str, *, given: str | None, token_file: Path, settings: Settings,
+                         ended: Callable[[], bool]) -> AsyncIterator[str]:
+    """A master's hold on the job's token: gives it (:func:`job_token`), written to ``token_file`` for the agents,
+    workers and `stead scale`; on the way out, forgets it (:func:`forget_job_token`) if ``ended()``, else leaves
+    the verifier and the file for the master that takes the job over."""
+    token = await job_token(store, job, given=given, token_file=token_file, settings=settings)
+    write_token_file(token_file, token)
+    try:
+        yield token
+    finally:
+        if ended():
+            await forget_job_token(store, job, token_file)

@@ -22,7 +22,10 @@ A master that stops on a retryable failure (the store away past its deadline, a
 task that kept failing, the reactor stopped) leaves the job's nodes and their
 rendezvous stores running when ``leave_nodes_on_failure`` is set (``stead run``'s
 and ``stead master``'s masters): the workers keep stepping and the next master
-adopts them. Any other end (the job ended, a stop, a bug) stops the nodes.
+adopts them. Any other end (the job ended, a stop, a bug) stops the nodes. That
+policy, and the adoption, are :mod:`stead.core.takeover`'s; the job token's life
+(given, written for the agents, forgotten at the job's end) is
+:func:`stead.core.jobtoken.held_job_token`'s.
 """
 
 from __future__ import annotations
@@ -42,28 +45,25 @@ import anyio
 import anyio.abc
 import structlog
 
+from stead.core.clock import WALL_CLOCK, Clock
 from stead.core.config import Settings
-from stead.core.errors import (
-    LogConflict,
-    MasterTaskFailed,
-    RetryableError,
-    StoreUnavailable,
-)
+from stead.core.errors import MasterTaskFailed, RetryableError, StoreUnavailable
 from stead.core.events import Event, JobSubmitted, PluginsStarted, Record
 from stead.core.events.log import EventLog, job_prefix
 from stead.core.executor import Executor, NodeSpecFactory
 from stead.core.gcsteward import steward_gc
 from stead.core.hub import AgentHub
-from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, forget_job_token, job_token
+from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, held_job_token
 from stead.core.master_tasks import MasterTasks
 from stead.core.metrics import JobMetrics, MetricsServer, read_metrics_token
-from stead.core.platform import NodeSpec, Platform
+from stead.core.platform import Platform
 from stead.core.plugins import MasterPlugin, PluginHost, load_plugins
 from stead.core.reactor import Reactor
 from stead.core.retry import retrying
-from stead.core.rpc import AgentServicer, RpcServer, write_token_file
-from stead.core.statemachine import JobPhase, JobState, NodePhase
+from stead.core.rpc import AgentServicer, RpcServer
+from stead.core.statemachine import JobPhase, JobState
 from stead.core.store import StateStore, open_store, public_store_url
+from stead.core.takeover import Takeover, leaf_errors
 from stead.core.tcpstore import RoundStores
 from stead.core.tracing import RecoveryTracer
 
@@ -105,6 +105,8 @@ class MasterConfig:
     #: a master that fails with a retryable error leaves its nodes running for the next master to adopt (instead of
     #: stopping them, as it does when the job ends or a bug stops it)
     leave_nodes_on_failure: bool = False
+    #: what the reactor's timers, the log's record times and the plugins' waits go by (a test's FakeClock)
+    clock: Clock = WALL_CLOCK
 
 
 async def open_store_retrying(url: str, settings: Settings, *, deadline_s: float | None = None) -> StateStore:
@@ -138,7 +140,6 @@ class Master:
         self._store: StateStore | None = None
         self._reactor: Reactor | None = None
         self._rpc: RpcServer | None = None
-        self._executor: Executor | None = None
         # a round's store is asked for by the round's start effect: the effect's bound is the request's
         self.rounds = RoundStores(config.host, enabled=config.tcp_store,
                                   gone_timeout_s=config.settings.master_gone_timeout_s,
@@ -228,7 +229,7 @@ class Master:
         try:
             await self._stack.__aexit__(*exc)
         except BaseExceptionGroup as group:  # a supervised task or the reactor failed: say which, plainly
-            errors = [e for e in _leaves(group)
+            errors = [e for e in leaf_errors(group)
                       if not isinstance(e, anyio.get_cancelled_exc_class()) and e is not given]
             if errors:
                 raise errors[0] from group
@@ -243,12 +244,6 @@ class Master:
         await retrying(lambda: self.store.put(f"{job_prefix(self.config.job)}master", json.dumps(about).encode()),
                        self.settings, what=f"master record of {self.config.job}")
 
-    async def _forget_token_if_ended(self) -> None:
-        """A master leaving a job that ended removes its token's verifier and file; otherwise they stay, for the
-        master that takes the job over and for `stead scale`."""
-        if self.state.phase.terminal:
-            await forget_job_token(self.store, self.config.job, self.token_file)
-
     async def _start(self) -> None:
         cfg = self.config
         structlog.contextvars.bind_contextvars(job=cfg.job)
@@ -259,29 +254,29 @@ class Master:
                    *cfg.plugin_objects]
         self.plugin_host = PluginHost(plugins, job=cfg.job, settings=self.settings, store=self._store,
                                       state=lambda: self.state, emit=self.submit, add_rpc_handler=handlers.append,
-                                      telemetry=self.hub.telemetry)
+                                      telemetry=self.hub.telemetry, clock=cfg.clock)
         observers: list[Any] = [self.tracer]
         if cfg.metrics_port >= 0:  # the log so far first: a master that takes over counts the whole job
             self.metrics = JobMetrics(cfg.job, lambda: self.state)
             events = EventLog(self._store, cfg.job)
             self.metrics.seed(await retrying(events.scan, self.settings, what=f"event log of {cfg.job}"))
             observers.append(self.metrics.observe)
-        executor = self._executor = Executor(platform=cfg.platform, node_spec=cfg.node_spec, hub=self.hub,
-                                             rounds=self.rounds, address=lambda: self.address,
-                                             token_file=self.token_file)
+        executor = Executor(platform=cfg.platform, node_spec=cfg.node_spec, hub=self.hub, rounds=self.rounds,
+                            address=lambda: self.address, token_file=self.token_file)
         self._reactor = await self._stack.enter_async_context(Reactor(
-            EventLog(self._store, cfg.job), executor, settings=self.settings, plugins=self.plugin_host,
-            observers=observers))
+            EventLog(self._store, cfg.job, clock=cfg.clock.now), executor, settings=self.settings,
+            plugins=self.plugin_host, observers=observers, clock=cfg.clock))
+        takeover = Takeover(
+            job=cfg.job, platform=cfg.platform, rounds=self.rounds, leave_nodes_on_failure=cfg.leave_nodes_on_failure,
+            spec_for=executor.spec_for, state=lambda: self.state, reactor_failure=lambda: self.reactor.failure)
         await self._stack.enter_async_context(self.plugin_host)
-        self.token = await job_token(self._store, cfg.job, given=cfg.token, token_file=self.token_file,
-                                     settings=self.settings)
+        self.token = await self._stack.enter_async_context(held_job_token(
+            self._store, cfg.job, given=cfg.token, token_file=self.token_file, settings=self.settings,
+            ended=lambda: self.state.phase.terminal))
         # the workers' rendezvous stores: a process of their own, found again (or started) here; it imports
         # torch while the nodes start
         await self.rounds.start(self._store, cfg.job, self.token)
-        self._stack.push_async_exit(self._close_rounds)
-        self.token_file.parent.mkdir(parents=True, exist_ok=True)
-        write_token_file(self.token_file, self.token)
-        self._stack.push_async_callback(self._forget_token_if_ended)
+        self._stack.push_async_exit(takeover.close_rounds)
         self._rpc = await self._stack.enter_async_context(
             RpcServer(handlers, token=self.token, host=cfg.host, port=cfg.port, token_file=self.token_file,
                       max_message_bytes=self.settings.rpc_max_message_bytes,
@@ -298,7 +293,7 @@ class Master:
         await self._announce()
         if cfg.platform is not None:
             await self._stack.enter_async_context(_as_context(cfg.platform))
-            self._stack.push(self._leave_nodes_if_failed)
+            self._stack.push(takeover.leave_nodes_if_failed)
         tasks = await self._stack.enter_async_context(MasterTasks(self.settings, store=self._store))
         if cfg.platform is not None:
             platform = cfg.platform
@@ -307,7 +302,7 @@ class Master:
         tasks.start("progress", self.hub.watch_progress)
         tasks.start("acks", self.hub.record_acks)
         tasks.start("gc", lambda: steward_gc(self.settings))
-        await self._reactor.resume(before_acting=self._adopt_nodes)
+        await self._reactor.resume(before_acting=takeover.adopt_nodes)
         self.hub.serving = True
         host = self.plugin_host
         await self._reactor.submit_many([*host.start_failures, PluginsStarted(plugins=tuple(host.names),
@@ -315,62 +310,13 @@ class Master:
         log.info("master_ready", address=self.address, token_file=str(self.token_file), phase=self.state.phase.value,
                  plugins=host.names, deciders=host.deciders, store=public_store_url(cfg.store_url))
 
-    async def _adopt_nodes(self, state: JobState) -> None:
-        """Have the platform take over the nodes an earlier master launched that the log says still run (the
-        commands their agents did not acknowledge are in the state: the hub gives them when the agents connect)."""
-        platform = self.config.platform
-        if platform is None or state.phase.terminal:
-            return
-        assert self._executor is not None
-        for node in state.nodes.values():
-            if node.phase in (NodePhase.STARTED, NodePhase.JOINED):
-                spec = self._executor.spec_for(node.node_id, node.incarnation) or NodeSpec(
-                    job=self.config.job, node_id=node.node_id, incarnation=node.incarnation, command=())
-                await platform.adopt(spec, pid=node.pid)
-
     async def _pump_platform(self, platform: Platform) -> None:
         async for event in platform.events():  # an event taken from the platform is recorded, store outage or not
             await retrying(lambda: self.submit(event), self.settings, what=f"platform event {event.type_name}")  # noqa: B023
 
-    def _failed(self, exc: BaseException | None) -> bool:
-        """Whether the master is stopping on a failure its successor can take over from: a retryable error (the
-        store away past its deadline, a task that kept failing), or another master writing the log, that ended
-        the master or its reactor while the job ran."""
-        if not self.config.leave_nodes_on_failure or self.state.phase.terminal:
-            return False
-        causes = [*(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]), self.reactor.failure]
-        return any(isinstance(c, RetryableError | LogConflict) for c in causes)
-
-    def _leave_nodes_if_failed(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                               tb: object) -> bool:
-        """Before the platform closes: on a failure the next master takes over from, leave the nodes running."""
-        if self._failed(exc):
-            detach = getattr(self.config.platform, "detach", None)
-            if callable(detach):
-                detach()
-            log.warning("master_leaving_nodes", job=self.config.job, error=repr(exc or self.reactor.failure),
-                        hint="the workers keep training; the next master adopts them (`stead run` starts one)")
-        return False
-
-    async def _close_rounds(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                            tb: object) -> bool:
-        """End the workers' rendezvous stores with the job; leave them to the next master after a failure."""
-        if self._failed(exc):
-            self.rounds.leave()
-        else:
-            await self.rounds.close()
-        return False
-
 
 def _ended(state: JobState) -> bool:
     return state.phase.terminal
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    found: list[BaseException] = []
-    for exc in group.exceptions:
-        found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return found
 
 
 @contextlib.asynccontextmanager

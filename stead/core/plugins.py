@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, cast
 
 import structlog
 
+from stead.core.clock import WALL_CLOCK, Clock
 from stead.core.config import Settings, load_settings
 from stead.core.entrypoints import installed, load_group, load_named
 from stead.core.errors import ConfigError, PluginError
@@ -161,7 +162,7 @@ class PluginContext(Generic[S]):
                  add_rpc_handler: Callable[[object], None] | None,
                  live: Callable[[], JobState] | None = None,
                  telemetry: Callable[[], Mapping[str, NodeTelemetry]] | None = None,
-                 tasks: PluginTasks | None = None) -> None:
+                 clock: Clock = WALL_CLOCK, tasks: PluginTasks | None = None) -> None:
         self.plugin = plugin
         self.job = job
         #: the plugin's own typed settings (``--set <plugin>.<name>=value``, ``STEAD_<PLUGIN>_<NAME>``)
@@ -170,6 +171,9 @@ class PluginContext(Generic[S]):
         self.stead_settings = stead_settings
         #: the job's state store; keep your own data under :meth:`key`
         self.store = store
+        #: the master's clock: wait on it (``await ctx.clock.sleep(s)``, ``async with ctx.clock.fail_after(s)``)
+        #: rather than on asyncio, so that a test's :class:`stead.testing.FakeClock` moves the plugin's waits too
+        self.clock = clock
         self.log = structlog.get_logger(f"stead.plugins.{plugin}").bind(plugin=plugin)
         self._state = state
         self._live = live or state
@@ -225,7 +229,7 @@ class PluginContext(Generic[S]):
         return PluginContext(plugin=self.plugin, job=self.job, settings=self.settings,
                              stead_settings=self.stead_settings, store=self.store, state=lambda: state,
                              emit=self._emit, add_rpc_handler=None, live=self._live, telemetry=self._telemetry,
-                             tasks=self.tasks)
+                             clock=self.clock, tasks=self.tasks)
 
 
 class Plugin(Generic[S]):
@@ -394,7 +398,8 @@ class PluginHost:
     def __init__(self, plugins: Sequence[MasterPlugin], *, job: str, settings: Settings, store: StateStore,
                  state: Callable[[], JobState], emit: Callable[[Event], Awaitable[Record]],
                  add_rpc_handler: Callable[[object], None],
-                 telemetry: Callable[[], Mapping[str, NodeTelemetry]] | None = None) -> None:
+                 telemetry: Callable[[], Mapping[str, NodeTelemetry]] | None = None,
+                 clock: Clock = WALL_CLOCK) -> None:
         self.settings = settings
         self._emit = emit
         self._starting = True
@@ -418,7 +423,7 @@ class PluginHost:
             ctx: PluginContext[Any] = PluginContext(
                 plugin=p.name, job=job, settings=getattr(p, "settings", NoSettings()), stead_settings=settings,
                 store=store, state=state, emit=emit_after_start, add_rpc_handler=adder, telemetry=telemetry,
-                tasks=tasks)
+                clock=clock, tasks=tasks)
             self._slots.append(_Slot(p, ctx, asyncio.Queue(), tasks))
         self._group: asyncio.TaskGroup | None = None
         self._runners: list[asyncio.Task[None]] = []

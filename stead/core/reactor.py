@@ -41,7 +41,6 @@ import collections
 import dataclasses
 import functools
 import math
-import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -49,6 +48,7 @@ import anyio
 import anyio.abc
 import structlog
 
+from stead.core.clock import WALL_CLOCK, Clock
 from stead.core.config import Settings
 from stead.core.errors import (
     CodecError,
@@ -105,7 +105,11 @@ class _Submission:
 
 
 class Reactor:
-    """``async with Reactor(log, executor, settings=...) as r: await r.resume(); await r.submit(event)``."""
+    """``async with Reactor(log, executor, settings=...) as r: await r.resume(); await r.submit(event)``.
+
+    ``clock``: what its timers and effect timeouts wait on (the real time by default; a test's
+    :class:`stead.testing.FakeClock`, also given to the event log, moves only when the test says).
+    """
 
     def __init__(
         self,
@@ -115,7 +119,7 @@ class Reactor:
         settings: Settings,
         plugins: PluginSink | None = None,
         observers: Sequence[Observer] = (),
-        clock: Callable[[], float] = time.time,
+        clock: Clock = WALL_CLOCK,
     ) -> None:
         self.log = event_log
         self.executor = executor
@@ -397,7 +401,7 @@ class Reactor:
         """Run a claimed effect; its key's outcome goes to ``outcomes`` (none when declined: its claim is gone)."""
         key = self._effect_key(effect)
         try:
-            with anyio.fail_after(self.settings.effect_timeout_s):
+            async with self._clock.fail_after(self.settings.effect_timeout_s):
                 await self.executor.run(effect)
         except EffectDeclined:  # not this master's to run: left unclaimed for one that can
             await self._write(lambda: self.log.store.delete(key))
@@ -439,7 +443,7 @@ class Reactor:
                 self._tasks.start(self._fire, name, at, name=f"timer:{name}")
 
     async def _fire(self, name: TimerName, at: float) -> None:
-        await anyio.sleep(max(0.0, at - self._clock()))
+        await self._clock.sleep_until(at)
         self._scheduled.discard(name)  # the machine may arm a timer of the same name again later
         if name in self._state.timers:
             try:
@@ -449,7 +453,7 @@ class Reactor:
                 log.warning("timer_not_recorded", job=self.log.job, timer=str(name), error=str(exc),
                             retry_in_s=round(pause, 2))
                 self._scheduled.add(name)  # no second attempt at it while this one waits
-                await anyio.sleep(pause)
+                await self._clock.sleep(pause)
                 self._scheduled.discard(name)
                 self._arm_timers()
             else:

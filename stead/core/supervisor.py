@@ -56,7 +56,10 @@ EXIT_MASTER_CRASHED = 70
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
 
-class _Supervisor:
+class _MasterRestarter:
+    """Keeps the job's master running: starts it on the socket and with the token it holds, starts another when
+    one dies while the job runs, passes signals on, and reaps (and, at the end, stops) the agents left to it."""
+
     def __init__(self, argv: Sequence[str], settings: Settings, host: str, token: str) -> None:
         self.argv = list(argv)
         self.settings = settings
@@ -183,4 +186,4 @@ def _listen(host: str) -> socket.socket:
 def supervise(argv: Sequence[str], settings: Settings, *, token: str, host: str = "127.0.0.1") -> int:
     """Run ``stead run ARGV``'s master in a child process, restarted when it dies, each given the job's ``token``;
     the job's exit code."""
-    return _Supervisor(argv, settings, host, token).run()
+    return _MasterRestarter(argv, settings, host, token).run()

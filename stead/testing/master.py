@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from stead.core.clock import WALL_CLOCK, Clock
 from stead.core.config import Settings
 from stead.core.master import Master, MasterConfig
 from stead.core.plugins import instantiate, validate_plugin
@@ -48,11 +49,16 @@ def make_plugin(factory: type[P], settings: Mapping[str, Any] | None = None, *,
 
 @contextlib.asynccontextmanager
 async def plugin_master(*plugins: Any, job: str = "test", settings: Settings | None = None,
-                        store_url: str = "memory://") -> AsyncIterator[Master]:
-    """A real master running only ``plugins`` (objects, e.g. from :func:`make_plugin`); see the module docstring."""
+                        store_url: str = "memory://", clock: Clock = WALL_CLOCK) -> AsyncIterator[Master]:
+    """A real master running only ``plugins`` (objects, e.g. from :func:`make_plugin`); see the module docstring.
+
+    ``clock``: a :class:`~stead.testing.FakeClock` holds the job's timers and the plugins' waits (``ctx.clock``)
+    until the test advances it.
+    """
     with tempfile.TemporaryDirectory(prefix="stead-test-") as tmp:
         config = MasterConfig(job=job, store_url=store_url, settings=settings or Settings(), plugins=[],
-                              plugin_objects=plugins, tcp_store=False, token_file=str(Path(tmp) / "token"))
+                              plugin_objects=plugins, tcp_store=False, token_file=str(Path(tmp) / "token"),
+                              clock=clock)
         async with Master(config) as master:
             yield master
 

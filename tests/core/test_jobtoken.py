@@ -12,7 +12,7 @@ import pytest
 from stead.core.config import Settings
 from stead.core.errors import ConfigError
 from stead.core.events import JobStopped, JobSubmitted
-from stead.core.jobtoken import legacy_token_key, verifier_key
+from stead.core.jobtoken import held_job_token, legacy_token_key, verifier_key
 from stead.core.master import Master, MasterConfig
 from stead.core.rpc import MasterClient, RegisterInfo, new_token, token_verifier
 from stead.core.store import StateStore, open_store
@@ -108,6 +108,22 @@ async def test_an_older_store_s_plaintext_token_becomes_a_verifier_and_stays_the
         stored = dict(await _everything(master.store))
         assert legacy_token_key("tok") not in stored
         assert stored[verifier_key("tok")] == token_verifier("tok", old).encode()
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["running", "ended"])
+async def test_a_held_token_is_written_for_the_agents_and_forgotten_only_when_the_job_ended(tmp_path: Path,
+                                                                                            ended: bool) -> None:
+    store = await open_store("memory://")
+    token_file = tmp_path / "tok.token"
+    try:
+        async with held_job_token(store, "tok", given=None, token_file=token_file, settings=FAST,
+                                  ended=lambda: ended) as token:
+            assert token_file.read_text().strip() == token
+            assert (await store.get(verifier_key("tok"))) is not None
+        assert token_file.exists() is not ended
+        assert ((await store.get(verifier_key("tok"))) is None) is ended
+    finally:
+        await store.close()
 
 
 def test_a_verifier_depends_on_the_job_and_the_token() -> None:

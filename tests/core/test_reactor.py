@@ -22,7 +22,6 @@ from stead.core.events import (
     Event,
     JobFailed,
     JobSubmitted,
-    JoinTimeout,
     LastCall,
     NodeJoined,
     NodeLost,
@@ -30,7 +29,6 @@ from stead.core.events import (
     Record,
     RoundStarted,
     StepProgress,
-    TimerFired,
     TransitionRejected,
 )
 from stead.core.events.log import EventLog
@@ -39,6 +37,7 @@ from stead.core.serde import to_json
 from stead.core.statemachine import Effect, JobPhase, JobState
 from stead.core.store import KeyValue, StateStore, open_store, write_size
 from stead.core.store._common import MIN_MAX_WRITE_BYTES
+from stead.testing import FakeClock
 
 pytestmark = pytest.mark.anyio
 
@@ -49,11 +48,13 @@ class _Nothing:
 
 
 @contextlib.asynccontextmanager
-async def _one_joined(spec: JobSubmitted) -> AsyncIterator[Reactor]:
-    """A reactor on a memory store with ``spec`` submitted and node-0 joined."""
-    store = await open_store("memory://")
+async def _one_joined(spec: JobSubmitted, clock: FakeClock | None = None) -> AsyncIterator[Reactor]:
+    """A reactor on a memory store, on ``clock``'s time (a clock of its own by default), with ``spec`` submitted
+    and node-0 joined."""
+    store, clock = await open_store("memory://"), clock or FakeClock()
     try:
-        async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as reactor:
+        async with Reactor(EventLog(store, "t", clock=clock.now), _Nothing(), settings=Settings(),
+                           clock=clock) as reactor:
             await reactor.resume()
             await reactor.submit(spec)
             await reactor.submit(NodeJoined(node_id="node-0", incarnation=1))
@@ -63,15 +64,20 @@ async def _one_joined(spec: JobSubmitted) -> AsyncIterator[Reactor]:
 
 
 async def test_a_last_call_timer_armed_again_after_firing_starts_the_round() -> None:
-    spec = JobSubmitted(job="t", min_nodes=2, max_nodes=3, nproc_per_node=1, last_call_timeout_s=0.05)
-    async with _one_joined(spec) as reactor:
+    spec = JobSubmitted(job="t", min_nodes=2, max_nodes=3, nproc_per_node=1, last_call_timeout_s=30)
+    clock = FakeClock()
+    async with _one_joined(spec, clock) as reactor:
         await reactor.submit(NodeJoined(node_id="node-1", incarnation=1))  # MIN joined: last call armed
-        await reactor.submit(NodeLost(node_id="node-1", incarnation=1))  # fires with one node: no round
-        await reactor.wait_until(lambda s: LastCall(round=1) not in s.timers)
+        await reactor.submit(NodeLost(node_id="node-1", incarnation=1))
+        await clock.advance(29.9)
+        assert LastCall(round=1) in reactor.state.timers  # not due yet
+        await clock.advance(0.1)  # fires with one node: no round
+        assert LastCall(round=1) not in reactor.state.timers and reactor.state.rdzv.round == 0
         await reactor.submit(NodeJoined(node_id="node-1", incarnation=2))  # MIN again: armed again
-        state = await reactor.wait_until(lambda s: s.rdzv.round == 1)
+        await clock.advance(30)
+        state = reactor.state
         records = await reactor.log.read()
-    assert state.rdzv.members == ("node-0", "node-1")
+    assert state.rdzv.round == 1 and state.rdzv.members == ("node-0", "node-1")
     assert sum(isinstance(r.event, RoundStarted) for r in records) == 1
 
 
@@ -125,27 +131,6 @@ async def test_snapshots_bound_the_replay_and_compact_the_store_history(tmp_path
     await store.close()
 
 
-async def test_a_snapshot_from_before_timers_were_in_the_state_arms_its_timers_by_their_old_names() -> None:
-    store = await open_store("memory://")
-    try:
-        async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as reactor:
-            await reactor.resume()
-            await reactor.submit(JobSubmitted(job="t", min_nodes=1, max_nodes=1, nproc_per_node=1))
-            state = reactor.state
-        assert JoinTimeout() in state.timers
-        # such a snapshot kept the armed timers beside the state, by name; this one's is due already
-        old = {"state": to_json(dataclasses.replace(state, timers={})), "timers": {"join-timeout": 0.0}}
-        await EventLog(store, "t").save_snapshot(state.seq, old)
-        async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as again:
-            await again.resume()
-            ended = await again.wait_until(lambda s: s.phase.terminal)
-            records = await again.log.read(state.seq + 1)
-        assert ended.phase is JobPhase.FAILED and "only 0 of at least 1 nodes joined" in ended.reason
-        assert records[0].event == TimerFired(name=JoinTimeout())
-    finally:
-        await store.close()
-
-
 async def test_an_illegal_event_is_recorded_as_rejected_and_changes_nothing() -> None:
     store = await open_store("memory://")
     async with Reactor(EventLog(store, "t"), _Nothing(), settings=Settings()) as reactor:
@@ -178,7 +163,7 @@ class _Executor:
     async def run(self, effect: Effect) -> None:
         self.ran.append(effect)
         if effect.kind in self.hang:
-            await anyio.sleep(3600)
+            await anyio.sleep_forever()
         if effect.kind in self.fail:
             raise OSError(f"cannot {effect.kind}")
 
@@ -236,17 +221,29 @@ async def test_a_failing_effect_becomes_an_event_and_the_machine_relaunches_the_
     assert state.phase is JobPhase.FAILED and "max_node_relaunches=2" in state.reason
 
 
+async def _failed(reactor: Reactor) -> int:
+    return sum(isinstance(r.event, EffectFailed) for r in await reactor.log.read())
+
+
 async def test_an_effect_that_outlasts_its_timeout_fails_without_stopping_the_loop() -> None:
-    store = await open_store("memory://")
-    settings = Settings(effect_timeout_s=0.05)
-    async with Reactor(EventLog(store, "t"), _Executor(hang={"launch-node"}), settings=settings) as reactor:
+    store, clock = await open_store("memory://"), FakeClock()
+    settings = Settings(effect_timeout_s=60)
+    async with Reactor(EventLog(store, "t", clock=clock.now), _Executor(hang={"launch-node"}), settings=settings,
+                       clock=clock) as reactor:
         await reactor.resume()
-        await reactor.submit(SPEC)
-        await reactor.wait_until(lambda s: s.phase.terminal, timeout_s=10)
+        submitted = asyncio.ensure_future(reactor.submit(SPEC))  # its launch hangs: answered once it failed
+        for launched in range(3):  # the launch and both relaunches (max_node_relaunches=2) hang until their timeout
+            await clock.advance(59)
+            assert await _failed(reactor) == launched
+            await clock.advance(1)
+            assert await _failed(reactor) == launched + 1
+        await submitted
+        state = reactor.state
         records = await reactor.log.read()
     await store.close()
-    failure = next(r.event for r in records if isinstance(r.event, EffectFailed))
-    assert "did not finish within effect_timeout_s=0.05 s" in failure.error
+    failed = [r.event for r in records if isinstance(r.event, EffectFailed)]
+    assert [f.incarnation for f in failed] == [1, 2, 3] and state.phase is JobPhase.FAILED
+    assert "did not finish within effect_timeout_s=60 s" in failed[0].error
 
 
 async def test_an_effect_a_dead_master_left_running_is_run_again_and_done_ones_are_not(tmp_path: Path) -> None:
@@ -317,8 +314,6 @@ class _AwayStore:
         self._store = store
         self.away = False
         self.refused = 0
-        #: set once five writes were refused
-        self.refused_enough = anyio.Event()
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._store, name)
@@ -326,34 +321,36 @@ class _AwayStore:
     async def create_all(self, items: Sequence[tuple[str, bytes]]) -> bool:
         if self.away:
             self.refused += 1
-            if self.refused >= 5:
-                self.refused_enough.set()
             raise StoreUnavailable("etcd at etcd://127.0.0.1:1 is unavailable during create_all")
         return await self._store.create_all(items)
 
 
 async def test_a_timer_that_fires_while_the_store_is_away_is_tried_again_with_backoff_then_recorded() -> None:
-    store = await open_store("memory://")
+    store, clock = await open_store("memory://"), FakeClock()
     away = _AwayStore(store)
-    settings = Settings(retry_initial_s=0.01, retry_max_s=0.08)
-    spec = JobSubmitted(job="t", min_nodes=2, max_nodes=3, nproc_per_node=1, last_call_timeout_s=0.01)
+    settings = Settings(retry_initial_s=1, retry_max_s=8)
+    spec = JobSubmitted(job="t", min_nodes=2, max_nodes=3, nproc_per_node=1, last_call_timeout_s=30)
     try:
         with structlog.testing.capture_logs() as logs:
-            async with Reactor(EventLog(away, "t"), _Nothing(), settings=settings) as reactor:  # type: ignore[arg-type]
+            async with Reactor(EventLog(away, "t", clock=clock.now), _Nothing(),  # type: ignore[arg-type]
+                               settings=settings, clock=clock) as reactor:
                 await reactor.resume()
                 await reactor.submit(spec)
                 await reactor.submit(NodeJoined(node_id="node-0", incarnation=1))
                 await reactor.submit(NodeJoined(node_id="node-1", incarnation=1))  # MIN joined: last call armed
                 away.away = True
-                with anyio.fail_after(30):  # a guard against a hang, not a measured duration
-                    await away.refused_enough.wait()
+                await clock.advance(30)  # the last call fires: not recorded
+                assert away.refused == 1
+                while away.refused < 5:  # each pause of the fake clock's time, then tried again
+                    await clock.advance(settings.retry_max_s)
                 away.away = False
-                state = await reactor.wait_until(lambda s: s.rdzv.round == 1, timeout_s=30)
+                await clock.advance(settings.retry_max_s)
+                state = reactor.state
     finally:
         await store.close()
     pauses = [e["retry_in_s"] for e in logs if e["event"] == "timer_not_recorded"]
     assert pauses[3] > pauses[0], f"no backoff between attempts: {pauses}"  # doubling, jittered by at most half
-    assert state.rdzv.members == ("node-0", "node-1")
+    assert state.rdzv.round == 1 and state.rdzv.members == ("node-0", "node-1")
 
 
 # -- sizes: every append fits in one store write -------------------------------------------------------------------

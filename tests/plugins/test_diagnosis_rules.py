@@ -41,6 +41,7 @@ from stead.plugins.diagnosis.rules import (
     load_rules_file,
     rules_from_entry_point,
 )
+from stead.testing import FakeClock
 from stead.testing.nvml import FakeNvml
 
 TB = "Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n{}\n"
@@ -235,6 +236,7 @@ def test_an_entry_point_gives_rules_as_a_sequence_or_a_function() -> None:
 class Harness:
     def __init__(self, plugin: DiagnosisPlugin, state: JobState) -> None:
         self.plugin, self.state, self.emitted = plugin, state, list[Event]()
+        self.clock = FakeClock()
 
     async def __aenter__(self) -> Harness:
         self.store = await open_store("memory://")
@@ -244,7 +246,8 @@ class Harness:
             return Record(seq=len(self.emitted), at=0.0, event=event)
 
         self.ctx = PluginContext(plugin="diagnosis", job="j", settings=self.plugin.settings, stead_settings=Settings(),
-                                 store=self.store, state=lambda: self.state, emit=emit, add_rpc_handler=None)
+                                 store=self.store, state=lambda: self.state, emit=emit, add_rpc_handler=None,
+                                 clock=self.clock)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -330,10 +333,13 @@ async def settle(h: Harness) -> None:
 
 
 async def decided_after_window(symptom: WorkerFailed, state: JobState = AWAITING) -> RecoveryDecided:
-    """The one decision on ``symptom`` alone, once the root-cause window (0.05 s) has passed."""
-    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0.05))
+    """The one decision on ``symptom`` alone, once the root-cause window (5 s of the fake clock) has passed."""
+    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=5.0))
     async with Harness(plugin, dataclasses.replace(state, last_failure=symptom)) as h:
         await h.feed(symptom)
+        await h.clock.advance(4.9)
+        assert h.emitted == []  # the window is still open: no decision yet
+        await h.clock.advance(0.1)
         await settle(h)
     (decision,) = h.emitted
     assert isinstance(decision, RecoveryDecided)

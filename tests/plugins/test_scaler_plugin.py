@@ -16,6 +16,7 @@ from stead.core.statemachine import JobPhase
 from stead.core.statemachine.job import node_ids
 from stead.core.top import published_lines
 from stead.plugins.scaler import ResourcesRecommended, ScalerPlugin, ScalerSettings
+from stead.testing import settle
 from stead.testing.platforms import RecordingPlatform
 from stead.testing.swarm import Swarm
 
@@ -51,10 +52,7 @@ async def _run(tmp_path: Path, plugin: ScalerPlugin, *, usage: dict[str, tuple[i
                 await client.report_workers(AgentReport(incarnation=1,
                                                         event=WorkersSucceeded(node_id=node_id, round=1)))
         await master.reactor.wait_until(lambda s: s.phase is JobPhase.SUCCEEDED, timeout_s=30)
-        with anyio.fail_after(30):
-            while not [r for r in await master.reactor.log.read()  # noqa: ASYNC110 -- the store is read
-                       if isinstance(r.event, ResourcesRecommended)]:
-                await anyio.sleep(0.05)
+        await settle(master)  # the plugin has handled the job's end: its recommendation is recorded
         records = await master.reactor.log.read()
         shown = await published_lines(master.store, "usage")
     assert any(isinstance(r.event, JobSucceeded) for r in records)

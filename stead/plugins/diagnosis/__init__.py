@@ -171,7 +171,7 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
 
     async def _watch_job(self, ctx: Ctx) -> None:
         while True:
-            await asyncio.sleep(self.settings.hang_check_s)
+            await ctx.clock.sleep(self.settings.hang_check_s)
             try:  # one look's failure is logged; the watch goes on
                 if self.settings.hang_detection:
                     await self._check_hang(ctx)
@@ -275,7 +275,7 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         await ctx.request_stacks(round=stall.round, reason=(
             f"no step for {stall.stalled_s:.1f} s (threshold {stall.threshold_s:.1f} s: {stall.why})"))
         with contextlib.suppress(TimeoutError):  # a node that does not answer in time is named as such
-            async with asyncio.timeout(self.settings.stacks_wait_s):
+            async with ctx.clock.fail_after(self.settings.stacks_wait_s):
                 while not members <= set(self._stacks):
                     await self._stacks_in.wait()
                     self._stacks_in.clear()
@@ -373,7 +373,7 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
     async def _decide_root_cause(self, ctx: Ctx, pending: _RootCause) -> None:
         try:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.root_cause_wait_s):
+                async with ctx.clock.fail_after(self.settings.root_cause_wait_s):
                     await pending.cause_in.wait()
             failure, found = pending.best()
             if found.failure_class in _SYMPTOMS:  # nothing failed on its own: did a rank leave the round early?

@@ -233,7 +233,7 @@ class ScalerPlugin(Plugin[ScalerSettings]):
 
     async def _sample_every(self, ctx: Ctx) -> None:
         while True:
-            await asyncio.sleep(self.settings.sample_every_s)
+            await ctx.clock.sleep(self.settings.sample_every_s)
             try:  # one look's failure is logged; the sampling goes on
                 self.sample(ctx)
                 await self._save(ctx)
