@@ -25,12 +25,18 @@ registered in the package's ``pyproject.toml``::
 
 What is here:
 
-* the contract: :class:`Plugin` (``start``/``handle``/``stop``, all optional), the
-  per-plugin :class:`PluginContext` (settings, store keys, state, ``emit``,
-  ``request_restart``, ``request_relaunch``, ``add_rpc_handler``), typed settings
-  (:func:`setting`, :func:`load_settings`);
+* the contract: :class:`MasterPlugin` (what the master calls: ``name``,
+  ``subscriptions``, ``handle``), :class:`Plugin` (its base class: ``start``/``handle``/
+  ``stop``, all optional), the per-plugin :class:`PluginContext` (settings, store keys,
+  state, ``emit``, ``request_restart``, ``request_relaunch``, ``add_rpc_handler``, and
+  ``tasks``, the plugin's :class:`PluginTasks`: background work goes there, as
+  ``ctx.tasks.start(self._watch, ctx, name="watch")``, never a bare
+  ``asyncio.create_task``; the master cancels and awaits those tasks when it stops,
+  before ``stop()``, and a task that raises disables the plugin with a ``PluginFailed``),
+  typed settings (:func:`setting`, :func:`load_settings`);
 * events: :class:`Event`, :func:`event_kind` for your own kinds, :class:`Record`,
-  and every event kind of stead (``WorkerFailed``, ``NodeLost``, ...);
+  and every event kind of stead (``WorkerFailed``, ``NodeLost``, ...); ``TimerFired``
+  names its timer by a typed :data:`TimerName` (``DecisionTimeout(round=3)``, ...);
 * the job's state: :class:`JobState`, :class:`JobPhase`, :class:`NodeState`, ...;
 * the default recovery policy (:func:`classify`, :func:`default_decision`);
 * errors, the store protocol (:class:`ChunkedValue` for a value larger than one
@@ -208,6 +214,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
         TimerFired as TimerFired,
     )
     from stead.core.events import (
+        TimerName as TimerName,
+    )
+    from stead.core.events import (
         TransitionRejected as TransitionRejected,
     )
     from stead.core.events import (
@@ -223,6 +232,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
         event_kind as event_kind,
     )
     from stead.core.plugins import (
+        MasterPlugin as MasterPlugin,
+    )
+    from stead.core.plugins import (
         NodeTelemetry as NodeTelemetry,
     )
     from stead.core.plugins import (
@@ -233,6 +245,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
     )
     from stead.core.plugins import (
         PluginContext as PluginContext,
+    )
+    from stead.core.plugins import (
+        PluginTasks as PluginTasks,
     )
     from stead.core.retry import (
         Backoff as Backoff,
@@ -325,9 +340,9 @@ _WHERE = {
                           "PluginFailed", "PluginsStarted", "Record", "RecoveryAction", "RecoveryDecided",
                           "RelaunchRequested", "RestartRequested", "RoundCompleted", "RoundStarted", "StackSample",
                           "StacksDumped", "StacksRequested", "StepProgress",
-                          "TimerFired", "TransitionRejected", "WorkerFailed", "WorkersStarted", "WorkersSucceeded",
-                          "event_kind"),
-    "stead.core.plugins": ("NoSettings", "NodeTelemetry", "Plugin", "PluginContext"),
+                          "TimerFired", "TimerName", "TransitionRejected", "WorkerFailed", "WorkersStarted",
+                          "WorkersSucceeded", "event_kind"),
+    "stead.core.plugins": ("MasterPlugin", "NoSettings", "NodeTelemetry", "Plugin", "PluginContext", "PluginTasks"),
     "stead.core.retry": ("Backoff", "retrying"),
     "stead.core.rpc": ("RpcConnection", "read_token_file"),
     "stead.core.rpc._checks": ("MAX_NODE_ID_CHARS", "check_name", "name_problem"),
@@ -366,6 +381,7 @@ __all__ = [
     "KeyValue",
     "LogCorrupt",
     "MAX_NODE_ID_CHARS",
+    "MasterPlugin",
     "MembershipDecided",
     "NoSettings",
     "NodeExited",
@@ -383,6 +399,7 @@ __all__ = [
     "PluginContext",
     "PluginError",
     "PluginFailed",
+    "PluginTasks",
     "PluginsStarted",
     "Record",
     "RecoveryAction",
@@ -406,6 +423,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "TimerFired",
+    "TimerName",
     "TransitionRejected",
     "WorkerFailed",
     "WorkersStarted",

@@ -57,7 +57,7 @@ from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, held_job_toke
 from stead.core.master_tasks import MasterTasks
 from stead.core.metrics import JobMetrics, MetricsServer, read_metrics_token
 from stead.core.platform import Platform
-from stead.core.plugins import PluginHost, load_plugins
+from stead.core.plugins import MasterPlugin, PluginHost, load_plugins
 from stead.core.reactor import Reactor
 from stead.core.retry import retrying
 from stead.core.rpc import AgentServicer, RpcServer
@@ -84,7 +84,7 @@ class MasterConfig:
     #: plugins to load: None = every installed one; ``plugin_objects`` are added as they are
     plugins: Sequence[str] | None = None
     disabled_plugins: Sequence[str] = ()
-    plugin_objects: Sequence[Any] = ()
+    plugin_objects: Sequence[MasterPlugin] = ()
     host: str = "127.0.0.1"
     port: int = 0
     #: a listening socket to serve on instead of binding ``host:port`` (``stead run`` keeps one for every master

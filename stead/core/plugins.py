@@ -1,12 +1,13 @@
 """Plugins of the master: the contract, loading with typed settings, and guarded delivery.
 
-A plugin has a ``name``, the event classes it ``subscriptions`` to, and async
-hooks that take keyword arguments only (so the contract can grow without
-breaking plugins): ``start(*, ctx)``, ``handle(*, record, ctx)`` and
-``stop(*, ctx)``. :class:`Plugin` gives every hook a default. ``ctx`` is the
-plugin's own :class:`PluginContext`: its settings, its store keys, the job's
-state at the record being handled, and the ways a plugin acts (emit events,
-request a restart or a relaunch, serve RPCs).
+A plugin (:class:`MasterPlugin`) has a ``name``, the event classes it
+``subscriptions`` to, and async hooks that take keyword arguments only (so the
+contract can grow without breaking plugins): ``start(*, ctx)``,
+``handle(*, record, ctx)`` and ``stop(*, ctx)``. :class:`Plugin` gives every hook a
+default. ``ctx`` is the plugin's own :class:`PluginContext`: its settings, its store
+keys, the job's state at the record being handled, the ways a plugin acts (emit
+events, request a restart or a relaunch, serve RPCs), and its task group
+(``ctx.tasks``, :class:`PluginTasks`) for whatever it runs in the background.
 
 Plugins are found through the ``stead.plugins`` entry-point group (see
 :mod:`stead.core.entrypoints` for the rules); the entry point names a class or
@@ -14,7 +15,10 @@ factory called as ``factory(settings=<the plugin's settings>)``. A plugin is
 validated when it is loaded, not when first called. Every call is guarded: a
 timeout, a structured log line with the plugin's name, a ``PluginFailed``
 event, and the plugin disabled after ``plugin_max_failures`` failures in a row.
-A faulty plugin never takes the master down.
+A background task that raises is recorded the same way and disables its plugin at
+once (what it did is no longer done); a disabled plugin's tasks are cancelled, and
+every plugin's tasks are cancelled and awaited when the master stops, before its
+``stop()``. A faulty plugin never takes the master down.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import asyncio
 import dataclasses
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, cast
 
 import structlog
 
@@ -38,11 +42,13 @@ from stead.core.store.base import StateStore
 
 __all__ = [
     "GROUP",
+    "MasterPlugin",
     "NoSettings",
     "NodeTelemetry",
     "Plugin",
     "PluginContext",
     "PluginHost",
+    "PluginTasks",
     "check_plugin_settings",
     "load_plugins",
     "validate_plugin",
@@ -78,6 +84,76 @@ class NodeTelemetry:
     gpu_util_percent: float | None = None
 
 
+TaskFailed = Callable[[str, Exception], Awaitable[None]]
+"""What the host does when a plugin's task named so raised this (records a PluginFailed, disables the plugin)."""
+
+
+class PluginTasks:
+    """A plugin's background tasks, owned by its plugin host: ``self._watch = ctx.tasks.start(self._watch_job, ctx,
+    name="watch")`` in ``start()``, never a bare ``asyncio.create_task``.
+
+    A task runs until it returns, its plugin is disabled, or the master stops; then the host cancels it and waits
+    for it, before the plugin's ``stop()``. A task that raises is a failure of its plugin, as a hook's is: logged
+    with the plugin's name, recorded as ``PluginFailed`` (``event_type`` ``task:<name>``), and the plugin is
+    disabled at once (what the task did is no longer done), its other tasks cancelled. :meth:`end` cancels and
+    awaits some of them earlier. A context made outside a host (a plugin's own tests) has tasks of its own,
+    ended by :meth:`aclose` or :meth:`end`; a failure there is logged only.
+    """
+
+    def __init__(self, plugin: str, *, failed: TaskFailed | None = None) -> None:
+        self.plugin = plugin
+        self._failed = failed
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    def start(self, run: Callable[..., Coroutine[Any, Any, None]], *args: object, name: str) -> asyncio.Task[None]:
+        """Run ``run(*args)`` in the background as task ``name``; the task, to :meth:`end` it early."""
+        if self._closed:
+            raise PluginError(f"plugin {self.plugin!r}: task {name!r} cannot start: the plugin was disabled or the "
+                              "master is stopping")
+        task = asyncio.get_running_loop().create_task(self._guarded(run, args, name),
+                                                      name=f"plugin:{self.plugin}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _guarded(self, run: Callable[..., Coroutine[Any, Any, None]], args: tuple[object, ...],
+                       name: str) -> None:
+        try:
+            await run(*args)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._failed is None:
+                log.exception("plugin_task_failed", plugin=self.plugin, task=name, error=repr(exc))
+            else:
+                await self._failed(name, exc)
+
+    async def end(self, *tasks: asyncio.Task[None] | None) -> None:
+        """Cancel ``tasks`` (None: skipped) and wait until they have ended."""
+        running = {t for t in tasks if t is not None}
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running)
+
+    def cancel(self) -> None:
+        """Cancel every task (but the one calling); no task starts from now on."""
+        self._closed = True
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+
+    async def aclose(self) -> None:
+        """Cancel every task and wait until they have ended."""
+        self.cancel()
+        current = asyncio.current_task()
+        waiting = {t for t in self._tasks if t is not current}
+        if waiting:
+            await asyncio.wait(waiting)
+
+
 class PluginContext(Generic[S]):
     """What one plugin may see and do. Each hook call gets one; in ``handle`` its ``state`` is the record's."""
 
@@ -86,7 +162,7 @@ class PluginContext(Generic[S]):
                  add_rpc_handler: Callable[[object], None] | None,
                  live: Callable[[], JobState] | None = None,
                  telemetry: Callable[[], Mapping[str, NodeTelemetry]] | None = None,
-                 clock: Clock = WALL_CLOCK) -> None:
+                 clock: Clock = WALL_CLOCK, tasks: PluginTasks | None = None) -> None:
         self.plugin = plugin
         self.job = job
         #: the plugin's own typed settings (``--set <plugin>.<name>=value``, ``STEAD_<PLUGIN>_<NAME>``)
@@ -104,6 +180,8 @@ class PluginContext(Generic[S]):
         self._emit = emit
         self._add_rpc_handler = add_rpc_handler
         self._telemetry = telemetry
+        #: the plugin's background tasks (see :class:`PluginTasks`)
+        self.tasks = tasks if tasks is not None else PluginTasks(plugin)
 
     @property
     def state(self) -> JobState:
@@ -151,7 +229,7 @@ class PluginContext(Generic[S]):
         return PluginContext(plugin=self.plugin, job=self.job, settings=self.settings,
                              stead_settings=self.stead_settings, store=self.store, state=lambda: state,
                              emit=self._emit, add_rpc_handler=None, live=self._live, telemetry=self._telemetry,
-                             clock=self.clock)
+                             clock=self.clock, tasks=self.tasks)
 
 
 class Plugin(Generic[S]):
@@ -181,10 +259,37 @@ class Plugin(Generic[S]):
         """The master stops."""
 
 
+class MasterPlugin(Protocol):
+    """What a master plugin is, as the host calls it (:func:`validate_plugin` checks it when the plugin is loaded).
+
+    ``name``, ``subscriptions`` and ``handle`` it must have; ``start(*, ctx)`` and ``stop(*, ctx)`` (async, see
+    :class:`Hook`), ``decides_recovery`` (a bool) and ``settings`` it may. :class:`Plugin` has them all.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def subscriptions(self) -> tuple[type[Event], ...]: ...
+
+    async def handle(self, *, record: Record, ctx: PluginContext[Any]) -> None: ...
+
+
+class Hook(Protocol):
+    """A plugin's optional ``start`` or ``stop``: async, keyword arguments only."""
+
+    def __call__(self, *, ctx: PluginContext[Any]) -> Awaitable[None]: ...
+
+
+def _hook_of(plugin: MasterPlugin, hook: Literal["start", "stop"]) -> Hook | None:
+    found: Hook | None = getattr(plugin, hook, None)
+    return found
+
+
 _HOOKS = (("handle", ("record", "ctx")), ("start", ("ctx",)), ("stop", ("ctx",)))
 
 
-def validate_plugin(plugin: object, *, source: str) -> Any:
+def validate_plugin(plugin: object, *, source: str) -> MasterPlugin:
     """Check the plugin contract now, with an error that says what is missing."""
     name = getattr(plugin, "name", None)
     if not isinstance(name, str) or not name:
@@ -209,7 +314,7 @@ def validate_plugin(plugin: object, *, source: str) -> Any:
             raise PluginError(f"plugin {name!r} ({source}): {hook}() must take keyword arguments only")
     if getattr(plugin, "handle", None) is None:
         raise PluginError(f"plugin {name!r} ({source}) has no handle() method; subclass stead.plugin.Plugin")
-    return plugin
+    return cast(MasterPlugin, plugin)
 
 
 def _settings_class(name: str, factory: object) -> type | None:
@@ -235,10 +340,10 @@ def instantiate(name: str, factory: object, source: str, settings: Settings) -> 
 
 
 def load_plugins(*, settings: Settings, enabled: Sequence[str] | None = None,
-                 disabled: Iterable[str] = ()) -> list[Any]:
+                 disabled: Iterable[str] = ()) -> list[MasterPlugin]:
     """Instantiate the installed plugins (see :mod:`stead.core.entrypoints` for which, and what fails)."""
 
-    def build(name: str, factory: object, source: str) -> Any:
+    def build(name: str, factory: object, source: str) -> MasterPlugin:
         plugin = validate_plugin(instantiate(name, factory, source, settings), source=f"entry point {source}")
         if plugin.name != name:
             raise PluginError(f"plugin {plugin.name!r} is registered under the entry point name {name!r}; "
@@ -275,9 +380,10 @@ def check_plugin_settings(settings: Settings, *, group: str = GROUP) -> None:
 
 @dataclasses.dataclass
 class _Slot:
-    plugin: Any
+    plugin: MasterPlugin
     ctx: PluginContext[Any]
     queue: asyncio.Queue[tuple[Record, JobState] | None]
+    tasks: PluginTasks
     failures: int = 0
     disabled: bool = False
 
@@ -285,10 +391,11 @@ class _Slot:
 class PluginHost:
     """Starts the plugins, delivers ``(record, state at the record)`` to subscribers, stops them.
 
-    One ordered queue and task per plugin: a slow plugin delays only itself.
+    One ordered queue and task per plugin: a slow plugin delays only itself. Each plugin's background tasks
+    (``ctx.tasks``) are the host's too: cancelled and awaited when it stops, before the plugins' ``stop()``.
     """
 
-    def __init__(self, plugins: Sequence[Any], *, job: str, settings: Settings, store: StateStore,
+    def __init__(self, plugins: Sequence[MasterPlugin], *, job: str, settings: Settings, store: StateStore,
                  state: Callable[[], JobState], emit: Callable[[Event], Awaitable[Record]],
                  add_rpc_handler: Callable[[object], None],
                  telemetry: Callable[[], Mapping[str, NodeTelemetry]] | None = None,
@@ -310,13 +417,16 @@ class PluginHost:
                                   "started; emit from handle() or from a task started in start()")
             return await emit(event)
 
-        self._slots = [
-            _Slot(p, PluginContext(plugin=p.name, job=job, settings=getattr(p, "settings", NoSettings()),
-                                   stead_settings=settings, store=store, state=state, emit=emit_after_start,
-                                   add_rpc_handler=adder, telemetry=telemetry, clock=clock), asyncio.Queue())
-            for p in plugins
-        ]
+        self._slots: list[_Slot] = []
+        for p in plugins:
+            tasks = PluginTasks(p.name, failed=functools.partial(self._task_failed, len(self._slots)))
+            ctx: PluginContext[Any] = PluginContext(
+                plugin=p.name, job=job, settings=getattr(p, "settings", NoSettings()), stead_settings=settings,
+                store=store, state=state, emit=emit_after_start, add_rpc_handler=adder, telemetry=telemetry,
+                clock=clock, tasks=tasks)
+            self._slots.append(_Slot(p, ctx, asyncio.Queue(), tasks))
         self._group: asyncio.TaskGroup | None = None
+        self._runners: list[asyncio.Task[None]] = []
 
     @property
     def names(self) -> list[str]:
@@ -328,26 +438,37 @@ class PluginHost:
         return [s.plugin.name for s in self._slots if not s.disabled and getattr(s.plugin, "decides_recovery", False)]
 
     async def __aenter__(self) -> PluginHost:
-        for slot in self._slots:
-            await self._hook(slot, "start")
+        try:
+            for slot in self._slots:
+                await self._hook(slot, "start")
+        except BaseException:  # (a hook's own failure is recorded, not raised: this is a cancellation)
+            await self._close_tasks()
+            raise
         self._starting = False
         self._group = asyncio.TaskGroup()
         await self._group.__aenter__()
-        for slot in self._slots:
-            self._group.create_task(self._run(slot), name=f"plugin:{slot.plugin.name}")
+        self._runners = [self._group.create_task(self._run(slot), name=f"plugin:{slot.plugin.name}")
+                         for slot in self._slots]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         assert self._group is not None
         for slot in self._slots:
             slot.queue.put_nowait(None)
+        if self._runners:  # every plugin handles what it was given, then its tasks end
+            await asyncio.wait(self._runners)
+        await self._close_tasks()
         await self._group.__aexit__(None, None, None)
         for slot in self._slots:
             if not slot.disabled:
                 await self._hook(slot, "stop")
 
-    async def _hook(self, slot: _Slot, hook: str) -> None:
-        fn = getattr(slot.plugin, hook, None)
+    async def _close_tasks(self) -> None:
+        for slot in self._slots:
+            await slot.tasks.aclose()
+
+    async def _hook(self, slot: _Slot, hook: Literal["start", "stop"]) -> None:
+        fn = _hook_of(slot.plugin, hook)
         if fn is not None:
             await self._guarded(slot, hook, lambda: fn(ctx=slot.ctx), hook=hook)
 
@@ -388,16 +509,34 @@ class PluginHost:
         except Exception as exc:
             error = f"timed out after {timeout:g} s (plugin_timeout_s)" if isinstance(exc, TimeoutError) else repr(exc)
             slot.failures += 1
-            slot.disabled = slot.failures >= self.settings.plugin_max_failures
+            if slot.failures >= self.settings.plugin_max_failures:
+                self._disable(slot)
             log.error("plugin_failed", plugin=name, call=what, error=error, failures=slot.failures,
                       disabled=slot.disabled, exc_info=not isinstance(exc, (TimeoutError, PluginError)))
-            failed = PluginFailed(plugin=name, event_type=what, error=error, disabled=slot.disabled)
-            if self._starting:
-                self.start_failures.append(failed)
-                return
-            try:
-                await self._emit(failed)
-            except Exception:  # the log line above already tells the story
-                log.exception("plugin_failure_not_recorded", plugin=name)
+            await self._record(PluginFailed(plugin=name, event_type=what, error=error, disabled=slot.disabled))
         else:
             slot.failures = 0
+
+    async def _task_failed(self, index: int, task: str, exc: Exception) -> None:
+        """A plugin's background task raised: the plugin is disabled (what the task did is no longer done)."""
+        slot = self._slots[index]
+        slot.failures += 1
+        self._disable(slot)
+        log.error("plugin_failed", plugin=slot.plugin.name, call=f"task:{task}", error=repr(exc),
+                  failures=slot.failures, disabled=True, exc_info=exc)
+        await self._record(PluginFailed(plugin=slot.plugin.name, event_type=f"task:{task}", error=repr(exc),
+                                        disabled=True))
+
+    @staticmethod
+    def _disable(slot: _Slot) -> None:
+        slot.disabled = True
+        slot.tasks.cancel()  # a disabled plugin does nothing more
+
+    async def _record(self, failed: PluginFailed) -> None:
+        if self._starting:
+            self.start_failures.append(failed)
+            return
+        try:
+            await self._emit(failed)
+        except Exception:  # the log line before already tells the story
+            log.exception("plugin_failure_not_recorded", plugin=failed.plugin)

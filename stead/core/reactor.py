@@ -61,7 +61,7 @@ from stead.core.errors import (
     SteadError,
     WriteTooLarge,
 )
-from stead.core.events import EffectFailed, Event, Record, TimerFired, TransitionRejected
+from stead.core.events import EffectFailed, Event, Record, TimerFired, TimerName, TransitionRejected
 from stead.core.events.base import EncodedEvent
 from stead.core.events.log import EventLog, job_prefix
 from stead.core.retry import Backoff, retrying
@@ -131,7 +131,7 @@ class Reactor:
         self._inbox: collections.deque[_Submission] = collections.deque()
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
-        self._scheduled: set[str] = set()
+        self._scheduled: set[TimerName] = set()
         #: effect keys of the emissions this reactor made or found made
         self._emitted: set[str] = set()
         self._tasks = TaskOwner()
@@ -201,7 +201,7 @@ class Reactor:
             state = from_json(JobState, snapshot.body["state"])
             older_timers = snapshot.body.get("timers")  # snapshots before timers were part of the state
             if older_timers and not state.timers:
-                state = dataclasses.replace(state, timers={str(k): float(v) for k, v in older_timers.items()})
+                state = dataclasses.replace(state, timers=from_json(JobState, {"timers": older_timers}).timers)
             return state
         except (LogCorrupt, CodecError, KeyError, TypeError, ValueError, AttributeError) as exc:
             log.warning("snapshot_unusable", job=self.log.job, error=str(exc), action="replaying the whole log")
@@ -410,7 +410,7 @@ class Reactor:
             error = (f"did not finish within effect_timeout_s={self.settings.effect_timeout_s:g} s"
                      if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}")
             log.error("effect_failed", job=self.log.job, effect=effect.id, error=error)
-            failures.append(EffectFailed(effect_id=effect.id, kind=effect.kind, error=error,
+            failures.append(EffectFailed(effect_id=effect.ref, kind=effect.kind, error=error,
                                          permanent=isinstance(exc, PlatformRejected),
                                          node_id=getattr(effect, "node_id", None),
                                          incarnation=getattr(effect, "incarnation", None),
@@ -442,7 +442,7 @@ class Reactor:
                 self._scheduled.add(name)
                 self._tasks.start(self._fire, name, at, name=f"timer:{name}")
 
-    async def _fire(self, name: str, at: float) -> None:
+    async def _fire(self, name: TimerName, at: float) -> None:
         await self._clock.sleep_until(at)
         self._scheduled.discard(name)  # the machine may arm a timer of the same name again later
         if name in self._state.timers:
@@ -450,7 +450,7 @@ class Reactor:
                 await self.submit(TimerFired(name=name))
             except RetryableError as exc:  # the store is away: fire again once it is back, not in a tight loop
                 pause = self._timer_backoff.next()
-                log.warning("timer_not_recorded", job=self.log.job, timer=name, error=str(exc),
+                log.warning("timer_not_recorded", job=self.log.job, timer=str(name), error=str(exc),
                             retry_in_s=round(pause, 2))
                 self._scheduled.add(name)  # no second attempt at it while this one waits
                 await self._clock.sleep(pause)

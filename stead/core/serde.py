@@ -7,7 +7,10 @@ the path of the bad field.
 
 Supported field types: ``str``, ``int``, ``float``, ``bool``, ``None``, ``Enum``
 subclasses, ``tuple[X, ...]``, ``tuple[X, Y]``, ``frozenset[X]``, ``dict[str, X]``,
-nested dataclasses, and ``X | None`` / unions of those.
+nested dataclasses, and ``X | None`` / unions of those. A :class:`WireName` (a timer's
+or an effect's typed name) is stored as one string, ``kind/field/...``: the form the
+log has always had, so a typed name reads old records; a union of them, a dict keyed
+by them, reads each string as the one kind it names.
 """
 
 from __future__ import annotations
@@ -19,19 +22,96 @@ import types
 import typing
 from collections.abc import Mapping
 from functools import cache
-from typing import Any, TypeVar, Union, get_args, get_origin
+from typing import Any, ClassVar, Self, TypeVar, Union, get_args, get_origin
 
 from stead.core.errors import CodecError
 
-__all__ = ["from_json", "to_json"]
+__all__ = ["WireName", "from_json", "to_json"]
 
 T = TypeVar("T")
 JsonValue = Any
 
 
+class WireName:
+    """Base of a frozen dataclass stored as one string: its ``prefix``, then its fields' values, ``/`` between.
+
+    Its fields are ``int``s (written in decimal) and at most one ``str`` or :class:`WireName` (union), which takes
+    whatever lies between the ints before and after it (a node id, an emission key, a timer's name). ``str()`` gives
+    the stored form, :meth:`parse` reads it back; a subclass with another form overrides both.
+    """
+
+    prefix: ClassVar[str]
+
+    @classmethod
+    def form(cls) -> str:
+        """The stored form, for an error that lists what a name may be (``decision/ROUND``)."""
+        kind: type = cls
+        return "/".join((cls.prefix, *(f.name.upper() for f in _fields(kind))))
+
+    def __str__(self) -> str:
+        kind: type = type(self)
+        return "/".join((self.prefix, *(str(getattr(self, f.name)) for f in _fields(kind))))
+
+    @classmethod
+    def parse(cls, text: str) -> Self | None:
+        """``text`` read as a name of this kind; None when it is not one."""
+        head, sep, rest = text.partition("/")
+        kind: type = cls
+        fields = _fields(kind)
+        if head != cls.prefix or bool(sep) != bool(fields):
+            return None
+        parts = rest.split("/") if sep else []
+        hints = _hints(kind)
+        wide = [i for i, f in enumerate(fields) if hints[f.name] is not int]  # the one field that may hold a "/"
+        if len(parts) < len(fields) or (not wide and len(parts) != len(fields)):
+            return None
+        if wide:  # the ints after it take the last parts, the wide field what is left between
+            w, after = wide[0], len(fields) - wide[0] - 1
+            parts = [*parts[:w], "/".join(parts[w:len(parts) - after]), *parts[len(parts) - after:]]
+        values: dict[str, Any] = {}
+        for f, part in zip(fields, parts, strict=True):
+            hint = hints[f.name]
+            if hint is int:
+                try:
+                    number = int(part)
+                except ValueError:
+                    return None
+                if str(number) != part:  # only the form str() writes: "+1", "01", "1_0" are no names of ours
+                    return None
+                values[f.name] = number
+            elif hint is str:
+                values[f.name] = part
+            else:
+                inner = _parse_name(_wire_names(hint), part)
+                if inner is None:
+                    return None
+                values[f.name] = inner
+        return cls(**values)
+
+
+@cache
+def _wire_names(tp: Any) -> tuple[type[WireName], ...]:
+    """The WireName kinds ``tp`` is (one, or a union of them); () when it is anything else."""
+    args = get_args(tp) if get_origin(tp) in (Union, types.UnionType) else (tp,)
+    kinds = tuple(a for a in args if a is not type(None))
+    if kinds and all(isinstance(a, type) and issubclass(a, WireName) for a in kinds):
+        return kinds
+    return ()
+
+
+def _parse_name(kinds: tuple[type[WireName], ...], text: str) -> WireName | None:
+    for kind in kinds:
+        value = kind.parse(text)
+        if value is not None:
+            return value
+    return None
+
+
 def to_json(value: Any) -> JsonValue:
     """Convert a dataclass (or supported value) to JSON-safe Python values."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if isinstance(value, WireName):
+            return str(value)
         return {f.name: to_json(getattr(value, f.name)) for f in _fields(type(value))}
     if isinstance(value, enum.Enum):
         return value.value
@@ -67,6 +147,12 @@ def _convert(tp: Any, data: Any, path: str) -> Any:
     if tp is Any:
         return data
     origin = get_origin(tp)
+    if isinstance(data, str) and (names := _wire_names(tp)):
+        value = _parse_name(names, data)
+        if value is None:
+            raise CodecError(f"{path}: {data!r} is not a name this stead reads (expected "
+                             f"{' or '.join(kind.form() for kind in names)}); read it with the stead that wrote it")
+        return value
     if origin is Union or origin is types.UnionType:
         args = get_args(tp)
         if data is None and type(None) in args:

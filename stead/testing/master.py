@@ -41,8 +41,10 @@ def make_plugin(factory: type[P], settings: Mapping[str, Any] | None = None, *,
     name = getattr(factory, "name", "")
     values = {f"{name}.{key}": value for key, value in (settings or {}).items()}
     merged = Settings.from_mapping(values, base=stead_settings or Settings())
-    plugin: P = validate_plugin(instantiate(name, factory, f"{factory!r}", merged), source=repr(factory))
-    return plugin
+    plugin = instantiate(name, factory, f"{factory!r}", merged)
+    validate_plugin(plugin, source=repr(factory))
+    built: P = plugin  # (instantiate called ``factory``: a P)
+    return built
 
 
 @contextlib.asynccontextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import textwrap
 import uuid
 from pathlib import Path
@@ -13,7 +14,7 @@ from stead.core.config import Settings
 from stead.core.errors import ConfigError, PluginError
 from stead.core.events import JobSubmitted, PluginFailed, PluginsStarted, Record, StepProgress
 from stead.core.master import Master, MasterConfig
-from stead.core.plugins import check_plugin_settings, load_plugins, validate_plugin
+from stead.core.plugins import PluginTasks, check_plugin_settings, load_plugins, validate_plugin
 from stead.plugin import NoSettings, Plugin, PluginContext
 from stead.testing import make_plugin, plugin_master, settle
 
@@ -246,3 +247,92 @@ def test_make_plugin_builds_a_plugin_with_typed_settings_as_the_master_would(
     assert plugin.settings.limit == 7
     with pytest.raises(ConfigError, match="must be at least 1"):
         make_plugin(__import__(module).Threshold, {"limit": 0})
+
+
+# -- the plugin's task group (ctx.tasks) ------------------------------------------------------------------------
+
+
+class _Tasked(Plugin[NoSettings]):
+    """Runs two background tasks from start(): ``idle`` waits for ever, ``boom`` raises once a step arrives."""
+
+    name = "tasked"
+    subscriptions = (StepProgress,)
+    decides_recovery = True
+
+    def __init__(self) -> None:
+        super().__init__(settings=NoSettings())
+        self.told = asyncio.Event()
+        self.idle_ended = asyncio.Event()
+        self.said: list[str] = []
+
+    async def start(self, *, ctx: PluginContext[NoSettings]) -> None:
+        self.idle = ctx.tasks.start(self._idle, name="idle")
+        ctx.tasks.start(self._boom, name="boom")
+
+    async def _idle(self) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.said.append("idle cancelled")
+            self.idle_ended.set()
+
+    async def _boom(self) -> None:
+        await self.told.wait()
+        raise RuntimeError("the watch broke")
+
+    async def handle(self, *, record: Record, ctx: PluginContext[NoSettings]) -> None:
+        self.said.append(f"step {getattr(record.event, 'step', '?')}")
+
+    async def stop(self, *, ctx: PluginContext[NoSettings]) -> None:
+        self.said.append(f"stop (idle done: {self.idle.done()})")
+
+
+async def test_a_plugin_task_that_raises_is_a_plugin_failure_that_disables_the_plugin_and_its_tasks() -> None:
+    plugin = _Tasked()
+    async with plugin_master(plugin, job="tasks") as master:
+        await master.submit(JobSubmitted(job="tasks", min_nodes=1, max_nodes=1, nproc_per_node=1))
+        await master.reactor.wait_until(lambda s: s.deciders == frozenset({"tasked"}))
+        await master.submit(StepProgress(round=1, step=1))
+        await settle(master)
+        plugin.told.set()
+        with anyio.fail_after(30):
+            await plugin.idle_ended.wait()  # its other task is cancelled with it
+        state = await master.reactor.wait_until(lambda s: s.deciders == frozenset(), timeout_s=30)
+        await master.submit(StepProgress(round=1, step=2))  # a disabled plugin is handed nothing more
+        await settle(master)
+        records = await master.reactor.log.read()
+    (failed,) = [r.event for r in records if isinstance(r.event, PluginFailed)]
+    assert (failed.plugin, failed.event_type, failed.disabled) == ("tasked", "task:boom", True)
+    assert "RuntimeError('the watch broke')" in failed.error
+    assert state.deciders == frozenset()  # the job's failures go to the default policy from now on
+    assert plugin.said == ["step 1", "idle cancelled"]  # no step 2, and no stop() for a disabled plugin
+
+
+async def test_a_plugins_tasks_are_cancelled_and_awaited_when_the_master_stops_before_its_stop() -> None:
+    plugin = _Tasked()
+    async with plugin_master(plugin, job="tasks") as master:
+        await master.submit(JobSubmitted(job="tasks", min_nodes=1, max_nodes=1, nproc_per_node=1))
+        await settle(master)
+    # the task ended first; a cancellation is no failure (a failure would have disabled it: no stop())
+    assert plugin.said == ["idle cancelled", "stop (idle done: True)"]
+
+
+async def test_no_task_starts_once_the_tasks_are_closed_and_end_waits_for_the_ones_named() -> None:
+    tasks = PluginTasks("p")
+    ended: list[str] = []
+
+    async def forever(label: str) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append(label)
+
+    first, second = tasks.start(forever, "first", name="a"), tasks.start(forever, "second", name="b")
+    await asyncio.sleep(0)  # both run
+    await tasks.end(first)
+    assert first.done() and not second.done() and ended == ["first"]
+    await tasks.aclose()
+    assert second.done() and ended == ["first", "second"]
+    with pytest.raises(PluginError, match="plugin 'p': task 'c' cannot start: the plugin was disabled or the master "
+                                          "is stopping"):
+        tasks.start(forever, "third", name="c")

@@ -22,6 +22,7 @@ from stead.core.events import (
     Event,
     JobFailed,
     JobSubmitted,
+    LastCall,
     NodeJoined,
     NodeLost,
     PluginFailed,
@@ -69,9 +70,9 @@ async def test_a_last_call_timer_armed_again_after_firing_starts_the_round() -> 
         await reactor.submit(NodeJoined(node_id="node-1", incarnation=1))  # MIN joined: last call armed
         await reactor.submit(NodeLost(node_id="node-1", incarnation=1))
         await clock.advance(29.9)
-        assert "last-call/1" in reactor.state.timers  # not due yet
+        assert LastCall(round=1) in reactor.state.timers  # not due yet
         await clock.advance(0.1)  # fires with one node: no round
-        assert "last-call/1" not in reactor.state.timers and reactor.state.rdzv.round == 0
+        assert LastCall(round=1) not in reactor.state.timers and reactor.state.rdzv.round == 0
         await reactor.submit(NodeJoined(node_id="node-1", incarnation=2))  # MIN again: armed again
         await clock.advance(30)
         state = reactor.state

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stead.core.events import (
+    DecisionTimeout,
     Event,
     JobFailed,
     JobResumed,
@@ -184,7 +185,7 @@ def test_a_round_grown_mid_recovery_goes_back_to_rendezvous_for_the_new_round() 
 def test_a_takeover_mid_recovery_continues_it_in_the_log_and_a_fold_started_there_waits_for_a_round() -> None:
     before = [*RUNNING, (5.5, crash(1, exited_at=5.2))]
     # the new master re-arms the decision timer, the default decides, its agents join again
-    after = [(8.5, TimerFired(name="decision/1")), (8.6, decided(1)),
+    after = [(8.5, TimerFired(name=DecisionTimeout(round=1))), (8.6, decided(1)),
              (8.7, NodeJoined(node_id="node-0", incarnation=1)),
              *round_(2, 9.0), (10.0, StepProgress(round=2, step=4)),
              (11.0, NodeLost(node_id="node-1", incarnation=1)), *round_(3, 12.0), (13.0, StepProgress(round=3, step=4))]

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 
 from stead.core.events.base import Event, EventMark, event_kind
+from stead.core.events.names import EffectId, TimerName
 
 __all__ = [
     "CheckpointCommitted",
@@ -417,7 +418,9 @@ class CommandsAcked(Event):
 @event_kind("timer.fired")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TimerFired(Event):
-    name: str
+    """An armed timer's time came (stored as its name's string form, ``decision/3``)."""
+
+    name: TimerName
 
 
 # -- node health checks ---------------------------------------------------------
@@ -542,7 +545,8 @@ class PluginsStarted(Event):
 class EffectFailed(Event):
     """An effect could not be carried out; the job machine decides what follows (relaunch, restart, fail)."""
 
-    effect_id: str
+    #: the failed effect's id (stored as its string form, ``launch/node-1/2``)
+    effect_id: EffectId
     #: ``launch-node``, ``kill-node``, ``start-workers``, ``stop-workers`` or ``stop-node``
     kind: str
     error: str

@@ -1,16 +1,31 @@
 """Effects: what a transition asks the world to do, as data.
 
-Each effect has a deterministic ``id`` derived from what it does, so the reactor
+Each effect has a deterministic id derived from what it does, so the reactor
 can record which ids ran and never run one twice, even across master restarts,
-and a ``kind`` that names it in an ``EffectFailed`` event.
+and a ``kind`` that names it in an ``EffectFailed`` event. ``ref`` is the id as a
+typed value (:data:`~stead.core.events.names.EffectId`, what ``EffectFailed`` carries);
+``id`` its string form (the store's effect keys, the agents' command ids).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
-from stead.core.events import Event
+from stead.core.events import (
+    CheckHealthId,
+    DumpStacksId,
+    EmitId,
+    Event,
+    KillId,
+    LaunchId,
+    StartWorkersId,
+    StopNodeId,
+    StopWorkersId,
+    TimerId,
+    TimerName,
+)
 
 __all__ = ["AgentOrder", "CheckHealth", "DumpStacks", "Effect", "Emit", "KillNode", "LaunchNode", "StartTimer",
            "StartWorkers", "StopNode", "StopWorkers"]
@@ -30,8 +45,12 @@ class LaunchNode:
     kind: ClassVar[str] = "launch-node"
 
     @property
+    def ref(self) -> LaunchId:
+        return LaunchId(node_id=self.node_id, incarnation=self.incarnation)
+
+    @functools.cached_property
     def id(self) -> str:
-        return f"launch/{self.node_id}/{self.incarnation}"
+        return str(self.ref)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,8 +61,12 @@ class KillNode:
     kind: ClassVar[str] = "kill-node"
 
     @property
+    def ref(self) -> KillId:
+        return KillId(node_id=self.node_id, incarnation=self.incarnation)
+
+    @functools.cached_property
     def id(self) -> str:
-        return f"kill/{self.node_id}/{self.incarnation}"
+        return str(self.ref)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,8 +88,12 @@ class StartWorkers:
     kind: ClassVar[str] = "start-workers"
 
     @property
+    def ref(self) -> StartWorkersId:
+        return StartWorkersId(round=self.round, node_id=self.node_id)
+
+    @functools.cached_property
     def id(self) -> str:
-        return f"start-workers/{self.round}/{self.node_id}"
+        return str(self.ref)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,8 +106,12 @@ class StopWorkers:
     kind: ClassVar[str] = "stop-workers"
 
     @property
+    def ref(self) -> StopWorkersId:
+        return StopWorkersId(round=self.round, node_id=self.node_id)
+
+    @functools.cached_property
     def id(self) -> str:
-        return f"stop-workers/{self.round}/{self.node_id}"
+        return str(self.ref)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,8 +128,12 @@ class DumpStacks:
     kind: ClassVar[str] = "dump-stacks"
 
     @property
+    def ref(self) -> DumpStacksId:
+        return DumpStacksId(request=self.request, node_id=self.node_id)
+
+    @functools.cached_property
     def id(self) -> str:
-        return f"dump-stacks/{self.request}/{self.node_id}"
+        return str(self.ref)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,8 +151,12 @@ class CheckHealth:
     kind: ClassVar[str] = "check-health"
 
     @property
+    def ref(self) -> CheckHealthId:
+        return CheckHealthId(check=self.check, node_id=self.node_id)
+
+    @functools.cached_property
     def id(self) -> str:
-        return f"check-health/{self.check}/{self.node_id}"
+        return str(self.ref)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -131,22 +170,30 @@ class StopNode:
     kind: ClassVar[str] = "stop-node"
 
     @property
+    def ref(self) -> StopNodeId:
+        return StopNodeId(node_id=self.node_id, incarnation=self.incarnation)
+
+    @functools.cached_property
     def id(self) -> str:
-        return f"stop-node/{self.node_id}/{self.incarnation}"
+        return str(self.ref)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StartTimer:
     """Deliver ``TimerFired(name)`` at wall-clock time ``at``."""
 
-    name: str
+    name: TimerName
     at: float
 
     kind: ClassVar[str] = "start-timer"
 
     @property
+    def ref(self) -> TimerId:
+        return TimerId(timer=self.name)
+
+    @functools.cached_property
     def id(self) -> str:
-        return f"timer/{self.name}"
+        return str(self.ref)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,8 +206,12 @@ class Emit:
     kind: ClassVar[str] = "emit"
 
     @property
+    def ref(self) -> EmitId:
+        return EmitId(key=self.key)
+
+    @functools.cached_property
     def id(self) -> str:
-        return f"emit/{self.key}"
+        return str(self.ref)
 
 
 Effect = (LaunchNode | KillNode | StartWorkers | StopWorkers | StopNode | DumpStacks | CheckHealth | StartTimer

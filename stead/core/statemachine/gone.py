@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stead.core.events import JobFailed, NodeRequested, NodeResourcesDecided
+from stead.core.events import JobFailed, NodeRequested, NodeResourcesDecided, ResourcesTimeout
 from stead.core.statemachine import rounds
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import Effect, Emit, StartTimer, StopWorkers
@@ -33,8 +33,8 @@ def relaunch(state: JobState, node: NodeState, resources: tuple[tuple[str, str],
             StartTimer(name=rounds.rejoin_timer(requested), at=now + state.spec.join_timeout_s)]
 
 
-def _resources_timer(node: NodeState) -> str:
-    return f"resources/{node.node_id}/{node.incarnation}"
+def _resources_timer(node: NodeState) -> ResourcesTimeout:
+    return ResourcesTimeout(node_id=node.node_id, incarnation=node.incarnation)
 
 
 def resources_decided(state: JobState, event: NodeResourcesDecided, *, now: float) -> Transition[JobState]:
@@ -95,11 +95,11 @@ def node_gone(state: JobState, node: NodeState, *, now: float, oom: bool = False
     return state, effects + list(rounds.plan(state, now=now))
 
 
-def resources_timeout(state: JobState, name: str, *, now: float) -> Transition[JobState]:
+def resources_timeout(state: JobState, timer: ResourcesTimeout, *, now: float) -> Transition[JobState]:
     """No plugin decided the resources of a node killed for its memory in time: it is relaunched with the same."""
-    node_id = name.split("/")[1] if name.count("/") >= 2 else ""
+    node_id = timer.node_id
     node = state.nodes.get(node_id)
-    if node is None or node_id not in state.awaiting_resources or name != _resources_timer(node):
+    if node is None or node_id not in state.awaiting_resources or node.incarnation != timer.incarnation:
         return Transition(state)  # decided meanwhile, or about an older incarnation
     waiting = dataclasses.replace(state, awaiting_resources=state.awaiting_resources - {node_id})
     return Transition(waiting, tuple(relaunch(waiting, node, node.resources, now=now)))

@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from stead.core.events import HealthChecked, HealthCheckStarted, HealthVerdict, NodeHealthReported
+from stead.core.events import HealthChecked, HealthCheckStarted, HealthTimeout, HealthVerdict, NodeHealthReported
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import CheckHealth, Effect, Emit, StartTimer
 from stead.core.statemachine.node import NodePhase
@@ -179,7 +179,7 @@ def start(state: JobState, event: HealthCheckStarted, *, now: float) -> Transiti
                           checked=frozenset(event.checked))
     effects: list[Effect] = [CheckHealth(node_id=n, incarnation=incarnations[n], check=event.check,
                                          nodes=event.nodes, timeout_s=spec.health_timeout_s) for n in event.nodes]
-    effects.append(StartTimer(name=f"health/{event.check}", at=now + spec.health_timeout_s))
+    effects.append(StartTimer(name=HealthTimeout(check=event.check), at=now + spec.health_timeout_s))
     return Transition(dataclasses.replace(state, health=running), tuple(effects))
 
 

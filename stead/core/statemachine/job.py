@@ -34,16 +34,22 @@ from __future__ import annotations
 import dataclasses
 
 from stead.core.events import (
+    CheckHealthId,
     CheckpointCommitted,
+    DecisionTimeout,
     EffectFailed,
     Event,
+    GrowWindow,
     HealthChecked,
     HealthCheckStarted,
+    HealthTimeout,
     JobFailed,
     JobResumed,
     JobStopped,
     JobSubmitted,
     JobSucceeded,
+    JoinTimeout,
+    LastCall,
     MembershipDecided,
     NodeExited,
     NodeHealthReported,
@@ -57,7 +63,10 @@ from stead.core.events import (
     PluginsStarted,
     RecoveryAction,
     RecoveryDecided,
+    RejoinTimeout,
     RelaunchRequested,
+    ResizeWait,
+    ResourcesTimeout,
     RestartRequested,
     RoundCompleted,
     RoundStarted,
@@ -75,7 +84,6 @@ from stead.core.statemachine import rendezvous as rdzv_machine
 from stead.core.statemachine._nodes import READY, Incarnations, is_ready
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import (
-    CheckHealth,
     DumpStacks,
     Effect,
     Emit,
@@ -256,8 +264,8 @@ def _resume(state: JobState, event: JobResumed, *, now: float) -> Transition[Job
     return Transition(resumed, tuple(effects))
 
 
-def _join_timer(state: JobState) -> str:
-    return "join-timeout" if state.life == 0 else f"join-timeout/{state.life}"
+def _join_timer(state: JobState) -> JoinTimeout:
+    return JoinTimeout(life=state.life)
 
 
 def _spec_problem(spec: JobSubmitted) -> str:
@@ -349,7 +357,7 @@ def _worker_failed(state: JobState, event: WorkerFailed, *, now: float) -> Trans
     waiting = dataclasses.replace(state, phase=JobPhase.RECOVERING, awaiting_decision=True, last_failure=event)
     if state.deciders is not None and not state.deciders:
         return Transition(waiting, (_default(event, why="no diagnosis plugin is running"),))
-    timer = StartTimer(name=f"decision/{event.round}", at=now + state.spec.decision_timeout_s)
+    timer = StartTimer(name=DecisionTimeout(round=event.round), at=now + state.spec.decision_timeout_s)
     return Transition(waiting, (timer,))
 
 
@@ -397,11 +405,12 @@ def _decided(state: JobState, event: RecoveryDecided, *, now: float) -> Transiti
 def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobState]:
     spec = state.spec
     assert spec is not None
-    if event.name == f"decision/{state.rdzv.round}" and state.awaiting_decision and state.last_failure is not None:
-        return Transition(state, (_default(state.last_failure, why=f"no decision within "
-                                           f"{spec.decision_timeout_s:g} s (decision_timeout_s)"),))
-    if event.name == _join_timer(state):
-        if state.phase is JobPhase.STARTING:
+    match event.name:
+        case DecisionTimeout(round=round_) if (round_ == state.rdzv.round and state.awaiting_decision
+                                               and state.last_failure is not None):
+            return Transition(state, (_default(state.last_failure, why=f"no decision within "
+                                               f"{spec.decision_timeout_s:g} s (decision_timeout_s)"),))
+        case JoinTimeout(life=life) if life == state.life and state.phase is JobPhase.STARTING:
             failed = JobFailed(
                 reason=f"only {len(state.ready)} of at least {spec.min_nodes} nodes joined"
                 f"{_awaiting_check(state)} within "
@@ -409,30 +418,31 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
                 "(--rdzv-conf)"
             )
             return Transition(state, (Emit(key=state.end_key, event=failed),))
-        return Transition(state)
-    if event.name == f"health/{state.health.check}" and state.health.running:
-        return Transition(state, health_machine.verdict(state))
-    if event.name == f"resize/{state.rdzv.round}" and state.resizing:
-        return rounds.resize(state, now=now)
-    if event.name == f"grow/{state.rdzv.round}" and state.phase is JobPhase.RUNNING:
-        grown, effects = rounds.maybe_resize(state, now=now, gathered=True)
-        return Transition(grown, effects)
-    if event.name.startswith("rejoin/"):
-        return rounds.rejoin_timeout(state, event.name)
-    if event.name.startswith("resources/"):
-        return gone.resources_timeout(state, event.name, now=now)
-    if event.name == f"last-call/{state.rdzv.round + 1}" and not state.rdzv.active and not state.awaiting_decision:
-        joined = membership.available(state)
-        if len(joined) >= spec.min_nodes and state.phase in (JobPhase.STARTING, JobPhase.RECOVERING):
-            members = rdzv_machine.order_members(state.rdzv.members, joined, membership.target(state))
-            started = RoundStarted(
-                round=state.rdzv.round + 1,
-                members=members,
-                nproc_per_node=spec.nproc_per_node,
-                restart_count=state.restarts,
-            )
-            return Transition(state, (Emit(key=rdzv_machine.round_key(started.round, state.seq), event=started),))
-    return Transition(state)  # a timer of a round that has already started
+        case HealthTimeout(check=check) if check == state.health.check and state.health.running:
+            return Transition(state, health_machine.verdict(state))
+        case ResizeWait(round=round_) if round_ == state.rdzv.round and state.resizing:
+            return rounds.resize(state, now=now)
+        case GrowWindow(round=round_) if round_ == state.rdzv.round and state.phase is JobPhase.RUNNING:
+            grown, effects = rounds.maybe_resize(state, now=now, gathered=True)
+            return Transition(grown, effects)
+        case RejoinTimeout():
+            return rounds.rejoin_timeout(state, event.name)
+        case ResourcesTimeout():
+            return gone.resources_timeout(state, event.name, now=now)
+        case LastCall(round=round_) if (round_ == state.rdzv.round + 1 and not state.rdzv.active
+                                        and not state.awaiting_decision):
+            joined = membership.available(state)
+            if len(joined) >= spec.min_nodes and state.phase in (JobPhase.STARTING, JobPhase.RECOVERING):
+                members = rdzv_machine.order_members(state.rdzv.members, joined, membership.target(state))
+                started = RoundStarted(
+                    round=state.rdzv.round + 1,
+                    members=members,
+                    nproc_per_node=spec.nproc_per_node,
+                    restart_count=state.restarts,
+                )
+                return Transition(state, (Emit(key=rdzv_machine.round_key(started.round, state.seq),
+                                               event=started),))
+    return Transition(state)  # a timer of a round that has already started, of an earlier run, of a decided failure
 
 
 def _pending(state: JobState) -> str:
@@ -469,8 +479,8 @@ def _end(state: JobState, event: JobSucceeded | JobFailed | JobStopped) -> Trans
 def _effect_failed(state: JobState, event: EffectFailed, *, now: float) -> Transition[JobState]:
     """An effect failed: a launch counts as the node lost, a start of workers breaks the round, a health check
     that could not be started lets its nodes in unchecked (the safety net broke: that is no verdict on them)."""
-    if event.kind == CheckHealth.kind and state.health.running and event.effect_id.startswith(
-            f"check-health/{state.health.check}/"):
+    if (isinstance(event.effect_id, CheckHealthId) and state.health.running
+            and event.effect_id.check == state.health.check):
         skipped = HealthChecked(check=state.health.check, nodes=state.health.nodes,
                                 skipped=f"the check could not be started on {event.node_id}: {event.error}")
         return Transition(state, (Emit(key=f"health-checked/{skipped.check}", event=skipped),))

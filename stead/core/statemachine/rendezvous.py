@@ -18,7 +18,7 @@ import dataclasses
 import re
 from collections.abc import Collection, Mapping, Sequence
 
-from stead.core.events import RoundCompleted, RoundStarted, WorkersStarted, WorkersSucceeded
+from stead.core.events import LastCall, RoundCompleted, RoundStarted, WorkersStarted, WorkersSucceeded
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import Effect, Emit, StartTimer, StartWorkers
 
@@ -99,7 +99,7 @@ def plan_round(
         )
         return (Emit(key=round_key(upcoming, seq), event=started),)
     if count >= min_nodes:
-        return (StartTimer(name=f"last-call/{upcoming}", at=now + last_call_timeout_s),)
+        return (StartTimer(name=LastCall(round=upcoming), at=now + last_call_timeout_s),)
     return ()
 
 

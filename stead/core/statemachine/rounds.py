@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from stead.core.events import JobFailed, MembershipDecided, NodeLost, NodeRequested
+from stead.core.events import (
+    GrowWindow,
+    JobFailed,
+    MembershipDecided,
+    NodeLost,
+    NodeRequested,
+    RejoinTimeout,
+    ResizeWait,
+)
 from stead.core.statemachine import health as health_machine
 from stead.core.statemachine import membership
 from stead.core.statemachine import rendezvous as rdzv_machine
@@ -84,7 +92,7 @@ def maybe_resize(state: JobState, *, now: float, gathered: bool = False) -> tupl
     assert state.spec is not None
     if state.resizing or state.awaiting_decision or not state.rdzv.active or membership.resize_reason(state) is None:
         return state, ()
-    window = f"grow/{state.rdzv.round}"
+    window = GrowWindow(round=state.rdzv.round)
     if not gathered and membership.growing(state) and membership.coming(state):
         if window in state.timers:
             return state, ()  # more nodes are on their way: the window's end resizes for all of them
@@ -92,7 +100,7 @@ def maybe_resize(state: JobState, *, now: float, gathered: bool = False) -> tupl
     if state.checkpoint_step is None:  # the job does not checkpoint: no boundary to wait for
         result = resize(state, now=now)
         return result.state, result.effects
-    timer = StartTimer(name=f"resize/{state.rdzv.round}", at=now + state.spec.resize_wait_s)
+    timer = StartTimer(name=ResizeWait(round=state.rdzv.round), at=now + state.spec.resize_wait_s)
     return dataclasses.replace(state, resizing=True), (timer,)
 
 
@@ -126,17 +134,17 @@ def retire(state: JobState, *, reason: str) -> tuple[JobState, tuple[Effect, ...
     return dataclasses.replace(state, retired=state.retired | set(extra)), tuple(effects)
 
 
-def rejoin_timer(request: NodeRequested) -> str:
-    return f"rejoin/{request.node_id}/{request.incarnation}"
+def rejoin_timer(request: NodeRequested) -> RejoinTimeout:
+    return RejoinTimeout(node_id=request.node_id, incarnation=request.incarnation)
 
 
-def rejoin_timeout(state: JobState, name: str) -> Transition[JobState]:
+def rejoin_timeout(state: JobState, timer: RejoinTimeout) -> Transition[JobState]:
     """A relaunched node did not join in time: below MIN with no round running, the job fails."""
     spec = state.spec
     assert spec is not None
-    _, node_id, incarnation = (*name.split("/", 2), "", "")[:3]
+    node_id = timer.node_id
     node = state.nodes.get(node_id)
-    if (node is None or str(node.incarnation) != incarnation or not node.phase.alive
+    if (node is None or node.incarnation != timer.incarnation or not node.phase.alive
             or node.phase is NodePhase.JOINED or state.rdzv.active or state.phase is not JobPhase.RECOVERING):
         return Transition(state)  # it joined, was replaced again, or the job goes on without it
     ready = len(membership.available(state))

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 
-from stead.core.events import JobSubmitted, WorkerFailed
+from stead.core.events import JobSubmitted, TimerName, WorkerFailed
 from stead.core.statemachine import membership
 from stead.core.statemachine._nodes import is_ready
 from stead.core.statemachine.effects import AgentOrder
@@ -48,7 +48,7 @@ class JobState:
     #: the running plugins that decide worker failures; None until a master announced its plugins
     deciders: frozenset[str] | None = None
     #: armed timers: name -> wall-clock time it fires
-    timers: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    timers: Mapping[TimerName, float] = dataclasses.field(default_factory=dict)
     #: how many times the job was resumed (``JobResumed``): once-per-run effects are keyed by it
     life: int = 0
     #: each node's incarnation when the job was last resumed: its relaunch budget counts from there

@@ -132,7 +132,7 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         self._inherited = await self._published_status(ctx)
         await self._catch_up(ctx)
         if self.settings.hang_detection or self.settings.stragglers:
-            self._watch = asyncio.create_task(self._watch_job(ctx), name="diagnosis-watch")
+            self._watch = ctx.tasks.start(self._watch_job, ctx, name="watch")
 
     async def _catch_up(self, ctx: Ctx) -> None:
         """Take up the job where the log left it: plugins start before the master replays its log, so this runs
@@ -164,14 +164,9 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             self.clock.resume(step if round_ == self.clock.round else None, gaps)
 
     async def stop(self, *, ctx: Ctx) -> None:
-        if self._root_cause is not None and self._root_cause.task is not None:
-            self._root_cause.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._root_cause.task
+        # (under a master its tasks have ended already; a context of a test's own ends them here)
+        await ctx.tasks.end(self._root_cause.task if self._root_cause is not None else None, self._watch)
         if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
             await self._write_status(ctx, force=True)  # what it saw last, for `stead status` after the job
 
     async def _watch_job(self, ctx: Ctx) -> None:
@@ -372,8 +367,8 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         self._root_cause = _RootCause(failure, found, finished=finished,
                                       nproc=state.spec.nproc_per_node if state.spec else 1,
                                       members=state.rdzv.members)
-        self._root_cause.task = asyncio.create_task(self._decide_root_cause(ctx, self._root_cause),
-                                                    name=f"diagnosis-root-cause-{failure.round}")
+        self._root_cause.task = ctx.tasks.start(self._decide_root_cause, ctx, self._root_cause,
+                                                name=f"root-cause-{failure.round}")
 
     async def _decide_root_cause(self, ctx: Ctx, pending: _RootCause) -> None:
         try:

@@ -144,18 +144,13 @@ class ScalerPlugin(Plugin[ScalerSettings]):
             except (ValueError, TypeError, KeyError) as exc:
                 ctx.log.warning("scaler_membership_unreadable", error=repr(exc), action="no request in force")
         ctx.add_rpc_handler(ScalerServicer(self, ctx))
-        self._watch = asyncio.create_task(self._sample_every(ctx), name="scaler-sample")
-        self._decide_task = asyncio.create_task(self._decide_every(ctx), name="scaler-decide")
+        self._watch = ctx.tasks.start(self._sample_every, ctx, name="sample")
+        self._decide_task = ctx.tasks.start(self._decide_every, ctx, name="decide")
 
     async def stop(self, *, ctx: Ctx) -> None:
-        if self._decide_task is not None:
-            self._decide_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._decide_task
+        # (under a master its tasks have ended already; a context of a test's own ends them here)
+        await ctx.tasks.end(self._decide_task, self._watch)
         if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
             self.sample(ctx)
             await self._save(ctx)
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from stead.core.events import JobSubmitted, NodeJoined, Record, StepProgress, TimerFired
+from stead.core.events import JobSubmitted, JoinTimeout, NodeJoined, Record, StepProgress, TimerFired
 from stead.core.statemachine import Emit, JobPhase, JobState, StartTimer, fold, fold_all, transition
 from stead.testing.replay import replay
 
@@ -38,9 +38,9 @@ def test_fold(start: JobState, record: Record, seq: int, phase: JobPhase, reject
 
 def test_fold_uses_the_records_time_for_what_it_arms() -> None:
     result = fold(JobState(), Record(seq=1, at=100.0, event=SPEC))
-    assert StartTimer(name="join-timeout", at=160.0) in result.effects
-    assert result.state.timers == {"join-timeout": 160.0}
-    assert fold(result.state, Record(seq=2, at=170.0, event=TimerFired(name="join-timeout"))).state.timers == {}
+    assert StartTimer(name=JoinTimeout(), at=160.0) in result.effects
+    assert result.state.timers == {JoinTimeout(): 160.0}
+    assert fold(result.state, Record(seq=2, at=170.0, event=TimerFired(name=JoinTimeout()))).state.timers == {}
 
 
 def test_fold_is_transition_plus_the_logs_bookkeeping() -> None:

@@ -9,10 +9,12 @@ import pytest
 from hypothesis import given
 
 from stead.core.events import (
+    CheckHealthId,
     EffectFailed,
     Event,
     HealthChecked,
     HealthCheckStarted,
+    HealthTimeout,
     JobSubmitted,
     NodeHealthReported,
     NodeJoined,
@@ -203,7 +205,7 @@ def test_relaunched_mode_checks_only_a_relaunched_node() -> None:
 
 def test_the_timer_decides_a_check_whose_reports_do_not_all_come() -> None:
     events: list[Event] = [SPEC, *up("node-0", "node-1", "node-2"), *healthy(1, "node-0", "node-1"),
-                           TimerFired(name="health/1")]
+                           TimerFired(name=HealthTimeout(check=1))]
     state, _, rejections = fold(events)
     assert rejections == []
     assert state.nodes["node-2"].incarnation == 2  # failed for its silence, relaunched
@@ -220,7 +222,7 @@ def test_stale_reports_are_ignored_and_a_second_check_cannot_start_while_one_run
 
 
 def test_a_check_that_cannot_be_started_lets_its_nodes_in_unchecked() -> None:
-    failed = EffectFailed(effect_id="check-health/1/node-1", kind="check-health", error="KeyError: 0",
+    failed = EffectFailed(effect_id=CheckHealthId(check=1, node_id="node-1"), kind="check-health", error="KeyError: 0",
                           node_id="node-1", incarnation=1)
     events: list[Event] = [SPEC, *up("node-0", "node-1", "node-2"), failed]
     state, _, rejections = fold(events)

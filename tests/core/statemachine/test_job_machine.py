@@ -15,6 +15,7 @@ import pytest
 
 from stead.core.events import (
     CheckpointCommitted,
+    DecisionTimeout,
     EffectFailed,
     Event,
     JobFailed,
@@ -22,6 +23,10 @@ from stead.core.events import (
     JobStopped,
     JobSubmitted,
     JobSucceeded,
+    JoinTimeout,
+    KillId,
+    LastCall,
+    LaunchId,
     NodeExited,
     NodeJoined,
     NodeLost,
@@ -33,11 +38,14 @@ from stead.core.events import (
     PluginsStarted,
     RecoveryAction,
     RecoveryDecided,
+    RejoinTimeout,
     RelaunchRequested,
+    ResourcesTimeout,
     RestartRequested,
     RoundCompleted,
     RoundStarted,
     StacksRequested,
+    StartWorkersId,
     StepProgress,
     TimerFired,
     TransitionRejected,
@@ -115,7 +123,7 @@ E_ONE_JOINED_ONE_STARTED = after(ELASTIC, *up("node-0"), NodeStarted(node_id="no
 E_TWO_JOINED = after(ELASTIC, *up("node-0"), *up("node-1"))
 E_TWO_JOINED_THIRD_STARTED = after(NodeStarted(node_id="node-2", incarnation=1), start=E_TWO_JOINED)
 E_TWO_JOINED_THEN_LOST = after(NodeLost(node_id="node-1", incarnation=1), start=E_TWO_JOINED)
-E_RUNNING_TWO = after(TimerFired(name="last-call/1"), start=E_TWO_JOINED)
+E_RUNNING_TWO = after(TimerFired(name=LastCall(round=1)), start=E_TWO_JOINED)
 E0_RUNNING_THREE = after(ELASTIC_NO_RELAUNCH, *up("node-0"), *up("node-1"), *up("node-2"))
 E0_SHRUNK = after(NodeLost(node_id="node-2", incarnation=1), start=E0_RUNNING_THREE)
 SUCCEEDED = after(WorkersSucceeded(node_id="node-0", round=1), WorkersSucceeded(node_id="node-1", round=1),
@@ -133,14 +141,18 @@ AWAITING_DIAGNOSIS = after(WITH_DIAGNOSIS, start=AWAITING)
 
 def effect_failed(kind: str, node: str = "node-0", incarnation: int | None = 1,
                   round: int | None = None) -> EffectFailed:
-    return EffectFailed(effect_id=f"{kind}/{node}", kind=kind, error="OSError: boom", node_id=node,
+    ids = {"launch-node": LaunchId(node_id=node, incarnation=incarnation or 0),
+           "kill-node": KillId(node_id=node, incarnation=incarnation or 0),
+           "start-workers": StartWorkersId(round=round or 0, node_id=node)}
+    return EffectFailed(effect_id=ids[kind], kind=kind, error="OSError: boom", node_id=node,
                         incarnation=incarnation, round=round)
 
 
 def field(state: object, path: str) -> object:
     value = state
     for part in path.split("."):
-        value = value[part] if isinstance(value, Mapping) else getattr(value, part)
+        # a mapping's key by its string form: a timer's name too
+        value = {str(k): v for k, v in value.items()}[part] if isinstance(value, Mapping) else getattr(value, part)
     return value
 
 
@@ -213,10 +225,10 @@ ALLOWED: list[tuple[str, JobState, Event, JobPhase, dict[str, object], EffectIds
     ("worker failed with no decider running: the default policy decides at once", RUNNING_NO_DECIDER, failed(),
      JobPhase.RECOVERING, {"awaiting_decision": True}, [(Emit, "emit/decision/1")]),
     ("decision timer fires while the failure waits: the default policy decides", AWAITING,
-     TimerFired(name="decision/1"), JobPhase.RECOVERING,
-     {"awaiting_decision": True, "timers": {"join-timeout": NOW + 60.0}},
+     TimerFired(name=DecisionTimeout(round=1)), JobPhase.RECOVERING,
+     {"awaiting_decision": True, "timers": {JoinTimeout(): NOW + 60.0}},
      [(Emit, "emit/decision/1")]),
-    ("decision timer after a decision was taken: nothing", RESTARTED, TimerFired(name="decision/1"),
+    ("decision timer after a decision was taken: nothing", RESTARTED, TimerFired(name=DecisionTimeout(round=1)),
      JobPhase.RUNNING, {"rdzv.round": 2}, []),
     ("plugins announced with a decider", RUNNING, WITH_DIAGNOSIS, JobPhase.RUNNING,
      {"deciders": frozenset({"diagnosis"})}, []),
@@ -300,17 +312,17 @@ ALLOWED: list[tuple[str, JobState, Event, JobPhase, dict[str, object], EffectIds
      NodeLost(node_id="node-2", incarnation=1), JobPhase.RECOVERING, {"rdzv.active": False},
      [(KillNode, "kill/node-2/1"), (StopWorkers, "stop-workers/1/node-0"), (StopWorkers, "stop-workers/1/node-1"),
       (Emit, "emit/round/2")]),
-    ("a last call after the shrink is stale: ignored", E0_SHRUNK, TimerFired(name="last-call/2"),
+    ("a last call after the shrink is stale: ignored", E0_SHRUNK, TimerFired(name=LastCall(round=2)),
      JobPhase.RUNNING, {"rdzv.round": 2}, []),
     ("elastic: MIN joined arms the last call", E_ONE_JOINED_ONE_STARTED, NodeJoined(node_id="node-1", incarnation=1),
      JobPhase.STARTING, {"joined": MEMBERS}, [(StartTimer, "timer/last-call/1")]),
-    ("elastic: last call fires, round 1 with those joined", E_TWO_JOINED, TimerFired(name="last-call/1"),
+    ("elastic: last call fires, round 1 with those joined", E_TWO_JOINED, TimerFired(name=LastCall(round=1)),
      JobPhase.STARTING, {"rdzv.round": 0}, [(Emit, "emit/round/1")]),
     ("elastic: MAX joined, round 1 at once", E_TWO_JOINED_THIRD_STARTED, NodeJoined(node_id="node-2", incarnation=1),
      JobPhase.STARTING, {"joined": ("node-0", "node-1", "node-2")}, [(Emit, "emit/round/1")]),
-    ("elastic: last call with fewer than MIN ignored", E_TWO_JOINED_THEN_LOST, TimerFired(name="last-call/1"),
+    ("elastic: last call with fewer than MIN ignored", E_TWO_JOINED_THEN_LOST, TimerFired(name=LastCall(round=1)),
      JobPhase.STARTING, {"rdzv.round": 0}, []),
-    ("elastic: last call of a started round ignored", E_RUNNING_TWO, TimerFired(name="last-call/1"),
+    ("elastic: last call of a started round ignored", E_RUNNING_TWO, TimerFired(name=LastCall(round=1)),
      JobPhase.RUNNING, {"rdzv.round": 1}, []),
     ("elastic: a node joining a running round grows it at once (no checkpoint to wait for), no restart spent",
      E_RUNNING_TWO, NodeJoined(node_id="node-2", incarnation=1), JobPhase.RECOVERING,
@@ -326,10 +338,11 @@ ALLOWED: list[tuple[str, JobState, Event, JobPhase, dict[str, object], EffectIds
       (StartTimer, "timer/rejoin/node-0/2")]),
     ("agent re-registers while running", RUNNING, NodeJoined(node_id="node-0", incarnation=1), JobPhase.RUNNING,
      {"nodes.node-0.phase": NodePhase.JOINED}, []),
-    ("join timeout while starting: JobFailed", ONE_JOINED, TimerFired(name="join-timeout"), JobPhase.STARTING, {},
+    ("join timeout while starting: JobFailed", ONE_JOINED, TimerFired(name=JoinTimeout()), JobPhase.STARTING, {},
      [(Emit, "emit/job-end")]),
-    ("join timeout once running ignored", RUNNING, TimerFired(name="join-timeout"), JobPhase.RUNNING, {}, []),
-    ("unknown timer ignored", RUNNING, TimerFired(name="no-such-timer"), JobPhase.RUNNING, {}, []),
+    ("join timeout once running ignored", RUNNING, TimerFired(name=JoinTimeout()), JobPhase.RUNNING, {}, []),
+    ("a join timeout of an earlier run ignored", STARTING, TimerFired(name=JoinTimeout(life=3)), JobPhase.STARTING,
+     {}, []),
     ("plugin failure does not change the job", RUNNING,
      PluginFailed(plugin="p", event_type="node.joined", error="boom"), JobPhase.RUNNING, {}, []),
     ("rejection report does not change the job", RUNNING,
@@ -370,7 +383,7 @@ LATE_EVENTS: list[Event] = [
     SPEC, NodeRequested(node_id="node-0", incarnation=2), NodeStarted(node_id="node-0", incarnation=1),
     NodeJoined(node_id="node-0", incarnation=1), round_started(2), WorkersStarted(node_id="node-0", round=1),
     WorkersSucceeded(node_id="node-0", round=1), RoundCompleted(round=1), failed(), decided(1),
-    TimerFired(name="join-timeout"), TimerFired(name="last-call/2"), StepProgress(round=1, step=99),
+    TimerFired(name=JoinTimeout()), TimerFired(name=LastCall(round=2)), StepProgress(round=1, step=99),
     CheckpointCommitted(step=99), JobSucceeded(), JobFailed(reason="late"), JobStopped(),
 ]
 
@@ -391,7 +404,7 @@ FORBIDDEN: list[tuple[str, JobState, Event, str]] = [
      "node.joined before the job was submitted"),
     ("success before submission", NEW, JobSucceeded(), "job.succeeded before the job was submitted"),
     ("decision before submission", NEW, decided(1), "before the job was submitted"),
-    ("timer before submission", NEW, TimerFired(name="join-timeout"), "before the job was submitted"),
+    ("timer before submission", NEW, TimerFired(name=JoinTimeout()), "before the job was submitted"),
     ("submitted twice", STARTING, SPEC, "job 'j' was already submitted"),
     ("resumed before it was submitted", NEW, RESUME, "cannot be resumed: it was never submitted"),
     ("resumed with a bad spec", SUCCEEDED_EXITED, dataclasses.replace(RESUME, min_nodes=0), "1 <= MIN <= MAX"),
@@ -450,17 +463,17 @@ def test_submit_requests_nodes_through_emitted_events_and_times_the_join() -> No
     assert effects == (
         Emit(key="request/node-0/1", event=NodeRequested(node_id="node-0", incarnation=1)),
         Emit(key="request/node-1/1", event=NodeRequested(node_id="node-1", incarnation=1)),
-        StartTimer(name="join-timeout", at=NOW + 60.0),
+        StartTimer(name=JoinTimeout(), at=NOW + 60.0),
     )
 
 
 def test_last_call_timer_is_due_after_the_last_call_timeout() -> None:
     result = transition(E_ONE_JOINED_ONE_STARTED, NodeJoined(node_id="node-1", incarnation=1), now=NOW)
-    assert result.effects == (StartTimer(name="last-call/1", at=NOW + 5.0),)
+    assert result.effects == (StartTimer(name=LastCall(round=1), at=NOW + 5.0),)
 
 
 def test_last_call_starts_a_round_with_the_nodes_joined_so_far() -> None:
-    (effect,) = transition(E_TWO_JOINED, TimerFired(name="last-call/1"), now=NOW).effects
+    (effect,) = transition(E_TWO_JOINED, TimerFired(name=LastCall(round=1)), now=NOW).effects
     assert effect == Emit(key=round_key(1, E_TWO_JOINED.seq), event=round_started(1, MEMBERS))
 
 
@@ -492,7 +505,8 @@ def test_member_lost_stops_the_other_members_workers_and_relaunches_it() -> None
         KillNode(node_id="node-1", incarnation=1),
         StopWorkers(node_id="node-0", incarnation=1, round=1, reason="node node-1 lost"),
         Emit(key="request/node-1/2", event=NodeRequested(node_id="node-1", incarnation=2)),
-        StartTimer(name="rejoin/node-1/2", at=NOW + SPEC.join_timeout_s),  # the replacement must join in time
+        # the replacement must join in time
+        StartTimer(name=RejoinTimeout(node_id="node-1", incarnation=2), at=NOW + SPEC.join_timeout_s),
     )
 
 
@@ -511,7 +525,7 @@ def test_relaunch_budget_spent_fails_naming_the_node() -> None:
 
 
 def test_join_timeout_failure_says_how_many_joined_and_what_to_do() -> None:
-    (effect,) = transition(ONE_JOINED, TimerFired(name="join-timeout"), now=NOW).effects
+    (effect,) = transition(ONE_JOINED, TimerFired(name=JoinTimeout()), now=NOW).effects
     assert isinstance(effect, Emit) and isinstance(effect.event, JobFailed)
     assert "only 1 of at least 2 nodes joined within 60 s" in effect.event.reason
     assert "raise the join timeout" in effect.event.reason
@@ -533,7 +547,7 @@ def test_the_default_decision_says_why_no_plugin_decided_and_who_decided() -> No
     assert isinstance(now, Emit) and isinstance(now.event, RecoveryDecided)
     assert now.event.decided_by == "default" and now.event.action is RecoveryAction.RESTART
     assert "no diagnosis plugin is running" in now.event.reason
-    (late,) = transition(AWAITING, TimerFired(name="decision/1"), now=NOW).effects
+    (late,) = transition(AWAITING, TimerFired(name=DecisionTimeout(round=1)), now=NOW).effects
     assert isinstance(late, Emit) and isinstance(late.event, RecoveryDecided)
     assert "no decision within 3 s (decision_timeout_s)" in late.event.reason
     name_error = WorkerFailed(node_id="node-0", round=1, local_rank=0, rank=0, exit_code=1,
@@ -544,12 +558,12 @@ def test_the_default_decision_says_why_no_plugin_decided_and_who_decided() -> No
 
 
 def test_timers_are_part_of_the_state_armed_once_and_disarmed_when_fired() -> None:
-    assert RUNNING.timers == {"join-timeout": NOW + 60.0}
-    assert AWAITING.timers == {"join-timeout": NOW + 60.0, "decision/1": NOW + 3.0}
+    assert RUNNING.timers == {JoinTimeout(): NOW + 60.0}
+    assert AWAITING.timers == {JoinTimeout(): NOW + 60.0, DecisionTimeout(round=1): NOW + 3.0}
     again = transition(AWAITING, failed("node-1"), now=NOW + 100).state  # a follow-on failure arms nothing new
     assert again.timers == AWAITING.timers
-    fired = transition(AWAITING, TimerFired(name="join-timeout"), now=NOW).state
-    assert fired.timers == {"decision/1": NOW + 3.0}
+    fired = transition(AWAITING, TimerFired(name=JoinTimeout()), now=NOW).state
+    assert fired.timers == {DecisionTimeout(round=1): NOW + 3.0}
 
 
 def test_a_resumed_job_has_fresh_budgets_and_ends_again_under_a_key_of_its_own() -> None:
@@ -562,7 +576,7 @@ def test_a_resumed_job_has_fresh_budgets_and_ends_again_under_a_key_of_its_own()
     assert [e.id for e in ends] == ["emit/job-end/1"]
     again = after(JobSucceeded(), NodeExited(node_id="node-0", incarnation=2),
                   NodeExited(node_id="node-1", incarnation=2), RESUME, start=one_done)
-    assert (again.life, again.phase, again.timers) == (2, JobPhase.STARTING, {"join-timeout/2": NOW + 60.0})
+    assert (again.life, again.phase, again.timers) == (2, JobPhase.STARTING, {JoinTimeout(life=2): NOW + 60.0})
 
 
 def test_relaunch_decision_replaces_the_failed_workers_node_and_keeps_its_host_out() -> None:
@@ -573,7 +587,7 @@ def test_relaunch_decision_replaces_the_failed_workers_node_and_keeps_its_host_o
         StopWorkers(node_id="node-1", incarnation=1, round=1, reason="node node-0 lost"),
         Emit(key="request/node-0/2", event=NodeRequested(node_id="node-0", incarnation=2,
                                                           avoid_hosts=("host-node-0",))),
-        StartTimer(name="rejoin/node-0/2", at=NOW + SPEC.join_timeout_s),
+        StartTimer(name=RejoinTimeout(node_id="node-0", incarnation=2), at=NOW + SPEC.join_timeout_s),
     )
     state = result.state
     assert (state.awaiting_decision, state.restarts, state.phase) == (False, 1, JobPhase.RECOVERING)
@@ -627,7 +641,7 @@ def test_a_pending_node_is_noted_and_a_join_timeout_says_what_the_platform_said_
     noted = transition(ONE_JOINED, pending, now=NOW).state
     assert noted.nodes["node-1"].pending == "not scheduled for 120 s: Unschedulable: 0/3 nodes"
     assert noted.phase is ONE_JOINED.phase and noted.nodes["node-0"] == ONE_JOINED.nodes["node-0"]
-    (effect,) = transition(noted, TimerFired(name="join-timeout"), now=NOW).effects
+    (effect,) = transition(noted, TimerFired(name=JoinTimeout()), now=NOW).effects
     assert isinstance(effect, Emit) and isinstance(effect.event, JobFailed)
     assert "node-1 not scheduled for 120 s: Unschedulable: 0/3 nodes" in effect.event.reason
     started = transition(noted, NodeStarted(node_id="node-1", incarnation=1, host="h"), now=NOW).state
@@ -639,7 +653,8 @@ def test_a_node_killed_for_its_memory_is_relaunched_with_the_resources_decided_f
     oom = NodeExited(node_id="node-1", incarnation=1, signal=9, reason="OOMKilled", oom=True)
     waiting = transition(RUNNING, oom, now=NOW)
     assert waiting.state.awaiting_resources == frozenset({"node-1"})
-    assert StartTimer(name="resources/node-1/1", at=NOW + SPEC.decision_timeout_s) in waiting.effects
+    resources = ResourcesTimeout(node_id="node-1", incarnation=1)
+    assert StartTimer(name=resources, at=NOW + SPEC.decision_timeout_s) in waiting.effects
     assert not any(isinstance(e, Emit) and isinstance(e.event, NodeRequested) for e in waiting.effects)
     more = NodeResourcesDecided(node_id="node-1", incarnation=1, resources=(("memory", "12Gi"),), reason="x1.5")
     decided_ = transition(waiting.state, more, now=NOW)
@@ -649,7 +664,7 @@ def test_a_node_killed_for_its_memory_is_relaunched_with_the_resources_decided_f
     launched = transition(decided_.state, request, now=NOW)
     assert LaunchNode(node_id="node-1", incarnation=2, resources=(("memory", "12Gi"),)) in launched.effects
     assert transition(decided_.state, more, now=NOW).rejected is not None  # decided once
-    assert transition(decided_.state, TimerFired(name="resources/node-1/1"), now=NOW).effects == ()
+    assert transition(decided_.state, TimerFired(name=resources), now=NOW).effects == ()
 
 
 def test_with_no_decision_in_time_the_node_is_relaunched_with_what_it_had() -> None:
@@ -657,6 +672,6 @@ def test_with_no_decision_in_time_the_node_is_relaunched_with_what_it_had() -> N
                     start=RUNNING)
     assert started.nodes["node-1"].resources == (("memory", "8Gi"),)
     waiting = transition(started, NodeExited(node_id="node-1", incarnation=1, oom=True), now=NOW).state
-    late = transition(waiting, TimerFired(name="resources/node-1/1"), now=NOW)
+    late = transition(waiting, TimerFired(name=ResourcesTimeout(node_id="node-1", incarnation=1)), now=NOW)
     request = next(e.event for e in late.effects if isinstance(e, Emit))
     assert request == NodeRequested(node_id="node-1", incarnation=2, resources=(("memory", "8Gi"),))

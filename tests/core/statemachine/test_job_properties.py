@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from stead.core.events import (
     CheckpointCommitted,
+    DecisionTimeout,
     EffectFailed,
     Event,
     JobFailed,
@@ -25,6 +26,9 @@ from stead.core.events import (
     JobStopped,
     JobSubmitted,
     JobSucceeded,
+    JoinTimeout,
+    LastCall,
+    LaunchId,
     NodeExited,
     NodeJoined,
     NodeLost,
@@ -41,6 +45,7 @@ from stead.core.events import (
     RoundStarted,
     StepProgress,
     TimerFired,
+    TimerName,
     WorkerFailed,
     WorkersStarted,
     WorkersSucceeded,
@@ -80,14 +85,15 @@ def noise() -> st.SearchStrategy[Event]:
                   nproc_per_node=st.integers(1, 2), restart_count=SMALL),
         st.builds(RoundCompleted, round=SMALL), st.builds(StepProgress, round=SMALL, step=st.integers(0, 100)),
         st.builds(RecoveryDecided, round=SMALL, action=st.sampled_from(RecoveryAction), reason=st.just("noise")),
-        st.builds(TimerFired, name=st.sampled_from(["join-timeout", "last-call/1", "last-call/2", "last-call/3",
-                                                    "decision/1", "decision/2", "unknown"])),
+        st.builds(TimerFired, name=st.sampled_from([JoinTimeout(), LastCall(round=1), LastCall(round=2),
+                                                    LastCall(round=3), DecisionTimeout(round=1),
+                                                    DecisionTimeout(round=2), JoinTimeout(life=5)])),
         st.builds(CheckpointCommitted, step=st.integers(0, 100)),
         st.builds(PluginFailed, plugin=st.sampled_from(["p", "diagnosis"]), event_type=st.just("x"),
                   error=st.just("e"), disabled=st.booleans()),
         st.builds(PluginsStarted, plugins=st.just(("diagnosis",)),
                   deciders=st.sampled_from([(), ("diagnosis",)])),
-        st.builds(EffectFailed, effect_id=st.just("e"), error=st.just("boom"),
+        st.builds(EffectFailed, effect_id=st.just(LaunchId(node_id="node-0", incarnation=1)), error=st.just("boom"),
                   kind=st.sampled_from(["launch-node", "kill-node", "start-workers", "stop-workers", "stop-node"]),
                   node_id=st.none() | NODE_IDS, incarnation=st.none() | SMALL, round=st.none() | SMALL),
         st.builds(RestartRequested, round=SMALL, reason=st.just("r"), by=st.just("p")),
@@ -103,7 +109,7 @@ NOISY = st.integers(0, 9)
 LENGTH = st.integers(0, 45)
 
 
-def plausible(state: JobState, timers: set[str], *, resumes: bool = False) -> list[Event]:
+def plausible(state: JobState, timers: set[TimerName], *, resumes: bool = False) -> list[Event]:
     """Events that could well arrive now, repeated by how likely they are (timers: armed, not fired)."""
     out: list[Event] = []
     if resumes and state.spec is not None and (state.phase.terminal or len(timers) == 7):
@@ -138,14 +144,15 @@ def plausible(state: JobState, timers: set[str], *, resumes: bool = False) -> li
         out.append(RestartRequested(round=rdzv.round, reason="hang", by="p"))
     for node in state.nodes.values():
         if node.phase is NodePhase.REQUESTED:
-            out.append(EffectFailed(effect_id="launch", kind="launch-node", error="boom", node_id=node.node_id,
+            out.append(EffectFailed(effect_id=LaunchId(node_id=node.node_id, incarnation=node.incarnation),
+                                    kind="launch-node", error="boom", node_id=node.node_id,
                                     incarnation=node.incarnation))
         if node.phase is NodePhase.JOINED:
             out.append(RelaunchRequested(node_id=node.node_id, incarnation=node.incarnation, reason="slow", by="p"))
     if state.deciders is None:
         out.append(PluginsStarted(plugins=("diagnosis",), deciders=("diagnosis",) if len(out) % 3 else ()))
-    for name in sorted(timers):
-        out += [TimerFired(name=name)] * (1 if name == "join-timeout" else 6)
+    for name in sorted(timers, key=str):
+        out += [TimerFired(name=name)] * (1 if isinstance(name, JoinTimeout) else 6)
     return out
 
 
@@ -155,7 +162,7 @@ def histories(draw: st.DrawFn, resumes: bool = False) -> tuple[JobSubmitted, lis
     spec = draw(specs())
     folder = Folder()
     events: list[Event] = [spec]
-    timers: set[str] = set()
+    timers: set[TimerName] = set()
     for _ in range(draw(LENGTH)):
         event = events[-1]
         for step in folder.feed(event, now=NOW):

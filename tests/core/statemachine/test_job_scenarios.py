@@ -10,6 +10,8 @@ from stead.core.events import (
     Event,
     JobSubmitted,
     JobSucceeded,
+    JoinTimeout,
+    LastCall,
     NodeExited,
     NodeJoined,
     NodeLost,
@@ -147,14 +149,14 @@ def test_elastic_job_starts_with_min_nodes_after_the_last_call_and_shrinks_to_mi
     spec = dataclasses.replace(ELASTIC, max_node_relaunches=0)
     run = replay([spec, *up("node-0", "node-1")], now=10.0)
     assert run.state.phase is JobPhase.STARTING
-    assert StartTimer(name="last-call/1", at=15.0) in run.effects
-    state, _, rejections = fold([TimerFired(name="last-call/1")], start=run.state)
+    assert StartTimer(name=LastCall(round=1), at=15.0) in run.effects
+    state, _, rejections = fold([TimerFired(name=LastCall(round=1))], start=run.state)
     assert rejections == []
     assert (state.phase, state.rdzv.members) == (JobPhase.RUNNING, ("node-0", "node-1"))
 
     grown = fold([spec, *up("node-2", "node-0", "node-1")])[0]
     assert (grown.phase, grown.rdzv.members) == (JobPhase.RUNNING, ("node-0", "node-1", "node-2"))
-    shrunk, effects, rejections = fold([NodeLost(node_id="node-1", incarnation=1), TimerFired(name="last-call/2")],
+    shrunk, effects, rejections = fold([NodeLost(node_id="node-1", incarnation=1), TimerFired(name=LastCall(round=2))],
                                        start=grown)
     assert rejections == []
     assert (shrunk.phase, shrunk.rdzv.round, shrunk.rdzv.members) == (JobPhase.RUNNING, 2, ("node-0", "node-2"))
@@ -162,7 +164,7 @@ def test_elastic_job_starts_with_min_nodes_after_the_last_call_and_shrinks_to_mi
 
 
 def test_job_that_never_gathers_min_nodes_fails_at_the_join_timeout() -> None:
-    state, _, rejections = fold([SPEC, *up("node-0"), TimerFired(name="join-timeout")])
+    state, _, rejections = fold([SPEC, *up("node-0"), TimerFired(name=JoinTimeout())])
     assert rejections == []
     assert state.phase is JobPhase.FAILED
     assert "only 1 of at least 2 nodes joined" in state.reason
@@ -192,7 +194,7 @@ def test_an_emit_id_followed_before_stops_the_fold_as_it_would_stop_the_reactor(
     folder.feed(SPEC)
     folder.emitted["emit/job-end"] = 1
     with pytest.raises(DuplicateEmit, match="emit/job-end emitted again by seq"):
-        folder.feed(TimerFired(name="join-timeout"))
+        folder.feed(TimerFired(name=JoinTimeout()))
 
 
 def test_replaying_a_recorded_log_keeps_the_records_seq_and_time() -> None:
@@ -201,7 +203,7 @@ def test_replaying_a_recorded_log_keeps_the_records_seq_and_time() -> None:
     run = replay(records, follow_emits=False)
     assert [s.seq for s in run.steps] == [10 * s.seq for s in live.steps]
     assert run.state.seq == records[-1].seq
-    assert StartTimer(name="join-timeout", at=1.0 + SPEC.join_timeout_s) in run.effects
+    assert StartTimer(name=JoinTimeout(), at=1.0 + SPEC.join_timeout_s) in run.effects
 
 
 def test_replaying_the_recorded_log_without_following_emits_gives_the_same_state() -> None:
@@ -217,7 +219,7 @@ def test_replaying_the_recorded_log_without_following_emits_gives_the_same_state
 def test_last_call_is_armed_again_after_firing_too_early() -> None:
     """The re-armed timer keeps its name: the reactor schedules a name again once it has fired."""
     run = replay([ELASTIC, *up("node-0", "node-1"), NodeLost(node_id="node-1", incarnation=1),
-                  TimerFired(name="last-call/1")])  # fired with only node-0 joined: no round
+                  TimerFired(name=LastCall(round=1))])  # fired with only node-0 joined: no round
     assert run.state.phase is JobPhase.STARTING and run.state.rdzv.round == 0
     fired = {e.id for e in run.effects}
     rejoin = replay(up("node-1", inc=2), start=run.state)

@@ -15,15 +15,19 @@ from hypothesis import strategies as st
 from stead.core.events import (
     CheckpointCommitted,
     Event,
+    GrowWindow,
     HealthChecked,
     HealthCheckStarted,
     JobFailed,
     JobSubmitted,
+    LastCall,
     MembershipDecided,
     NodeExited,
     NodeJoined,
     NodeLost,
     NodeStarted,
+    RejoinTimeout,
+    ResizeWait,
     TimerFired,
 )
 from stead.core.statemachine import Emit, JobPhase, JobState, NodePhase, StartTimer, StopNode, transition
@@ -52,7 +56,7 @@ def ids(effects: tuple[object, ...]) -> list[str]:
 
 ONE = after(SPEC, *up("node-0"))
 TO_THREE = after(scale(3), start=ONE)
-TWO_RUNNING = after(*up("node-1"), TimerFired(name="grow/1"), start=TO_THREE)  # node-2 was not there in time
+TWO_RUNNING = after(*up("node-1"), TimerFired(name=GrowWindow(round=1)), start=TO_THREE)  # node-2 was not there in time
 THREE_RUNNING = after(*up("node-2"), start=TWO_RUNNING)
 
 
@@ -74,12 +78,12 @@ def test_scaling_up_requests_the_missing_nodes_and_the_running_round_grows_by_th
 def test_a_round_grows_once_for_the_nodes_that_come_within_the_last_call() -> None:
     first = transition(after(NodeStarted(node_id="node-1", incarnation=1), start=TO_THREE),
                        NodeJoined(node_id="node-1", incarnation=1), now=NOW)
-    assert first.effects == (StartTimer(name="grow/1", at=NOW + SPEC.grow_window_s),)  # node-2 is coming
+    assert first.effects == (StartTimer(name=GrowWindow(round=1), at=NOW + SPEC.grow_window_s),)  # node-2 is coming
     both = transition(after(*up("node-1"), NodeStarted(node_id="node-2", incarnation=1), start=TO_THREE),
                       NodeJoined(node_id="node-2", incarnation=1), now=NOW)
     assert ids(both.effects) == ["stop-workers/1/node-0", "emit/round/2"]  # no checkpoint: no boundary to wait for
     assert both.state.phase is JobPhase.RECOVERING and not both.state.resizing
-    late = transition(after(*up("node-1"), start=TO_THREE), TimerFired(name="grow/1"), now=NOW + 5)
+    late = transition(after(*up("node-1"), start=TO_THREE), TimerFired(name=GrowWindow(round=1)), now=NOW + 5)
     assert ids(late.effects) == ["stop-workers/1/node-0", "emit/round/2"]  # the window ended: grow by node-1
 
 
@@ -87,12 +91,12 @@ def test_with_checkpoints_a_resize_waits_for_the_next_commit() -> None:
     saving = after(CheckpointCommitted(step=5), *up("node-1"), NodeStarted(node_id="node-2", incarnation=1),
                    start=TO_THREE)
     waiting = transition(saving, NodeJoined(node_id="node-2", incarnation=1), now=NOW)
-    assert waiting.effects == (StartTimer(name="resize/1", at=NOW + SPEC.resize_wait_s),)
+    assert waiting.effects == (StartTimer(name=ResizeWait(round=1), at=NOW + SPEC.resize_wait_s),)
     assert waiting.state.resizing and waiting.state.phase is JobPhase.RUNNING
     committed = transition(waiting.state, CheckpointCommitted(step=6), now=NOW)
     assert ids(committed.effects) == ["stop-workers/1/node-0", "emit/round/2"]
     assert committed.state.checkpoint_step == 6 and not committed.state.resizing
-    timed_out = transition(waiting.state, TimerFired(name="resize/1"), now=NOW + 20)  # no commit came in time
+    timed_out = transition(waiting.state, TimerFired(name=ResizeWait(round=1)), now=NOW + 20)  # no commit came in time
     assert ids(timed_out.effects) == ["stop-workers/1/node-0", "emit/round/2"]
 
 
@@ -138,17 +142,18 @@ def test_a_decision_outside_min_max_is_rejected_and_the_job_keeps_its_size(bad: 
 def test_a_replacement_that_never_joins_fails_the_job_only_below_min() -> None:
     pair = dataclasses.replace(SPEC, min_nodes=2, start_nodes=2)
     lost = after(pair, *up("node-0"), *up("node-1"), NodeLost(node_id="node-1", incarnation=1))
-    assert "rejoin/node-1/2" in lost.timers
-    failed = transition(lost, TimerFired(name="rejoin/node-1/2"), now=NOW + 60)
+    rejoin = TimerFired(name=RejoinTimeout(node_id="node-1", incarnation=2))
+    assert rejoin.name in lost.timers
+    failed = transition(lost, rejoin, now=NOW + 60)
     (effect,) = failed.effects
     assert isinstance(effect, Emit) and isinstance(effect.event, JobFailed)
     assert "node node-1 was not replaced within 60 s" in effect.event.reason
     joined = after(*up("node-1", 2), start=lost)
-    assert transition(joined, TimerFired(name="rejoin/node-1/2"), now=NOW + 60).effects == ()
+    assert transition(joined, rejoin, now=NOW + 60).effects == ()
     elastic = after(dataclasses.replace(pair, min_nodes=1), *up("node-0"), *up("node-1"),
-                    NodeLost(node_id="node-1", incarnation=1), TimerFired(name="last-call/2"))
+                    NodeLost(node_id="node-1", incarnation=1), TimerFired(name=LastCall(round=2)))
     assert elastic.phase is JobPhase.RUNNING and elastic.rdzv.members == ("node-0",)  # shrunk after the last call
-    assert transition(elastic, TimerFired(name="rejoin/node-1/2"), now=NOW + 60).effects == ()
+    assert transition(elastic, rejoin, now=NOW + 60).effects == ()
 
 
 def test_keeping_order_is_members_then_ready_then_the_rest() -> None:
@@ -184,9 +189,9 @@ def test_rounds_stay_within_min_max_and_never_hold_a_retired_node(actions: list[
         elif kind == "commit":
             event = CheckpointCommitted(step=value)
         elif kind == "grow":
-            event = TimerFired(name=f"grow/{value}")
+            event = TimerFired(name=GrowWindow(round=value))
         else:
-            event = TimerFired(name=f"resize/{value}")
+            event = TimerFired(name=ResizeWait(round=value))
         state, _, _ = fold([event], now=NOW, start=state)
         assert SPEC.min_nodes <= target(state) <= SPEC.max_nodes
         if state.rdzv.active:

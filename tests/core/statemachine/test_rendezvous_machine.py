@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stead.core.events import RoundCompleted, RoundStarted, WorkersStarted, WorkersSucceeded
+from stead.core.events import LastCall, RoundCompleted, RoundStarted, WorkersStarted, WorkersSucceeded
 from stead.core.statemachine import Emit, RendezvousState, StartTimer, StartWorkers
 from stead.core.statemachine.rendezvous import RendezvousEvent, order_members, plan_round, transition
 
@@ -130,14 +130,14 @@ def plan(rdzv: RendezvousState, joined: tuple[str, ...], *, min_nodes: int = 2, 
 PLANS: list[tuple[str, RendezvousState, tuple[str, ...], tuple[object, ...]]] = [
     ("fewer than MIN: keep waiting", RendezvousState(), ("node-0",), ()),
     ("MIN joined: arm the last call", RendezvousState(), ("node-0", "node-1"),
-     (StartTimer(name="last-call/1", at=15.0),)),
+     (StartTimer(name=LastCall(round=1), at=15.0),)),
     ("MAX joined: start at once", RendezvousState(), ("node-2", "node-0", "node-1"),
      (Emit(key="round/1/at/0", event=rs(1, ("node-0", "node-1", "node-2"), restarts=1)),)),
     ("previous members all back: restart at once without a last call",
      RendezvousState(round=2, members=("node-1", "node-0")), ("node-0", "node-1"),
      (Emit(key="round/3/at/0", event=rs(3, ("node-1", "node-0"), restarts=1)),)),
     ("previous members partly back: last call", RendezvousState(round=2, members=("node-1", "node-0", "node-2")),
-     ("node-0", "node-1"), (StartTimer(name="last-call/3", at=15.0),)),
+     ("node-0", "node-1"), (StartTimer(name=LastCall(round=3), at=15.0),)),
     ("a round is active: nothing", RendezvousState(round=2, members=("node-0",), active=True),
      ("node-0", "node-1", "node-2"), ()),
 ]
