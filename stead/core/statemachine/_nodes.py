@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from stead.core.statemachine.node import NodePhase, NodeState
+from stead.core.statemachine.node import NodeState, is_ready
+from stead.core.statemachine.state import JobState
 
-if TYPE_CHECKING:
-    from stead.core.statemachine.state import JobState
-
-__all__ = ["READY", "Incarnations", "Ready", "is_ready"]
-
-
-def is_ready(node: NodeState | None) -> bool:
-    return node is not None and node.phase is NodePhase.JOINED and not node.unchecked
+__all__ = ["READY", "Incarnations", "Ready"]
 
 
 class ReadyCounts:

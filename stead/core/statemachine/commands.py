@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from stead.core.events import CommandAck, CommandsAcked, Event
 from stead.core.statemachine.effects import AgentOrder, Effect, StartWorkers, StopNode, StopWorkers
-
-if TYPE_CHECKING:
-    from stead.core.statemachine.state import JobState
+from stead.core.statemachine.state import JobState
 
 __all__ = ["in_force", "track"]
 

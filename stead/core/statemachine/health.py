@@ -20,39 +20,19 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from stead.core.events import HealthChecked, HealthCheckStarted, HealthTimeout, HealthVerdict, NodeHealthReported
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import CheckHealth, Effect, Emit, StartTimer
 from stead.core.statemachine.node import NodePhase
 from stead.core.statemachine.rendezvous import natural_key
+from stead.core.statemachine.state import HealthState, JobState
 
-if TYPE_CHECKING:
-    from stead.core.statemachine.state import JobState
-
-__all__ = ["HEALTH_MODES", "HealthState", "due", "judge", "needs_check", "participants", "plan", "record", "stages",
-           "start", "verdict"]
+__all__ = ["HEALTH_MODES", "due", "judge", "needs_check", "participants", "plan", "record", "stages", "start",
+           "verdict"]
 
 #: ``off``: no node is checked; ``relaunched``: a node relaunched after a failure is; ``all``: every node is
 HEALTH_MODES = ("off", "relaunched", "all")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class HealthState:
-    #: the number of the latest check (0 before the first)
-    check: int = 0
-    #: the running check's nodes, in order (their index is their place in the pairings); () when none runs
-    nodes: tuple[str, ...] = ()
-    #: each node's incarnation when the check started
-    incarnations: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    #: the nodes under check (the others are partners that already train)
-    checked: frozenset[str] = frozenset()
-    reports: Mapping[str, NodeHealthReported] = dataclasses.field(default_factory=dict)
-
-    @property
-    def running(self) -> bool:
-        return bool(self.nodes)
 
 
 def needs_check(mode: str, incarnation: int, first_incarnation: int) -> bool:

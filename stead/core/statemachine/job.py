@@ -81,7 +81,7 @@ from stead.core.statemachine import commands, gone, membership, rounds
 from stead.core.statemachine import health as health_machine
 from stead.core.statemachine import node as node_machine
 from stead.core.statemachine import rendezvous as rdzv_machine
-from stead.core.statemachine._nodes import READY, Incarnations, is_ready
+from stead.core.statemachine._nodes import READY, Incarnations
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import (
     DumpStacks,
@@ -93,11 +93,10 @@ from stead.core.statemachine.effects import (
     StopNode,
     StopWorkers,
 )
-from stead.core.statemachine.health import HealthState
-from stead.core.statemachine.node import NodePhase, NodeState
+from stead.core.statemachine.node import NodePhase, NodeState, is_ready
 from stead.core.statemachine.policy import default_decision
 from stead.core.statemachine.rendezvous import RendezvousState
-from stead.core.statemachine.state import JobPhase, JobState
+from stead.core.statemachine.state import HealthState, JobPhase, JobState
 
 __all__ = ["JobPhase", "JobState", "node_ids", "transition"]
 
@@ -433,7 +432,7 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
                                         and not state.awaiting_decision):
             joined = membership.available(state)
             if len(joined) >= spec.min_nodes and state.phase in (JobPhase.STARTING, JobPhase.RECOVERING):
-                members = rdzv_machine.order_members(state.rdzv.members, joined, membership.target(state))
+                members = rdzv_machine.order_members(state.rdzv.members, joined, state.target_nodes)
                 started = RoundStarted(
                     round=state.rdzv.round + 1,
                     members=members,

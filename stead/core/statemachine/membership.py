@@ -1,7 +1,8 @@
 """Membership: how many nodes a job runs on, and when a running round changes size.
 
 The job aims at a *target* within MIN:MAX: ``start_nodes`` of its spec (MAX when
-unset) until the scaler decides otherwise (``MembershipDecided``). These pure
+unset) until the scaler decides otherwise (``MembershipDecided``); ``JobState.target_nodes``
+says which. These pure
 functions say what a target means for the nodes:
 
 - which nodes to request to reach it (:func:`requests`): node ids from ``node-0``
@@ -24,25 +25,13 @@ restart.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from stead.core.events import NodeRequested
-from stead.core.statemachine._nodes import is_ready
-from stead.core.statemachine.node import NodePhase, NodeState
+from stead.core.statemachine.node import NodePhase, NodeState, is_ready
 from stead.core.statemachine.rendezvous import natural_key
+from stead.core.statemachine.state import JobState
 
-if TYPE_CHECKING:
-    from stead.core.statemachine.state import JobState
-
-__all__ = ["available", "coming", "growing", "requests", "resize_reason", "surplus", "target"]
-
-
-def target(state: JobState) -> int:
-    """The number of nodes the job aims at now."""
-    spec = state.spec
-    if spec is None:
-        return 0
-    return state.target if state.target is not None else (spec.start_nodes or spec.max_nodes)
+__all__ = ["available", "coming", "growing", "requests", "resize_reason", "surplus"]
 
 
 def available(state: JobState) -> list[str]:
@@ -53,14 +42,14 @@ def available(state: JobState) -> list[str]:
 def growing(state: JobState) -> bool:
     """The running round has fewer members than the target and more nodes are ready."""
     members = len(state.rdzv.members)
-    return members < target(state) and len(available(state)) > members
+    return members < state.target_nodes and len(available(state)) > members
 
 
 def coming(state: JobState) -> bool:
     """Some live, unretired node is not ready yet (starting, or awaiting its health check) and the target wants it."""
     ready = len(available(state))
     waiting = sum(1 for n, s in state.nodes.items() if s.phase.alive and n not in state.retired and not is_ready(s))
-    return waiting > 0 and ready < target(state)
+    return waiting > 0 and ready < state.target_nodes
 
 
 def requests(state: JobState, count: int, *, avoid_hosts: tuple[str, ...] = ()) -> list[NodeRequested]:
@@ -101,7 +90,7 @@ def surplus(state: JobState, count: int) -> list[str]:
 
 def resize_reason(state: JobState) -> str | None:
     """Why the running round should change size now, or None when it should not."""
-    members, wanted = len(state.rdzv.members), target(state)
+    members, wanted = len(state.rdzv.members), state.target_nodes
     if members > wanted:
         return f"scaling down from {members} to {wanted} nodes"
     ready = len(available(state))

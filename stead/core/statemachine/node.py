@@ -21,7 +21,7 @@ from stead.core.events import Event, NodeExited, NodeJoined, NodeLost, NodeReque
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import Effect, KillNode, LaunchNode
 
-__all__ = ["NodeEvent", "NodePhase", "NodeState", "transition"]
+__all__ = ["NodeEvent", "NodePhase", "NodeState", "is_ready", "transition"]
 
 NodeEvent = NodeRequested | NodeStarted | NodeJoined | NodeLost | NodeExited
 
@@ -53,6 +53,11 @@ class NodeState:
     resources: tuple[tuple[str, str], ...] = ()
     #: why the platform has found no room for it yet (NodePending); "" once it started, or when none was said
     pending: str = ""
+
+
+def is_ready(node: NodeState | None) -> bool:
+    """Joined, with no health check pending: the node may train."""
+    return node is not None and node.phase is NodePhase.JOINED and not node.unchecked
 
 
 def is_stale(node: NodeState | None, event: Event) -> bool:

@@ -42,7 +42,7 @@ def plan(state: JobState, *, now: float) -> tuple[Effect, ...]:
         state.rdzv,
         joined=membership.available(state) if state.retired else Ready(state),
         min_nodes=spec.min_nodes,
-        max_nodes=membership.target(state),
+        max_nodes=state.target_nodes,
         nproc_per_node=spec.nproc_per_node,
         restart_count=state.restarts,
         last_call_timeout_s=spec.last_call_timeout_s,
@@ -58,7 +58,7 @@ def decided(state: JobState, event: MembershipDecided, *, now: float) -> Transit
     assert spec is not None
     if not spec.min_nodes <= event.target <= spec.max_nodes:
         return reject(state, f"{event.by} decided {event.target} nodes, outside MIN:MAX {spec.min_nodes}:"
-                             f"{spec.max_nodes}; the job stays at {membership.target(state)}")
+                             f"{spec.max_nodes}; the job stays at {state.target_nodes}")
     new = dataclasses.replace(state, target=event.target)
     made = membership.requests(new, event.target, avoid_hosts=tuple(sorted(state.excluded_hosts)))
     new = dataclasses.replace(new, retired=new.retired - {r.node_id for r in made})
@@ -120,7 +120,7 @@ def resize(state: JobState, *, now: float) -> Transition[JobState]:
 
 def retire(state: JobState, *, reason: str) -> tuple[JobState, tuple[Effect, ...]]:
     """Stop the live nodes beyond the target: a joined one is told to stop, one still starting is dropped."""
-    extra = membership.surplus(state, membership.target(state))
+    extra = membership.surplus(state, state.target_nodes)
     if not extra:
         return state, ()
     effects: list[Effect] = []

@@ -1,4 +1,8 @@
-"""The job's state: what the job machine (:mod:`.job`) folds its events into. Frozen; changed with replace."""
+"""The job's state: what the job machine (:mod:`.job`) folds its events into. Frozen; changed with replace.
+
+The values every part of the machine reads, and nothing that acts on them: the modules that do (:mod:`.health`,
+:mod:`.membership`, :mod:`.rounds`, :mod:`.commands`, ...) import this one, never the other way round.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,12 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 
-from stead.core.events import JobSubmitted, TimerName, WorkerFailed
-from stead.core.statemachine import membership
-from stead.core.statemachine._nodes import is_ready
+from stead.core.events import JobSubmitted, NodeHealthReported, TimerName, WorkerFailed
 from stead.core.statemachine.effects import AgentOrder
-from stead.core.statemachine.health import HealthState
-from stead.core.statemachine.node import NodePhase, NodeState
+from stead.core.statemachine.node import NodePhase, NodeState, is_ready
 from stead.core.statemachine.rendezvous import RendezvousState
 
-__all__ = ["JobPhase", "JobState"]
+__all__ = ["HealthState", "JobPhase", "JobState"]
 
 
 class JobPhase(enum.Enum):
@@ -29,6 +30,25 @@ class JobPhase(enum.Enum):
     @property
     def terminal(self) -> bool:
         return self in (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HealthState:
+    """The nodes' health checks (run by :mod:`.health`)."""
+
+    #: the number of the latest check (0 before the first)
+    check: int = 0
+    #: the running check's nodes, in order (their index is their place in the pairings); () when none runs
+    nodes: tuple[str, ...] = ()
+    #: each node's incarnation when the check started
+    incarnations: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: the nodes under check (the others are partners that already train)
+    checked: frozenset[str] = frozenset()
+    reports: Mapping[str, NodeHealthReported] = dataclasses.field(default_factory=dict)
+
+    @property
+    def running(self) -> bool:
+        return bool(self.nodes)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,8 +97,11 @@ class JobState:
 
     @property
     def target_nodes(self) -> int:
-        """The nodes the job aims at now (see :mod:`.membership`); 0 before it was submitted."""
-        return membership.target(self)
+        """The nodes the job aims at now (see :mod:`.membership`): the scaler's last decision, else the spec's
+        ``start_nodes`` (MAX when unset); 0 before the job was submitted."""
+        if self.spec is None:
+            return 0
+        return self.target if self.target is not None else (self.spec.start_nodes or self.spec.max_nodes)
 
     @property
     def end_key(self) -> str:

@@ -26,7 +26,8 @@ from stead.core.events import (
     WorkersStarted,
 )
 from stead.core.statemachine import CheckHealth, JobPhase, LaunchNode, StartWorkers
-from stead.core.statemachine.health import HealthState, judge, needs_check, participants, stages
+from stead.core.statemachine.health import judge, needs_check, participants, stages
+from stead.core.statemachine.state import HealthState
 from stead.testing.replay import fold
 
 SPEC = JobSubmitted(job="j", min_nodes=3, max_nodes=3, nproc_per_node=1, max_restarts=2, max_node_relaunches=1,

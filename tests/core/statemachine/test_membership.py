@@ -31,7 +31,7 @@ from stead.core.events import (
     TimerFired,
 )
 from stead.core.statemachine import Emit, JobPhase, JobState, NodePhase, StartTimer, StopNode, transition
-from stead.core.statemachine.membership import requests, surplus, target
+from stead.core.statemachine.membership import requests, surplus
 from stead.testing.replay import fold, folded, node_up
 
 NOW = 1000.0
@@ -62,7 +62,7 @@ THREE_RUNNING = after(*up("node-2"), start=TWO_RUNNING)
 
 def test_a_job_with_start_nodes_requests_that_many_and_starts_on_them_at_once() -> None:
     started = after(SPEC)
-    assert list(started.nodes) == ["node-0"] and target(started) == 1
+    assert list(started.nodes) == ["node-0"] and started.target_nodes == 1
     assert ONE.phase is JobPhase.RUNNING and ONE.rdzv.members == ("node-0",)  # its target is here: no last call
 
 
@@ -193,10 +193,10 @@ def test_rounds_stay_within_min_max_and_never_hold_a_retired_node(actions: list[
         else:
             event = TimerFired(name=ResizeWait(round=value))
         state, _, _ = fold([event], now=NOW, start=state)
-        assert SPEC.min_nodes <= target(state) <= SPEC.max_nodes
+        assert SPEC.min_nodes <= state.target_nodes <= SPEC.max_nodes
         if state.rdzv.active:
             assert not set(state.rdzv.members) & state.retired
-            assert len(state.rdzv.members) <= target(state) or state.resizing  # (shrinks at the next commit)
+            assert len(state.rdzv.members) <= state.target_nodes or state.resizing  # (shrinks at the next commit)
         live = [n for n, s in state.nodes.items() if s.phase.alive and n not in state.retired]
         assert len(live) <= SPEC.max_nodes
 
