@@ -2,45 +2,51 @@
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from stead.core.statemachine.node import NodeState, is_ready
 from stead.core.statemachine.state import JobState
 
-__all__ = ["READY", "Incarnations", "Ready"]
+__all__ = ["Incarnations", "Nodes", "Ready", "ready_count", "with_node"]
 
 
-class ReadyCounts:
-    """``len(state.ready)`` of the last few node mappings the machine made.
+class Nodes(dict[str, NodeState]):
+    """A job's nodes (``JobState.nodes``) that carry how many of them are ready.
 
-    A join changes one node: :func:`_with_node` derives the new mapping's count from the old one's instead of
-    scanning every node, which made a 10,000-node rendezvous quadratic. A memo of a pure function, keyed by the
-    mapping's identity (the entry holds the mapping, so the id cannot be reused while it is kept): the machine
-    stays pure, and a mapping not kept here (a replayed or loaded state) is counted once.
+    A join changes one node: :func:`with_node` derives the new mapping's count from the old one's instead of
+    scanning every node, which made a 10,000-node rendezvous quadratic. The count lives on the mapping it counts:
+    every state that shares the mapping (``dataclasses.replace`` keeps it) shares its count, and the count goes
+    with it. The mapping is never changed in place once made (``JobState.nodes`` is a read-only ``Mapping``).
     """
 
-    def __init__(self, size: int = 8) -> None:
-        self._size = size
-        self._entries: collections.OrderedDict[int, tuple[Mapping[str, NodeState], int]] = collections.OrderedDict()
+    __slots__ = ("_ready",)
 
-    def count(self, nodes: Mapping[str, NodeState]) -> int:
-        entry = self._entries.get(id(nodes))
-        if entry is not None and entry[0] is nodes:
-            return entry[1]
-        count = sum(1 for s in nodes.values() if is_ready(s))
-        self.keep(nodes, count)
-        return count
+    def __init__(self, nodes: Mapping[str, NodeState] | Iterable[tuple[str, NodeState]] = (), *,
+                 ready: int | None = None) -> None:
+        """``ready``: how many of ``nodes`` are ready, when the caller knows; counted when first read otherwise."""
+        super().__init__(nodes)
+        self._ready = ready
 
-    def keep(self, nodes: Mapping[str, NodeState], count: int) -> None:
-        self._entries[id(nodes)] = (nodes, count)
-        self._entries.move_to_end(id(nodes))
-        while len(self._entries) > self._size:
-            self._entries.popitem(last=False)
+    @property
+    def ready(self) -> int:
+        if self._ready is None:
+            self._ready = sum(1 for s in self.values() if is_ready(s))
+        return self._ready
 
 
-READY = ReadyCounts()
+def ready_count(nodes: Mapping[str, NodeState]) -> int:
+    """``len(state.ready)``: carried by nodes made by :func:`with_node`, counted for others (a fresh or a loaded
+    state's plain dict, counted again at each read until its first node event)."""
+    return nodes.ready if isinstance(nodes, Nodes) else sum(1 for s in nodes.values() if is_ready(s))
+
+
+def with_node(nodes: Mapping[str, NodeState], node: NodeState) -> Nodes:
+    """``nodes`` with ``node`` put in (added or replacing its entry), its ready count derived from theirs."""
+    ready = ready_count(nodes) + is_ready(node) - is_ready(nodes.get(node.node_id))
+    new = Nodes(nodes, ready=ready)
+    new[node.node_id] = node
+    return new
 
 
 class Ready(Sequence[str]):
@@ -52,7 +58,7 @@ class Ready(Sequence[str]):
         self._names: tuple[str, ...] | None = None
 
     def __len__(self) -> int:
-        return READY.count(self._state.nodes) if self._names is None else len(self._names)
+        return ready_count(self._state.nodes) if self._names is None else len(self._names)
 
     def _list(self) -> tuple[str, ...]:
         if self._names is None:

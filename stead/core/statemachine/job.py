@@ -81,7 +81,7 @@ from stead.core.statemachine import commands, gone, membership, rounds
 from stead.core.statemachine import health as health_machine
 from stead.core.statemachine import node as node_machine
 from stead.core.statemachine import rendezvous as rdzv_machine
-from stead.core.statemachine._nodes import READY, Incarnations
+from stead.core.statemachine._nodes import Incarnations, with_node
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import (
     DumpStacks,
@@ -93,7 +93,7 @@ from stead.core.statemachine.effects import (
     StopNode,
     StopWorkers,
 )
-from stead.core.statemachine.node import NodePhase, NodeState, is_ready
+from stead.core.statemachine.node import NodePhase, NodeState
 from stead.core.statemachine.policy import default_decision
 from stead.core.statemachine.rendezvous import RendezvousState
 from stead.core.statemachine.state import HealthState, JobPhase, JobState
@@ -284,10 +284,7 @@ def _spec_problem(spec: JobSubmitted) -> str:
 
 
 def _with_node(state: JobState, node: NodeState) -> JobState:
-    count = READY.count(state.nodes) + is_ready(node) - is_ready(state.nodes.get(node.node_id))
-    nodes = {**state.nodes, node.node_id: node}
-    READY.keep(nodes, count)
-    return dataclasses.replace(state, nodes=nodes)
+    return dataclasses.replace(state, nodes=with_node(state.nodes, node))
 
 
 def _node_event(
