@@ -24,6 +24,13 @@ Goals (issue 44): save stall <= 1.1x the floor from 1 GiB up; restore <= 1.2x; o
 copy; bit-identical tensors after recovery. Without CUDA every GPU part prints that it is skipped and the last
 line is the JSON object all the same, its values null. Last line: one JSON object, also written to
 ``$OUT/gpu.json`` when OUT is set.
+
+On a GPU machine with no package index: ``sh bench/gpu_wheels.sh`` here (it fills ``.whl/``, ignored by git),
+then there, from the repository's root with ``.whl`` carried along::
+
+    python3 -c "import zipfile,glob;[zipfile.ZipFile(w).extractall('.whl/site') for w in glob.glob('.whl/*.whl')]" \
+      && rm -rf .whl/site/stead && export PYTHONPATH=$PWD/.whl/site:$PWD PYTHONUNBUFFERED=1 \
+      && timeout 540 python3 bench/gpu.py 2>&1 | tee $OUT/gpu.log
 """
 
 from __future__ import annotations
