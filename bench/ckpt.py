@@ -132,6 +132,25 @@ def make_worker(env: dict[str, str], settings: CheckpointSettings, **kwargs: Any
         return FlashCheckpointer(rank=0, world_size=1, local_rank=0, settings=settings, **kwargs)
 
 
+#: the flash checkpoint's settings for a bench: nothing persisted, and patience for slow machines
+def bench_settings(work: Path) -> CheckpointSettings:
+    return CheckpointSettings(dir=str(work / "stead"), persist_on_failure=False, agent_timeout_s=600,
+                              verify_wait_s=600)
+
+
+def prefaulted_worker(node: NodeProcess, settings: CheckpointSettings,
+                      state: dict[str, Any]) -> tuple[FlashCheckpointer, float]:
+    """A worker of round 1 of ``node`` sized for ``state``, once its reserve thread has faulted both slots in (one
+    after the other, in the background while training starts), and the seconds that took."""
+    env = node.round(1, 0)
+    started = time.perf_counter()
+    ckpt = make_worker(env, settings, size_hint=state)
+    ckpt._wait_reserved()
+    assert ckpt._reserving is not None
+    ckpt._reserving.join()
+    return ckpt, time.perf_counter() - started
+
+
 def serve_node(work: Path, job: str) -> None:
     """``--serve-node``: run the master plugin and an agent; answer ``round R RESTARTS`` with the worker env."""
     settings = CheckpointSettings(dir=str(work / "stead"), persist_on_failure=False)
@@ -164,21 +183,14 @@ def bench_size(nbytes: int, repeats: int, work: Path) -> dict[str, Any]:
 
     # -- stead (the agent and the master in another process, as in a job), and the floor in stead's own slots,
     # -- measured alternately so that both see the same machine ------------------------------------------
-    settings = CheckpointSettings(dir=str(work / "stead"), persist_on_failure=False, agent_timeout_s=600,
-                                  verify_wait_s=600)
+    settings = bench_settings(work)
     floor_saves: list[float] = []
     floor_restores: list[float] = []
     stead_saves: list[float] = []
     stead_restores: list[float] = []
     offsets = _offsets(state)
     with NodeProcess(work, job=f"bench-{real}") as node:
-        env = node.round(1, 0)
-        started = time.perf_counter()
-        ckpt = make_worker(env, settings, size_hint=state)
-        ckpt._wait_reserved()
-        assert ckpt._reserving is not None
-        ckpt._reserving.join()  # the reserve thread faults both slots in, one after the other
-        out["stead_prefault_s"] = time.perf_counter() - started  # in the background, while training starts
+        ckpt, out["stead_prefault_s"] = prefaulted_worker(node, settings, state)
 
         def checksummed() -> bool:
             return all(s.checks_seq == s.seq for s in ckpt._ctl.slots() if s.complete)

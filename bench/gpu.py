@@ -24,6 +24,13 @@ Goals (issue 44): save stall <= 1.1x the floor from 1 GiB up; restore <= 1.2x; o
 copy; bit-identical tensors after recovery. Without CUDA every GPU part prints that it is skipped and the last
 line is the JSON object all the same, its values null. Last line: one JSON object, also written to
 ``$OUT/gpu.json`` when OUT is set.
+
+On a GPU machine with no package index: ``sh bench/gpu_wheels.sh`` here (it fills ``.whl/``, ignored by git),
+then there, from the repository's root with ``.whl`` carried along::
+
+    python3 -c "import zipfile,glob;[zipfile.ZipFile(w).extractall('.whl/site') for w in glob.glob('.whl/*.whl')]" \
+      && rm -rf .whl/site/stead && export PYTHONPATH=$PWD/.whl/site:$PWD PYTHONUNBUFFERED=1 \
+      && timeout 540 python3 bench/gpu.py 2>&1 | tee $OUT/gpu.log
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ import structlog
 import torch
 import torch.distributed.checkpoint as dcp
 
-from bench.ckpt import NodeProcess, _offsets, _wait, make_worker
+from bench.ckpt import NodeProcess, _offsets, _wait, bench_settings, make_worker, prefaulted_worker
 from stead.core.agent.gpu import GpuHealth
 from stead.plugins.ckpt._shm import VerifyState
 from stead.plugins.ckpt.settings import CheckpointSettings
@@ -107,8 +114,7 @@ def bench_size(nbytes: int, repeats: int, work: Path, *, peers: bool, overlap: b
     state = make_state(nbytes)
     real = sum(t.numel() * t.element_size() for t in state.values())
     out: dict[str, Any] = {"bytes": real}
-    settings = CheckpointSettings(dir=str(work / "stead"), persist_on_failure=False, agent_timeout_s=600,
-                                  verify_wait_s=600)
+    settings = bench_settings(work)
     floor_saves: list[float] = []
     stead_saves: list[float] = []
     floor_restores: list[float] = []
@@ -117,13 +123,7 @@ def bench_size(nbytes: int, repeats: int, work: Path, *, peers: bool, overlap: b
     pins: list[float] = []
     offsets = _offsets(state)
     with NodeProcess(work, job=f"gpu-{real}") as node:
-        env = node.round(1, 0)
-        started = time.perf_counter()
-        ckpt = make_worker(env, settings, size_hint=state)
-        ckpt._wait_reserved()
-        assert ckpt._reserving is not None
-        ckpt._reserving.join()
-        out["stead_prefault_s"] = time.perf_counter() - started
+        ckpt, out["stead_prefault_s"] = prefaulted_worker(node, settings, state)
         spare = ckpt._mapped(1)
         assert spare is not None
         out["floor_pin_s"] = timed(spare.pin_for_cuda)  # cudaHostRegister of the whole slot, once

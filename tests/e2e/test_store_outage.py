@@ -132,16 +132,20 @@ def test_an_etcd_killed_for_10_s_and_restarted_on_its_data_costs_no_step_and_no_
         tmp_path: Path, etcd: EtcdServer) -> None:
     run = _start(tmp_path, etcd.url)
 
+    def log() -> str:
+        return (tmp_path / "stderr.log").read_text()
+
     def crash_and_restart() -> None:
         etcd.kill()
         time.sleep(10)
         etcd.start()
+        # the paused task notices the store back on its next backoff try, which may come after the 20 steps the
+        # job takes before it is told to stop: wait for it, or a job that ends first leaves nothing to assert on
+        _wait_for(lambda: '"master_task_resumed"' in log(), "the master resuming its paused task", tmp_path, run)
 
     _finish(tmp_path, run, crash_and_restart)
     _assert_untouched(tmp_path, etcd.url)
-    log = (tmp_path / "stderr.log").read_text()
-    assert '"master_task_paused"' in log, "the outage was not noticed: the test proves nothing"
-    assert '"master_task_resumed"' in log
+    assert '"master_task_paused"' in log(), "the outage was not noticed: the test proves nothing"
 
 
 def test_an_etcd_frozen_for_30_s_costs_no_step_and_no_restart(tmp_path: Path, etcd: EtcdServer) -> None:
