@@ -49,10 +49,11 @@ from typing import IO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stead.core.agent.main import RUN_ARGV_ENV
+from stead.cli.run_args import parse_run_args
 from stead.core.config import Settings
 from stead.core.events import JobSubmitted
 from stead.core.master import Master, MasterConfig
+from stead.core.runspec import RUN_SPEC_ENV, spec_text
 from stead.testing.etcd import EtcdServer
 from stead.testing.steps import TRAIN_LOGGING_STEPS, free_port, read_steps
 
@@ -93,7 +94,7 @@ def run(outage_s: float, steps: int, work: Path) -> dict[str, float | int]:
                   "--token-file", token, "--log-format", "json"]
     argv = ["--job-name", "failover", "--store", url, "--nnodes", str(NODES), "--nproc-per-node", str(NPROC),
             "train.py", str(steps)]
-    env = {**os.environ, RUN_ARGV_ENV: json.dumps(argv)}
+    env = {**os.environ, RUN_SPEC_ENV: spec_text(parse_run_args(argv, cwd=str(work)))}
     logs = [work / f"node-{i}.log" for i in range(NODES)]
     with contextlib.ExitStack() as files:
         def log_file(name: str) -> IO[str]:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from stead.core.config import Settings
 from stead.core.events import JobSubmitted, StepProgress
 from stead.core.events.log import EventLog
-from stead.core.reactor import Reactor
+from stead.core.master.reactor import Reactor
 from stead.core.statemachine import Effect
 from stead.core.store import StateStore, open_store
 

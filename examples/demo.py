@@ -20,7 +20,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from stead.core.display import goodput_lines  # noqa: E402
 from stead.core.events import (  # noqa: E402
     JobFailed,
     JobSucceeded,
@@ -31,9 +30,10 @@ from stead.core.events import (  # noqa: E402
     WorkerFailed,
 )
 from stead.core.events.log import EventLog  # noqa: E402
-from stead.core.goodput import ledger  # noqa: E402
-from stead.core.report import write_report  # noqa: E402
 from stead.core.store import open_store  # noqa: E402
+from stead.core.views.display import goodput_lines  # noqa: E402
+from stead.core.views.goodput import ledger  # noqa: E402
+from stead.core.views.report import write_report  # noqa: E402
 from stead.plugins.ckpt.events import CheckpointRestored  # noqa: E402
 from stead.testing import leaks  # noqa: E402
 

@@ -19,16 +19,16 @@ __all__ = ["JobPhase", "JobState", "Master", "MasterConfig", "Settings", "phase"
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from stead.core.agent.progress import phase, report_step
     from stead.core.config import Settings
     from stead.core.master import Master, MasterConfig
     from stead.core.statemachine import JobPhase, JobState
+    from stead.core.worker.progress import phase, report_step
 
 
 def __getattr__(name: str) -> Any:
     # lazy: a training script importing stead must not pay for grpc, etcd or the master
     if name in ("report_step", "phase"):
-        from stead.core.agent import progress
+        from stead.core.worker import progress
 
         return getattr(progress, name)
     if name in ("Master", "MasterConfig"):

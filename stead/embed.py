@@ -27,10 +27,11 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
+from stead.cli.run import started_job
+from stead.cli.run_args import parse_run_args
 from stead.core.events import JobStopped
-from stead.core.launch import RunConfig, parse_run_args
 from stead.core.master import Master, MasterConfig
-from stead.core.runner import started_job
+from stead.core.runspec import RunConfig
 from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState
 from stead.plugins.scaler.client import ScaleResult, request_scale
 
@@ -128,5 +129,5 @@ async def run(spec: JobSpec, *, token_file: str | None = None, host: str = "127.
     """Start a master for ``spec`` and submit the job; leaving the block stops the master and its nodes."""
     argv = spec.to_argv()
     config = parse_run_args(argv)
-    async with started_job(config, argv, token_file=token_file, host=host) as master:
+    async with started_job(config, token_file=token_file, host=host) as master:
         yield Job(config, master)

@@ -161,7 +161,7 @@ class Settings:
     shed_lag_s: float = setting(2.0, min=0.01)
     #: every this often the master freezes the objects that survived the young collections out of CPython's full
     #: collections (at 10,000 nodes a full collection over them pauses the master for seconds; see
-    #: stead/core/gcsteward.py); 0: the collector is left alone
+    #: stead/core/master/gcsteward.py); 0: the collector is left alone
     gc_freeze_every_s: float = setting(1.0, min=0.0)
     #: every this often the master thaws them and runs one full collection, which frees frozen garbage cycles
     gc_full_every_s: float = setting(600.0, min=1.0)

@@ -35,8 +35,8 @@ from stead.core.config import Settings
 from stead.core.errors import ConfigError, StoreError, StoreUnavailable
 from stead.core.events.log import job_prefix
 from stead.core.retry import retrying
-from stead.core.rpc import check_token, new_token, read_token_file, token_verifier, verifies, write_token_file
 from stead.core.store import StateStore
+from stead.core.tokenfile import check_token, new_token, read_token_file, token_verifier, verifies, write_token_file
 
 __all__ = ["JOB_TOKEN_ENV", "default_token_file", "find_token", "forget_job_token", "held_job_token", "job_token",
            "legacy_token_key", "verifier_key"]

@@ -8,7 +8,6 @@ same store and address a few seconds later.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -18,11 +17,13 @@ from pathlib import Path
 import anyio
 import pytest
 
-from stead.core.agent.main import EXIT_MASTER_GONE, RUN_ARGV_ENV
+from stead.cli.run_args import parse_run_args
+from stead.core.agent.main import EXIT_MASTER_GONE
 from stead.core.config import Settings
 from stead.core.events import JobSubmitted, NodeLost, NodeRequested, RoundStarted
 from stead.core.events.log import EventLog
 from stead.core.master import Master, MasterConfig
+from stead.core.runspec import RUN_SPEC_ENV, spec_text
 from stead.core.statemachine import JobPhase
 from stead.testing.steps import TRAIN_LOGGING_STEPS, free_port, read_steps
 
@@ -50,7 +51,7 @@ async def test_workers_keep_stepping_while_the_master_is_replaced_and_the_new_on
     config = MasterConfig(job="fo", store_url=url, settings=Settings(), port=free_port(),
                           token_file=str(tmp_path / "fo.token"))
     argv = ["--job-name", "fo", "--store", url, "--nnodes", "2", "--nproc-per-node", "1", "train.py", str(STEPS)]
-    env = {RUN_ARGV_ENV: json.dumps(argv)}
+    env = {RUN_SPEC_ENV: spec_text(parse_run_args(argv, cwd=str(tmp_path)))}
     agents: list[subprocess.Popen[bytes]] = []
     steps = tmp_path / "steps.log"
     try:
@@ -109,7 +110,8 @@ async def test_agents_whose_master_stays_gone_stop_their_workers_and_exit_cleanl
             agent = subprocess.Popen(  # noqa: ASYNC220 (returns at once)
                 [sys.executable, "-m", "stead", "agent", "--master", master.address, "--token-file",
                  str(tmp_path / "gone.token"), "--node-id", "node-0", "--incarnation", "1"],
-                cwd=tmp_path, env={**os.environ, RUN_ARGV_ENV: json.dumps(argv)}, stdout=subprocess.DEVNULL,
+                cwd=tmp_path, env={**os.environ, RUN_SPEC_ENV: spec_text(parse_run_args(argv, cwd=str(tmp_path)))},
+                stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE)
             await _until(lambda: len(read_steps(steps)) >= 5, "the first steps")
         # the master is gone for good: the agent gives up after master_gone_timeout_s

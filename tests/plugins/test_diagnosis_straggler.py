@@ -11,13 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stead.core.agent.pace import StepPace
-from stead.core.agent.progress import StepProgress
 from stead.core.config import Settings
 from stead.core.events import Event, Record
 from stead.core.plugins import NodeTelemetry, PluginContext
 from stead.core.statemachine.job import JobPhase, JobState
 from stead.core.statemachine.rendezvous import RendezvousState
 from stead.core.store import open_store
+from stead.core.worker.progress import StepProgress
 from stead.plugins.diagnosis import DiagnosisPlugin, DiagnosisSettings, StragglerDetected
 from stead.plugins.diagnosis.straggler import StragglerWatch, median_without
 

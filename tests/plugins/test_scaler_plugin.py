@@ -14,7 +14,7 @@ from stead.core.platform import NodeSpec
 from stead.core.rpc import AgentReport, MasterClient
 from stead.core.statemachine import JobPhase
 from stead.core.statemachine.job import node_ids
-from stead.core.top import published_lines
+from stead.core.views.top import published_lines
 from stead.plugins.scaler import ResourcesRecommended, ScalerPlugin, ScalerSettings
 from stead.testing import settle
 from stead.testing.platforms import RecordingPlatform

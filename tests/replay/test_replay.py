@@ -3,7 +3,7 @@
 ``logs/<name>.jsonl`` is the event log of a real job with a real fault (a worker crash, a lost
 node, a hang, a resize, a killed master, an OOM; see ``record.py``, which ran them), as
 ``stead events --json`` printed it. Each is folded by the job machine's one fold
-(:func:`stead.core.statemachine.fold`) and by the recovery view (:mod:`stead.core.recovery`);
+(:func:`stead.core.statemachine.fold`) and by the recovery view (:mod:`stead.core.views.recovery`);
 what they make of it (phase, rounds, restarts, each node's phase, the records refused, the effects
 asked for, every recovery with its phases) must equal ``expected/<name>.json``. A change to the job
 machine or the recovery fold that changes the meaning of a real job's log fails here; when the
@@ -27,11 +27,11 @@ import pytest
 from stead.core.config import Settings
 from stead.core.events import Record, decode_record, encode_record
 from stead.core.events.log import EventLog, job_prefix
-from stead.core.reactor import Reactor
-from stead.core.recovery import recoveries
+from stead.core.master.reactor import Reactor
 from stead.core.serde import to_json
 from stead.core.statemachine import Effect, Emit, JobState, fold
 from stead.core.store import StateStore, open_store
+from stead.core.views.recovery import recoveries
 from stead.testing import FakeClock
 
 HERE = Path(__file__).parent

@@ -529,7 +529,7 @@ def _bootstrap_worker(argv: list[str], env: Mapping[str, str]) -> None:
     from stead.core.logging import configure_worker_logging
 
     configure_worker_logging()
-    from stead.core.agent.progress import install_backward_clock, install_stack_dumps, install_step_hook
+    from stead.core.worker.progress import install_backward_clock, install_stack_dumps, install_step_hook
 
     install_stack_dumps()
     if env.get("STEAD_AUTO_STEP", "1") != "0":

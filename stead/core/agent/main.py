@@ -40,7 +40,7 @@ from stead.core.agent.stacks import dump_stacks
 from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote
 from stead.core.config import Settings, settings_env
-from stead.core.errors import ConfigError, InvalidRequest, RetryableError
+from stead.core.errors import InvalidRequest, RetryableError
 from stead.core.events import (
     NodeHealthReported,
     PeerCollective,
@@ -50,7 +50,6 @@ from stead.core.events import (
     WorkersStarted,
     WorkersSucceeded,
 )
-from stead.core.launch import RunConfig, Streams, parse_run_args, worker_env
 from stead.core.platform import HOST_ENV, WARM_FIRST_ENV
 from stead.core.retry import Backoff
 from stead.core.rpc import (
@@ -67,8 +66,9 @@ from stead.core.rpc import (
     retrying,
 )
 from stead.core.rpc.backend import MAX_ACKS_PER_BEAT, MAX_EVIDENCE_CHARS
+from stead.core.runspec import RUN_SPEC_ENV, RunConfig, Streams, read_spec, worker_env
 
-__all__ = ["EXIT_MASTER_GONE", "EXIT_TERMINATED", "RUN_ARGV_ENV", "ZYGOTE_LATE_PRELOAD", "ZYGOTE_PRELOAD", "Agent",
+__all__ = ["EXIT_MASTER_GONE", "EXIT_TERMINATED", "ZYGOTE_LATE_PRELOAD", "ZYGOTE_PRELOAD", "Agent",
            "clean_up_after", "load_run_config", "run_agent", "zygote_env"]
 
 log = structlog.get_logger("stead.agent")
@@ -82,7 +82,6 @@ EXIT_MASTER_GONE = 3
 #: by SIGTERM reports it: it stopped its workers and its extensions persisted the newest checkpoint first
 EXIT_TERMINATED = 128 + signal.SIGTERM
 #: the `stead run` arguments of the job, as JSON, so every agent builds the same RunConfig
-RUN_ARGV_ENV = "STEAD_RUN_ARGV"
 #: what the zygote imports before forking the first workers; none runs a torch op or starts a thread
 ZYGOTE_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel")
 #: what it imports once the first step is done, for the restarts: torch._dynamo, which DDP imports lazily on
@@ -303,7 +302,7 @@ class Agent:
                   "incarnation": self.incarnation, "store_host": command.store_host,
                   "store_port": command.store_port, "timeout_s": _HEALTH_RUN_SHARE * command.timeout_s}
         out = self._progress.dir / f"health-{command.check}.json"
-        env = {k: v for k, v in os.environ.items() if k != RUN_ARGV_ENV}  # forked warm: the workers' start-up
+        env = {k: v for k, v in os.environ.items() if k != RUN_SPEC_ENV}  # forked warm: the workers' start-up
         env.update({**startup_env(self.config), HEALTH_ORDERS_ENV: json.dumps(orders), "STEAD_AUTO_STEP": "0"})
         spec = WorkerSpec(argv=(sys.executable, "-m", "stead.core.agent.health_check"), env=env, cwd=os.getcwd(),
                           local_rank=0, stdout_path=out)
@@ -446,7 +445,7 @@ class Agent:
         env.update(extra_env)
         env.update({"STEAD_JOB": cfg.job_name, "STEAD_NODE_ID": self.node_id, "STEAD_ROUND": str(command.round),
                     "STEAD_MASTER_ADDR": self.client.address, "STEAD_TOKEN_FILE": self.token_file})
-        env.pop(RUN_ARGV_ENV, None)
+        env.pop(RUN_SPEC_ENV, None)
         redirect = cfg.redirects[local_rank] if local_rank < len(cfg.redirects) else Streams.NONE
         tee = cfg.tee[local_rank] if local_rank < len(cfg.tee) else Streams.NONE
         stdout_path = stderr_path = None
@@ -543,15 +542,8 @@ class Agent:
 
 
 def load_run_config() -> RunConfig:
-    raw = os.environ.get(RUN_ARGV_ENV)
-    if not raw:
-        raise ConfigError(f"{RUN_ARGV_ENV} is not set: `stead agent` is started by `stead run` or a platform, "
-                          "which passes the job's run arguments in it")
-    try:
-        argv = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{RUN_ARGV_ENV} is not a JSON list of arguments: {exc}") from exc
-    return parse_run_args(argv)
+    """The job's run spec, from the variable whoever started this agent set (:func:`~stead.core.runspec.read_spec`)."""
+    return read_spec(os.environ.get(RUN_SPEC_ENV))
 
 
 async def clean_up_after(*, node_id: str, incarnation: int) -> int:
@@ -574,7 +566,7 @@ def startup_env(config: RunConfig) -> dict[str, str]:
 def zygote_env(config: RunConfig) -> dict[str, str]:
     """The agent's environment plus the start-up variables workers get (so they can be forked)."""
     env = dict(os.environ)
-    env.pop(RUN_ARGV_ENV, None)
+    env.pop(RUN_SPEC_ENV, None)
     env.update(startup_env(config))
     return env
 

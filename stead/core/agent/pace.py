@@ -4,7 +4,7 @@ With DDP every rank's step takes as long as the slowest rank's step: the fast
 ranks wait for its gradients inside backward(). So the wall time of a step says
 nothing about who is slow; the time a rank spends *outside* backward() does
 (data loading, forward, optimizer, the script's own code). The workers' bootstrap
-clocks backward() (:func:`~stead.core.agent.progress.install_backward_clock`);
+clocks backward() (:func:`~stead.core.worker.progress.install_backward_clock`);
 here the agent turns consecutive progress reads into "own seconds per step" per
 local rank, and the node's figure is its slowest rank's median over recent steps.
 Time in a declared phase (evaluation, a checkpoint) is not a step's and is skipped.
@@ -16,7 +16,7 @@ import collections
 import statistics
 from collections.abc import Mapping
 
-from stead.core.agent.progress import StepProgress
+from stead.core.worker.progress import StepProgress
 
 __all__ = ["StepPace"]
 

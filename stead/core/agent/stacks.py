@@ -1,7 +1,7 @@
 """Python stacks of running workers, for the hang detector's evidence.
 
 A worker started through the agent's bootstrap has faulthandler registered on
-:data:`~stead.core.agent.progress.STACKS_SIGNAL`, writing to its own file next to
+:data:`~stead.core.worker.progress.STACKS_SIGNAL`, writing to its own file next to
 its progress file. faulthandler writes from the signal handler in C, without the
 GIL, so a worker blocked in a collective, a sleep or a C extension still answers
 (a stopped one, SIGSTOP, does not: it is reported with an empty stack). A worker
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import anyio
 
-from stead.core.agent.progress import STACKS_SIGNAL, stacks_path
+from stead.core.worker.progress import STACKS_SIGNAL, stacks_path
 
 __all__ = ["MAX_STACK_CHARS", "dump_stacks"]
 

@@ -11,17 +11,7 @@ the job token (see :mod:`.auth`).
 
 from stead.core.rpc.address import format_address, parse_address
 from stead.core.rpc.agent_service import AgentServicer
-from stead.core.rpc.auth import (
-    AUTH_METADATA_KEY,
-    attach_token,
-    check_token,
-    new_token,
-    read_token_file,
-    require_token,
-    token_verifier,
-    verifies,
-    write_token_file,
-)
+from stead.core.rpc.auth import AUTH_METADATA_KEY, attach_token, require_token
 from stead.core.rpc.backend import (
     AgentBackend,
     AgentCommand,
@@ -37,6 +27,7 @@ from stead.core.rpc.backend import (
 )
 from stead.core.rpc.client import HeartbeatStream, MasterClient, RpcConnection, retrying
 from stead.core.rpc.server import RpcServer, Servicer
+from stead.core.tokenfile import check_token, new_token, read_token_file, token_verifier, verifies, write_token_file
 
 __all__ = [
     "AUTH_METADATA_KEY",

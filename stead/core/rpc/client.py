@@ -54,7 +54,7 @@ from stead.core.rpc._proto.stead.v1 import (
 )
 from stead.core.rpc._refusals import Refusal, RefusalCodec
 from stead.core.rpc.address import parse_address
-from stead.core.rpc.auth import attach_token, check_token
+from stead.core.rpc.auth import attach_token
 from stead.core.rpc.backend import (
     HEARTBEAT_STREAM_ROUTE,
     AgentCommand,
@@ -63,6 +63,7 @@ from stead.core.rpc.backend import (
     RegisterInfo,
     RegisterResult,
 )
+from stead.core.tokenfile import check_token
 
 __all__ = ["HeartbeatStream", "MasterClient", "RpcConnection", "retrying"]
 

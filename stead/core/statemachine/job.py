@@ -77,11 +77,10 @@ from stead.core.events import (
     WorkersStarted,
     WorkersSucceeded,
 )
-from stead.core.statemachine import commands, gone, membership, rounds
+from stead.core.statemachine import commands, membership, node_end, rounds
 from stead.core.statemachine import health as health_machine
 from stead.core.statemachine import node as node_machine
 from stead.core.statemachine import rendezvous as rdzv_machine
-from stead.core.statemachine._nodes import Incarnations, with_node
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import (
     DumpStacks,
@@ -94,6 +93,7 @@ from stead.core.statemachine.effects import (
     StopWorkers,
 )
 from stead.core.statemachine.node import NodePhase, NodeState
+from stead.core.statemachine.node_counts import Incarnations, with_node
 from stead.core.statemachine.policy import default_decision
 from stead.core.statemachine.rendezvous import RendezvousState
 from stead.core.statemachine.state import HealthState, JobPhase, JobState
@@ -184,7 +184,7 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
         case MembershipDecided():
             return rounds.decided(state, event, now=now)
         case NodeResourcesDecided():
-            return gone.resources_decided(state, event, now=now)
+            return node_end.resources_decided(state, event, now=now)
         case NodePending():
             node = state.nodes.get(event.node_id)
             if node is None or node.incarnation != event.incarnation or node.phase is not NodePhase.REQUESTED:
@@ -308,9 +308,9 @@ def _node_event(
         effects += planned
     went_away = before is not None and before.phase.alive and not after.phase.alive
     if went_away and isinstance(event, NodeExited) and event.permanent and after.node_id not in new.retired:
-        return Transition(new, (*effects, gone.cannot_start(new, after.node_id, event.reason)))
+        return Transition(new, (*effects, node_end.cannot_start(new, after.node_id, event.reason)))
     if went_away:
-        new, more = gone.node_gone(new, after, now=now, oom=isinstance(event, NodeExited) and event.oom)
+        new, more = node_end.node_gone(new, after, now=now, oom=isinstance(event, NodeExited) and event.oom)
         effects += more
         if after.node_id in new.health.nodes:
             effects += health_machine.due(new)
@@ -424,7 +424,7 @@ def _timer(state: JobState, event: TimerFired, *, now: float) -> Transition[JobS
         case RejoinTimeout():
             return rounds.rejoin_timeout(state, event.name)
         case ResourcesTimeout():
-            return gone.resources_timeout(state, event.name, now=now)
+            return node_end.resources_timeout(state, event.name, now=now)
         case LastCall(round=round_) if (round_ == state.rdzv.round + 1 and not state.rdzv.active
                                         and not state.awaiting_decision):
             joined = membership.available(state)

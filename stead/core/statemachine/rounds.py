@@ -24,10 +24,10 @@ from stead.core.events import (
 from stead.core.statemachine import health as health_machine
 from stead.core.statemachine import membership
 from stead.core.statemachine import rendezvous as rdzv_machine
-from stead.core.statemachine._nodes import Ready
 from stead.core.statemachine.base import Transition, reject
 from stead.core.statemachine.effects import Effect, Emit, StartTimer, StopNode, StopWorkers
 from stead.core.statemachine.node import NodePhase
+from stead.core.statemachine.node_counts import Ready
 from stead.core.statemachine.state import JobPhase, JobState
 
 __all__ = ["decided", "maybe_resize", "plan", "plan_or_grow", "rejoin_timeout", "rejoin_timer", "resize", "retire"]

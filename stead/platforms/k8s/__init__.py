@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from stead.core.config import Settings, load_settings
 from stead.core.errors import ConfigError
-from stead.core.launch import RunConfig
+from stead.core.runspec import RunConfig
 from stead.platforms.k8s._platform import K8sPlatform
 from stead.platforms.k8s.settings import K8sSettings
 

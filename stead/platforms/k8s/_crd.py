@@ -39,7 +39,7 @@ _NNODES_PATTERN = r"^[1-9][0-9]{0,5}(:[1-9][0-9]{0,5})?$"
 _STORE_ENDPOINT = r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?)(:[0-9]{1,5})?"
 STORE_PATTERN = rf"^etcd://{_STORE_ENDPOINT}(,{_STORE_ENDPOINT})*$"
 #: CEL regular expressions (RE2, matched anywhere unless anchored): a settings key is a setting's name
-#: (stead.core.launch.SETTING_NAME); a run argument that sets a k8s.* setting however it is spaced
+#: (stead.core.runspec.SETTING_NAME); a run argument that sets a k8s.* setting however it is spaced
 #: (``k8s.x=1``, ``--set=k8s.x=1``, ``--set= k8s.x=1``), as the master strips a name before it reads it
 _SETTING_KEY = "^[a-z][a-z0-9_.]*$"
 _K8S_RUN_ARG = "^[^a-z]*(set=[^a-z]*)?k8s[.]"

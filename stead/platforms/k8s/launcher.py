@@ -23,9 +23,9 @@ import structlog
 
 from stead.core.config import load_settings
 from stead.core.errors import ConfigError, PlatformRejected, PlatformUnavailable, SteadError
-from stead.core.launch import RunConfig
 from stead.core.platform import NodeSpec
 from stead.core.plugins import GROUP as PLUGIN_GROUP
+from stead.core.runspec import RunConfig
 from stead.platforms.k8s import names
 from stead.platforms.k8s._client import JOBS, PODS, SECRETS, Kube
 from stead.platforms.k8s.jobs import MasterSpec, check_store, create_job_objects, master_pods, start_master

@@ -33,10 +33,10 @@ from stead.core.config import Settings, load_settings
 from stead.core.entrypoints import installed
 from stead.core.errors import ConfigError, PlatformError, SteadError
 from stead.core.events.log import EventLog
-from stead.core.goodput import ledger
 from stead.core.plugins import GROUP as PLUGIN_GROUP
 from stead.core.statemachine import JobPhase, fold_all
 from stead.core.store import open_store
+from stead.core.views.goodput import ledger
 from stead.platforms.k8s import names
 from stead.platforms.k8s._client import PODS, Kube, warn_insecure
 from stead.platforms.k8s.jobs import MasterSpec, create_job_objects, master_pods, start_master

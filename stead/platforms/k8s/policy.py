@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stead.core.errors import ConfigError
-from stead.core.launch import SETTING_NAME
+from stead.core.runspec import SETTING_NAME
 from stead.core.store import public_store_url
 from stead.platforms.k8s._crd import STORE_PATTERN
 from stead.platforms.k8s.settings import K8sSettings

@@ -33,7 +33,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from stead.core.agent.progress import paused as _building_state
+from stead.core.worker.progress import paused as _building_state
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.worker import FlashCheckpointer

@@ -42,7 +42,7 @@ from typing import Any, Literal
 import structlog
 import torch
 
-from stead.core.agent.progress import resume_steps_at
+from stead.core.worker.progress import resume_steps_at
 from stead.plugin import load_settings
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._checksum import checksum

@@ -8,11 +8,11 @@ from pathlib import Path
 import anyio
 import pytest
 
+from stead.cli.run_args import parse_run_args
 from stead.core.agent.main import Agent
 from stead.core.config import Settings
 from stead.core.errors import RpcUnavailable
 from stead.core.events import NodeHealthReported, StacksDumped, WorkerFailed, WorkersStarted, WorkersSucceeded
-from stead.core.launch import parse_run_args
 from stead.core.rpc import (
     AgentCommand,
     AgentReport,

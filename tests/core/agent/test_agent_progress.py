@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from _agent_helpers import py, spec, write
 
-from stead.core.agent import progress
-from stead.core.agent.progress import PROGRESS_ENV, ProgressFiles, ProgressReader, report_step
+from stead.core.agent.progress import ProgressFiles, ProgressReader
 from stead.core.agent.workers import WorkerGroup
 from stead.core.agent.zygote import Zygote
+from stead.core.worker import progress
+from stead.core.worker.progress import PROGRESS_ENV, report_step
 
 
 @pytest.fixture
@@ -98,7 +99,7 @@ def test_files_live_in_a_directory_removed_on_close(tmp_path: Path) -> None:
 async def test_workers_report_steps_to_the_agent(tmp_path: Path, zygote: Zygote | None) -> None:
     script = write(tmp_path, "steps.py", """
         import sys
-        from stead.core.agent.progress import report_step
+        from stead.core.worker.progress import report_step
         for step in range(1, int(sys.argv[1]) + 1):
             report_step(step)
     """)

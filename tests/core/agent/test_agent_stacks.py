@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from stead.core.agent.progress import ProgressFiles, ProgressReader, stacks_path
+from stead.core.agent.progress import ProgressFiles, ProgressReader
 from stead.core.agent.stacks import dump_stacks
+from stead.core.worker.progress import stacks_path
 
 pytestmark = pytest.mark.anyio
 
 WORKER = """
 import sys, time
-from stead.core.agent.progress import install_stack_dumps, phase, report_step
+from stead.core.worker.progress import install_stack_dumps, phase, report_step
 handler = sys.argv[1] == "handler"
 if handler:
     install_stack_dumps()

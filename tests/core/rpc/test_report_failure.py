@@ -13,8 +13,8 @@ from stead.core.config import Settings
 from stead.core.errors import StoreUnavailable
 from stead.core.events import Event, JobSubmitted, Record, WorkerFailed
 from stead.core.events.log import EventLog
-from stead.core.hub import AgentHub
 from stead.core.master import Master, MasterConfig
+from stead.core.master.gateway import AgentHub
 from stead.core.platform import NodeSpec
 from stead.core.rpc import AgentReport, MasterClient, RegisterInfo
 from stead.core.statemachine import JobState, NodePhase, NodeState

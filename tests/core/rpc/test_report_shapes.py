@@ -26,7 +26,7 @@ from stead.core.events import (
     WorkersStarted,
     WorkersSucceeded,
 )
-from stead.core.hub import AgentHub
+from stead.core.master.gateway import AgentHub
 from stead.core.rpc import AgentReport, AgentServicer, RpcServer, attach_token, new_token
 from stead.core.rpc._convert import (
     failure_from_proto,

@@ -342,7 +342,7 @@ def test_the_ready_count_kept_across_joins_is_the_count_of_ready_nodes(
         history: tuple[JobSubmitted, list[Event]]) -> None:
     """Planning a round reads how many nodes are ready from a count kept join by join (a scan at every join made
     a 10,000-node rendezvous quadratic); it must be the count a scan gives, at every point of every history."""
-    from stead.core.statemachine._nodes import Ready
+    from stead.core.statemachine.node_counts import Ready
 
     folder = Folder()
     for event in history[1]:

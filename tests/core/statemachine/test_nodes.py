@@ -7,7 +7,7 @@ import dataclasses
 from stead.core.events import JobSubmitted, NodeLost
 from stead.core.serde import from_json, to_json
 from stead.core.statemachine import JobState
-from stead.core.statemachine._nodes import Nodes, Ready, ready_count
+from stead.core.statemachine.node_counts import Nodes, Ready, ready_count
 from stead.testing.replay import folded, node_up
 
 SPEC = JobSubmitted(job="j", min_nodes=4, max_nodes=4, nproc_per_node=1)

@@ -34,7 +34,7 @@ SETTINGS = K8sSettings(image="stead:test", memory="8Gi", cpu="4", checkpoint_cla
                        node_selector="pool=gpu", tolerations='[{"key": "gpu", "operator": "Exists"}]')
 OWNER = Owner("stead.dev/v1", "SteadJob", "demo", "0f0e0d0c-0000-4000-8000-000000000001")
 OBJECTS = JobObjects(job="demo", namespace="jobs", master_address="demo-master.jobs.svc:50051", owner=OWNER)
-AGENT = NodeSpec(job="demo", node_id="node-3", incarnation=2, env={"STEAD_RUN_ARGV": '["train.py"]'},
+AGENT = NodeSpec(job="demo", node_id="node-3", incarnation=2, env={"STEAD_RUN_SPEC": '{"job_name": "demo"}'},
                  command=("/opt/venv/bin/python3", "-m", "stead", "agent", "--master", "127.0.0.1:4000",
                           "--token-file", "/home/me/.stead/demo.token", "--node-id", "node-3", "--incarnation", "2"))
 
@@ -78,7 +78,7 @@ def test_a_node_pod_has_a_memory_dev_shm_the_checkpoint_claim_and_its_host_in_th
     env = {e["name"]: e for e in _container(pod)["env"]}
     assert env[HOST_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["STEAD_CKPT_DIR"]["value"] == "/stead/checkpoints"
-    assert env["STEAD_RUN_ARGV"]["value"] == '["train.py"]'
+    assert env["STEAD_RUN_SPEC"]["value"] == '{"job_name": "demo"}'
     assert _container(pod)["resources"] == {"requests": {"cpu": "4", "memory": "8Gi"},
                                             "limits": {"cpu": "4", "memory": "8Gi"}}
     assert _container(pod)["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE"]}

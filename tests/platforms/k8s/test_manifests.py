@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 import yaml
 
+from stead.cli.run_args import build_parser
 from stead.core.errors import ConfigError
-from stead.core.launch import build_parser
 from stead.platforms.k8s import manifests
 from stead.platforms.k8s.isolation import store_ports
 from stead.platforms.k8s.names import API_GROUP, LABEL_JOB

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from stead.core.agent import progress
+from stead.core.worker import progress
 from stead.plugins.ckpt.errors import StateMismatch
 from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.state import Checkpoint
