@@ -1,6 +1,6 @@
 """The master's side of the agent protocol: registration, heartbeats, commands.
 
-The hub turns agent calls into events (a registration into NodeJoined; a report
+The gateway turns agent calls into events (a registration into NodeJoined; a report
 arrives as the event it reports, WorkerFailed, ..., recorded once its node
 incarnation is known live), keeps one ordered command queue per node
 incarnation, watches heartbeats to declare silent nodes lost, and aggregates
@@ -11,8 +11,8 @@ A command is done when its agent acknowledged it, not when it is queued here: th
 job state keeps each node's command in force until then (see
 :mod:`stead.core.statemachine.commands`), and every command stream an agent opens,
 to this master or to one that took over, starts with that command. Agents
-acknowledge on their heartbeats; the hub records the acknowledgements of many
-nodes in one ``CommandsAcked`` event (:meth:`AgentHub.record_acks`), not one store
+acknowledge on their heartbeats; the gateway records the acknowledgements of many
+nodes in one ``CommandsAcked`` event (:meth:`AgentGateway.record_acks`), not one store
 write each.
 """
 
@@ -68,9 +68,9 @@ from stead.core.statemachine import (
     in_force,
 )
 
-__all__ = ["AgentHub"]
+__all__ = ["AgentGateway"]
 
-log = structlog.get_logger("stead.hub")
+log = structlog.get_logger("stead.gateway")
 
 #: the longest the heartbeat watcher sleeps between two looks at the nodes
 _WATCH_MAX_S = 0.5
@@ -107,7 +107,7 @@ class _Node:
     telemetry: NodeTelemetry | None = None
 
 
-class AgentHub:
+class AgentGateway:
     def __init__(
         self,
         *,
@@ -469,7 +469,7 @@ class AgentHub:
             allowance = self.settings.heartbeat_timeout_s + max(lag for _, lag in lags)
             if self._state().phase.terminal:
                 continue  # the job ended: its nodes stop (and go quiet) within shutdown_grace_s, not lost
-            # one cheap pass over the hub's own records; the job state is looked at for the few that are late
+            # one cheap pass over the gateway's own records; the job state is looked at for the few that are late
             late = [node_id for node_id, node in self._nodes.items() if now - node.seen > allowance]
             nodes = self._state().nodes
             for node_id in late:

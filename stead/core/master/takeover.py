@@ -87,7 +87,7 @@ class Takeover:
 
     async def adopt_nodes(self, state: JobState) -> None:
         """Have the platform take over the nodes an earlier master launched that the log says still run (the
-        commands their agents did not acknowledge are in the state: the hub gives them when the agents connect)."""
+        commands their agents did not acknowledge are in the state: the gateway gives them when the agents connect)."""
         if self.platform is None:
             return
         for node in nodes_to_adopt(state):

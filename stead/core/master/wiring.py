@@ -52,7 +52,7 @@ from stead.core.events import Event, JobSubmitted, PluginsStarted, Record
 from stead.core.events.log import EventLog, job_prefix
 from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, held_job_token
 from stead.core.master.executor import Executor, NodeSpecFactory
-from stead.core.master.gateway import AgentHub
+from stead.core.master.gateway import AgentGateway
 from stead.core.master.gcsteward import steward_gc
 from stead.core.master.plugin_host import PluginHost
 from stead.core.master.rdzv_stores import RoundStores
@@ -152,9 +152,9 @@ class Master:
         #: where the Prometheus metrics are served; None when they are not
         self.metrics_url: str | None = None
         self.plugin_host: PluginHost | None = None
-        self.hub = AgentHub(job=config.job, settings=self.settings, submit=self.submit, get_state=lambda: self.state,
+        self.gateway = AgentGateway(job=config.job, settings=self.settings, submit=self.submit, get_state=lambda: self.state,
                             store_addr=lambda: self.rounds.latest, round_store=self.rounds.for_round)
-        self.hub.serving = False  # until the log is replayed (see _start)
+        self.gateway.serving = False  # until the log is replayed (see _start)
 
     # -- public API --------------------------------------------------------------
 
@@ -250,19 +250,19 @@ class Master:
         structlog.contextvars.bind_contextvars(job=cfg.job)
         self._store = await open_store_retrying(cfg.store_url, self.settings, deadline_s=cfg.store_wait_s)
         self._stack.push_async_callback(self._store.close)
-        handlers: list[Any] = [AgentServicer(self.hub)]
+        handlers: list[Any] = [AgentServicer(self.gateway)]
         plugins = [*load_plugins(settings=self.settings, enabled=cfg.plugins, disabled=cfg.disabled_plugins),
                    *cfg.plugin_objects]
         self.plugin_host = PluginHost(plugins, job=cfg.job, settings=self.settings, store=self._store,
                                       state=lambda: self.state, emit=self.submit, add_rpc_handler=handlers.append,
-                                      telemetry=self.hub.telemetry, clock=cfg.clock)
+                                      telemetry=self.gateway.telemetry, clock=cfg.clock)
         observers: list[Any] = [self.tracer]
         if cfg.metrics_port >= 0:  # the log so far first: a master that takes over counts the whole job
             self.metrics = JobMetrics(cfg.job, lambda: self.state)
             events = EventLog(self._store, cfg.job)
             self.metrics.seed(await retrying(events.scan, self.settings, what=f"event log of {cfg.job}"))
             observers.append(self.metrics.observe)
-        executor = Executor(platform=cfg.platform, node_spec=cfg.node_spec, hub=self.hub, rounds=self.rounds,
+        executor = Executor(platform=cfg.platform, node_spec=cfg.node_spec, gateway=self.gateway, rounds=self.rounds,
                             address=lambda: self.address, token_file=self.token_file)
         self._reactor = await self._stack.enter_async_context(Reactor(
             EventLog(self._store, cfg.job, clock=cfg.clock.now), executor, settings=self.settings,
@@ -299,12 +299,12 @@ class Master:
         if cfg.platform is not None:
             platform = cfg.platform
             tasks.start("platform-events", lambda: self._pump_platform(platform))
-        tasks.start("heartbeats", self.hub.watch_heartbeats)
-        tasks.start("progress", self.hub.watch_progress)
-        tasks.start("acks", self.hub.record_acks)
+        tasks.start("heartbeats", self.gateway.watch_heartbeats)
+        tasks.start("progress", self.gateway.watch_progress)
+        tasks.start("acks", self.gateway.record_acks)
         tasks.start("gc", lambda: steward_gc(self.settings))
         await self._reactor.resume(before_acting=takeover.adopt_nodes)
-        self.hub.serving = True
+        self.gateway.serving = True
         host = self.plugin_host
         await self._reactor.submit_many([*host.start_failures, PluginsStarted(plugins=tuple(host.names),
                                                                               deciders=tuple(host.deciders))])

@@ -392,9 +392,9 @@ async def test_agents_are_told_to_retry_while_the_master_replays_its_log(tmp_pat
     master = Master(_config(tmp_path, "memory://", RecordingPlatform(), "early"))
     beat = HeartbeatInfo(node_id="node-0", incarnation=1, round=1, step=None, workers_alive=2)
     with pytest.raises(RpcUnavailable, match="is starting"):
-        await master.hub.heartbeat(beat)
+        await master.gateway.heartbeat(beat)
     with pytest.raises(RpcUnavailable, match="is starting"):
-        await master.hub.register(_register("node-0"))
+        await master.gateway.register(_register("node-0"))
 
 
 class _StoreAwayAtAdoption(RecordingPlatform):

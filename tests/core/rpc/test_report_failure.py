@@ -14,7 +14,7 @@ from stead.core.errors import StoreUnavailable
 from stead.core.events import Event, JobSubmitted, Record, WorkerFailed
 from stead.core.events.log import EventLog
 from stead.core.master import Master, MasterConfig
-from stead.core.master.gateway import AgentHub
+from stead.core.master.gateway import AgentGateway
 from stead.core.platform import NodeSpec
 from stead.core.rpc import AgentReport, MasterClient, RegisterInfo
 from stead.core.statemachine import JobState, NodePhase, NodeState
@@ -86,13 +86,13 @@ async def test_a_report_whose_recording_failed_is_recorded_by_its_retry() -> Non
         return Record(seq=len(recorded), at=0.0, event=event)
 
     state = JobState(nodes={"node-0": NodeState(node_id="node-0", incarnation=1, phase=NodePhase.JOINED)})
-    hub = AgentHub(job=JOB, settings=Settings(), submit=submit, get_state=lambda: state,
+    gateway = AgentGateway(job=JOB, settings=Settings(), submit=submit, get_state=lambda: state,
                    store_addr=lambda: ("127.0.0.1", 1))
     with pytest.raises(StoreUnavailable):
-        await hub.report_failure(FAILURE)
-    await hub.report_failure(FAILURE)
-    await hub.report_failure(FAILURE)
-    await hub.report_failure(_with(round=2))  # a later round: a new failure
+        await gateway.report_failure(FAILURE)
+    await gateway.report_failure(FAILURE)
+    await gateway.report_failure(FAILURE)
+    await gateway.report_failure(_with(round=2))  # a later round: a new failure
     assert [(e.round, e.rank) for e in recorded if isinstance(e, WorkerFailed)] == [(1, 0), (2, 0)]
 
 
@@ -113,14 +113,14 @@ async def test_a_report_whose_caller_went_away_and_whose_recording_then_failed_i
         return Record(seq=len(recorded), at=0.0, event=event)
 
     state = JobState(nodes={"node-0": NodeState(node_id="node-0", incarnation=1, phase=NodePhase.JOINED)})
-    hub = AgentHub(job=JOB, settings=Settings(), submit=submit, get_state=lambda: state,
+    gateway = AgentGateway(job=JOB, settings=Settings(), submit=submit, get_state=lambda: state,
                    store_addr=lambda: ("127.0.0.1", 1))
-    first = asyncio.create_task(hub.report_failure(FAILURE))
+    first = asyncio.create_task(gateway.report_failure(FAILURE))
     await asyncio.sleep(0)  # the first report is being recorded
     first.cancel()  # its caller's deadline passed
     with pytest.raises(asyncio.CancelledError):
         await first
-    retry = asyncio.create_task(hub.report_failure(FAILURE))  # the agent retries while the first is pending
+    retry = asyncio.create_task(gateway.report_failure(FAILURE))  # the agent retries while the first is pending
     await asyncio.sleep(0)
     store_back.set()
     await retry

@@ -1,5 +1,5 @@
 """An agent's report has one shape from the wire to the event log: each message converts to its event with every
-field, and each bad report is refused, by the servicer or by the master's hub, in the same words as before."""
+field, and each bad report is refused, by the servicer or by the master's gateway, in the same words as before."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from stead.core.events import (
     WorkersStarted,
     WorkersSucceeded,
 )
-from stead.core.master.gateway import AgentHub
+from stead.core.master.gateway import AgentGateway
 from stead.core.rpc import AgentReport, AgentServicer, RpcServer, attach_token, new_token
 from stead.core.rpc._convert import (
     failure_from_proto,
@@ -196,7 +196,7 @@ REFUSALS: list[tuple[str, betterproto2.Message, str]] = [
                                      collectives=[pb.PeerCollective(peer="")]),
      "HealthReport.collectives[0].peer is empty: pass the node's id (the one the agent was started with): "
      "1-253 letters, digits, '.', '_' or '-', starting with a letter or digit"),
-    # a node incarnation the job does not know (a stale agent), in the hub
+    # a node incarnation the job does not know (a stale agent), in the gateway
     ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=2),
      "node node-0 incarnation 2 is not a live node"),
     ("report_failure", pb.FailureReport(node_id="node-9", incarnation=1),
@@ -212,7 +212,7 @@ REFUSALS: list[tuple[str, betterproto2.Message, str]] = [
 
 @pytest.fixture
 async def hub_server() -> AsyncIterator[tuple[RpcServer, str, list[Event]]]:
-    """A real hub, whose job has node-0 (incarnation 1) joined, behind a real server; and what it recorded."""
+    """A real gateway, whose job has node-0 (incarnation 1) joined, behind a real server; and what it recorded."""
     recorded: list[Event] = []
 
     async def submit(event: Event) -> Record:
@@ -220,10 +220,10 @@ async def hub_server() -> AsyncIterator[tuple[RpcServer, str, list[Event]]]:
         return Record(seq=len(recorded), at=0.0, event=event)
 
     state = JobState(nodes={_LIVE: NodeState(node_id=_LIVE, incarnation=1, phase=NodePhase.JOINED)})
-    hub = AgentHub(job="shapes", settings=Settings(), submit=submit, get_state=lambda: state,
+    gateway = AgentGateway(job="shapes", settings=Settings(), submit=submit, get_state=lambda: state,
                    store_addr=lambda: ("127.0.0.1", 1))
     token = new_token()
-    async with RpcServer([AgentServicer(hub)], token=token, token_file="/run/stead/shapes/token") as server:
+    async with RpcServer([AgentServicer(gateway)], token=token, token_file="/run/stead/shapes/token") as server:
         yield server, token, recorded
 
 
