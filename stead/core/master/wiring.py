@@ -152,8 +152,9 @@ class Master:
         #: where the Prometheus metrics are served; None when they are not
         self.metrics_url: str | None = None
         self.plugin_host: PluginHost | None = None
-        self.gateway = AgentGateway(job=config.job, settings=self.settings, submit=self.submit, get_state=lambda: self.state,
-                            store_addr=lambda: self.rounds.latest, round_store=self.rounds.for_round)
+        self.gateway = AgentGateway(job=config.job, settings=self.settings, submit=self.submit,
+                                    get_state=lambda: self.state, store_addr=lambda: self.rounds.latest,
+                                    round_store=self.rounds.for_round)
         self.gateway.serving = False  # until the log is replayed (see _start)
 
     # -- public API --------------------------------------------------------------
