@@ -57,6 +57,14 @@ async def wait_dead(pid: int) -> None:
             await anyio.sleep(0.02)
 
 
+async def wait_running(pid: int, code: str) -> None:
+    """Until ``pid`` runs ``code`` (``python -c code``): a launched node's process is reported started before it
+    has replaced the forked copy of its parent, whose environment does not name the node yet."""
+    with anyio.fail_after(TIMEOUT_S):
+        while code.encode() not in (await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()).split(b"\0"):  # noqa: ASYNC110
+            await anyio.sleep(0.02)
+
+
 async def wait_exists(path: Path) -> None:
     with anyio.fail_after(TIMEOUT_S):
         while not await anyio.Path(path).exists():  # noqa: ASYNC110

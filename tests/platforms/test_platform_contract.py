@@ -32,6 +32,7 @@ from _platform_helpers import (
     read_pid,
     remaining_events,
     wait_dead,
+    wait_running,
 )
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -291,6 +292,7 @@ async def test_closing_stops_adopted_nodes_too(backend: Backend, strays: list[in
         started = await next_event(first.events())
         assert isinstance(started, NodeStarted) and started.pid is not None
         strays.append(started.pid)
+        await wait_running(started.pid, SLEEP)  # what a second master finds is the agent, not a copy of the first
         async with backend.make(SETTINGS) as second:
             events = second.events()
             assert await second.adopt(agent(SLEEP, node="n1", incarnation=1), pid=started.pid)
