@@ -6,7 +6,9 @@
 - :mod:`tests.support.kube_validate`: offline checks of Kubernetes objects (OpenAPI schemas, CRD schemas, Pod
   Security Standards), for the manifests' tests;
 - :mod:`tests.support.h2peer` and :mod:`tests.support.wire`: a bare HTTP/2 peer and protobuf request bodies
-  written byte by byte, what a broken or hostile client sends, for the RPC limit and fuzz tests.
+  written byte by byte, what a broken or hostile client sends, for the RPC limit and fuzz tests;
+- :mod:`tests.support.history`: the fault injection and the surviving training history of the whole-job tests
+  that check exactly-once data across failures (``tests/e2e``, ``tests/chaos``).
 
 Helpers for plugin and platform authors stay in :mod:`stead.testing`. The repository's root is on ``sys.path``
 for pytest (``pythonpath`` in ``pyproject.toml``), mypy and import-linter (they run there); a benchmark puts it
