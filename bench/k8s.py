@@ -1,7 +1,7 @@
 """Relaunching many pods on Kubernetes: from the relaunch decision until the informer has seen them all Running.
 
 The Kubernetes platform (``stead.platforms.k8s``) runs against the test API server
-(``stead.testing.kube.FakeKubeApi``: the real REST and watch protocol over HTTP, with
+(``tests.support.kube.FakeKubeApi``: the real REST and watch protocol over HTTP, with
 20 ms of latency added to every request, as ``--latency-ms`` says) and a fake kubelet
 that marks each bound pod Running without running it. For N = 30 and 300 nodes, every
 node is launched and seen Running; then all of them are relaunched at once, as a mass
@@ -40,7 +40,7 @@ from stead.core.platform import NodeSpec
 from stead.platforms.k8s import K8sPlatform, K8sSettings
 from stead.platforms.k8s._client import SECRETS, Kube
 from stead.platforms.k8s.pods import token_secret
-from stead.testing.kube import FakeKubeApi, FakeKubelet
+from tests.support.kube import FakeKubeApi, FakeKubelet
 
 JOB = "bench"
 IMAGE = "stead:bench"

@@ -2,7 +2,7 @@
 
 The Kubernetes platform checks a job's requests before it asks for a pod, the
 scaler raises a memory limit after an out-of-memory kill, and the test cluster
-(:mod:`stead.testing.kube`) refuses what a real API server refuses: one exact
+(``tests/support/kube``) refuses what a real API server refuses: one exact
 (decimal, never float) reading for all three.
 """
 

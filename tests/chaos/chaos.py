@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from stead.testing.etcd import EtcdServer
-from stead.testing.history import FAULT_FUNCTION
+from tests.support.history import FAULT_FUNCTION
 
 __all__ = ["DRIVER_KINDS", "WORKER_KINDS", "ChaosResult", "Fault", "expected_weights", "run_chaos", "schedule"]
 

@@ -25,7 +25,7 @@ from stead.core.events.log import EventLog
 from stead.core.store import open_store
 from stead.plugins.ckpt.events import CheckpointCorrupt
 from stead.testing.etcd import EtcdServer
-from stead.testing.history import surviving_history
+from tests.support.history import surviving_history
 
 pytestmark = pytest.mark.e2e
 

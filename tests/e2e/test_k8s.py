@@ -1,6 +1,6 @@
 """Jobs on Kubernetes end to end: `stead run --platform k8s` against a test cluster whose pods really run.
 
-The cluster is :mod:`stead.testing.kube`: an API server that speaks the real REST and watch
+The cluster is :mod:`tests.support.kube`: an API server that speaks the real REST and watch
 protocol (the platform's kubernetes_asyncio client and the operator's kopf talk to it over HTTP)
 and a fake kubelet that runs each pod's command as a local process on one of three fake hosts,
 each with its own /dev/shm and scratch space. The store is a real etcd. The job trains with
@@ -27,7 +27,7 @@ import anyio.abc
 import pytest
 
 from stead.platforms.k8s import names
-from stead.testing.kube import FakeKubeApi, FakeKubelet, local_image_env
+from tests.support.kube import FakeKubeApi, FakeKubelet, local_image_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 

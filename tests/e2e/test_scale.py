@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from stead.testing.history import FAULT_FUNCTION, surviving_history
+from tests.support.history import FAULT_FUNCTION, surviving_history
 
 pytestmark = pytest.mark.e2e
 

@@ -24,7 +24,7 @@ import pytest
 from stead.core.events.log import EventLog
 from stead.core.store import open_store
 from stead.plugins.sharding.events import LeasesReleased, ShardRoundStarted
-from stead.testing.history import FAULT_FUNCTION, surviving_history
+from tests.support.history import FAULT_FUNCTION, surviving_history
 
 RunJob = Callable[..., Any]  # the run_job fixture of conftest.py
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from stead.testing.history import FAULT_FUNCTION, surviving_history
 from stead.testing.leaks import SHM_NAMESPACE_ENV
+from tests.support.history import FAULT_FUNCTION, surviving_history
 
 pytestmark = pytest.mark.e2e
 

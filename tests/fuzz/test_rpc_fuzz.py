@@ -50,9 +50,9 @@ from stead.core.rpc._proto.stead.v1 import (
     ShardServiceBase,
 )
 from stead.core.rpc._wire import COUNT_BOUNDS
-from stead.testing.h2peer import RawAnswer, RawPeer
 from stead.testing.platforms import RecordingPlatform
-from stead.testing.wire import body_with, grpc_frame, repeated_fields
+from tests.support.h2peer import RawAnswer, RawPeer
+from tests.support.wire import body_with, grpc_frame, repeated_fields
 
 EXAMPLES = int(os.environ.get("STEAD_FUZZ_EXAMPLES", "120"))
 #: over every string field's bound (the longest, a stack dump, is 64 Ki characters) and over the cheapest list one

@@ -65,7 +65,7 @@ class Backend:
 
 
 class OnTestCluster:
-    """The k8s platform with a test cluster of its own (:mod:`stead.testing.kube`) around it: its pods run the
+    """The k8s platform with a test cluster of its own (:mod:`tests.support.kube`) around it: its pods run the
     agents' commands as processes of this machine."""
 
     def __init__(self, settings: Settings) -> None:
@@ -76,7 +76,7 @@ class OnTestCluster:
         from stead.platforms.k8s import K8sPlatform, K8sSettings
         from stead.platforms.k8s._client import SECRETS, Kube
         from stead.platforms.k8s.pods import token_secret
-        from stead.testing.kube import FakeKubeApi, FakeKubelet, local_image_env
+        from tests.support.kube import FakeKubeApi, FakeKubelet, local_image_env
 
         async with contextlib.AsyncExitStack() as stack:
             root = stack.enter_context(tempfile.TemporaryDirectory(prefix="stead-cluster-"))

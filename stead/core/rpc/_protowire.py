@@ -1,7 +1,7 @@
 """The few pieces of the protobuf wire format stead reads and writes by hand, without a schema.
 
 :mod:`._wire` reads a request's fields before betterproto decodes it; :mod:`._refusals` writes and reads a
-``google.rpc.Status`` (whose types stead does not generate); :mod:`stead.testing.wire` writes what a hostile
+``google.rpc.Status`` (whose types stead does not generate); ``tests/support/wire.py`` writes what a hostile
 client sends. A field is a tag (its number and wire type, a varint) and a value: a varint, 8 bytes, 4 bytes, or
 a length (a varint) and that many bytes.
 """

@@ -17,8 +17,8 @@ from stead.core.config import Settings
 from stead.core.errors import RpcUnavailable
 from stead.core.rpc import AgentServicer, HeartbeatInfo, MasterClient, RegisterInfo, RpcServer, StopNodeCmd
 from stead.core.rpc._proto.stead.v1 import RegisterRequest
-from stead.testing.h2peer import DeafPeer, RawPeer
-from stead.testing.wire import grpc_frame
+from tests.support.h2peer import DeafPeer, RawPeer
+from tests.support.wire import grpc_frame
 
 pytestmark = pytest.mark.anyio
 

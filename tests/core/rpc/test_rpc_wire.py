@@ -23,8 +23,8 @@ from stead.core.rpc._refusals import Refusal, RefusalCodec
 from stead.core.rpc._wire import COUNT_BOUNDS, MAX_ENTRIES, MAX_UNKNOWN_FIELDS, check_wire
 from stead.core.rpc.backend import MAX_BATCH_BEATS, AgentBackend
 from stead.plugins.ckpt._shm import SLOTS
-from stead.testing.h2peer import RawPeer
-from stead.testing.wire import body_with, grpc_frame, repeated_fields
+from tests.support.h2peer import RawPeer
+from tests.support.wire import body_with, grpc_frame, repeated_fields
 
 pytestmark = pytest.mark.anyio
 

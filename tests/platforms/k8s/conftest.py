@@ -1,7 +1,7 @@
 """Fixtures for the Kubernetes tests: a fake API server, a fake kubelet, and real clients of them.
 
-``kube_api`` is a :class:`~stead.testing.kube.FakeKubeApi` (bookmarks every 0.2 s so
-that watch tests stay short); ``kubelet`` a :class:`~stead.testing.kube.FakeKubelet` with
+``kube_api`` is a :class:`~tests.support.kube.FakeKubeApi` (bookmarks every 0.2 s so
+that watch tests stay short); ``kubelet`` a :class:`~tests.support.kube.FakeKubelet` with
 three nodes (``host-a``, ``host-b``, ``host-c``), the image ``stead:test`` (this
 interpreter) and retries every 0.1 s (a missing Secret or image is looked for again
 soon); ``kube_client`` a kubernetes_asyncio ``ApiClient`` for ``kube_api``, and
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
-from stead.testing.kube import FakeKubeApi, FakeKubelet, local_image_env
+from tests.support.kube import FakeKubeApi, FakeKubelet, local_image_env
 
 #: the image every fake node knows: this interpreter, its venv first on PATH
 TEST_IMAGE = "stead:test"

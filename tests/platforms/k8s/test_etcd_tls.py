@@ -20,7 +20,7 @@ from stead.core.errors import ConfigError, PlatformError, PlatformUnavailable
 from stead.platforms.k8s import etcd as etcd_manifests
 from stead.platforms.k8s.etcd_auth import EtcdAuth, main
 from stead.testing.etcd import etcd_binary
-from stead.testing.kube_validate import pod_security_violations, validate_builtin
+from tests.support.kube_validate import pod_security_violations, validate_builtin
 
 #: a guard against an etcd that never starts, not a measured duration
 START_TIMEOUT_S = 30.0

@@ -16,7 +16,7 @@ import pytest
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from stead.testing.kube import FakeKubeApi, parse_quantity
+from tests.support.kube import FakeKubeApi, parse_quantity
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ from conftest import TEST_IMAGE
 from kubernetes_asyncio import client
 
 from stead.core.procs import is_alive
-from stead.testing.kube import FakeKubeApi, FakeKubelet, local_image_env
+from tests.support.kube import FakeKubeApi, FakeKubelet, local_image_env
 
 pytestmark = pytest.mark.anyio
 

@@ -28,7 +28,7 @@ from stead.platforms.k8s.pods import (
 )
 from stead.platforms.k8s.settings import K8sSettings
 from stead.platforms.k8s.status import Ended, view
-from stead.testing.kube_validate import validate_builtin, validate_custom
+from tests.support.kube_validate import validate_builtin, validate_custom
 
 SETTINGS = K8sSettings(image="stead:test", memory="8Gi", cpu="4", checkpoint_claim="ckpts", ptrace=True,
                        node_selector="pool=gpu", tolerations='[{"key": "gpu", "operator": "Exists"}]')

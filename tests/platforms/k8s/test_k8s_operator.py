@@ -21,7 +21,7 @@ from stead.platforms.k8s import operator
 from stead.platforms.k8s._client import JOBS, PODS, SERVICE_ACCOUNTS, Kube, Resource
 from stead.platforms.k8s.manifests import custom_resource_definition
 from stead.platforms.k8s.settings import K8sSettings
-from stead.testing.kube import FakeKubeApi
+from tests.support.kube import FakeKubeApi
 
 pytestmark = pytest.mark.anyio
 

@@ -24,7 +24,7 @@ from stead.core.platform import NodeSpec, PlatformEvent
 from stead.platforms.k8s import K8sPlatform, K8sSettings
 from stead.platforms.k8s._client import PODS, SECRETS, Kube
 from stead.platforms.k8s.pods import token_secret
-from stead.testing.kube import FakeKubeApi, FakeKubelet
+from tests.support.kube import FakeKubeApi, FakeKubelet
 
 pytestmark = pytest.mark.anyio
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from stead.testing.kube import FakeKubeApi, FakeKubelet
+from tests.support.kube import FakeKubeApi, FakeKubelet
 
 pytestmark = pytest.mark.anyio
 

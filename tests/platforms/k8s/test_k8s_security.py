@@ -29,8 +29,8 @@ from stead.platforms.k8s.policy import (
     refusals,
 )
 from stead.platforms.k8s.settings import K8sSettings
-from stead.testing.kube import FakeKubeApi
-from stead.testing.kube_validate import pod_security_violations, validate_builtin
+from tests.support.kube import FakeKubeApi
+from tests.support.kube_validate import pod_security_violations, validate_builtin
 
 pytestmark = pytest.mark.anyio
 

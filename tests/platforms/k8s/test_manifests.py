@@ -18,7 +18,7 @@ from stead.core.errors import ConfigError
 from stead.platforms.k8s import manifests
 from stead.platforms.k8s.isolation import store_ports
 from stead.platforms.k8s.names import API_GROUP, LABEL_JOB
-from stead.testing.kube_validate import (
+from tests.support.kube_validate import (
     KUBERNETES_VERSION,
     ManifestInvalid,
     json_schema,

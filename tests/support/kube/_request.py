@@ -14,8 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from stead.testing.kube import _errors as errors
-from stead.testing.kube._store import DeleteOptions
+from tests.support.kube import _errors as errors
+from tests.support.kube._store import DeleteOptions
 
 __all__ = ["delete_options", "flag", "int_param", "options_from", "parse_version", "read_json"]
 

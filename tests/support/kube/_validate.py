@@ -17,7 +17,7 @@ from decimal import Decimal
 from typing import Any
 
 from stead.core.quantity import QUANTITY_PATTERN, QuantityError, parse_quantity
-from stead.testing.kube._resources import NameRule, ResourceType
+from tests.support.kube._resources import NameRule, ResourceType
 
 __all__ = ["Causes", "undecodable", "validate"]
 

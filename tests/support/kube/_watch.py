@@ -20,11 +20,11 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from stead.testing.kube._selectors import FieldSelector, LabelSelector
+from tests.support.kube._selectors import FieldSelector, LabelSelector
 
 __all__ = ["Change", "Watcher", "bookmark_line", "encode", "event_line", "stream_watch"]
 
-log = structlog.get_logger("stead.testing.kube.watch")
+log = structlog.get_logger("tests.support.kube.watch")
 
 Obj = dict[str, Any]
 

@@ -1,7 +1,7 @@
 """A fake node's volumes: host directories standing in for what a real kubelet mounts.
 
 Every volume of a pod becomes a directory on this machine; a container sees it through
-path translation (see :mod:`stead.testing.kube.kubelet`). Where each kind lives:
+path translation (see :mod:`tests.support.kube.kubelet`). Where each kind lives:
 
 - ``emptyDir``: ``root/<node>/pods/<pod uid>/volumes/<volume>``; with ``medium: Memory``
   under the kubelet's own directory in ``/dev/shm`` (real tmpfs) instead;
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stead.testing.kube._podenv import PodRefs, data_of
+from tests.support.kube._podenv import PodRefs, data_of
 
 __all__ = ["UNTRANSLATED", "MountError", "PodVolumes", "container_mounts", "prepare_volumes"]
 

@@ -5,7 +5,7 @@ with respect to every other (one event loop, no await inside a write). Objects a
 per kind (``(group, plural)``) in dicts keyed by ``(namespace, name)``; a stored object is
 never mutated (a write stores a new dict), so history and watch events share them.
 
-Semantics follow the real server (the module docs of :mod:`stead.testing.kube.apiserver`
+Semantics follow the real server (the module docs of :mod:`tests.support.kube.apiserver`
 list where they depart): one global resourceVersion counter; ``generation`` counts
 changes outside ``metadata`` and ``status``; the status subresource; a no-op write
 changes nothing and sends nothing; finalizers hold a deleted object until an update
@@ -25,20 +25,20 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from stead.testing.kube import _errors as errors
-from stead.testing.kube._defaults import DEFAULT_GRACE_S, apply_defaults, pod_update_causes, qos_class
-from stead.testing.kube._errors import KubeStatusError
-from stead.testing.kube._patch import (
+from tests.support.kube import _errors as errors
+from tests.support.kube._defaults import DEFAULT_GRACE_S, apply_defaults, pod_update_causes, qos_class
+from tests.support.kube._errors import KubeStatusError
+from tests.support.kube._patch import (
     PatchApplyError,
     PatchFormatError,
     json_patch,
     merge_patch,
     strategic_merge_patch,
 )
-from stead.testing.kube._resources import Registry, ResourceType, types_from_crd
-from stead.testing.kube._selectors import FieldSelector, LabelSelector
-from stead.testing.kube._validate import undecodable, validate
-from stead.testing.kube._watch import Change, Watcher, bookmark_line, encode, event_line
+from tests.support.kube._resources import Registry, ResourceType, types_from_crd
+from tests.support.kube._selectors import FieldSelector, LabelSelector
+from tests.support.kube._validate import undecodable, validate
+from tests.support.kube._watch import Change, Watcher, bookmark_line, encode, event_line
 
 __all__ = ["DeleteOptions", "ListResult", "Store", "now_rfc3339"]
 

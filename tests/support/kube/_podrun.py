@@ -28,8 +28,8 @@ import structlog
 
 from stead.core.quantity import QuantityError, parse_quantity
 from stead.core.tasks import TaskOwner
-from stead.testing.kube._client import KubeApiError, KubeClient
-from stead.testing.kube._podenv import (
+from tests.support.kube._client import KubeApiError, KubeClient
+from tests.support.kube._podenv import (
     ConfigError,
     PodRefs,
     container_env,
@@ -38,7 +38,7 @@ from stead.testing.kube._podenv import (
     needed_refs,
     translate,
 )
-from stead.testing.kube._runtime import (
+from tests.support.kube._runtime import (
     ContainerRun,
     LaunchPlan,
     StartError,
@@ -49,13 +49,13 @@ from stead.testing.kube._runtime import (
     start_process,
     tree_rss,
 )
-from stead.testing.kube._scheduler import TERMINAL_PHASES
-from stead.testing.kube._store import now_rfc3339
-from stead.testing.kube._volumes import MountError, PodVolumes, container_mounts, prepare_volumes
+from tests.support.kube._scheduler import TERMINAL_PHASES
+from tests.support.kube._store import now_rfc3339
+from tests.support.kube._volumes import MountError, PodVolumes, container_mounts, prepare_volumes
 
 __all__ = ["POD_IP", "PodRun", "PodRunner", "StopKind"]
 
-log = structlog.get_logger("stead.testing.kube.kubelet")
+log = structlog.get_logger("tests.support.kube.kubelet")
 
 Obj = dict[str, Any]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from stead.core.procs import signal_group, tied_argv
-from stead.testing.kube._podenv import image_id
+from tests.support.kube._podenv import image_id
 
 __all__ = ["ContainerRun", "LaunchPlan", "StartError", "exit_code", "kill", "log_tail", "phase", "start_process",
            "terminated_reason", "tree_rss"]

@@ -23,13 +23,13 @@ import aiohttp
 import structlog
 
 from stead.core.tasks import TaskOwner
-from stead.testing.kube._client import KubeApiError, KubeClient
-from stead.testing.kube._scheduling import NodeUsage, node_rejection, pod_requests, unschedulable_message
-from stead.testing.kube._store import now_rfc3339
+from tests.support.kube._client import KubeApiError, KubeClient
+from tests.support.kube._scheduling import NodeUsage, node_rejection, pod_requests, unschedulable_message
+from tests.support.kube._store import now_rfc3339
 
 __all__ = ["TERMINAL_PHASES", "FakeScheduler"]
 
-log = structlog.get_logger("stead.testing.kube.scheduler")
+log = structlog.get_logger("tests.support.kube.scheduler")
 
 Obj = dict[str, Any]
 TERMINAL_PHASES = ("Succeeded", "Failed")

@@ -10,8 +10,8 @@
 """
 
 from stead.core.quantity import parse_quantity
-from stead.testing.kube._podenv import local_image_env
-from stead.testing.kube.apiserver import FakeKubeApi
-from stead.testing.kube.kubelet import FakeKubelet
+from tests.support.kube._podenv import local_image_env
+from tests.support.kube.apiserver import FakeKubeApi
+from tests.support.kube.kubelet import FakeKubelet
 
 __all__ = ["FakeKubeApi", "FakeKubelet", "local_image_env", "parse_quantity"]

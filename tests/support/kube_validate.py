@@ -12,7 +12,8 @@ the API server's Pod Security Admission enforces on a namespace labelled
 ``pod-security.kubernetes.io/enforce``.
 
 kubernetes-validate and jsonschema are development dependencies (``pip install
-'stead[dev]'``): they are imported when a check runs, never when stead is.
+'stead[dev]'``): they are imported when a check runs, and a missing one is a
+ConfigError that says what to install.
 """
 
 from __future__ import annotations

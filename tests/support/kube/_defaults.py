@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from stead.core.quantity import parse_quantity
-from stead.testing.kube._resources import ResourceType
-from stead.testing.kube._validate import Causes
+from tests.support.kube._resources import ResourceType
+from tests.support.kube._validate import Causes
 
 __all__ = ["DEFAULT_GRACE_S", "apply_defaults", "pod_update_causes", "qos_class"]
 

@@ -48,16 +48,16 @@ import aiohttp
 import structlog
 
 from stead.core.tasks import TaskOwner
-from stead.testing.kube._client import KubeApiError, KubeClient
-from stead.testing.kube._logs import LogEndpoint
-from stead.testing.kube._podenv import local_image_env
-from stead.testing.kube._podrun import POD_IP, PodRunner, StopKind
-from stead.testing.kube._scheduler import FakeScheduler
-from stead.testing.kube._store import now_rfc3339
+from tests.support.kube._client import KubeApiError, KubeClient
+from tests.support.kube._logs import LogEndpoint
+from tests.support.kube._podenv import local_image_env
+from tests.support.kube._podrun import POD_IP, PodRunner, StopKind
+from tests.support.kube._scheduler import FakeScheduler
+from tests.support.kube._store import now_rfc3339
 
 __all__ = ["FakeKubelet", "local_image_env"]
 
-log = structlog.get_logger("stead.testing.kube.kubelet")
+log = structlog.get_logger("tests.support.kube.kubelet")
 
 Obj = dict[str, Any]
 
@@ -158,7 +158,7 @@ class FakeKubelet:
         await self._close()
         if self._failures and exc is None:
             raise RuntimeError(f"the fake kubelet failed {len(self._failures)} time(s), first: "
-                               f"{self._failures[0]!r}; this is a bug of stead.testing.kube") from self._failures[0]
+                               f"{self._failures[0]!r}; this is a bug of tests.support.kube") from self._failures[0]
 
     async def _close(self) -> None:
         if self._runner is not None:

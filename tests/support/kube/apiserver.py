@@ -2,7 +2,7 @@
 
 stead's Kubernetes platform and operator are tested against this instead of a cluster:
 kubernetes_asyncio and kopf talk to it over HTTP exactly as they would to a real API
-server, and :class:`~stead.testing.kube.kubelet.FakeKubelet` (a client like any other)
+server, and :class:`~tests.support.kube.kubelet.FakeKubelet` (a client like any other)
 schedules and runs its pods. Every kind is handled by the same generic code (list,
 watch, get, create, replace, the three patch formats, delete, deletecollection, the
 status subresource), with the semantics the clients rely on: one global
@@ -52,17 +52,17 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from stead.testing.kube import _errors as errors
-from stead.testing.kube._errors import KubeStatusError
-from stead.testing.kube._request import delete_options, flag, int_param, options_from, parse_version, read_json
-from stead.testing.kube._resources import Registry, ResourceType
-from stead.testing.kube._selectors import FieldSelector, LabelSelector, SelectorError
-from stead.testing.kube._store import Store
-from stead.testing.kube._watch import encode, event_line, stream_watch
+from tests.support.kube import _errors as errors
+from tests.support.kube._errors import KubeStatusError
+from tests.support.kube._request import delete_options, flag, int_param, options_from, parse_version, read_json
+from tests.support.kube._resources import Registry, ResourceType
+from tests.support.kube._selectors import FieldSelector, LabelSelector, SelectorError
+from tests.support.kube._store import Store
+from tests.support.kube._watch import encode, event_line, stream_watch
 
 __all__ = ["DEFAULT_USER", "FakeKubeApi"]
 
-log = structlog.get_logger("stead.testing.kube.apiserver")
+log = structlog.get_logger("tests.support.kube.apiserver")
 
 #: who the requests are made as, in Forbidden messages
 DEFAULT_USER = "system:serviceaccount:default:default"
@@ -263,7 +263,7 @@ class FakeKubeApi:
         except Exception as exc:  # a bug of the fake: answer as the real server would, and say where
             log.exception("fake_apiserver_failed", method=request.method, path=request.path)
             return _json_response(errors.status_body(500, "InternalError", f"the fake API server failed: {exc!r}; "
-                                                     f"this is a bug of stead.testing.kube"), 500)
+                                                     f"this is a bug of tests.support.kube"), 500)
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         parts = [p for p in request.path.split("/") if p]
