@@ -2,8 +2,9 @@
 
 Nodes are launched and killed through the platform; workers are started and
 stopped, and nodes told to exit, through the gateway's command streams to the agents.
-The reactor claims each effect before it calls :meth:`Executor.run` and turns an
-exception into an ``EffectFailed`` event; here an effect either happens or raises.
+The reactor's effect journal (:mod:`.journal`) claims each effect before it calls
+:meth:`Executor.run` and turns an exception into an ``EffectFailed`` event; here an
+effect either happens or raises.
 A command's effect is done once the gateway queued the command: the command itself
 stays in force in the job state until its agent acknowledges it, and a new master
 gives it again from there (see :mod:`stead.core.statemachine.commands`).

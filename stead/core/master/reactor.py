@@ -5,9 +5,10 @@ plugin), goes through the same four steps, in this order::
 
     submit(event) ─▶ inbox ─▶ 1. persist  append to the event log: durable before anything acts on it
                               2. fold     the pure job machine (statemachine.fold): new state + effects
-                              3. act      Emit: its event appended with its effect id, atomically
-                                          StartTimer: armed (the armed timers are part of the state)
-                                          others: claimed in the store, run by the executor, marked done
+                              3. act      StartTimer: armed (the armed timers are part of the state)
+                                          the others: made once through the effect journal (.journal):
+                                          Emit's event appended with its effect key, atomically; the
+                                          rest claimed in the store, run by the executor, marked done
                               4. tell     observers and plugins get (record, the state at that record)
 
 Follow-up records (an emitted event, an ``EffectFailed``, a ``TransitionRejected``)
@@ -20,18 +21,12 @@ many as fit in one (at most ``_MAX_BATCH`` events and the store's
 one store write) or never encoded is refused to its submitter at once, before the
 store is asked, and the others go on.
 
-Effects run at most once across master restarts and are never lost to one: an
-effect's key ``/stead/jobs/<job>/effects/<id>`` is created (``running``) before it
-runs and marked ``done`` or ``failed`` after. A resumed master re-derives the
-effects of the records after its snapshot; it skips those marked done or failed
-and runs again those left ``running`` by a master that died (effects are
-idempotent by their ids). The many effects of one record (a round's start on every
-member) are claimed with one store write per 64 and marked done the same way:
-32 writes (fsyncs on sqlite) for a 1,000-node round, not 2,000. An effect that
-raises or outlasts ``effect_timeout_s`` becomes an ``EffectFailed`` event for the
-machine to decide on, never a log line only. A store that stays unreachable while the loop must write (past
-``retry_deadline_s``) stops the reactor with the error: the master fails loudly
-and its successor replays the log.
+A resumed master re-derives the effects of the records after its snapshot and hands
+them to the journal, which skips what a previous master finished and runs again
+what it left running (:mod:`stead.core.master.journal`). An effect that fails
+comes back as an ``EffectFailed`` event, recorded and folded as any other. A store
+that stays unreachable while the loop must write (past ``retry_deadline_s``) stops
+the reactor with the error: the master fails loudly and its successor replays the log.
 """
 
 from __future__ import annotations
@@ -52,18 +47,17 @@ from stead.core.clock import WALL_CLOCK, Clock
 from stead.core.config import Settings
 from stead.core.errors import (
     CodecError,
-    EffectDeclined,
     LogConflict,
     LogCorrupt,
-    PlatformRejected,
     ReactorStopped,
     RetryableError,
     SteadError,
     WriteTooLarge,
 )
-from stead.core.events import EffectFailed, Event, Record, TimerFired, TimerName, TransitionRejected
+from stead.core.events import Event, Record, TimerFired, TimerName, TransitionRejected
 from stead.core.events.base import EncodedEvent
-from stead.core.events.log import EventLog, job_prefix
+from stead.core.events.log import EventLog
+from stead.core.master.journal import EffectJournal, EffectRunner
 from stead.core.retry import Backoff, retrying
 from stead.core.serde import from_json, to_json
 from stead.core.statemachine import Effect, Emit, JobState, StartTimer, fold
@@ -73,18 +67,11 @@ __all__ = ["EffectRunner", "PluginSink", "Reactor", "ReactorStopped"]
 
 log = structlog.get_logger("stead.reactor")
 
-_RUNNING, _DONE, _FAILED = b"running", b"done", b"failed"
 #: most events appended in one store write (an emitted event's effect key rides along); fewer when their records
 #: would make the write larger than the store takes (EventLog.append_budget)
 _MAX_BATCH = 64
 
 T = TypeVar("T")
-
-
-class EffectRunner(Protocol):
-    """Carries out effects other than Emit and StartTimer; raises when it cannot."""
-
-    async def run(self, effect: Effect) -> None: ...
 
 
 class PluginSink(Protocol):
@@ -122,7 +109,7 @@ class Reactor:
         clock: Clock = WALL_CLOCK,
     ) -> None:
         self.log = event_log
-        self.executor = executor
+        self.journal = EffectJournal(event_log, executor, settings=settings, clock=clock)
         self.settings = settings
         self.plugins = plugins
         self._observers = list(observers)
@@ -132,8 +119,6 @@ class Reactor:
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
         self._scheduled: set[TimerName] = set()
-        #: effect keys of the emissions this reactor made or found made
-        self._emitted: set[str] = set()
         self._tasks = TaskOwner()
         self._since_snapshot = 0
         self._stopped: BaseException | None = None
@@ -150,9 +135,6 @@ class Reactor:
         runs or after a clean stop."""
         stopped = self._stopped
         return None if stopped is None or isinstance(stopped, asyncio.CancelledError | ReactorStopped) else stopped
-
-    def _effect_key(self, effect: Effect) -> str:
-        return f"{job_prefix(self.log.job)}effects/{effect.id}"
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -315,45 +297,22 @@ class Reactor:
             await self._maybe_snapshot()
 
     async def _act(self, effects: Sequence[Effect], queue: collections.deque[Record], *, resuming: bool) -> None:
-        """Emits appended (in order), timers armed, the other effects run concurrently."""
+        """Emits appended (in order), timers armed, the other effects run concurrently; what they record (emitted
+        events, the failures) joins ``queue``."""
         others: list[Effect] = []
         for effect in effects:
             if isinstance(effect, StartTimer):
                 continue  # armed from the state's timers
             if isinstance(effect, Emit):
-                queue.extend(await self._emit(effect, resuming=resuming))
+                queue.extend(await self.journal.emit(effect, resuming=resuming))
             else:
                 others.append(effect)
         self._arm_timers()
         if not others:
             return
-        failures: list[EffectFailed] = []
-        if resuming or len(others) == 1:
-            async with anyio.create_task_group() as tg:
-                for effect in others:
-                    tg.start_soon(self._run_effect, effect, resuming, failures)
-        else:
-            await self._run_batch(others, failures)
+        failures = await self.journal.run(others, resuming=resuming)
         if failures:
             queue.extend(await self._append_own(failures))
-
-    async def _run_batch(self, effects: Sequence[Effect], failures: list[EffectFailed]) -> None:
-        """Many effects of one record (a round's StartWorkers to every member): claimed together and marked done
-        together, a store write per ``_MAX_BATCH`` effects instead of two per effect (each an fsync on sqlite)."""
-        chunks = [effects[i:i + _MAX_BATCH] for i in range(0, len(effects), _MAX_BATCH)]
-        outcomes: dict[str, bytes] = {}
-        async with anyio.create_task_group() as tg:
-            for chunk in chunks:  # each chunk runs once claimed: the first nodes hear at once, not after every write
-                claims = [(self._effect_key(e), _RUNNING) for e in chunk]
-                claimed = await self._write(functools.partial(self.log.store.create_all, claims))
-                for effect in chunk:
-                    if claimed:
-                        tg.start_soon(self._carry_out, effect, failures, outcomes)
-                    else:  # one of them was claimed already (it should not be): each on its own, as ever
-                        tg.start_soon(self._run_effect, effect, False, failures)
-        done = list(outcomes.items())
-        for i in range(0, len(done), _MAX_BATCH):
-            await self._write(functools.partial(self.log.store.put_all, done[i:i + _MAX_BATCH]))
 
     async def _append_own(self, events: Sequence[Event]) -> list[Record]:
         """Append events of the loop's own (a round's EffectFailed, one per member), in as many writes as they
@@ -363,61 +322,6 @@ class Reactor:
         for part in _batches(encoded, count=lambda _: 1, cost=self.log.cost, budget=self.log.append_budget):
             records += await self._write(functools.partial(self.log.append_many, part))
         return records
-
-    async def _emit(self, effect: Emit, *, resuming: bool) -> list[Record]:
-        """Append the emitted event together with its effect key (unless this master or a previous one did).
-
-        The machine may ask twice for the same emission: records persisted together are folded in order, so a
-        second record can ask again before the first one's emitted event is folded (two agents' NodeJoined for
-        the last place of a round, a retried registration). Same key, same emission: done once.
-        """
-        key = self._effect_key(effect)
-        if key in self._emitted:
-            log.debug("emit_repeated", job=self.log.job, effect=effect.id)
-            return []
-        if resuming and await self._write(lambda: self.log.store.get(key)) is not None:
-            self._emitted.add(key)
-            return []
-        records: list[Record] = await self._write(lambda: self.log.append_many([effect.event], extra=[(key, b"")]))
-        self._emitted.add(key)
-        return records
-
-    async def _run_effect(self, effect: Effect, resuming: bool, failures: list[EffectFailed]) -> None:
-        key = self._effect_key(effect)
-        if not await self._write(lambda: self.log.store.compare_and_put(key, _RUNNING, expected_mod_revision=0)):
-            claim = await self._write(lambda: self.log.store.get(key))
-            if claim is None or claim.value != _RUNNING or not resuming:
-                if not resuming:
-                    log.warning("effect_already_ran", job=self.log.job, effect=effect.id)
-                return
-            log.info("effect_rerun", job=self.log.job, effect=effect.id,
-                     reason="a previous master died while it ran")
-        outcomes: dict[str, bytes] = {}
-        await self._carry_out(effect, failures, outcomes)
-        if key in outcomes:
-            await self._write(lambda: self.log.store.put(key, outcomes[key]))
-
-    async def _carry_out(self, effect: Effect, failures: list[EffectFailed], outcomes: dict[str, bytes]) -> None:
-        """Run a claimed effect; its key's outcome goes to ``outcomes`` (none when declined: its claim is gone)."""
-        key = self._effect_key(effect)
-        try:
-            async with self._clock.fail_after(self.settings.effect_timeout_s):
-                await self.executor.run(effect)
-        except EffectDeclined:  # not this master's to run: left unclaimed for one that can
-            await self._write(lambda: self.log.store.delete(key))
-            return
-        except Exception as exc:
-            error = (f"did not finish within effect_timeout_s={self.settings.effect_timeout_s:g} s"
-                     if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}")
-            log.error("effect_failed", job=self.log.job, effect=effect.id, error=error)
-            failures.append(EffectFailed(effect_id=effect.ref, kind=effect.kind, error=error,
-                                         permanent=isinstance(exc, PlatformRejected),
-                                         node_id=getattr(effect, "node_id", None),
-                                         incarnation=getattr(effect, "incarnation", None),
-                                         round=getattr(effect, "round", None)))
-            outcomes[key] = _FAILED
-        else:
-            outcomes[key] = _DONE
 
     def _tell(self, record: Record) -> None:
         for observer in self._observers:
