@@ -14,6 +14,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 import stead.core.rpc._proto.stead.v1 as pb
+import stead.plugins.ckpt._proto.stead.v1 as ckpt_pb
 from stead.core.config import Settings
 from stead.core.events import (
     Event,
@@ -54,7 +55,7 @@ SHAPES: list[tuple[type[betterproto2.Message], type[Any], set[str]]] = [
     (pb.WorkerStack, StackSample, set()),
     (pb.HealthReport, NodeHealthReported, set()),
     (pb.PeerCollective, PeerCollective, set()),
-    (pb.ReportCorruptRequest, CheckpointCorrupt, set()),
+    (ckpt_pb.ReportCorruptRequest, CheckpointCorrupt, set()),
 ]
 
 
