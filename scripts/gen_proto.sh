@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Regenerate stead/core/rpc/_proto/ from proto/stead/v1/*.proto with betterproto2.
+# Regenerate stead's RPC code from proto/ with betterproto2: the agents' protocol, proto/stead/v1/*.proto, into
+# stead/core/rpc/_proto/, and each plugin's protocol, proto/stead/plugins/NAME/v1/*.proto, into
+# stead/plugins/NAME/_proto/, so that a plugin's messages live with the plugin and stead.core never loads them.
 #
-# Usage: scripts/gen_proto.sh [OUT_DIR]     (default: stead/core/rpc/_proto)
+# Usage: scripts/gen_proto.sh [OUT_ROOT]     (default: the repository; the directories above are made under it)
+#
+# betterproto2 writes one module per proto package (stead/v1/__init__.py under each output directory) holding the
+# messages of the files it is given and of the files they import: a plugin's output carries its own copy of
+# common.proto's Ack. Each output is one protoc run, so each has its own message pool.
 #
 # Needs, in the virtualenv ($PYTHON, default .venv/bin/python): grpcio-tools (for
 # `python -m grpc_tools.protoc`), betterproto2-compiler (the protoc plugin) and
@@ -12,8 +18,8 @@ set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-$root/.venv/bin/python}"
-out="${1:-$root/stead/core/rpc/_proto}"
-case "$out" in /*) ;; *) out="$(pwd)/$out" ;; esac
+out_root="${1:-$root}"
+case "$out_root" in /*) ;; *) out_root="$(pwd)/$out_root" ;; esac
 
 if ! "$python" -c 'import grpc_tools.protoc, betterproto2_compiler' 2>/dev/null; then
     echo "gen_proto: $python lacks grpcio-tools or betterproto2-compiler;" \
@@ -29,28 +35,48 @@ for tool in protoc-gen-python_betterproto2 ruff; do
         exit 2
     fi
 done
-# Replacing OUT_DIR deletes it: refuse anything but earlier output of this script.
-if [ -e "$out" ] && [ ! -f "$out/message_pool.py" ]; then
-    echo "gen_proto: $out exists and is not generated code; pass an empty or earlier output directory" >&2
-    exit 2
-fi
+
+# What to generate: "PROTO_DIR OUT_DIR" (PROTO_DIR under proto/, OUT_DIR under OUT_ROOT).
+targets=("stead/v1 stead/core/rpc/_proto")
+for dir in $(cd "$root/proto" && LC_ALL=C ls -d stead/plugins/*/v1 2>/dev/null); do
+    name="${dir#stead/plugins/}"
+    name="${name%/v1}"
+    if [ ! -d "$root/stead/plugins/$name" ]; then
+        echo "gen_proto: proto/$dir has no plugin stead/plugins/$name to generate it into;" \
+             "name its directory after its plugin or delete it" >&2
+        exit 2
+    fi
+    targets+=("$dir stead/plugins/$name/_proto")
+done
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-mkdir "$work/out"
 printf 'line-length = 120\ntarget-version = "py311"\n' > "$work/ruff.toml"
 
-mapfile -t protos < <(cd "$root/proto" && LC_ALL=C ls stead/v1/*.proto)
-# The plugin prints a "Writing ..." line per package: show its output only on failure.
-if ! (cd "$work" && "$python" -m grpc_tools.protoc \
-        --proto_path="$root/proto" \
-        --python_betterproto2_out="client_generation=async,server_generation=async:$work/out" \
-        "${protos[@]/#/$root/proto/}") >"$work/protoc.log" 2>&1; then
-    cat "$work/protoc.log" >&2
-    echo "gen_proto: protoc failed (see above)" >&2
-    exit 1
-fi
+# Generate every output first, replace none until all succeeded.
+for target in "${targets[@]}"; do
+    read -r dir out <<<"$target"
+    # Replacing an output deletes it: refuse anything but earlier output of this script.
+    if [ -e "$out_root/$out" ] && [ ! -f "$out_root/$out/message_pool.py" ]; then
+        echo "gen_proto: $out_root/$out exists and is not generated code; pass an empty or earlier output root" >&2
+        exit 2
+    fi
+    mkdir -p "$work/out/$out"
+    mapfile -t protos < <(cd "$root/proto" && LC_ALL=C ls "$dir"/*.proto)
+    # The plugin prints a "Writing ..." line per package: show its output only on failure.
+    if ! (cd "$work" && "$python" -m grpc_tools.protoc \
+            --proto_path="$root/proto" \
+            --python_betterproto2_out="client_generation=async,server_generation=async:$work/out/$out" \
+            "${protos[@]/#/$root/proto/}") >"$work/protoc.log" 2>&1; then
+        cat "$work/protoc.log" >&2
+        echo "gen_proto: protoc failed on proto/$dir (see above)" >&2
+        exit 1
+    fi
+done
 
-rm -rf "$out"
-mkdir -p "$(dirname "$out")"
-cp -R "$work/out" "$out"
+for target in "${targets[@]}"; do
+    read -r dir out <<<"$target"
+    rm -rf "${out_root:?}/$out"
+    mkdir -p "$(dirname "$out_root/$out")"
+    cp -R "$work/out/$out" "$out_root/$out"
+done

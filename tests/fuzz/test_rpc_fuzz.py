@@ -43,13 +43,11 @@ from stead.core.master import Master, MasterConfig
 from stead.core.platform import NodeSpec
 from stead.core.rpc import MasterClient, RegisterInfo, attach_token
 from stead.core.rpc._checks import FIELD_BOUNDS, MAX_TEXT_CHARS
-from stead.core.rpc._proto.stead.v1 import (
-    AgentServiceBase,
-    CheckpointServiceBase,
-    ScalerServiceBase,
-    ShardServiceBase,
-)
+from stead.core.rpc._proto.stead.v1 import AgentServiceBase
 from stead.core.rpc._wire import COUNT_BOUNDS
+from stead.plugins.ckpt._proto.stead.v1 import CheckpointServiceBase
+from stead.plugins.scaler._proto.stead.v1 import ScalerServiceBase
+from stead.plugins.sharding._proto.stead.v1 import ShardServiceBase
 from stead.testing.platforms import RecordingPlatform
 from tests.support.h2peer import RawAnswer, RawPeer
 from tests.support.wire import body_with, grpc_frame, repeated_fields

@@ -32,8 +32,8 @@ from stead.core.plugins import PluginContext
 from stead.core.rpc import AgentReport, MasterClient, RpcServer, new_token, write_token_file
 from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState, RendezvousState
 from stead.core.store import open_store
-from stead.plugin import proto
 from stead.plugins.scaler import ScalerPlugin, ScalerServicer, ScalerSettings
+from stead.plugins.scaler._proto.stead import v1 as proto
 from stead.plugins.scaler.agent import ScalerAgentExtension
 from stead.plugins.scaler.client import request_scale
 from stead.plugins.scaler.events import DecisionRejected, OomAnswered, PendingAnswered, ScaleRequested

@@ -5,7 +5,9 @@ server validates requests before converting them (see ``agent_service``). An
 agent's report converts straight to the event it reports (see
 :mod:`~stead.core.rpc.backend`): the message and the event spell their fields
 the same way, so the conversion goes by name, and a field added to both crosses
-without a line here.
+without a line here. A registration, its reply and each command go by name too
+(a command's id is its envelope's); a heartbeat, one per node and interval, is
+written out field by field, which is quicker, with its "no step" spelled -1.
 """
 
 from __future__ import annotations
@@ -91,25 +93,19 @@ NO_STEP = -1
 
 
 def register_to_proto(info: RegisterInfo) -> RegisterRequest:
-    return RegisterRequest(node_id=info.node_id, incarnation=info.incarnation, host=info.host, pid=info.pid,
-                           nproc=info.nproc)
+    return to_proto(RegisterRequest, info)
 
 
 def register_from_proto(message: RegisterRequest) -> RegisterInfo:
-    return RegisterInfo(node_id=message.node_id, incarnation=message.incarnation, host=message.host,
-                        pid=message.pid, nproc=message.nproc)
+    return from_proto(RegisterInfo, message)
 
 
 def register_reply_to_proto(result: RegisterResult) -> RegisterReply:
-    return RegisterReply(job=result.job, heartbeat_interval_s=result.heartbeat_interval_s,
-                         heartbeat_timeout_s=result.heartbeat_timeout_s, store_host=result.store_host,
-                         store_port=result.store_port, progress_interval_s=result.progress_interval_s)
+    return to_proto(RegisterReply, result)
 
 
 def register_reply_from_proto(message: RegisterReply) -> RegisterResult:
-    return RegisterResult(job=message.job, heartbeat_interval_s=message.heartbeat_interval_s,
-                          heartbeat_timeout_s=message.heartbeat_timeout_s, store_host=message.store_host,
-                          store_port=message.store_port, progress_interval_s=message.progress_interval_s)
+    return from_proto(RegisterResult, message)
 
 
 def heartbeat_to_proto(info: HeartbeatInfo) -> HeartbeatRequest:
@@ -132,21 +128,15 @@ def heartbeat_from_proto(message: HeartbeatRequest) -> HeartbeatInfo:
 def command_to_proto(command: AgentCommand) -> Command:
     match command:
         case StartWorkersCmd():
-            return Command(id=command.id, start_workers=StartWorkers(
-                round=command.round, node_rank=command.node_rank, nnodes=command.nnodes,
-                nproc_per_node=command.nproc_per_node, world_size=command.world_size,
-                restart_count=command.restart_count, master_addr=command.master_addr,
-                master_port=command.master_port))
+            return Command(id=command.id, start_workers=_body(StartWorkers, command))
         case StopWorkersCmd():
-            return Command(id=command.id, stop_workers=StopWorkers(round=command.round, reason=command.reason))
+            return Command(id=command.id, stop_workers=_body(StopWorkers, command))
         case StopNodeCmd():
-            return Command(id=command.id, stop_node=StopNode(reason=command.reason))
+            return Command(id=command.id, stop_node=_body(StopNode, command))
         case DumpStacksCmd():
-            return Command(id=command.id, dump_stacks=DumpStacks(round=command.round, reason=command.reason))
+            return Command(id=command.id, dump_stacks=_body(DumpStacks, command))
         case CheckHealthCmd():
-            return Command(id=command.id, check_health=CheckHealth(
-                check=command.check, nodes=list(command.nodes), store_host=command.store_host,
-                store_port=command.store_port, timeout_s=command.timeout_s))
+            return Command(id=command.id, check_health=_body(CheckHealth, command))
         case _:
             assert_never(command)
 
@@ -154,19 +144,15 @@ def command_to_proto(command: AgentCommand) -> Command:
 def command_from_proto(message: Command) -> AgentCommand | None:
     """The command, or None when its body is one this stead version does not know."""
     if (start := message.start_workers) is not None:
-        return StartWorkersCmd(id=message.id, round=start.round, node_rank=start.node_rank, nnodes=start.nnodes,
-                               nproc_per_node=start.nproc_per_node, world_size=start.world_size,
-                               restart_count=start.restart_count, master_addr=start.master_addr,
-                               master_port=start.master_port)
+        return from_proto(StartWorkersCmd, start, id=message.id)
     if (stop := message.stop_workers) is not None:
-        return StopWorkersCmd(id=message.id, round=stop.round, reason=stop.reason)
+        return from_proto(StopWorkersCmd, stop, id=message.id)
     if (stop_node := message.stop_node) is not None:
-        return StopNodeCmd(id=message.id, reason=stop_node.reason)
+        return from_proto(StopNodeCmd, stop_node, id=message.id)
     if (dump := message.dump_stacks) is not None:
-        return DumpStacksCmd(id=message.id, round=dump.round, reason=dump.reason)
+        return from_proto(DumpStacksCmd, dump, id=message.id)
     if (check := message.check_health) is not None:
-        return CheckHealthCmd(id=message.id, check=check.check, nodes=tuple(check.nodes), store_host=check.store_host,
-                              store_port=check.store_port, timeout_s=check.timeout_s)
+        return from_proto(CheckHealthCmd, check, id=message.id)
     return None
 
 
@@ -188,6 +174,12 @@ def to_proto(kind: type[M], value: DataclassInstance, **given: Any) -> M:
     values = {field.name: _listed(getattr(value, field.name)) for field in dataclasses.fields(value)
               if field.name not in given}
     return kind(**values, **given)
+
+
+def _body(kind: type[M], command: AgentCommand) -> M:
+    """The message of ``kind`` that carries ``command`` in a ``Command``: its fields but its id (the envelope's)."""
+    return kind(**{field.name: _listed(getattr(command, field.name)) for field in dataclasses.fields(command)
+                   if field.name != "id"})
 
 
 def _tupled(value: Any) -> Any:

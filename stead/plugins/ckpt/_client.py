@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from stead.plugin import RpcConnection, proto
+from stead.plugin import RpcConnection
+from stead.plugins.ckpt._proto.stead import v1 as proto
 from stead.plugins.ckpt.events import CheckpointCorrupt
 
 __all__ = ["CheckpointClient", "Committed", "Saved", "corrupt_to_proto"]

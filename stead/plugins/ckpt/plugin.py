@@ -25,9 +25,9 @@ from stead.plugin import (
     check_name,
     finite_figure,
     invalid,
-    proto,
 )
 from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, released, save_seconds
+from stead.plugins.ckpt._proto.stead import v1 as proto
 from stead.plugins.ckpt.events import CheckpointCorrupt, CheckpointPersisted, CheckpointRestored
 from stead.plugins.ckpt.settings import CheckpointSettings
 

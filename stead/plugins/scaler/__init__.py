@@ -59,8 +59,8 @@ from stead.plugin import (
     backend_errors,
     check_name,
     invalid,
-    proto,
 )
+from stead.plugins.scaler._proto.stead import v1 as proto
 from stead.plugins.scaler.events import (
     DecisionRejected,
     OomAnswered,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import structlog
 
-from stead.plugin import AgentContext, AgentExtension, RoundInfo, RpcConnection, SteadError, proto, read_token_file
+from stead.plugin import AgentContext, AgentExtension, RoundInfo, RpcConnection, SteadError, read_token_file
+from stead.plugins.scaler._proto.stead import v1 as proto
 from stead.plugins.scaler.settings import ScalerSettings
 
 __all__ = ["BATCH_SCALE_ENV", "ScalerAgentExtension"]

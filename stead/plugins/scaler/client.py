@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from stead.plugin import RpcConnection, proto
+from stead.plugin import RpcConnection
+from stead.plugins.scaler._proto.stead import v1 as proto
 
 __all__ = ["ScaleResult", "request_scale"]
 

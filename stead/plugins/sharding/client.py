@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Protocol, Self
 
-from stead.plugin import RpcConnection, StateStore, proto
+from stead.plugin import RpcConnection, StateStore
+from stead.plugins.sharding._proto.stead import v1 as proto
 from stead.plugins.sharding.intervals import SlotMap
 from stead.plugins.sharding.ledger import CursorState, DatasetSpec, Range
 from stead.plugins.sharding.service import ShardService, StreamId

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from stead.plugin import MAX_NODE_ID_CHARS, InvalidRequest, at_least, backend_errors, check_name, proto
+from stead.plugin import MAX_NODE_ID_CHARS, InvalidRequest, at_least, backend_errors, check_name
+from stead.plugins.sharding._proto.stead import v1 as proto
 from stead.plugins.sharding.ledger import CursorState, DatasetSpec, Range
 from stead.plugins.sharding.service import ShardService, StreamId
 

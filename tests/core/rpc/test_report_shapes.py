@@ -1,5 +1,7 @@
 """An agent's report has one shape from the wire to the event log: each message converts to its event with every
-field, and each bad report is refused, by the servicer or by the master's gateway, in the same words as before."""
+field, and each bad report is refused, by the servicer or by the master's gateway, in the same words as before.
+What the agents' protocol carries beside reports (a registration and its reply, a heartbeat, each command) crosses
+with every field too, to a value that spells its fields as its message does."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 import stead.core.rpc._proto.stead.v1 as pb
+import stead.plugins.ckpt._proto.stead.v1 as ckpt_pb
 from stead.core.config import Settings
 from stead.core.events import (
     Event,
@@ -27,12 +30,35 @@ from stead.core.events import (
     WorkersSucceeded,
 )
 from stead.core.master.gateway import AgentGateway
-from stead.core.rpc import AgentReport, AgentServicer, RpcServer, attach_token, new_token
+from stead.core.rpc import (
+    AgentCommand,
+    AgentReport,
+    AgentServicer,
+    CheckHealthCmd,
+    DumpStacksCmd,
+    HeartbeatInfo,
+    RegisterInfo,
+    RegisterResult,
+    RpcServer,
+    StartWorkersCmd,
+    StopNodeCmd,
+    StopWorkersCmd,
+    attach_token,
+    new_token,
+)
 from stead.core.rpc._convert import (
+    command_from_proto,
+    command_to_proto,
     failure_from_proto,
     failure_to_proto,
     health_from_proto,
     health_to_proto,
+    heartbeat_from_proto,
+    heartbeat_to_proto,
+    register_from_proto,
+    register_reply_from_proto,
+    register_reply_to_proto,
+    register_to_proto,
     stacks_from_proto,
     stacks_to_proto,
     workers_from_proto,
@@ -54,7 +80,10 @@ SHAPES: list[tuple[type[betterproto2.Message], type[Any], set[str]]] = [
     (pb.WorkerStack, StackSample, set()),
     (pb.HealthReport, NodeHealthReported, set()),
     (pb.PeerCollective, PeerCollective, set()),
-    (pb.ReportCorruptRequest, CheckpointCorrupt, set()),
+    (ckpt_pb.ReportCorruptRequest, CheckpointCorrupt, set()),
+    (pb.RegisterRequest, RegisterInfo, set()),
+    (pb.RegisterReply, RegisterResult, set()),
+    (pb.HeartbeatRequest, HeartbeatInfo, set()),
 ]
 
 
@@ -83,6 +112,12 @@ HEALTH = AgentReport(incarnation=3, event=NodeHealthReported(
 STARTED = AgentReport(incarnation=3, event=WorkersStarted(node_id="node-1", round=4))
 SUCCEEDED = AgentReport(incarnation=3, event=WorkersSucceeded(node_id="node-1", round=4))
 CORRUPT = CheckpointCorrupt(node_id="node-1", rank=5, step=1200, tier="disk", detail="tensor w fails its checksum")
+REGISTER = RegisterInfo(node_id="node-1", incarnation=3, host="host-b", pid=4242, nproc=8)
+REGISTERED = RegisterResult(job="j", heartbeat_interval_s=1.5, heartbeat_timeout_s=9.0, store_host="10.0.0.1",
+                            store_port=29400, progress_interval_s=5.0)
+BEAT = HeartbeatInfo(node_id="node-1", incarnation=3, round=4, step=1234, workers_alive=7, rss_bytes=1 << 33,
+                     cpu_percent=650.5, phase="eval", step_compute_s=0.25, gpu_memory_bytes=1 << 35,
+                     gpu_util_percent=93.5, acked=("start-workers/4/node-1", "dump-stacks/17/node-1"))
 
 #: (report with every field set, to the message, from the message)
 CROSSINGS: list[tuple[Any, Callable[[Any], betterproto2.Message], Callable[[Any], Any]]] = [
@@ -92,6 +127,19 @@ CROSSINGS: list[tuple[Any, Callable[[Any], betterproto2.Message], Callable[[Any]
     (STARTED, workers_to_proto, workers_from_proto),
     (SUCCEEDED, workers_to_proto, workers_from_proto),
     (CORRUPT, corrupt_to_proto, corrupt_from_proto),
+    (REGISTER, register_to_proto, register_from_proto),
+    (REGISTERED, register_reply_to_proto, register_reply_from_proto),
+    (BEAT, heartbeat_to_proto, heartbeat_from_proto),
+]
+#: every kind of command, with every field set
+COMMANDS: list[AgentCommand] = [
+    StartWorkersCmd(id="start-workers/4/node-1", round=4, node_rank=1, nnodes=2, nproc_per_node=8, world_size=16,
+                    restart_count=3, master_addr="10.0.0.1", master_port=29400),
+    StopWorkersCmd(id="stop-workers/4/node-1", round=4, reason="node-2 failed"),
+    StopNodeCmd(id="stop-node/node-1/3", reason="the job succeeded"),
+    DumpStacksCmd(id="dump-stacks/17/node-1", round=4, reason="no progress for 600 s"),
+    CheckHealthCmd(id="check-health/2/node-1", check=2, nodes=("node-1", "node-2"), store_host="10.0.0.1",
+                   store_port=29401, timeout_s=30.0),
 ]
 
 
@@ -121,6 +169,17 @@ def test_each_report_crosses_the_wire_with_every_field(report: Any, to_proto: Ca
     assert _unset_fields(message) == [], "a field the message is not given"
     received = type(message)().parse(bytes(message))
     assert from_proto(received) == report
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[type(c).__name__ for c in COMMANDS])
+def test_each_command_crosses_the_wire_with_every_field_and_spells_its_body_s_fields(command: AgentCommand) -> None:
+    assert _unset_fields(command) == [], "set every field of the sample, a new one too, so that it is seen crossing"
+    message = command_to_proto(command)
+    _, body = betterproto2.which_one_of(message, "body")
+    assert body is not None and message.id == command.id
+    assert {f.name for f in dataclasses.fields(command)} - {"id"} == {f.name for f in dataclasses.fields(body)}
+    assert _unset_fields(body) == [], "a field the message is not given"
+    assert command_from_proto(pb.Command().parse(bytes(message))) == command
 
 
 def test_a_report_and_the_event_it_holds_name_the_same_incarnation() -> None:

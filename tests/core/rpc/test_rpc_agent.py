@@ -38,11 +38,10 @@ from stead.core.rpc._proto.stead.v1 import (
     AgentServiceStub,
     HeartbeatReply,
     HeartbeatRequest,
-    LeaseShardsRequest,
-    ShardServiceStub,
     WorkersReport,
     WorkersState,
 )
+from stead.plugins.sharding._proto.stead.v1 import LeaseShardsRequest, ShardServiceStub
 
 pytestmark = pytest.mark.anyio
 

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
+import betterproto2
 import psutil
 import pytest
 from grpclib.const import Status
@@ -16,6 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stead.core.rpc._proto.stead.v1 as pb
+import stead.plugins.ckpt._proto.stead.v1 as ckpt_pb
+import stead.plugins.scaler._proto.stead.v1 as scaler_pb
+import stead.plugins.sharding._proto.stead.v1 as sharding_pb
 from stead.core.config import Settings
 from stead.core.errors import InvalidRequest
 from stead.core.rpc import AgentServicer, HeartbeatInfo, MasterClient, RpcServer, retrying
@@ -29,9 +33,13 @@ from tests.support.wire import body_with, grpc_frame, repeated_fields
 pytestmark = pytest.mark.anyio
 
 #: every request type a master serves (the bundled plugins' included)
-REQUESTS = sorted({h.request_type for base in (pb.AgentServiceBase, pb.CheckpointServiceBase, pb.ShardServiceBase,
-                                                pb.ScalerServiceBase)
+REQUESTS = sorted({h.request_type for base in (pb.AgentServiceBase, ckpt_pb.CheckpointServiceBase,
+                                                sharding_pb.ShardServiceBase, scaler_pb.ScalerServiceBase)
                    for h in base().__mapping__().values()}, key=lambda cls: cls.__name__)  # type: ignore[abstract]
+#: every message of stead's protocols and of the bundled plugins', by name (COUNT_BOUNDS names them so)
+MESSAGES: dict[str, type] = {name: cls for module in (pb, ckpt_pb, sharding_pb, scaler_pb)
+                             for name, cls in vars(module).items()
+                             if isinstance(cls, type) and issubclass(cls, betterproto2.Message)}
 #: (request type, path of the field, its bound's key) for every bounded field a request can hold
 BOUNDED = [(cls, path, owner) for cls in REQUESTS for path, owner in repeated_fields(cls)]
 BEAT = HeartbeatInfo(node_id="node-0", incarnation=1, round=0, step=None, workers_alive=2)
@@ -47,7 +55,7 @@ def _refusal(data: bytes, cls: type, **kwargs: Any) -> GRPCError:
 
 def test_the_bounds_table_names_each_field_by_its_number_and_covers_every_repeated_field_of_every_request() -> None:
     for (message, number), bound in COUNT_BOUNDS.items():
-        meta = getattr(pb, message)._betterproto
+        meta = MESSAGES[message]._betterproto  # type: ignore[attr-defined]
         assert meta.field_name_by_number[number] == bound.field, (message, number)
     reachable = {owner for _, _, owner in BOUNDED}
     assert reachable == set(COUNT_BOUNDS), "a repeated field without a bound, or a bound of no field"
@@ -68,10 +76,10 @@ def test_every_bounded_field_passes_at_its_bound_and_is_refused_one_over(cls: ty
 
 
 def test_a_list_with_one_entry_per_rank_is_bounded_by_the_job_s_world() -> None:
-    body = body_with(pb.SaveCursorRequest, ("consumed",), 9)
-    check_wire(body, pb.SaveCursorRequest)  # no job known: the static bound
-    check_wire(body, pb.SaveCursorRequest, world_size=9)
-    error = _refusal(body, pb.SaveCursorRequest, world_size=8)
+    body = body_with(sharding_pb.SaveCursorRequest, ("consumed",), 9)
+    check_wire(body, sharding_pb.SaveCursorRequest)  # no job known: the static bound
+    check_wire(body, sharding_pb.SaveCursorRequest, world_size=9)
+    error = _refusal(body, sharding_pb.SaveCursorRequest, world_size=8)
     assert "SaveCursorRequest.consumed has 9 entries or more: send at most 8 (one per rank, and this job's world" \
         in (error.message or "")
 

@@ -12,10 +12,10 @@ from stead.core.config import Settings
 from stead.core.events import CheckpointCommitted, Event, Record
 from stead.core.plugins import PluginContext, validate_plugin
 from stead.core.rpc import RpcConnection, RpcServer, attach_token, new_token
-from stead.core.rpc._proto.stead.v1 import CheckpointServiceStub, RankSaved, ReportSavedRequest
 from stead.core.statemachine import JobState
 from stead.core.store import open_store
 from stead.plugins.ckpt._client import CheckpointClient, Saved
+from stead.plugins.ckpt._proto.stead.v1 import CheckpointServiceStub, RankSaved, ReportSavedRequest
 from stead.plugins.ckpt.plugin import CheckpointPlugin
 from stead.plugins.ckpt.settings import CheckpointSettings
 

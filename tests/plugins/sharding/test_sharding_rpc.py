@@ -19,8 +19,8 @@ from stead.core.events import JobSubmitted, WorkerFailed
 from stead.core.events.log import EventLog
 from stead.core.master import Master, MasterConfig
 from stead.core.rpc import RpcServer, attach_token, new_token
-from stead.core.rpc._proto.stead.v1 import LeaseShardsRequest, ShardServiceStub
 from stead.core.store import StateStore, open_store
+from stead.plugins.sharding._proto.stead.v1 import LeaseShardsRequest, ShardServiceStub
 from stead.plugins.sharding.client import ShardClient
 from stead.plugins.sharding.ledger import CursorState, DatasetSpec, Range
 from stead.plugins.sharding.service import ShardService, StreamId
