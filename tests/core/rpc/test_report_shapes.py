@@ -13,7 +13,6 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-import stead.core.rpc._proto.stead.v1 as pb
 from stead.core.config import Settings
 from stead.core.events import (
     Event,
@@ -39,6 +38,7 @@ from stead.core.rpc._convert import (
     workers_to_proto,
 )
 from stead.core.statemachine import JobState, NodePhase, NodeState
+from stead.plugin import proto as pb
 from stead.plugins.ckpt._client import corrupt_to_proto
 from stead.plugins.ckpt.events import CheckpointCorrupt
 from stead.plugins.ckpt.plugin import corrupt_from_proto

@@ -15,13 +15,23 @@ from grpclib.exceptions import GRPCError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import stead.core.rpc._proto.stead.v1 as pb
 from stead.core.config import Settings
 from stead.core.errors import InvalidRequest
-from stead.core.rpc import AgentServicer, HeartbeatInfo, MasterClient, RpcServer, retrying
-from stead.core.rpc._refusals import Refusal, RefusalCodec
-from stead.core.rpc._wire import COUNT_BOUNDS, MAX_ENTRIES, MAX_UNKNOWN_FIELDS, check_wire
+from stead.core.rpc import (
+    COUNT_BOUNDS,
+    MAX_ENTRIES,
+    MAX_UNKNOWN_FIELDS,
+    AgentServicer,
+    HeartbeatInfo,
+    MasterClient,
+    Refusal,
+    RefusalCodec,
+    RpcServer,
+    check_wire,
+    retrying,
+)
 from stead.core.rpc.backend import MAX_BATCH_BEATS, AgentBackend
+from stead.plugin import proto as pb
 from stead.plugins.ckpt._shm import SLOTS
 from stead.testing.h2peer import RawPeer
 from stead.testing.wire import body_with, grpc_frame, repeated_fields

@@ -12,9 +12,9 @@ from stead.core.config import Settings
 from stead.core.events import CheckpointCommitted, Event, Record
 from stead.core.plugins import PluginContext, validate_plugin
 from stead.core.rpc import RpcConnection, RpcServer, attach_token, new_token
-from stead.core.rpc._proto.stead.v1 import CheckpointServiceStub, RankSaved, ReportSavedRequest
 from stead.core.statemachine import JobState
 from stead.core.store import open_store
+from stead.plugin import proto
 from stead.plugins.ckpt._client import CheckpointClient, Saved
 from stead.plugins.ckpt.plugin import CheckpointPlugin
 from stead.plugins.ckpt.settings import CheckpointSettings
@@ -65,14 +65,14 @@ async def test_the_plugin_is_valid_and_serves_commits_that_survive_a_master_rest
             channel = Channel(server.host, server.port)
             attach_token(channel, token)
             try:
-                for bad in (ReportSavedRequest(node_id="n", round=1, world_size=0, tier="memory"),
-                            ReportSavedRequest(node_id="n", round=1, world_size=2, tier="tape"),
-                            ReportSavedRequest(node_id="n", round=1, world_size=2, tier="memory",
-                                               ranks=[RankSaved(rank=5, step=1)]),
-                            ReportSavedRequest(node_id="n", round=1, world_size=1, tier="disk",
-                                               ranks=[RankSaved(rank=0, step=1, seconds={1: -2.0})])):
+                for bad in (proto.ReportSavedRequest(node_id="n", round=1, world_size=0, tier="memory"),
+                            proto.ReportSavedRequest(node_id="n", round=1, world_size=2, tier="tape"),
+                            proto.ReportSavedRequest(node_id="n", round=1, world_size=2, tier="memory",
+                                                     ranks=[proto.RankSaved(rank=5, step=1)]),
+                            proto.ReportSavedRequest(node_id="n", round=1, world_size=1, tier="disk",
+                                                     ranks=[proto.RankSaved(rank=0, step=1, seconds={1: -2.0})])):
                     with pytest.raises(GRPCError) as caught:
-                        await CheckpointServiceStub(channel).report_saved(bad, timeout=5)
+                        await proto.CheckpointServiceStub(channel).report_saved(bad, timeout=5)
                     assert caught.value.status == Status.INVALID_ARGUMENT
             finally:
                 channel.close()
