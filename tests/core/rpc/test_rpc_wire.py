@@ -32,7 +32,7 @@ from stead.core.rpc import (
 )
 from stead.core.rpc.backend import MAX_BATCH_BEATS, AgentBackend
 from stead.plugin import proto as pb
-from stead.plugins.ckpt._shm import SLOTS
+from stead.plugins.ckpt import SLOTS
 from stead.testing.h2peer import RawPeer
 from stead.testing.wire import body_with, grpc_frame, repeated_fields
 
