@@ -1,10 +1,11 @@
-"""An agent's report has one shape from the wire to the event log: each message converts to its event with every
-field, and each bad report is refused, by the servicer or by the master's gateway, in the same words as before."""
+"""An agent's report has one shape from the wire to the event log: each report crosses from the agent's client to
+the master's backend with every field, and each bad report is refused, by the servicer or by the master's gateway, in
+the same words as before."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import betterproto2
@@ -26,22 +27,10 @@ from stead.core.events import (
     WorkersSucceeded,
 )
 from stead.core.master.gateway import AgentGateway
-from stead.core.rpc import AgentReport, AgentServicer, RpcServer, attach_token, new_token
-from stead.core.rpc._convert import (
-    failure_from_proto,
-    failure_to_proto,
-    health_from_proto,
-    health_to_proto,
-    stacks_from_proto,
-    stacks_to_proto,
-    workers_from_proto,
-    workers_to_proto,
-)
+from stead.core.rpc import AgentReport, AgentServicer, MasterClient, RpcServer, attach_token, new_token
 from stead.core.statemachine import JobState, NodePhase, NodeState
 from stead.plugin import proto as pb
-from stead.plugins.ckpt._client import corrupt_to_proto
 from stead.plugins.ckpt.events import CheckpointCorrupt
-from stead.plugins.ckpt.plugin import corrupt_from_proto
 
 pytestmark = pytest.mark.anyio
 
@@ -82,45 +71,40 @@ HEALTH = AgentReport(incarnation=3, event=NodeHealthReported(
     seconds=4.5, collectives=(PeerCollective(peer="node-2", seconds=0.25, error="slow"),)))
 STARTED = AgentReport(incarnation=3, event=WorkersStarted(node_id="node-1", round=4))
 SUCCEEDED = AgentReport(incarnation=3, event=WorkersSucceeded(node_id="node-1", round=4))
-CORRUPT = CheckpointCorrupt(node_id="node-1", rank=5, step=1200, tier="disk", detail="tensor w fails its checksum")
 
-#: (report with every field set, to the message, from the message)
-CROSSINGS: list[tuple[Any, Callable[[Any], betterproto2.Message], Callable[[Any], Any]]] = [
-    (FAILURE, failure_to_proto, failure_from_proto),
-    (STACKS, stacks_to_proto, stacks_from_proto),
-    (HEALTH, health_to_proto, health_from_proto),
-    (STARTED, workers_to_proto, workers_from_proto),
-    (SUCCEEDED, workers_to_proto, workers_from_proto),
-    (CORRUPT, corrupt_to_proto, corrupt_from_proto),
+#: (report with every field set, the agent's call that sends it, what the master's backend received of those calls)
+CROSSINGS: list[tuple[AgentReport[Any], str, str]] = [
+    (FAILURE, "report_failure", "failures"),
+    (STACKS, "report_stacks", "stacks"),
+    (HEALTH, "report_health", "health"),
+    (STARTED, "report_workers", "workers"),
+    (SUCCEEDED, "report_workers", "workers"),
 ]
 
 
 def _unset_fields(value: Any) -> list[str]:
-    """The fields of a dataclass or message (nested ones included) left at their defaults."""
+    """The fields of a dataclass (nested ones included) left at their defaults."""
     if not dataclasses.is_dataclass(value):
         return []
-    blank = type(value)() if isinstance(value, betterproto2.Message) else None
     unset = []
     for field in dataclasses.fields(value):
         item = getattr(value, field.name)
-        default = getattr(blank, field.name) if blank is not None else field.default
-        if item == default or item in ((), []):
+        if item == field.default or item in ((), []):
             unset.append(field.name)
         for inner in item if isinstance(item, tuple | list) else (item,):
             unset += [f"{field.name}.{name}" for name in _unset_fields(inner)]
     return unset
 
 
-@pytest.mark.parametrize(("report", "to_proto", "from_proto"), CROSSINGS,
-                         ids=[type(getattr(r, "event", r)).__name__ for r, _, _ in CROSSINGS])
-def test_each_report_crosses_the_wire_with_every_field(report: Any, to_proto: Callable[[Any], betterproto2.Message],
-                                                       from_proto: Callable[[Any], Any]) -> None:
-    event = getattr(report, "event", report)
-    assert _unset_fields(event) == [], "set every field of the sample, a new one too, so that it is seen crossing"
-    message = to_proto(report)
-    assert _unset_fields(message) == [], "a field the message is not given"
-    received = type(message)().parse(bytes(message))
-    assert from_proto(received) == report
+@pytest.mark.parametrize(("report", "call", "received"), CROSSINGS,
+                         ids=[type(r.event).__name__ for r, _, _ in CROSSINGS])
+async def test_each_report_crosses_the_wire_with_every_field(backend: Any, client: MasterClient,
+                                                             report: AgentReport[Any], call: str,
+                                                             received: str) -> None:
+    assert _unset_fields(report.event) == [], \
+        "set every field of the sample, a new one too, so that it is seen crossing"
+    await getattr(client, call)(report)
+    assert getattr(backend, received) == [report], "a field the wire dropped or changed"
 
 
 def test_a_report_and_the_event_it_holds_name_the_same_incarnation() -> None:
@@ -255,14 +239,9 @@ async def test_a_live_nodes_reports_are_recorded_as_the_events_they_hold(
     failure = dataclasses.replace(FAILURE.event, node_id=_LIVE)
     stacks = dataclasses.replace(STACKS.event, node_id=_LIVE)
     health = dataclasses.replace(HEALTH.event, node_id=_LIVE, incarnation=1)
-    channel = Channel(server.host, server.port)
-    attach_token(channel, token)
-    stub = pb.AgentServiceStub(channel)
-    try:
-        await stub.report_workers(workers_to_proto(AgentReport(incarnation=1, event=started)), timeout=10)
-        await stub.report_failure(failure_to_proto(AgentReport(incarnation=1, event=failure)), timeout=10)
-        await stub.report_stacks(stacks_to_proto(AgentReport(incarnation=1, event=stacks)), timeout=10)
-        await stub.report_health(health_to_proto(AgentReport(incarnation=1, event=health)), timeout=10)
-    finally:
-        channel.close()
+    async with MasterClient(server.address, token, call_timeout_s=10) as client:
+        await client.report_workers(AgentReport(incarnation=1, event=started))
+        await client.report_failure(AgentReport(incarnation=1, event=failure))
+        await client.report_stacks(AgentReport(incarnation=1, event=stacks))
+        await client.report_health(AgentReport(incarnation=1, event=health))
     assert recorded == [started, failure, stacks, health]
