@@ -14,10 +14,13 @@ own messages and for clients that are not stead's: every string is bounded
 field (:data:`MAX_ENTRIES` unless :data:`COUNT_BOUNDS` says otherwise), a message
 holds at most :data:`MAX_UNKNOWN_FIELDS` fields its schema does not know
 (:func:`check_wire` checks a request's bytes against all that), and a refusal
-carries a :class:`Refusal` as gRPC status details (:class:`RefusalCodec`).
+carries a :class:`Refusal` as gRPC status details (:class:`RefusalCodec`). Which
+connections a server keeps, lets go first and closes for waiting too long is
+:class:`Links`' rule (one :class:`Link` per connection).
 """
 
 from stead.core.rpc._checks import FIELD_BOUNDS, MAX_TEXT_CHARS
+from stead.core.rpc._links import Link, Links
 from stead.core.rpc._refusals import Refusal, RefusalCodec
 from stead.core.rpc._wire import COUNT_BOUNDS, MAX_ENTRIES, MAX_UNKNOWN_FIELDS, check_wire
 from stead.core.rpc.address import format_address, parse_address
@@ -55,6 +58,8 @@ __all__ = [
     "DumpStacksCmd",
     "HeartbeatInfo",
     "HeartbeatStream",
+    "Link",
+    "Links",
     "MasterClient",
     "RegisterInfo",
     "Refusal",
