@@ -43,9 +43,7 @@ import structlog
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stead.plugins.ckpt import _disk
-from stead.plugins.ckpt._checksum import checksum, sum64
-from stead.plugins.ckpt._shm import VerifyState
+from stead.plugins.ckpt import VerifyState, checksum, sum64, tensor_bytes
 from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.testing import LocalCluster, environ_set
 from stead.plugins.ckpt.worker import FlashCheckpointer
@@ -257,7 +255,7 @@ def bench_size(nbytes: int, repeats: int, work: Path) -> dict[str, Any]:
 
     # -- checksums: XXH3-64 (what stead computes, off the training thread) and the sum of words it replaced -----
     def hash_all(fn: Callable[[memoryview], int]) -> float:
-        return min(timed(lambda: [fn(_disk.tensor_bytes(t)) for t in state.values()]) for _ in range(3))
+        return min(timed(lambda: [fn(tensor_bytes(t)) for t in state.values()]) for _ in range(3))
 
     out["checksum_xxh3_s"] = hash_all(checksum)
     out["checksum_sum64_s"] = hash_all(sum64)

@@ -293,7 +293,7 @@ def _inject(fault: Fault, pid_dir: Path, steplog: Path, job: str) -> None:
 
 def _remove_shm(job: str) -> int:
     """Remove the flash checkpoint's shared memory the job left (a job killed by the bench frees none)."""
-    from stead.plugins.ckpt._shm import SHM_DIR, segment_names
+    from stead.plugins.ckpt import SHM_DIR, segment_names
 
     prefixes = tuple(segment_names(job, f"node-{n}", 0).prefix for n in range(NODES))
     removed = 0

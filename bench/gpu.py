@@ -60,7 +60,7 @@ import torch.distributed.checkpoint as dcp
 
 from bench.ckpt import NodeProcess, _offsets, _wait, bench_settings, make_worker, prefaulted_worker
 from stead.core.agent.gpu import GpuHealth
-from stead.plugins.ckpt._shm import VerifyState
+from stead.plugins.ckpt import VerifyState
 from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.worker import FlashCheckpointer
 

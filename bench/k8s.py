@@ -37,8 +37,7 @@ from stead.core.config import Settings
 from stead.core.events import NodeStarted
 from stead.core.logging import configure_logging
 from stead.core.platform import NodeSpec
-from stead.platforms.k8s import K8sPlatform, K8sSettings
-from stead.platforms.k8s._client import SECRETS, Kube
+from stead.platforms.k8s import SECRETS, K8sPlatform, K8sSettings, Kube
 from stead.platforms.k8s.pods import token_secret
 from tests.support.kube import FakeKubeApi, FakeKubelet
 

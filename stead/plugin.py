@@ -43,8 +43,9 @@ What is here:
   store write, :func:`write_size` to measure one), retry helpers;
 * RPC: :func:`invalid`, :func:`backend_errors` and the request checks (:func:`check_name`,
   :func:`name_problem`, :func:`at_least`, :func:`finite_figure`) for servicers and :class:`RpcConnection`
-  for clients (a plugin generates its own messages: ``proto/stead/plugins/NAME/v1`` into
-  ``stead/plugins/NAME/_proto`` for a bundled one, see ``scripts/gen_proto.sh``);
+  for clients, and ``proto`` (the generated messages of the agents' protocol; a plugin generates its own:
+  ``proto/stead/plugins/NAME/v1`` into ``stead/plugins/NAME/_proto`` for a bundled one, which its package
+  exports as ``proto``, see ``scripts/gen_proto.sh``);
 * the node side: :class:`AgentExtension` (``stead.agent_extensions`` entry points),
   :class:`AgentContext`, :class:`RoundInfo`.
 
@@ -271,6 +272,7 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
     from stead.core.rpc._checks import (
         name_problem as name_problem,
     )
+    from stead.core.rpc._proto.stead import v1 as proto
     from stead.core.rpc._status import (
         at_least as at_least,
     )
@@ -442,6 +444,7 @@ __all__ = [
     "load_named",
     "load_settings",
     "name_problem",
+    "proto",
     "read_token_file",
     "retrying",
     "setting",
@@ -450,6 +453,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "proto":
+        return importlib.import_module("stead.core.rpc._proto.stead.v1")
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'stead.plugin' has no attribute {name!r}")

@@ -60,11 +60,14 @@ class _MasterRestarter:
     """Keeps the job's master running: starts it on the socket and with the token it holds, starts another when
     one dies while the job runs, passes signals on, and reaps (and, at the end, stops) the agents left to it."""
 
-    def __init__(self, argv: Sequence[str], settings: Settings, host: str, token: str) -> None:
+    def __init__(self, argv: Sequence[str], settings: Settings, host: str, token: str,
+                 master_command: Sequence[str] | None = None) -> None:
         self.argv = list(argv)
         self.settings = settings
         self.host = host
         self.token = token
+        #: what runs a master: ``stead run ARGV`` in this Python
+        self.master_command = list(master_command or (sys.executable, "-m", "stead", "run", *self.argv))
         self.master: subprocess.Popen[bytes] | None = None
         self.stop: signal.Signals | None = None
 
@@ -116,7 +119,7 @@ class _MasterRestarter:
             env[STOP_ENV] = f"stopped by {self.stop.name}"
         # its own process group: a Ctrl-C in the terminal reaches the supervisor, which passes it on once;
         # SIGTERM when the supervisor dies: the master then stops the job cleanly
-        command = tied_argv([sys.executable, "-m", "stead", "run", *self.argv], signal.SIGTERM)
+        command = tied_argv(self.master_command, signal.SIGTERM)
         return subprocess.Popen(command, env=env, pass_fds=(listener.fileno(),), process_group=0)
 
     def _wait_master(self, master: subprocess.Popen[bytes]) -> int:
@@ -183,7 +186,13 @@ def _listen(host: str) -> socket.socket:
     return sock
 
 
-def supervise(argv: Sequence[str], settings: Settings, *, token: str, host: str = "127.0.0.1") -> int:
+def supervise(argv: Sequence[str], settings: Settings, *, token: str, host: str = "127.0.0.1",
+              master_command: Sequence[str] | None = None) -> int:
     """Run ``stead run ARGV``'s master in a child process, restarted when it dies, each given the job's ``token``;
-    the job's exit code."""
-    return _MasterRestarter(argv, settings, host, token).run()
+    the job's exit code.
+
+    ``master_command`` runs a master instead of ``python -m stead run ARGV`` (a test's small stand-in): it gets
+    the same environment (:data:`LISTEN_FD_ENV`, :data:`TAKEOVER_ENV`, :data:`STOP_ENV`, the job token) and its
+    exit code means the same (:data:`EXIT_MASTER_CRASHED` or killed: start another; any other: the job's code).
+    """
+    return _MasterRestarter(argv, settings, host, token, master_command).run()

@@ -31,7 +31,7 @@ import anyio
 import structlog
 
 __all__ = ["DEATH_SIGNAL_SUPPORTED", "become_subreaper", "children", "cmdline", "descendants", "is_alive",
-           "let_go", "signal_group", "signal_leader", "tied_argv", "wait_exit"]
+           "let_go", "signal_group", "signal_leader", "tied_argv", "wait_exit", "zombie_failure"]
 
 log = structlog.get_logger("stead.procs")
 
@@ -166,6 +166,26 @@ def cmdline(pid: int) -> tuple[str, ...]:
     except OSError:
         return ()
     return tuple(part.decode(errors="replace") for part in raw.split(b"\0")[:-1])
+
+
+def zombie_failure(pid: int, pidfd: int) -> tuple[int | None, int | None] | None:
+    """An ended, unreaped process's ``(exit_code, signal)`` if it failed, or None (running, reaped, or exited 0).
+
+    A forked worker's parent is its zygote, which may be busy (importing) for seconds before it
+    reaps and reports it; the kernel shows an unreaped child's wait status in ``/proc/PID/stat``
+    to anyone. Only a failure is taken from there (a status that reads 0 may be hidden by ptrace
+    rules); ``pidfd`` (the process's), still signalling, proves the pid was not reaped and reused
+    while it was read.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        signal.pidfd_send_signal(pidfd, 0)
+    except (OSError, IndexError):
+        return None
+    if len(fields) < 50 or fields[0] != b"Z" or not (status := int(fields[49])):
+        return None
+    return (None, status & 0x7F) if status & 0x7F else ((status >> 8) & 0xFF, None)
 
 
 async def wait_exit(pid: int) -> None:

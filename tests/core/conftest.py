@@ -10,8 +10,7 @@ import anyio
 import pytest
 
 from stead.core.config import Settings
-from stead.core.store import StateStore, open_store
-from stead.core.store._common import MIN_MAX_WRITE_BYTES
+from stead.core.store import MIN_MAX_WRITE_BYTES, StateStore, open_store
 
 #: what ``small_store`` takes in one write: the least a store may be set to
 SMALL_WRITE_BYTES = MIN_MAX_WRITE_BYTES

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -11,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from stead.core.procs import DEATH_SIGNAL_SUPPORTED, children, cmdline, descendants, is_alive, tied_argv
+from stead.core.procs import (
+    DEATH_SIGNAL_SUPPORTED,
+    children,
+    cmdline,
+    descendants,
+    is_alive,
+    tied_argv,
+    zombie_failure,
+)
 
 #: a guard against a hung test, not a measured duration
 TIMEOUT_S = 30.0
@@ -65,3 +74,21 @@ def test_off_linux_or_on_it_the_command_is_kept_whole() -> None:
     assert argv[-3:] == ["prog", "a b", "--x"]
     if DEATH_SIGNAL_SUPPORTED:
         assert argv[:2] == [sys.executable, "-I"] and str(os.getpid()) in argv and str(int(signal.SIGTERM)) in argv
+
+
+@pytest.mark.parametrize(("script", "expected"), [
+    ("raise SystemExit(17)", (17, None)),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", (None, signal.SIGKILL)),
+    ("pass", None),  # a clean exit waits for the zygote's report: a status that reads 0 may be hidden
+])
+def test_a_failed_process_s_status_is_read_before_it_is_reaped_and_never_after(
+        script: str, expected: tuple[int | None, int | None] | None) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        select.select([pidfd], [], [], 30)  # ended, not reaped: a zombie, as a busy zygote leaves its worker
+        assert zombie_failure(proc.pid, pidfd) == expected
+        proc.wait()
+        assert zombie_failure(proc.pid, pidfd) is None  # reaped: the pid may belong to anyone now
+    finally:
+        os.close(pidfd)

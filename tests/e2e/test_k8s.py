@@ -284,7 +284,7 @@ def _committed_at_faults(events: Sequence[dict[str, Any]]) -> dict[int, int]:
 @contextlib.asynccontextmanager
 async def _claimed(api: FakeKubeApi, claim: str) -> AsyncIterator[None]:
     """A ReadWriteMany claim in the test cluster (the fake kubelet gives every node the same directory)."""
-    from stead.platforms.k8s._client import Kube, Resource
+    from stead.platforms.k8s import Kube, Resource
     from stead.platforms.k8s.settings import K8sSettings
 
     async with Kube(K8sSettings(api_url=api.url, namespace="default"), pool=1) as kube:
@@ -295,7 +295,7 @@ async def _claimed(api: FakeKubeApi, claim: str) -> AsyncIterator[None]:
 
 
 async def _delete(api: FakeKubeApi, pod: str) -> None:
-    from stead.platforms.k8s._client import PODS, Kube
+    from stead.platforms.k8s import PODS, Kube
     from stead.platforms.k8s.settings import K8sSettings
 
     async with Kube(K8sSettings(api_url=api.url, namespace="default"), pool=1) as kube:

@@ -41,13 +41,11 @@ from stead.core.config import Settings
 from stead.core.events import JobSubmitted
 from stead.core.master import Master, MasterConfig
 from stead.core.platform import NodeSpec
-from stead.core.rpc import MasterClient, RegisterInfo, attach_token
-from stead.core.rpc._checks import FIELD_BOUNDS, MAX_TEXT_CHARS
-from stead.core.rpc._proto.stead.v1 import AgentServiceBase
-from stead.core.rpc._wire import COUNT_BOUNDS
-from stead.plugins.ckpt._proto.stead.v1 import CheckpointServiceBase
-from stead.plugins.scaler._proto.stead.v1 import ScalerServiceBase
-from stead.plugins.sharding._proto.stead.v1 import ShardServiceBase
+from stead.core.rpc import COUNT_BOUNDS, FIELD_BOUNDS, MAX_TEXT_CHARS, MasterClient, RegisterInfo, attach_token
+from stead.plugin import proto
+from stead.plugins.ckpt import proto as ckpt_proto
+from stead.plugins.scaler import proto as scaler_proto
+from stead.plugins.sharding import proto as sharding_proto
 from stead.testing.platforms import RecordingPlatform
 from tests.support.h2peer import RawAnswer, RawPeer
 from tests.support.wire import body_with, grpc_frame, repeated_fields
@@ -70,7 +68,8 @@ CALLER_ERRORS = {Status.INVALID_ARGUMENT, Status.RESOURCE_EXHAUSTED, Status.FAIL
                  Status.UNAVAILABLE, Status.OUT_OF_RANGE, Status.ALREADY_EXISTS}
 
 ROUTES: dict[str, Handler] = {}
-for base in (AgentServiceBase, CheckpointServiceBase, ShardServiceBase, ScalerServiceBase):
+for base in (proto.AgentServiceBase, ckpt_proto.CheckpointServiceBase, sharding_proto.ShardServiceBase,
+             scaler_proto.ScalerServiceBase):
     ROUTES.update(base().__mapping__())  # type: ignore[abstract]
 
 _INT32 = (-(2**31), 2**31 - 1)
@@ -413,13 +412,11 @@ def test_the_master_s_peak_memory_over_the_fuzz_run_is_bounded(running: Running,
 
 
 def test_the_fuzz_strategies_fill_nested_messages() -> None:
-    from stead.core.rpc._proto.stead.v1 import StacksReport
-
     found = []
 
     @settings(max_examples=50, database=None)
-    @given(message(StacksReport))
-    def probe(report: StacksReport) -> None:
+    @given(message(proto.StacksReport))
+    def probe(report: proto.StacksReport) -> None:
         found.append(len(report.workers))
 
     probe()

@@ -73,8 +73,7 @@ class OnTestCluster:
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> Any:
-        from stead.platforms.k8s import K8sPlatform, K8sSettings
-        from stead.platforms.k8s._client import SECRETS, Kube
+        from stead.platforms.k8s import SECRETS, K8sPlatform, K8sSettings, Kube
         from stead.platforms.k8s.pods import token_secret
         from tests.support.kube import FakeKubeApi, FakeKubelet, local_image_env
 

@@ -139,7 +139,7 @@ def test_a_job_that_stops_is_always_flagged_once_past_the_threshold(gaps: list[f
 
 SLEEPING = '''Current thread 0x00007f01 (most recent call first):
   File "/home/u/job/train.py", line 57 in <module>
-  File "/x/.venv/lib/python3.11/site-packages/stead/core/agent/_zygote_main.py", line 400 in _run_script
+  File "/x/.venv/lib/python3.11/site-packages/stead/core/agent/zygote_main.py", line 400 in _run_script
 '''
 BACKWARD = '''Thread 0x00007f02 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 320 in wait

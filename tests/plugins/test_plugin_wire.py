@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import betterproto2
 
-import stead.plugins.ckpt._proto.stead.v1 as ckpt_pb
-import stead.plugins.scaler._proto.stead.v1 as scaler_pb
-import stead.plugins.sharding._proto.stead.v1 as sharding_pb
-from stead.plugins.ckpt._proto.message_pool import default_message_pool as ckpt_pool
-from stead.plugins.scaler._proto.message_pool import default_message_pool as scaler_pool
-from stead.plugins.sharding._proto.message_pool import default_message_pool as sharding_pool
+from stead.plugins.ckpt import proto as ckpt_pb
+from stead.plugins.scaler import proto as scaler_pb
+from stead.plugins.sharding import proto as sharding_pb
 
 #: every method a bundled plugin serves: its path and (request, reply) messages, as they were in proto/stead/v1
 ROUTES = {
@@ -36,7 +33,8 @@ def test_the_bundled_plugins_serve_the_method_paths_of_package_stead_v1() -> Non
 
 
 def test_each_plugins_messages_are_named_in_package_stead_v1() -> None:
-    for module, pool in ((ckpt_pb, ckpt_pool), (sharding_pb, sharding_pool), (scaler_pb, scaler_pool)):
+    for module in (ckpt_pb, sharding_pb, scaler_pb):
+        pool = module.default_message_pool  # the generated module's own pool, as it registered its messages
         messages = [cls for cls in vars(module).values()
                     if isinstance(cls, type) and issubclass(cls, betterproto2.Message)]
         assert messages

@@ -57,7 +57,7 @@ def fault(kind, ckpt=None):
         os.kill(os.getpid(), signal.SIGSTOP)
         return
     if kind == "corrupt":
-        from stead.plugins.ckpt._shm import segment_names
+        from stead.plugins.ckpt import segment_names
         ckpt.wait_persisted()
         time.sleep(0.2)
         names = segment_names(os.environ["STEAD_JOB"], os.environ["STEAD_NODE_ID"], 0,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from stead.core.rpc._protowire import length_delimited
+from stead.core.rpc import length_delimited
 
 __all__ = ["body_with", "grpc_frame", "repeated_fields"]
 

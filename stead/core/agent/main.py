@@ -28,7 +28,6 @@ from typing import TypeVar
 import anyio
 import structlog
 
-from stead.core.agent._zygote_main import _STARTUP_ENV as STARTUP_ENV
 from stead.core.agent.extensions import AgentContext, Extensions, load_extensions
 from stead.core.agent.gpu import GpuHealth
 from stead.core.agent.health_check import ORDERS_ENV as HEALTH_ORDERS_ENV
@@ -39,6 +38,7 @@ from stead.core.agent.resources import WorkerResources
 from stead.core.agent.stacks import dump_stacks
 from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote
+from stead.core.agent.zygote_main import STARTUP_ENV
 from stead.core.config import Settings, settings_env
 from stead.core.errors import InvalidRequest, RetryableError
 from stead.core.events import (

@@ -41,6 +41,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from stead.core.agent.zygote import Zygote, ZygoteUnavailable
 from stead.core.config import Settings
 from stead.core.errors import InvalidRequest, PlatformError
+from stead.core.procs import zombie_failure
 from stead.core.rpc.backend import MAX_ERROR_TAIL_CHARS
 
 __all__ = ["WorkerExit", "WorkerGroup", "WorkerSpec"]
@@ -192,25 +193,6 @@ def _pidfd_or_none(pid: int) -> int:
         return os.pidfd_open(pid)
     except ProcessLookupError:
         return -1
-
-
-def _zombie_failure(pid: int, pidfd: int) -> tuple[int | None, int | None] | None:
-    """A failed forked worker's ``(exit_code, signal)`` read before its zygote reaps it, or None.
-
-    The zygote may be busy (importing) for seconds before it reaps and reports; the kernel
-    shows an unreaped child's wait status in ``/proc/PID/stat``. Only a failure is taken from
-    there (a status that reads 0 may be hidden by ptrace rules); a pidfd that still signals
-    proves the pid was not reaped and reused while it was read.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        signal.pidfd_send_signal(pidfd, 0)
-    except (OSError, IndexError):
-        return None
-    if len(fields) < 50 or fields[0] != b"Z" or not (status := int(fields[49])):
-        return None
-    return (None, status & 0x7F) if status & 0x7F else ((status >> 8) & 0xFF, None)
 
 
 class _Worker:
@@ -473,7 +455,7 @@ class WorkerGroup:
                     if worker.pidfd >= 0:  # the end itself, not the zygote's (maybe later) report of it
                         await anyio.wait_readable(worker.pidfd)
                         ended = time.time()
-                        status = _zombie_failure(worker.pid, worker.pidfd)
+                        status = zombie_failure(worker.pid, worker.pidfd)
                     exit_code, signum = status or await self._zygote.wait_exit(worker.pid)
                 finally:
                     if worker.pidfd >= 0:

@@ -3,7 +3,7 @@
 Starting ``python train.py`` costs 1-2 s of interpreter start-up and ``import torch``
 before the first step; torchrun pays it on every restart. The agent instead keeps a
 zygote: a child that imported torch (and any preloaded modules) but never ran a torch
-op, and that forks each worker on request (see ``_zygote_main`` for the child side).
+op, and that forks each worker on request (see :mod:`.zygote_main` for the child side).
 
 The chain of parent-death signals holds when the agent is SIGKILLed: the zygote dies
 with the agent, and its workers die with the zygote. Start-up is not awaited:
@@ -29,7 +29,7 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup
 
-from stead.core.agent._zygote_main import MAX_MESSAGE_BYTES, STARTUP_ENV, decode, encode
+from stead.core.agent.zygote_main import MAX_MESSAGE_BYTES, STARTUP_ENV, decode, encode
 from stead.core.config import Settings
 from stead.core.errors import RetryableError
 
@@ -42,7 +42,7 @@ log = structlog.get_logger()
 #: make stead importable whatever the environment, then serve
 _BOOT = (
     "import sys; _base = list(sys.path[1:]); sys.path.insert(0, sys.argv[1]); "
-    "from stead.core.agent._zygote_main import main; main(_base, sys.argv[2:])"
+    "from stead.core.agent.zygote_main import main; main(_base, sys.argv[2:])"
 )
 _STEAD_ROOT = str(Path(__file__).resolve().parents[3])
 _READ_BYTES = 1 << 16

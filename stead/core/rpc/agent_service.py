@@ -18,17 +18,6 @@ from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
 from stead.core.rpc._checks import MAX_NODE_ID_CHARS, check_name
-from stead.core.rpc._convert import (
-    NO_STEP,
-    command_to_proto,
-    failure_from_proto,
-    health_from_proto,
-    heartbeat_from_proto,
-    register_from_proto,
-    register_reply_to_proto,
-    stacks_from_proto,
-    workers_from_proto,
-)
 from stead.core.rpc._proto.stead.v1 import (
     Ack,
     AgentServiceBase,
@@ -47,6 +36,17 @@ from stead.core.rpc._proto.stead.v1 import (
 )
 from stead.core.rpc._status import at_least, backend_errors, finite_figure, invalid
 from stead.core.rpc.backend import HEARTBEAT_STREAM_ROUTE, MAX_ACKS_PER_BEAT, MAX_NODE_WORKERS, AgentBackend
+from stead.core.rpc.convert import (
+    NO_STEP,
+    command_to_proto,
+    failure_from_proto,
+    health_from_proto,
+    heartbeat_from_proto,
+    register_from_proto,
+    register_reply_to_proto,
+    stacks_from_proto,
+    workers_from_proto,
+)
 
 __all__ = ["AgentServicer", "check_node_id"]
 

@@ -34,16 +34,6 @@ from stead.core.errors import (
 )
 from stead.core.events import NodeHealthReported, StacksDumped, WorkerFailed, WorkersStarted, WorkersSucceeded
 from stead.core.retry import retrying
-from stead.core.rpc._convert import (
-    command_from_proto,
-    failure_to_proto,
-    health_to_proto,
-    heartbeat_to_proto,
-    register_reply_from_proto,
-    register_to_proto,
-    stacks_to_proto,
-    workers_to_proto,
-)
 from stead.core.rpc._proto.stead.v1 import (
     AgentServiceStub,
     Command,
@@ -62,6 +52,16 @@ from stead.core.rpc.backend import (
     HeartbeatInfo,
     RegisterInfo,
     RegisterResult,
+)
+from stead.core.rpc.convert import (
+    command_from_proto,
+    failure_to_proto,
+    health_to_proto,
+    heartbeat_to_proto,
+    register_reply_from_proto,
+    register_to_proto,
+    stacks_to_proto,
+    workers_to_proto,
 )
 from stead.core.tokenfile import check_token
 

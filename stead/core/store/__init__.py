@@ -4,6 +4,10 @@ Backends register in the entry-point group ``stead.stores`` (name = URL scheme,
 value = ``async def open_store(url: str, settings: Settings) -> StateStore``);
 the built-in ``memory``, ``sqlite`` and ``etcd`` are also found without their
 entry points, e.g. when running from a source tree that was not installed.
+Every backend, a third party's included, keeps the same limits, so that code
+tested on one runs on all: :data:`MAX_TXN_ITEMS` keys in one ``create_all``,
+a ``store_max_write_bytes`` of at least :data:`MIN_MAX_WRITE_BYTES`, and at most
+:data:`EMBEDDED_MAX_WRITE_BYTES` in one write to an embedded store.
 """
 
 from __future__ import annotations
@@ -14,11 +18,20 @@ from typing import cast
 from stead.core.config import Settings
 from stead.core.entrypoints import installed, load_named
 from stead.core.errors import ConfigError
-from stead.core.store._common import item_size, prefix_end, public_store_url, write_size
+from stead.core.store._common import (
+    EMBEDDED_MAX_WRITE_BYTES,
+    MAX_TXN_ITEMS,
+    MIN_MAX_WRITE_BYTES,
+    item_size,
+    prefix_end,
+    public_store_url,
+    write_size,
+)
 from stead.core.store.base import KeyValue, Lease, StateStore, WatchEvent, WatchKind
 
-__all__ = ["KeyValue", "Lease", "StateStore", "StoreFactory", "WatchEvent", "WatchKind", "item_size", "known_schemes",
-           "open_store", "prefix_end", "public_store_url", "write_size"]
+__all__ = ["EMBEDDED_MAX_WRITE_BYTES", "MAX_TXN_ITEMS", "MIN_MAX_WRITE_BYTES", "KeyValue", "Lease", "StateStore",
+           "StoreFactory", "WatchEvent", "WatchKind", "item_size", "known_schemes", "open_store", "prefix_end",
+           "public_store_url", "write_size"]
 
 StoreFactory = Callable[[str, Settings], Awaitable[StateStore]]
 

@@ -2,7 +2,10 @@
 
 Registered as ``k8s`` in the ``stead.platforms`` entry-point group through
 :data:`platform_factory`. Its settings (``--set k8s.<name>=value``) are
-:class:`~stead.platforms.k8s.settings.K8sSettings`.
+:class:`~stead.platforms.k8s.settings.K8sSettings`. :class:`Kube` is the platform's
+client of the Kubernetes API (plain JSON objects, errors mapped to stead's), with
+the collections it uses (:data:`PODS`, :data:`SECRETS`, ...): for tools and tests
+that make what a job needs beside its pods, e.g. its token Secret.
 """
 
 from __future__ import annotations
@@ -12,10 +15,27 @@ from collections.abc import Sequence
 from stead.core.config import Settings, load_settings
 from stead.core.errors import ConfigError
 from stead.core.runspec import RunConfig
+from stead.platforms.k8s._client import (
+    CONFIGMAPS,
+    EVENTS,
+    JOBS,
+    NETWORK_POLICIES,
+    NODES,
+    PODS,
+    ROLE_BINDINGS,
+    ROLES,
+    SECRETS,
+    SERVICE_ACCOUNTS,
+    SERVICES,
+    Kube,
+    Resource,
+)
 from stead.platforms.k8s._platform import K8sPlatform
 from stead.platforms.k8s.settings import K8sSettings
 
-__all__ = ["K8sPlatform", "K8sSettings", "create", "platform_factory"]
+__all__ = ["CONFIGMAPS", "EVENTS", "JOBS", "NETWORK_POLICIES", "NODES", "PODS", "ROLES", "ROLE_BINDINGS", "SECRETS",
+           "SERVICES", "SERVICE_ACCOUNTS", "K8sPlatform", "K8sSettings", "Kube", "Resource", "create",
+           "platform_factory"]
 
 
 async def create(settings: Settings, **options: object) -> K8sPlatform:

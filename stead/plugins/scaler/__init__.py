@@ -73,7 +73,8 @@ from stead.plugins.scaler.recommend import Recommendation, recommend
 from stead.plugins.scaler.settings import ScalerSettings
 from stead.plugins.scaler.usage import UsageBook
 
-__all__ = ["Decision", "MembershipView", "ResourcesRecommended", "ScaleRequested", "ScalerPlugin", "ScalerSettings"]
+__all__ = ["Decision", "MembershipView", "ResourcesRecommended", "ScaleRequested", "ScalerPlugin", "ScalerSettings",
+           "proto"]
 
 Ctx = PluginContext[ScalerSettings]
 

@@ -54,9 +54,10 @@ from typing import TYPE_CHECKING, Any
 
 from stead.plugins.sharding import events as events  # registers the shard.* event kinds (cheap)
 
-__all__ = ["ShardedSampler", "ShardingPlugin", "StreamSampler"]
+__all__ = ["ShardedSampler", "ShardingPlugin", "StreamSampler", "proto"]
 
 if TYPE_CHECKING:
+    from stead.plugins.sharding._proto.stead import v1 as proto
     from stead.plugins.sharding.plugin import ShardingPlugin
     from stead.plugins.sharding.sampler import ShardedSampler, StreamSampler
 
@@ -71,4 +72,8 @@ def __getattr__(name: str) -> Any:
         from stead.plugins.sharding import sampler
 
         return getattr(sampler, name)
+    if name == "proto":  # the plugin's wire messages (generated from proto/stead/plugins/sharding/v1)
+        from stead.plugins.sharding._proto.stead import v1
+
+        return v1
     raise AttributeError(f"module 'stead.plugins.sharding' has no attribute {name!r}")

@@ -13,9 +13,9 @@ import anyio
 import pytest
 from _agent_helpers import py, read_json, spec, wait_for_file, write
 
-from stead.core.agent._zygote_main import parse_python_argv
 from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote, ZygoteUnavailable
+from stead.core.agent.zygote_main import parse_python_argv
 from stead.core.config import Settings
 
 pytestmark = pytest.mark.anyio
@@ -132,7 +132,7 @@ async def test_uncaught_exception_prints_the_users_traceback_and_exits_1(tmp_pat
     assert tail.startswith("Traceback (most recent call last):")
     assert f'File "{script}", line 4, in <module>' in tail
     assert tail.endswith("ValueError: boom")
-    assert "_zygote_main" not in tail
+    assert "zygote_main" not in tail
 
 
 async def test_exit_runs_atexit_and_joins_threads_and_honours_systemexit(tmp_path: Path) -> None:
@@ -258,7 +258,7 @@ def test_which_commands_the_zygote_runs_in_process(argv: list[str], expected: tu
 
 
 def test_messages_are_json_not_pickle() -> None:
-    from stead.core.agent._zygote_main import decode, encode
+    from stead.core.agent.zygote_main import decode, encode
 
     data = encode({"op": "exit", "pid": 3, "exit_code": 0, "signal": None})
     assert json.loads(data)["op"] == "exit"
@@ -269,7 +269,7 @@ def test_messages_are_json_not_pickle() -> None:
 
 _ORPHANED_WORKER = """
 import ctypes, os, time
-from stead.core.agent._zygote_main import die_with
+from stead.core.agent.zygote_main import die_with
 ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the orphan is reaped here
 zygote = os.fork()
 if zygote == 0:

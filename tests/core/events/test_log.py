@@ -12,8 +12,7 @@ import pytest
 from stead.core.errors import CodecError, LogConflict, LogCorrupt, StoreUnavailable, WriteTooLarge
 from stead.core.events import JobFailed, JobSubmitted, Record, StepProgress, decode_record
 from stead.core.events.log import BadRecord, EventLog, Snapshot
-from stead.core.store import StateStore
-from stead.core.store._common import MIN_MAX_WRITE_BYTES
+from stead.core.store import MIN_MAX_WRITE_BYTES, StateStore
 
 if TYPE_CHECKING:
     from conftest import KillBetweenChunks

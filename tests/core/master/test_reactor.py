@@ -35,8 +35,7 @@ from stead.core.events.log import EventLog
 from stead.core.master.reactor import Reactor
 from stead.core.serde import to_json
 from stead.core.statemachine import Effect, JobPhase, JobState
-from stead.core.store import KeyValue, StateStore, open_store, write_size
-from stead.core.store._common import MIN_MAX_WRITE_BYTES
+from stead.core.store import MIN_MAX_WRITE_BYTES, KeyValue, StateStore, open_store, write_size
 from stead.testing import FakeClock
 
 pytestmark = pytest.mark.anyio

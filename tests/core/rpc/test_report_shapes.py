@@ -15,8 +15,6 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-import stead.core.rpc._proto.stead.v1 as pb
-import stead.plugins.ckpt._proto.stead.v1 as ckpt_pb
 from stead.core.config import Settings
 from stead.core.events import (
     Event,
@@ -46,7 +44,7 @@ from stead.core.rpc import (
     attach_token,
     new_token,
 )
-from stead.core.rpc._convert import (
+from stead.core.rpc.convert import (
     command_from_proto,
     command_to_proto,
     failure_from_proto,
@@ -65,9 +63,9 @@ from stead.core.rpc._convert import (
     workers_to_proto,
 )
 from stead.core.statemachine import JobState, NodePhase, NodeState
-from stead.plugins.ckpt._client import corrupt_to_proto
+from stead.plugin import proto as pb
+from stead.plugins.ckpt import proto as ckpt_pb
 from stead.plugins.ckpt.events import CheckpointCorrupt
-from stead.plugins.ckpt.plugin import corrupt_from_proto
 
 pytestmark = pytest.mark.anyio
 
@@ -111,7 +109,6 @@ HEALTH = AgentReport(incarnation=3, event=NodeHealthReported(
     seconds=4.5, collectives=(PeerCollective(peer="node-2", seconds=0.25, error="slow"),)))
 STARTED = AgentReport(incarnation=3, event=WorkersStarted(node_id="node-1", round=4))
 SUCCEEDED = AgentReport(incarnation=3, event=WorkersSucceeded(node_id="node-1", round=4))
-CORRUPT = CheckpointCorrupt(node_id="node-1", rank=5, step=1200, tier="disk", detail="tensor w fails its checksum")
 REGISTER = RegisterInfo(node_id="node-1", incarnation=3, host="host-b", pid=4242, nproc=8)
 REGISTERED = RegisterResult(job="j", heartbeat_interval_s=1.5, heartbeat_timeout_s=9.0, store_host="10.0.0.1",
                             store_port=29400, progress_interval_s=5.0)
@@ -126,7 +123,6 @@ CROSSINGS: list[tuple[Any, Callable[[Any], betterproto2.Message], Callable[[Any]
     (HEALTH, health_to_proto, health_from_proto),
     (STARTED, workers_to_proto, workers_from_proto),
     (SUCCEEDED, workers_to_proto, workers_from_proto),
-    (CORRUPT, corrupt_to_proto, corrupt_from_proto),
     (REGISTER, register_to_proto, register_from_proto),
     (REGISTERED, register_reply_to_proto, register_reply_from_proto),
     (BEAT, heartbeat_to_proto, heartbeat_from_proto),

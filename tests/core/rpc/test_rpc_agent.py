@@ -34,14 +34,8 @@ from stead.core.rpc import (
     StopWorkersCmd,
     attach_token,
 )
-from stead.core.rpc._proto.stead.v1 import (
-    AgentServiceStub,
-    HeartbeatReply,
-    HeartbeatRequest,
-    WorkersReport,
-    WorkersState,
-)
-from stead.plugins.sharding._proto.stead.v1 import LeaseShardsRequest, ShardServiceStub
+from stead.plugin import proto
+from stead.plugins.sharding import proto as sharding_proto
 
 pytestmark = pytest.mark.anyio
 
@@ -219,10 +213,10 @@ async def test_a_heartbeat_refused_as_it_is_decoded_leaves_the_heartbeat_stream_
     attach_token(channel, token)
     try:
         async with channel.request("/stead.v1.AgentService/HeartbeatStream", Cardinality.STREAM_STREAM,
-                                   HeartbeatRequest, HeartbeatReply, timeout=10) as stream:
-            await stream.send_message(HeartbeatRequest(node_id="node-0", incarnation=1, cpu_percent=float("nan")))
+                                   proto.HeartbeatRequest, proto.HeartbeatReply, timeout=10) as stream:
+            await stream.send_message(proto.HeartbeatRequest(node_id="node-0", incarnation=1, cpu_percent=float("nan")))
             refused = await stream.recv_message()
-            await stream.send_message(HeartbeatRequest(node_id="node-0", incarnation=1), end=True)
+            await stream.send_message(proto.HeartbeatRequest(node_id="node-0", incarnation=1), end=True)
             taken = await stream.recv_message()
     finally:
         channel.close()
@@ -241,10 +235,10 @@ async def test_an_unknown_workers_state_is_rejected(server: RpcServer, token: st
     channel = Channel(server.host, server.port)
     attach_token(channel, token)
     try:
-        for state in (WorkersState.UNSPECIFIED, WorkersState(7)):
-            report = WorkersReport(node_id="node-0", incarnation=1, round=0, state=state)
+        for state in (proto.WorkersState.UNSPECIFIED, proto.WorkersState(7)):
+            report = proto.WorkersReport(node_id="node-0", incarnation=1, round=0, state=state)
             with pytest.raises(GRPCError) as caught:
-                await AgentServiceStub(channel).report_workers(report, timeout=10)
+                await proto.AgentServiceStub(channel).report_workers(report, timeout=10)
             assert caught.value.status == Status.INVALID_ARGUMENT
             assert "WorkersReport.state" in (caught.value.message or "")
     finally:
@@ -275,8 +269,9 @@ async def test_an_unexpected_backend_error_is_answered_internal(server: RpcServe
     attach_token(channel, token)
     try:
         with pytest.raises(GRPCError) as caught:
-            await AgentServiceStub(channel).report_workers(
-                WorkersReport(node_id="node-0", incarnation=1, round=0, state=WorkersState.STARTED), timeout=10)
+            await proto.AgentServiceStub(channel).report_workers(
+                proto.WorkersReport(node_id="node-0", incarnation=1, round=0, state=proto.WorkersState.STARTED),
+                timeout=10)
     finally:
         channel.close()
     assert caught.value.status == Status.INTERNAL
@@ -289,8 +284,8 @@ async def test_services_this_master_does_not_serve_answer_unimplemented_with_an_
     attach_token(channel, token)
     try:
         with pytest.raises(GRPCError) as caught:
-            await ShardServiceStub(channel).lease_shards(LeaseShardsRequest(dataset="d", node_id="n", count=1),
-                                                         timeout=10)
+            await sharding_proto.ShardServiceStub(channel).lease_shards(
+                sharding_proto.LeaseShardsRequest(dataset="d", node_id="n", count=1), timeout=10)
     finally:
         channel.close()
     assert caught.value.status == Status.UNIMPLEMENTED

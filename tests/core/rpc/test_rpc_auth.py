@@ -26,15 +26,7 @@ from stead.core.rpc import (
     read_token_file,
     write_token_file,
 )
-from stead.core.rpc._proto.stead.v1 import (
-    AgentServiceStub,
-    CommandsRequest,
-    FailureReport,
-    HeartbeatBatch,
-    HeartbeatRequest,
-    RegisterRequest,
-    WorkersReport,
-)
+from stead.plugin import proto
 
 pytestmark = pytest.mark.anyio
 
@@ -91,8 +83,8 @@ async def _raw_register(server: RpcServer, token: str | None) -> GRPCError:
         attach_token(channel, token)
     try:
         with pytest.raises(GRPCError) as caught:
-            await AgentServiceStub(channel).register(RegisterRequest(node_id="n", incarnation=1, host="h", pid=1,
-                                                                     nproc=1), timeout=10)
+            await proto.AgentServiceStub(channel).register(
+                proto.RegisterRequest(node_id="n", incarnation=1, host="h", pid=1, nproc=1), timeout=10)
     finally:
         channel.close()
     return caught.value
@@ -118,7 +110,7 @@ async def test_a_malformed_authorization_header_is_unauthenticated(server: RpcSe
     try:
         for value in (token, f"Basic {token}", f"Bearer {token}x", "Bearer "):
             with pytest.raises(GRPCError) as caught:
-                await AgentServiceStub(channel).register(RegisterRequest(), timeout=10,
+                await proto.AgentServiceStub(channel).register(proto.RegisterRequest(), timeout=10,
                                                          metadata={AUTH_METADATA_KEY: value})
             assert caught.value.status == Status.UNAUTHENTICATED
     finally:
@@ -137,24 +129,24 @@ async def test_clients_with_a_wrong_token_raise_unauthenticated(server: RpcServe
 
 async def test_every_method_checks_the_token(server: RpcServer, backend: Any) -> None:
     channel = Channel(server.host, server.port)
-    stub = AgentServiceStub(channel)
+    stub = proto.AgentServiceStub(channel)
 
     async def commands() -> None:
-        async for _ in stub.commands(CommandsRequest(node_id="n", incarnation=1), timeout=10):
+        async for _ in stub.commands(proto.CommandsRequest(node_id="n", incarnation=1), timeout=10):
             pass
 
     async def beat_stream() -> None:  # another job's agent (or anything else) flooding the heartbeat stream
-        flood = [HeartbeatRequest(node_id=f"n{i}", incarnation=1) for i in range(1000)]
+        flood = [proto.HeartbeatRequest(node_id=f"n{i}", incarnation=1) for i in range(1000)]
         async for _ in stub.heartbeat_stream(flood, timeout=10):
             pass
 
     calls = [
-        lambda: stub.heartbeat(HeartbeatRequest(node_id="n", incarnation=1), timeout=10),
-        lambda: stub.heartbeats(HeartbeatBatch(beats=[HeartbeatRequest(node_id=f"n{i}", incarnation=1)
+        lambda: stub.heartbeat(proto.HeartbeatRequest(node_id="n", incarnation=1), timeout=10),
+        lambda: stub.heartbeats(proto.HeartbeatBatch(beats=[proto.HeartbeatRequest(node_id=f"n{i}", incarnation=1)
                                                       for i in range(1000)]), timeout=10),
         beat_stream,
-        lambda: stub.report_failure(FailureReport(node_id="n", incarnation=1), timeout=10),
-        lambda: stub.report_workers(WorkersReport(node_id="n", incarnation=1), timeout=10),
+        lambda: stub.report_failure(proto.FailureReport(node_id="n", incarnation=1), timeout=10),
+        lambda: stub.report_workers(proto.WorkersReport(node_id="n", incarnation=1), timeout=10),
         commands,
     ]
     try:

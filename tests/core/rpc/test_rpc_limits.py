@@ -16,7 +16,7 @@ from h2.settings import SettingCodes
 from stead.core.config import Settings
 from stead.core.errors import RpcUnavailable
 from stead.core.rpc import AgentServicer, HeartbeatInfo, MasterClient, RegisterInfo, RpcServer, StopNodeCmd
-from stead.core.rpc._proto.stead.v1 import RegisterRequest
+from stead.plugin import proto
 from tests.support.h2peer import DeafPeer, RawPeer
 from tests.support.wire import grpc_frame
 
@@ -33,7 +33,7 @@ FLOOD_BYTES = 8 << 20
 H2_DEFAULT_WINDOW = 65_535
 REGISTER_PATH = "/stead.v1.AgentService/Register"
 #: REGISTER, as a call carries it (prefix and body)
-REGISTER_FRAME = grpc_frame(bytes(RegisterRequest(node_id=REGISTER.node_id, incarnation=REGISTER.incarnation,
+REGISTER_FRAME = grpc_frame(bytes(proto.RegisterRequest(node_id=REGISTER.node_id, incarnation=REGISTER.incarnation,
                                                   host=REGISTER.host, pid=REGISTER.pid, nproc=REGISTER.nproc)))
 
 

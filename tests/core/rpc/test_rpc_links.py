@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from stead.core.rpc._links import Link, Links
+from stead.core.rpc import Link, Links
 
 pytestmark = pytest.mark.anyio
 

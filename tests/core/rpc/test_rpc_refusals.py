@@ -9,8 +9,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from stead.core.errors import InvalidRequest, Overloaded, RpcUnavailable
-from stead.core.rpc import AgentServicer, MasterClient, RegisterInfo, RpcServer
-from stead.core.rpc._refusals import Refusal, RefusalCodec
+from stead.core.rpc import AgentServicer, MasterClient, Refusal, RefusalCodec, RegisterInfo, RpcServer
 
 pytestmark = pytest.mark.anyio
 

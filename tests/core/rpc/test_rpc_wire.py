@@ -16,17 +16,27 @@ from grpclib.exceptions import GRPCError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import stead.core.rpc._proto.stead.v1 as pb
-import stead.plugins.ckpt._proto.stead.v1 as ckpt_pb
-import stead.plugins.scaler._proto.stead.v1 as scaler_pb
-import stead.plugins.sharding._proto.stead.v1 as sharding_pb
 from stead.core.config import Settings
 from stead.core.errors import InvalidRequest
-from stead.core.rpc import AgentServicer, HeartbeatInfo, MasterClient, RpcServer, retrying
-from stead.core.rpc._refusals import Refusal, RefusalCodec
-from stead.core.rpc._wire import COUNT_BOUNDS, MAX_ENTRIES, MAX_UNKNOWN_FIELDS, check_wire
+from stead.core.rpc import (
+    COUNT_BOUNDS,
+    MAX_ENTRIES,
+    MAX_UNKNOWN_FIELDS,
+    AgentServicer,
+    HeartbeatInfo,
+    MasterClient,
+    Refusal,
+    RefusalCodec,
+    RpcServer,
+    check_wire,
+    retrying,
+)
 from stead.core.rpc.backend import MAX_BATCH_BEATS, AgentBackend
-from stead.plugins.ckpt._shm import SLOTS
+from stead.plugin import proto as pb
+from stead.plugins.ckpt import SLOTS
+from stead.plugins.ckpt import proto as ckpt_pb
+from stead.plugins.scaler import proto as scaler_pb
+from stead.plugins.sharding import proto as sharding_pb
 from tests.support.h2peer import RawPeer
 from tests.support.wire import body_with, grpc_frame, repeated_fields
 

@@ -11,8 +11,7 @@ import pytest
 
 from stead.core.config import Settings
 from stead.core.errors import CodecError
-from stead.core.store import KeyValue, StateStore, open_store
-from stead.core.store._common import MIN_MAX_WRITE_BYTES
+from stead.core.store import MIN_MAX_WRITE_BYTES, KeyValue, StateStore, open_store
 from stead.core.store.chunked import ChunkedValue
 
 if TYPE_CHECKING:

@@ -12,8 +12,7 @@ import pytest
 
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, StoreError, StoreUnavailable, WriteTooLarge
-from stead.core.store import open_store, write_size
-from stead.core.store._common import MAX_TXN_ITEMS
+from stead.core.store import MAX_TXN_ITEMS, open_store, write_size
 from stead.core.store.etcd import ETCD_MAX_REQUEST_BYTES, EtcdStore, parse_etcd_url
 from stead.testing.etcd import EtcdServer
 

@@ -13,8 +13,17 @@ import pytest
 
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, StoreError, WriteTooLarge
-from stead.core.store import KeyValue, StateStore, WatchEvent, WatchKind, open_store, write_size
-from stead.core.store._common import EMBEDDED_MAX_WRITE_BYTES, MAX_TXN_ITEMS, MIN_MAX_WRITE_BYTES
+from stead.core.store import (
+    EMBEDDED_MAX_WRITE_BYTES,
+    MAX_TXN_ITEMS,
+    MIN_MAX_WRITE_BYTES,
+    KeyValue,
+    StateStore,
+    WatchEvent,
+    WatchKind,
+    open_store,
+    write_size,
+)
 from stead.core.store.etcd import ETCD_MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:

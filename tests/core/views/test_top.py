@@ -28,8 +28,8 @@ from stead.core.events import (
     WorkersSucceeded,
 )
 from stead.core.events.log import EventLog
+from stead.core.store import MIN_MAX_WRITE_BYTES as LIMIT
 from stead.core.store import open_store
-from stead.core.store._common import MIN_MAX_WRITE_BYTES as LIMIT
 from stead.core.store.chunked import ChunkedValue
 from stead.core.views.top import follow, plain_lines, published_lines, snapshot
 from stead.testing.replay import replay

@@ -17,8 +17,7 @@ from kopf.testing import KopfRunner
 from stead.core.events import JobSubmitted, NodeRequested
 from stead.core.events.log import EventLog
 from stead.core.store import open_store
-from stead.platforms.k8s import operator
-from stead.platforms.k8s._client import JOBS, PODS, SERVICE_ACCOUNTS, Kube, Resource
+from stead.platforms.k8s import JOBS, PODS, SERVICE_ACCOUNTS, Kube, Resource, operator
 from stead.platforms.k8s.manifests import custom_resource_definition
 from stead.platforms.k8s.settings import K8sSettings
 from tests.support.kube import FakeKubeApi

@@ -21,8 +21,7 @@ from stead.core.config import Settings
 from stead.core.errors import ConfigError, PlatformRejected, PlatformUnavailable
 from stead.core.events import NodeExited, NodePending, NodeStarted
 from stead.core.platform import NodeSpec, PlatformEvent
-from stead.platforms.k8s import K8sPlatform, K8sSettings
-from stead.platforms.k8s._client import PODS, SECRETS, Kube
+from stead.platforms.k8s import PODS, SECRETS, K8sPlatform, K8sSettings, Kube
 from stead.platforms.k8s.pods import token_secret
 from tests.support.kube import FakeKubeApi, FakeKubelet
 

@@ -16,8 +16,7 @@ import pytest
 
 from stead.core.errors import ConfigError, PlatformRejected, PlatformUnavailable
 from stead.core.platform import NodeSpec
-from stead.platforms.k8s import manifests, operator
-from stead.platforms.k8s._client import NODES, PODS, ROLES, SERVICE_ACCOUNTS, Kube, Resource
+from stead.platforms.k8s import NODES, PODS, ROLES, SERVICE_ACCOUNTS, Kube, Resource, manifests, operator
 from stead.platforms.k8s.etcd import generate_secrets
 from stead.platforms.k8s.pods import JobObjects, master_pod, node_pod
 from stead.platforms.k8s.policy import (

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stead.plugins.ckpt import _disk
-from stead.plugins.ckpt._checksum import checksum, sum64, with_digest, without_digest
+from stead.plugins.ckpt import _disk, checksum, sum64
+from stead.plugins.ckpt._checksum import with_digest, without_digest
 from stead.plugins.ckpt._codec import encode
 from stead.plugins.ckpt.errors import CheckpointError
 

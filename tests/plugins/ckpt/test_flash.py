@@ -13,10 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from stead.core.events import CheckpointCommitted
-from stead.plugins.ckpt import _disk
+from stead.plugins.ckpt import SHM_DIR, _disk, segment_names
 from stead.plugins.ckpt._mapped import MappedSlot
 from stead.plugins.ckpt._recover import Restore
-from stead.plugins.ckpt._shm import SHM_DIR, segment_names
 from stead.plugins.ckpt.errors import SharedMemoryTooSmall, StateMismatch, UnsupportedState
 from stead.plugins.ckpt.events import CheckpointCorrupt, CheckpointPersisted, CheckpointRestored
 from stead.plugins.ckpt.worker import FlashCheckpointer

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from stead.core.config import Settings
+from stead.plugins.ckpt import segment_names
 from stead.plugins.ckpt._node import NodeCheckpoints
-from stead.plugins.ckpt._shm import segment_names
 from stead.plugins.ckpt.settings import CheckpointSettings
 
 pytestmark = pytest.mark.anyio

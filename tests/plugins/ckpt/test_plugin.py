@@ -1,4 +1,5 @@
-"""The master's CheckpointService: bad input is refused, a long poll returns when the commit comes."""
+"""The master's CheckpointService: bad input is refused, a long poll returns when the commit comes, an agent's
+report of a corrupt copy is recorded as the event it holds."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from stead.core.plugins import PluginContext, validate_plugin
 from stead.core.rpc import RpcConnection, RpcServer, attach_token, new_token
 from stead.core.statemachine import JobState
 from stead.core.store import open_store
+from stead.plugins.ckpt import proto
 from stead.plugins.ckpt._client import CheckpointClient, Saved
-from stead.plugins.ckpt._proto.stead.v1 import CheckpointServiceStub, RankSaved, ReportSavedRequest
+from stead.plugins.ckpt.events import CheckpointCorrupt
 from stead.plugins.ckpt.plugin import CheckpointPlugin
 from stead.plugins.ckpt.settings import CheckpointSettings
 
@@ -61,18 +63,22 @@ async def test_the_plugin_is_valid_and_serves_commits_that_survive_a_master_rest
             assert waited["reply"].round_step == 3 and waited["reply"].step == 3
             commits = [e for e in events if isinstance(e, CheckpointCommitted)]
             assert commits == [CheckpointCommitted(step=3, save_s=0.5)]  # the slower rank's copy
+            corrupt = CheckpointCorrupt(node_id="node-1", rank=5, step=1200, tier="disk",
+                                        detail="tensor w fails its checksum")
+            await node1.report_corrupt(corrupt)
+            assert events[-1] == corrupt  # the report is recorded as the event it holds, every field crossed
 
             channel = Channel(server.host, server.port)
             attach_token(channel, token)
             try:
-                for bad in (ReportSavedRequest(node_id="n", round=1, world_size=0, tier="memory"),
-                            ReportSavedRequest(node_id="n", round=1, world_size=2, tier="tape"),
-                            ReportSavedRequest(node_id="n", round=1, world_size=2, tier="memory",
-                                               ranks=[RankSaved(rank=5, step=1)]),
-                            ReportSavedRequest(node_id="n", round=1, world_size=1, tier="disk",
-                                               ranks=[RankSaved(rank=0, step=1, seconds={1: -2.0})])):
+                for bad in (proto.ReportSavedRequest(node_id="n", round=1, world_size=0, tier="memory"),
+                            proto.ReportSavedRequest(node_id="n", round=1, world_size=2, tier="tape"),
+                            proto.ReportSavedRequest(node_id="n", round=1, world_size=2, tier="memory",
+                                                     ranks=[proto.RankSaved(rank=5, step=1)]),
+                            proto.ReportSavedRequest(node_id="n", round=1, world_size=1, tier="disk",
+                                                     ranks=[proto.RankSaved(rank=0, step=1, seconds={1: -2.0})])):
                     with pytest.raises(GRPCError) as caught:
-                        await CheckpointServiceStub(channel).report_saved(bad, timeout=5)
+                        await proto.CheckpointServiceStub(channel).report_saved(bad, timeout=5)
                     assert caught.value.status == Status.INVALID_ARGUMENT
             finally:
                 channel.close()

@@ -20,7 +20,7 @@ from stead.core.events.log import EventLog
 from stead.core.master import Master, MasterConfig
 from stead.core.rpc import RpcServer, attach_token, new_token
 from stead.core.store import StateStore, open_store
-from stead.plugins.sharding._proto.stead.v1 import LeaseShardsRequest, ShardServiceStub
+from stead.plugins.sharding import proto as sharding_proto
 from stead.plugins.sharding.client import ShardClient
 from stead.plugins.sharding.ledger import CursorState, DatasetSpec, Range
 from stead.plugins.sharding.service import ShardService, StreamId
@@ -92,8 +92,8 @@ async def test_bad_input_is_invalid_argument_saying_what_to_do_and_changes_nothi
     attach_token(channel, token)
     try:
         with pytest.raises(GRPCError) as caught:
-            await ShardServiceStub(channel).lease_shards(LeaseShardsRequest(dataset="no such", node_id="node-0",
-                                                                            nonce="n0", count=1), timeout=10)
+            await sharding_proto.ShardServiceStub(channel).lease_shards(
+                sharding_proto.LeaseShardsRequest(dataset="no such", node_id="node-0", nonce="n0", count=1), timeout=10)
     finally:
         channel.close()
     assert caught.value.status == Status.INVALID_ARGUMENT and "is not a valid name" in (caught.value.message or "")

@@ -14,8 +14,7 @@ from stead.core.errors import InvalidRequest
 from stead.core.events import Event, NodeExited, NodeLost, Record
 from stead.core.plugins import PluginContext
 from stead.core.statemachine import JobPhase, JobState
-from stead.core.store import StateStore, open_store
-from stead.core.store._common import MIN_MAX_WRITE_BYTES
+from stead.core.store import MIN_MAX_WRITE_BYTES, StateStore, open_store
 from stead.plugins.sharding.events import LeasesReleased, ShardRoundStarted
 from stead.plugins.sharding.ledger import DatasetSpec, Range
 from stead.plugins.sharding.plugin import ShardingPlugin

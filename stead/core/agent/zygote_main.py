@@ -76,7 +76,6 @@ STARTUP_ENV = (
     "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONWARNINGS", "PYTHONIOENCODING",
     "PYTHONUTF8", "PYTHONINTMAXSTRDIGITS", "PYTHONNODEBUGRANGES", "TORCH_LOGS",
 )
-_STARTUP_ENV = STARTUP_ENV  # the name the agent's main module first imported
 
 
 def encode(message: Mapping[str, Any]) -> bytes:
