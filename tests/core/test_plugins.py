@@ -112,9 +112,7 @@ class _Slow:
     subscriptions = (StepProgress,)
 
     async def handle(self, *, record: object, ctx: object) -> None:
-        import anyio
-
-        await anyio.sleep(30)
+        await anyio.sleep_forever()
 
 
 async def test_a_slow_plugin_call_times_out_and_is_recorded(tmp_path: Path) -> None:
@@ -211,10 +209,12 @@ class _Watcher(Plugin[NoSettings]):
     def __init__(self) -> None:
         super().__init__(settings=NoSettings())
         self.seen: list[tuple[int, int | None, int | None]] = []
+        #: set once the job has moved on past every record given to the plugin
+        self.moved_on = anyio.Event()
 
     async def handle(self, *, record: Record, ctx: PluginContext[NoSettings]) -> None:
         assert isinstance(record.event, StepProgress)
-        await anyio.sleep(0.01)  # the job moves on meanwhile
+        await self.moved_on.wait()
         self.seen.append((record.event.step, ctx.state.step, ctx.current_state().step))
         assert ctx.key("notes") == "/stead/jobs/plug/plugins/watcher/notes"
 
@@ -228,6 +228,7 @@ async def test_garbage_returned_and_emit_in_start_are_plugin_failures_and_the_st
         await master.submit(JobSubmitted(job="plug", min_nodes=1, max_nodes=1, nproc_per_node=1))
         for step in (1, 2, 3):
             await master.submit(StepProgress(round=1, step=step))
+        watcher.moved_on.set()  # while the plugin still handles the first step
         await settle(master)
         records = await master.reactor.log.read()
     failures = {r.event.plugin: r.event.error for r in records if isinstance(r.event, PluginFailed)}

@@ -7,10 +7,10 @@ import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from _polling import wait_until
 
 from stead.core.procs import (
     DEATH_SIGNAL_SUPPORTED,
@@ -21,9 +21,6 @@ from stead.core.procs import (
     tied_argv,
     zombie_failure,
 )
-
-#: a guard against a hung test, not a measured duration
-TIMEOUT_S = 30.0
 
 CHILD = """\
 import pathlib, signal, sys, time
@@ -44,29 +41,20 @@ time.sleep(300)
 """
 
 
-def _wait(predicate: object, what: str) -> None:
-    """Poll until ``predicate()`` holds; a guard against a hung test (it fails naming ``what``), not a timing."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            pytest.fail(f"never happened: {what}")
-        time.sleep(0.02)
-
-
 @pytest.mark.skipif(not DEATH_SIGNAL_SUPPORTED, reason="PR_SET_PDEATHSIG is Linux only")
 def test_a_tied_child_gets_its_signal_when_its_parent_is_killed(tmp_path: Path) -> None:
     out = tmp_path / "signal"
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(out), CHILD])
     try:
-        _wait(lambda: out.with_suffix(".ready").exists(), "the child started")
+        wait_until(lambda: out.with_suffix(".ready").exists(), "the child started")
         (child,) = children(parent.pid)
         assert cmdline(child)[-1] == str(out), "the shim did not exec the command"
         assert descendants() >= {parent.pid, child}
     finally:
         parent.kill()
         parent.wait()
-    _wait(lambda: out.exists() and out.read_text() == str(int(signal.SIGTERM)), "the child got SIGTERM")
-    _wait(lambda: not is_alive(child), "the child exited")
+    wait_until(lambda: out.exists() and out.read_text() == str(int(signal.SIGTERM)), "the child got SIGTERM")
+    wait_until(lambda: not is_alive(child), "the child exited")
 
 
 def test_off_linux_or_on_it_the_command_is_kept_whole() -> None:

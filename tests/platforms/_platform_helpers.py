@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
+from _polling import until
 
 from stead.core.platform import NodeSpec, PlatformEvent
 from stead.core.procs import is_alive
@@ -52,9 +53,7 @@ alive = is_alive
 
 
 async def wait_dead(pid: int) -> None:
-    with anyio.fail_after(TIMEOUT_S):
-        while alive(pid):  # noqa: ASYNC110
-            await anyio.sleep(0.02)
+    await until(lambda: not alive(pid), f"the agent process {pid} ended")
 
 
 async def wait_running(pid: int, code: str) -> None:
@@ -66,9 +65,7 @@ async def wait_running(pid: int, code: str) -> None:
 
 
 async def wait_exists(path: Path) -> None:
-    with anyio.fail_after(TIMEOUT_S):
-        while not await anyio.Path(path).exists():  # noqa: ASYNC110
-            await anyio.sleep(0.02)
+    await until(path.exists, f"an agent wrote {path}")
 
 
 async def read_pid(path: Path) -> int:

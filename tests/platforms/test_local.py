@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 from _platform_helpers import SLEEP, SPAWN_CHILD, agent, next_event, read_pid, remaining_events, wait_dead, wait_exists
+from _polling import until
 
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, PlatformError
@@ -189,12 +190,8 @@ def _spare_pids(scratch: Path) -> list[int]:
 
 
 async def _spares(scratch: Path, count: int) -> list[int]:
-    with anyio.fail_after(30):
-        found = _spare_pids(scratch)
-        while len(found) < count:
-            await anyio.sleep(0.02)
-            found = _spare_pids(scratch)
-    return found
+    await until(lambda: len(_spare_pids(scratch)) >= count, f"{count} warm spare agent(s) started")
+    return _spare_pids(scratch)
 
 
 async def test_a_lost_node_s_replacement_is_the_warm_spare_told_its_node_and_a_new_spare_follows(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import anyio
@@ -16,7 +17,7 @@ from stead.core.statemachine import JobPhase
 from stead.core.statemachine.job import node_ids
 from stead.core.views.top import published_lines
 from stead.plugins.scaler import ResourcesRecommended, ScalerPlugin, ScalerSettings
-from stead.testing import settle
+from stead.testing import FakeClock, settle
 from stead.testing.platforms import RecordingPlatform
 from stead.testing.swarm import Swarm
 
@@ -24,6 +25,29 @@ pytestmark = pytest.mark.anyio
 
 GI = 1 << 30
 SETTINGS = Settings(heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0, health_check="off")
+#: the plugin's looks at the nodes' figures before the job ends
+LOOKS = 3
+#: the longest a test waits for the simulated nodes' heartbeats (a guard against a hang, not a measured time)
+WAIT_S = 30.0
+
+
+async def _next_heartbeats(master: Master, nodes: list[str], usage: dict[str, tuple[int | None, float | None]]
+                           ) -> None:
+    """Until every node's heartbeat came again since this was called, saying its ``usage`` (the simulated nodes beat
+    in real time; the plugin looks on the master's clock)."""
+    before = {node_id: seen.seen for node_id, seen in master.gateway.telemetry().items()}
+
+    def came() -> bool:
+        now = master.gateway.telemetry()
+        return all(node_id in now and now[node_id].seen > before.get(node_id, -1.0)
+                   and (now[node_id].rss_bytes, now[node_id].cpu_percent) == usage.get(node_id, (None, None))
+                   for node_id in nodes)
+
+    deadline = time.monotonic() + WAIT_S
+    while not came():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the simulated nodes' heartbeats did not all come again within {WAIT_S:g} s")
+        await anyio.sleep(SETTINGS.heartbeat_interval_s / 2)
 
 
 def _spec(node_id: str, incarnation: int, address: str, token_file: str) -> NodeSpec:
@@ -32,10 +56,12 @@ def _spec(node_id: str, incarnation: int, address: str, token_file: str) -> Node
 
 async def _run(tmp_path: Path, plugin: ScalerPlugin, *, usage: dict[str, tuple[int | None, float | None]],
                ) -> tuple[list[ResourcesRecommended], list[str]]:
-    """Three nodes report ``usage`` until the plugin has looked a few times; then the job succeeds."""
-    config = MasterConfig(job="usage", store_url=f"sqlite:///{tmp_path / 'usage.db'}", settings=SETTINGS,
-                          platform=RecordingPlatform(), node_spec=_spec, plugins=[], plugin_objects=[plugin],
-                          tcp_store=False, token_file=str(tmp_path / "usage.token"))
+    """Three nodes report ``usage``; the plugin looks LOOKS times (its clock moved on after each node's next
+    heartbeat); then the job succeeds."""
+    clock = FakeClock()
+    config = MasterConfig(job="usage", settings=SETTINGS, platform=RecordingPlatform(), node_spec=_spec, plugins=[],
+                          plugin_objects=[plugin], tcp_store=False, token_file=str(tmp_path / "usage.token"),
+                          clock=clock)
     nodes = node_ids(3)
     async with Master(config) as master, Swarm(master.address, master.token) as swarm:
         await master.submit_job(JobSubmitted(job="usage", min_nodes=3, max_nodes=3, nproc_per_node=1))
@@ -44,9 +70,10 @@ async def _run(tmp_path: Path, plugin: ScalerPlugin, *, usage: dict[str, tuple[i
         for node_id, (rss, cpu) in usage.items():
             swarm.set_usage(node_id, rss_bytes=rss, cpu_percent=cpu)
         looked = plugin.looks
-        with anyio.fail_after(30):
-            while plugin.looks < looked + 9:  # every node's reports seen a few times over  # noqa: ASYNC110 -- the plugin's own clock; no event to wait on
-                await anyio.sleep(0.05)
+        for _ in range(LOOKS):
+            await _next_heartbeats(master, nodes, usage)
+            await clock.advance(plugin.settings.sample_every_s)
+        assert plugin.looks == looked + LOOKS * len(nodes)  # each look took each node's new heartbeat, once
         async with MasterClient(master.address, master.token, call_timeout_s=10) as client:
             for node_id in nodes:
                 await client.report_workers(AgentReport(incarnation=1,
@@ -60,7 +87,7 @@ async def _run(tmp_path: Path, plugin: ScalerPlugin, *, usage: dict[str, tuple[i
 
 
 async def test_the_job_end_records_peaks_and_a_recommendation_and_status_shows_them(tmp_path: Path) -> None:
-    plugin = ScalerPlugin(settings=ScalerSettings(sample_every_s=0.05, headroom=0.2))
+    plugin = ScalerPlugin(settings=ScalerSettings(headroom=0.2))
     usage = {"node-0": (3 * GI, 150.0), "node-1": (int(11.2 * GI), 90.0), "node-2": (None, None)}
     [made], shown = await _run(tmp_path, plugin, usage=usage)
     assert made.nodes == 2  # node-2 reported nothing: not counted, and not as zeros
@@ -72,7 +99,7 @@ async def test_the_job_end_records_peaks_and_a_recommendation_and_status_shows_t
 
 
 async def test_nodes_that_report_nothing_give_no_figures_not_zeros(tmp_path: Path) -> None:
-    plugin = ScalerPlugin(settings=ScalerSettings(sample_every_s=0.05))
+    plugin = ScalerPlugin(settings=ScalerSettings())
     [made], shown = await _run(tmp_path, plugin, usage={})
     assert (made.nodes, made.memory_peak_bytes, made.cpu_peak_cores, made.lines) == (0, None, None, ())
     assert any("no node has reported its use yet" in line for line in shown), shown

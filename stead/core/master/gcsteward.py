@@ -17,16 +17,18 @@ objects frozen before it became garbage would never be collected, so every
 pause, logged with its length). When the master stops it thaws everything, leaving
 the process's collector as it found it (a process running several masters: each
 freezes and thaws the whole process; the last one to stop restores the thresholds).
+Both periods run on the master's clock (a test's :class:`stead.testing.FakeClock`
+moves them on by hand).
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import time
 
 import structlog
 
+from stead.core.clock import WALL_CLOCK, Clock
 from stead.core.config import Settings
 
 __all__ = ["steward_gc"]
@@ -37,18 +39,18 @@ log = structlog.get_logger("stead.gc")
 _NEVER = 1 << 30
 
 
-async def steward_gc(settings: Settings) -> None:
+async def steward_gc(settings: Settings, *, clock: Clock = WALL_CLOCK) -> None:
     """Run for the master's life (a task of its own); ``gc_freeze_every_s`` = 0 leaves the collector alone."""
     if settings.gc_freeze_every_s <= 0:
         return
-    full_at = time.monotonic() + settings.gc_full_every_s
+    full_at = clock.now() + settings.gc_full_every_s
     young, middle, old = gc.get_threshold()
     gc.set_threshold(young, middle, _NEVER)  # the full collections are this task's (below), not CPython's
     try:
         while True:
-            await asyncio.sleep(settings.gc_freeze_every_s)
-            if time.monotonic() >= full_at:
-                full_at = time.monotonic() + settings.gc_full_every_s
+            await clock.sleep(settings.gc_freeze_every_s)
+            if clock.now() >= full_at:
+                full_at = clock.now() + settings.gc_full_every_s
                 _collect_all()
             gc.collect(1)  # the young garbage first: what is frozen should be what lives on
             gc.freeze()

@@ -303,7 +303,7 @@ class Master:
         tasks.start("heartbeats", self.gateway.watch_heartbeats)
         tasks.start("progress", self.gateway.watch_progress)
         tasks.start("acks", self.gateway.record_acks)
-        tasks.start("gc", lambda: steward_gc(self.settings))
+        tasks.start("gc", lambda: steward_gc(self.settings, clock=cfg.clock))
         await self._reactor.resume(before_acting=takeover.adopt_nodes)
         self.gateway.serving = True
         host = self.plugin_host

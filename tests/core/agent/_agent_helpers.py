@@ -6,17 +6,14 @@ import json
 import os
 import sys
 import textwrap
-import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import anyio
+from _polling import until, wait_until
 
 from stead.core.agent.workers import WorkerSpec
-
-#: how long a test waits for something a child process does (never asserted as a duration)
-PATIENCE_S = 30.0
 
 
 def write(directory: Path, name: str, source: str) -> Path:
@@ -58,26 +55,16 @@ def parent_of(pid: int) -> int:
 
 async def wait_for_file(path: Path) -> str:
     """The content of ``path`` once a child has written it (ending with a newline)."""
-    file = anyio.Path(path)
-    with anyio.fail_after(PATIENCE_S):
-        while True:
-            if await file.exists():
-                text = await file.read_text()
-                if text.endswith("\n"):
-                    return text
-            await anyio.sleep(0.01)
+    await until(lambda: path.exists() and path.read_text().endswith("\n"), f"a child wrote {path}")
+    return await anyio.Path(path).read_text()
 
 
 async def read_json(path: Path) -> Any:
     return json.loads(await wait_for_file(path))
 
 
-def wait_dead(pids: Iterable[int], timeout_s: float = PATIENCE_S) -> set[int]:
-    """The pids still alive after ``timeout_s``."""
+def wait_dead(pids: Iterable[int], what: str) -> None:
+    """Until none of ``pids`` runs; the test fails saying ``what`` (the processes that should have gone) if one
+    still runs after the polls' patience."""
     pending = set(pids)
-    deadline = time.monotonic() + timeout_s
-    while pending and time.monotonic() < deadline:
-        pending = {pid for pid in pending if alive(pid)}
-        if pending:
-            time.sleep(0.02)
-    return pending
+    wait_until(lambda: not any(alive(pid) for pid in pending), f"{what} ended (pids {sorted(pending)})")

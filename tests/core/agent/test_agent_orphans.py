@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _agent_helpers import PATIENCE_S, alive, wait_dead, write
+from _agent_helpers import alive, wait_dead, write
+from _polling import wait_until
 
 FAKE_AGENT = """
     import json, os, sys
@@ -44,15 +45,13 @@ WORKER = """
 
 
 def read_when_written(path: Path, agent: subprocess.Popen[bytes]) -> str:
-    import time
+    def written() -> bool:
+        if agent.poll() is not None:
+            pytest.fail(f"the fake agent exited early with {agent.returncode}")
+        return path.exists() and path.read_text().endswith("\n")
 
-    deadline = time.monotonic() + PATIENCE_S
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().endswith("\n"):
-            return path.read_text()
-        assert agent.poll() is None, f"the fake agent exited early with {agent.returncode}"
-        time.sleep(0.02)
-    raise AssertionError(f"{path} was not written in time")
+    wait_until(written, f"the fake agent's processes wrote {path}")
+    return path.read_text()
 
 
 @pytest.mark.parametrize("mode", ["zygote", "spawn"])
@@ -69,9 +68,9 @@ def test_sigkilled_agent_leaves_no_worker_alive(tmp_path: Path, mode: str) -> No
         assert all(alive(pid) for pid in watched + grandchildren)
         agent.kill()
         agent.wait()
-        assert not wait_dead(watched), "workers or the zygote outlived a SIGKILLed agent"
+        wait_dead(watched, "the workers and the zygote of a SIGKILLed agent")
         if mode == "zygote":  # the zygote kills its workers' process groups before it goes
-            assert not wait_dead(grandchildren), "a worker's child outlived a SIGKILLed agent"
+            wait_dead(grandchildren, "the workers' children of a SIGKILLed agent")
     finally:
         if agent.poll() is None:
             agent.kill()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import psutil
+from _polling import wait_until
 
 from stead.core.agent.resources import WorkerResources
 
@@ -25,15 +25,12 @@ def test_a_busy_worker_and_its_child_are_measured_and_a_gone_one_is_unknown() ->
         resources = WorkerResources()
         first_rss, first_cpu = resources.sample([worker.pid])  # CPU is measured between two samples
         assert first_rss is not None and first_cpu is None  # a first look has no CPU figure: unknown, not 0 %
-        rss, cpu = None, None
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            time.sleep(0.3)
+
+        def measured() -> bool:  # the child's 64 MiB counts, and the busy loop
             rss, cpu = resources.sample([worker.pid])
-            if rss is not None and rss > 64 << 20 and cpu is not None and cpu > 10:
-                break
-        assert rss is not None and rss > 64 << 20  # the child's 64 MiB counts
-        assert cpu is not None and cpu > 10  # the busy loop
+            return rss is not None and rss > 64 << 20 and cpu is not None and cpu > 10
+
+        wait_until(measured, "the busy worker and its child measured at over 64 MiB and 10 % CPU")
     finally:
         children = psutil.Process(worker.pid).children(recursive=True)
         for child in children:

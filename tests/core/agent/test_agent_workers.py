@@ -112,7 +112,7 @@ async def test_stop_reaches_the_workers_children(tmp_path: Path, zygote: Zygote 
         grandchild = int(await wait_for_file(child_pid_file))
         assert alive(grandchild)
         await group.stop(grace_s=0.2)
-    assert not wait_dead([grandchild])
+    wait_dead([grandchild], "the child of a stopped worker")
 
 
 async def test_children_left_by_an_exited_worker_are_killed(tmp_path: Path, zygote: Zygote | None) -> None:
@@ -127,7 +127,7 @@ async def test_children_left_by_an_exited_worker_are_killed(tmp_path: Path, zygo
         (result,) = await collect(group)
         assert result.exit_code == 0
         grandchild = int(await wait_for_file(child_pid_file))
-        assert not wait_dead([grandchild])
+        wait_dead([grandchild], "the child left by an exited worker")
 
 
 async def test_output_goes_to_files_and_tee_prefixes_the_console(
@@ -278,7 +278,7 @@ async def test_workers_fall_back_to_spawn_when_the_zygote_dies(tmp_path: Path) -
         os.kill(zygote.pid, signal.SIGKILL)
         (result,) = await collect(group)
         assert result.signal == signal.SIGKILL
-        assert not wait_dead([forked])
+        wait_dead([forked], "the worker of a SIGKILLed zygote")
         assert not zygote.ready
         await group.start([spec(py(sleeper), tmp_path)])
         assert parent_of(group.pids[0]) == os.getpid()

@@ -86,19 +86,21 @@ async def test_follow_yields_past_then_new_records(store: StateStore) -> None:
     log = EventLog(store, _job())
     await log.append(StepProgress(round=1, step=0))
     seen: list[int] = []
-    done = anyio.Event()
+    past, done = anyio.Event(), anyio.Event()
 
     async def follow() -> None:
         async for item in log.follow(1):
             assert isinstance(item, Record)
             seen.append(item.seq)
+            past.set()
             if len(seen) == 3:
                 done.set()
                 return
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(follow)
-        await anyio.sleep(0.1)
+        with anyio.fail_after(10):
+            await past.wait()  # the past record came: the log was read, what is appended now is new
         writer = EventLog(store, log.job)
         await writer.append(StepProgress(round=1, step=1))
         await writer.append(StepProgress(round=1, step=2))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import psutil
 import pytest
+from _polling import until
 from grpclib.const import Status
 from h2.settings import SettingCodes
 
@@ -55,12 +56,6 @@ def _unread_by_master(port: int, peer: DeafPeer) -> int | None:
 def _kernel_send_buffer_bytes() -> int:
     """The most the kernel holds of what a socket wrote and its peer did not read (its autotuned send buffer)."""
     return int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    with anyio.fail_after(WITHIN_S):
-        while not condition():  # noqa: ASYNC110 (a count the server keeps: nothing to wait on)
-            await anyio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager
@@ -117,7 +112,7 @@ async def test_a_client_that_sends_pings_and_never_reads_is_let_go_before_it_aut
     async with RpcServer([], token=token, auth_timeout_s=600) as server, \
             await DeafPeer.connect(server.host, server.port) as deaf:
         await deaf.pings(_kernel_send_buffer_bytes() + (1 << 20))
-        await _until(lambda: not _holds_socket(server.port, deaf))
+        await until(lambda: not _holds_socket(server.port, deaf), "the master let go of a peer that never reads")
         assert server.connections == 0
 
 
@@ -126,9 +121,9 @@ async def test_an_authenticated_client_that_never_reads_is_let_go_when_its_answe
     async with RpcServer([AgentServicer(backend)], token=token, idle_timeout_s=600) as server, \
             await DeafPeer.connect(server.host, server.port) as deaf:
         await deaf.call(REGISTER_PATH, token, REGISTER_FRAME)
-        await _until(lambda: backend.registered == [REGISTER])
+        await until(lambda: backend.registered == [REGISTER], "the deaf peer's Register call was served")
         await deaf.pings(_kernel_send_buffer_bytes() + (4 << 20))
-        await _until(lambda: not _holds_socket(server.port, deaf))
+        await until(lambda: not _holds_socket(server.port, deaf), "the master let go of a peer that never reads")
 
 
 async def test_a_connection_closed_while_its_peer_reads_nothing_releases_its_socket(
@@ -141,8 +136,9 @@ async def test_a_connection_closed_while_its_peer_reads_nothing_releases_its_soc
             deaf = await DeafPeer.connect(server.host, port)
             await deaf.call(REGISTER_PATH, token, REGISTER_FRAME)
             await deaf.pings(_kernel_send_buffer_bytes() + (1 << 20))  # answers past the kernel's buffers
-            await _until(lambda: not _unread_by_master(port, deaf))  # read and answered (or let go, over the bound)
-        await _until(lambda: not _holds_socket(port, deaf))  # the server stopped: every connection let go
+            await until(lambda: not _unread_by_master(port, deaf),  # answered (or let go, over the bound)
+                        "the master read what the deaf peer sent")
+        await until(lambda: not _holds_socket(port, deaf), "the stopped server let go of every connection")
     finally:
         if deaf is not None:
             deaf.close()
@@ -162,7 +158,7 @@ async def test_unauthenticated_and_idle_connections_are_closed_and_an_agent_s_op
             await peer.close()
         async with MasterClient(server.address, token, call_timeout_s=10) as quiet:
             await quiet.register(REGISTER)
-            await _until(lambda: server.connections == 1)  # the quiet client's connection went, idle
+            await until(lambda: server.connections == 1, "the quiet client's idle connection was closed")
             await quiet.register(REGISTER)  # and its next call connects again
         await anyio.sleep(1.0)  # five idle timeouts: the agent's stream is a call, its connection is not idle
         assert not backend.stream_closed.is_set(), "the agent's command stream was cut"
@@ -177,7 +173,7 @@ async def test_at_the_limit_unauthenticated_connections_go_first_then_newcomers_
     async with RpcServer([AgentServicer(backend)], token=token, max_connections=2) as server:
         first = await RawPeer.connect(server.host, server.port)
         second = await RawPeer.connect(server.host, server.port)
-        await _until(lambda: server.connections == 2)
+        await until(lambda: server.connections == 2, "the server took both raw connections")
         async with _agent(server, token):  # the oldest unauthenticated connection makes room
             assert await first.closed_by_server(within_s=WITHIN_S)
             async with _agent(server, token):  # and the next

@@ -3,15 +3,12 @@ at the limit before a newcomer is refused."""
 
 from __future__ import annotations
 
-import anyio
 import pytest
+from _polling import until
 
 from stead.core.rpc import Link, Links
 
 pytestmark = pytest.mark.anyio
-
-#: the longest a test waits for a timer of the table (a bound for a broken test only)
-WITHIN_S = 20.0
 
 
 class _Conn:
@@ -32,9 +29,7 @@ async def test_an_unauthenticated_connection_whose_call_never_finishes_is_closed
     stuck, agent = _Conn(links, busy=True), _Conn(links, busy=True)
     assert links.admit(stuck.link) and links.admit(agent.link)
     links.authenticated(agent.link)  # an agent's command stream: open for as long as it lives
-    with anyio.fail_after(WITHIN_S):
-        while stuck.closed is None:  # noqa: ASYNC110 (the table's own timer closes it)
-            await anyio.sleep(0.01)
+    await until(lambda: stuck.closed is not None, "the table's auth deadline closed the stuck connection")
     assert "no authenticated call within 0.05 s of connecting (setting rpc_auth_timeout_s)" in stuck.closed
     assert agent.closed is None and len(links) == 1
 

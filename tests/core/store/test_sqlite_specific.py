@@ -95,11 +95,14 @@ async def test_another_process_watching_the_file_sees_the_writes(sqlite_dir: Pat
             try:
                 await store.put("/events/1", b"one")
                 await store.put("/other", b"ignored")
-                await anyio.sleep(0.3)  # let the follower start polling before the rest arrives
+                assert proc.stdout is not None
+                shown = b""
+                with anyio.fail_after(30):
+                    while b"/events/1 one\n" not in shown:  # the follower polls: the rest arrives while it does
+                        shown += await proc.stdout.receive()
                 assert await store.create_all([("/events/2", b"two"), ("/events/3", b"three")])
                 with anyio.fail_after(30):
-                    assert proc.stdout is not None
-                    out = b"".join([chunk async for chunk in proc.stdout]).decode()
+                    out = (shown + b"".join([chunk async for chunk in proc.stdout])).decode()
                     await proc.wait()
             finally:
                 if proc.returncode is None:

@@ -384,7 +384,7 @@ class TestStoreContract:
             with anyio.fail_after(WAIT_S):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(consume)
-                    await anyio.sleep(0.05)  # let the consumer block on the watch
+                    await anyio.wait_all_tasks_blocked()  # the consumer waits on the watch
                     await store.close()
         assert len(ended) == 1 and "closed" in str(ended[0])
 

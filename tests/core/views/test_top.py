@@ -34,6 +34,8 @@ from stead.core.store.chunked import ChunkedValue
 from stead.core.views.top import follow, plain_lines, published_lines, snapshot
 from stead.testing.replay import replay
 
+#: the longest the terminal test waits for `stead top` to show something (a guard against a hang, not a timing)
+WAIT_S = 60.0
 SPEC = JobSubmitted(job="j", min_nodes=2, max_nodes=2, nproc_per_node=1)
 #: a job's start as the master records it (the job machine's own follow-ups included): round 1 running
 START: list[Event] = [step.event for step in replay(
@@ -128,26 +130,26 @@ def test_stead_top_redraws_in_place_in_a_terminal_and_ends_with_the_job(tmp_path
                            cwd=tmp_path, stdin=follower, stdout=follower, stderr=subprocess.PIPE,
                            env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"})
     os.close(follower)
-    shown = b""
-    try:
-        def read_for(seconds: float) -> bytes:
-            got, until = b"", time.monotonic() + seconds
-            while time.monotonic() < until:
-                ready, _, _ = select.select([leader], [], [], 0.1)
-                if ready:
-                    try:
-                        got += os.read(leader, 65536)
-                    except OSError:
-                        break
-            return got
+    shown = bytearray()
 
-        shown += read_for(3.0)
-        assert b"node-0" in shown, shown.decode(errors="replace")
+    def read_until(what: str, shows: bytes | None = None) -> None:
+        """Read the terminal until it shows ``shows`` (None: until top exits and its terminal closes); a guard
+        against a hang, not a timing: fails saying that ``what`` never came."""
+        deadline = time.monotonic() + WAIT_S
+        while shows is None or shows not in shown:
+            if time.monotonic() > deadline:
+                pytest.fail(f"stead top never {what} within {WAIT_S:g} s; it showed {bytes(shown)!r}")
+            if select.select([leader], [], [], 0.1)[0]:
+                try:
+                    shown.extend(os.read(leader, 65536))
+                except OSError:  # the terminal closed: top exited
+                    return
+
+    try:
+        read_until("showed the job's running node", b"node-0")
         anyio.run(_finish, url)
-        deadline = time.monotonic() + 60
-        while top.poll() is None and time.monotonic() < deadline:
-            shown += read_for(0.5)
-        shown += read_for(0.2)
+        read_until("ended with the job")
+        top.wait(WAIT_S)
     finally:
         if top.poll() is None:
             top.kill()
@@ -176,7 +178,6 @@ async def _finish(url: str) -> None:
         event_log = EventLog(store, "j")
         for step in (2, 3):
             await event_log.append(StepProgress(round=1, step=step))
-            await anyio.sleep(0.3)
         await event_log.append(WorkersSucceeded(node_id="node-0", round=1))
         await event_log.append(JobSucceeded())
     finally:

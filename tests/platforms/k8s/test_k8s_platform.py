@@ -84,9 +84,7 @@ async def test_a_pod_that_can_never_start_is_reported_permanent_and_deleted(kube
         await made.launch(agent())
         exited = await next_of(events, NodeExited)
         assert exited.permanent and exited.reason.startswith(("ErrImagePull", "ImagePullBackOff"))
-        with anyio.fail_after(TIMEOUT_S):
-            while kube_api.get_object("pods", "default", "plat-n1-1") is not None:  # noqa: ASYNC110
-                await anyio.sleep(0.05)
+        await kube_api.wait_for(lambda: kube_api.get_object("pods", "default", "plat-n1-1") is None, TIMEOUT_S)
 
 
 async def test_a_pod_no_host_has_room_for_is_reported_pending_once(kube_api: FakeKubeApi,

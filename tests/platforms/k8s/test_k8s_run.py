@@ -64,9 +64,8 @@ async def test_missing_rbac_is_one_line_naming_the_rules_and_nothing_is_left(tmp
     kube_api.deny("create", "pods")
     code, stderr = await stead_run(tmp_path, kube_api.url)
     assert code == 1 and "refused POST" in _error(stderr) and "deploy/rbac.yaml" in stderr
-    with anyio.fail_after(TIMEOUT_S):  # what it made before the refusal is deleted again
-        while kube_api.objects("secrets") or kube_api.objects("services"):  # noqa: ASYNC110
-            await anyio.sleep(0.05)
+    # what it made before the refusal is deleted again
+    await kube_api.wait_for(lambda: not kube_api.objects("secrets") and not kube_api.objects("services"), TIMEOUT_S)
 
 
 async def test_an_image_that_cannot_be_pulled_fails_fast_and_the_job_is_removed(tmp_path: Path,
@@ -77,6 +76,5 @@ async def test_an_image_that_cannot_be_pulled_fails_fast_and_the_job_is_removed(
     line = _error(stderr)
     assert "cannot start: ErrImagePull" in line or "cannot start: ImagePullBackOff" in line
     assert "fix k8s.image" in line
-    with anyio.fail_after(TIMEOUT_S):
-        while kube_api.objects("secrets") or kube_api.objects("services") or kube_api.objects("pods"):  # noqa: ASYNC110
-            await anyio.sleep(0.05)
+    await kube_api.wait_for(lambda: not (kube_api.objects("secrets") or kube_api.objects("services")
+                                         or kube_api.objects("pods")), TIMEOUT_S)

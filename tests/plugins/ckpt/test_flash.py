@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _polling import wait_until
 
 from stead.core.events import CheckpointCommitted
 from stead.plugins.ckpt import SHM_DIR, _disk, segment_names
@@ -226,13 +227,8 @@ def test_a_corrupt_memory_slot_falls_back_to_disk_with_a_warning_event(cluster: 
 
 
 def _wait_checksummed(ckpt: FlashCheckpointer) -> None:
-    import time
-
-    for _ in range(500):
-        if all(s.checks_seq == s.seq for s in ckpt._ctl.slots() if s.complete):
-            return
-        time.sleep(0.01)
-    raise AssertionError("the agent never checksummed the slots")
+    wait_until(lambda: all(s.checks_seq == s.seq for s in ckpt._ctl.slots() if s.complete),
+               "the agent checksummed every complete slot")
 
 
 def test_after_a_node_loss_the_new_agent_restores_from_disk_and_skips_a_corrupt_step(

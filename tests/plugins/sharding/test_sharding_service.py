@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from stead.core.config import Settings
@@ -160,7 +161,7 @@ async def test_a_lease_waits_for_the_other_ranks_and_wakes_when_they_come(store:
     early = await service.lease(_who(0), epoch=0, have=0, count=1, consumed=0, wait_s=0)
     assert early.waiting_for == (1,) and not early.ranges
     waiting = asyncio.ensure_future(service.lease(_who(0), epoch=0, have=0, count=1, consumed=0, wait_s=30))
-    await asyncio.sleep(0.05)
+    await anyio.wait_all_tasks_blocked()  # the lease waits
     assert not waiting.done()
     late = await service.lease(_who(1), epoch=0, have=0, count=1, consumed=0)
     assert (await waiting).ranges and late.ranges and (await waiting).ranges != late.ranges
