@@ -165,10 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "needed), or a SteadJob resource that the operator runs. `stead k8s manifests` prints "
                        "what a cluster needs (CRD, RBAC, operator, optional etcd, an example job).")
     k8s = k.add_subparsers(dest="k8s_command", metavar="K8S_COMMAND")
-    km = k8s.add_parser("manifests", help="print the CRD, RBAC, operator Deployment (and etcd, an example job)")
-    from stead.platforms.k8s.manifests import add_arguments
-
-    add_arguments(km)
+    # `stead k8s manifests ...` is read by the manifests' own parser (main() hands it over before this one is
+    # built): adding its flags here would load the Kubernetes client into every `stead` command
+    k8s.add_parser("manifests", help="print the CRD, RBAC, operator Deployment (and etcd, an example job); "
+                   "`stead k8s manifests --help` lists its flags")
     ko = k8s.add_parser("operator", help="run the operator: SteadJob resources become running jobs",
                         description="Watch SteadJob resources and run each: its token Secret, master Service, "
                         "NetworkPolicy and master pod (which runs the node pods); a master pod deleted while the "
