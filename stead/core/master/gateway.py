@@ -104,8 +104,7 @@ class AgentGateway:
 
     async def heartbeat(self, info: HeartbeatInfo) -> bool:
         known = self._beat(info)
-        if known and self.progress.heard(info.node_id, info.incarnation, round_=info.round, step=info.step,
-                                         phase=info.phase):
+        if known and self.progress.heard(info):
             await self.progress.record()
         return known
 
@@ -113,8 +112,7 @@ class AgentGateway:
         unknown, due = [], False
         for info in beats:
             if self._beat(info):  # every beat is looked at: it may be a member's first step
-                due = self.progress.heard(info.node_id, info.incarnation, round_=info.round, step=info.step,
-                                          phase=info.phase) or due
+                due = self.progress.heard(info) or due
             else:
                 unknown.append(info.node_id)
         if due:

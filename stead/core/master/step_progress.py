@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from stead.core.clock import WALL_CLOCK, Clock
 from stead.core.config import Settings
 from stead.core.events import Event, Record, StepProgress
+from stead.core.rpc.backend import HeartbeatInfo
 from stead.core.statemachine import JobState
 
 __all__ = ["ProgressRecorder"]
@@ -59,25 +60,25 @@ class ProgressRecorder:
             node = self._nodes[node_id] = _NodeProgress(incarnation)
         return node
 
-    def heard(self, node_id: str, incarnation: int, *, round_: int, step: int | None, phase: str) -> bool:
-        """Take in what a live node's heartbeat says; True when it may complete a record of progress that should
-        not wait for the next tick of :meth:`watch` (then :meth:`record`): the round's first step (its time ends a
-        recovery) or a phase's start or end.
+    def heard(self, beat: HeartbeatInfo) -> bool:
+        """Take in what a live node's heartbeat says of its steps; True when it may complete a record of progress
+        that should not wait for the next tick of :meth:`watch` (then :meth:`record`): the round's first step (its
+        time ends a recovery) or a phase's start or end.
 
         Cheap for every heartbeat: the members still to report a first step are kept as a set.
         """
-        node = self._node(node_id, incarnation)
-        changed = phase != node.phase
-        node.round, node.step, node.phase = round_, step, phase
+        node = self._node(beat.node_id, beat.incarnation)
+        changed = beat.phase != node.phase
+        node.round, node.step, node.phase = beat.round, beat.step, beat.phase
         if changed:
             return True
         rdzv = self._state().rdzv
-        if not rdzv.active or self._round == rdzv.round or step is None or round_ != rdzv.round:
+        if not rdzv.active or self._round == rdzv.round or beat.step is None or beat.round != rdzv.round:
             return False
         if self._unstepped_round != rdzv.round:
             self._unstepped_round = rdzv.round
             self._unstepped = {m for m in rdzv.members if not self._stepped(m, rdzv.round)}
-        self._unstepped.discard(node_id)
+        self._unstepped.discard(beat.node_id)
         return not self._unstepped
 
     def workers_started(self, node_id: str, incarnation: int, round_: int) -> None:

@@ -14,6 +14,7 @@ from stead.core.config import Settings
 from stead.core.events import StepProgress
 from stead.core.master.reactor import Reactor
 from stead.core.master.step_progress import ProgressRecorder
+from stead.core.rpc import HeartbeatInfo
 from stead.testing import FakeClock
 
 pytestmark = pytest.mark.anyio
@@ -39,7 +40,7 @@ async def _recorded(reactor: Reactor) -> list[tuple[int, str, float]]:
 
 async def _beat(progress: ProgressRecorder, node: str, step: int | None, phase: str = "") -> None:
     """One heartbeat's steps taken in, and recorded at once when they should be (as the gateway does)."""
-    if progress.heard(node, 1, round_=1, step=step, phase=phase):
+    if progress.heard(HeartbeatInfo(node_id=node, incarnation=1, round=1, step=step, workers_alive=1, phase=phase)):
         await progress.record()
 
 
