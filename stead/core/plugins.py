@@ -76,7 +76,7 @@ class NodeTelemetry:
     step_compute_s: float | None
     rss_bytes: int | None
     cpu_percent: float | None
-    #: when the heartbeat arrived (the master's monotonic clock)
+    #: when the heartbeat arrived (the master's clock, ``ctx.clock.now()``)
     seen: float
     #: memory in use on the node's fullest GPU, bytes, and its GPUs' mean utilisation, percent; None when unknown
     gpu_memory_bytes: int | None = None

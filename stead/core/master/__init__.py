@@ -2,7 +2,8 @@
 
 :mod:`.wiring` builds it (:class:`Master`); :mod:`.reactor` is its loop, one record at a time; :mod:`.journal` makes
 each effect once across masters; :mod:`.executor` turns the job machine's effects into platform calls and agent
-commands; :mod:`.gateway` is the agents' side of it (registration, heartbeats, commands); :mod:`.plugin_host`
+commands; :mod:`.gateway` takes the agents' calls in (:mod:`.liveness` checks and watches them,
+:mod:`.command_streams` gives them their commands, :mod:`.step_progress` records their steps); :mod:`.plugin_host`
 delivers events to plugins; :mod:`.tasks` supervises its background tasks; :mod:`.takeover` is what a new master
 adopts; :mod:`.rdzv_stores` and :mod:`.rdzv_host` keep the workers' rendezvous stores in a process that outlives it;
 :mod:`.gcsteward` keeps CPython's collector off its loop.

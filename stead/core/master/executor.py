@@ -1,11 +1,11 @@
 """The effect executor: what the job machine's effects mean in the world.
 
 Nodes are launched and killed through the platform; workers are started and
-stopped, and nodes told to exit, through the gateway's command streams to the agents.
+stopped, and nodes told to exit, through the agents' command streams (:mod:`.command_streams`).
 The reactor's effect journal (:mod:`.journal`) claims each effect before it calls
 :meth:`Executor.run` and turns an exception into an ``EffectFailed`` event; here an
 effect either happens or raises.
-A command's effect is done once the gateway queued the command: the command itself
+A command's effect is done once its command is queued: the command itself
 stays in force in the job state until its agent acknowledges it, and a new master
 gives it again from there (see :mod:`stead.core.statemachine.commands`).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import structlog
 
 from stead.core.errors import EffectDeclined, PlatformError
-from stead.core.master.gateway import AgentGateway
+from stead.core.master.command_streams import CommandStreams
 from stead.core.master.rdzv_stores import HEALTH_STORE_ROUND, RoundStores
 from stead.core.platform import WARM_FIRST_ENV, NodeSpec, Platform
 from stead.core.statemachine import (
@@ -46,11 +46,11 @@ NodeSpecFactory = Callable[[str, int, str, str], NodeSpec]
 class Executor:
     """Runs effects for one master: ``platform`` may be None (nodes are started by hand with `stead agent`)."""
 
-    def __init__(self, *, platform: Platform | None, node_spec: NodeSpecFactory | None, gateway: AgentGateway,
+    def __init__(self, *, platform: Platform | None, node_spec: NodeSpecFactory | None, commands: CommandStreams,
                  rounds: RoundStores, address: Callable[[], str], token_file: Path) -> None:
         self.platform = platform
         self.node_spec = node_spec
-        self.gateway = gateway
+        self.commands = commands
         self.rounds = rounds
         self._address = address
         self._token_file = token_file
@@ -86,10 +86,10 @@ class Executor:
                 if self.platform is not None:
                     await self.platform.kill(effect.node_id, effect.incarnation)
             case StartWorkers():
-                self.gateway.send(effect, store_addr=await self.rounds.for_round(effect.round))
+                self.commands.send(effect, store_addr=await self.rounds.for_round(effect.round))
             case StopWorkers() | StopNode() | DumpStacks():
-                self.gateway.send(effect)
+                self.commands.send(effect)
             case CheckHealth():  # every check rendezvous in the store of "round 0" (rounds count from 1)
-                self.gateway.send(effect, store_addr=await self.rounds.for_round(HEALTH_STORE_ROUND))
+                self.commands.send(effect, store_addr=await self.rounds.for_round(HEALTH_STORE_ROUND))
             case Emit() | StartTimer():
                 raise PlatformError(f"{effect.kind} effects are the reactor's own, not the executor's: {effect!r}")

@@ -154,8 +154,8 @@ class Master:
         self.plugin_host: PluginHost | None = None
         self.gateway = AgentGateway(job=config.job, settings=self.settings, submit=self.submit,
                                     get_state=lambda: self.state, store_addr=lambda: self.rounds.latest,
-                                    round_store=self.rounds.for_round)
-        self.gateway.serving = False  # until the log is replayed (see _start)
+                                    round_store=self.rounds.for_round, clock=config.clock)
+        self.gateway.liveness.serving = False  # until the log is replayed (see _start)
 
     # -- public API --------------------------------------------------------------
 
@@ -263,8 +263,8 @@ class Master:
             events = EventLog(self._store, cfg.job)
             self.metrics.seed(await retrying(events.scan, self.settings, what=f"event log of {cfg.job}"))
             observers.append(self.metrics.observe)
-        executor = Executor(platform=cfg.platform, node_spec=cfg.node_spec, gateway=self.gateway, rounds=self.rounds,
-                            address=lambda: self.address, token_file=self.token_file)
+        executor = Executor(platform=cfg.platform, node_spec=cfg.node_spec, commands=self.gateway.command_streams,
+                            rounds=self.rounds, address=lambda: self.address, token_file=self.token_file)
         self._reactor = await self._stack.enter_async_context(Reactor(
             EventLog(self._store, cfg.job, clock=cfg.clock.now), executor, settings=self.settings,
             plugins=self.plugin_host, observers=observers, clock=cfg.clock))
@@ -300,12 +300,12 @@ class Master:
         if cfg.platform is not None:
             platform = cfg.platform
             tasks.start("platform-events", lambda: self._pump_platform(platform))
-        tasks.start("heartbeats", self.gateway.watch_heartbeats)
-        tasks.start("progress", self.gateway.watch_progress)
-        tasks.start("acks", self.gateway.record_acks)
+        tasks.start("heartbeats", self.gateway.liveness.watch)
+        tasks.start("progress", self.gateway.progress.watch)
+        tasks.start("acks", self.gateway.command_streams.record_acks)
         tasks.start("gc", lambda: steward_gc(self.settings, clock=cfg.clock))
         await self._reactor.resume(before_acting=takeover.adopt_nodes)
-        self.gateway.serving = True
+        self.gateway.liveness.serving = True
         host = self.plugin_host
         await self._reactor.submit_many([*host.start_failures, PluginsStarted(plugins=tuple(host.names),
                                                                               deciders=tuple(host.deciders))])

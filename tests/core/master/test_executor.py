@@ -101,7 +101,8 @@ def _master(tmp_path: Path, job: _Job, platform: RecordingPlatform | None, round
 
     gateway = AgentGateway(job=JOB, settings=Settings(), submit=submit, get_state=lambda: job.state,
                            store_addr=lambda: rounds.latest)
-    executor = Executor(platform=platform, node_spec=_spec if node_spec else None, gateway=gateway, rounds=rounds,
+    executor = Executor(platform=platform, node_spec=_spec if node_spec else None,
+                        commands=gateway.command_streams, rounds=rounds,
                         address=lambda: MASTER_ADDRESS, token_file=tmp_path / "job.token")
     return _Master(executor, gateway, job, platform or RecordingPlatform(), rounds)
 

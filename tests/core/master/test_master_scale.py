@@ -111,7 +111,7 @@ async def test_a_master_running_late_sheds_registrations_with_a_retry_after_and_
             info = RegisterInfo(node_id="node-0", incarnation=1, host="h", pid=1, nproc=1)
             refused: RetryableError | None = None
             for _ in range(5):  # the watcher measures the lag anew every 0.5 s: set it again if it did in between
-                master.gateway.lag_s = 4.0  # what the watcher measures while a storm of calls holds the loop up
+                master.gateway.liveness.lag_s = 4.0  # what the watcher measures while a storm of calls holds it up
                 try:
                     await client.register(info)
                 except RetryableError as exc:
@@ -119,8 +119,8 @@ async def test_a_master_running_late_sheds_registrations_with_a_retry_after_and_
                     break
             assert refused is not None and "overloaded" in str(refused)
             assert refused.retry_after_s == pytest.approx(8.0)
-            assert master.gateway.shed == 1
-            master.gateway.lag_s = 0.0
+            assert master.gateway.liveness.shed == 1
+            master.gateway.liveness.lag_s = 0.0
             await client.register(info)
         assert master.state.nodes["node-0"].phase is NodePhase.JOINED
 
@@ -145,9 +145,9 @@ async def test_two_hundred_agents_come_back_to_a_restarted_master_without_a_new_
                 await swarm.stop()
                 raise
         async with swarm, Master(dataclasses.replace(config, platform=RecordingPlatform())) as second:
-            second.gateway.lag_s = 4.0  # even busy, it takes the nodes it knows back: their return is no event
+            second.gateway.liveness.lag_s = 4.0  # even busy, it takes the nodes it knows back: their return is no event
             await swarm.wait(lambda s: all(n.registrations >= 2 for n in s.nodes.values()))
-            assert second.gateway.shed == 0
+            assert second.gateway.liveness.shed == 0
             assert second.state.phase is JobPhase.RUNNING and second.state.rdzv.round == 1
             records = await second.reactor.log.read()
     finally:

@@ -186,6 +186,12 @@ def test_a_report_and_the_event_it_holds_name_the_same_incarnation() -> None:
 # -- every bad report is refused as before -----------------------------------------------
 
 _LIVE = "node-0"
+#: the one refusal of every report from a node incarnation the job does not know live (a stale agent): one that
+#: is not its node's current incarnation, and one of a node the job does not have
+_STALE = ("node node-0 incarnation 2 is not a live node of job 'shapes'; this agent is stale and should exit "
+          "(current incarnation 1 is joined)")
+_UNKNOWN = ("node node-9 incarnation 1 is not a live node of job 'shapes'; this agent is stale and should exit "
+            "(unknown node)")
 #: (the stub's method, the message, the exact refusal) for the counts over a bound, checked before the message is
 #: decoded: answered RESOURCE_EXHAUSTED (told apart from a master shedding load, so the agent does not retry)
 OVER_BOUNDS: list[tuple[str, betterproto2.Message, str]] = [
@@ -252,16 +258,11 @@ REFUSALS: list[tuple[str, betterproto2.Message, str]] = [
      "HealthReport.collectives[0].peer is empty: pass the node's id (the one the agent was started with): "
      "1-253 letters, digits, '.', '_' or '-', starting with a letter or digit"),
     # a node incarnation the job does not know (a stale agent), in the gateway
-    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=2),
-     "node node-0 incarnation 2 is not a live node"),
-    ("report_failure", pb.FailureReport(node_id="node-9", incarnation=1),
-     "node node-9 incarnation 1 is not a live node"),
-    ("report_workers", pb.WorkersReport(node_id=_LIVE, incarnation=2, state=pb.WorkersState.SUCCEEDED),
-     "node node-0 incarnation 2 is not a live node"),
-    ("report_stacks", pb.StacksReport(node_id=_LIVE, incarnation=2),
-     "node node-0 incarnation 2 is not a live node of job 'shapes'; this agent is stale and should exit"),
-    ("report_health", pb.HealthReport(node_id="node-9", incarnation=1, check=1),
-     "node node-9 incarnation 1 is not a live node of job 'shapes'; this agent is stale and should exit"),
+    ("report_failure", pb.FailureReport(node_id=_LIVE, incarnation=2), _STALE),
+    ("report_failure", pb.FailureReport(node_id="node-9", incarnation=1), _UNKNOWN),
+    ("report_workers", pb.WorkersReport(node_id=_LIVE, incarnation=2, state=pb.WorkersState.SUCCEEDED), _STALE),
+    ("report_stacks", pb.StacksReport(node_id=_LIVE, incarnation=2), _STALE),
+    ("report_health", pb.HealthReport(node_id="node-9", incarnation=1, check=1), _UNKNOWN),
 ]
 
 
