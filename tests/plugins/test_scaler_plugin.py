@@ -24,29 +24,30 @@ from stead.testing.swarm import Swarm
 pytestmark = pytest.mark.anyio
 
 GI = 1 << 30
-SETTINGS = Settings(heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0, health_check="off")
+#: the master watches heartbeats on its (fake) clock: longer than the LOOKS sampling periods the test moves it on
+SETTINGS = Settings(heartbeat_interval_s=0.1, heartbeat_timeout_s=600.0, health_check="off")
 #: the plugin's looks at the nodes' figures before the job ends
 LOOKS = 3
 #: the longest a test waits for the simulated nodes' heartbeats (a guard against a hang, not a measured time)
 WAIT_S = 30.0
 
 
-async def _next_heartbeats(master: Master, nodes: list[str], usage: dict[str, tuple[int | None, float | None]]
-                           ) -> None:
-    """Until every node's heartbeat came again since this was called, saying its ``usage`` (the simulated nodes beat
-    in real time; the plugin looks on the master's clock)."""
-    before = {node_id: seen.seen for node_id, seen in master.gateway.telemetry().items()}
+async def _next_heartbeats(master: Master, clock: FakeClock, nodes: list[str],
+                           usage: dict[str, tuple[int | None, float | None]]) -> None:
+    """Until every node's heartbeat came since the master's clock last moved, saying its ``usage`` (the simulated
+    nodes beat in real time; the master stamps each heartbeat, and the plugin looks, on its clock)."""
 
     def came() -> bool:
         now = master.gateway.telemetry()
-        return all(node_id in now and now[node_id].seen > before.get(node_id, -1.0)
+        return all(node_id in now and now[node_id].seen >= clock.now()
                    and (now[node_id].rss_bytes, now[node_id].cpu_percent) == usage.get(node_id, (None, None))
                    for node_id in nodes)
 
     deadline = time.monotonic() + WAIT_S
     while not came():
         if time.monotonic() > deadline:
-            pytest.fail(f"the simulated nodes' heartbeats did not all come again within {WAIT_S:g} s")
+            pytest.fail(f"the simulated nodes' heartbeats did not all come again within {WAIT_S:g} s: "
+                        f"{master.gateway.telemetry()} at {clock.now()}")
         await anyio.sleep(SETTINGS.heartbeat_interval_s / 2)
 
 
@@ -71,7 +72,7 @@ async def _run(tmp_path: Path, plugin: ScalerPlugin, *, usage: dict[str, tuple[i
             swarm.set_usage(node_id, rss_bytes=rss, cpu_percent=cpu)
         looked = plugin.looks
         for _ in range(LOOKS):
-            await _next_heartbeats(master, nodes, usage)
+            await _next_heartbeats(master, clock, nodes, usage)
             await clock.advance(plugin.settings.sample_every_s)
         assert plugin.looks == looked + LOOKS * len(nodes)  # each look took each node's new heartbeat, once
         async with MasterClient(master.address, master.token, call_timeout_s=10) as client:
