@@ -66,7 +66,9 @@ while True:
     opt.step()
     step += 1
     stead.report_step(step)
-    ckpt.save(step, {"model": model.state_dict(), "opt": opt.state_dict()})
+    # every 10th step on disk from both ranks: the proof a relaunched rank needs to take the other's copy of a
+    # replicated state (a failure persists only the surviving rank's step)
+    ckpt.save(step, {"model": model.state_dict(), "opt": opt.state_dict()}, persist=step % 10 == 0)
     if rank == 0:
         with open("steps.log", "a") as f:
             f.write(f"{step} {round_} {world}\\n")
@@ -209,6 +211,7 @@ async def test_a_job_survives_a_deleted_pod_its_master_pod_deleted_and_an_oom_ki
     async with cluster(tmp_path) as (api, kubelet), _claimed(api, "checkpoints"), job(
             tmp_path, api, etcd_url, "kube-a", ("--nnodes", "2", "--nproc-per-node", "1", "--set", "health_check=off",
                                                 "--set", "k8s.memory=6Gi", "--set", "scaler.oom_memory_budget=1",
+                                                "--set", "ckpt.keep_last=5",
                                                 "--set", "k8s.checkpoint_claim=checkpoints",
                                                 "--set", "k8s.allowed_claims=checkpoints",
                                                 "--max-node-relaunches", "3")) as running:
