@@ -31,17 +31,13 @@ os.environ.setdefault(SPARES_ENV, "0")
 #: the tests that run whole jobs (most of the suite's time) go first, so that the suite's tail is short tests that
 #: the xdist workers share out (``--dist worksteal``), not one long job on one worker while the other waits
 WHOLE_JOB_DIRS = ("e2e", "chaos")
-#: among those, the files whose jobs run longest (a minute or more each on the 2-core CI machine: a host kept out
-#: on Kubernetes, etcd down for 10 s and frozen for 30 s, the recipes' FSDP run) start first
-LONGEST_FIRST = ("test_k8s.py", "test_store_outage.py", "test_recipes.py", "test_resume.py", "test_scale.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def whole_job(item: pytest.Item) -> bool:
         return any(part in WHOLE_JOB_DIRS for part in item.path.relative_to(item.config.rootpath).parts[:2])
 
-    # stable: the order within each part stays
-    items.sort(key=lambda item: (not whole_job(item), item.path.name not in LONGEST_FIRST))
+    items.sort(key=lambda item: not whole_job(item))  # stable: the order within each part stays
 
 
 @pytest.fixture
