@@ -400,3 +400,23 @@ async def test_a_stopped_plugin_leaves_no_root_cause_wait_behind() -> None:
         task = plugin._root_cause.task if plugin._root_cause else None
         await plugin.stop(ctx=h.ctx)
     assert task is not None and task.cancelled() and h.emitted == []
+
+
+@pytest.mark.anyio
+async def test_a_collective_error_is_decided_at_once_when_a_member_node_ends_and_the_reason_says_so() -> None:
+    # a pod OOM-killed whole: its agent dies with its workers, so no failure of theirs comes, only the pod's end
+    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=60.0))
+    rdzv = RendezvousState(round=1, members=("node-0", "node-1"), active=True)
+    async with Harness(plugin, dataclasses.replace(AWAITING, rdzv=rdzv)) as h:
+        symptom = dataclasses.replace(worker(GLOO_RESET), rank=0)
+        h.state = dataclasses.replace(h.state, last_failure=symptom)
+        await h.feed(symptom)
+        await h.feed(NodeExited(node_id="node-9", incarnation=1, exit_code=137))  # not a member: still waiting
+        assert h.emitted == []
+        await h.feed(NodeExited(node_id="node-1", incarnation=1, exit_code=137, reason="OOMKilled", oom=True))
+        await settle(h)
+    (decision,) = h.emitted
+    assert isinstance(decision, RecoveryDecided)
+    assert (decision.failure_class, decision.action) == ("collective", RecoveryAction.RESTART)
+    assert "node node-1 exited meanwhile (platform: OOMKilled" in decision.reason, decision.reason
+    assert "no restart is spent" in decision.reason

@@ -373,6 +373,12 @@ def _decided(state: JobState, event: RecoveryDecided, *, now: float) -> Transiti
     if not state.awaiting_decision or event.round != state.rdzv.round:
         return reject(state, f"no failure of round {event.round} is waiting for a decision")
     failure = state.last_failure
+    if event.action is not RecoveryAction.FAIL and not state.rdzv.active:
+        # a member's end (its host lost, its pod OOM-killed) broke the round while the decision waited: the worker
+        # failure was most likely that end seen from here, and the node's relaunch budget pays for it (as in
+        # torchrun, a membership change spends no restart)
+        settled = dataclasses.replace(state, awaiting_decision=False)
+        return Transition(settled, rounds.plan(settled, now=now))
     if event.action is RecoveryAction.FAIL or state.restarts >= state.spec.max_restarts:
         reason = event.reason
         if event.action is not RecoveryAction.FAIL:

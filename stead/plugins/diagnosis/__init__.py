@@ -321,6 +321,8 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             case NodeJoined():
                 self._alive.add((event.node_id, event.incarnation))
             case NodeLost() | NodeExited():
+                if self._root_cause is not None:
+                    self._root_cause.node_ended(event)
                 await self._node_failed(event, ctx)
             case CheckpointCommitted() if self._relaunch_at_checkpoint:
                 await self._relaunch_stragglers(ctx)
@@ -381,18 +383,23 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             state = ctx.current_state()
             waiting = state.last_failure.round if state.awaiting_decision and state.last_failure else None
             if waiting == pending.round:  # (the decision timer may have decided already)
-                await self._decide(failure, found, ctx, among=len(pending.candidates))
+                await self._decide(failure, found, ctx, among=len(pending.candidates), ended=pending.ended)
         except Exception as exc:  # the default policy decides when the decision timer fires
             ctx.log.exception("root_cause_decision_failed", error=repr(exc))
         finally:
             if self._root_cause is pending:
                 self._root_cause = None
 
-    async def _decide(self, failure: WorkerFailed, found: Classification, ctx: Ctx, *, among: int = 1) -> None:
+    async def _decide(self, failure: WorkerFailed, found: Classification, ctx: Ctx, *, among: int = 1,
+                      ended: NodeLost | NodeExited | None = None) -> None:
         action = found.action.recovery
         reason = f"{found.failure_class.value} in rank {failure.rank} ({found.rule}): {found.evidence}"
         if among > 1:
             reason += f" (the likeliest cause among {among} failures of the round)"
+        if ended is not None and found.failure_class in _SYMPTOMS:
+            reason += (f"; node {ended.node_id} {'was lost' if isinstance(ended, NodeLost) else 'exited'} meanwhile "
+                       f"({self.rules.classify(Facts.of_node(ended)).evidence}): its relaunch pays "
+                       "for the round, no restart is spent")
         if found.action is Action.MORE_MEMORY:
             reason += "; more memory wanted for the node: the workers restart meanwhile"
         exc = last_exception(failure.error_tail)
@@ -429,8 +436,16 @@ class _RootCause:
         self.candidates = [(first, found)]
         #: nodes whose workers had all exited 0 when the first failure came, and the ranks they held
         self.finished = {n: [members.index(n) * nproc + i for i in range(nproc)] for n in finished if n in members}
+        self.members = tuple(members)
+        #: a member's end (exit or loss) while the decision waited: the likeliest cause, which the job handles
+        self.ended: NodeLost | NodeExited | None = None
         self.cause_in = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+
+    def node_ended(self, event: NodeLost | NodeExited) -> None:
+        if event.node_id in self.members and self.ended is None:
+            self.ended = event
+            self.cause_in.set()
 
     def add(self, failure: WorkerFailed, found: Classification) -> None:
         self.candidates.append((failure, found))

@@ -115,6 +115,10 @@ AWAITING = after(failed(), start=RUNNING)
 RESTART_DECIDED = after(decided(1), start=AWAITING, follow=False)
 RESTARTED = after(decided(1), start=AWAITING)
 AWAITING_LAST_RESTART = after(failed("node-1", round=2, rank=3), start=RESTARTED)
+#: the last restart's failure waits for its decision when its node is OOM-killed (its pod's end seen first as a
+#: worker's SIGKILL or a peer's collective error)
+MEMBER_GONE_AWAITING = after(NodeExited(node_id="node-1", incarnation=1, exit_code=137, oom=True),
+                             start=AWAITING_LAST_RESTART)
 LOST_NO_FOLLOW = after(NodeLost(node_id="node-1", incarnation=1), start=RUNNING, follow=False)
 LOST = after(NodeLost(node_id="node-1", incarnation=1), start=RUNNING)
 RELAUNCHED_STARTED = after(NodeStarted(node_id="node-1", incarnation=2), start=LOST)
@@ -285,6 +289,12 @@ ALLOWED: list[tuple[str, JobState, Event, JobPhase, dict[str, object], EffectIds
      {"restarts": 1, "awaiting_decision": False}, [(Emit, "emit/job-end")]),
     ("FAIL: JobFailed", AWAITING, decided(1, RecoveryAction.FAIL, reason="user error"), JobPhase.RECOVERING,
      {"restarts": 0, "awaiting_decision": False}, [(Emit, "emit/job-end")]),
+    ("RESTART for a round a member's end broke meanwhile: no restart spent, the node's relaunch pays",
+     MEMBER_GONE_AWAITING, decided(2), JobPhase.RECOVERING,
+     {"restarts": 1, "awaiting_decision": False, "rdzv.active": False}, []),
+    ("FAIL for a round a member's end broke meanwhile: JobFailed all the same", MEMBER_GONE_AWAITING,
+     decided(2, RecoveryAction.FAIL, reason="user error"), JobPhase.RECOVERING,
+     {"restarts": 1, "awaiting_decision": False}, [(Emit, "emit/job-end")]),
     ("member lost: kill it, stop the others, relaunch", RUNNING, NodeLost(node_id="node-1", incarnation=1),
      JobPhase.RECOVERING, {"rdzv.active": False, "nodes.node-1.phase": NodePhase.LOST},
      [(KillNode, "kill/node-1/1"), (StopWorkers, "stop-workers/1/node-0"), (Emit, "emit/request/node-1/2"),

@@ -147,7 +147,13 @@ def kill(process: asyncio.subprocess.Process | None, sig: signal.Signals) -> Non
     if process is None or process.returncode is not None:
         return
     if sig == signal.SIGKILL:
-        for pgid in sorted(_descendant_groups(process.pid) - {process.pid}):
+        # all at once, as a runtime's cgroup kill is: each group frozen first, so no process of the container sees
+        # another's death and acts on it (an agent reporting its worker's SIGKILL) before its own kill lands
+        signal_group(process.pid, signal.SIGSTOP)
+        groups = sorted(_descendant_groups(process.pid) - {process.pid})
+        for pgid in groups:
+            signal_group(pgid, signal.SIGSTOP)
+        for pgid in groups:
             signal_group(pgid, sig)
     signal_group(process.pid, sig)
 
