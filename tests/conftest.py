@@ -1,10 +1,11 @@
 """Suite-wide fixtures: the anyio backend and the leak check every test passes.
 
 The leak check looks only at what this test session started: its own child
-processes, its own listening sockets, and the shared memory of its own
+processes, its own listening sockets, the shared memory of its own
 namespace (every job of the session, its agents included, names its segments
-with ``STEAD_CKPT_SHM_NAMESPACE``), so that two suites side by side never fail
-each other.
+with ``STEAD_CKPT_SHM_NAMESPACE``), and the network namespaces its test hosts
+made (named after this process, with the bridges and veths inside them), so
+that two suites side by side never fail each other.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from stead.core.config import env_name
 from stead.testing import leaks
 from stead.testing.etcd import EtcdServer
+from tests.support import hosts
 
 #: under pytest-xdist each worker process has a namespace of its own (``t<pid>gw0``, ...)
 SHM_NAMESPACE = os.environ[leaks.SHM_NAMESPACE_ENV] = (
@@ -70,10 +72,14 @@ def secure_etcd() -> Iterator[EtcdServer]:
 
 @pytest.fixture(autouse=True)
 def no_leftovers() -> Iterator[None]:
-    """After every test: no new child process, listening port or stead shared-memory segment."""
-    before = leaks.snapshot()
+    """After every test: no new child process, listening port, stead shared-memory segment or test hosts' network
+    namespace."""
+    before, namespaces = leaks.snapshot(), hosts.namespaces()
     yield
     left = leaks.wait_clean(before)
     if left:
         leaks.remove(left)  # reported below, but not left to the machine
+    made = hosts.namespaces() - namespaces
+    hosts.remove_namespaces(made)
     assert not left, f"the test left behind: {left}"
+    assert not made, f"the test left behind network namespaces (test hosts): {sorted(made)}"

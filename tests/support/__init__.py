@@ -7,6 +7,8 @@
   Security Standards), for the manifests' tests;
 - :mod:`tests.support.h2peer` and :mod:`tests.support.wire`: a bare HTTP/2 peer and protobuf request bodies
   written byte by byte, what a broken or hostile client sends, for the RPC limit and fuzz tests;
+- :mod:`tests.support.hosts`: test hosts made of network, UTS and mount namespaces on a bridge (own address,
+  hostname, /dev/shm and /tmp), killed, restarted, partitioned and healed, for the multi-host tests;
 - :mod:`tests.support.history`: the fault injection and the surviving training history of the whole-job tests
   that check exactly-once data across failures (``tests/e2e``, ``tests/chaos``).
 
