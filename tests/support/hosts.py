@@ -45,7 +45,7 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, overload
+from typing import IO, Any, NoReturn, overload
 
 import anyio
 import pytest
@@ -60,6 +60,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SUBNET = "10.77.0"
 PREFIX_LEN = 24
 IFNAME = "eth0"
+#: host i is at .{i+1}: .255 is the subnet's broadcast address
+MAX_HOSTS = 254
 #: where ``ip netns`` keeps named network namespaces (one file per namespace)
 NETNS_DIR = Path("/run/netns")
 #: how long a host's holder may take to set up its namespaces and mounts before the fixture gives up
@@ -393,12 +395,22 @@ class Hosts(Sequence[Host]):
 
 
 @contextlib.asynccontextmanager
-async def test_hosts(n: int, *, shared: Iterable[Path | str] = DEFAULT_SHARED) -> AsyncIterator[Hosts]:
+async def test_hosts(n: int, *, shared: Iterable[Path | str] = DEFAULT_SHARED,
+                     skip_unavailable: bool = True) -> AsyncIterator[Hosts]:
     """``async with test_hosts(n) as hosts:`` N hosts, removed on exit (processes, namespaces, switch, mounts)
-    even when the body raises or a host was killed. Skips the test where namespaces cannot be made, saying why."""
+    even when the body raises or a host was killed. Skips the test where namespaces cannot be made, saying why (or
+    raises :class:`HostsUnavailable`, for a benchmark, with ``skip_unavailable=False``)."""
+    if not 1 <= n <= MAX_HOSTS:
+        raise ValueError(f"test_hosts({n}): the hosts' subnet {SUBNET}.0/{PREFIX_LEN} holds 1 to {MAX_HOSTS} hosts")
+
+    def unavailable(reason: str) -> NoReturn:
+        if skip_unavailable:
+            pytest.skip(reason)
+        raise HostsUnavailable(reason)
+
     reason = unavailable_reason()
     if reason is not None:
-        pytest.skip(reason)
+        unavailable(reason)
     _sweep_dead()
     with tempfile.TemporaryDirectory(prefix="stead-hosts-") as workdir:
         hosts = Hosts(n, shared, Path(workdir))
@@ -408,7 +420,7 @@ async def test_hosts(n: int, *, shared: Iterable[Path | str] = DEFAULT_SHARED) -
             except HostsUnavailable as exc:
                 if hosts[0].alive:  # the first host started: this machine can make hosts, and something else broke
                     raise
-                pytest.skip(f"test hosts cannot be made here: {exc}")
+                unavailable(f"test hosts cannot be made here: {exc}")
             yield hosts
         finally:
             with anyio.CancelScope(shield=True):

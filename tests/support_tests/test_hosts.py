@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 from pathlib import Path
@@ -105,6 +106,21 @@ async def test_dev_shm_and_tmp_are_private_per_host_and_shared_paths_are_visible
         assert (tmp_path / "from-h0").read_text() == "secret"  # a shared path is the same directory everywhere
         rc, out, err = await hosts[1].run(["cat", "from-h0", str(REPO_ROOT / "pyproject.toml")], cwd=tmp_path)
         assert rc == 0 and out.startswith("secret"), err
+
+
+async def test_a_shared_path_under_tmp_outside_pytest_is_visible_as_a_repo_cloned_there_is() -> None:
+    clone = Path(tempfile.mkdtemp(prefix="stead-hosts-clone-", dir=tempfile.gettempdir()))  # as CI clones the repo
+    try:
+        (clone / ".venv").mkdir()
+        (clone / ".venv" / "marker").write_text("venv\n")
+        async with test_hosts(1, shared=(clone, clone / ".venv")) as hosts:  # one inside the other: bound once
+            rc, out, err = await hosts[0].run(["bash", "-c", "cat .venv/marker && echo run > out && ls -A /tmp"],
+                                              cwd=clone)
+            assert rc == 0, err
+            assert out.split() == ["venv", clone.name]  # the clone, and nothing else of the machine's /tmp
+        assert (clone / "out").read_text() == "run\n"
+    finally:
+        shutil.rmtree(clone)
 
 
 async def test_a_killed_host_loses_every_process_and_its_memory_and_restarts_empty() -> None:
@@ -215,7 +231,7 @@ def test_test_hosts_are_skipped_with_the_failing_command_where_namespaces_cannot
         pytest.skip(reason)
     script = textwrap.dedent("""
         import anyio, pytest
-        from tests.support.hosts import namespaces, test_hosts
+        from tests.support.hosts import HostsUnavailable, namespaces, test_hosts
 
         async def main() -> None:
             try:
@@ -223,6 +239,11 @@ def test_test_hosts_are_skipped_with_the_failing_command_where_namespaces_cannot
                     print("made")
             except pytest.skip.Exception as exc:
                 print("skipped:", exc.msg)
+            try:
+                async with test_hosts(2, skip_unavailable=False):  # a benchmark's choice
+                    print("made")
+            except HostsUnavailable as exc:
+                print("raised:", exc)
             print("left:", sorted(namespaces()))
 
         anyio.run(main)
@@ -232,7 +253,8 @@ def test_test_hosts_are_skipped_with_the_failing_command_where_namespaces_cannot
                           cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    skipped, left = done.stdout.splitlines()
+    skipped, raised, left = done.stdout.splitlines()
     assert skipped.startswith("skipped: test hosts cannot be made here: `") and "ip netns add" in skipped
     assert "Operation not permitted" in skipped
+    assert raised.startswith("raised: test hosts cannot be made here: `") and "Operation not permitted" in raised
     assert left == "left: []"
