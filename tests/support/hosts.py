@@ -22,12 +22,13 @@ suite's leak check (``tests/conftest.py``) fails a test that leaves one of its o
             await hosts.kill(0)                              # every process on h0 SIGKILLed, its memory gone
             await hosts.restart(0)                           # h0 back, same name and address, empty
 
-A host's private ``/tmp`` still shows the ``shared`` paths at the same paths (by default the repo root, the
-Python environment and pytest's temporary directories, so a test's ``tmp_path`` is a filesystem every host
-shares, as users share one between machines). ``spawn`` returns an asyncio subprocess running on the host in a
-session of its own; ``run`` waits for one and returns ``(rc, stdout, stderr)``. Where namespaces cannot be made
-(not root, a tool missing, a container without CAP_SYS_ADMIN) the test is skipped with the failing command's
-message.
+A host's private ``/tmp`` still shows the ``shared`` paths (those that exist when the host starts) at the same
+paths: by default the repo root, the Python environment and pytest's temporary directories, so that a repo cloned
+under /tmp and its venv run on every host, and a test's ``tmp_path`` is a filesystem every host shares, as users
+share one between machines (the job's script, a checkpoint folder, a token file). ``spawn`` returns an asyncio
+subprocess running on the host in a session of its own; ``run`` waits for one and returns ``(rc, stdout,
+stderr)``; ``hosts.names`` maps every hostname to its address. Where namespaces cannot be made (not root, a tool
+missing, a container without CAP_SYS_ADMIN) the test is skipped with the failing command's message.
 """
 
 from __future__ import annotations
