@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerate stead's RPC code from proto/ with betterproto2: the agents' protocol, proto/stead/v1/*.proto, into
-# stead/core/rpc/_proto/, and each plugin's protocol, proto/stead/plugins/NAME/v1/*.proto, into
-# stead/plugins/NAME/_proto/, so that a plugin's messages live with the plugin and stead.core never loads them.
+# stead/core/rpc/_proto/, each plugin's protocol, proto/stead/plugins/NAME/v1/*.proto, into
+# stead/plugins/NAME/_proto/, and each platform's, proto/stead/platforms/NAME/v1/*.proto, into
+# stead/platforms/NAME/_proto/, so that a plugin's messages live with the plugin and stead.core never loads them.
 #
 # Usage: scripts/gen_proto.sh [OUT_ROOT]     (default: the repository; the directories above are made under it)
 #
@@ -47,6 +48,16 @@ for dir in $(cd "$root/proto" && LC_ALL=C ls -d stead/plugins/*/v1 2>/dev/null);
         exit 2
     fi
     targets+=("$dir stead/plugins/$name/_proto")
+done
+for dir in $(cd "$root/proto" && LC_ALL=C ls -d stead/platforms/*/v1 2>/dev/null); do
+    name="${dir#stead/platforms/}"
+    name="${name%/v1}"
+    if [ ! -d "$root/stead/platforms/$name" ]; then
+        echo "gen_proto: proto/$dir has no platform stead/platforms/$name to generate it into;" \
+             "name its directory after its platform or delete it" >&2
+        exit 2
+    fi
+    targets+=("$dir stead/platforms/$name/_proto")
 done
 
 work="$(mktemp -d)"

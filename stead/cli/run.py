@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from stead.cli.on_hosts import hosts_platform, hosts_token, join, serving_socket, tell_hosts
 from stead.cli.run_args import PLATFORM_GROUP, parse_run_args
 from stead.cli.supervisor import EXIT_MASTER_CRASHED, LISTEN_FD_ENV, STOP_ENV, TAKEOVER_ENV, supervise
 from stead.core.config import Settings
@@ -31,6 +32,7 @@ from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, find_token
 from stead.core.master import Master, MasterConfig, open_store_retrying
 from stead.core.platform import NodeSpec, Platform
 from stead.core.rpc import new_token
+from stead.core.rpc.address import parse_address
 from stead.core.runspec import RUN_SPEC_ENV, RunConfig, spec_text
 from stead.core.statemachine import JobPhase, JobState
 from stead.core.store import public_store_url
@@ -118,13 +120,18 @@ async def started_job(config: RunConfig, *, token_file: str | None = None,
     store_wait_s = settings.retry_deadline_s if takeover else None
     store = await open_store_retrying(config.store_url, settings, deadline_s=store_wait_s)
     await store.close()
-    platform = await load_platform(config.platform, settings)
+    handlers: list[Any] = []
+    if config.hosts_endpoint:  # one job over several machines: this host serves its master at the flags' address
+        platform, handlers = hosts_platform(config, await load_platform("local", settings))
+        host = parse_address(config.hosts_endpoint)[0]
+    else:
+        platform = await load_platform(config.platform, settings)
     master_config = MasterConfig(
         job=config.job_name, store_url=config.store_url, settings=settings, platform=platform,
         node_spec=agent_spec_factory(config), plugins=config.plugins, disabled_plugins=config.disabled_plugins,
         token_file=token_file, host=host, port=port, listen_fd=listen_fd, token=token,
         metrics_port=settings.metrics_port if metrics_port is None else metrics_port,
-        store_wait_s=store_wait_s, leave_nodes_on_failure=leave_nodes_on_failure,
+        store_wait_s=store_wait_s, leave_nodes_on_failure=leave_nodes_on_failure, rpc_handlers=handlers,
     )
     async with Master(master_config) as master:
         submitted = job_submitted(config)
@@ -196,6 +203,9 @@ async def run_job(config: RunConfig, *, listen_fd: int | None = None, takeover: 
             await master.wait()
             for helper in helpers:
                 helper.cancel()
+        if config.hosts_endpoint:  # what the other hosts' `stead run` print and exit with
+            tell_hosts(master.config.platform, exit_code=exit_code(master.state),
+                       summary=_summary(config, master.state))
         try:
             async with asyncio.timeout(settings.shutdown_grace_s):
                 await master.reactor.wait_until(lambda s: not any(n.phase.alive for n in s.nodes.values()))
@@ -315,7 +325,9 @@ def main(argv: Sequence[str]) -> int:
         print(f"stead run: error: {exc}", file=sys.stderr)
         return 2
     listen_fd = os.environ.pop(LISTEN_FD_ENV, None)
-    launcher = platform_launcher(config.platform)
+    if config.hosts_endpoint and listen_fd is None:
+        return _run_on_hosts(config, argv)
+    launcher = None if config.hosts_endpoint else platform_launcher(config.platform)
     if launcher is not None:  # the job's master runs where the platform puts it (a Kubernetes pod), not here
         try:
             return int(asyncio.run(launcher(config, argv)))
@@ -355,8 +367,35 @@ def main(argv: Sequence[str]) -> int:
                   f"`stead run` with the same job name (--job-name {config.job_name}) to resume it", file=sys.stderr)
         return 1
     print(_summary(config, state), file=sys.stderr)
-    if state.phase is JobPhase.STOPPED:
-        return 130
-    if state.phase is not JobPhase.SUCCEEDED:
+    if state.phase not in (JobPhase.STOPPED, JobPhase.SUCCEEDED):
         print(format_status(config.job_name, state), file=sys.stderr)
-    return 0 if state.phase is JobPhase.SUCCEEDED else 1
+    return exit_code(state)
+
+
+def exit_code(state: JobState) -> int:
+    """`stead run`'s exit code for a job that ended in ``state``: 0 succeeded, 130 stopped, 1 otherwise."""
+    if state.phase is JobPhase.SUCCEEDED:
+        return 0
+    return 130 if state.phase is JobPhase.STOPPED else 1
+
+
+def _run_on_hosts(config: RunConfig, argv: Sequence[str]) -> int:
+    """torchrun's multi-node flags: this host serves the job's master, or joins the host that does."""
+    try:
+        token = hosts_token(config)
+        listener = serving_socket(config)
+    except ConfigError as exc:
+        print(f"stead run: error: {exc}", file=sys.stderr)
+        return 2
+    if listener is None:
+        print(f"stead: job {config.job_name}: joining its master at {config.hosts_endpoint}", file=sys.stderr)
+        try:
+            return join(config, token=token, node_spec=agent_spec_factory(config),
+                        local=lambda: load_platform("local", config.settings))
+        except KeyboardInterrupt:
+            print(f"stead: stopped; this host's node of job {config.job_name} was stopped", file=sys.stderr)
+            return 130
+    print(f"stead: job {config.job_name}: this host serves its master at {config.hosts_endpoint}; the other "
+          "hosts join it", file=sys.stderr)
+    return supervise(argv, config.settings, token=token, host=parse_address(config.hosts_endpoint)[0],
+                     listener=listener)

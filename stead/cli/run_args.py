@@ -81,9 +81,11 @@ def _add_torchrun_flags(group: argparse._ArgumentGroup) -> None:
         help="worker processes per node: a number, 'gpu' (one per GPU), 'cpu' (one per CPU), "
              "or 'auto' (one per GPU, else one per CPU) (default 1)")
     add("--rdzv-backend", "--rdzv_backend", default="static",
-        help="accepted for torchrun compatibility; stead's master runs the rendezvous (default static)")
-    add("--rdzv-endpoint", "--rdzv_endpoint", default="",
-        help="accepted for torchrun compatibility; stead's master runs the rendezvous")
+        help="static: node ranks given on each host (--node-rank, --master-addr); c10d: with --rdzv-endpoint, "
+             "the job's master serves at the endpoint and assigns node ranks (default static)")
+    add("--rdzv-endpoint", "--rdzv_endpoint", default="", metavar="HOST[:PORT]",
+        help="with --rdzv-backend c10d and more than one node: where the job's master serves (port 29400 when "
+             "left out); the host whose address it is runs the master, every host one node")
     add("--rdzv-id", "--rdzv_id", default="none",
         help="the run id workers see as TORCHELASTIC_RUN_ID; also the job name when --job-name is not given")
     add("--rdzv-conf", "--rdzv_conf", default="", metavar="KEY=VALUE,...",
@@ -122,12 +124,14 @@ def _add_torchrun_flags(group: argparse._ArgumentGroup) -> None:
         help="like --redirects, but also copy the stream to the console (default 0)")
     add("--local-ranks-filter", "--local_ranks_filter", default="", metavar="RANK,...",
         help="show console output of these local ranks only, e.g. 0,1 (default: all)")
-    add("--node-rank", "--node_rank", type=int, default=0, metavar="RANK",
-        help="rank of this node for a static rendezvous (default 0)")
-    add("--master-addr", "--master_addr", default="127.0.0.1", metavar="HOST",
-        help="address workers use as MASTER_ADDR for a static rendezvous (default 127.0.0.1)")
+    add("--node-rank", "--node_rank", type=int, default=None, metavar="RANK",
+        help="rank of this host's node in a static rendezvous over several hosts: rank 0 runs the job's master at "
+             "--master-addr:--master-port, the others join it (default 0)")
+    add("--master-addr", "--master_addr", default=None, metavar="HOST",
+        help="with --nnodes N over several hosts: the address of the host of node rank 0, where the job's master "
+             "serves (default 127.0.0.1)")
     add("--master-port", "--master_port", type=int, default=None, metavar="PORT",
-        help="port workers use as MASTER_PORT for a static rendezvous (default: a free port)")
+        help="with --nnodes N over several hosts: the port the job's master serves on (default 29500)")
     add("--local-addr", "--local_addr", default=None, metavar="HOST",
         help="address of this node as other nodes reach it (default: its host name)")
     add("--shutdown-timeout", "--shutdown_timeout", type=float, default=None, metavar="SECONDS",
@@ -203,9 +207,10 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
     _check_at_least(ns.max_node_relaunches, 0, "--max-node-relaunches")
     if not ns.monitor_interval > 0:
         raise ConfigError(f"--monitor-interval must be positive, got {ns.monitor_interval}")
-    _check_at_least(ns.node_rank, 0, "--node-rank")
-    if ns.node_rank >= max_nodes:
-        raise ConfigError(f"--node-rank {ns.node_rank} is out of range for --nnodes {ns.nnodes!r}; "
+    node_rank = 0 if ns.node_rank is None else ns.node_rank
+    _check_at_least(node_rank, 0, "--node-rank")
+    if node_rank >= max_nodes:
+        raise ConfigError(f"--node-rank {node_rank} is out of range for --nnodes {ns.nnodes!r}; "
                           f"use a rank below {max_nodes}")
     if ns.master_port is not None and not 0 < ns.master_port < 65536:
         raise ConfigError(f"--master-port {ns.master_port} is not a TCP port; use 1-65535 or leave it out")
@@ -232,6 +237,14 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
         rdzv_backend, rdzv_endpoint = "c10d", "localhost:0"
     else:
         rdzv_backend, rdzv_endpoint = ns.rdzv_backend, ns.rdzv_endpoint
+    hosts_endpoint = "" if ns.standalone else _hosts_endpoint(ns, min_nodes, max_nodes)
+    platform = ns.platform
+    if hosts_endpoint:
+        if ns.platform != "local":
+            raise ConfigError(f"torchrun's multi-node flags run one job over several machines, each running `stead "
+                              f"run`; --platform {ns.platform} starts the nodes itself: drop --node-rank, "
+                              "--master-addr and --rdzv-endpoint, or drop --platform")
+        platform = HOSTS_PLATFORM
 
     return RunConfig(
         min_nodes=min_nodes,
@@ -254,8 +267,8 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
         rdzv_id=rdzv_id,
         rdzv_conf=rdzv_conf,
         standalone=ns.standalone,
-        node_rank=ns.node_rank,
-        master_addr=ns.master_addr,
+        node_rank=node_rank,
+        master_addr=ns.master_addr or "127.0.0.1",
         master_port=ns.master_port,
         local_addr=ns.local_addr,
         role=ns.role,
@@ -264,7 +277,8 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
         tee=tee,
         local_ranks_filter=ranks_filter,
         store_url=store_url,
-        platform=ns.platform,
+        platform=platform,
+        hosts_endpoint=hosts_endpoint,
         plugins=plugins,
         disabled_plugins=disabled,
         job_name=job_name,
@@ -480,6 +494,57 @@ def parse_settings(assignments: Sequence[str]) -> dict[str, str]:
             raise ConfigError(f"--set {name}={found[name]} and --set {name}={raw} disagree; give {name} once")
         found[name] = raw
     return found
+
+
+#: the platform of a job over several machines (torchrun's multi-node flags; not an entry point: `stead run` sets
+#: it up itself, see stead.cli.run)
+HOSTS_PLATFORM = "hosts"
+#: torchrun's default ports: a static rendezvous's --master-port, a c10d --rdzv-endpoint's
+STATIC_PORT, C10D_PORT = 29500, 29400
+
+
+def _hosts_endpoint(ns: argparse.Namespace, min_nodes: int, max_nodes: int) -> str:
+    """``HOST:PORT`` where the job's master serves when the flags spread the job over several machines (torchrun's
+    multi-node command lines); "" when every node runs on this machine (no such flag, or one node)."""
+    backend, endpoint = ns.rdzv_backend, ns.rdzv_endpoint
+    if max_nodes <= 1:
+        return ""
+    if backend == "static":
+        if ns.node_rank is None and ns.master_addr is None:
+            return ""  # --nnodes N alone: N nodes on this machine
+        if min_nodes != max_nodes:
+            raise ConfigError(f"a static rendezvous over several hosts needs a fixed node count, not --nnodes "
+                              f"{ns.nnodes}: give --nnodes {max_nodes}, or use --rdzv-backend c10d --rdzv-endpoint "
+                              "HOST:PORT for an elastic job")
+        return _hostport(ns.master_addr or "127.0.0.1", ns.master_port or STATIC_PORT)
+    if not endpoint:
+        return ""  # no endpoint: every node on this machine
+    if backend == "c10d":
+        return _endpoint(endpoint)
+    if backend in ("etcd", "etcd-v2"):
+        raise ConfigError(f"--rdzv-backend {backend} over several hosts (every host a master candidate, standbys "
+                          "taking over) is not supported yet: use --rdzv-backend c10d --rdzv-endpoint HOST:PORT, "
+                          "where the host whose address it is serves the job's master")
+    raise ConfigError(f"--rdzv-backend {backend!r} is not one stead knows over several hosts: use static "
+                      "(--node-rank, --master-addr) or c10d (--rdzv-endpoint)")
+
+
+def _endpoint(text: str) -> str:
+    """``HOST:PORT`` from torchrun's ``--rdzv-endpoint`` (HOST, HOST:PORT, [V6], [V6]:PORT; port 29400 by default)."""
+    host, port = text.strip(), str(C10D_PORT)
+    if host.startswith("["):
+        inside, _, rest = host[1:].partition("]")
+        host, port = inside, rest[1:] if rest.startswith(":") else port
+    elif host.count(":") == 1:
+        host, port = host.split(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--rdzv-endpoint {text!r} is not HOST:PORT (a port 1-65535); e.g. node0.example:29400")
+    return _hostport(host, int(port))
+
+
+def _hostport(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (as stead.core.rpc.address writes it; not imported: startup time)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _job_name(explicit: str | None, rdzv_id: str, script: str) -> str:

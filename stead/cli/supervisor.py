@@ -61,10 +61,11 @@ class _MasterRestarter:
     one dies while the job runs, passes signals on, and reaps (and, at the end, stops) the agents left to it."""
 
     def __init__(self, argv: Sequence[str], settings: Settings, host: str, token: str,
-                 master_command: Sequence[str] | None = None) -> None:
+                 master_command: Sequence[str] | None = None, listener: socket.socket | None = None) -> None:
         self.argv = list(argv)
         self.settings = settings
         self.host = host
+        self.listener = listener
         self.token = token
         #: what runs a master: ``stead run ARGV`` in this Python
         self.master_command = list(master_command or (sys.executable, "-m", "stead", "run", *self.argv))
@@ -79,7 +80,7 @@ class _MasterRestarter:
 
     def run(self) -> int:
         become_subreaper()
-        listener = _listen(self.host)
+        listener = self.listener or listen(self.host)
         previous = {sig: signal.signal(sig, self.on_signal) for sig in _FORWARDED}
         try:
             return self._loop(listener)
@@ -170,9 +171,9 @@ def _crashed(code: int) -> bool:
     return code < 0 or code == EXIT_MASTER_CRASHED
 
 
-def _listen(host: str) -> socket.socket:
-    """The master's listening socket (a free port), inheritable, kept across masters."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
+def listen(host: str, port: int = 0) -> socket.socket:
+    """The master's listening socket (a free port unless ``port``), inheritable, kept across masters."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -187,12 +188,14 @@ def _listen(host: str) -> socket.socket:
 
 
 def supervise(argv: Sequence[str], settings: Settings, *, token: str, host: str = "127.0.0.1",
-              master_command: Sequence[str] | None = None) -> int:
+              master_command: Sequence[str] | None = None, listener: socket.socket | None = None) -> int:
     """Run ``stead run ARGV``'s master in a child process, restarted when it dies, each given the job's ``token``;
     the job's exit code.
 
     ``master_command`` runs a master instead of ``python -m stead run ARGV`` (a test's small stand-in): it gets
     the same environment (:data:`LISTEN_FD_ENV`, :data:`TAKEOVER_ENV`, :data:`STOP_ENV`, the job token) and its
     exit code means the same (:data:`EXIT_MASTER_CRASHED` or killed: start another; any other: the job's code).
+    ``listener``: the socket to serve on (a job over several hosts serves at the address its flags give), which
+    the supervisor closes when it ends; default: a free port on ``host``.
     """
-    return _MasterRestarter(argv, settings, host, token, master_command).run()
+    return _MasterRestarter(argv, settings, host, token, master_command, listener).run()

@@ -71,6 +71,9 @@ class Settings:
     #: a file holding the bearer token a scrape must send (Prometheus' authorization.credentials_file); a request
     #: without it is answered 401 ("": no token asked)
     metrics_token_file: str = ""
+    #: a file holding the job token (on a filesystem every host reads), for a job over several machines whose hosts
+    #: do not have STEAD_JOB_TOKEN in their environment ("": STEAD_JOB_TOKEN)
+    job_token_file: str = ""
     #: a metrics connection that sends nothing for this long while its request is read (or takes no answer) is
     #: closed (each connection holds a thread of the master while it is open)
     metrics_request_timeout_s: float = setting(10.0, min=0.001)

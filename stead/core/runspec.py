@@ -96,6 +96,9 @@ class RunConfig:
     log_level: str
     #: None: as OpenTelemetry's OTEL_* variables say
     trace: str | None
+    #: ``HOST:PORT`` where the job's master serves when the job spans several machines (torchrun's multi-node
+    #: flags, each host running `stead run`); "": every node runs on this machine
+    hosts_endpoint: str = ""
 
 
 def gpu_count(environ: Mapping[str, str] | None = None) -> int:

@@ -175,10 +175,10 @@ def test_script_is_found_by_absolute_path_and_executable_by_relative_path(workdi
 
 
 def test_pet_environment_variables_are_defaults_like_torchrun(workdir: Path) -> None:
-    environ = {**ENV, "PET_NNODES": "2:3", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1",
+    environ = {**ENV, "PET_NNODES": "3", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1",
                "PET_MASTER_ADDR": "h", "PET_MASTER_PORT": "1234", "PET_MAX_RESTARTS": "4", "PET_MODULE": "0"}
     config = parse(workdir, "train.py", environ=environ)
-    assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.node_rank) == (2, 3, 2, 1)
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.node_rank) == (3, 3, 2, 1)
     assert (config.master_addr, config.master_port, config.max_restarts, config.module) == ("h", 1234, 4, False)
     assert parse(workdir, "--nnodes", "1", "--node-rank", "0", "train.py", environ=environ).min_nodes == 1
     assert parse(workdir, "pkg.train", environ={**ENV, "PET_MODULE": "1"}).module

@@ -108,6 +108,9 @@ class MasterConfig:
     leave_nodes_on_failure: bool = False
     #: what the reactor's timers, the log's record times and the plugins' waits go by (a test's FakeClock)
     clock: Clock = WALL_CLOCK
+    #: more services for the master's RPC server (a platform's: the hosts of a job over several machines offer
+    #: themselves on one), authenticated with the job token like the agents' service
+    rpc_handlers: Sequence[Any] = ()
 
 
 async def open_store_retrying(url: str, settings: Settings, *, deadline_s: float | None = None) -> StateStore:
@@ -251,7 +254,7 @@ class Master:
         structlog.contextvars.bind_contextvars(job=cfg.job)
         self._store = await open_store_retrying(cfg.store_url, self.settings, deadline_s=cfg.store_wait_s)
         self._stack.push_async_callback(self._store.close)
-        handlers: list[Any] = [AgentServicer(self.gateway)]
+        handlers: list[Any] = [AgentServicer(self.gateway), *cfg.rpc_handlers]
         plugins = [*load_plugins(settings=self.settings, enabled=cfg.plugins, disabled=cfg.disabled_plugins),
                    *cfg.plugin_objects]
         self.plugin_host = PluginHost(plugins, job=cfg.job, settings=self.settings, store=self._store,

@@ -1,0 +1,343 @@
+"""The master's side of a job over several machines: nodes placed on the hosts that offered themselves.
+
+Every host of the job runs `stead run` with the same torchrun multi-node flags. The one that serves the job's
+master runs :class:`HostsPlatform`: its own node goes to a local platform (an agent process on this machine, as
+on one machine), and every other host offers itself over :class:`HostServicer` (``HostService.Offer``). A node the
+job needs is launched on the host that holds its node rank (a static rendezvous: ``--node-rank``) or on any host
+without a node (c10d); a node no host can take yet waits until one offers. The host's `stead run` starts and kills
+the node's agent as the stream tells it and reports what the agent did (``HostService.ReportNode``); the agents
+themselves register and heartbeat with the master as they do on one machine.
+
+A host whose `stead run` disagrees with the job (another script, node count, job id) or claims a node rank that a
+connected host holds is refused with a message saying so, on that host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncGenerator, AsyncIterator
+from types import TracebackType
+from typing import Self
+
+import grpclib
+import grpclib.const
+import structlog
+
+from stead.core.events import NodeExited, NodeStarted
+from stead.core.platform import NodeSpec, Platform, PlatformEvent
+from stead.core.runspec import RunConfig
+from stead.platforms.hosts._proto.stead.hosts import v1 as proto
+
+__all__ = ["HostServicer", "HostsPlatform", "job_shape", "shape_mismatch"]
+
+log = structlog.get_logger("stead.hosts")
+
+_Key = tuple[str, int]
+#: where a node runs: the serving host itself, or a host's launcher id
+LOCAL = ""
+#: how long the master, as it ends, waits for each host's stream to carry the job's end to the host
+ENDED_WAIT_S = 5.0
+
+
+def job_shape(config: RunConfig) -> proto.JobShape:
+    """What this host's command line says of the job; every host of one job must say the same."""
+    return proto.JobShape(job=config.job_name, rdzv_id=config.rdzv_id, min_nodes=config.min_nodes,
+                          max_nodes=config.max_nodes, nproc_per_node=config.nproc_per_node,
+                          entrypoint=list(_script(config)), rdzv_backend=config.rdzv_backend)
+
+
+def _script(config: RunConfig) -> tuple[str, ...]:
+    """The script and its arguments, without the interpreter (which may live at another path on each host)."""
+    if config.no_python:
+        return (config.training_script, *config.training_script_args)
+    return ("-m" if config.module else "", config.training_script, *config.training_script_args)
+
+
+def shape_mismatch(mine: proto.JobShape, theirs: proto.JobShape) -> str:
+    """What differs between two hosts' command lines ("" when they mean the same job)."""
+    differ = []
+    for field, flag in (("job", "the job name (--job-name or --rdzv-id)"), ("rdzv_id", "--rdzv-id"),
+                        ("rdzv_backend", "--rdzv-backend"), ("nproc_per_node", "--nproc-per-node")):
+        if getattr(mine, field) != getattr(theirs, field):
+            differ.append(f"{flag}: {getattr(theirs, field)!r} here, {getattr(mine, field)!r} on the master's host")
+    if (mine.min_nodes, mine.max_nodes) != (theirs.min_nodes, theirs.max_nodes):
+        differ.append(f"--nnodes: {_nnodes(theirs)} here, {_nnodes(mine)} on the master's host")
+    if list(mine.entrypoint) != list(theirs.entrypoint):
+        differ.append(f"the script and its arguments: {' '.join(theirs.entrypoint).strip()!r} here, "
+                      f"{' '.join(mine.entrypoint).strip()!r} on the master's host")
+    return "; ".join(differ)
+
+
+def _nnodes(shape: proto.JobShape) -> str:
+    return str(shape.max_nodes) if shape.min_nodes == shape.max_nodes else f"{shape.min_nodes}:{shape.max_nodes}"
+
+
+def static_rank(node_id: str) -> int | None:
+    """The node rank a static rendezvous gives ``node-R`` (the master names its nodes so); None for other ids."""
+    prefix, _, number = node_id.rpartition("-")
+    return int(number) if prefix == "node" and number.isdigit() else None
+
+
+@dataclasses.dataclass(eq=False)
+class _Host:
+    """A host that offered itself: its stream of commands, and the node it runs."""
+
+    launcher_id: str
+    name: str
+    address: str
+    #: a static rendezvous's --node-rank; None: any
+    node_rank: int | None
+    commands: asyncio.Queue[proto.HostCommand | None] = dataclasses.field(default_factory=asyncio.Queue)
+    node: _Key | None = None
+    connected: bool = True
+    #: set when its stream ended (the last command written, or the host gone)
+    closed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
+class HostsPlatform:
+    """Nodes on this host (through ``local``, a platform for this machine) and on the hosts that offer themselves.
+
+    ``local_rank``: the node rank this host takes in a static rendezvous (its --node-rank); None: c10d, where this
+    host takes the first node the job asks for and other hosts the rest.
+    """
+
+    name = "hosts"
+
+    def __init__(self, *, local: Platform, shape: proto.JobShape, local_rank: int | None, static: bool,
+                 host_name: str) -> None:
+        self.local = local
+        self.shape = shape
+        self.static = static
+        self.local_rank = local_rank
+        self.host_name = host_name
+        self._hosts: dict[str, _Host] = {}
+        #: where each launched node runs (LOCAL or a launcher id); nodes waiting for a host are in _waiting
+        self._placed: dict[_Key, str] = {}
+        self._waiting: dict[_Key, NodeSpec] = {}
+        self._local_busy: _Key | None = None
+        self._events: asyncio.Queue[PlatformEvent] = asyncio.Queue()
+        self._ended: proto.Ended | None = None
+        self._forward: asyncio.Task[None] | None = None
+
+    # -- Platform -------------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.local.__aenter__()  # type: ignore[attr-defined]
+        self._forward = asyncio.create_task(self._forward_local(), name="hosts-local-events")
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        ended = self._ended or proto.Ended(exit_code=1, summary="the job's master stopped")
+        told = [host for host in self._hosts.values() if host.connected]
+        for host in told:
+            host.commands.put_nowait(proto.HostCommand(ended=ended))
+            host.commands.put_nowait(None)
+        # each stream writes its last command before the master's RPC server closes (a bounded wait: a host cut
+        # off finds out by itself, after master_gone_timeout_s)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ENDED_WAIT_S):
+                for host in told:
+                    await host.closed.wait()
+        if self._forward is not None:
+            self._forward.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._forward
+        await self.local.__aexit__(exc_type, exc, tb)  # type: ignore[attr-defined]
+
+    def end(self, *, exit_code: int, summary: str) -> None:
+        """What the other hosts' `stead run` print and exit with when the job ends (told as the platform closes)."""
+        self._ended = proto.Ended(exit_code=exit_code, summary=summary)
+
+    def detach(self) -> None:
+        """The master leaves its nodes to the next one (it failed, or was told to go): nothing is killed here."""
+        detach = getattr(self.local, "detach", None)
+        if callable(detach):
+            detach()
+
+    async def launch(self, spec: NodeSpec) -> None:
+        key = (spec.node_id, spec.incarnation)
+        if key in self._placed or key in self._waiting:
+            return
+        self._waiting[key] = spec
+        await self._place()
+
+    async def kill(self, node_id: str, incarnation: int) -> None:
+        key = (node_id, incarnation)
+        self._waiting.pop(key, None)
+        where = self._placed.get(key)
+        if where is None:
+            return
+        if where == LOCAL:
+            await self.local.kill(node_id, incarnation)
+            return
+        host = self._hosts.get(where)
+        if host is not None and host.connected:
+            host.commands.put_nowait(proto.HostCommand(kill=proto.Kill(node_id=node_id, incarnation=incarnation)))
+
+    async def adopt(self, spec: NodeSpec, *, pid: int | None) -> bool:
+        """A node an earlier master launched: this host's by pid; another host's once it offers itself again
+        (its `stead run` does, to whichever master serves), so it is taken as running meanwhile."""
+        key = (spec.node_id, spec.incarnation)
+        if await self.local.adopt(spec, pid=pid):  # (the local platform checks the pid runs this node's agent)
+            self._placed[key] = LOCAL
+            self._local_busy = key
+            return True
+        return not (self.static and static_rank(spec.node_id) == self.local_rank)
+
+    async def events(self) -> AsyncIterator[PlatformEvent]:
+        while True:
+            yield await self._events.get()
+
+    # -- hosts ----------------------------------------------------------------------------------------------
+
+    def offer(self, offer: proto.HostOffer) -> tuple[_Host | None, str]:
+        """Take a host's offer; (None, why) when it is refused."""
+        differ = shape_mismatch(self.shape, offer.shape or proto.JobShape())
+        if differ:
+            return None, (f"this host's `stead run` does not mean the same job as the master's host "
+                          f"({self.host_name}): {differ}. Run the same command on every host, only --node-rank "
+                          "differing")
+        rank = offer.node_rank if offer.node_rank >= 0 else None
+        if self.static and rank is None:
+            return None, "a static rendezvous needs --node-rank on every host"
+        if self.static and rank is not None:
+            if rank == self.local_rank:
+                return None, (f"--node-rank {rank} is the master's host's ({self.host_name}); give each host its "
+                              f"own rank, 0 to {self.shape.max_nodes - 1}")
+            holder = next((h for h in self._hosts.values() if h.connected and h.node_rank == rank
+                           and h.launcher_id != offer.launcher_id), None)
+            if holder is not None:
+                return None, (f"--node-rank {rank} is held by host {holder.name} ({holder.address}); give each "
+                              f"host its own rank, 0 to {self.shape.max_nodes - 1}")
+        old = self._hosts.get(offer.launcher_id)
+        if old is not None:  # the same `stead run` again (a broken stream, a new master): its node goes on
+            old.commands.put_nowait(None)
+        host = _Host(offer.launcher_id, offer.host, offer.address, rank)
+        for running in offer.running:
+            key = (running.node_id, running.incarnation)
+            self._placed[key] = offer.launcher_id
+            self._waiting.pop(key, None)
+            host.node = key
+        self._hosts[offer.launcher_id] = host
+        log.info("host_joined", host=host.name, address=host.address, node_rank=rank,
+                 running=[f"{n}/{i}" for n, i in ([host.node] if host.node else [])])
+        return host, ""
+
+    def gone(self, host: _Host) -> None:
+        """The host's stream ended: nothing more is placed on it. Its node, if any, lives on until the master
+        declares it lost (its heartbeats stop) or the host offers itself again."""
+        host.closed.set()
+        if self._hosts.get(host.launcher_id) is host:
+            host.connected = False
+            log.warning("host_disconnected", host=host.name, address=host.address,
+                        node=f"{host.node[0]}/{host.node[1]}" if host.node else None)
+
+    async def placed(self) -> None:
+        await self._place()
+
+    def report(self, report: proto.NodeReport) -> None:
+        """What a host's agent did; reports of nodes the host does not hold are dropped."""
+        key = (report.node_id, report.incarnation)
+        if self._placed.get(key) != report.launcher_id:
+            log.info("host_report_dropped", node=report.node_id, incarnation=report.incarnation,
+                     why="not a node placed on that host")
+            return
+        host = self._hosts[report.launcher_id]
+        if report.started:
+            self._events.put_nowait(NodeStarted(node_id=report.node_id, incarnation=report.incarnation,
+                                                host=host.name, pid=report.pid or None))
+        if report.exited:
+            if host.node == key:
+                host.node = None
+            self._events.put_nowait(NodeExited(node_id=report.node_id, incarnation=report.incarnation,
+                                               exit_code=report.exit_code, signal=report.signal,
+                                               reason=report.reason))
+
+    async def _place(self) -> None:
+        for key, spec in sorted(self._waiting.items()):
+            if self._local_takes(key):
+                del self._waiting[key]
+                self._placed[key] = LOCAL
+                self._local_busy = key
+                await self.local.launch(spec)
+                continue
+            host = self._free_host(spec.node_id)
+            if host is None:
+                continue
+            del self._waiting[key]
+            self._placed[key] = host.launcher_id
+            host.node = key
+            host.commands.put_nowait(proto.HostCommand(launch=proto.Launch(
+                node_id=spec.node_id, incarnation=spec.incarnation, resources=dict(spec.resources))))
+            log.info("node_placed", node=spec.node_id, incarnation=spec.incarnation, host=host.name)
+
+    def _local_takes(self, key: _Key) -> bool:
+        """Whether this host runs the node: its rank's (static), or this host has none but an older incarnation of
+        it (c10d)."""
+        if self.static:
+            return static_rank(key[0]) == self.local_rank
+        return self._local_busy is None or self._local_busy[0] == key[0]
+
+    def _free_host(self, node_id: str) -> _Host | None:
+        rank = static_rank(node_id) if self.static else None
+        for host in sorted(self._hosts.values(), key=lambda h: h.name):
+            if not host.connected:
+                continue
+            if self.static and host.node_rank != rank:
+                continue
+            if host.node is None or host.node[0] == node_id:
+                return host
+        return None
+
+    async def _forward_local(self) -> None:
+        async for event in self.local.events():
+            if isinstance(event, NodeExited) and self._local_busy == (event.node_id, event.incarnation):
+                self._local_busy = None
+            if isinstance(event, NodeStarted):  # named as the other hosts name it, not "localhost"
+                event = dataclasses.replace(event, host=self.host_name)
+            await self._events.put(event)
+
+
+class HostServicer(proto.HostServiceBase):
+    """HostService on the master's RPC server (every call authenticated with the job token by the server)."""
+
+    def __init__(self, platform: HostsPlatform, *, keepalive_s: float) -> None:
+        self._platform = platform
+        self._keepalive_s = keepalive_s
+
+    async def offer(self, message: proto.HostOffer) -> AsyncIterator[proto.HostCommand]:
+        host, why = self._platform.offer(message)
+        if host is None:
+            log.warning("host_refused", host=message.host, address=message.address, why=why)
+            raise grpclib.GRPCError(grpclib.const.Status.FAILED_PRECONDITION, why)
+        try:
+            yield proto.HostCommand(accepted=proto.Accepted(host=host.name))
+            await self._platform.placed()
+            async for command in _drain(host.commands, self._keepalive_s):
+                if command is None:  # the last one went: the host hangs up once it read it (a close from here
+                    await asyncio.sleep(ENDED_WAIT_S)  # could reset the connection before it did)
+                    return
+                yield command
+        finally:
+            self._platform.gone(host)
+
+    async def report_node(self, message: proto.NodeReport) -> proto.ReportAck:
+        self._platform.report(message)
+        return proto.ReportAck()
+
+
+async def _drain(commands: asyncio.Queue[proto.HostCommand | None],
+                 keepalive_s: float) -> AsyncGenerator[proto.HostCommand | None, None]:
+    """The host's commands as they come, and an empty one every ``keepalive_s`` while there is none: the host
+    learns that its master is there from the stream itself, not only from a stream that stays quiet."""
+    while True:
+        try:
+            async with asyncio.timeout(keepalive_s):
+                command = await commands.get()
+        except TimeoutError:
+            yield proto.HostCommand()
+            continue
+        yield command

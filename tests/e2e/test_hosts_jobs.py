@@ -1,0 +1,129 @@
+"""One job over several hosts (network namespaces, tests.support.hosts), each typing the same torchrun command line.
+
+The hosts share the repository and the test's folder as machines share a filesystem; each has its own address,
+/dev/shm and /tmp. Every host runs `stead run` in a folder of its own (its `.stead/`), with the same job token in
+its environment and ``GLOO_SOCKET_IFNAME`` set, as users set them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.support.hosts import IFNAME, Host, test_hosts
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train.py"
+#: the bound on one `stead run` (a test that hangs fails with its output instead of at the suite's timeout)
+RUN_TIMEOUT_S = 150.0
+
+
+def _env(token: str) -> dict[str, str]:
+    return {**os.environ, "STEAD_JOB_TOKEN": token, "GLOO_SOCKET_IFNAME": IFNAME, "PYTHONUNBUFFERED": "1"}
+
+
+async def _stead_run(host: Host, folder: Path, args: Sequence[str], token: str) -> asyncio.subprocess.Process:
+    os.makedirs(folder, exist_ok=True)
+    return await host.spawn([sys.executable, "-m", "stead", "run", *args], env=_env(token), cwd=folder,
+                            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+
+
+async def _ended(process: asyncio.subprocess.Process) -> tuple[int, str]:
+    try:
+        async with asyncio.timeout(RUN_TIMEOUT_S):
+            _, err = await process.communicate()
+    except TimeoutError:
+        process.kill()
+        _, err = await process.communicate()
+        raise AssertionError(f"`stead run` did not end within {RUN_TIMEOUT_S} s: {err.decode()[-3000:]}") from None
+    assert process.returncode is not None
+    return process.returncode, err.decode(errors="replace")
+
+
+def _steps(timestamps: Path) -> dict[tuple[int, int], int]:
+    """The last step each (rank, restart) reached, from examples/train.py's --timestamps lines."""
+    last: dict[tuple[int, int], int] = {}
+    for line in timestamps.read_text().splitlines():
+        rank, restart, step, _ = line.split()
+        if not step.isdigit():
+            continue  # the crash's own line
+        last[int(rank), int(restart)] = max(last.get((int(rank), int(restart)), -1), int(step))
+    return last
+
+
+async def _events(host: Host, folder: Path, job: str) -> list[dict[str, object]]:
+    rc, out, err = await host.run([sys.executable, "-m", "stead", "events", "--job", job, "--json"], cwd=folder)
+    assert rc == 0, err
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+async def test_a_static_torchrun_command_line_on_two_hosts_trains_one_job_and_recovers_a_crash(
+        tmp_path: Path) -> None:
+    token = secrets.token_urlsafe(32)
+    timestamps = tmp_path / "steps.log"
+    async with test_hosts(2) as hosts:
+        flags = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", hosts[0].address, "--master-port",
+                 "29500", "--max-restarts", "1", "--job-name", "mh"]
+        script = [str(TRAIN), "--steps", "40", "--crash-at-step", "15", "--crash-rank", "1",
+                  "--timestamps", str(timestamps)]
+        # the joining host first, as often happens: it waits for the master
+        joining = await _stead_run(hosts[1], tmp_path / "h1", [*flags, "--node-rank", "1", *script], token)
+        serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, "--node-rank", "0", *script], token)
+        (rc0, err0), (rc1, err1) = await asyncio.gather(_ended(serving), _ended(joining))
+        assert rc0 == 0, err0[-3000:]
+        assert rc1 == 0, err1[-3000:]
+        events = await _events(hosts[0], tmp_path / "h0", "mh")
+    assert "this host serves its master at 10.77.0.1:29500" in err0
+    assert "joined job mh" in err1 and "job mh succeeded" in err1  # the job's outcome, told by its master
+    # one job of world size 2: both ranks on their hosts, the crash of rank 1 (host h1) restarted in place
+    steps = _steps(timestamps)
+    assert steps[(0, 1)] == steps[(1, 1)] == 39, steps
+    assert steps[(1, 0)] < 15, steps
+    started = {(e["data"]["node_id"], e["data"]["host"]) for e in events if e["type"] == "node.started"}  # type: ignore[index]
+    assert started == {("node-0", "h0"), ("node-1", "h1")}, started
+    rounds = [e["data"]["members"] for e in events if e["type"] == "round.started"]  # type: ignore[index]
+    assert rounds == [["node-0", "node-1"]] * 2, rounds  # the first, and the one after the crash
+    assert not (tmp_path / "h1" / ".stead" / "mh.db").exists()  # one event log: on the master's host only
+
+
+async def test_a_c10d_endpoint_makes_its_host_the_master_and_a_host_that_disagrees_is_refused(
+        tmp_path: Path) -> None:
+    token = secrets.token_urlsafe(32)
+    async with test_hosts(2) as hosts:
+        flags = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:29400",
+                 "--rdzv-id", "elastic-mh"]
+        script = [str(TRAIN), "--steps", "20"]
+        serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, *script], token)
+        # another script's arguments: not the same job, refused on that host, the job unharmed
+        other = await _stead_run(hosts[1], tmp_path / "h1", [*flags, str(TRAIN), "--steps", "21"], token)
+        rc, err = await _ended(other)
+        assert rc == 2, err[-3000:]
+        assert "does not mean the same job" in err and "--steps 21" in err, err[-3000:]
+        # a wrong token: refused too
+        wrong = await _stead_run(hosts[1], tmp_path / "h1", [*flags, *script], secrets.token_urlsafe(32))
+        rc, err = await _ended(wrong)
+        assert rc == 2 and "refused this host's job token" in err, err[-3000:]
+        joining = await _stead_run(hosts[1], tmp_path / "h1", [*flags, *script], token)
+        (rc0, err0), (rc1, err1) = await asyncio.gather(_ended(serving), _ended(joining))
+    assert rc0 == 0, err0[-3000:]
+    assert rc1 == 0, err1[-3000:]
+    assert "this host serves its master at 10.77.0.1:29400" in err0
+    assert "joined job elastic-mh" in err1
+
+
+async def test_a_host_without_the_job_token_is_told_how_to_share_it(tmp_path: Path) -> None:
+    async with test_hosts(1) as hosts:
+        rc, _, err = await hosts[0].run(
+            [sys.executable, "-m", "stead", "run", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+             "10.77.0.9", str(TRAIN)], cwd=tmp_path, env={**os.environ, "STEAD_JOB_TOKEN": ""})
+    assert rc == 2, err
+    assert "needs the same job token on every host: set STEAD_JOB_TOKEN" in err, err
