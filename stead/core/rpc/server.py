@@ -44,6 +44,7 @@ import functools
 import os
 import resource
 import socket
+import ssl
 from collections.abc import Callable, Collection, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self, cast
@@ -350,9 +351,12 @@ class RpcServer:
         auth_timeout_s: float = _DEFAULTS.rpc_auth_timeout_s,
         listen_fd: int | None = None,
         world_size: Callable[[], int | None] = lambda: None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         """``world_size``: the job's largest world (MAX nodes x processes per node), None before there is a job;
-        every list of a request with one entry per rank holds at most that many."""
+        every list of a request with one entry per rank holds at most that many. ``tls``: serve mutual TLS with
+        this context (:func:`~stead.core.rpc.tls.server_context`), plain TCP without."""
+        self._tls = tls
         self._handlers = tuple(handlers)
         self._world_size = world_size
         self._listen_fd = listen_fd
@@ -398,14 +402,14 @@ class RpcServer:
         require_token(server, self._token, token_file=self._token_file)
         sock = await self._bind()
         try:
-            await server.start(sock=sock)
+            await server.start(sock=sock, ssl=self._tls)
         except BaseException:
             sock.close()
             raise
         self._server = server
         self._port = sock.getsockname()[1]
         log.info("rpc_server_started", host=self._host, port=self._port, max_connections=links.max_connections,
-                 max_message_bytes=self._max_message_bytes)
+                 max_message_bytes=self._max_message_bytes, tls=self._tls is not None)
         return self
 
     async def __aexit__(
