@@ -30,7 +30,7 @@ from stead.core.events import JobResumed, JobStopped, JobSubmitted
 from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, find_token
 from stead.core.master import Master, MasterConfig, open_store_retrying
 from stead.core.platform import NodeSpec, Platform
-from stead.core.rpc import new_token
+from stead.core.rpc import new_token, tls_files
 from stead.core.runspec import RUN_SPEC_ENV, RunConfig, spec_text
 from stead.core.statemachine import JobPhase, JobState
 from stead.core.store import public_store_url
@@ -324,6 +324,7 @@ def main(argv: Sequence[str]) -> int:
             return 130
     if listen_fd is None:
         try:
+            tls_files(config.settings)  # bad TLS settings fail here, before a master or an agent starts
             job_token = run_token(config)
         except ConfigError as exc:
             print(f"stead run: error: {exc}", file=sys.stderr)
