@@ -145,7 +145,8 @@ class Settings:
     #: a connection with no call open for this long is closed (an agent's command stream is a call: it stays);
     #: the client's next call connects again
     rpc_idle_timeout_s: float = setting(300.0, min=0.001)
-    #: a connection that made no call with the job's token within this long of opening is closed
+    #: a connection that made no call with the job's token within this long of opening is closed (a TLS one that
+    #: has not finished its handshake too)
     rpc_auth_timeout_s: float = setting(10.0, min=0.001)
     #: mutual TLS for every RPC (the master's server, agents, spares, workers' clients, `stead scale`): the CA that
     #: signed every host's certificate (PEM; `stead certs` makes one per job); "" = plain TCP. All three tls_*

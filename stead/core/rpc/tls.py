@@ -20,10 +20,14 @@ import dataclasses
 import ssl
 from pathlib import Path
 
+import structlog
+
 from stead.core.config import Settings
 from stead.core.errors import ConfigError
 
 __all__ = ["TLS_HINT", "TlsFiles", "client_context", "client_tls", "server_context", "tls_files"]
+
+log = structlog.get_logger()
 
 #: the settings, in the order they are named
 _SETTINGS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
@@ -84,7 +88,24 @@ def server_context(files: TlsFiles) -> ssl.SSLContext:
     """A server's context: its certificate, and a client certificate signed by the CA required of every peer."""
     context = _context(files, ssl.Purpose.CLIENT_AUTH)
     context.verify_mode = ssl.CERT_REQUIRED
+    context.sslobject_class = _ServerSide
     return context
+
+
+class _ServerSide(ssl.SSLObject):
+    """A server's side of one TLS connection, which logs a handshake it refused: asyncio closes such a connection
+    without a word (its log says so only in debug mode), and the application never sees it."""
+
+    def do_handshake(self) -> None:
+        try:
+            super().do_handshake()
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise
+        except ssl.SSLError as exc:
+            log.warning("rpc_tls_refused", reason=exc.reason or str(exc), error=str(exc),
+                        hint="a client without a certificate signed by tls_ca_file, or a plain-text one: "
+                        + TLS_HINT)
+            raise
 
 
 def client_context(files: TlsFiles) -> ssl.SSLContext:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import structlog.testing
 
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, Unauthenticated
@@ -182,3 +184,25 @@ def test_a_key_that_is_not_the_certificates_is_a_config_error_naming_both(host: 
         with pytest.raises(ConfigError, match=r"tls_cert_file=.* and tls_key_file=.* are not a certificate and "
                                               r"its own private key"):
             make(mismatched)
+
+
+@pytest.mark.parametrize("client", ["no certificate", "plain text"])
+async def test_the_master_logs_a_tls_handshake_it_refused(
+        tls_server: RpcServer, token: str, host: TlsFiles, client: str) -> None:
+    context = _no_certificate(host) if client == "no certificate" else None
+    with structlog.testing.capture_logs() as logs, pytest.raises(Unauthenticated):
+        await _register(tls_server.address, token, context)
+    refused = [entry for entry in logs if entry["event"] == "rpc_tls_refused"]
+    assert refused and "tls_ca_file" in refused[0]["hint"], logs
+    assert refused[0]["log_level"] == "warning"
+
+
+async def test_a_connection_that_never_starts_its_tls_handshake_is_closed_after_the_auth_timeout(
+        backend: FakeBackend, token: str, host: TlsFiles) -> None:
+    async with RpcServer([AgentServicer(backend)], token=token, tls=server_context(host), auth_timeout_s=0.2) as srv:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                assert await reader.read() == b""  # the server hung up on the silent stranger
+        finally:
+            writer.close()
