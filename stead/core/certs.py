@@ -1,10 +1,11 @@
 """Certificates for mutual TLS: a certificate authority and the certificates it signs, as PEM bytes.
 
 ``stead certs`` makes a per-job authority and one certificate every host of the job
-uses, as server and as client; :mod:`stead.testing.tls` makes throw-away ones for
-tests. Keys are EC P-256 (made in milliseconds, accepted by OpenSSL, grpc and etcd);
-a certificate's start is back-dated an hour so that hosts whose clocks differ a
-little accept it at once.
+uses, as server and as client; ``stead k8s manifests --etcd-generate-certs`` makes
+the optional etcd's; :mod:`stead.testing.tls` makes throw-away ones for tests. Keys
+are EC P-256 (made in milliseconds, accepted by OpenSSL, grpc and etcd); a
+certificate's start is back-dated an hour so that hosts whose clocks differ a little
+accept it at once.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ def _alt_names(hosts: Sequence[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(names)
 
 
+def _name(common: str) -> x509.Name:
+    """``O=stead`` and, unless empty, ``CN=common`` (a client certificate for etcd has none: see k8s/etcd.py)."""
+    attributes = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "stead")]
+    if common:
+        attributes.append(x509.NameAttribute(NameOID.COMMON_NAME, common))
+    return x509.Name(attributes)
+
+
 def _key_usage(*, ca: bool) -> x509.KeyUsage:
     return x509.KeyUsage(digital_signature=True, key_cert_sign=ca, crl_sign=ca, content_commitment=False,
                          key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
@@ -72,7 +81,7 @@ class Authority:
 
     def __init__(self, name: str, *, valid: datetime.timedelta) -> None:
         self._key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
+        subject = _name(f"{name} CA")
         now = datetime.datetime.now(datetime.UTC)
         self._cert = (
             x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
@@ -90,8 +99,8 @@ class Authority:
         return Issued(cert_pem=self._cert.public_bytes(serialization.Encoding.PEM), key_pem=_key_pem(self._key))
 
     def issue(self, name: str, *, server: bool, client: bool, hosts: Sequence[str]) -> Issued:
-        """A certificate for ``name``, valid for TLS servers at ``hosts`` (IP addresses become IP SANs, names DNS
-        SANs) and/or for clients."""
+        """A certificate for ``name`` (its common name; "" for none), valid for TLS servers at ``hosts`` (IP addresses
+        become IP SANs, names DNS SANs) and/or for clients."""
         if not server and not client:
             raise ValueError(f"certificate {name!r} must be for a server, a client or both: pass server=True "
                              "and/or client=True")
@@ -101,7 +110,7 @@ class Authority:
                                           (ExtendedKeyUsageOID.CLIENT_AUTH, client)) if wanted]
         builder = (
             x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .subject_name(_name(name))
             .issuer_name(self._cert.subject).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(now - _SKEW)
             .not_valid_after(now + self._valid)
