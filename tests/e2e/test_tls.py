@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from stead.cli.certs import make_certs
+from tests.e2e.test_run import TRAIN as FAULTY_TRAIN
 
 RunJob = Callable[..., Any]  # the run_job fixture of conftest.py
 
@@ -56,7 +57,19 @@ def test_a_job_runs_with_mutual_tls_on_every_rpc(run_job: RunJob, tmp_path: Path
     assert f"finished world=2 ids={list(range(24))}" in job.stdout
     started = [json.loads(line) for line in job.stderr.splitlines() if '"rpc_server_started"' in line]
     assert started and all(record["tls"] is True for record in started), started
+    assert '"rpc_tls_refused"' not in job.stderr
     assert "job.succeeded" in job.events("e2e")
+
+
+def test_a_spare_agent_replaces_a_killed_node_over_tls(run_job: RunJob, tmp_path: Path) -> None:
+    flags = ("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3", "--set", "spare_agents=1",
+             "--set", "spare_delay_s=1", *_tls_flags(tmp_path / "pki"))
+    job = run_job(FAULTY_TRAIN, "kill-agent-spare", flags=flags)
+    assert job.returncode == 0, job.stderr[-3000:]
+    used = [json.loads(line) for line in job.stderr.splitlines() if '"spare_agent_used"' in line]
+    assert [(u["node"], u["incarnation"]) for u in used if u["incarnation"] == 2] == [("node-1", 2)]
+    assert "job.succeeded" in job.events("e2e")
+    assert '"rpc_tls_refused"' not in job.stderr
 
 
 @pytest.mark.parametrize(("broken", "message"), [
