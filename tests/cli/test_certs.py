@@ -9,10 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 from cryptography import x509
 
+from stead.cli.certs import make_certs
 from stead.core.config import Settings
+from stead.core.events import JobSubmitted
+from stead.core.master import Master, MasterConfig
 from stead.core.rpc import (
     AgentServicer,
     MasterClient,
@@ -110,3 +114,32 @@ def test_a_host_that_is_no_name_or_address_is_refused(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "--host 'not a host' is neither an IP address nor a host name" in out.stderr
     assert not (tmp_path / "pki").exists()
+
+
+async def _scale_a_tls_master(tmp_path: Path) -> dict[str, subprocess.CompletedProcess[str]]:
+    """`stead scale` of a job whose master serves TLS: with the tls_* settings, and without."""
+    values = make_certs(job="grow", directory=tmp_path / "pki", hosts=["127.0.0.1"])
+    settings = Settings.from_mapping({name: str(path) for name, path in values.items()})
+    url = f"sqlite:///{tmp_path / 'grow.db'}"
+    config = MasterConfig(job="grow", store_url=url, plugins=["scaler"], tcp_store=False, settings=settings,
+                          token_file=str(tmp_path / ".stead" / "grow.token"))
+    scale = [sys.executable, "-m", "stead", "scale", "--store", url, "--job", "grow", "--nodes", "2"]
+    sets = [word for name, path in values.items() for word in ("--set", f"{name}={path}")]
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*scale, *extra], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    async with Master(config) as master:
+        await master.submit_job(JobSubmitted(job="grow", min_nodes=1, max_nodes=3, nproc_per_node=1, start_nodes=1))
+        return {"with": await anyio.to_thread.run_sync(lambda: run(*sets)),
+                "without": await anyio.to_thread.run_sync(run)}
+
+
+def test_stead_scale_calls_a_tls_master_with_the_settings_and_is_refused_without_them(tmp_path: Path) -> None:
+    said = anyio.run(_scale_a_tls_master, tmp_path)
+    assert said["with"].returncode == 0, said["with"].stderr
+    assert "job 'grow': target 2 nodes (was 1)" in said["with"].stdout
+    assert said["without"].returncode != 0
+    refused = said["without"].stderr
+    assert "it serves TLS and this client does not: set tls_ca_file" in refused, refused[-3000:]
+    assert "Traceback" not in refused

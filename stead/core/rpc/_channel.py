@@ -46,7 +46,9 @@ class _Protocol(H2Protocol):
         super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if exc is None and not self._heard:  # a stead master speaks first (its SETTINGS) unless TLS failed
+        # a stead master speaks first (its SETTINGS) unless TLS failed; its TLS layer closes the connection (or
+        # resets it, or the client's next write finds it closed)
+        if not self._heard and (exc is None or isinstance(exc, ConnectionError)):
             self._channel.tls_failure = _REFUSED if self._tls else _PLAIN
         elif isinstance(exc, ssl.SSLError):
             self._channel.tls_failure = f"the TLS connection broke ({exc.reason or exc})"
