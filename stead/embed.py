@@ -31,6 +31,7 @@ from stead.cli.run import started_job
 from stead.cli.run_args import parse_run_args
 from stead.core.events import JobStopped
 from stead.core.master import Master, MasterConfig
+from stead.core.rpc import client_tls
 from stead.core.runspec import RunConfig
 from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState
 from stead.plugins.scaler.client import ScaleResult, request_scale
@@ -115,7 +116,7 @@ class Job:
         """Ask for ``nodes`` nodes (within MIN:MAX), as `stead scale` does: the scaler's policy decides the
         target, which the result holds; a refusal (out of range, the job ended) raises InvalidRequest."""
         return await request_scale(self.master.address, self.master.token, nodes=nodes, by=by, reason=reason,
-                                   timeout_s=self.master.settings.rpc_timeout_s)
+                                   timeout_s=self.master.settings.rpc_timeout_s, tls=client_tls(self.master.settings))
 
     async def stop(self, reason: str = "stopped by the embedding program") -> JobState:
         """Stop the job (its workers are told to stop; ``job.stopped`` is recorded) and wait until it ended."""

@@ -43,9 +43,10 @@ What is here:
   store write, :func:`write_size` to measure one), retry helpers;
 * RPC: :func:`invalid`, :func:`backend_errors` and the request checks (:func:`check_name`,
   :func:`name_problem`, :func:`at_least`, :func:`finite_figure`) for servicers and :class:`RpcConnection`
-  for clients, and ``proto`` (the generated messages of the agents' protocol; a plugin generates its own:
-  ``proto/stead/plugins/NAME/v1`` into ``stead/plugins/NAME/_proto`` for a bundled one, which its package
-  exports as ``proto``, see ``scripts/gen_proto.sh``);
+  for clients (:func:`client_tls` gives its ``tls`` from the settings), and ``proto`` (the generated messages
+  of the agents' protocol; a plugin generates its own: ``proto/stead/plugins/NAME/v1`` into
+  ``stead/plugins/NAME/_proto`` for a bundled one, which its package exports as ``proto``, see
+  ``scripts/gen_proto.sh``);
 * the node side: :class:`AgentExtension` (``stead.agent_extensions`` entry points),
   :class:`AgentContext`, :class:`RoundInfo`.
 
@@ -261,6 +262,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
         RpcConnection as RpcConnection,
     )
     from stead.core.rpc import (
+        client_tls as client_tls,
+    )
+    from stead.core.rpc import (
         read_token_file as read_token_file,
     )
     from stead.core.rpc._checks import (
@@ -346,7 +350,7 @@ _WHERE = {
                           "WorkersSucceeded", "event_kind"),
     "stead.core.plugins": ("MasterPlugin", "NoSettings", "NodeTelemetry", "Plugin", "PluginContext", "PluginTasks"),
     "stead.core.retry": ("Backoff", "retrying"),
-    "stead.core.rpc": ("RpcConnection", "read_token_file"),
+    "stead.core.rpc": ("RpcConnection", "client_tls", "read_token_file"),
     "stead.core.rpc._checks": ("MAX_NODE_ID_CHARS", "check_name", "name_problem"),
     "stead.core.rpc._status": ("at_least", "backend_errors", "finite_figure", "invalid"),
     "stead.core.statemachine": ("JobPhase", "JobState", "NodePhase", "NodeState", "RendezvousState"),
@@ -435,6 +439,7 @@ __all__ = [
     "backend_errors",
     "check_name",
     "classify",
+    "client_tls",
     "default_decision",
     "env_name",
     "event_kind",

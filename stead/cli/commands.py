@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from stead.cli.certs import add_certs_parser, run_certs
 from stead.core.config import Settings
 from stead.core.errors import ConfigError, PermanentError, SteadError
 from stead.core.logging import LOG_LEVELS, TRACE_CHOICES, TRACE_HELP, export_log_config, version_line
@@ -150,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "`stead run` writes in the directory it runs in)")
     _add_common(sc)
 
+    _add_common(add_certs_parser(sub))
+
     r = sub.add_parser("report", help="write a job's report: one HTML file with its timeline, step rate and goodput",
                        description="Write one self-contained HTML file (it opens with no network) with the job's "
                        "timeline (rounds, nodes, recoveries in their phases, failures, checkpoints), its step rate "
@@ -258,6 +261,8 @@ async def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
         return await _scale(args, settings)
     if args.command == "k8s":
         return await _k8s(args, settings)
+    if args.command == "certs":
+        return run_certs(args)
     raise ConfigError(f"unknown command {args.command!r}; see `stead --help`")
 
 
@@ -482,7 +487,7 @@ async def _scale(args: argparse.Namespace, settings: Settings) -> int:
     from stead.core.events import Record
     from stead.core.events.log import job_prefix
     from stead.core.jobtoken import verifier_key
-    from stead.core.rpc import verifies
+    from stead.core.rpc import client_tls, verifies
     from stead.core.statemachine import fold_all
     from stead.plugins.scaler.client import request_scale
 
@@ -515,7 +520,7 @@ async def _scale(args: argparse.Namespace, settings: Settings) -> int:
                           "store keeps): pass the token file of this run of the job with --token-file, or its "
                           "token in STEAD_JOB_TOKEN")
     result = await request_scale(address, token, nodes=args.nodes, by="stead scale",
-                                 reason=args.reason, timeout_s=settings.rpc_timeout_s)
+                                 reason=args.reason, timeout_s=settings.rpc_timeout_s, tls=client_tls(settings))
     was = f" (was {result.previous})" if result.previous != result.target else " (unchanged)"
     print(f"job {args.job!r}: target {result.target} nodes{was}: {result.reason}")
     return 0

@@ -31,7 +31,7 @@ from stead.core.events import JobResumed, JobStopped, JobSubmitted
 from stead.core.jobtoken import JOB_TOKEN_ENV, default_token_file, find_token
 from stead.core.master import Master, MasterConfig, open_store_retrying
 from stead.core.platform import NodeSpec, Platform
-from stead.core.rpc import new_token
+from stead.core.rpc import new_token, tls_files
 from stead.core.rpc.address import parse_address
 from stead.core.runspec import RUN_SPEC_ENV, RunConfig, spec_text
 from stead.core.statemachine import JobPhase, JobState
@@ -336,6 +336,7 @@ def main(argv: Sequence[str]) -> int:
             return 130
     if listen_fd is None:
         try:
+            tls_files(config.settings)  # bad TLS settings fail here, before a master or an agent starts
             job_token = run_token(config)
         except ConfigError as exc:
             print(f"stead run: error: {exc}", file=sys.stderr)
@@ -382,6 +383,7 @@ def exit_code(state: JobState) -> int:
 def _run_on_hosts(config: RunConfig, argv: Sequence[str]) -> int:
     """torchrun's multi-node flags: this host serves the job's master, or joins the host that does."""
     try:
+        tls_files(config.settings)  # bad TLS settings fail here, before anything starts
         token = hosts_token(config)
         listener = serving_socket(config)
     except ConfigError as exc:

@@ -148,8 +148,17 @@ class Settings:
     #: a connection with no call open for this long is closed (an agent's command stream is a call: it stays);
     #: the client's next call connects again
     rpc_idle_timeout_s: float = setting(300.0, min=0.001)
-    #: a connection that made no call with the job's token within this long of opening is closed
+    #: a connection that made no call with the job's token within this long of opening is closed (a TLS one that
+    #: has not finished its handshake too)
     rpc_auth_timeout_s: float = setting(10.0, min=0.001)
+    #: mutual TLS for every RPC (the master's server, agents, spares, workers' clients, `stead scale`): the CA that
+    #: signed every host's certificate (PEM; `stead certs` makes one per job); "" = plain TCP. All three tls_*
+    #: settings or none, the same files' contents on every host; the job token is checked on top
+    tls_ca_file: str = setting("")
+    #: this host's certificate (PEM, signed by tls_ca_file; server and client use, with SANs for the names and
+    #: addresses the master is reached by) and its private key
+    tls_cert_file: str = setting("")
+    tls_key_file: str = setting("")
     #: polling interval of the sqlite watch (other processes' writes)
     sqlite_watch_poll_s: float = setting(0.05, min=0.001)
     #: how long workers get between SIGTERM and SIGKILL when stopped

@@ -111,7 +111,7 @@ async def test_a_c10d_endpoint_makes_its_host_the_master_and_a_host_that_disagre
         # a wrong token: refused too
         wrong = await _stead_run(hosts[1], tmp_path / "h1", [*flags, *script], secrets.token_urlsafe(32))
         rc, err = await _ended(wrong)
-        assert rc == 2 and "refused this host's job token" in err, err[-3000:]
+        assert rc == 2 and "refused the job token" in err and "same STEAD_JOB_TOKEN" in err, err[-3000:]
         joining = await _stead_run(hosts[1], tmp_path / "h1", [*flags, *script], token)
         (rc0, err0), (rc1, err1) = await asyncio.gather(_ended(serving), _ended(joining))
     assert rc0 == 0, err0[-3000:]
@@ -127,3 +127,25 @@ async def test_a_host_without_the_job_token_is_told_how_to_share_it(tmp_path: Pa
              "10.77.0.9", str(TRAIN)], cwd=tmp_path, env={**os.environ, "STEAD_JOB_TOKEN": ""})
     assert rc == 2, err
     assert "needs the same job token on every host: set STEAD_JOB_TOKEN" in err, err
+
+
+async def test_hosts_with_mutual_tls_train_one_job_and_a_host_without_the_certificates_is_refused(
+        tmp_path: Path) -> None:
+    token = secrets.token_urlsafe(32)
+    certs = tmp_path / "certs"  # on the filesystem every host shares, as users share them (or copy them)
+    async with test_hosts(2) as hosts:
+        rc, out, err = await hosts[0].run([sys.executable, "-m", "stead", "certs", "--job", "tls-mh", "--dir",
+                                           str(certs), "--host", hosts[0].address, "--host", "h0"])
+        assert rc == 0, err
+        tls = [arg for name in ("ca", "cert", "key") for arg in
+               ("--set", f"tls_{name}_file={certs / {'ca': 'ca.pem', 'cert': 'host.pem', 'key': 'host-key.pem'}[name]}")]
+        flags = ["--nnodes", "2", "--master-addr", hosts[0].address, "--master-port", "29500", "--job-name", "tls-mh"]
+        script = [str(TRAIN), "--steps", "20"]
+        serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, "--node-rank", "0", *tls, *script], token)
+        plain = await _stead_run(hosts[1], tmp_path / "h1", [*flags, "--node-rank", "1", *script], token)
+        rc, err = await _ended(plain)
+        assert rc == 2 and "TLS with the master at 10.77.0.1:29500 failed" in err, err[-3000:]
+        joining = await _stead_run(hosts[1], tmp_path / "h1", [*flags, "--node-rank", "1", *tls, *script], token)
+        (rc0, err0), (rc1, err1) = await asyncio.gather(_ended(serving), _ended(joining))
+    assert rc0 == 0, err0[-3000:]
+    assert rc1 == 0 and "job tls-mh succeeded" in err1, err1[-3000:]

@@ -62,6 +62,7 @@ from stead.core.rpc import (
     StartWorkersCmd,
     StopNodeCmd,
     StopWorkersCmd,
+    client_tls,
     read_token_file,
     retrying,
 )
@@ -577,7 +578,8 @@ async def run_agent(*, master: str, token_file: str, node_id: str, incarnation: 
     config = config or load_run_config()
     token = read_token_file(token_file)
     structlog.contextvars.bind_contextvars(node=node_id)
-    async with MasterClient(master, token, call_timeout_s=settings.rpc_timeout_s) as client:
+    async with MasterClient(master, token, call_timeout_s=settings.rpc_timeout_s,
+                            tls=client_tls(config.settings)) as client:
         agent = Agent(client=client, config=config, node_id=node_id, incarnation=incarnation,
                       settings=config.settings, token_file=token_file, zygote=zygote,
                       extensions=Extensions(load_extensions(config.settings, plugins=config.plugins,

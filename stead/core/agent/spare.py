@@ -33,7 +33,7 @@ from stead.core.agent.zygote import Zygote
 from stead.core.config import Settings
 from stead.core.errors import ConfigError
 from stead.core.platform import AGENT_IDENTITY_ENV, agent_title
-from stead.core.rpc import read_token_file
+from stead.core.rpc import read_token_file, tls_files
 
 __all__ = ["parse_identity", "run_spare_agent"]
 
@@ -59,6 +59,7 @@ async def run_spare_agent(*, master: str, token_file: str, settings: Settings) -
     """Start warm, wait for a node identity on stdin, then run as that node's agent (0 on EOF: not needed)."""
     config = load_run_config()
     read_token_file(token_file)  # a bad token file fails now, not when a node is waiting for this spare
+    tls_files(config.settings)  # so do bad TLS settings
     preload = () if config.no_python else (*ZYGOTE_PRELOAD, *ZYGOTE_LATE_PRELOAD)
     async with Zygote(config.settings, preload=preload, env=zygote_env(config)) as zygote:
         log.info("spare_agent_waiting", job=config.job_name, pid=os.getpid())

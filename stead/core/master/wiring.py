@@ -62,7 +62,7 @@ from stead.core.master.tasks import MasterTasks
 from stead.core.platform import Platform
 from stead.core.plugins import MasterPlugin, load_plugins
 from stead.core.retry import retrying
-from stead.core.rpc import AgentServicer, RpcServer
+from stead.core.rpc import AgentServicer, RpcServer, server_context, tls_files
 from stead.core.statemachine import JobPhase, JobState
 from stead.core.store import StateStore, open_store, public_store_url
 from stead.core.views.metrics import JobMetrics, MetricsServer, read_metrics_token
@@ -252,6 +252,8 @@ class Master:
     async def _start(self) -> None:
         cfg = self.config
         structlog.contextvars.bind_contextvars(job=cfg.job)
+        files = tls_files(self.settings)  # bad TLS settings fail before anything starts
+        tls = server_context(files) if files is not None else None
         self._store = await open_store_retrying(cfg.store_url, self.settings, deadline_s=cfg.store_wait_s)
         self._stack.push_async_callback(self._store.close)
         handlers: list[Any] = [AgentServicer(self.gateway), *cfg.rpc_handlers]
@@ -287,7 +289,7 @@ class Master:
                       max_message_bytes=self.settings.rpc_max_message_bytes,
                       max_connections=self.settings.rpc_max_connections,
                       idle_timeout_s=self.settings.rpc_idle_timeout_s, auth_timeout_s=self.settings.rpc_auth_timeout_s,
-                      listen_fd=cfg.listen_fd, world_size=self._largest_world))
+                      listen_fd=cfg.listen_fd, world_size=self._largest_world, tls=tls))
         if self.metrics is not None:
             token = read_metrics_token(self.settings.metrics_token_file) if self.settings.metrics_token_file else None
             server = MetricsServer(self.metrics, host=self.settings.metrics_host, port=cfg.metrics_port, token=token,

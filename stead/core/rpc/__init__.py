@@ -6,7 +6,8 @@ types stay inside this package: the master implements :class:`AgentBackend`
 with plain dataclasses (an agent's report is the event it reports, in an
 :class:`AgentReport`), agents use :class:`MasterClient`;
 :class:`RpcConnection` is the channel plugins' clients build on. Every call carries
-the job token (see :mod:`.auth`).
+the job token (see :mod:`.auth`); with the ``tls_*`` settings every connection is mutual TLS
+(:mod:`.tls`: :func:`client_tls` for clients, :func:`server_context` for servers).
 
 What any client may send, and how a refusal reads, are public too, for a plugin's
 own messages and for clients that are not stead's: every string is bounded
@@ -43,6 +44,7 @@ from stead.core.rpc.backend import (
 )
 from stead.core.rpc.client import HeartbeatStream, MasterClient, RpcConnection, retrying
 from stead.core.rpc.server import RpcServer, Servicer
+from stead.core.rpc.tls import TLS_HINT, TlsFiles, client_context, client_tls, server_context, tls_files
 from stead.core.tokenfile import check_token, new_token, read_token_file, token_verifier, verifies, write_token_file
 
 __all__ = [
@@ -73,9 +75,13 @@ __all__ = [
     "StartWorkersCmd",
     "StopNodeCmd",
     "StopWorkersCmd",
+    "TLS_HINT",
+    "TlsFiles",
     "attach_token",
     "check_token",
     "check_wire",
+    "client_context",
+    "client_tls",
     "format_address",
     "length_delimited",
     "new_token",
@@ -83,6 +89,8 @@ __all__ = [
     "read_token_file",
     "require_token",
     "retrying",
+    "server_context",
+    "tls_files",
     "token_verifier",
     "verifies",
     "write_token_file",

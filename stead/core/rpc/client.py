@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar, cast
 
 import structlog
-from grpclib.client import Channel
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
@@ -34,6 +34,7 @@ from stead.core.errors import (
 )
 from stead.core.events import NodeHealthReported, StacksDumped, WorkerFailed, WorkersStarted, WorkersSucceeded
 from stead.core.retry import retrying
+from stead.core.rpc._channel import Channel
 from stead.core.rpc._proto.stead.v1 import (
     AgentServiceStub,
     Command,
@@ -63,6 +64,7 @@ from stead.core.rpc.convert import (
     stacks_to_proto,
     workers_to_proto,
 )
+from stead.core.rpc.tls import TLS_HINT
 from stead.core.tokenfile import check_token
 
 __all__ = ["HeartbeatStream", "MasterClient", "RpcConnection", "retrying"]
@@ -82,8 +84,11 @@ _RETRYABLE = frozenset({
 class RpcConnection:
     """One grpclib channel to ``address``: adds the job token, applies timeouts, maps errors."""
 
-    def __init__(self, address: str, token: str, call_timeout_s: float) -> None:
+    def __init__(self, address: str, token: str, call_timeout_s: float, *, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: connect with mutual TLS with this context (:func:`~stead.core.rpc.tls.client_tls`), plain TCP
+        without."""
         self.host, self.port = parse_address(address)
+        self._tls = tls
         self.address = address
         self._token = check_token(token)
         if not call_timeout_s > 0:
@@ -100,7 +105,7 @@ class RpcConnection:
     def open(self) -> None:
         if self._channel is not None:
             raise RuntimeError("the client is already open; use one `async with` per instance")
-        channel = Channel(self.host, self.port, status_details_codec=RefusalCodec())
+        channel = Channel(self.host, self.port, ssl=self._tls, status_details_codec=RefusalCodec())
         attach_token(channel, self._token)
         self._channel = channel
 
@@ -128,12 +133,22 @@ class RpcConnection:
             raise self._from_status(method, exc) from exc
         except StreamTerminatedError as exc:
             _take_back_cancels(task, cancelling)
+            failure = self._channel.tls_failure if self._channel is not None else None
+            if failure is not None:
+                raise Unauthenticated(f"{method}: TLS with the master at {self.address} failed: {failure}; "
+                                      f"{TLS_HINT}") from exc
             raise RpcUnavailable(f"{method}: the connection to the master at {self.address} was lost ({exc}); "
                                  "the master may be restarting: retry") from exc
         except TimeoutError as exc:
             _take_back_cancels(task, cancelling)
             raise RpcUnavailable(f"{method}: the master at {self.address} did not answer within "
                                  f"{self.call_timeout_s}s; check that it is running and not overloaded") from exc
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as exc:
+            raise RpcUnavailable(f"{method}: the master at {self.address} hung up during the TLS handshake ({exc}); "
+                                 f"it may be restarting: retry; if this persists, {TLS_HINT}") from exc
+        except ssl.SSLError as exc:
+            raise Unauthenticated(f"{method}: TLS with the master at {self.address} failed: {_tls_failure(exc)}; "
+                                  f"{TLS_HINT}") from exc
         except OSError as exc:
             raise RpcUnavailable(f"{method}: cannot reach the master at {self.address} ({exc}); "
                                  "check that it is running and that the address is right") from exc
@@ -163,8 +178,8 @@ class RpcConnection:
 class MasterClient:
     """The agent's side of AgentService: ``async with MasterClient("host:port", token, call_timeout_s=5)``."""
 
-    def __init__(self, address: str, token: str, *, call_timeout_s: float) -> None:
-        self._conn = RpcConnection(address, token, call_timeout_s)
+    def __init__(self, address: str, token: str, *, call_timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
+        self._conn = RpcConnection(address, token, call_timeout_s, tls=tls)
         self._beats: HeartbeatStream | None = None
 
     @property
@@ -314,6 +329,15 @@ class HeartbeatStream:
 
 #: the longest a broken heartbeat call is waited for while it is closed
 _DROP_TIMEOUT_S = 1.0
+
+
+def _tls_failure(exc: ssl.SSLError) -> str:
+    """What went wrong in a TLS handshake this client made, in words."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"this client does not trust the master's certificate ({exc.verify_message})"
+    if exc.reason == "WRONG_VERSION_NUMBER":
+        return "the server answered in plain text: its master runs without the tls_* settings"
+    return f"the handshake was refused ({exc.reason or exc})"
 
 
 def _take_back_cancels(task: asyncio.Task[object] | None, before: int) -> None:

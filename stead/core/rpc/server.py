@@ -27,14 +27,17 @@ What a client can make the master hold is bounded before it is held:
 - a refusal for a limit says so in its status details, so that clients do not send the same request again
   (:mod:`._refusals`).
 
-This is the one module that reaches into grpclib 0.4.9's internals; what it relies on:
+This module and :mod:`._channel` (the client's side) are the ones that reach into grpclib 0.4.9's internals; what
+this one relies on:
 ``grpclib.protocol.Buffer.read`` (``recv_message`` reads a message's prefix with ``read(5)``, then its
 body with ``read(length)``, and opens the flow-control window as it takes each chunk),
 ``grpclib.protocol.Stream.buffer`` (replaced in ``Handler.accept``, which ``EventsProcessor`` calls
 before it hands the stream any DATA), ``grpclib.protocol.EventsProcessor.streams`` (the connection's
 open calls), ``H2Protocol.connection``/``processor`` and ``Connection._connection`` (the h2
 connection), and ``Server._protocol_factory`` with the attributes it reads (``_mapping``, ``_codec``,
-``_status_details_codec``, ``__dispatch__``, ``_config``, ``_h2_config``, ``_handlers``).
+``_status_details_codec``, ``__dispatch__``, ``_config``, ``_h2_config``, ``_handlers``), and what
+``Server.start`` sets (``_loop``, ``_server``, ``_server_closed_fut``: a TLS server is started with a handshake
+timeout grpclib does not pass).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import functools
 import os
 import resource
 import socket
+import ssl
 from collections.abc import Callable, Collection, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self, cast
@@ -329,6 +333,17 @@ class _Server(Server):
         self._handlers.add(handler)
         return protocol
 
+    async def serve(self, sock: socket.socket, tls: ssl.SSLContext | None, *, handshake_timeout_s: float) -> None:
+        """grpclib's ``start(sock=sock, ssl=tls)``, with TLS handshakes bounded: grpclib passes no handshake
+        timeout, and asyncio's default would hold a silent stranger's socket for a minute, before the connection
+        limit counts it."""
+        if tls is None:
+            await self.start(sock=sock)
+            return
+        self._server = await self._loop.create_server(self._protocol_factory, sock=sock, ssl=tls,
+                                                      ssl_handshake_timeout=handshake_timeout_s)
+        self._server_closed_fut = self._loop.create_future()
+
     def drop_connections(self) -> None:
         self._links.close_all("the server was stopped")
 
@@ -350,9 +365,12 @@ class RpcServer:
         auth_timeout_s: float = _DEFAULTS.rpc_auth_timeout_s,
         listen_fd: int | None = None,
         world_size: Callable[[], int | None] = lambda: None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         """``world_size``: the job's largest world (MAX nodes x processes per node), None before there is a job;
-        every list of a request with one entry per rank holds at most that many."""
+        every list of a request with one entry per rank holds at most that many. ``tls``: serve mutual TLS with
+        this context (:func:`~stead.core.rpc.tls.server_context`), plain TCP without."""
+        self._tls = tls
         self._handlers = tuple(handlers)
         self._world_size = world_size
         self._listen_fd = listen_fd
@@ -398,14 +416,14 @@ class RpcServer:
         require_token(server, self._token, token_file=self._token_file)
         sock = await self._bind()
         try:
-            await server.start(sock=sock)
+            await server.serve(sock, self._tls, handshake_timeout_s=self._auth_timeout_s)
         except BaseException:
             sock.close()
             raise
         self._server = server
         self._port = sock.getsockname()[1]
         log.info("rpc_server_started", host=self._host, port=self._port, max_connections=links.max_connections,
-                 max_message_bytes=self._max_message_bytes)
+                 max_message_bytes=self._max_message_bytes, tls=self._tls is not None)
         return self
 
     async def __aexit__(

@@ -36,7 +36,7 @@ from stead.core.errors import PermanentError, RpcUnavailable, Unauthenticated
 from stead.core.events import NodeExited, NodeStarted
 from stead.core.platform import NodeSpec, Platform
 from stead.core.retry import Backoff
-from stead.core.rpc import RpcConnection
+from stead.core.rpc import RpcConnection, client_tls
 from stead.core.rpc.address import parse_address
 from stead.core.runspec import RunConfig
 from stead.core.tokenfile import write_token_file
@@ -78,6 +78,8 @@ class _Host:
         self.local = local
         self.node_spec = node_spec
         self.launcher_id = secrets.token_hex(8)
+        #: mutual TLS with the master when the tls_* settings ask for it (checked before this host started)
+        self.tls = client_tls(self.settings)
         self.name = socket.gethostname()
         self.node_rank = config.node_rank if config.rdzv_backend == "static" else -1
         #: the token file this host's agents read (its own: the master's host may share this directory)
@@ -109,8 +111,8 @@ class _Host:
                         if ended is not None:
                             return ended  # (the stream closed at once: the master waits for that)
             except Unauthenticated as exc:
-                print(f"stead run: error: the job's master at {self.address} refused this host's job token: {exc}. "
-                      "Set STEAD_JOB_TOKEN to the same token on every host of the job", file=sys.stderr)
+                print(f"stead run: error: {exc}. Every host of the job needs the same STEAD_JOB_TOKEN and, with the "
+                      "tls_* settings, a certificate of the job's CA", file=sys.stderr)
                 return EXIT_REFUSED
             except _Refused as exc:
                 print(f"stead run: error: the job's master at {self.address} refused this host: {exc}",
@@ -145,7 +147,7 @@ class _Host:
             shape=job_shape(self.config), host=self.name, address=self._local_address(), node_rank=self.node_rank,
             launcher_id=self.launcher_id,
             running=[proto.RunningNode(node_id=n, incarnation=i, pid=p) for (n, i), p in self.running.items()])
-        conn = RpcConnection(self.address, self.token, self.settings.rpc_timeout_s)
+        conn = RpcConnection(self.address, self.token, self.settings.rpc_timeout_s, tls=self.tls)
         conn.open()
         try:
             stream = cast(AsyncGenerator[proto.HostCommand, None],
@@ -206,7 +208,7 @@ class _Host:
 
     async def _send_reports(self, reports: asyncio.Queue[proto.NodeReport]) -> None:
         """Each report reaches the master, in order, retried while it is unreachable (a restarting master)."""
-        conn = RpcConnection(self.address, self.token, self.settings.rpc_timeout_s)
+        conn = RpcConnection(self.address, self.token, self.settings.rpc_timeout_s, tls=self.tls)
         conn.open()
         backoff = Backoff(self.settings)
         try:

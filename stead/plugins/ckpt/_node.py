@@ -30,6 +30,7 @@ from stead.plugin import (
     RpcConnection,
     Settings,
     SteadError,
+    client_tls,
     retrying,
 )
 from stead.plugins.ckpt import _disk
@@ -88,7 +89,7 @@ class NodeCheckpoints:
         self.incarnation = incarnation
         self.root = root
         self.socket_path = socket_path
-        self._conn = RpcConnection(master_address, token, settings.rpc_timeout_s)
+        self._conn = RpcConnection(master_address, token, settings.rpc_timeout_s, tls=client_tls(settings))
         self._client = CheckpointClient(self._conn, node_id=node_id, incarnation=incarnation)
         self._ranks: dict[int, RankMemory] = {}
         self._round = 0

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import structlog
 
-from stead.plugin import AgentContext, AgentExtension, RoundInfo, RpcConnection, SteadError, read_token_file
+from stead.plugin import (
+    AgentContext,
+    AgentExtension,
+    RoundInfo,
+    RpcConnection,
+    SteadError,
+    client_tls,
+    read_token_file,
+)
 from stead.plugins.scaler._proto.stead import v1 as proto
 from stead.plugins.scaler.settings import ScalerSettings
 
@@ -33,7 +41,8 @@ class ScalerAgentExtension(AgentExtension[ScalerSettings]):
 
     async def start(self, *, ctx: AgentContext) -> None:
         self._node_id = ctx.node_id
-        self._conn = RpcConnection(ctx.master_address, read_token_file(ctx.token_file), ctx.settings.rpc_timeout_s)
+        self._conn = RpcConnection(ctx.master_address, read_token_file(ctx.token_file), ctx.settings.rpc_timeout_s,
+                                   tls=client_tls(ctx.settings))
         self._conn.open()
 
     async def before_round(self, *, round: RoundInfo) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ssl
 
 from stead.plugin import RpcConnection
 from stead.plugins.scaler._proto.stead import v1 as proto
@@ -20,9 +21,10 @@ class ScaleResult:
 
 
 async def request_scale(address: str, token: str, *, nodes: int, by: str, reason: str = "",
-                        timeout_s: float = 10.0) -> ScaleResult:
-    """Ask the master at ``address`` for ``nodes`` nodes; a refusal raises InvalidRequest saying why."""
-    conn = RpcConnection(address, token, timeout_s)
+                        timeout_s: float = 10.0, tls: ssl.SSLContext | None = None) -> ScaleResult:
+    """Ask the master at ``address`` for ``nodes`` nodes; a refusal raises InvalidRequest saying why. ``tls``:
+    the client context of a master that serves TLS (``client_tls(settings)``)."""
+    conn = RpcConnection(address, token, timeout_s, tls=tls)
     conn.open()
     try:
         with conn.errors("ScalerService.Scale"):

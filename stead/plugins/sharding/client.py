@@ -12,6 +12,7 @@ without stead (plain ``torchrun``).
 from __future__ import annotations
 
 import dataclasses
+import ssl
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Protocol, Self
@@ -58,8 +59,8 @@ class ShardBackend(Protocol):
 class ShardClient:
     """``async with ShardClient("host:port", token, call_timeout_s=5) as client``."""
 
-    def __init__(self, address: str, token: str, *, call_timeout_s: float) -> None:
-        self._conn = RpcConnection(address, token, call_timeout_s)
+    def __init__(self, address: str, token: str, *, call_timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
+        self._conn = RpcConnection(address, token, call_timeout_s, tls=tls)
 
     @property
     def _stub(self) -> proto.ShardServiceStub:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from torch.utils.data import Sampler
 
-from stead.plugin import ConfigError, InvalidRequest, Settings, load_settings, read_token_file
+from stead.plugin import ConfigError, InvalidRequest, Settings, client_tls, load_settings, read_token_file
 from stead.plugins.sharding.client import ShardBackend, ShardClient, StaticBackend
 from stead.plugins.sharding.intervals import SlotMap
 from stead.plugins.sharding.ledger import UNBOUNDED, CursorState, DatasetSpec, Range
@@ -75,7 +75,8 @@ def _connect(settings: Settings, sharding: ShardingSettings, address: str) -> Co
         if not token_file:
             raise ConfigError("STEAD_MASTER_ADDR is set but STEAD_TOKEN_FILE is not: run the script with `stead run`")
         token = read_token_file(token_file)
-        return lambda: ShardClient(address, token, call_timeout_s=settings.rpc_timeout_s)
+        tls = client_tls(settings)
+        return lambda: ShardClient(address, token, call_timeout_s=settings.rpc_timeout_s, tls=tls)
     return lambda: local_backend(sharding)
 
 
