@@ -76,6 +76,7 @@ bench: $(STAMP) etcd
 	-$(BIN)/python bench/recovery.py
 	-$(BIN)/python bench/startup.py
 	-$(BIN)/python bench/failover.py
+	-$(BIN)/python bench/hosts.py
 	-$(BIN)/python bench/goodput.py
 	-$(BIN)/python bench/scale.py
 	-$(BIN)/python bench/k8s.py
