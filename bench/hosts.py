@@ -224,8 +224,8 @@ class Bench:
     # -- host loss and partition: elastic (c10d) -------------------------------------------------------------
 
     def elastic_argv(self, hosts: Hosts, nnodes: str, stamps: Path, job: str) -> list[str]:
-        relaunches = ["--max-node-relaunches", str(SHRINK_RELAUNCHES)] if ":" in nnodes and nnodes.split(":")[
-            0] != nnodes.split(":")[1] else []
+        low, high = nnodes.split(":")
+        relaunches = ["--max-node-relaunches", str(SHRINK_RELAUNCHES)] if low != high else []
         return [sys.executable, "-m", "stead", "run", "--nnodes", nnodes, "--nproc-per-node", "1", *relaunches,
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:{RDZV_PORT}", "--rdzv-id", job,
                 "--max-restarts", "3", str(TRAIN), "--steps", str(LONG_STEPS), "--step-time", str(STEP_TIME_S),
@@ -286,8 +286,7 @@ class Bench:
         healed = time.time()
         await hosts.heal(victim)
         with contextlib.suppress(Failed):  # a round with the host back, or the old round going on
-            await _until(lambda: _round_stepped(stamps, healed, n) or _rank0_steps(stamps, healed + AFTER_HEAL_S),
-                         "the host back", procs, timeout_s=AFTER_HEAL_S)
+            await _until(lambda: _round_stepped(stamps, healed, n), "the host back", procs, timeout_s=AFTER_HEAL_S)
         before = [(s, w) for s, w in _rank0_steps(stamps, 0) if w <= cut]
         after = _rank0_steps(stamps, cut)
         if not before or not after:
@@ -382,6 +381,7 @@ async def _measure(quick: bool, runs: int) -> dict[str, object]:
             result[f"host_loss_{name}_s"] = _median(losses) if not notes else None
             if notes:
                 result[f"host_loss_{name}_note"] = notes[0].splitlines()[0]
+        result["host_loss_shrink_flags"] = f"--nnodes 2:3 --max-node-relaunches {SHRINK_RELAUNCHES}"
         spare_s = result["host_loss_spare_s"]
         if isinstance(spare_s, float):
             result["host_loss_spare_goal_met"] = spare_s <= 2.0
