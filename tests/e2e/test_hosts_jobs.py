@@ -27,14 +27,18 @@ TRAIN = REPO / "examples" / "train.py"
 RUN_TIMEOUT_S = 150.0
 
 
-def _env(token: str) -> dict[str, str]:
-    return {**os.environ, "STEAD_JOB_TOKEN": token, "GLOO_SOCKET_IFNAME": IFNAME, "PYTHONUNBUFFERED": "1"}
+def _env(token: str, *, ifname: bool = True) -> dict[str, str]:
+    env = {**os.environ, "STEAD_JOB_TOKEN": token, "PYTHONUNBUFFERED": "1"}
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.pop(name, None)
+    return {**env, "GLOO_SOCKET_IFNAME": IFNAME} if ifname else env
 
 
-async def _stead_run(host: Host, folder: Path, args: Sequence[str], token: str) -> asyncio.subprocess.Process:
+async def _stead_run(host: Host, folder: Path, args: Sequence[str], token: str, *,
+                     ifname: bool = True) -> asyncio.subprocess.Process:
     os.makedirs(folder, exist_ok=True)
-    return await host.spawn([sys.executable, "-m", "stead", "run", *args], env=_env(token), cwd=folder,
-                            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    return await host.spawn([sys.executable, "-m", "stead", "run", *args], env=_env(token, ifname=ifname),
+                            cwd=folder, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
 
 
 async def _ended(process: asyncio.subprocess.Process) -> tuple[int, str]:
@@ -112,12 +116,15 @@ async def test_a_c10d_endpoint_makes_its_host_the_master_and_a_host_that_disagre
         wrong = await _stead_run(hosts[1], tmp_path / "h1", [*flags, *script], secrets.token_urlsafe(32))
         rc, err = await _ended(wrong)
         assert rc == 2 and "refused the job token" in err and "same STEAD_JOB_TOKEN" in err, err[-3000:]
-        joining = await _stead_run(hosts[1], tmp_path / "h1", [*flags, *script], token)
+        # no GLOO_SOCKET_IFNAME here: the agent gives its workers the interface it reaches the master from
+        joining = await _stead_run(hosts[1], tmp_path / "h1", [*flags, *script], token, ifname=False)
         (rc0, err0), (rc1, err1) = await asyncio.gather(_ended(serving), _ended(joining))
     assert rc0 == 0, err0[-3000:]
     assert rc1 == 0, err1[-3000:]
     assert "this host serves its master at 10.77.0.1:29400" in err0
     assert "joined job elastic-mh" in err1
+    assert "worker_interface_chosen" in err1 and "ifname=eth0" in err1, err1[-3000:]
+    assert "worker_interface_chosen" not in err0  # the user chose it there
 
 
 async def test_a_host_without_the_job_token_is_told_how_to_share_it(tmp_path: Path) -> None:
