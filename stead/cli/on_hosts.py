@@ -97,7 +97,8 @@ def hosts_platform(config: RunConfig, local: Platform) -> tuple[Platform, list[A
 
     static = config.rdzv_backend == "static"
     platform = HostsPlatform(local=local, shape=job_shape(config), local_rank=config.node_rank if static else None,
-                             static=static, host_name=socket.gethostname())
+                             static=static, host_name=socket.gethostname(), keepalive_s=HOST_KEEPALIVE_S,
+                             pending_after_s=config.last_call_timeout_s)
     return platform, [HostServicer(platform, keepalive_s=HOST_KEEPALIVE_S)]
 
 

@@ -85,11 +85,22 @@ def job_submitted(config: RunConfig) -> JobSubmitted:
         nproc_per_node=config.nproc_per_node, max_restarts=config.max_restarts,
         max_node_relaunches=config.max_node_relaunches, entrypoint=config.entrypoint,
         last_call_timeout_s=config.last_call_timeout_s, join_timeout_s=config.join_timeout_s,
-        decision_timeout_s=config.settings.decision_timeout_s, health_check=health_mode(config),
+        decision_timeout_s=decision_timeout(config), health_check=health_mode(config),
         health_timeout_s=config.settings.health_timeout_s, health_slow_factor=config.settings.health_slow_factor,
         start_nodes=config.start_nodes, resize_wait_s=config.settings.resize_wait_s,
         grow_window_s=config.settings.grow_window_s,
     )
+
+
+def decision_timeout(config: RunConfig) -> float:
+    """How long a worker failure waits for a plugin's decision: the decision_timeout_s setting; over several
+    hosts also past a node's heartbeat timeout. A host lost is seen first as its peers' collective errors, and
+    its loss only once its heartbeats are missed for heartbeat_timeout_s: the diagnosis waits for that cause
+    (a lost node's relaunch spends no restart), which the default policy must not decide before."""
+    settings = config.settings
+    if not config.hosts_endpoint:
+        return settings.decision_timeout_s
+    return settings.decision_timeout_s + settings.heartbeat_timeout_s + 2 * settings.heartbeat_interval_s
 
 
 def health_mode(config: RunConfig) -> str:

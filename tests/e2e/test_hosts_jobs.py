@@ -27,14 +27,18 @@ TRAIN = REPO / "examples" / "train.py"
 RUN_TIMEOUT_S = 150.0
 
 
-def _env(token: str) -> dict[str, str]:
-    return {**os.environ, "STEAD_JOB_TOKEN": token, "GLOO_SOCKET_IFNAME": IFNAME, "PYTHONUNBUFFERED": "1"}
+def _env(token: str, *, ifname: bool = True) -> dict[str, str]:
+    env = {**os.environ, "STEAD_JOB_TOKEN": token, "PYTHONUNBUFFERED": "1"}
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.pop(name, None)
+    return {**env, "GLOO_SOCKET_IFNAME": IFNAME} if ifname else env
 
 
-async def _stead_run(host: Host, folder: Path, args: Sequence[str], token: str) -> asyncio.subprocess.Process:
+async def _stead_run(host: Host, folder: Path, args: Sequence[str], token: str, *,
+                     ifname: bool = True) -> asyncio.subprocess.Process:
     os.makedirs(folder, exist_ok=True)
-    return await host.spawn([sys.executable, "-m", "stead", "run", *args], env=_env(token), cwd=folder,
-                            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    return await host.spawn([sys.executable, "-m", "stead", "run", *args], env=_env(token, ifname=ifname),
+                            cwd=folder, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
 
 
 async def _ended(process: asyncio.subprocess.Process) -> tuple[int, str]:
@@ -112,12 +116,15 @@ async def test_a_c10d_endpoint_makes_its_host_the_master_and_a_host_that_disagre
         wrong = await _stead_run(hosts[1], tmp_path / "h1", [*flags, *script], secrets.token_urlsafe(32))
         rc, err = await _ended(wrong)
         assert rc == 2 and "refused the job token" in err and "same STEAD_JOB_TOKEN" in err, err[-3000:]
-        joining = await _stead_run(hosts[1], tmp_path / "h1", [*flags, *script], token)
+        # no GLOO_SOCKET_IFNAME here: the agent gives its workers the interface it reaches the master from
+        joining = await _stead_run(hosts[1], tmp_path / "h1", [*flags, *script], token, ifname=False)
         (rc0, err0), (rc1, err1) = await asyncio.gather(_ended(serving), _ended(joining))
     assert rc0 == 0, err0[-3000:]
     assert rc1 == 0, err1[-3000:]
     assert "this host serves its master at 10.77.0.1:29400" in err0
     assert "joined job elastic-mh" in err1
+    assert "worker_interface_chosen" in err1 and "ifname=eth0" in err1, err1[-3000:]
+    assert "worker_interface_chosen" not in err0  # the user chose it there
 
 
 async def test_a_host_without_the_job_token_is_told_how_to_share_it(tmp_path: Path) -> None:
@@ -134,11 +141,11 @@ async def test_hosts_with_mutual_tls_train_one_job_and_a_host_without_the_certif
     token = secrets.token_urlsafe(32)
     certs = tmp_path / "certs"  # on the filesystem every host shares, as users share them (or copy them)
     async with test_hosts(2) as hosts:
-        rc, out, err = await hosts[0].run([sys.executable, "-m", "stead", "certs", "--job", "tls-mh", "--dir",
+        rc, _, err = await hosts[0].run([sys.executable, "-m", "stead", "certs", "--job", "tls-mh", "--dir",
                                            str(certs), "--host", hosts[0].address, "--host", "h0"])
         assert rc == 0, err
-        tls = [arg for name in ("ca", "cert", "key") for arg in
-               ("--set", f"tls_{name}_file={certs / {'ca': 'ca.pem', 'cert': 'host.pem', 'key': 'host-key.pem'}[name]}")]
+        files = {"ca": "ca.pem", "cert": "host.pem", "key": "host-key.pem"}
+        tls = [arg for name, file in files.items() for arg in ("--set", f"tls_{name}_file={certs / file}")]
         flags = ["--nnodes", "2", "--master-addr", hosts[0].address, "--master-port", "29500", "--job-name", "tls-mh"]
         script = [str(TRAIN), "--steps", "20"]
         serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, "--node-rank", "0", *tls, *script], token)
@@ -149,3 +156,58 @@ async def test_hosts_with_mutual_tls_train_one_job_and_a_host_without_the_certif
         (rc0, err0), (rc1, err1) = await asyncio.gather(_ended(serving), _ended(joining))
     assert rc0 == 0, err0[-3000:]
     assert rc1 == 0 and "job tls-mh succeeded" in err1, err1[-3000:]
+
+
+async def _until_step(timestamps: Path, step: int, world: int) -> None:
+    """Until ranks 0 to ``world - 1`` have reached ``step`` in one round (examples/train.py's --timestamps)."""
+    def reached() -> bool:
+        steps = _steps(timestamps) if timestamps.exists() else {}
+        return any(all(steps.get((rank, restart), -1) >= step for rank in range(world)) for _, restart in steps)
+
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        while not reached():  # noqa: ASYNC110 (another process writes the file: nothing to wait on)
+            await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize(("nnodes", "hosts_n", "killed", "why"), [
+    ("2:2", 3, 1, "a spare host (it offered itself while the job was at MAX) takes the lost host's place"),
+    ("2:3", 3, 2, "no spare: the job shrinks to the hosts it has and goes on"),
+])
+async def test_a_host_killed_costs_its_node_and_the_job_goes_on(tmp_path: Path, nnodes: str, hosts_n: int,
+                                                                 killed: int, why: str) -> None:
+    token = secrets.token_urlsafe(32)
+    timestamps = tmp_path / "steps.log"
+    async with test_hosts(hosts_n) as hosts:
+        flags = ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:29400",
+                 "--rdzv-id", "lost-host", "--rdzv-conf", "heartbeat=3",
+                 "--set", f"ckpt.dir={tmp_path / 'checkpoints'}"]  # a filesystem every host reads, as users have
+        script = [str(TRAIN), "--steps", "150", "--save-every", "5",
+                  "--timestamps", str(timestamps)]
+        world = int(nnodes.split(":")[1])
+        serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, *script], token)
+        joining = [await _stead_run(hosts[i], tmp_path / f"h{i}", [*flags, *script], token)
+                   for i in range(1, world)]
+        await _until_step(timestamps, 20, world=world)  # every host's node in the round
+        if hosts_n > world:  # the spare: it offers itself while the job is at MAX
+            joining.append(await _stead_run(hosts[world], tmp_path / f"h{world}", [*flags, *script], token))
+            await asyncio.sleep(3.0)  # (its offer is taken within a second)
+        await hosts.kill(killed)  # every process on it at once, its memory with them
+        rc0, err0 = await _ended(serving)
+        survivors = [await _ended(p) for i, p in enumerate(joining, start=1) if i != killed]
+        events = await _events(hosts[0], tmp_path / "h0", "lost-host")
+    assert rc0 == 0, (why, err0[-3000:])
+    assert all(rc == 0 for rc, _ in survivors), (why, [err[-2000:] for _, err in survivors])
+    lost = [e["data"] for e in events if e["type"] == "node.lost"  # (not the one retired as the job shrank)
+            and not e["data"]["reason"].startswith("retired")]  # type: ignore[index]
+    assert len(lost) == 1, lost
+    started = [(e["data"]["node_id"], e["data"]["incarnation"], e["data"]["host"])  # type: ignore[index]
+               for e in events if e["type"] == "node.started"]
+    rounds = [e["data"]["members"] for e in events if e["type"] == "round.started"]  # type: ignore[index]
+    if nnodes == "2:2":  # the lost node again, on the spare host; two nodes to the end
+        assert ("node-1", 1, "h1") in started and ("node-1", 2, "h2") in started, started
+        assert len(rounds[-1]) == 2, rounds
+    else:  # the job went on with the two nodes left
+        assert len(rounds[0]) == 3 and len(rounds[-1]) == 2, rounds
+        assert any(e["type"] == "node.pending" for e in events), [e["type"] for e in events]
+    last = _steps(timestamps)
+    assert max(last.values()) == 149, last

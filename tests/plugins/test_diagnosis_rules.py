@@ -25,7 +25,7 @@ from stead.core.events import (
     RecoveryDecided,
     WorkerFailed,
 )
-from stead.core.plugins import PluginContext
+from stead.core.plugins import NodeTelemetry, PluginContext
 from stead.core.statemachine import JobPhase, JobState
 from stead.core.statemachine.rendezvous import RendezvousState
 from stead.core.store import open_store
@@ -237,6 +237,8 @@ class Harness:
     def __init__(self, plugin: DiagnosisPlugin, state: JobState) -> None:
         self.plugin, self.state, self.emitted = plugin, state, list[Event]()
         self.clock = FakeClock()
+        #: what the nodes' last heartbeats said
+        self.telemetry: dict[str, NodeTelemetry] = {}
 
     async def __aenter__(self) -> Harness:
         self.store = await open_store("memory://")
@@ -247,7 +249,7 @@ class Harness:
 
         self.ctx = PluginContext(plugin="diagnosis", job="j", settings=self.plugin.settings, stead_settings=Settings(),
                                  store=self.store, state=lambda: self.state, emit=emit, add_rpc_handler=None,
-                                 clock=self.clock)
+                                 clock=self.clock, telemetry=lambda: self.telemetry)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -420,3 +422,35 @@ async def test_a_collective_error_is_decided_at_once_when_a_member_node_ends_and
     assert (decision.failure_class, decision.action) == ("collective", RecoveryAction.RESTART)
     assert "node node-1 exited meanwhile (platform: OOMKilled" in decision.reason, decision.reason
     assert "no restart is spent" in decision.reason
+
+
+
+def beat(at: float) -> NodeTelemetry:
+    return NodeTelemetry(incarnation=1, round=1, step=10, step_compute_s=None, rss_bytes=None, cpu_percent=None,
+                         seen=at)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("silent_node", ["lost", "heard again"])
+async def test_a_collective_error_waits_past_its_window_for_a_member_silent_since_it(silent_node: str) -> None:
+    # a host gone with its node: its peers see a collective error, and nothing else comes until its heartbeats are
+    # missed for heartbeat_timeout_s (5 s by default); deciding at 0.5 s would spend a restart (or fail the job)
+    plugin = DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0.5))
+    rdzv = RendezvousState(round=1, members=("node-0", "node-1"), active=True)
+    async with Harness(plugin, dataclasses.replace(AWAITING, rdzv=rdzv)) as h:
+        h.telemetry = {"node-0": beat(-0.2), "node-1": beat(-0.3)}
+        symptom = dataclasses.replace(worker(GLOO_RESET), rank=0)
+        h.state = dataclasses.replace(h.state, last_failure=symptom)
+        await h.feed(symptom)
+        await h.clock.advance(3.0)
+        assert h.emitted == []  # node-1 has not been heard from since the failure: its loss may be coming
+        if silent_node == "lost":
+            await h.feed(NodeLost(node_id="node-1", incarnation=1, reason="no heartbeat for 5 s"))
+        else:
+            h.telemetry["node-1"] = beat(h.clock.now())
+            await h.clock.advance(0.2)
+        await settle(h)
+    (decision,) = h.emitted
+    assert isinstance(decision, RecoveryDecided)
+    assert decision.failure_class == "collective"
+    assert ("node node-1 was lost meanwhile" in decision.reason) is (silent_node == "lost"), decision.reason

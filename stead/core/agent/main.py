@@ -31,6 +31,7 @@ import structlog
 from stead.core.agent.extensions import AgentContext, Extensions, load_extensions
 from stead.core.agent.gpu import GpuHealth
 from stead.core.agent.health_check import ORDERS_ENV as HEALTH_ORDERS_ENV
+from stead.core.agent.netif import interface_env
 from stead.core.agent.oom import OomRecords, killed_like_oom
 from stead.core.agent.pace import StepPace
 from stead.core.agent.progress import ProgressFiles, ProgressReader
@@ -134,6 +135,13 @@ class Agent:
         self._oom = OomRecords()
         self._gpu = GpuHealth()
         self._log = log.bind(node=node_id, incarnation=incarnation)
+        #: GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME for the workers when the user set neither and the master is on another
+        #: host: the interface this agent reaches it from
+        self._ifname_env, ifname = interface_env(os.environ, client.address)
+        if ifname:
+            self._log.info("worker_interface_chosen", ifname=ifname, master=client.address,
+                           why="neither GLOO_SOCKET_IFNAME nor NCCL_SOCKET_IFNAME is set: the workers' collectives use "
+                               "the interface this host reaches the master from")
         #: the ids of the commands applied, newest last (see _APPLIED_IDS_KEPT)
         self._applied: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: the ids of commands applied that no heartbeat the master answered has carried yet
@@ -441,6 +449,7 @@ class Agent:
             restart_count=command.restart_count, master_addr=command.master_addr, master_port=command.master_port,
             world_size=command.world_size, run_id=cfg.rdzv_id,
         ))
+        env.update(self._ifname_env)
         env.update(settings_env(cfg.settings_overrides))  # the job's --set values reach worker-side code too
         env.update(self._progress.env(local_rank))
         env.update(extra_env)

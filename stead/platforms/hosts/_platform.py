@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from types import TracebackType
 from typing import Self
@@ -25,7 +26,7 @@ import grpclib
 import grpclib.const
 import structlog
 
-from stead.core.events import NodeExited, NodeStarted
+from stead.core.events import NodeExited, NodePending, NodeStarted
 from stead.core.platform import NodeSpec, Platform, PlatformEvent
 from stead.core.runspec import RunConfig
 from stead.platforms.hosts._proto.stead.hosts import v1 as proto
@@ -39,6 +40,10 @@ _Key = tuple[str, int]
 LOCAL = ""
 #: how long the master, as it ends, waits for each host's stream to carry the job's end to the host
 ENDED_WAIT_S = 5.0
+#: how often waiting nodes are placed again and hosts' silence looked at
+PLACE_LOOK_S = 0.25
+#: a host not heard from for this many keepalive periods is not given a node (it may be gone)
+SILENT_PERIODS = 3
 
 
 def job_shape(config: RunConfig) -> proto.JobShape:
@@ -92,6 +97,8 @@ class _Host:
     commands: asyncio.Queue[proto.HostCommand | None] = dataclasses.field(default_factory=asyncio.Queue)
     node: _Key | None = None
     connected: bool = True
+    #: when the host was last heard from (time.monotonic): its offer, a report, or its keepalive
+    seen: float = dataclasses.field(default_factory=time.monotonic)
     #: set when its stream ended (the last command written, or the host gone)
     closed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
@@ -100,14 +107,24 @@ class HostsPlatform:
     """Nodes on this host (through ``local``, a platform for this machine) and on the hosts that offer themselves.
 
     ``local_rank``: the node rank this host takes in a static rendezvous (its --node-rank); None: c10d, where this
-    host takes the first node the job asks for and other hosts the rest.
+    host takes the first node the job asks for and other hosts the rest. A host runs one node at a time: one that
+    has none is a spare, which a node whose host was lost goes to at once. Hosts report at least every
+    ``keepalive_s``; one silent for :data:`SILENT_PERIODS` of them gets no node. A node that no host can take for
+    ``pending_after_s`` is reported pending (NodePending: the scaler goes on without it while MIN hold).
     """
 
     name = "hosts"
 
     def __init__(self, *, local: Platform, shape: proto.JobShape, local_rank: int | None, static: bool,
-                 host_name: str) -> None:
+                 host_name: str, keepalive_s: float, pending_after_s: float,
+                 ended_wait_s: float = ENDED_WAIT_S) -> None:
         self.local = local
+        self.ended_wait_s = ended_wait_s
+        self.keepalive_s = keepalive_s
+        self.pending_after_s = pending_after_s
+        #: when each waiting node began to wait, and whether its wait was reported
+        self._since: dict[_Key, float] = {}
+        self._reported: set[_Key] = set()
         self.shape = shape
         self.static = static
         self.local_rank = local_rank
@@ -120,12 +137,14 @@ class HostsPlatform:
         self._events: asyncio.Queue[PlatformEvent] = asyncio.Queue()
         self._ended: proto.Ended | None = None
         self._forward: asyncio.Task[None] | None = None
+        self._look: asyncio.Task[None] | None = None
 
     # -- Platform -------------------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
         await self.local.__aenter__()  # type: ignore[attr-defined]
         self._forward = asyncio.create_task(self._forward_local(), name="hosts-local-events")
+        self._look = asyncio.create_task(self._look_again(), name="hosts-place")
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -138,13 +157,14 @@ class HostsPlatform:
         # each stream writes its last command before the master's RPC server closes (a bounded wait: a host cut
         # off finds out by itself, after master_gone_timeout_s)
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(ENDED_WAIT_S):
+            async with asyncio.timeout(self.ended_wait_s):
                 for host in told:
                     await host.closed.wait()
-        if self._forward is not None:
-            self._forward.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._forward
+        for task in (self._forward, self._look):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.local.__aexit__(exc_type, exc, tb)  # type: ignore[attr-defined]
 
     def end(self, *, exit_code: int, summary: str) -> None:
@@ -162,6 +182,7 @@ class HostsPlatform:
         if key in self._placed or key in self._waiting:
             return
         self._waiting[key] = spec
+        self._since[key] = time.monotonic()
         await self._place()
 
     async def kill(self, node_id: str, incarnation: int) -> None:
@@ -240,12 +261,17 @@ class HostsPlatform:
 
     def report(self, report: proto.NodeReport) -> None:
         """What a host's agent did; reports of nodes the host does not hold are dropped."""
+        host = self._hosts.get(report.launcher_id)
+        if host is None:
+            return  # a host that has not offered itself to this master (it does when its stream opens again)
+        host.seen = time.monotonic()
+        if not report.node_id:
+            return  # its keepalive
         key = (report.node_id, report.incarnation)
         if self._placed.get(key) != report.launcher_id:
             log.info("host_report_dropped", node=report.node_id, incarnation=report.incarnation,
                      why="not a node placed on that host")
             return
-        host = self._hosts[report.launcher_id]
         if report.started:
             self._events.put_nowait(NodeStarted(node_id=report.node_id, incarnation=report.incarnation,
                                                 host=host.name, pid=report.pid or None))
@@ -260,14 +286,17 @@ class HostsPlatform:
         for key, spec in sorted(self._waiting.items()):
             if self._local_takes(key):
                 del self._waiting[key]
+                self._since.pop(key, None)
                 self._placed[key] = LOCAL
                 self._local_busy = key
                 await self.local.launch(spec)
                 continue
             host = self._free_host(spec.node_id)
             if host is None:
+                self._report_wait(key)
                 continue
             del self._waiting[key]
+            self._since.pop(key, None)
             self._placed[key] = host.launcher_id
             host.node = key
             host.commands.put_nowait(proto.HostCommand(launch=proto.Launch(
@@ -282,15 +311,39 @@ class HostsPlatform:
         return self._local_busy is None or self._local_busy[0] == key[0]
 
     def _free_host(self, node_id: str) -> _Host | None:
+        """A host that can take the node now: connected, heard from lately, running no node (an earlier
+        incarnation's included: its exit is reported first), and holding the node's rank in a static rendezvous."""
         rank = static_rank(node_id) if self.static else None
+        silent_after = time.monotonic() - SILENT_PERIODS * self.keepalive_s
         for host in sorted(self._hosts.values(), key=lambda h: h.name):
-            if not host.connected:
+            if not host.connected or host.seen < silent_after or host.node is not None:
                 continue
             if self.static and host.node_rank != rank:
                 continue
-            if host.node is None or host.node[0] == node_id:
-                return host
+            return host
         return None
+
+    def _report_wait(self, key: _Key) -> None:
+        waited = time.monotonic() - self._since.get(key, time.monotonic())
+        if key in self._reported or waited < self.pending_after_s:
+            return
+        self._reported.add(key)
+        if self.static:
+            reason = (f"no host with --node-rank {static_rank(key[0])} is connected: start `stead run` with the job's "
+                      "command and that rank on a host")
+        else:
+            reason = ("every host that offered itself runs a node or was lost: start `stead run` with the job's "
+                      "command on another host to add one")
+        log.warning("node_pending", node=key[0], incarnation=key[1], waited_s=round(waited, 1), reason=reason)
+        self._events.put_nowait(NodePending(node_id=key[0], incarnation=key[1], pending_s=round(waited, 3),
+                                            reason=reason))
+
+    async def _look_again(self) -> None:
+        """Place waiting nodes as hosts come and go quiet, and report the ones that wait too long."""
+        while True:
+            await asyncio.sleep(PLACE_LOOK_S)
+            if self._waiting:
+                await self._place()
 
     async def _forward_local(self) -> None:
         async for event in self.local.events():

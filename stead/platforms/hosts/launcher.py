@@ -213,7 +213,11 @@ class _Host:
         backoff = Backoff(self.settings)
         try:
             while True:
-                report = await reports.get()
+                try:  # a keepalive when there is nothing to report: the master gives no node to a silent host
+                    async with asyncio.timeout(self.keepalive_s):
+                        report = await reports.get()
+                except TimeoutError:
+                    report = proto.NodeReport(launcher_id=self.launcher_id)
                 while True:
                     try:
                         with conn.errors("HostService.ReportNode"):

@@ -368,7 +368,7 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         finished = [n for n in state.rdzv.members if n in state.rdzv.succeeded and n != failure.node_id]
         self._root_cause = _RootCause(failure, found, finished=finished,
                                       nproc=state.spec.nproc_per_node if state.spec else 1,
-                                      members=state.rdzv.members)
+                                      members=state.rdzv.members, started_at=ctx.clock.now())
         self._root_cause.task = ctx.tasks.start(self._decide_root_cause, ctx, self._root_cause,
                                                 name=f"root-cause-{failure.round}")
 
@@ -377,6 +377,8 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             with contextlib.suppress(TimeoutError):
                 async with ctx.clock.fail_after(self.settings.root_cause_wait_s):
                     await pending.cause_in.wait()
+            if not pending.cause_in.is_set():
+                await self._wait_for_silent(ctx, pending)
             failure, found = pending.best()
             if found.failure_class in _SYMPTOMS:  # nothing failed on its own: did a rank leave the round early?
                 failure, found = pending.early_exit(self.rules.actions) or (failure, found)
@@ -389,6 +391,29 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         finally:
             if self._root_cause is pending:
                 self._root_cause = None
+
+    async def _wait_for_silent(self, ctx: Ctx, pending: _RootCause) -> None:
+        """Members not heard from since the failure may be gone with their host: no failure of theirs comes then,
+        only their loss once heartbeat_timeout_s passes. Wait for their next heartbeat or their loss (a cause),
+        at most that long."""
+        limit = ctx.stead_settings.heartbeat_timeout_s + ctx.stead_settings.heartbeat_interval_s
+        said = False
+        with contextlib.suppress(TimeoutError):
+            async with ctx.clock.fail_after(limit):
+                while not pending.cause_in.is_set():
+                    telemetry = ctx.node_telemetry()
+                    heard = {c[0].node_id for c in pending.candidates}
+                    silent = [m for m in pending.members if m not in heard and (seen := telemetry.get(m)) is not None
+                              and seen.seen < pending.started_at]
+                    if not silent:
+                        return
+                    if not said:
+                        said = True
+                        ctx.log.info("root_cause_waits_for_silent_nodes", round=pending.round, nodes=silent,
+                                     up_to_s=limit)
+                    with contextlib.suppress(TimeoutError):  # (a cause ends the wait at once)
+                        async with ctx.clock.fail_after(_SILENT_LOOK_S):
+                            await pending.cause_in.wait()
 
     async def _decide(self, failure: WorkerFailed, found: Classification, ctx: Ctx, *, among: int = 1,
                       ended: NodeLost | NodeExited | None = None) -> None:
@@ -420,6 +445,8 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         ))
 
 
+#: how often a root-cause wait looks whether the silent members were heard from again
+_SILENT_LOOK_S = 0.1
 #: classes that are usually the symptom of another rank's failure (its peers' collectives break), not a cause
 _SYMPTOMS = frozenset({FailureClass.COLLECTIVE})
 #: which class is the likelier cause when several failures of one round compete (lower first)
@@ -431,8 +458,10 @@ class _RootCause:
     """The failures of one round while its decision waits for a cause behind a collective error."""
 
     def __init__(self, first: WorkerFailed, found: Classification, *, finished: Sequence[str] = (), nproc: int = 1,
-                 members: Sequence[str] = ()) -> None:
+                 members: Sequence[str] = (), started_at: float = 0.0) -> None:
         self.round = first.round
+        #: when the wait began (the master's clock): a member whose last heartbeat is older is silent since
+        self.started_at = started_at
         self.candidates = [(first, found)]
         #: nodes whose workers had all exited 0 when the first failure came, and the ranks they held
         self.finished = {n: [members.index(n) * nproc + i for i in range(nproc)] for n in finished if n in members}
