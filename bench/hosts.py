@@ -18,8 +18,7 @@ timed the same way, as in bench/recovery.py. Measured:
   not retried;
 * **host loss**, stead only (torchrun's static job cannot go on without a host): a host that is not the master's
   killed (every process SIGKILLed, its memory and link gone) -> every rank of the new round has stepped.
-  *Shrink*: ``--nnodes 2:3`` c10d on 3 hosts, the job goes on with 2 (with ``--max-node-relaunches 0``: by
-  default the master waits for the lost node to be relaunched, and no other host is there to take it).
+  *Shrink*: ``--nnodes 2:3`` c10d on 3 hosts, the job goes on with 2.
   *Spare*: ``--nnodes 3:3`` c10d on 4 hosts, the 4th started once the job is at MAX (it offers itself and
   waits), then takes the lost host's place (goal: <= 2 s);
 * **partition** (stead, ``--nnodes 2:3`` c10d on 3 hosts): one non-master host's link down for
@@ -68,9 +67,6 @@ LONG_STEPS = 100_000
 #: steps every rank has done before a host is killed or cut off
 WARM_STEPS = 60
 PARTITION_S = 10.0
-#: ``--max-node-relaunches`` of the jobs that may shrink: a lost host's node is not relaunched (no other host is
-#: there to take it), the job goes on without it at once
-SHRINK_RELAUNCHES = 0
 #: the bound on a host-loss or partition job reaching its figure (ends a hung run: the figure is then null)
 RUN_TIMEOUT_S = 60.0
 #: the bound on a startup or worker-crash job (a whole run takes 10-30 s on 2 cores)
@@ -224,9 +220,7 @@ class Bench:
     # -- host loss and partition: elastic (c10d) -------------------------------------------------------------
 
     def elastic_argv(self, hosts: Hosts, nnodes: str, stamps: Path, job: str) -> list[str]:
-        low, high = nnodes.split(":")
-        relaunches = ["--max-node-relaunches", str(SHRINK_RELAUNCHES)] if low != high else []
-        return [sys.executable, "-m", "stead", "run", "--nnodes", nnodes, "--nproc-per-node", "1", *relaunches,
+        return [sys.executable, "-m", "stead", "run", "--nnodes", nnodes, "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:{RDZV_PORT}", "--rdzv-id", job,
                 "--max-restarts", "3", str(TRAIN), "--steps", str(LONG_STEPS), "--step-time", str(STEP_TIME_S),
                 "--timestamps", str(stamps)]
@@ -381,7 +375,6 @@ async def _measure(quick: bool, runs: int) -> dict[str, object]:
             result[f"host_loss_{name}_s"] = _median(losses) if not notes else None
             if notes:
                 result[f"host_loss_{name}_note"] = notes[0].splitlines()[0]
-        result["host_loss_shrink_flags"] = f"--nnodes 2:3 --max-node-relaunches {SHRINK_RELAUNCHES}"
         spare_s = result["host_loss_spare_s"]
         if isinstance(spare_s, float):
             result["host_loss_spare_goal_met"] = spare_s <= 2.0
