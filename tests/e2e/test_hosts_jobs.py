@@ -211,3 +211,33 @@ async def test_a_host_killed_costs_its_node_and_the_job_goes_on(tmp_path: Path, 
         assert any(e["type"] == "node.pending" for e in events), [e["type"] for e in events]
     last = _steps(timestamps)
     assert max(last.values()) == 149, last
+
+
+async def test_a_host_partitioned_past_the_heartbeat_timeout_is_lost_and_nothing_of_it_counts_after(
+        tmp_path: Path) -> None:
+    token = secrets.token_urlsafe(32)
+    timestamps = tmp_path / "steps.log"
+    async with test_hosts(3) as hosts:
+        flags = ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:29400",
+                 "--rdzv-id", "cut", "--rdzv-conf", "heartbeat=3", "--set", f"ckpt.dir={tmp_path / 'checkpoints'}"]
+        script = [str(TRAIN), "--steps", "200", "--save-every", "5", "--timestamps", str(timestamps)]
+        serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, *script], token)
+        joining = [await _stead_run(hosts[i], tmp_path / f"h{i}", [*flags, *script], token) for i in (1, 2)]
+        await _until_step(timestamps, 20, world=3)
+        await hosts.partition(2)  # its link down for twice the heartbeat timeout: its processes run on, cut off
+        await asyncio.sleep(6.0)
+        await hosts.heal(2)
+        (rc0, err0), (rc1, err1), (rc2, err2) = [await _ended(p) for p in (serving, *joining)]
+        events = await _events(hosts[0], tmp_path / "h0", "cut")
+    assert rc0 == 0, err0[-3000:]
+    assert rc1 == 0 and rc2 == 0, (err1[-2000:], err2[-2000:])
+    lost = [e for e in events if e["type"] == "node.lost" and "no heartbeat" in e["data"]["reason"]]  # type: ignore[index]
+    assert len(lost) == 1, lost
+    gone = lost[0]["data"]  # type: ignore[index]
+    # fenced: nothing the lost incarnation's agent said after its loss was taken (no failure, no step, no start)
+    after = [e for e in events if e["seq"] > lost[0]["seq"] and e["data"].get("node_id") == gone["node_id"]  # type: ignore[index, operator, union-attr]
+             and e["data"].get("incarnation", 1) == gone["incarnation"] and e["type"].startswith("worker")]  # type: ignore[index, union-attr]
+    assert after == [], after
+    rounds = [e["data"]["members"] for e in events if e["type"] == "round.started"]  # type: ignore[index]
+    assert len(rounds[0]) == 3 and len(rounds[1]) == 2, rounds  # it went on with the hosts it could reach
+    assert max(_steps(timestamps).values()) == 199
