@@ -241,3 +241,27 @@ async def test_a_host_partitioned_past_the_heartbeat_timeout_is_lost_and_nothing
     rounds = [e["data"]["members"] for e in events if e["type"] == "round.started"]  # type: ignore[index]
     assert len(rounds[0]) == 3 and len(rounds[1]) == 2, rounds  # it went on with the hosts it could reach
     assert max(_steps(timestamps).values()) == 199
+
+
+async def test_the_master_killed_on_its_host_is_restarted_there_and_the_other_host_s_node_is_adopted(
+        tmp_path: Path) -> None:
+    token = secrets.token_urlsafe(32)
+    timestamps = tmp_path / "steps.log"
+    async with test_hosts(2) as hosts:
+        flags = ["--nnodes", "2", "--master-addr", hosts[0].address, "--master-port", "29500", "--job-name", "mk"]
+        script = [str(TRAIN), "--steps", "150", "--timestamps", str(timestamps)]
+        serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, "--node-rank", "0", *script], token)
+        joining = await _stead_run(hosts[1], tmp_path / "h1", [*flags, "--node-rank", "1", *script], token)
+        await _until_step(timestamps, 20, world=2)
+        rc, out, err = await hosts[0].run([sys.executable, "-m", "stead", "status", "--job", "mk", "--json"],
+                                          cwd=tmp_path / "h0")
+        assert rc == 0, err
+        rc, _, err = await hosts[0].run(["kill", "-9", str(json.loads(out)["master_pid"])])
+        assert rc == 0, err
+        (rc0, err0), (rc1, err1) = await asyncio.gather(_ended(serving), _ended(joining))
+        events = await _events(hosts[0], tmp_path / "h0", "mk")
+    assert rc0 == 0 and "starting a new one" in err0, err0[-3000:]
+    assert rc1 == 0 and "job mk succeeded" in err1, err1[-3000:]
+    # no worker restarted: one round, each rank stepped from 0 to the end in its first incarnation
+    assert [e["type"] for e in events].count("round.started") == 1
+    assert _steps(timestamps) == {(0, 0): 149, (1, 0): 149}
