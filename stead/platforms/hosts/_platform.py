@@ -309,8 +309,8 @@ class HostsPlatform:
             log.info("node_placed", node=spec.node_id, incarnation=spec.incarnation, host=host.name)
 
     def _local_takes(self, key: _Key) -> bool:
-        """Whether this host runs the node: its rank's (static), or this host has none but an older incarnation of
-        it (c10d)."""
+        """Whether this host runs the node: the node of its rank (static); c10d: when this host runs no node, or
+        ran an older incarnation of this one."""
         if self.static:
             return static_rank(key[0]) == self.local_rank
         return self._local_busy is None or self._local_busy[0] == key[0]
