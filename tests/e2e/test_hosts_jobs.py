@@ -136,6 +136,15 @@ async def test_a_host_without_the_job_token_is_told_how_to_share_it(tmp_path: Pa
     assert "needs the same job token on every host: set STEAD_JOB_TOKEN" in err, err
 
 
+async def test_a_master_address_that_does_not_resolve_is_said_at_once(tmp_path: Path) -> None:
+    async with test_hosts(1) as hosts:
+        rc, _, err = await hosts[0].run(
+            [sys.executable, "-m", "stead", "run", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+             "no-such-host.invalid", str(TRAIN)], cwd=tmp_path, env=_env(secrets.token_urlsafe(32)))
+    assert rc == 2, err
+    assert "the job's master address no-such-host.invalid:29500 does not resolve on this host" in err, err
+
+
 async def test_hosts_with_mutual_tls_train_one_job_and_a_host_without_the_certificates_is_refused(
         tmp_path: Path) -> None:
     token = secrets.token_urlsafe(32)
