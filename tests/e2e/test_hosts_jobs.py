@@ -8,6 +8,7 @@ its environment and ``GLOO_SOCKET_IFNAME`` set, as users set them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import secrets
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.history import SHARDED_SCRIPT, surviving_history
 from tests.support.hosts import IFNAME, Host, test_hosts
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
@@ -136,6 +138,15 @@ async def test_a_host_without_the_job_token_is_told_how_to_share_it(tmp_path: Pa
     assert "needs the same job token on every host: set STEAD_JOB_TOKEN" in err, err
 
 
+async def test_a_master_address_that_does_not_resolve_is_said_at_once(tmp_path: Path) -> None:
+    async with test_hosts(1) as hosts:
+        rc, _, err = await hosts[0].run(
+            [sys.executable, "-m", "stead", "run", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+             "no-such-host.invalid", str(TRAIN)], cwd=tmp_path, env=_env(secrets.token_urlsafe(32)))
+    assert rc == 2, err
+    assert "the job's master address no-such-host.invalid:29500 does not resolve on this host" in err, err
+
+
 async def test_hosts_with_mutual_tls_train_one_job_and_a_host_without_the_certificates_is_refused(
         tmp_path: Path) -> None:
     token = secrets.token_urlsafe(32)
@@ -211,3 +222,88 @@ async def test_a_host_killed_costs_its_node_and_the_job_goes_on(tmp_path: Path, 
         assert any(e["type"] == "node.pending" for e in events), [e["type"] for e in events]
     last = _steps(timestamps)
     assert max(last.values()) == 149, last
+
+
+async def test_a_host_partitioned_past_the_heartbeat_timeout_is_lost_and_every_sample_is_still_read_once(
+        tmp_path: Path) -> None:
+    # every host in one shared folder (a home directory on NFS, say): the script's own checkpoint and the data
+    # history it logs are where every rank reads them
+    token = secrets.token_urlsafe(32)
+    (tmp_path / "train.py").write_text(SHARDED_TRAIN)
+    (tmp_path / "faults.json").write_text("[]")
+    (tmp_path / "logs").mkdir()
+    async with test_hosts(3) as hosts:
+        flags = ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:29400",
+                 "--rdzv-id", "cut", "--rdzv-conf", "heartbeat=3", "--max-restarts", "3"]
+        script = ["train.py", str(SHARDED_N), "2", "3"]
+        serving = await _stead_run(hosts[0], tmp_path, [*flags, *script], token)
+        joining = [await _stead_run(hosts[i], tmp_path, [*flags, *script], token) for i in (1, 2)]
+        await _until_logged(tmp_path / "logs", steps=4, world=3)
+        await hosts.partition(2)  # its link down for twice the heartbeat timeout: its processes run on, cut off
+        await asyncio.sleep(6.0)
+        await hosts.heal(2)
+        (rc0, err0), (rc1, err1), (rc2, err2) = [await _ended(p) for p in (serving, *joining)]
+        events = await _events(hosts[0], tmp_path, "cut")
+    assert rc0 == 0, err0[-3000:]
+    assert rc1 == 0 and rc2 == 0, (err1[-2000:], err2[-2000:])
+    lost = [e for e in events if e["type"] == "node.lost" and "no heartbeat" in e["data"]["reason"]]  # type: ignore[index]
+    assert len(lost) == 1, lost
+    gone = lost[0]["data"]  # type: ignore[index]
+    # fenced: nothing the lost incarnation's agent said after its loss was taken (no failure, no step, no start)
+    after = [e for e in events if e["seq"] > lost[0]["seq"] and e["data"].get("node_id") == gone["node_id"]  # type: ignore[index, operator, union-attr]
+             and e["data"].get("incarnation", 1) == gone["incarnation"] and e["type"].startswith("worker")]  # type: ignore[index, union-attr]
+    assert after == [], after
+    rounds = [e["data"]["members"] for e in events if e["type"] == "round.started"]  # type: ignore[index]
+    assert len(rounds[0]) == 3 and len(rounds[1]) == 2, rounds  # it went on with the hosts it could reach
+    history, worlds = surviving_history(tmp_path / "logs")
+    assert worlds[0] == 3 and worlds[1] == 2, worlds
+    for epoch in range(2):  # every sample exactly once per epoch, across the loss
+        ids = collections.Counter(i for _, _, e, batch in history if e == epoch for i in batch)
+        assert ids == collections.Counter(range(SHARDED_N)), f"epoch {epoch}: {sorted(ids.items())[:20]}"
+
+
+#: the sharded-data job of tests/e2e/test_sharding.py, a little slower per step so that a host can be cut off
+#: while it trains
+SHARDED_N = 240
+SHARDED_TRAIN = SHARDED_SCRIPT.replace("        stead.report_step(step)\n",
+                                       "        stead.report_step(step)\n        time.sleep(0.1)\n")
+assert SHARDED_TRAIN != SHARDED_SCRIPT, "the sharded job's script changed: slow its steps another way"
+
+
+async def _until_logged(logs: Path, *, steps: int, world: int) -> None:
+    """Until every rank of a round of ``world`` ranks has logged ``steps`` steps of data."""
+    def done() -> bool:
+        for round_ in {p.stem.split("-")[0] for p in logs.glob("*.jsonl")}:
+            counts = [len((logs / f"{round_}-{r}.jsonl").read_text().splitlines()) - 1
+                      if (logs / f"{round_}-{r}.jsonl").exists() else 0 for r in range(world)]
+            if min(counts) >= steps:
+                return True
+        return False
+
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        while not done():  # noqa: ASYNC110 (other processes write the files: nothing to wait on)
+            await asyncio.sleep(0.1)
+
+
+async def test_the_master_killed_on_its_host_is_restarted_there_and_the_other_host_s_node_is_adopted(
+        tmp_path: Path) -> None:
+    token = secrets.token_urlsafe(32)
+    timestamps = tmp_path / "steps.log"
+    async with test_hosts(2) as hosts:
+        flags = ["--nnodes", "2", "--master-addr", hosts[0].address, "--master-port", "29500", "--job-name", "mk"]
+        script = [str(TRAIN), "--steps", "150", "--timestamps", str(timestamps)]
+        serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, "--node-rank", "0", *script], token)
+        joining = await _stead_run(hosts[1], tmp_path / "h1", [*flags, "--node-rank", "1", *script], token)
+        await _until_step(timestamps, 20, world=2)
+        rc, out, err = await hosts[0].run([sys.executable, "-m", "stead", "status", "--job", "mk", "--json"],
+                                          cwd=tmp_path / "h0")
+        assert rc == 0, err
+        rc, _, err = await hosts[0].run(["kill", "-9", str(json.loads(out)["master_pid"])])
+        assert rc == 0, err
+        (rc0, err0), (rc1, err1) = await asyncio.gather(_ended(serving), _ended(joining))
+        events = await _events(hosts[0], tmp_path / "h0", "mk")
+    assert rc0 == 0 and "starting a new one" in err0, err0[-3000:]
+    assert rc1 == 0 and "job mk succeeded" in err1, err1[-3000:]
+    # no worker restarted: one round, each rank stepped from 0 to the end in its first incarnation
+    assert [e["type"] for e in events].count("round.started") == 1
+    assert _steps(timestamps) == {(0, 0): 149, (1, 0): 149}

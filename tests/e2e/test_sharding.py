@@ -24,7 +24,7 @@ import pytest
 from stead.core.events.log import EventLog
 from stead.core.store import open_store
 from stead.plugins.sharding.events import LeasesReleased, ShardRoundStarted
-from tests.support.history import FAULT_FUNCTION, surviving_history
+from tests.support.history import SHARDED_SCRIPT, surviving_history
 
 RunJob = Callable[..., Any]  # the run_job fixture of conftest.py
 
@@ -32,65 +32,7 @@ pytestmark = pytest.mark.e2e
 
 N, EPOCHS, EVERY = 240, 2, 4
 
-TRAIN = """
-import json, os, sys, time
-import torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
-import stead
-from stead.data import ShardedSampler
-{FAULT}
-
-N, EPOCHS, EVERY = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-dist.init_process_group("gloo")
-rank, world, round_ = dist.get_rank(), dist.get_world_size(), int(os.environ["STEAD_ROUND"])
-model = torch.nn.Linear(1, 1)
-sampler = ShardedSampler("ids", size=N, shard_size=6, seed=11, epochs=EPOCHS, prefetch=2)
-step, restored = 0, None
-if os.path.exists("ckpt.json"):
-    ckpt = json.load(open("ckpt.json"))
-    step, restored = ckpt["step"], ckpt["round"]
-    with torch.no_grad():
-        model.weight.fill_(ckpt["w"])
-        model.bias.fill_(ckpt["b"])
-    sampler.load_state_dict(ckpt["cursor"])
-ddp = DistributedDataParallel(model)
-opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
-log = open_history(round_, rank, step, restored, world)
-loader = DataLoader(list(range(N)), batch_size=4, sampler=sampler)
-
-
-
-while sampler.epoch < EPOCHS:
-    epoch = sampler.epoch
-    batches = iter(loader)
-    while True:
-        batch = next(batches, None)
-        more = torch.tensor([0 if batch is None else 1])
-        dist.all_reduce(more)  # ranks get different numbers of batches: step until every rank is done
-        if more.item() == 0:
-            break
-        ids = [] if batch is None else batch.tolist()
-        loss = ddp(torch.tensor(ids, dtype=torch.float32).reshape(-1, 1)).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        step += 1
-        record_step(log, step, epoch, ids)
-        stead.report_step(step)
-        fault_due(step, rank)
-        if step % EVERY == 0:
-            cursor = sampler.state_dict()  # every rank: it gathers every rank's progress
-            if rank == 0:
-                body = {"step": step, "round": round_, "w": model.weight.item(), "b": model.bias.item(),
-                        "cursor": cursor}
-                with open("ckpt.json.tmp", "w") as f:
-                    json.dump(body, f)
-                os.replace("ckpt.json.tmp", "ckpt.json")
-if rank == 0:
-    print(f"finished round={round_} world={world} step={step}", flush=True)
-dist.destroy_process_group()
-""".replace("{FAULT}", FAULT_FUNCTION)
+TRAIN = SHARDED_SCRIPT
 
 
 def _faults(seed: int) -> list[dict[str, Any]]:

@@ -133,6 +133,8 @@ class HostsPlatform:
         #: where each launched node runs (LOCAL or a launcher id); nodes waiting for a host are in _waiting
         self._placed: dict[_Key, str] = {}
         self._waiting: dict[_Key, NodeSpec] = {}
+        #: nodes killed (lost, stopped): a host that offers itself again still running one is told to kill it
+        self._killed: set[_Key] = set()
         self._local_busy: _Key | None = None
         self._events: asyncio.Queue[PlatformEvent] = asyncio.Queue()
         self._ended: proto.Ended | None = None
@@ -188,6 +190,7 @@ class HostsPlatform:
     async def kill(self, node_id: str, incarnation: int) -> None:
         key = (node_id, incarnation)
         self._waiting.pop(key, None)
+        self._killed.add(key)
         where = self._placed.get(key)
         if where is None:
             return
@@ -241,7 +244,9 @@ class HostsPlatform:
             key = (running.node_id, running.incarnation)
             self._placed[key] = offer.launcher_id
             self._waiting.pop(key, None)
-            host.node = key
+            host.node = key  # (free again once the host reports it exited)
+            if key in self._killed:  # lost while the host was cut off: its agent goes (its RPCs are fenced anyway)
+                host.commands.put_nowait(proto.HostCommand(kill=proto.Kill(node_id=key[0], incarnation=key[1])))
         self._hosts[offer.launcher_id] = host
         log.info("host_joined", host=host.name, address=host.address, node_rank=rank,
                  running=[f"{n}/{i}" for n, i in ([host.node] if host.node else [])])
@@ -304,8 +309,8 @@ class HostsPlatform:
             log.info("node_placed", node=spec.node_id, incarnation=spec.incarnation, host=host.name)
 
     def _local_takes(self, key: _Key) -> bool:
-        """Whether this host runs the node: its rank's (static), or this host has none but an older incarnation of
-        it (c10d)."""
+        """Whether this host runs the node: the node of its rank (static); c10d: when this host runs no node, or
+        ran an older incarnation of this one."""
         if self.static:
             return static_rank(key[0]) == self.local_rank
         return self._local_busy is None or self._local_busy[0] == key[0]

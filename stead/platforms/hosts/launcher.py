@@ -119,6 +119,11 @@ class _Host:
                       file=sys.stderr)
                 return EXIT_REFUSED
             except RpcUnavailable as exc:
+                if isinstance(exc.__cause__, socket.gaierror):
+                    print(f"stead run: error: the job's master address {self.address} does not resolve on this host "
+                          f"({exc.__cause__}): give the master's host by an address or a name every host resolves",
+                          file=sys.stderr)
+                    return EXIT_REFUSED
                 error = str(exc)
             else:
                 error = "the master ended this host's stream"

@@ -172,3 +172,21 @@ def test_multi_node_flags_that_cannot_mean_one_job_are_refused(tmp_path: Path, a
                                                               said: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(said)):
         _parse(tmp_path, *argv)
+
+
+async def test_a_host_back_from_a_partition_with_a_node_the_job_lost_is_told_to_kill_it() -> None:
+    hosts, _ = platform()
+    async with hosts:
+        await hosts.launch(spec("node-0"))
+        hosts.offer(offer("a"))
+        await hosts.launch(spec("node-1"))
+        assert launched(hosts, "a") == [("node-1", 1)]
+        await hosts.kill("node-1", 1)  # lost: its host was cut off (the kill does not reach it)
+        await hosts.launch(spec("node-1", 2))  # no host free: waits
+        host, _ = hosts.offer(offer("a", running=("node-1",)))  # the link heals: the same `stead run` again
+        assert host is not None
+        first = host.commands.get_nowait()
+        assert first is not None and first.kill == proto.Kill(node_id="node-1", incarnation=1)
+        hosts.report(proto.NodeReport(launcher_id="a", node_id="node-1", incarnation=1, exited=True, signal=9))
+        await hosts.placed()
+        assert launched(hosts, "a") == [("node-1", 2)]  # then it runs the node anew
