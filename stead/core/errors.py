@@ -31,6 +31,7 @@ __all__ = [
     "CodecError",
     "ConfigError",
     "EffectDeclined",
+    "HungUp",
     "InvalidRequest",
     "LogConflict",
     "LogCorrupt",
@@ -73,6 +74,12 @@ class StoreUnavailable(RetryableError):
 
 class RpcUnavailable(RetryableError):
     """The master's RPC endpoint could not be reached."""
+
+
+class HungUp(RpcUnavailable):
+    """The master closed the connection before it said anything: TLS refused it (a plain-text client, a
+    certificate it does not trust), or it shed the connection at its limit. Retryable, since the second is
+    transient; a caller that sees it again and again may say that TLS is the likelier cause."""
 
 
 class PlatformUnavailable(RetryableError):

@@ -26,6 +26,7 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from stead.core.errors import (
     ConfigError,
+    HungUp,
     InvalidRequest,
     PermanentError,
     RpcUnavailable,
@@ -137,6 +138,10 @@ class RpcConnection:
             if failure is not None:
                 raise Unauthenticated(f"{method}: TLS with the master at {self.address} failed: {failure}; "
                                       f"{TLS_HINT}") from exc
+            hung_up = self._channel.hung_up if self._channel is not None else None
+            if hung_up is not None:  # retried: a master at its connection limit hangs up so too
+                raise HungUp(f"{method}: TLS with the master at {self.address} likely failed: {hung_up}; "
+                             f"{TLS_HINT}") from exc
             raise RpcUnavailable(f"{method}: the connection to the master at {self.address} was lost ({exc}); "
                                  "the master may be restarting: retry") from exc
         except TimeoutError as exc:

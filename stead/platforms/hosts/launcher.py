@@ -32,7 +32,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from stead.core.config import Settings
-from stead.core.errors import PermanentError, RpcUnavailable, Unauthenticated
+from stead.core.errors import HungUp, PermanentError, RpcUnavailable, Unauthenticated
 from stead.core.events import NodeExited, NodeStarted
 from stead.core.platform import NodeSpec, Platform
 from stead.core.retry import Backoff
@@ -51,6 +51,9 @@ log = structlog.get_logger("stead.hosts")
 WAITING_REPORT_S = 10.0
 #: the exit code of a host the master refused (its command line means another job), as for any bad input
 EXIT_REFUSED = 2
+#: a host not yet in the job whose connections the master closes this many times in a row before saying anything
+#: stops: TLS refuses it (a master shedding load at its connection limit answers a retry)
+HUNG_UP_LIMIT = 3
 
 NodeSpecFactory = Callable[[str, int, str, str], NodeSpec]
 
@@ -101,6 +104,7 @@ class _Host:
         backoff = Backoff(self.settings)
         heard = time.monotonic()
         said = heard
+        hung_up = 0  # connections in a row the master closed before it said anything
         while True:
             try:
                 async with contextlib.aclosing(self._offer()) as commands:
@@ -119,6 +123,10 @@ class _Host:
                       file=sys.stderr)
                 return EXIT_REFUSED
             except RpcUnavailable as exc:
+                hung_up = hung_up + 1 if isinstance(exc, HungUp) else 0
+                if hung_up >= HUNG_UP_LIMIT and not self.accepted:  # TLS, not a master shedding load, by now
+                    print(f"stead run: error: {exc} (the same {hung_up} times in a row)", file=sys.stderr)
+                    return EXIT_REFUSED
                 if isinstance(exc.__cause__, socket.gaierror):
                     print(f"stead run: error: the job's master address {self.address} does not resolve on this host "
                           f"({exc.__cause__}): give the master's host by an address or a name every host resolves",
