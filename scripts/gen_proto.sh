@@ -39,25 +39,17 @@ done
 
 # What to generate: "PROTO_DIR OUT_DIR" (PROTO_DIR under proto/, OUT_DIR under OUT_ROOT).
 targets=("stead/v1 stead/core/rpc/_proto")
-for dir in $(cd "$root/proto" && LC_ALL=C ls -d stead/plugins/*/v1 2>/dev/null); do
-    name="${dir#stead/plugins/}"
-    name="${name%/v1}"
-    if [ ! -d "$root/stead/plugins/$name" ]; then
-        echo "gen_proto: proto/$dir has no plugin stead/plugins/$name to generate it into;" \
-             "name its directory after its plugin or delete it" >&2
-        exit 2
-    fi
-    targets+=("$dir stead/plugins/$name/_proto")
-done
-for dir in $(cd "$root/proto" && LC_ALL=C ls -d stead/platforms/*/v1 2>/dev/null); do
-    name="${dir#stead/platforms/}"
-    name="${name%/v1}"
-    if [ ! -d "$root/stead/platforms/$name" ]; then
-        echo "gen_proto: proto/$dir has no platform stead/platforms/$name to generate it into;" \
-             "name its directory after its platform or delete it" >&2
-        exit 2
-    fi
-    targets+=("$dir stead/platforms/$name/_proto")
+for kind in plugins platforms; do  # each plugin's and each platform's protocol, with its package
+    for dir in $(cd "$root/proto" && LC_ALL=C ls -d "stead/$kind"/*/v1 2>/dev/null); do
+        name="${dir#stead/$kind/}"
+        name="${name%/v1}"
+        if [ ! -d "$root/stead/$kind/$name" ]; then
+            echo "gen_proto: proto/$dir has no ${kind%s} stead/$kind/$name to generate it into;" \
+                 "name its directory after its ${kind%s} or delete it" >&2
+            exit 2
+        fi
+        targets+=("$dir stead/$kind/$name/_proto")
+    done
 done
 
 work="$(mktemp -d)"
