@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from .conftest import Cluster
 
 SCRIPT = textwrap.dedent("""
-    import sys, torch, torch.distributed as dist
+    import os, sys, torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -52,6 +52,11 @@ SCRIPT = textwrap.dedent("""
         print("restored", step, flush=True)
     ckpt.close()
     dist.destroy_process_group()
+    # fully_shard keeps the process group alive past destroy_process_group() (torch holds it, not this script):
+    # its threads would be torn down in the interpreter's shutdown, where torch may abort the process. Exit as
+    # a worker forked by stead does, without that shutdown.
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 
