@@ -59,10 +59,11 @@ async def test_workers_keep_stepping_while_the_master_is_replaced_and_the_new_on
             await first.submit_job(JobSubmitted(job="fo", min_nodes=2, max_nodes=2, nproc_per_node=1,
                                                 entrypoint=(sys.executable, "-u", "train.py", str(STEPS))))
             for node in ("node-0", "node-1"):
-                agents.append(subprocess.Popen(  # noqa: ASYNC220 (returns at once)
-                    [sys.executable, "-m", "stead", "agent", "--master", first.address, "--token-file",
-                     str(tmp_path / "fo.token"), "--node-id", node, "--incarnation", "1"],
-                    cwd=tmp_path, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+                with (tmp_path / f"{node}.err").open("wb") as err:  # a file: an unread pipe fills and blocks it
+                    agents.append(subprocess.Popen(  # noqa: ASYNC220 (returns at once)
+                        [sys.executable, "-m", "stead", "agent", "--master", first.address, "--token-file",
+                         str(tmp_path / "fo.token"), "--node-id", node, "--incarnation", "1"],
+                        cwd=tmp_path, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=err))
             await _until(lambda: len(read_steps(steps)) >= 10, "the first steps")
         gone_at = time.time()
         await _until(lambda: read_steps(steps)[-1][1] >= _last_step_before(steps, gone_at) + GAP_STEPS,
@@ -71,7 +72,11 @@ async def test_workers_keep_stepping_while_the_master_is_replaced_and_the_new_on
         async with Master(config) as second:
             state = await second.wait(timeout_s=120)
             records = await EventLog(second.store, "fo").read()
-        codes = [agent.wait(timeout=30) for agent in agents]
+            # each agent told by this master to stop (one still in its reconnect backoff is told once it is back)
+            with anyio.move_on_after(60):
+                for agent in agents:
+                    await anyio.to_thread.run_sync(agent.wait)
+            codes = [agent.poll() for agent in agents]
     finally:
         for agent in agents:
             if agent.poll() is None:
@@ -86,7 +91,7 @@ async def test_workers_keep_stepping_while_the_master_is_replaced_and_the_new_on
     assert [e.round for e in events if isinstance(e, RoundStarted)] == [1], "the nodes were not adopted as they ran"
     assert {(e.node_id, e.incarnation) for e in events if isinstance(e, NodeRequested)} == {("node-0", 1),
                                                                                             ("node-1", 1)}
-    assert codes == [0, 0], [agent.stderr.read().decode()[-3000:] for agent in agents if agent.stderr]
+    assert codes == [0, 0], [(tmp_path / f"{node}.err").read_text()[-3000:] for node in ("node-0", "node-1")]
 
 
 def _last_step_before(path: Path, at: float) -> int:
@@ -107,18 +112,17 @@ async def test_agents_whose_master_stays_gone_stop_their_workers_and_exit_cleanl
         async with Master(config) as master:
             await master.submit_job(JobSubmitted(job="gone", min_nodes=1, max_nodes=1, nproc_per_node=2,
                                                  entrypoint=(sys.executable, "-u", "train.py", "100000")))
-            agent = subprocess.Popen(  # noqa: ASYNC220 (returns at once)
-                [sys.executable, "-m", "stead", "agent", "--master", master.address, "--token-file",
-                 str(tmp_path / "gone.token"), "--node-id", "node-0", "--incarnation", "1"],
-                cwd=tmp_path, env={**os.environ, RUN_SPEC_ENV: spec_text(parse_run_args(argv, cwd=str(tmp_path)))},
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE)
+            with (tmp_path / "agent.err").open("wb") as log:  # a file: an unread pipe fills and blocks it
+                agent = subprocess.Popen(  # noqa: ASYNC220 (returns at once)
+                    [sys.executable, "-m", "stead", "agent", "--master", master.address, "--token-file",
+                     str(tmp_path / "gone.token"), "--node-id", "node-0", "--incarnation", "1"],
+                    cwd=tmp_path, env={**os.environ, RUN_SPEC_ENV: spec_text(parse_run_args(argv, cwd=str(tmp_path)))},
+                    stdout=subprocess.DEVNULL, stderr=log)
             await _until(lambda: len(read_steps(steps)) >= 5, "the first steps")
         # the master is gone for good: the agent gives up after master_gone_timeout_s
         with anyio.fail_after(120):
             code = await anyio.to_thread.run_sync(agent.wait)
-        assert agent.stderr is not None
-        err = agent.stderr.read().decode()
+        err = (tmp_path / "agent.err").read_text()
     finally:
         if agent is not None and agent.poll() is None:
             agent.kill()
