@@ -220,6 +220,21 @@ async def test_a_lost_node_s_replacement_is_the_warm_spare_told_its_node_and_a_n
         await wait_dead(pid)
 
 
+async def test_a_host_waiting_as_a_spare_keeps_a_warm_agent_that_its_first_node_is_given(scratch: Path) -> None:
+    spare_command = (sys.executable, "-c", SPARE, str(scratch))
+    settings = Settings(spare_agents=1, spare_delay_s=600.0, shutdown_grace_s=5.0)  # (not waited for: no launch)
+    async with LocalPlatform(settings) as platform, contextlib.aclosing(platform.events()) as events:
+        await platform.keep_spares(agent(SLEEP, node="spare", incarnation=0, spare_command=spare_command))
+        [spare] = await _spares(scratch, 1)
+        await platform.keep_spares(agent(SLEEP, node="spare", incarnation=0, spare_command=spare_command))
+        await anyio.sleep(0.5)
+        assert _spare_pids(scratch) == [spare], "a second call started another spare past spare_agents"
+        await platform.launch(agent(SLEEP, node="n1", incarnation=3, spare_command=spare_command))
+        assert await next_event(events) == NodeStarted(node_id="n1", incarnation=3, host="localhost", pid=spare)
+        await wait_exists(scratch / f"told-{spare}")
+    await wait_dead(spare)
+
+
 async def test_no_spare_is_started_when_spare_agents_is_0_or_the_node_has_no_spare_command(scratch: Path) -> None:
     spare_command = (sys.executable, "-c", SPARE, str(scratch))
     for settings, command in ((Settings(spare_agents=0, spare_delay_s=0.0), spare_command),

@@ -44,6 +44,11 @@ ENDED_WAIT_S = 5.0
 PLACE_LOOK_S = 0.25
 #: a host not heard from for this many keepalive periods is not given a node (it may be gone)
 SILENT_PERIODS = 3
+#: a host that hung up on its stream (its side closed it, the master's did not) after being heard from within the
+#: last two keepalive periods, and did not offer itself again within this, is gone with its node: its `stead run` was
+#: killed (with the host, most often). Its node is reported exited then, not after the heartbeat timeout. A host
+#: heard from longer ago (cut off, its hang-up arriving only as the link heals) is left to the heartbeat timeout.
+HUNG_UP_GRACE_S = 1.0
 
 
 def job_shape(config: RunConfig) -> proto.JobShape:
@@ -101,6 +106,8 @@ class _Host:
     seen: float = dataclasses.field(default_factory=time.monotonic)
     #: set when its stream ended (the last command written, or the host gone)
     closed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    #: when it hung up on its stream, having been heard from lately (see HUNG_UP_GRACE_S); None: it did not
+    hung_up: float | None = None
 
 
 class HostsPlatform:
@@ -109,17 +116,22 @@ class HostsPlatform:
     ``local_rank``: the node rank this host takes in a static rendezvous (its --node-rank); None: c10d, where this
     host takes the first node the job asks for and other hosts the rest. A host runs one node at a time: one that
     has none is a spare, which a node whose host was lost goes to at once. Hosts report at least every
-    ``keepalive_s``; one silent for :data:`SILENT_PERIODS` of them gets no node. A node that no host can take for
-    ``pending_after_s`` is reported pending (NodePending: the scaler goes on without it while MIN hold).
+    ``keepalive_s``; one silent for :data:`SILENT_PERIODS` of them gets no node. A host that hangs up while it was
+    heard from lately and does not come back within ``hung_up_grace_s`` has its node reported exited at once
+    (:data:`HUNG_UP_GRACE_S`). A node that no host can take for ``pending_after_s`` is reported pending
+    (NodePending: the scaler goes on without it while MIN hold).
     """
 
     name = "hosts"
 
     def __init__(self, *, local: Platform, shape: proto.JobShape, local_rank: int | None, static: bool,
                  host_name: str, keepalive_s: float, pending_after_s: float,
-                 ended_wait_s: float = ENDED_WAIT_S) -> None:
+                 ended_wait_s: float = ENDED_WAIT_S, hung_up_grace_s: float = HUNG_UP_GRACE_S) -> None:
         self.local = local
         self.ended_wait_s = ended_wait_s
+        self.hung_up_grace_s = hung_up_grace_s
+        #: set once the master leaves (it ends, or leaves its nodes to the next one): hang-ups are its own doing
+        self._leaving = False
         self.keepalive_s = keepalive_s
         self.pending_after_s = pending_after_s
         #: when each waiting node began to wait, and whether its wait was reported
@@ -151,6 +163,7 @@ class HostsPlatform:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
+        self._leaving = True
         ended = self._ended or proto.Ended(exit_code=1, summary="the job's master stopped")
         told = [host for host in self._hosts.values() if host.connected]
         for host in told:
@@ -175,6 +188,7 @@ class HostsPlatform:
 
     def detach(self) -> None:
         """The master leaves its nodes to the next one (it failed, or was told to go): nothing is killed here."""
+        self._leaving = True
         detach = getattr(self.local, "detach", None)
         if callable(detach):
             detach()
@@ -252,14 +266,34 @@ class HostsPlatform:
                  running=[f"{n}/{i}" for n, i in ([host.node] if host.node else [])])
         return host, ""
 
-    def gone(self, host: _Host) -> None:
-        """The host's stream ended: nothing more is placed on it. Its node, if any, lives on until the master
-        declares it lost (its heartbeats stop) or the host offers itself again."""
+    def gone(self, host: _Host, *, hung_up: bool = False) -> None:
+        """The host's stream ended (``hung_up``: the host's side closed it): nothing more is placed on it. Its node,
+        if any, lives on until the host offers itself again, the master declares it lost (its heartbeats stop), or,
+        for a host that hung up while heard from lately, ``hung_up_grace_s`` pass (see :meth:`_hung_up_nodes`)."""
         host.closed.set()
         if self._hosts.get(host.launcher_id) is host:
             host.connected = False
-            log.warning("host_disconnected", host=host.name, address=host.address,
+            if hung_up and time.monotonic() - host.seen <= 2 * self.keepalive_s:  # (it reports every keepalive_s)
+                host.hung_up = time.monotonic()
+            log.warning("host_disconnected", host=host.name, address=host.address, hung_up=hung_up,
                         node=f"{host.node[0]}/{host.node[1]}" if host.node else None)
+
+    def _hung_up_nodes(self) -> None:
+        """Report the node of each host that hung up and did not come back within ``hung_up_grace_s`` exited."""
+        now = time.monotonic()
+        for host in self._hosts.values():
+            if host.hung_up is None or now - host.hung_up < self.hung_up_grace_s or self._leaving:
+                continue
+            host.hung_up = None
+            key = host.node
+            if key is None or key in self._killed or self._placed.get(key) != host.launcher_id:
+                continue
+            host.node = None
+            reason = (f"host {host.name} ({host.address}) hung up and did not offer itself again within "
+                      f"{self.hung_up_grace_s:g} s: its `stead run` is gone, most likely with the host")
+            log.warning("host_lost", host=host.name, address=host.address, node=key[0], incarnation=key[1],
+                        reason=reason)
+            self._events.put_nowait(NodeExited(node_id=key[0], incarnation=key[1], reason=f"NodeLost: {reason}"))
 
     async def placed(self) -> None:
         await self._place()
@@ -347,6 +381,7 @@ class HostsPlatform:
         """Place waiting nodes as hosts come and go quiet, and report the ones that wait too long."""
         while True:
             await asyncio.sleep(PLACE_LOOK_S)
+            self._hung_up_nodes()
             if self._waiting:
                 await self._place()
 
@@ -371,16 +406,18 @@ class HostServicer(proto.HostServiceBase):
         if host is None:
             log.warning("host_refused", host=message.host, address=message.address, why=why)
             raise grpclib.GRPCError(grpclib.const.Status.FAILED_PRECONDITION, why)
+        closed_here = False
         try:
             yield proto.HostCommand(accepted=proto.Accepted(host=host.name))
             await self._platform.placed()
             async for command in _drain(host.commands, self._keepalive_s):
                 if command is None:  # the last one went: the host hangs up once it read it (a close from here
-                    await asyncio.sleep(ENDED_WAIT_S)  # could reset the connection before it did)
+                    closed_here = True  # could reset the connection before it did)
+                    await asyncio.sleep(ENDED_WAIT_S)
                     return
                 yield command
         finally:
-            self._platform.gone(host)
+            self._platform.gone(host, hung_up=not closed_here)
 
     async def report_node(self, message: proto.NodeReport) -> proto.ReportAck:
         self._platform.report(message)

@@ -191,6 +191,9 @@ class _Host:
                           f"{self.address}); it runs {rank}", file=sys.stderr)
                 self.accepted = True
                 log.info("host_accepted", master=self.address, host=value.host)
+                keep_spares = getattr(self.local, "keep_spares", None)
+                if not self.running and callable(keep_spares):  # a node may come at once: its agent starts warm
+                    await keep_spares(self.node_spec("spare", 0, self.address, str(self.token_file)))
             case "launch":
                 assert isinstance(value, proto.Launch)
                 spec = self.node_spec(value.node_id, value.incarnation, self.address, str(self.token_file))

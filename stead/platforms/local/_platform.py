@@ -184,10 +184,21 @@ class LocalPlatform:
             return spare.process
         return None
 
-    async def _keep_spares(self, spec: NodeSpec, launch: int) -> None:
-        """Once launches have been quiet for spare_delay_s, start spares for ``spec``'s kind of node up to
-        spare_agents (a spare that dies is replaced by the next launch's call)."""
-        await anyio.sleep(self._settings.spare_delay_s)
+    async def keep_spares(self, spec: NodeSpec) -> None:
+        """Start spares for ``spec``'s kind of node now, up to spare_agents, with no node launched: a host that
+        waits as a job's spare (its `stead run` offered it while the job was at MAX) has a warm agent for the
+        node that comes to it."""
+        if not spec.spare_command or self._settings.spare_agents == 0:
+            return
+        async with self._launch_lock:
+            self._launches += 1
+            launch = self._launches
+        self._running_task_group().start_soon(self._keep_spares, spec, launch, 0.0, name="start spare agents")
+
+    async def _keep_spares(self, spec: NodeSpec, launch: int, delay_s: float | None = None) -> None:
+        """Once launches have been quiet for ``delay_s`` (spare_delay_s), start spares for ``spec``'s kind of node
+        up to spare_agents (a spare that dies is replaced by the next launch's call)."""
+        await anyio.sleep(self._settings.spare_delay_s if delay_s is None else delay_s)
         key = _spare_key(spec)
         async with self._launch_lock:
             if launch != self._launches or self._closed:
@@ -316,6 +327,8 @@ class LocalPlatform:
                 await self._clean_up_after_killed()
                 self._send.close()
                 self._receive.close()  # readers from events() hold clones and drain what is left
+                assert self._task_group is not None  # every node reaped: what is left waits to start spares
+                self._task_group.cancel_scope.cancel()
 
     def _leave(self, running: list[_Node]) -> None:
         """Stop watching the running agents and let them outlive this platform (see :meth:`detach`)."""

@@ -190,3 +190,47 @@ async def test_a_host_back_from_a_partition_with_a_node_the_job_lost_is_told_to_
         hosts.report(proto.NodeReport(launcher_id="a", node_id="node-1", incarnation=1, exited=True, signal=9))
         await hosts.placed()
         assert launched(hosts, "a") == [("node-1", 2)]  # then it runs the node anew
+
+
+@pytest.mark.parametrize(("case", "reported"), [
+    ("hung up, heard from lately", True),
+    ("hung up, then offered itself again", False),
+    ("hung up, not heard from for a while (cut off: the hang-up came as the link healed)", False),
+    ("its stream closed by the master", False),
+    ("hung up as the master leaves", False),
+    ("hung up after its node was killed", False),
+])
+async def test_a_host_that_hangs_up_and_stays_away_has_its_node_reported_exited_at_once(
+        case: str, reported: bool) -> None:
+    hosts, _ = platform()
+    hosts.hung_up_grace_s = 0.0
+    async with hosts:
+        await hosts.launch(spec("node-0"))
+        host, _ = hosts.offer(offer("a"))
+        assert host is not None
+        await hosts.launch(spec("node-1"))
+        assert launched(hosts, "a") == [("node-1", 1)]
+        if case.startswith("hung up, not heard"):
+            host.seen -= 3 * hosts.keepalive_s
+        if case == "hung up after its node was killed":
+            await hosts.kill("node-1", 1)
+        if case == "hung up as the master leaves":
+            hosts.detach()
+        hosts.gone(host, hung_up=case != "its stream closed by the master")
+        if case == "hung up, then offered itself again":
+            hosts.offer(offer("a", running=("node-1",)))
+        hosts._hung_up_nodes()
+        hosts._hung_up_nodes()  # once only
+        found = []
+        while not hosts._events.empty():
+            found.append(hosts._events.get_nowait())
+        if not reported:
+            assert found == []
+            return
+        assert len(found) == 1, found
+        exited = found[0]
+        assert isinstance(exited, NodeExited) and (exited.node_id, exited.incarnation) == ("node-1", 1)
+        assert exited.exit_code is None and exited.reason.startswith("NodeLost: host host-a (10.0.0.1) hung up")
+        await hosts.kill("node-1", 1)
+        await hosts.launch(spec("node-1", 2))  # the host is gone: its node waits for another
+        assert hosts._waiting.keys() == {("node-1", 2)}
