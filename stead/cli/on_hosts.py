@@ -19,6 +19,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from stead.cli.run_args import ELECTED_BACKENDS
 from stead.cli.supervisor import listen
 from stead.core.errors import ConfigError
 from stead.core.jobtoken import JOB_TOKEN_ENV
@@ -27,7 +28,8 @@ from stead.core.rpc.address import parse_address
 from stead.core.runspec import RunConfig
 from stead.core.tokenfile import check_token, read_token_file
 
-__all__ = ["HOST_KEEPALIVE_S", "hosts_platform", "hosts_token", "join", "serving_socket", "tell_hosts"]
+__all__ = ["HOST_KEEPALIVE_S", "hosts_platform", "hosts_token", "join", "listening_host", "serving_socket",
+           "tell_hosts"]
 
 #: how often the master writes to a host's stream when it has nothing to say; a host that hears nothing for three
 #: times this long offers itself again (a broken link found in seconds, not at the TCP timeout)
@@ -54,9 +56,10 @@ def hosts_token(config: RunConfig) -> str:
 
 
 def serving_socket(config: RunConfig) -> socket.socket | None:
-    """The socket this host's master serves on, when this host serves the job; None when it joins another's."""
+    """The socket this host's master serves on, when this host serves the job; None when it joins another's, or
+    when the hosts elect the master (``--rdzv-backend etcd``: see :mod:`stead.cli.elected`)."""
     host, port = parse_address(config.hosts_endpoint)
-    if config.rdzv_backend == "static" and config.node_rank != 0:
+    if (config.rdzv_backend == "static" and config.node_rank != 0) or config.rdzv_backend in ELECTED_BACKENDS:
         return None
     try:
         return listen(host, port)
@@ -67,6 +70,15 @@ def serving_socket(config: RunConfig) -> socket.socket | None:
             return None  # another host's address, or another `stead run` serves there: join it
         raise ConfigError(f"cannot listen at --rdzv-endpoint {config.hosts_endpoint}: {exc}; check the "
                           "address") from None
+
+
+def listening_host(listen_fd: int | None) -> str:
+    """The address the socket ``listen_fd`` (inherited, left open) is bound to: where an elected master serves."""
+    if listen_fd is None:
+        raise ConfigError("an elected master serves on the socket its host's `stead run` bound: run `stead run` "
+                          "with --rdzv-backend etcd on each host, not the master by itself")
+    with socket.socket(fileno=os.dup(listen_fd)) as sock:
+        return str(sock.getsockname()[0])
 
 
 def _static_bind_error(config: RunConfig, exc: OSError) -> str:
@@ -90,15 +102,15 @@ def join(config: RunConfig, *, token: str, node_spec: Any, local: Callable[[], A
     return asyncio.run(run())
 
 
-def hosts_platform(config: RunConfig, local: Platform) -> tuple[Platform, list[Any]]:
-    """The platform of the serving host's master (this machine's node on ``local``), and the RPC service the other
-    hosts offer themselves on."""
+def hosts_platform(config: RunConfig, local: Platform, *, home: str | None = None) -> tuple[Platform, list[Any]]:
+    """The platform of the serving host's master (this machine's node on ``local``; none for an elected master,
+    whose host at ``home`` offers itself as the others do), and the RPC service the hosts offer themselves on."""
     from stead.platforms.hosts import HostServicer, HostsPlatform, job_shape
 
     static = config.rdzv_backend == "static"
     platform = HostsPlatform(local=local, shape=job_shape(config), local_rank=config.node_rank if static else None,
                              static=static, host_name=socket.gethostname(), keepalive_s=HOST_KEEPALIVE_S,
-                             pending_after_s=config.last_call_timeout_s)
+                             pending_after_s=config.last_call_timeout_s, home=home)
     return platform, [HostServicer(platform, keepalive_s=HOST_KEEPALIVE_S)]
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import structlog
 
-from stead.cli.on_hosts import hosts_platform, hosts_token, join, serving_socket, tell_hosts
-from stead.cli.run_args import PLATFORM_GROUP, parse_run_args
+from stead.cli.on_hosts import hosts_platform, hosts_token, join, listening_host, serving_socket, tell_hosts
+from stead.cli.run_args import ELECTED_BACKENDS, PLATFORM_GROUP, parse_run_args
 from stead.cli.supervisor import EXIT_MASTER_CRASHED, LISTEN_FD_ENV, STOP_ENV, TAKEOVER_ENV, supervise
 from stead.core.config import Settings
 from stead.core.entrypoints import load_named
@@ -132,7 +132,10 @@ async def started_job(config: RunConfig, *, token_file: str | None = None,
     store = await open_store_retrying(config.store_url, settings, deadline_s=store_wait_s)
     await store.close()
     handlers: list[Any] = []
-    if config.hosts_endpoint:  # one job over several machines: this host serves its master at the flags' address
+    if config.hosts_endpoint and config.rdzv_backend in ELECTED_BACKENDS:  # this host's `stead run` was elected:
+        host = listening_host(listen_fd)  # its master serves where it bound the socket; the hosts find it in etcd
+        platform, handlers = hosts_platform(config, await load_platform("local", settings), home=host)
+    elif config.hosts_endpoint:  # one job over several machines: this host serves its master at the flags' address
         platform, handlers = hosts_platform(config, await load_platform("local", settings))
         host = parse_address(config.hosts_endpoint)[0]
     else:
@@ -153,6 +156,8 @@ async def started_job(config: RunConfig, *, token_file: str | None = None,
         elif takeover and not master.state.phase.terminal:
             log.info("job_taken_over", job=config.job_name, phase=master.state.phase.value,
                      nodes=sorted(n for n, s in master.state.nodes.items() if s.phase.alive))
+        elif takeover and config.rdzv_backend in ELECTED_BACKENDS:  # a standby elected as the job ended: it ended
+            log.info("job_ended_before_takeover", job=config.job_name, phase=master.state.phase.value)
         else:
             await _resume(master, config, submitted)
         yield master
@@ -400,6 +405,11 @@ def _run_on_hosts(config: RunConfig, argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"stead run: error: {exc}", file=sys.stderr)
         return 2
+    if config.rdzv_backend in ELECTED_BACKENDS:  # every host a master candidate: etcd elects one
+        from stead.cli.elected import run_elected  # not at import: only a job whose hosts elect its master needs it
+
+        return run_elected(config, argv, token=token, local=lambda: load_platform("local", config.settings),
+                           node_spec=agent_spec_factory(config))
     if listener is None:
         print(f"stead: job {config.job_name}: joining its master at {config.hosts_endpoint}", file=sys.stderr)
         try:

@@ -82,10 +82,13 @@ def _add_torchrun_flags(group: argparse._ArgumentGroup) -> None:
              "or 'auto' (one per GPU, else one per CPU) (default 1)")
     add("--rdzv-backend", "--rdzv_backend", default="static",
         help="static: node ranks given on each host (--node-rank, --master-addr); c10d: with --rdzv-endpoint, "
-             "the job's master serves at the endpoint and assigns node ranks (default static)")
+             "the job's master serves at the endpoint and assigns node ranks; etcd: with --rdzv-endpoint (an etcd "
+             "server), every host's `stead run` is a master candidate, one elected, the others hot standbys "
+             "(default static)")
     add("--rdzv-endpoint", "--rdzv_endpoint", default="", metavar="HOST[:PORT]",
         help="with --rdzv-backend c10d and more than one node: where the job's master serves (port 29400 when "
-             "left out); the host whose address it is runs the master, every host one node")
+             "left out); the host whose address it is runs the master, every host one node. With --rdzv-backend "
+             "etcd: the etcd server that keeps the job and elects its master (port 2379 when left out)")
     add("--rdzv-id", "--rdzv_id", default="none",
         help="the run id workers see as TORCHELASTIC_RUN_ID; also the job name when --job-name is not given")
     add("--rdzv-conf", "--rdzv_conf", default="", metavar="KEY=VALUE,...",
@@ -229,15 +232,17 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
     start_nodes = _start_nodes(ns.start_nodes, min_nodes, max_nodes, settings.capacity_nodes)
 
     job_name = _job_name(ns.job_name, ns.rdzv_id, ns.training_script)
-    store_url = ns.store if ns.store is not None else f"sqlite:///.stead/{job_name}.db"
-    if not _STORE_URL.fullmatch(store_url):
-        raise ConfigError(f"--store {store_url!r} is not a URL; use sqlite:///PATH, etcd://HOST:PORT or memory://")
     rdzv_id = ns.rdzv_id if ns.rdzv_id not in ("", "none") else job_name
     if ns.standalone:
         rdzv_backend, rdzv_endpoint = "c10d", "localhost:0"
     else:
         rdzv_backend, rdzv_endpoint = ns.rdzv_backend, ns.rdzv_endpoint
     hosts_endpoint = "" if ns.standalone else _hosts_endpoint(ns, min_nodes, max_nodes)
+    store_url = ns.store if ns.store is not None else f"sqlite:///.stead/{job_name}.db"
+    if hosts_endpoint and rdzv_backend in ELECTED_BACKENDS and ns.store is None:
+        store_url = f"etcd://{hosts_endpoint}"  # the job's log lives where its hosts elect its master
+    if not _STORE_URL.fullmatch(store_url):
+        raise ConfigError(f"--store {store_url!r} is not a URL; use sqlite:///PATH, etcd://HOST:PORT or memory://")
     platform = ns.platform
     if hosts_endpoint:
         if ns.platform != "local":
@@ -501,6 +506,10 @@ def parse_settings(assignments: Sequence[str]) -> dict[str, str]:
 HOSTS_PLATFORM = "hosts"
 #: torchrun's default ports: a static rendezvous's --master-port, a c10d --rdzv-endpoint's
 STATIC_PORT, C10D_PORT = 29500, 29400
+#: etcd's client port, where torchrun's etcd rendezvous looks when --rdzv-endpoint names no port
+ETCD_PORT = 2379
+#: the rendezvous backends whose hosts elect the job's master through etcd (torchrun's names)
+ELECTED_BACKENDS = ("etcd", "etcd-v2")
 
 
 def _hosts_endpoint(ns: argparse.Namespace, min_nodes: int, max_nodes: int) -> str:
@@ -517,21 +526,36 @@ def _hosts_endpoint(ns: argparse.Namespace, min_nodes: int, max_nodes: int) -> s
                               f"{ns.nnodes}: give --nnodes {max_nodes}, or use --rdzv-backend c10d --rdzv-endpoint "
                               "HOST:PORT for an elastic job")
         return _hostport(ns.master_addr or "127.0.0.1", ns.master_port or STATIC_PORT)
-    if not endpoint:
+    if not endpoint and not (backend in ELECTED_BACKENDS and (ns.store or "").startswith("etcd://")):
         return ""  # no endpoint: every node on this machine
     if backend == "c10d":
         return _endpoint(endpoint)
-    if backend in ("etcd", "etcd-v2"):
-        raise ConfigError(f"--rdzv-backend {backend} over several hosts (every host a master candidate, standbys "
-                          "taking over) is not supported yet: use --rdzv-backend c10d --rdzv-endpoint HOST:PORT, "
-                          "where the host whose address it is serves the job's master")
+    if backend in ELECTED_BACKENDS:
+        return _etcd_endpoint(ns)
     raise ConfigError(f"--rdzv-backend {backend!r} is not one stead knows over several hosts: use static "
                       "(--node-rank, --master-addr) or c10d (--rdzv-endpoint)")
 
 
-def _endpoint(text: str) -> str:
+def _etcd_endpoint(ns: argparse.Namespace) -> str:
+    """The etcd server of a job whose hosts elect its master (``--rdzv-backend etcd``): ``--rdzv-endpoint`` (as
+    torchrun's etcd rendezvous takes it, port 2379 when left out), else ``--store etcd://HOST:PORT``'s first."""
+    store = ns.store or ""
+    if store and not store.startswith("etcd://"):
+        raise ConfigError(f"--rdzv-backend {ns.rdzv_backend} keeps the job in etcd, but --store is {store!r}: drop "
+                          "--store (the job goes to the etcd at --rdzv-endpoint) or give --store etcd://HOST:PORT")
+    if not ns.rdzv_endpoint:
+        return _endpoint(store.removeprefix("etcd://").split("/")[0].split("?")[0].split(",")[0],
+                         default_port=ETCD_PORT)
+    endpoint = _endpoint(ns.rdzv_endpoint, default_port=ETCD_PORT)
+    if store and endpoint not in store:
+        raise ConfigError(f"--rdzv-endpoint {ns.rdzv_endpoint} and --store {store} name different etcd servers: "
+                          "give one of them")
+    return endpoint
+
+
+def _endpoint(text: str, *, default_port: int = 0) -> str:
     """``HOST:PORT`` from torchrun's ``--rdzv-endpoint`` (HOST, HOST:PORT, [V6], [V6]:PORT; port 29400 by default)."""
-    host, port = text.strip(), str(C10D_PORT)
+    host, port = text.strip(), str(default_port or C10D_PORT)
     if host.startswith("["):
         inside, _, rest = host[1:].partition("]")
         host, port = inside, rest[1:] if rest.startswith(":") else port

@@ -40,7 +40,7 @@ from stead.core.config import Settings
 from stead.core.jobtoken import JOB_TOKEN_ENV
 from stead.core.procs import become_subreaper, children, signal_group, signal_leader, tied_argv
 
-__all__ = ["EXIT_MASTER_CRASHED", "LISTEN_FD_ENV", "STOP_ENV", "TAKEOVER_ENV", "supervise"]
+__all__ = ["EXIT_MASTER_CRASHED", "LISTEN_FD_ENV", "STOP_ENV", "TAKEOVER_ENV", "listen", "stop_orphans", "supervise"]
 
 log = structlog.get_logger("stead.supervisor")
 
@@ -134,41 +134,46 @@ class _MasterRestarter:
             log.debug("orphan_reaped", pid=pid, status=os.waitstatus_to_exitcode(status))
 
     def _stop_orphans(self) -> None:
-        """Stop the agents a dead master left with us: SIGTERM, up to shutdown_grace_s, then SIGKILL."""
-        orphans = children()
-        if not orphans:
-            return
-        log.warning("orphans_stopping", pids=sorted(orphans), grace_s=self.settings.shutdown_grace_s)
-        for pid in orphans:
-            signal_leader(pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.settings.shutdown_grace_s
-        while orphans and time.monotonic() < deadline:
-            orphans = self._reap(orphans)
-            time.sleep(0.05)
-        for pid in orphans:
-            signal_group(pid, signal.SIGKILL)  # an agent leads its own process group: its workers too
-            signal_leader(pid, signal.SIGKILL)
-        while orphans:
-            orphans = self._reap(orphans)
-            time.sleep(0.01)
-
-    @staticmethod
-    def _reap(pids: set[int]) -> set[int]:
-        """The ``pids`` still running after reaping those that exited."""
-        running = set()
-        for pid in pids:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:  # reaped already
-                done = pid
-            if not done:
-                running.add(pid)
-        return running
+        stop_orphans(self.settings)
 
 
 def _crashed(code: int) -> bool:
     """Whether a master that exited with ``code`` died before the job ended (killed, or failed after start)."""
     return code < 0 or code == EXIT_MASTER_CRASHED
+
+
+def stop_orphans(settings: Settings) -> None:
+    """Stop the children a dead master left with this process (its subreaper): SIGTERM, up to
+    shutdown_grace_s, then SIGKILL."""
+    orphans = children()
+    if not orphans:
+        return
+    log.warning("orphans_stopping", pids=sorted(orphans), grace_s=settings.shutdown_grace_s)
+    for pid in orphans:
+        signal_leader(pid, signal.SIGTERM)
+    deadline = time.monotonic() + settings.shutdown_grace_s
+    while orphans and time.monotonic() < deadline:
+        orphans = _reap(orphans)
+        time.sleep(0.05)
+    for pid in orphans:
+        signal_group(pid, signal.SIGKILL)  # an agent leads its own process group: its workers too
+        signal_leader(pid, signal.SIGKILL)
+    while orphans:
+        orphans = _reap(orphans)
+        time.sleep(0.01)
+
+
+def _reap(pids: set[int]) -> set[int]:
+    """The ``pids`` still running after reaping those that exited."""
+    running = set()
+    for pid in pids:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already
+            done = pid
+        if not done:
+            running.add(pid)
+    return running
 
 
 def listen(host: str, port: int = 0) -> socket.socket:

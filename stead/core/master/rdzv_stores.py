@@ -206,6 +206,10 @@ class RoundStores:
         assert self._state is not None, "RoundStores.start() was not called"
         store, job, token = self._state
         recorded = await _recorded(store, job)
+        if recorded is not None and recorded[0] != self.host:  # an earlier master's, on another host (elected
+            log.info("rdzv_host_elsewhere", address=f"{recorded[0]}:{recorded[1]}", here=self.host,  # masters)
+                     action="starting one here: the rounds this master starts are served from its own address")
+            recorded = None
         if recorded is not None:
             host, port, pid = recorded
             try:

@@ -49,6 +49,10 @@ SILENT_PERIODS = 3
 #: killed (with the host, most often). Its node is reported exited then, not after the heartbeat timeout. A host
 #: heard from longer ago (cut off, its hang-up arriving only as the link heals) is left to the heartbeat timeout.
 HUNG_UP_GRACE_S = 1.0
+#: an elected master's own host gets a node only once the node waited this long for another host: the other hosts
+#: offer themselves within it as the job starts, and the master's host stays a spare when there is one, so that
+#: losing it (with its master) costs the training nothing
+HOME_LAST_S = 1.0
 
 
 def job_shape(config: RunConfig) -> proto.JobShape:
@@ -114,20 +118,24 @@ class HostsPlatform:
     """Nodes on this host (through ``local``, a platform for this machine) and on the hosts that offer themselves.
 
     ``local_rank``: the node rank this host takes in a static rendezvous (its --node-rank); None: c10d, where this
-    host takes the first node the job asks for and other hosts the rest. A host runs one node at a time: one that
-    has none is a spare, which a node whose host was lost goes to at once. Hosts report at least every
-    ``keepalive_s``; one silent for :data:`SILENT_PERIODS` of them gets no node. A host that hangs up while it was
-    heard from lately and does not come back within ``hung_up_grace_s`` has its node reported exited at once
-    (:data:`HUNG_UP_GRACE_S`). A node that no host can take for ``pending_after_s`` is reported pending
-    (NodePending: the scaler goes on without it while MIN hold).
+    host takes the first node the job asks for and other hosts the rest. ``home``: the master was elected (etcd)
+    and runs no node itself: every node goes to a host that offered itself, the one at the address ``home`` (the
+    master's own host, whose `stead run` offers itself like the others) last (:data:`HOME_LAST_S`). A host runs
+    one node at a time: one that has none is a spare, which a node whose host was lost goes to at once. Hosts
+    report at least every ``keepalive_s``; one silent for :data:`SILENT_PERIODS` of them gets no node. A host that
+    hangs up while it was heard from lately and does not come back within ``hung_up_grace_s`` has its node
+    reported exited at once (:data:`HUNG_UP_GRACE_S`). A node that no host can take for ``pending_after_s`` is
+    reported pending (NodePending: the scaler goes on without it while MIN hold).
     """
 
     name = "hosts"
 
     def __init__(self, *, local: Platform, shape: proto.JobShape, local_rank: int | None, static: bool,
                  host_name: str, keepalive_s: float, pending_after_s: float,
-                 ended_wait_s: float = ENDED_WAIT_S, hung_up_grace_s: float = HUNG_UP_GRACE_S) -> None:
+                 ended_wait_s: float = ENDED_WAIT_S, hung_up_grace_s: float = HUNG_UP_GRACE_S,
+                 home: str | None = None) -> None:
         self.local = local
+        self.home = home
         self.ended_wait_s = ended_wait_s
         self.hung_up_grace_s = hung_up_grace_s
         #: set once the master leaves (it ends, or leaves its nodes to the next one): hang-ups are its own doing
@@ -219,6 +227,8 @@ class HostsPlatform:
         """A node an earlier master launched: this host's by pid; another host's once it offers itself again
         (its `stead run` does, to whichever master serves), so it is taken as running meanwhile."""
         key = (spec.node_id, spec.incarnation)
+        if self.home is not None:  # every node runs on a host that offers itself again, this one's included
+            return True
         if await self.local.adopt(spec, pid=pid):  # (the local platform checks the pid runs this node's agent)
             self._placed[key] = LOCAL
             self._local_busy = key
@@ -330,7 +340,7 @@ class HostsPlatform:
                 self._local_busy = key
                 await self.local.launch(spec)
                 continue
-            host = self._free_host(spec.node_id)
+            host = self._free_host(key)
             if host is None:
                 self._report_wait(key)
                 continue
@@ -344,20 +354,27 @@ class HostsPlatform:
 
     def _local_takes(self, key: _Key) -> bool:
         """Whether this host runs the node: the node of its rank (static); c10d: when this host runs no node, or
-        ran an older incarnation of this one."""
+        ran an older incarnation of this one; never when the master was elected (``home``)."""
+        if self.home is not None:
+            return False
         if self.static:
             return static_rank(key[0]) == self.local_rank
         return self._local_busy is None or self._local_busy[0] == key[0]
 
-    def _free_host(self, node_id: str) -> _Host | None:
+    def _free_host(self, key: _Key) -> _Host | None:
         """A host that can take the node now: connected, heard from lately, running no node (an earlier
-        incarnation's included: its exit is reported first), and holding the node's rank in a static rendezvous."""
-        rank = static_rank(node_id) if self.static else None
-        silent_after = time.monotonic() - SILENT_PERIODS * self.keepalive_s
-        for host in sorted(self._hosts.values(), key=lambda h: h.name):
+        incarnation's included: its exit is reported first), and holding the node's rank in a static rendezvous;
+        the master's own host (``home``) last, and once the node waited :data:`HOME_LAST_S`."""
+        rank = static_rank(key[0]) if self.static else None
+        now = time.monotonic()
+        silent_after = now - SILENT_PERIODS * self.keepalive_s
+        home_ok = now - self._since.get(key, now) >= HOME_LAST_S
+        for host in sorted(self._hosts.values(), key=lambda h: (h.address == self.home, h.name)):
             if not host.connected or host.seen < silent_after or host.node is not None:
                 continue
             if self.static and host.node_rank != rank:
+                continue
+            if host.address == self.home and not home_ok:
                 continue
             return host
         return None

@@ -348,3 +348,16 @@ async def test_the_host_serves_two_masters_at_once() -> None:
         async with master(store) as second:  # a new master while the old one still holds its connection
             assert await second.for_round(2) == await first.for_round(2)
             assert await first.for_round(3) == await second.for_round(3)
+
+
+async def test_a_host_on_record_at_another_master_s_address_is_not_dialled_and_one_starts_here() -> None:
+    """An elected master on another machine recorded it (`--rdzv-backend etcd`): that machine may be gone, and
+    the rounds this master starts are served from its own address anyway."""
+    async with job_store() as store:
+        await store.put(RECORD_KEY, json.dumps({"pid": 1, "host": "10.77.0.1", "port": 9}).encode())
+        with capture_logs() as logs:
+            async with master(store) as rounds:
+                host, _ = await rounds.for_round(1)
+                assert host == "127.0.0.1" and str((await recorded(store))["host"]) == "127.0.0.1"
+    events = [entry["event"] for entry in logs]
+    assert "rdzv_host_elsewhere" in events and "rdzv_host_gone" not in events and "rdzv_host_started" in events

@@ -3,6 +3,7 @@ other hosts as offers whose command streams are read here."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import re
@@ -15,7 +16,7 @@ from stead.core.errors import ConfigError
 from stead.core.events import NodeExited, NodePending, NodeStarted
 from stead.core.platform import NodeSpec
 from stead.core.runspec import RunConfig
-from stead.platforms.hosts import HostsPlatform, job_shape, shape_mismatch, static_rank
+from stead.platforms.hosts import HostsPlatform, _platform, job_shape, shape_mismatch, static_rank
 from stead.platforms.hosts._proto.stead.hosts import v1 as proto
 from stead.testing.platforms import RecordingPlatform
 
@@ -70,6 +71,24 @@ async def test_c10d_this_host_takes_the_first_node_offered_hosts_the_rest_and_a_
         await hosts.kill("node-1", 1)
         await hosts.launch(spec("node-1", 2))
         assert (launched(hosts, "a"), launched(hosts, "b")) == ([], [("node-1", 2)])
+
+
+async def test_an_elected_master_runs_no_node_and_its_own_host_gets_one_last(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_platform, "HOME_LAST_S", 0.3)
+    local = RecordingPlatform()
+    hosts = HostsPlatform(local=local, shape=SHAPE, local_rank=None, static=False, host_name="h0", keepalive_s=60.0,
+                          pending_after_s=60.0, ended_wait_s=0.0, home="10.0.0.4")  # (offer("home")'s address)
+    async with hosts:
+        for launcher in ("home", "a"):  # the master's own host offers itself first, as it does
+            assert hosts.offer(offer(launcher))[0] is not None
+        await hosts.launch(spec("node-0"))
+        await hosts.launch(spec("node-1"))
+        assert (local.launches, launched(hosts, "a"), launched(hosts, "home")) == ([], [("node-0", 1)], [])
+        await asyncio.sleep(0.6)  # node-1 waited HOME_LAST_S for another host: the master's host takes it
+        assert launched(hosts, "home") == [("node-1", 1)]
+        assert await hosts.adopt(spec("node-2"), pid=os.getpid())  # a node of an earlier master: on a host
+        assert local.adoptions == []
 
 
 async def test_a_host_reports_its_node_and_is_free_again_once_its_node_exited() -> None:
@@ -155,6 +174,10 @@ def test_the_shape_names_the_script_not_the_interpreter(tmp_path: Path) -> None:
     (("--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "[fd00::2]:5"), "[fd00::2]:5"),
     (("--nnodes", "1:4", "--rdzv-backend", "c10d"), ""),
     (("--standalone", "--rdzv-endpoint", "h:1"), ""),
+    # etcd: the etcd server every host's `stead run` campaigns at (its port 2379 by default)
+    (("--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "etcd0"), "etcd0:2379"),
+    (("--nnodes", "1:3", "--rdzv-backend", "etcd-v2", "--store", "etcd://10.1.2.3:7/"), "10.1.2.3:7"),
+    (("--nnodes", "2", "--rdzv-backend", "etcd"), ""),  # no etcd named: every node on this machine
 ])
 def test_torchrun_multi_node_flags_name_where_the_master_serves(tmp_path: Path, argv: tuple[str, ...],
                                                                endpoint: str) -> None:
@@ -163,7 +186,10 @@ def test_torchrun_multi_node_flags_name_where_the_master_serves(tmp_path: Path, 
 
 @pytest.mark.parametrize(("argv", "said"), [
     (("--nnodes", "2:3", "--node-rank", "1"), "a static rendezvous over several hosts needs a fixed node count"),
-    (("--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379"), "is not supported yet"),
+    (("--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379", "--store", "sqlite:///x.db"),
+     "keeps the job in etcd, but --store is 'sqlite:///x.db'"),
+    (("--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379", "--store", "etcd://g:2379"),
+     "name different etcd servers"),
     (("--nnodes", "2", "--rdzv-backend", "zk", "--rdzv-endpoint", "h:1"), "is not one stead knows"),
     (("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:99999"), "is not HOST:PORT"),
     (("--nnodes", "2", "--node-rank", "1", "--platform", "k8s"), "--platform k8s starts the nodes itself"),
