@@ -196,6 +196,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
         RestartRequested as RestartRequested,
     )
     from stead.core.events import (
+        RoomFound as RoomFound,
+    )
+    from stead.core.events import (
         RoundCompleted as RoundCompleted,
     )
     from stead.core.events import (
@@ -345,7 +348,7 @@ _WHERE = {
                           "NodeRequested", "NodeResourcesDecided", "NodeStarted",
                           "PluginFailed", "PluginsStarted", "Record", "RecoveryAction", "RecoveryDecided",
                           "RelaunchRequested", "RestartRequested", "RoundCompleted", "RoundStarted", "StackSample",
-                          "StacksDumped", "StacksRequested", "StepProgress",
+                          "StacksDumped", "StacksRequested", "StepProgress", "RoomFound",
                           "TimerFired", "TimerName", "TransitionRejected", "WorkerFailed", "WorkersStarted",
                           "WorkersSucceeded", "event_kind"),
     "stead.core.plugins": ("MasterPlugin", "NoSettings", "NodeTelemetry", "Plugin", "PluginContext", "PluginTasks"),
@@ -414,6 +417,7 @@ __all__ = [
     "RendezvousState",
     "RestartRequested",
     "RetryableError",
+    "RoomFound",
     "RoundCompleted",
     "RoundInfo",
     "RoundStarted",

@@ -11,11 +11,11 @@ import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol, runtime_checkable
 
-from stead.core.events import NodeExited, NodePending, NodeStarted
+from stead.core.events import NodeExited, NodePending, NodeStarted, RoomFound
 
 __all__ = ["AGENT_IDENTITY_ENV", "HOST_ENV", "WARM_FIRST_ENV", "NodeSpec", "Platform", "PlatformEvent", "agent_title"]
 
-PlatformEvent = NodeStarted | NodeExited | NodePending
+PlatformEvent = NodeStarted | NodeExited | NodePending | RoomFound
 
 #: in an agent's environment (``JOB/NODE/INCARNATION``): which node incarnation it runs, for a platform that adopts
 #: agents by pid and for the workers it starts

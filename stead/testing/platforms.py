@@ -18,7 +18,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from stead.core.errors import PlatformError
-from stead.core.events import NodeExited, NodePending, NodeStarted
+from stead.core.events import NodeExited, NodePending, NodeStarted, RoomFound
 from stead.core.platform import NodeSpec, PlatformEvent
 
 __all__ = ["RecordingPlatform"]
@@ -111,14 +111,13 @@ class RecordingPlatform:
         """Report ``event`` as if the platform had seen it; it also updates ``running``."""
         if self._closed:
             raise PlatformError("the recording platform is closed; push events before leaving `async with`")
-        key = (event.node_id, event.incarnation)
         match event:
             case NodeStarted():
-                self._running.add(key)
+                self._running.add((event.node_id, event.incarnation))
             case NodeExited():
-                self._running.discard(key)
-            case NodePending():
-                pass  # still wanted, not running
+                self._running.discard((event.node_id, event.incarnation))
+            case NodePending() | RoomFound():
+                pass  # still wanted, not running; room, not a node
             case _:
                 assert_never(event)
         self._send.send_nowait(event)

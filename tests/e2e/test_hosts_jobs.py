@@ -231,6 +231,35 @@ async def test_a_host_killed_costs_its_node_and_the_job_goes_on(tmp_path: Path, 
     assert max(last.values()) == 149, last
 
 
+async def test_a_lost_host_that_comes_back_grows_the_job_again_at_once(tmp_path: Path) -> None:
+    token = secrets.token_urlsafe(32)
+    timestamps = tmp_path / "steps.log"
+    async with test_hosts(3) as hosts:
+        flags = ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:29400",
+                 "--rdzv-id", "back", "--rdzv-conf", "heartbeat=3"]
+        script = [str(TRAIN), "--steps", "700", "--step-time", "0.03", "--timestamps", str(timestamps)]
+        serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, *script], token)
+        joining = [await _stead_run(hosts[i], tmp_path / f"h{i}", [*flags, *script], token) for i in (1, 2)]
+        await _until_step(timestamps, 20, world=3)
+        await hosts.kill(2)
+        async with asyncio.timeout(RUN_TIMEOUT_S):  # the job goes on with two (the scaler gave up on the third)
+            while not any(e["type"] == "scaler.pending"  # noqa: ASYNC110 (another process writes the log)
+                          for e in await _events(hosts[0], tmp_path / "h0", "back")):
+                await asyncio.sleep(0.5)
+        await hosts.restart(2)
+        back = await _stead_run(hosts[2], tmp_path / "h2-again", [*flags, *script], token)
+        (rc0, err0), (rc1, err1), (rc2, err2) = [await _ended(p) for p in (serving, joining[0], back)]
+        await _ended(joining[1])
+        events = await _events(hosts[0], tmp_path / "h0", "back")
+    assert (rc0, rc1, rc2) == (0, 0, 0), (err0[-2000:], err1[-2000:], err2[-2000:])
+    rounds = [e["data"]["members"] for e in events if e["type"] == "round.started"]  # type: ignore[index]
+    assert len(rounds[0]) == 3 and 2 in [len(r) for r in rounds] and len(rounds[-1]) == 3, rounds
+    room = [e for e in events if e["type"] == "platform.room"]
+    assert room and "h2" in room[-1]["data"]["reason"], room  # type: ignore[index]
+    started = [(e["data"]["node_id"], e["data"]["host"]) for e in events if e["type"] == "node.started"]  # type: ignore[index]
+    assert started[-1][1] == "h2", started  # the node asked for again went to the host that came back
+
+
 async def test_a_host_partitioned_past_the_heartbeat_timeout_is_lost_and_every_sample_is_still_read_once(
         tmp_path: Path) -> None:
     # every host in one shared folder (a home directory on NFS, say): the script's own checkpoint and the data

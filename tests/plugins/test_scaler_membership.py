@@ -22,6 +22,7 @@ from stead.core.events import (
     Record,
     RecoveryAction,
     RecoveryDecided,
+    RoomFound,
     RoundStarted,
     TransitionRejected,
     WorkersSucceeded,
@@ -286,6 +287,12 @@ async def test_a_node_the_platform_has_no_room_for_is_given_up_while_min_holds(m
         assert "asks for more again in 300 s" in answered.reason
         view = plugin.view(ctx)
         assert view is not None and view.capacity == 1 and "room" in view.capacity_source
+        # a host offers itself with no node to run: the node given up on is asked for again at once
+        state = dataclasses.replace(state, target=1)
+        await plugin.handle(record=Record(seq=6, at=0.0, event=RoomFound(reason="host h2 offered itself")), ctx=ctx)
+        assert [e.target for e in events if isinstance(e, MembershipDecided)] == [1, 2]
+        view = plugin.view(ctx)
+        assert view is not None and view.capacity is None
     else:
         assert "fails after join_timeout_s" in answered.reason
     await plugin.stop(ctx=ctx)

@@ -30,6 +30,7 @@ __all__ = [
     "MembershipDecided",
     "NodeExited",
     "NodePending",
+    "RoomFound",
     "NodeResourcesDecided",
     "NodeHealthReported",
     "NodeJoined",
@@ -227,6 +228,15 @@ class NodePending(Event):
     incarnation: int
     pending_s: float
     #: the platform's reason and message ("Unschedulable: 0/3 nodes are available: ...")
+    reason: str = ""
+
+
+@event_kind("platform.room")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoomFound(Event):
+    """The platform has room for another node now (a host offered itself and runs none): capacity that a
+    NodePending said was not there may be back, and the scaler asks for it at once instead of at its next retry."""
+
     reason: str = ""
 
 

@@ -26,7 +26,7 @@ import grpclib
 import grpclib.const
 import structlog
 
-from stead.core.events import NodeExited, NodePending, NodeStarted
+from stead.core.events import NodeExited, NodePending, NodeStarted, RoomFound
 from stead.core.platform import NodeSpec, Platform, PlatformEvent
 from stead.core.runspec import RunConfig
 from stead.platforms.hosts._proto.stead.hosts import v1 as proto
@@ -305,8 +305,13 @@ class HostsPlatform:
                         reason=reason)
             self._events.put_nowait(NodeExited(node_id=key[0], incarnation=key[1], reason=f"NodeLost: {reason}"))
 
-    async def placed(self) -> None:
+    async def placed(self, host: _Host | None = None) -> None:
+        """Place the waiting nodes (a host offered itself); ``host`` still without a node after that is room for
+        one more (RoomFound: a scaler that gave up on a node for want of a host asks for it again at once)."""
         await self._place()
+        if host is not None and host.node is None and host.connected:
+            self._events.put_nowait(RoomFound(reason=f"host {host.name} ({host.address}) offered itself and runs no "
+                                                     "node"))
 
     def report(self, report: proto.NodeReport) -> None:
         """What a host's agent did; reports of nodes the host does not hold are dropped."""
@@ -426,7 +431,7 @@ class HostServicer(proto.HostServiceBase):
         closed_here = False
         try:
             yield proto.HostCommand(accepted=proto.Accepted(host=host.name))
-            await self._platform.placed()
+            await self._platform.placed(host)
             async for command in _drain(host.commands, self._keepalive_s):
                 if command is None:  # the last one went: the host hangs up once it read it (a close from here
                     closed_here = True  # could reset the connection before it did)

@@ -210,6 +210,8 @@ class _Host:
 
     async def _watch_local(self, reports: asyncio.Queue[proto.NodeReport]) -> None:
         async for event in self.local.events():
+            if not isinstance(event, NodeStarted | NodeExited):
+                continue  # (this machine's platform has nothing else to say of the node)
             key = (event.node_id, event.incarnation)
             if isinstance(event, NodeStarted):
                 self.running[key] = event.pid or 0

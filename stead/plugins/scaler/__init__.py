@@ -54,6 +54,7 @@ from stead.plugin import (
     RecoveryAction,
     RecoveryDecided,
     RetryableError,
+    RoomFound,
     RoundStarted,
     at_least,
     backend_errors,
@@ -85,8 +86,8 @@ _BURST_S = 0.2
 class ScalerPlugin(Plugin[ScalerSettings]):
     name = "scaler"
     settings_class = ScalerSettings
-    subscriptions = (JobSucceeded, JobFailed, JobStopped, NodeLost, NodeExited, NodePending, RoundStarted,
-                     RecoveryDecided)
+    subscriptions = (JobSucceeded, JobFailed, JobStopped, NodeLost, NodeExited, NodePending, RoomFound,
+                     RoundStarted, RecoveryDecided)
 
     def __init__(self, *, settings: ScalerSettings | None = None) -> None:
         super().__init__(settings=settings or ScalerSettings())
@@ -167,6 +168,12 @@ class ScalerPlugin(Plugin[ScalerSettings]):
         if isinstance(record.event, NodePending):
             if not ctx.state.phase.terminal:
                 await self.no_room(ctx, record.event)
+            return
+        if isinstance(record.event, RoomFound):
+            if self._room is not None and not ctx.state.phase.terminal:  # what it gave up on may fit now
+                ctx.log.info("scaler_room_found", reason=record.event.reason, gave_up_room=self._room[0])
+                self._room = None
+                await self.decide(ctx)
             return
         if isinstance(record.event, NodeExited) and record.event.oom and (record.seq or 0) > self._kill_seq:
             self._kill_seq = record.seq or 0

@@ -34,6 +34,8 @@ class ScalerSettings:
                                                     "relaunch budget decides)")
     pending_retry_s: float = setting(300.0, min=0.001, help="a node the platform has no room for (node.pending) "
                                                              "is given up while the job has MIN nodes without it, "
-                                                             "and asked for again this much later")
+                                                             "and asked for again this much later, or at once "
+                                                             "when the platform has room again (platform.room: a "
+                                                             "host offered itself)")
     max_memory: str = setting("", help="the highest memory limit a raise goes to, as a quantity (e.g. 512Gi); "
                                        "empty: no cap but the budget")
