@@ -60,12 +60,15 @@ stress: $(STAMP) etcd
 
 # long runs that do not fit in `make test`: the RPC fuzz with many more cases per method, and the chaos job
 # under a long seeded fault schedule on etcd (CHAOS_FAULTS faults of every kind, a 20 s etcd outage among them)
+# and across three test hosts (CHAOS_HOST_FAULTS worker faults, hosts killed and cut off)
 FUZZ_EXAMPLES ?= 3000
 CHAOS_FAULTS ?= 200
 CHAOS_SEED ?= 1
+CHAOS_HOST_FAULTS ?= 40
 chaos: $(STAMP) etcd
 	STEAD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q tests/fuzz
 	STEAD_CHAOS_LONG=1 STEAD_CHAOS_FAULTS=$(CHAOS_FAULTS) STEAD_CHAOS_SEED=$(CHAOS_SEED) \
+	  STEAD_CHAOS_HOST_FAULTS=$(CHAOS_HOST_FAULTS) \
 	  $(BIN)/pytest -q -s --timeout=4000 tests/chaos -k long
 
 proto: $(STAMP)

@@ -36,7 +36,8 @@ from typing import Any
 from stead.testing.etcd import EtcdServer
 from tests.support.history import FAULT_FUNCTION
 
-__all__ = ["DRIVER_KINDS", "WORKER_KINDS", "ChaosResult", "Fault", "expected_weights", "run_chaos", "schedule"]
+__all__ = ["DRIVER_KINDS", "HOST_KINDS", "WORKER_KINDS", "ChaosResult", "Fault", "expected_weights", "run_chaos",
+           "run_chaos_on_hosts", "schedule"]
 
 NODES, NPROC = 2, 2
 WORLD = NODES * NPROC
@@ -90,7 +91,7 @@ while sampler.epoch < EPOCHS:
         opt.step()
         step += 1
         record_step(log, step, epoch, ids)
-        time.sleep(0.02)
+        time.sleep(float(os.environ.get("CHAOS_STEP_S", "0.02")))
         fault_due(step, rank, ckpt)
         if step % EVERY == 0:
             ckpt.extra = {"round": round_}
@@ -250,3 +251,108 @@ def bits(values: list[float]) -> list[str]:
 def as_json(result: ChaosResult, **extra: Any) -> str:
     return json.dumps({"returncode": result.returncode, "faults": len(result.fired),
                        "kinds": sorted({f.kind for f in result.fired}), **extra})
+
+
+#: the faults the driver injects on the test hosts (tests.support.hosts): a node's host killed (every process, its
+#: memory; it comes back empty and runs the command again: the job's spare), or cut off for PARTITION_S (past the
+#: heartbeat timeout: its node is lost; it heals and its `stead run` is the spare)
+HOST_KINDS = ("kill-host", "partition")
+HOSTS_HEARTBEAT_S = 3.0
+HOSTS_STEP_S = 0.25
+PARTITION_S = 2 * HOSTS_HEARTBEAT_S
+
+
+async def run_chaos_on_hosts(hosts: Any, cwd: Path, n: int, faults: list[Fault], *, token: str,
+                             timeout_s: float = 600.0) -> ChaosResult:
+    """The chaos job over three test hosts, every host in the shared folder ``cwd``: ``--nnodes 2:2`` with c10d at
+    h0 (the master's host, never a host fault's target), its two nodes on two hosts and the third host the spare
+    that takes a lost node's place, so that the world (and so the weights) stays the same. Worker faults as in
+    :func:`run_chaos`; host faults (:data:`HOST_KINDS`) hit a host that runs a node, other than h0."""
+    import asyncio
+
+    (cwd / "train.py").write_text(SCRIPT)
+    (cwd / "logs").mkdir()
+    worker_faults = [dataclasses.asdict(f) for f in faults if f.kind in WORKER_KINDS]
+    (cwd / "faults.json").write_text(json.dumps(worker_faults))
+    driver = [f for f in faults if f.kind in HOST_KINDS]
+    # slower steps than on one host: a host fault (found from the job's log, then done) lands while the job runs
+    env = {**os.environ, "STEAD_JOB_TOKEN": token, "GLOO_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1",
+           "CHAOS_STEP_S": str(HOSTS_STEP_S)}
+    command = [sys.executable, "-m", "stead", "run", "--job-name", "chaos", "--log-format", "json",
+               "--nnodes", f"{NODES}:{NODES}", "--nproc-per-node", str(NPROC), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"{hosts[0].address}:29400", "--rdzv-conf", f"heartbeat={HOSTS_HEARTBEAT_S:g}",
+               "--max-restarts", "1000", "--max-node-relaunches", "1000",
+               "--set", "diagnosis.hang_floor_s=3", "--set", "diagnosis.stacks_wait_s=1",
+               "train.py", str(n), str(EPOCHS), str(EVERY), str(BATCH), str(SHARD), str(LR_EXP)]
+
+    async def start(i: int) -> Any:
+        with (cwd / f"stderr-h{i}-{time.monotonic_ns()}.log").open("wb") as err:
+            return await hosts[i].spawn(command, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err)
+
+    runs = {i: await start(i) for i in range(3)}
+    fired: list[Fault] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while runs[0].returncode is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the chaos job did not end within {timeout_s:g} s; fired {fired}; its log "
+                                     f"ends:\n{_tail_hosts(cwd)}")
+            step = _rank0_step(cwd / "logs")
+            due = [f for f in driver if f not in fired and f.step <= step + 2]
+            victim = _node_host(cwd, skip=0) if due else None  # (read ahead: reading the log takes a while)
+            for fault in [f for f in due if f.step <= _rank0_step(cwd / "logs")]:
+                if victim is None:
+                    continue  # the node's host is not known yet
+                if fault.kind == "kill-host":
+                    await hosts.kill(victim)
+                    await runs[victim].wait()
+                    await hosts.restart(victim)
+                else:
+                    await hosts.partition(victim)
+                    await asyncio.sleep(PARTITION_S)
+                    await hosts.heal(victim)
+                if runs[victim].returncode is not None:  # (killed, or gave its node up): the spare again
+                    runs[victim] = await start(victim)
+                fired.append(fault)
+                break
+            await asyncio.sleep(0.1)
+        for run in runs.values():  # every host is told the job's end; a host cut off past it is stopped
+            try:
+                async with asyncio.timeout(30):
+                    await run.wait()
+            except TimeoutError:
+                run.kill()
+                await run.wait()
+    finally:
+        for run in runs.values():
+            if run.returncode is None:
+                run.kill()
+                await run.wait()
+    fired += [f for f in faults if f.kind in WORKER_KINDS
+              and (cwd / f"fault-{worker_faults.index(dataclasses.asdict(f))}").exists()]
+    weights_path = cwd / "weights.json"
+    weights = [float.fromhex(x) for x in json.loads(weights_path.read_text())] if weights_path.exists() else None
+    return ChaosResult(runs[0].returncode or 0, _tail_hosts(cwd, lines=400), weights, fired, cwd)
+
+
+def _node_host(cwd: Path, *, skip: int) -> int | None:
+    """The index of a host that runs a node of the job now, other than ``skip`` (from the job's log)."""
+    out = subprocess.run([sys.executable, "-m", "stead", "events", "--job", "chaos", "--json"], cwd=cwd,
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        return None
+    where: dict[tuple[str, int], str] = {}
+    for line in out.stdout.splitlines():
+        event = json.loads(line)
+        key = (event["data"].get("node_id"), event["data"].get("incarnation"))
+        if event["type"] == "node.started":
+            where[key] = event["data"]["host"]
+        elif event["type"] in ("node.exited", "node.lost"):  # (an old incarnation's end may come after the new start)
+            where.pop(key, None)
+    running = sorted(int(host[1:]) for host in where.values() if host.startswith("h") and host[1:].isdigit())
+    return next((i for i in running if i != skip), None)
+
+
+def _tail_hosts(cwd: Path, lines: int = 40) -> str:
+    return "\n".join(f"{log.name}: {line}" for log in sorted(cwd.glob("stderr-h*.log"))
+                     for line in log.read_text(errors="replace").splitlines()[-lines:])

@@ -14,18 +14,32 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import secrets
 import time
 from pathlib import Path
 
 import pytest
-from chaos import EPOCHS, WORKER_KINDS, ChaosResult, Fault, as_json, bits, expected_weights, run_chaos, schedule
+from chaos import (
+    EPOCHS,
+    HOST_KINDS,
+    WORKER_KINDS,
+    ChaosResult,
+    Fault,
+    as_json,
+    bits,
+    expected_weights,
+    run_chaos,
+    run_chaos_on_hosts,
+    schedule,
+)
 
-from stead.core.events import NodeExited, NodeLost, RoundStarted, WorkerFailed
+from stead.core.events import NodeExited, NodeLost, NodeStarted, RoundStarted, WorkerFailed
 from stead.core.events.log import EventLog
 from stead.core.store import open_store
 from stead.plugins.ckpt.events import CheckpointCorrupt
 from stead.testing.etcd import EtcdServer
 from tests.support.history import surviving_history
+from tests.support.hosts import test_hosts
 
 pytestmark = pytest.mark.e2e
 
@@ -69,6 +83,27 @@ def check(result: ChaosResult, n: int, faults: list[Fault], store: str) -> None:
     assert len(rounds) >= 1 + len(worker_faults), "a worker fault did not cost a round"
 
 
+#: across hosts: a host killed and a host cut off (the spare taking each lost node's place) among worker crashes
+HOSTS_N = 256
+HOSTS_QUICK = [Fault(4, "crash", 1), Fault(10, "kill-host"), Fault(18, "partition"), Fault(25, "crash", 3)]
+
+
+def test_the_quick_schedule_across_hosts_with_a_host_killed_and_one_cut_off_loses_nothing(tmp_path: Path) -> None:
+    async def on_hosts() -> ChaosResult:
+        async with test_hosts(3) as hosts:
+            return await run_chaos_on_hosts(hosts, tmp_path, HOSTS_N, HOSTS_QUICK, token=secrets.token_urlsafe(32),
+                                            timeout_s=400)
+
+    result = asyncio.run(on_hosts())
+    store = f"sqlite:///{tmp_path / '.stead' / 'chaos.db'}"
+    check(result, HOSTS_N, HOSTS_QUICK, store)
+    events = [r.event for r in asyncio.run(_records(store))]  # type: ignore[attr-defined]
+    started = [e for e in events if isinstance(e, NodeStarted)]
+    assert len({e.host for e in started}) == 3, started  # the spare host took a lost node's place
+    lost = [e for e in events if isinstance(e, NodeLost) or (isinstance(e, NodeExited) and "hung up" in e.reason)]
+    assert len(lost) >= 2, lost  # the killed host's node and the cut-off host's
+
+
 def test_the_quick_schedule_loses_nothing(tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 'chaos.db'}"
     result = run_chaos(tmp_path, QUICK_N, QUICK, store=store, timeout_s=400)
@@ -87,4 +122,24 @@ def test_the_long_schedule_loses_nothing(tmp_path: Path) -> None:
         check(result, n, faults, etcd.url)
     kinds = collections.Counter(f.kind for f in faults)
     print(as_json(result, bench="chaos", seed=seed, samples=n, epochs=EPOCHS, by_kind=dict(kinds),
+                  wall_s=round(time.monotonic() - started, 1), weights_bit_exact=True, samples_exactly_once=True))
+
+
+@pytest.mark.skipif(not os.environ.get("STEAD_CHAOS_LONG"), reason="the long schedule runs in `make chaos`")
+def test_the_long_schedule_across_hosts_loses_nothing(tmp_path: Path) -> None:
+    count = int(os.environ.get("STEAD_CHAOS_HOST_FAULTS", "40"))
+    seed = int(os.environ.get("STEAD_CHAOS_SEED", "1"))
+    n = 32 * -(-(4 * (count + 2) * 8) // 32)
+    faults = schedule(seed, count, n, kinds=WORKER_KINDS + HOST_KINDS)
+    started = time.monotonic()
+
+    async def on_hosts() -> ChaosResult:
+        async with test_hosts(3) as hosts:
+            return await run_chaos_on_hosts(hosts, tmp_path, n, faults, token=secrets.token_urlsafe(32),
+                                            timeout_s=3600)
+
+    result = asyncio.run(on_hosts())
+    check(result, n, faults, f"sqlite:///{tmp_path / '.stead' / 'chaos.db'}")
+    kinds = collections.Counter(f.kind for f in faults)
+    print(as_json(result, bench="chaos-hosts", seed=seed, samples=n, epochs=EPOCHS, by_kind=dict(kinds), hosts=3,
                   wall_s=round(time.monotonic() - started, 1), weights_bit_exact=True, samples_exactly_once=True))
