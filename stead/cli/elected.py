@@ -258,6 +258,8 @@ class Candidate:
         self.master: asyncio.subprocess.Process | None = None
         #: a stop asked for (SIGINT, SIGTERM) while this host runs the master: passed on to it
         self.stop: signal.Signals | None = None
+        #: how many masters this host ran died while the job ran (at most master_max_restarts + 1 are run)
+        self.crashes = 0
 
     @property
     def serving(self) -> bool:
@@ -285,6 +287,12 @@ class Candidate:
                 continue
             if code is not None:
                 return code
+            if self.crashes > self.settings.master_max_restarts:
+                print(f"stead: the masters this host ran died {self.crashes} times (master_max_restarts="
+                      f"{self.settings.master_max_restarts}); it campaigns no more: another host's may take the job "
+                      "over", file=sys.stderr)
+                log.error("campaign_given_up", crashes=self.crashes)
+                await asyncio.Event().wait()  # (this host's node goes on as long as the job has a master)
             backoff.reset()
             # not elected: the view shows the winner within a moment (no campaign again on what it knew before)
             await self.view.wait_for(lambda v: v.leader is not None, timeout_s=PROXY_RETRY_S * 5)
@@ -312,6 +320,7 @@ class Candidate:
             finally:
                 sock.close()
             if code < 0 or code == EXIT_MASTER_CRASHED:
+                self.crashes += 1
                 print(f"stead: the master this host ran {'was killed' if code < 0 else 'failed'}; the hosts elect "
                       "another, which takes the job over", file=sys.stderr)
                 return None
@@ -334,7 +343,8 @@ class Candidate:
             return await self.master.wait()
         finally:
             if self.master.returncode is None:
-                log.warning("master_fenced", pid=self.master.pid, why="this host lost its lease")
+                log.warning("master_fenced", pid=self.master.pid,
+                            why="this host lost its lease (or leaves): another master may be elected already")
                 signal_leader(self.master.pid, signal.SIGKILL)
                 with contextlib.suppress(ProcessLookupError):
                     await asyncio.shield(self.master.wait())

@@ -41,10 +41,10 @@ sys.exit(int(code.read_text()))
 """
 
 
-def _config(etcd_url: str, job: str) -> RunConfig:
+def _config(etcd_url: str, job: str, *more: str) -> RunConfig:
     return parse_run_args(["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
                            etcd_url.removeprefix("etcd://"), "--rdzv-id", job, "--set", "heartbeat_timeout_s=2",
-                           str(REPO / "examples" / "train.py")])
+                           *more, str(REPO / "examples" / "train.py")])
 
 
 @contextlib.asynccontextmanager
@@ -142,6 +142,19 @@ async def test_a_master_that_crashes_is_followed_by_one_that_takes_the_job_over(
     async with _candidate(config, folder) as (_, campaign):
         assert await asyncio.wait_for(campaign, 20) == 130
     assert [takeover for _, takeover, _ in _masters(folder)] == ["-", "1"]
+
+
+async def test_a_host_whose_masters_keep_dying_stops_campaigning_after_master_max_restarts(
+        etcd_url: str, tmp_path: Path) -> None:
+    config = _config(etcd_url, "doomed", "--set", "master_max_restarts=1")
+    folder = tmp_path / "masters"
+    folder.mkdir()
+    for n in range(3):
+        (folder / f"exit-{n}").write_text("70")
+    async with _candidate(config, folder) as (candidate, campaign):
+        await _until(lambda: candidate.crashes == 2, "two masters dead")
+        await asyncio.sleep(0.5)  # (a third would have started by now)
+        assert len(_masters(folder)) == 2 and not campaign.done()
 
 
 async def test_the_proxy_forwards_to_the_elected_master_and_follows_it_when_it_moves(
