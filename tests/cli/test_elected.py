@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -19,7 +20,6 @@ from stead.cli.run_args import parse_run_args
 from stead.core.procs import is_alive
 from stead.core.runspec import RunConfig
 from stead.core.store import StateStore, open_store
-from stead.core.store._common import StoreLease
 from stead.core.store.etcd import EtcdStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -39,6 +39,14 @@ while not code.exists():
     time.sleep(0.02)
 sys.exit(int(code.read_text()))
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lease:
+    """A lease by its id (the candidate's, read from the key)."""
+
+    id: int
+    ttl_s: float
 
 
 def _config(etcd_url: str, job: str, *more: str) -> RunConfig:
@@ -122,7 +130,7 @@ async def test_a_candidate_that_loses_its_lease_kills_its_master_and_the_next_ma
         assert lease is not None
         store = candidate.view.store
         assert isinstance(store, EtcdStore)
-        await store.revoke_lease(StoreLease(id=lease, ttl_s=2.0))  # as etcd does when it expires
+        await store.revoke_lease(_Lease(id=lease, ttl_s=2.0))  # as etcd does when it expires
         await _until(lambda: len(_masters(folder)) == 2, "a second master")
         assert not is_alive(pid)  # fenced: killed as its candidate lost the lease
         (second_pid, takeover, _) = _masters(folder)[1]
