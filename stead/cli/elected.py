@@ -334,7 +334,9 @@ class Candidate:
         env = {**os.environ, LISTEN_FD_ENV: str(sock.fileno()), JOB_TOKEN_ENV: self.token}
         if takeover:
             env[TAKEOVER_ENV] = "1"
-        command = tied_argv(self.master_command, signal.SIGTERM)
+        # SIGKILL, not SIGTERM, if this process dies: a master told to stop would stop the job on every host, where
+        # a standby is to take it over
+        command = tied_argv(self.master_command, signal.SIGKILL)
         self.master = await asyncio.create_subprocess_exec(*command, env=env, pass_fds=(sock.fileno(),),
                                                            process_group=0)
         if self.stop is not None:
@@ -399,12 +401,12 @@ async def _run(config: RunConfig, argv: Sequence[str], *, token: str, local: Cal
             node = tasks.create_task(join_job(joined, token=token, local=await local(), node_spec=node_spec,
                                               keepalive_s=HOST_KEEPALIVE_S))
             campaign = tasks.create_task(candidate.run())
-            stopped = asyncio.Event()
+            stopped: list[signal.Signals] = []
             _on_signals(candidate, node, stopped)
             code = await _outcome(node, campaign, candidate)
             for task in (follow, moved, node, campaign):
                 task.cancel()
-            return 130 if stopped.is_set() and not code else code
+            return 128 + stopped[0] if stopped and code in (0, 130) else code
     finally:
         await store.close()
 
@@ -432,18 +434,22 @@ async def _on_change(view: LeaderView, moved: Callable[[], None]) -> None:
         moved()
 
 
-def _on_signals(candidate: Candidate, node: asyncio.Task[int], stopped: asyncio.Event) -> None:
-    """SIGINT/SIGTERM: on the master's host the job stops (everywhere); on another, this host's node stops."""
+def _on_signals(candidate: Candidate, node: asyncio.Task[int], stopped: list[signal.Signals]) -> None:
+    """SIGINT (Ctrl-C) on the master's host stops the job (everywhere), as on a c10d job's master host; elsewhere it
+    stops this host's node. SIGTERM (the machine shutting down, the host drained) stops this host's node and, on
+    the master's host, hands the job over: the master is killed and the lease given back, so a standby takes the
+    job over at once; the job goes on."""
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:
-        stopped.set()
-        if candidate.serving:
+        stopped.append(sig)
+        if candidate.serving and sig is signal.SIGINT:
             print(f"stead: {sig.name}: stopping the job (this host runs its master)", file=sys.stderr)
             candidate.pass_on(sig)
-        else:
-            print(f"stead: {sig.name}: stopping this host's node; the job goes on without it", file=sys.stderr)
-            node.cancel()
+            return
+        handed = " and hands the job to another host's master" if candidate.serving else ""
+        print(f"stead: {sig.name}: this host stops its node{handed}; the job goes on without it", file=sys.stderr)
+        node.cancel()  # (the campaign is cancelled with it: its master killed, its lease given back)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)

@@ -215,7 +215,12 @@ async def run_job(config: RunConfig, *, listen_fd: int | None = None, takeover: 
         if stop_reason is not None and not master.state.phase.terminal:
             await master.submit(JobStopped(reason=stop_reason))
         async with asyncio.TaskGroup() as tasks:
-            helpers = [tasks.create_task(_report_waiting(master)), tasks.create_task(_stop_on_signal(master))]
+            # an elected master (--rdzv-backend etcd) stops the job on SIGINT only: SIGTERM (its host shutting down)
+            # ends it where it stands, and a standby on another host takes the job over
+            elected = bool(config.hosts_endpoint) and config.rdzv_backend in ELECTED_BACKENDS
+            stops = (signal.SIGINT,) if elected else (signal.SIGINT, signal.SIGTERM)
+            helpers = [tasks.create_task(_report_waiting(master)),
+                       tasks.create_task(_stop_on_signal(master, signals=stops))]
             await master.wait()
             for helper in helpers:
                 helper.cancel()

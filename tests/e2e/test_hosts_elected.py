@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,8 +51,9 @@ async def _until_said(folder: Path, text: str) -> None:
             await asyncio.sleep(0.1)
 
 
-async def test_the_elected_master_s_host_killed_a_standby_takes_the_job_over_and_no_worker_restarts(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["killed", "SIGTERM"])
+async def test_the_elected_master_s_host_lost_a_standby_takes_the_job_over_and_no_worker_restarts(
+        tmp_path: Path, how: str) -> None:
     token = secrets.token_urlsafe(32)
     timestamps = tmp_path / "steps.log"
     async with test_hosts(4) as hosts, etcd_on(hosts[3]) as etcd:
@@ -65,11 +67,17 @@ async def test_the_elected_master_s_host_killed_a_standby_takes_the_job_over_and
         await _until_step(timestamps, 40, world=2)
         # the master's host ran no node: the job's two nodes went to the other hosts, and it stayed the spare
         assert "elected its master" not in (folders[1] / "stderr").read_text() + (folders[2] / "stderr").read_text()
-        await hosts.kill(0)
+        if how == "killed":  # every process on it at once (its master may still get a signal as its parent dies)
+            await hosts.kill(0)
+        else:  # its `stead run` told to stop (the machine shutting down): it hands the job over and leaves
+            first.send_signal(signal.SIGTERM)
         ended = [await _ended(p, f) for p, f in zip(others, folders[1:], strict=True)]
         rc, out, err = await hosts[1].run([sys.executable, "-m", "stead", "events", "--job", "elected", "--store",
                                            f"etcd://{etcd}", "--json"], cwd=folders[1])
         await first.wait()
+    if how == "SIGTERM":
+        said = (folders[0] / "stderr").read_text()
+        assert first.returncode == 143 and "hands the job to another host's master" in said, said[-3000:]
     assert all(code == 0 for code, _ in ended), [text[-3000:] for _, text in ended]
     said = "".join(text for _, text in ended)
     assert said.count("(taking the job over)") == 1, said[-4000:]
