@@ -260,6 +260,37 @@ async def test_a_lost_host_that_comes_back_grows_the_job_again_at_once(tmp_path:
     assert started[-1][1] == "h2", started  # the node asked for again went to the host that came back
 
 
+async def test_a_partition_between_workers_alone_ends_in_a_restarted_round_not_a_hang(tmp_path: Path) -> None:
+    """h1 and h2 cannot reach each other, both still reach the master (on h0): their collective stops, the hang
+    is found from the job's pace (diagnosis.hang_floor_s) and the round restarts; once the link heals, a new round
+    trains to the end."""
+    token = secrets.token_urlsafe(32)
+    timestamps = tmp_path / "steps.log"
+    async with test_hosts(3) as hosts:
+        flags = ["--nnodes", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:29400",
+                 "--rdzv-id", "split", "--max-restarts", "20", "--set", "diagnosis.hang_floor_s=3"]
+        script = [str(TRAIN), "--steps", "200", "--step-time", "0.03", "--timestamps", str(timestamps)]
+        serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, *script], token)
+        joining = [await _stead_run(hosts[i], tmp_path / f"h{i}", [*flags, *script], token) for i in (1, 2)]
+        await _until_step(timestamps, 30, world=3)
+        await hosts.partition(1, 2)  # only between h1 and h2: both still reach h0, the master's host
+        async with asyncio.timeout(RUN_TIMEOUT_S):  # the stalled round is found and restarted
+            while not any(e["type"] == "recovery.decided"  # noqa: ASYNC110 (another process writes the log)
+                          for e in await _events(hosts[0], tmp_path / "h0", "split")):
+                await asyncio.sleep(0.5)
+        await hosts.heal(1, 2)
+        (rc0, err0), (rc1, err1), (rc2, err2) = [await _ended(p) for p in (serving, *joining)]
+        events = await _events(hosts[0], tmp_path / "h0", "split")
+    assert (rc0, rc1, rc2) == (0, 0, 0), (err0[-3000:], err1[-2000:], err2[-2000:])
+    [end] = [e["seq"] for e in events if e["type"] == "job.succeeded"]
+    gone = [e for e in events if e["type"] in ("node.lost", "node.exited") and e["seq"] < end]  # type: ignore[operator]
+    assert not gone, gone  # no node was taken for lost: the master reached every host
+    rounds = [e["data"]["members"] for e in events if e["type"] == "round.started"]  # type: ignore[index]
+    assert len(rounds) >= 2 and all(len(r) == 3 for r in rounds), rounds
+    last = _steps(timestamps)
+    assert max(last.values()) == 199, last
+
+
 async def test_a_host_partitioned_past_the_heartbeat_timeout_is_lost_and_every_sample_is_still_read_once(
         tmp_path: Path) -> None:
     # every host in one shared folder (a home directory on NFS, say): the script's own checkpoint and the data

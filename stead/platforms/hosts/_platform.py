@@ -330,11 +330,14 @@ class HostsPlatform:
             self._events.put_nowait(NodeStarted(node_id=report.node_id, incarnation=report.incarnation,
                                                 host=host.name, pid=report.pid or None))
         if report.exited:
-            if host.node == key:
-                host.node = None
             self._events.put_nowait(NodeExited(node_id=report.node_id, incarnation=report.incarnation,
                                                exit_code=report.exit_code, signal=report.signal,
                                                reason=report.reason))
+            if host.node == key:
+                host.node = None
+                if host.connected and not self._leaving:  # free again (a host back from a partition, its old
+                    self._events.put_nowait(RoomFound(  # node killed): room for a node the job gave up on
+                        reason=f"host {host.name} ({host.address}) runs no node now ({key[0]}/{key[1]} exited)"))
 
     async def _place(self) -> None:
         for key, spec in sorted(self._waiting.items()):

@@ -13,7 +13,7 @@ import pytest
 
 from stead.cli.run_args import parse_run_args
 from stead.core.errors import ConfigError
-from stead.core.events import NodeExited, NodePending, NodeStarted
+from stead.core.events import NodeExited, NodePending, NodeStarted, RoomFound
 from stead.core.platform import NodeSpec
 from stead.core.runspec import RunConfig
 from stead.platforms.hosts import HostsPlatform, _platform, job_shape, shape_mismatch, static_rank
@@ -104,6 +104,8 @@ async def test_a_host_reports_its_node_and_is_free_again_once_its_node_exited() 
         events = hosts._events
         assert events.get_nowait() == NodeStarted(node_id="node-1", incarnation=1, host="host-a", pid=7)
         assert events.get_nowait() == NodeExited(node_id="node-1", incarnation=1, exit_code=1)
+        room = events.get_nowait()  # the host is free again: room for a node the job may have given up on
+        assert isinstance(room, RoomFound) and "host-a" in room.reason and "node-1/1 exited" in room.reason
         assert events.empty()  # node-9 is not a node placed there: dropped
         await hosts.launch(spec("node-1", 2))
         assert launched(hosts, "a") == [("node-1", 2)]
