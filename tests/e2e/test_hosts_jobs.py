@@ -254,8 +254,10 @@ async def test_a_lost_host_that_comes_back_grows_the_job_again_at_once(tmp_path:
     assert (rc0, rc1, rc2) == (0, 0, 0), (err0[-2000:], err1[-2000:], err2[-2000:])
     rounds = [e["data"]["members"] for e in events if e["type"] == "round.started"]  # type: ignore[index]
     assert len(rounds[0]) == 3 and 2 in [len(r) for r in rounds] and len(rounds[-1]) == 3, rounds
-    room = [e for e in events if e["type"] == "platform.room"]
-    assert room and "h2" in room[-1]["data"]["reason"], room  # type: ignore[index]
+    room = [e for e in events if e["type"] == "platform.room" and "h2" in e["data"]["reason"]]  # type: ignore[index]
+    grown = [e["seq"] for e in events if e["type"] == "round.started" and len(e["data"]["members"]) == 3]  # type: ignore[index]
+    [gave_up] = [e["seq"] for e in events if e["type"] == "scaler.pending"]
+    assert any(gave_up < r["seq"] < grown[-1] for r in room), (room, gave_up, grown)  # type: ignore[operator]
     started = [(e["data"]["node_id"], e["data"]["host"]) for e in events if e["type"] == "node.started"]  # type: ignore[index]
     assert started[-1][1] == "h2", started  # the node asked for again went to the host that came back
 

@@ -335,8 +335,9 @@ class HostsPlatform:
                                                reason=report.reason))
             if host.node == key:
                 host.node = None
-                if host.connected and not self._leaving:  # free again (a host back from a partition, its old
-                    self._events.put_nowait(RoomFound(  # node killed): room for a node the job gave up on
+                if host.connected and not self._leaving and self._ended is None:  # free again (a host back from a
+                    # partition, its old node killed): room for a node the job gave up on
+                    self._events.put_nowait(RoomFound(
                         reason=f"host {host.name} ({host.address}) runs no node now ({key[0]}/{key[1]} exited)"))
 
     async def _place(self) -> None:
