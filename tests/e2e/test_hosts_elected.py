@@ -58,7 +58,7 @@ async def test_the_elected_master_s_host_lost_a_standby_takes_the_job_over_and_n
     timestamps = tmp_path / "steps.log"
     async with test_hosts(4) as hosts, etcd_on(hosts[3]) as etcd:
         flags = ["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd, "--rdzv-id", "elected",
-                 "--rdzv-conf", "heartbeat=3"]
+                 "--rdzv-conf", "heartbeat=5"]  # the lease's TTL too: a starved candidate must not lose it
         script = [str(TRAIN), "--steps", "300", "--step-time", "0.03", "--timestamps", str(timestamps)]
         folders = [tmp_path / f"h{i}" for i in range(3)]
         first = await _stead_run(hosts[0], folders[0], [*flags, *script], token)

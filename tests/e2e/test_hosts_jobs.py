@@ -191,7 +191,9 @@ async def test_a_host_killed_costs_its_node_and_the_job_goes_on(tmp_path: Path, 
     timestamps = tmp_path / "steps.log"
     async with test_hosts(hosts_n) as hosts:
         flags = ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:29400",
-                 "--rdzv-id", "lost-host", "--rdzv-conf", "heartbeat=3",
+                 # the default heartbeat timeout (5 s): a 2-core machine running two whole-job tests at once
+                 # starved every agent's heartbeats for 3 s in one run, and the killed host must be the only loss
+                 "--rdzv-id", "lost-host", "--rdzv-conf", "heartbeat=5",
                  "--set", f"ckpt.dir={tmp_path / 'checkpoints'}"]  # a filesystem every host reads, as users have
         script = [str(TRAIN), "--steps", "150", "--save-every", "5",
                   "--timestamps", str(timestamps)]
