@@ -50,9 +50,10 @@ SILENT_PERIODS = 3
 #: heard from longer ago (cut off, its hang-up arriving only as the link heals) is left to the heartbeat timeout.
 HUNG_UP_GRACE_S = 1.0
 #: an elected master's own host gets a node only once the node waited this long for another host: the other hosts
-#: offer themselves within it as the job starts, and the master's host stays a spare when there is one, so that
-#: losing it (with its master) costs the training nothing
-HOME_LAST_S = 1.0
+#: offer themselves within it as the job starts (their `stead run` started at about the same time, on a loaded
+#: machine too: 1 s was too short in a fresh-clone run), and the master's host stays a spare when there is one, so
+#: that losing it (with its master) costs the training nothing
+HOME_LAST_S = 3.0
 
 
 def job_shape(config: RunConfig) -> proto.JobShape:
