@@ -310,8 +310,8 @@ class Bench:
             try:
                 over = await _until(taken_over, "a standby's master taking the job over", procs[1:])
                 assert isinstance(over, float)
-                done = max(step for _, _, step, _ in _lines(stamps) if step.isdigit()) if stamps.exists() else 0
-                await _until(lambda: any(s.isdigit() and int(s) >= int(done) + 30 for _, _, s, _ in _lines(stamps)),
+                done = max((int(step) for _, _, step, _ in _lines(stamps) if step.isdigit()), default=0)
+                await _until(lambda: any(s.isdigit() and int(s) >= done + 30 for _, _, s, _ in _lines(stamps)),
                              "30 steps after the takeover", procs[1:])
             except Failed as exc:
                 raise Failed(f"{exc}:\n{self.tail(run)}") from None
