@@ -34,7 +34,7 @@ import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -52,6 +52,9 @@ from stead.core.rpc.address import parse_address
 from stead.core.runspec import RunConfig
 from stead.core.store import StateStore, WatchKind, open_store
 
+if TYPE_CHECKING:  # (the hosts package is imported when the job runs, in _run)
+    from stead.platforms.hosts import NodeSpecFactory
+
 __all__ = ["Candidate", "Leader", "LeaderView", "MasterProxy", "leader_key", "run_elected"]
 
 log = structlog.get_logger("stead.elected")
@@ -64,9 +67,6 @@ PROXY_WAIT_S = 30.0
 ENDED_GRACE_S = 10.0
 #: how much the proxy reads and writes at once
 _CHUNK = 1 << 16
-
-#: how a host starts a node's agent: (node id, incarnation, master address, token file) -> its spec
-NodeSpecFactory = Callable[[str, int, str, str], Any]
 
 
 def leader_key(job: str) -> str:

@@ -8,6 +8,6 @@ others on the hosts that offered themselves over :class:`HostServicer`); every o
 from __future__ import annotations
 
 from stead.platforms.hosts._platform import HostServicer, HostsPlatform, job_shape, shape_mismatch, static_rank
-from stead.platforms.hosts.launcher import join_job
+from stead.platforms.hosts.launcher import NodeSpecFactory, join_job
 
-__all__ = ["HostServicer", "HostsPlatform", "join_job", "job_shape", "shape_mismatch", "static_rank"]
+__all__ = ["HostServicer", "HostsPlatform", "NodeSpecFactory", "join_job", "job_shape", "shape_mismatch", "static_rank"]

@@ -43,7 +43,7 @@ from stead.core.tokenfile import write_token_file
 from stead.platforms.hosts._platform import job_shape
 from stead.platforms.hosts._proto.stead.hosts import v1 as proto
 
-__all__ = ["WAITING_REPORT_S", "join_job"]
+__all__ = ["WAITING_REPORT_S", "NodeSpecFactory", "join_job"]
 
 log = structlog.get_logger("stead.hosts")
 
