@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -109,7 +110,10 @@ class NodeProcess:
         reply = self.proc.stdout.readline()
         if not reply:
             raise RuntimeError("the node process died")
-        return dict(json.loads(reply))
+        answer = dict(json.loads(reply))
+        if "error" in answer:
+            raise RuntimeError(f"the node process failed at {line!r}: {answer['error']}")
+        return answer
 
     def round(self, round_: int, restart_count: int) -> dict[str, str]:
         """Start a round (the agent's before_round hook); the environment its worker gets."""
@@ -118,9 +122,13 @@ class NodeProcess:
     def __enter__(self) -> NodeProcess:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.command("stop")
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.command("stop")
+        except (RuntimeError, OSError):
+            if exc_type is None:
+                raise  # else the node process failed first: its error is the one to see
         self.proc.wait(timeout=120)
 
 
@@ -150,20 +158,31 @@ def prefaulted_worker(node: NodeProcess, settings: CheckpointSettings,
 
 
 def serve_node(work: Path, job: str) -> None:
-    """``--serve-node``: run the master plugin and an agent; answer ``round R RESTARTS`` with the worker env."""
+    """``--serve-node``: run the master plugin and an agent; answer ``round R RESTARTS`` with the worker env.
+
+    A failure is answered at once (``{"error": traceback}``) and ends the process without closing the cluster
+    (closing waits for the bench's open connections: both processes would hang), its segments freed first."""
     settings = CheckpointSettings(dir=str(work / "stead"), persist_on_failure=False)
     with LocalCluster(work, settings, job=job) as cluster:
-        ext = cluster.agent()
-        for line in sys.stdin:
-            words = line.split()
-            if words[0] == "stop":
-                cluster.stop_agent()
-                print("{}", flush=True)
-                return
-            round_, restarts = int(words[1]), int(words[2])
-            cluster.round(round_, restart_count=restarts)
-            env = {**ext.worker_env(round=round_, local_rank=0), "STEAD_ROUND": str(round_), "STEAD_JOB": job}
-            print(json.dumps(env), flush=True)
+        try:
+            ext = cluster.agent()
+            for line in sys.stdin:
+                words = line.split()
+                if words[0] == "stop":
+                    cluster.stop_agent()
+                    print("{}", flush=True)
+                    return
+                round_, restarts = int(words[1]), int(words[2])
+                cluster.round(round_, restart_count=restarts)
+                env = {**ext.worker_env(round=round_, local_rank=0), "STEAD_ROUND": str(round_), "STEAD_JOB": job}
+                print(json.dumps(env), flush=True)
+        except BaseException:
+            error = traceback.format_exc()
+            print(error, file=sys.stderr, flush=True)
+            print(json.dumps({"error": error}), flush=True)
+            for agent in cluster.agents.values():
+                agent._unlink_all()  # os._exit skips the atexit hook that would
+            os._exit(1)
 
 
 def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 600) -> None:

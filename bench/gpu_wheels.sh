@@ -1,11 +1,13 @@
 #!/bin/sh
-# The wheels bench/gpu.py needs on a GPU machine without network that has python3 3.12, CUDA torch, numpy, psutil,
-# xxhash, nvidia-ml-py, anyio, rich and prometheus-client already: what `stead run`, its agent (whose command
-# line imports the Kubernetes platform: aiohttp, kubernetes_asyncio, PyYAML) and the ckpt plugin import besides,
-# at the versions of .venv, into .whl/ (git-ignored: carry it to the machine). grpcio and protobuf come too, at
-# our versions: aetcd's generated code, imported by every stead command, needs grpcio >= 1.66.2 and protobuf
-# >= 5.27.2. stead's own wheel is there only for its entry points (plugins and platforms are found through
-# them): the run deletes its package and imports stead from the source tree.
+# The wheels bench/gpu.py and tests/plugins/ckpt/test_cuda.py need on a GPU machine without network that has python3
+# 3.12, CUDA torch, numpy, psutil, xxhash, nvidia-ml-py, rich, prometheus-client and pytest already: what `stead
+# run`, its agent (whose command line imports the Kubernetes platform: aiohttp, kubernetes_asyncio, PyYAML) and the
+# ckpt plugin import besides, at the versions of .venv, into .whl/ (git-ignored: carry it to the machine). grpcio
+# and protobuf come too, at our versions: aetcd's generated code, imported by every stead command, needs grpcio >=
+# 1.66.2 and protobuf >= 5.27.2. anyio comes at our version: the machine's may be older than the API stead uses
+# (4.16's BlockingPortal.call_async; a GPU machine's 4.15.1 broke every flash checkpoint hook). cryptography (with
+# cffi and pycparser) for the test suite's fixtures. stead's own wheel is there only for its entry points (plugins
+# and platforms are found through them): the run deletes its package and imports stead from the source tree.
 #
 #   sh bench/gpu_wheels.sh          # then, on the GPU machine, from the repository root:
 #   python3 -c "import zipfile,glob;[zipfile.ZipFile(w).extractall('.whl/site') for w in glob.glob('.whl/*.whl')]" \
@@ -20,7 +22,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   structlog==26.1.0 setproctitle==1.3.8 typing_extensions==4.16.0 \
   aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 propcache==0.5.4 yarl==1.25.1 \
   PyYAML==6.0.4 kubernetes_asyncio==36.1.0 certifi==2026.10.19.post1 python-dateutil==4.0.0 six==1.17.0 \
-  urllib3==2.8.0 grpcio==1.85.3 protobuf==7.36.2
+  urllib3==2.8.0 grpcio==1.85.3 protobuf==7.36.2 anyio==4.16.0 idna==3.20 cryptography==50.0.2 cffi==2.1.1 \
+  pycparser==3.12
 rm -f .whl/stead-*.whl
 src=$(mktemp -d)
 git archive HEAD | tar -x -C "$src"
