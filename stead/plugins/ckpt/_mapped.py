@@ -4,7 +4,9 @@ CPU tensors are copied with ``memmove`` (libc's copy, the GIL released); CUDA
 tensors with ``copy_(non_blocking=True)`` on a side stream, into the mapping
 registered as pinned host memory (``cudaHostRegister``) when that works. Pages
 are pre-faulted in the background (``MADV_POPULATE_WRITE``, or touching one byte
-per page on older kernels) so that even the first save copies at memory speed.
+per page on older kernels) so that even the first save copies at memory speed;
+in a process that already uses CUDA the background thread then registers the
+mapping too (seconds for tens of GiB), so that no save or restore waits for it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+#: cudaHostRegisterPortable: pinned for every CUDA context of the process, not only the registering thread's
+_REGISTER_PORTABLE = 1
 
 
 class MappedSlot:
@@ -40,6 +44,8 @@ class MappedSlot:
         self.base = ctypes.addressof(self._anchor)
         self._bytes: torch.Tensor | None = None
         self._pinned = False
+        self._pin_lock = threading.Lock()
+        self._pin_failed = False
         self._populating: threading.Thread | None = None
         self._stop_populating = threading.Event()
         self._populate_lock = threading.Lock()
@@ -62,11 +68,13 @@ class MappedSlot:
 
     # -- pre-faulting ------------------------------------------------------------------------
 
-    def populate_in_background(self) -> None:
-        """Fault every page in now, off the training thread (a later copy then runs at memory speed)."""
+    def populate_in_background(self, cuda_device: int | None = None) -> None:
+        """Fault every page in now, off the training thread (a later copy then runs at memory speed); with
+        ``cuda_device``, register the mapping as pinned memory after (on that device's context)."""
         if self._populating is not None:
             return
-        thread = threading.Thread(target=self.populate, name=f"stead-ckpt-populate-{self.gen}", daemon=True)
+        thread = threading.Thread(target=self.prepare, args=(cuda_device,), name=f"stead-ckpt-populate-{self.gen}",
+                                  daemon=True)
         self._populating = thread
         thread.start()
 
@@ -91,6 +99,13 @@ class MappedSlot:
                     finally:
                         view.release()
 
+    def prepare(self, cuda_device: int | None) -> None:
+        """populate(), then, with ``cuda_device``, pin_for_cuda() on that device (in the calling thread)."""
+        self.populate()
+        if cuda_device is not None and not self._stop_populating.is_set():
+            with torch.cuda.device(cuda_device):
+                self.pin_for_cuda()
+
     def wait_populated(self) -> None:
         if self._populating is not None:
             self._populating.join()
@@ -98,16 +113,23 @@ class MappedSlot:
     # -- copies ------------------------------------------------------------------------------
 
     def pin_for_cuda(self) -> None:
-        """Register the mapping as pinned memory so device-to-host copies run asynchronously at full speed."""
-        if self._pinned or not torch.cuda.is_available():
-            return
-        try:
-            result = torch.cuda.cudart().cudaHostRegister(self.base, self.capacity, 0)  # type: ignore[no-untyped-call]
-            self._pinned = int(result) == 0
-        except (RuntimeError, AttributeError) as exc:
-            log.warning("ckpt_pin_failed", error=repr(exc), effect="CUDA copies use pageable memory (slower)")
-        if not self._pinned:
-            log.warning("ckpt_pin_failed", segment=self.name, effect="CUDA copies use pageable memory (slower)")
+        """Register the mapping as pinned memory so device-to-host copies run asynchronously at full speed
+        (once: a call while another thread registers it waits for that one)."""
+        with self._pin_lock:
+            if self._pinned or self._pin_failed or self._anchor is None or not torch.cuda.is_available():
+                return
+            error = ""
+            try:
+                result = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+                    self.base, self.capacity, _REGISTER_PORTABLE)
+                self._pinned = int(result) == 0
+                error = "" if self._pinned else f"cudaHostRegister returned {result}"
+            except (RuntimeError, AttributeError) as exc:
+                error = repr(exc)
+            if not self._pinned:
+                self._pin_failed = True  # not again for every save
+                log.warning("ckpt_pin_failed", segment=self.name, error=error,
+                            effect="CUDA copies of this slot use pageable memory (slower, synchronous)")
 
     def copy_in(self, tensor: torch.Tensor, offset: int, nbytes: int, stream: Any = None) -> None:
         """Copy ``tensor`` (this rank's local data) into the slot at ``offset``."""
@@ -143,10 +165,11 @@ class MappedSlot:
         self.wait_populated()
         with self._populate_lock:
             pass  # a populate() running in another thread has stopped
-        if self._pinned:
-            with contextlib.suppress(RuntimeError, AttributeError):
-                torch.cuda.cudart().cudaHostUnregister(self.base)  # type: ignore[no-untyped-call]
-            self._pinned = False
+        with self._pin_lock:
+            if self._pinned:
+                with contextlib.suppress(RuntimeError, AttributeError):
+                    torch.cuda.cudart().cudaHostUnregister(self.base)  # type: ignore[no-untyped-call]
+                self._pinned = False
         self._bytes = None
         self._anchor = None
         try:

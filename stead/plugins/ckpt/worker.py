@@ -44,7 +44,7 @@ import torch
 
 from stead.core.worker.progress import resume_steps_at
 from stead.plugin import load_settings
-from stead.plugins.ckpt import _disk
+from stead.plugins.ckpt import _disk, _overlap
 from stead.plugins.ckpt._checksum import checksum
 from stead.plugins.ckpt._codec import Encoded, encode
 from stead.plugins.ckpt._group import Group
@@ -86,8 +86,10 @@ class FlashCheckpointer:
     ``size_hint`` (bytes, or a state dict to measure) lets the agent allocate and
     pre-fault both slots while training starts, so the first save costs no more than
     the later ones. ``copy_mode="overlap"`` returns from ``save`` as soon as CUDA
-    copies are queued (the current stream waits for them before touching the
-    tensors again); CPU tensors are always copied before ``save`` returns.
+    copies are queued: the next step's forward and backward run while they copy,
+    and the training stream waits for them (on the GPU) only before an optimizer's
+    ``step()`` or the forward of a module whose saved buffers it would update
+    (``_overlap``); CPU tensors are always copied before ``save`` returns.
     """
 
     def __init__(self, *, size_hint: int | Mapping[str, Any] | None = None,
@@ -157,11 +159,14 @@ class FlashCheckpointer:
             layout = self._plan(encoded)
             nbytes = layout.needed(layout.document(tree=encoded.tree, step=1 << 40, round_=self.round,
                                                    rank=self.rank, world=self.world_size))
+        cuda = _cuda_device(isinstance(size, int) or any(m.device == "cuda" for m in encoded.metas))
+        if cuda is not None and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # not in the first save
         if self._reserving is not None:
             self._reserving.join()
         self._reserved.clear()
         slack = nbytes // 100 + (1 << 20)  # the layout document and the checksums, if ``size`` counted tensors only
-        self._reserving = threading.Thread(target=self._reserve_slots, args=(nbytes + slack, (0, 1), True),
+        self._reserving = threading.Thread(target=self._reserve_slots, args=(nbytes + slack, (0, 1), True, cuda),
                                            name="stead-ckpt-reserve", daemon=True)
         self._reserving.start()
 
@@ -383,7 +388,7 @@ class FlashCheckpointer:
         slot = next((s for s in self._ctl.slots() if s.holds(*self._hint)), None)
         mapped = self._mapped(slot.index) if slot is not None else None
         if mapped is not None:
-            mapped.populate_in_background()
+            mapped.populate_in_background(_cuda_device(True))
 
     def _mapped(self, index: int) -> MappedSlot | None:
         """The mapping of slot ``index``, following the agent if it reallocated the segment."""
@@ -407,8 +412,10 @@ class FlashCheckpointer:
     def _data_name(self, index: int, gen: int) -> str:
         return f"{self._data_prefix}s{index}-g{gen}"
 
-    def _reserve_slots(self, nbytes: int, slots: tuple[int, ...], background: bool) -> None:
-        """Have the agent allocate; in the background, then fault the pages in, slot 0 (the first save's) first."""
+    def _reserve_slots(self, nbytes: int, slots: tuple[int, ...], background: bool,
+                       cuda_device: int | None = None) -> None:
+        """Have the agent allocate; in the background, then fault the pages in, slot 0 (the first save's) first,
+        and with ``cuda_device`` register each as pinned memory."""
         assert self._link is not None
         mapped: list[MappedSlot] = []
         try:
@@ -423,7 +430,7 @@ class FlashCheckpointer:
                 self._reserved.set()
         if background:
             for slot in mapped:  # one after the other: two at once on a busy node only slow each other down
-                slot.populate()
+                slot.prepare(cuda_device)
 
     def _copy(self, encoded: Encoded, layout: SlotLayout, mapped: MappedSlot) -> Any:
         """Copy every tensor; returns a CUDA event to wait for when device copies are in flight."""
@@ -440,11 +447,16 @@ class FlashCheckpointer:
             return None
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(stream)
-        torch.cuda.current_stream().wait_event(done)  # nothing queued later may change a tensor being copied
+        if self.copy_mode == "overlap":  # else save() waits for ``done`` before it returns
+            cuda = [t for t in encoded.tensors if t.device.type == "cuda"]
+            for tensor in cuda:  # its memory is not reused while the copy reads it, even if the script drops it
+                tensor.record_stream(stream)
+            _overlap.guard(done, cuda)
         return done
 
     def _finish_after(self, event: Any, finish: dict[str, Any]) -> None:
         event.synchronize()
+        _overlap.release(event)
         self._publish(**finish)
 
     def _finish_previous(self) -> None:
@@ -493,3 +505,10 @@ class FlashCheckpointer:
         if newest < 0:
             return -1, 0
         return newest & ((1 << _STEP_BITS) - 1), newest >> _STEP_BITS
+
+
+def _cuda_device(wanted: bool) -> int | None:
+    """The current CUDA device when ``wanted`` and this process already uses CUDA (slots are then registered as
+    pinned memory in the background, on that device); None otherwise: a process that has not touched CUDA is not
+    made to, and it registers a slot at its first CUDA copy instead."""
+    return torch.cuda.current_device() if wanted and torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
