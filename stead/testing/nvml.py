@@ -131,6 +131,7 @@ class FakeNvml:
     NVMLError_Timeout = NVMLError_Timeout
     NVMLError_GpuIsLost = NVMLError_GpuIsLost
     NVMLError_Unknown = NVMLError_Unknown
+    nvmlMemory_v2 = pynvml.nvmlMemory_v2
 
     def __init__(self, gpus: int = 1, *, driver: bool = True, ecc: bool = True, xid_events: bool = True) -> None:
         self._gpus = gpus
@@ -143,6 +144,8 @@ class FakeNvml:
         self._event_sets: dict[int, tuple[set[int], deque[tuple[int, int]]]] = {}  # address -> (GPUs, events)
         self._next_event_set = _EVENT_SET_ADDRESS_BASE
         self._memory_total = 80 << 30
+        #: what the driver keeps for itself (v1 of nvmlDeviceGetMemoryInfo counts it as used)
+        self.reserved = 480 << 20
         self._used = [0] * gpus  # bytes in use per GPU
         self._util = [0] * gpus  # utilisation percent per GPU
         #: how many times nvmlShutdown was called
@@ -218,10 +221,15 @@ class FakeNvml:
             return 0  # only uncorrected volatile errors are scripted
         return self._ecc_counts[index]
 
-    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        """Version 1 counts the driver's reserved memory as used (as real drivers do); version 2 apart."""
         index = self._index(handle)
         used = self._used[index]
-        return pynvml.c_nvmlMemory_t(total=self._memory_total, free=self._memory_total - used, used=used)
+        if version is None:
+            used += self.reserved
+            return pynvml.c_nvmlMemory_t(total=self._memory_total, free=self._memory_total - used, used=used)
+        return pynvml.c_nvmlMemory_v2_t(version=version, total=self._memory_total, reserved=self.reserved,
+                                        free=self._memory_total - used - self.reserved, used=used)
 
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
         index = self._index(handle)

@@ -11,7 +11,7 @@ from stead.core.agent.gpu import GpuHealth, GpuProblem
 from stead.testing.nvml import FakeNvml
 
 #: the fake's own scripting API and counters: everything else on it must exist in pynvml
-FAKE_ONLY = {"xid", "ecc", "use", "lose", "fail", "shutdowns", "initialised", "open_event_sets"}
+FAKE_ONLY = {"xid", "ecc", "use", "lose", "fail", "shutdowns", "initialised", "open_event_sets", "reserved"}
 
 
 @pytest.fixture
@@ -135,6 +135,21 @@ def test_usage_is_the_fullest_gpus_memory_and_the_mean_utilisation_of_those_that
     assert health.usage() == (10 << 30, 50.0)
     nvml.fail(0, pynvml.NVML_ERROR_UNKNOWN)
     assert health.usage() == (None, None)  # no GPU answered: unknown, not zero
+
+
+def test_memory_in_use_leaves_out_what_the_driver_reserves_as_nvidia_smi_does(
+        nvml: FakeNvml, health: GpuHealth, monkeypatch: pytest.MonkeyPatch) -> None:
+    nvml.use(0, memory_bytes=2 << 30, util_percent=0)
+    assert health.usage()[0] == 2 << 30
+    v1_only = nvml.nvmlDeviceGetMemoryInfo
+
+    def old_driver(handle: object, version: int | None = None) -> object:
+        if version is not None:
+            raise FakeNvml.NVMLError_NotSupported()  # a real old driver: NVMLError_FunctionNotFound
+        return v1_only(handle)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetMemoryInfo", old_driver)
+    assert health.usage()[0] == (2 << 30) + nvml.reserved  # a driver without version 2: its only answer
 
 
 def test_without_a_driver_open_gives_the_reason_and_the_rest_does_nothing() -> None:
