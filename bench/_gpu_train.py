@@ -1,6 +1,7 @@
 """The training script of bench/gpu.py's job: one worker, a small model on CUDA (CPU without a GPU), flash checkpoints.
 
-    stead run --standalone --nproc-per-node 1 --max-restarts 1 bench/_gpu_train.py --out DIR --crash-at-step K
+    stead run --standalone --nproc-per-node 1 --max-restarts 1 bench/_gpu_train.py --out DIR --crash-at-step K \
+        --step-s 0.4
 
 Each ``--save-every`` steps it saves model and optimizer (momentum) with a FlashCheckpointer and writes
 ``DIR/hash-STEP`` = the SHA-256 of every saved tensor's bytes, read back from the device after the save. At
@@ -56,6 +57,9 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--crash-at-step", type=int, default=42)
     parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--step-s", type=float, default=0.0,
+                        help="seconds a step takes at least (a real step's pace: the crash comes once the agent's "
+                             "standby zygote is ready, as in a job that has run a while)")
     args = parser.parse_args()
     out = Path(args.out)
     # gloo: a world of one needs no NCCL peer, and the CPU fallback runs the same code
@@ -85,6 +89,7 @@ def main() -> None:
         first = step + 1
     log = open(out / "steps", "a")  # noqa: SIM115
     for step in range(first, args.steps):
+        began = time.monotonic()
         if step == args.crash_at_step and restart == 0:
             log.write(f"{restart} crash {time.time():.6f}\n")
             log.flush()
@@ -103,6 +108,7 @@ def main() -> None:
         report_step(step)
         log.write(f"{restart} {step} {time.time():.6f}\n")
         log.flush()
+        time.sleep(max(0.0, args.step_s - (time.monotonic() - began)))  # after the step's time is written
     ckpt.close()
     dist.destroy_process_group()
 
