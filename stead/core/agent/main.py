@@ -28,6 +28,7 @@ from typing import TypeVar
 import anyio
 import structlog
 
+from stead.core.agent.errorfile import error_file_path, read_error_file
 from stead.core.agent.extensions import AgentContext, Extensions, load_extensions
 from stead.core.agent.gpu import GpuHealth
 from stead.core.agent.health_check import ORDERS_ENV as HEALTH_ORDERS_ENV
@@ -128,6 +129,8 @@ class Agent:
         self._zygote: Zygote | None = None
         self._preloaded: set[str] = set(ZYGOTE_PRELOAD) | (set(ZYGOTE_LATE_PRELOAD) if zygote is not None else set())
         self._progress: ProgressFiles | None = None
+        #: each local rank's TORCHELASTIC_ERROR_FILE in the current round
+        self._error_files: dict[int, Path] = {}
         self._reader: ProgressReader | None = None
         self._lock = anyio.Lock()
         self._resources = WorkerResources()
@@ -444,10 +447,19 @@ class Agent:
         assert self._progress is not None
         cfg = self.config
         env = dict(os.environ)
+        redirect = cfg.redirects[local_rank] if local_rank < len(cfg.redirects) else Streams.NONE
+        tee = cfg.tee[local_rank] if local_rank < len(cfg.tee) else Streams.NONE
+        folder = None
+        if cfg.log_dir and (redirect | tee):
+            folder = Path(cfg.log_dir) / cfg.job_name / f"attempt_{command.round - 1}" / str(local_rank)
+            folder.mkdir(parents=True, exist_ok=True)
+        # torchrun's place for it: beside the worker's logs when there are any, else in the agent's own folder
+        error_file = self._error_files[local_rank] = error_file_path(
+            folder or self._progress.dir, command.round, local_rank)
         env.update(worker_env(
             cfg, local_rank=local_rank, node_rank=command.node_rank, nnodes=command.nnodes,
             restart_count=command.restart_count, master_addr=command.master_addr, master_port=command.master_port,
-            world_size=command.world_size, run_id=cfg.rdzv_id,
+            world_size=command.world_size, run_id=cfg.rdzv_id, error_file=str(error_file),
         ))
         env.update(self._ifname_env)
         env.update(settings_env(cfg.settings_overrides))  # the job's --set values reach worker-side code too
@@ -456,12 +468,8 @@ class Agent:
         env.update({"STEAD_JOB": cfg.job_name, "STEAD_NODE_ID": self.node_id, "STEAD_ROUND": str(command.round),
                     "STEAD_MASTER_ADDR": self.client.address, "STEAD_TOKEN_FILE": self.token_file})
         env.pop(RUN_SPEC_ENV, None)
-        redirect = cfg.redirects[local_rank] if local_rank < len(cfg.redirects) else Streams.NONE
-        tee = cfg.tee[local_rank] if local_rank < len(cfg.tee) else Streams.NONE
         stdout_path = stderr_path = None
-        if cfg.log_dir and (redirect | tee):
-            folder = Path(cfg.log_dir) / cfg.job_name / f"attempt_{command.round - 1}" / str(local_rank)
-            folder.mkdir(parents=True, exist_ok=True)
+        if folder is not None:
             stdout_path = folder / "stdout.log" if (redirect | tee) & Streams.OUT else None
             stderr_path = folder / "stderr.log" if (redirect | tee) & Streams.ERR else None
         return WorkerSpec(argv=cfg.entrypoint, env=env, cwd=os.getcwd(), local_rank=local_rank,
@@ -505,10 +513,13 @@ class Agent:
         oom = self._oom.evidence(worker_exit.pid) if killed_like_oom(worker_exit.exit_code, worker_exit.signal) else ""
         self._oom.forget(worker_exit.pid)
         gpu = await self._gpu_faults()
+        error_file = self._error_files.get(worker_exit.local_rank) if round_ == self.round else None
+        recorded = read_error_file(error_file) if error_file is not None else ""
         failure = WorkerFailed(
             node_id=self.node_id, round=round_, local_rank=worker_exit.local_rank,
             rank=self.node_rank * self.nproc + worker_exit.local_rank, exit_code=worker_exit.exit_code,
-            signal=worker_exit.signal, step=progress.step if progress else None, error_tail=worker_exit.error_tail,
+            signal=worker_exit.signal, step=progress.step if progress else None,
+            error_tail=recorded or worker_exit.error_tail,
             exited_at=worker_exit.at or None, oom=oom[:MAX_EVIDENCE_CHARS], gpu=gpu[:MAX_EVIDENCE_CHARS],
             exited_ok_ranks=exited_ok,
         )
