@@ -160,3 +160,57 @@ def test_a_rank_that_exits_0_early_is_blamed_not_the_peer_whose_collective_broke
     assert (decision["failure_class"], decision["rule"], decision["action"]) == ("user_error", "early-exit", "fail")
     assert decision["rank"] == 1
     assert "rank 1 (on node-0) exited 0 while rank 0 was still in a collective" in decision["evidence"]
+
+
+#: a worker decorated with torch's @record: its exception goes to TORCHELASTIC_ERROR_FILE; its stderr is sent
+#: nowhere first, so only the error file can say what ended it
+RECORDED = """
+import os, sys
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    print("error file:", os.environ["TORCHELASTIC_ERROR_FILE"], flush=True)
+    dist.init_process_group("gloo")
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    raise ValueError("warmup_steps=-3 must not be negative")
+
+main()
+"""
+
+
+def test_a_worker_using_torchs_record_gets_an_error_file_and_its_error_is_the_failures(run_job: RunJob) -> None:
+    job = run_job(RECORDED, flags=("--max-restarts", "0"))
+    assert job.returncode != 0
+    path = job.stdout.split("error file:", 1)[1].split()[0]
+    assert path.endswith(".json"), job.stdout  # torchrun gives each worker a path; an empty one writes nothing
+    (failure,) = of_type(events(job), "worker.failed")
+    assert "written by torch's @record" in failure["error_tail"]
+    assert "ValueError: warmup_steps=-3 must not be negative" in failure["error_tail"]
+    assert 'in main\n    raise ValueError("warmup_steps=-3' in failure["error_tail"]  # the traceback, not a line
+    assert "ValueError: warmup_steps=-3 must not be negative" in job.stderr  # the job's final error says it
+
+
+#: a bug that no restart fixes: the same error at the same step of every attempt
+REPEATS = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(10):
+    if step == 5:
+        raise ValueError("warmup_steps=-3 must not be negative")
+    model(torch.ones(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+"""
+
+
+def test_a_failure_that_repeats_ends_the_job_on_its_second_occurrence_not_its_last_restart(run_job: RunJob) -> None:
+    job = run_job(REPEATS, flags=("--max-restarts", "3", "--nproc-per-node", "2"))
+    assert job.returncode != 0
+    first, second = of_type(events(job), "recovery.decided")
+    assert (first["action"], first["failure_class"]) == ("restart", "transient")
+    assert (second["action"], second["failure_class"], second["rule"]) == ("fail", "user_error", "repeated-failure")
+    assert "round 1 (rank" in second["evidence"] and "round 2 (rank" in second["evidence"]
+    assert "ValueError: warmup_steps=-3 must not be negative" in second["evidence"]

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from stead.core.config import Settings
+from stead.core.errors import ConfigError
 from stead.core.events import Event, PluginsStarted, Record, RecoveryAction, RecoveryDecided, WorkerFailed
 from stead.core.plugins import NodeTelemetry, NoSettings, PluginContext
 from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState
@@ -56,11 +60,10 @@ def test_last_exception_reads_the_last_traceback_line() -> None:
     assert last_exception("no error here") is None
 
 
-@pytest.mark.anyio
-async def test_the_same_error_at_the_same_step_twice_fails_fast() -> None:
-    store = await open_store("memory://")
+async def _decisions(plugin: DiagnosisPlugin, failures: list[WorkerFailed], store: Any = None) -> list[Event]:
+    """Each failure, in its own round, given to ``plugin`` as the one its round awaits a decision on."""
+    store = store or await open_store("memory://")
     emitted: list[Event] = []
-    plugin = DiagnosisPlugin()
     state = JobState(phase=JobPhase.RECOVERING, awaiting_decision=True)
 
     async def emit(event: Event) -> Record:
@@ -69,20 +72,71 @@ async def test_the_same_error_at_the_same_step_twice_fails_fast() -> None:
 
     ctx = PluginContext(plugin="diagnosis", job="j", settings=NoSettings(), stead_settings=Settings(), store=store,
                         state=lambda: state, emit=emit, add_rpc_handler=None)
-    tail = TRACEBACK.format(line="RuntimeError: CUDA error: an illegal memory access")
-    for round_ in (1, 2):
-        failure = _failure(tail, round=round_)
+    for seq, failure in enumerate(failures, 1):
         state = dataclasses.replace(state, last_failure=failure)
-        await plugin.handle(record=Record(seq=round_, at=0.0, event=failure), ctx=ctx)
-    first, second = emitted
-    assert isinstance(first, RecoveryDecided) and first.action is RecoveryAction.RESTART
-    assert isinstance(second, RecoveryDecided) and second.action is RecoveryAction.FAIL
-    assert "same error at the same step twice" in second.reason
-    # a restarted master (a new plugin instance) still remembers the signature
-    again = DiagnosisPlugin()
-    await again.handle(record=Record(seq=3, at=0.0, event=state.last_failure), ctx=ctx)  # type: ignore[arg-type]
-    assert isinstance(emitted[-1], RecoveryDecided) and emitted[-1].action is RecoveryAction.FAIL
+        await plugin.handle(record=Record(seq=seq, at=0.0, event=failure), ctx=ctx)
+    return emitted
+
+
+VALUE = TRACEBACK.format(line="ValueError: warmup_steps=-3 must not be negative")
+OTHER = TRACEBACK.format(line="RuntimeError: CUDA error: an illegal memory access")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("steps_and_tails", "actions"), [
+    ([(3, VALUE), (3, VALUE)], ["restart", "fail"]),
+    ([(3, VALUE), (4, VALUE)], ["restart", "restart"]),  # another step: the world may differ, restarts are kept
+    ([(3, VALUE), (3, OTHER)], ["restart", "restart"]),  # another error
+    ([(None, VALUE), (None, VALUE)], ["restart", "fail"]),  # no step known: the same traceback twice in a row
+    ([(None, VALUE), (None, OTHER), (None, VALUE)], ["restart", "restart", "restart"]),  # ...not in a row
+    ([(3, VALUE), (5, OTHER), (3, VALUE)], ["restart", "restart", "fail"]),  # at one step: however far apart
+])
+async def test_a_failure_that_repeats_is_a_user_error_on_its_second_occurrence(
+        steps_and_tails: list[tuple[int | None, str]], actions: list[str]) -> None:
+    failures = [_failure(tail, step=step, round=round_) for round_, (step, tail) in enumerate(steps_and_tails, 1)]
+    decided = await _decisions(DiagnosisPlugin(), failures)
+    assert [d.action.value for d in decided if isinstance(d, RecoveryDecided)] == actions
+    last = decided[-1]
+    assert isinstance(last, RecoveryDecided)
+    if last.action is RecoveryAction.FAIL:
+        assert (last.failure_class, last.rule) == ("user_error", "repeated-failure")
+        first_round, last_round = failures[0].round, failures[-1].round
+        assert f"round {first_round} (rank 2" in last.evidence and f"round {last_round} (rank 2" in last.evidence
+        assert "ValueError: warmup_steps=-3 must not be negative" in last.reason
+
+
+@pytest.mark.anyio
+async def test_a_restarted_master_remembers_the_failures_already_seen() -> None:
+    store = await open_store("memory://")
+    await _decisions(DiagnosisPlugin(), [_failure(OTHER, round=1)], store)
+    (decided,) = await _decisions(DiagnosisPlugin(), [_failure(OTHER, round=2)], store)
+    assert isinstance(decided, RecoveryDecided) and decided.action is RecoveryAction.FAIL
+    assert "the same error at the same step twice" in decided.reason
     await store.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("table", "fails_at"), [("after = 3", 3), ("after = 0", None),
+                                                 ('class = "transient"', None)])
+async def test_the_rules_file_says_when_and_as_what_a_repeat_is_decided(tmp_path: Path, table: str,
+                                                                         fails_at: int | None) -> None:
+    rules = tmp_path / "rules.toml"
+    rules.write_text(f"[repeats]\n{table}\n")
+    plugin = DiagnosisPlugin(settings=DiagnosisSettings(rules_file=str(rules)))
+    decided = await _decisions(plugin, [_failure(VALUE, round=r) for r in (1, 2, 3)])
+    actions = [d.action for d in decided if isinstance(d, RecoveryDecided)]
+    assert actions == [RecoveryAction.FAIL if r == fails_at else RecoveryAction.RESTART for r in (1, 2, 3)]
+    if table.startswith("class"):  # decided as a transient repeat: restarted, and named as a repeat
+        assert isinstance(decided[-1], RecoveryDecided) and decided[-1].rule == "repeated-failure"
+
+
+@pytest.mark.parametrize(("table", "problem"), [("after = 1", "after = 1"), ("after = -2", "after = -2"),
+                                                ('class = "flaky"', "class = 'flaky'"), ("times = 2", "unknown key")])
+def test_a_bad_repeats_table_is_a_clear_error(tmp_path: Path, table: str, problem: str) -> None:
+    rules = tmp_path / "rules.toml"
+    rules.write_text(f"[repeats]\n{table}\n")
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        DiagnosisPlugin(settings=DiagnosisSettings(rules_file=str(rules)))
 
 
 @pytest.mark.anyio

@@ -35,9 +35,11 @@ from stead.plugins.diagnosis.rules import (
     Action,
     Facts,
     FailureClass,
+    Repeats,
     Rule,
     RuleSet,
     classify,
+    load_repeats,
     load_rules_file,
     rules_from_entry_point,
 )
@@ -321,6 +323,7 @@ def test_the_readme_rules_file_loads_and_does_what_it_says(tmp_path: Path) -> No
     stale = table.classify(Facts.of_worker(worker(TB.format("OSError: [Errno 116] Stale file handle"))))
     assert (stale.rule, stale.failure_class) == ("stale-nfs", FailureClass.TRANSIENT)
     assert table.classify(Facts.of_worker(worker(TB.format("MemoryError")))).action is Action.FAIL
+    assert load_repeats(write(tmp_path, toml)) == Repeats(after=3, failure_class=FailureClass.USER_ERROR)
 
 
 GLOO_RESET = TB.format("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "

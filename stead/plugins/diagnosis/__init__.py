@@ -5,14 +5,16 @@ OOM record, GPU faults, the last exception, NCCL/gloo errors, exit codes and
 signals; users and packages add rules) into a class (user error, OOM, hardware,
 node lost, collective, transient), and the class into an action: fail fast,
 restart the workers, relaunch the node elsewhere, or ask for more memory. History
-is added on top: the same error at the same step twice fails fast instead of
-looping. The decision carries its class, the rule that matched and the evidence.
+is added on top: the same exception and message at the same step twice (or, with no
+step known, the same traceback twice in a row) is a user error that fails fast instead
+of looping (``[repeats]`` in the rules file), and the decision names both occurrences.
+The decision carries its class, the rule that matched and the evidence.
 Lost nodes are classified too (``diagnosis.classified``). The job machine gives
 the plugin ``decision_timeout_s`` per failure; when it is disabled, slow or absent,
 the default policy decides alone.
 
-The signatures already seen are kept under the plugin's own store key, so a
-restarted master still recognises a repeated error.
+The failures already seen (their signature, round, rank and step) are kept under the
+plugin's own store key, so a restarted master still recognises a repeated error.
 
 It also watches for hangs (:mod:`stead.plugins.diagnosis.hang`): when the running
 round has gone without a completed step for longer than its own pace allows, it
@@ -32,8 +34,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 
@@ -73,9 +77,11 @@ from stead.plugins.diagnosis.rules import (
     Classification,
     Facts,
     FailureClass,
+    Repeats,
     Rule,
     RuleSet,
     installed_rules,
+    load_repeats,
     load_rules_file,
 )
 from stead.plugins.diagnosis.settings import DiagnosisSettings
@@ -101,13 +107,15 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
 
     def __init__(self, *, settings: DiagnosisSettings | None = None) -> None:
         super().__init__(settings=settings or DiagnosisSettings())
-        self._seen: set[str] | None = None
+        self._seen: _Seen | None = None
         s = self.settings
         actions = dict(DEFAULT_ACTIONS)
         user_rules: tuple[Rule, ...] = ()
+        self.repeats = Repeats()
         if s.rules_file:  # read now: a bad file stops the job before anything launches, with the file's problem
             user_rules, overrides = load_rules_file(s.rules_file)
             actions.update(overrides)
+            self.repeats = load_repeats(s.rules_file)
         self.rules = RuleSet((*user_rules, *installed_rules(), *BUILTIN_RULES), actions)
         self.stragglers = StragglerWatch(factor=s.straggler_factor, window_s=s.straggler_window_s)
         self._relaunch_at_checkpoint: set[str] = set()
@@ -298,11 +306,28 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             await ctx.request_restart(round=stall.round, reason=(
                 f"hang: no step for {stall.stalled_s:.0f} s; {hung}: {culprit.summary}"))
 
-    async def _signatures(self, ctx: Ctx) -> set[str]:
+    async def _history(self, ctx: Ctx) -> _Seen:
         if self._seen is None:
             kv = await ctx.store.get(ctx.key("signatures"))
-            self._seen = set(json.loads(kv.value)) if kv else set()
+            self._seen = _Seen.from_json(kv.value) if kv else _Seen()
         return self._seen
+
+    async def _repeated(self, failure: WorkerFailed, ctx: Ctx) -> Classification | None:
+        """Records ``failure``; a classification as a repeat when it is its ``repeats.after``-th occurrence."""
+        signature = _signature(failure)
+        if signature is None or self.repeats.after == 0:
+            return None
+        history = await self._history(ctx)
+        occurrences = history.record(signature, failure, in_a_row=failure.step is None)
+        await ctx.store.put(ctx.key("signatures"), history.to_json())
+        if len(occurrences) < self.repeats.after:
+            return None
+        named = ", ".join(f"round {r} (rank {k}{'' if s is None else f', step {s}'})" for r, k, s in occurrences)
+        times = "twice" if len(occurrences) == 2 else f"{len(occurrences)} times"
+        where = f"at the same step {times}" if failure.step is not None else f"{times} in a row (no step known)"
+        action = self.rules.actions.get(self.repeats.failure_class, DEFAULT_ACTIONS[self.repeats.failure_class])
+        return Classification(self.repeats.failure_class, action, self.repeats.rule,
+                              f"the same error {where}: {signature.split(' @ ')[0]} in {named}")
 
     async def handle(self, *, record: Record, ctx: Ctx) -> None:
         event = record.event
@@ -427,15 +452,11 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
                        "for the round, no restart is spent")
         if found.action is Action.MORE_MEMORY:
             reason += "; more memory wanted for the node: the workers restart meanwhile"
-        exc = last_exception(failure.error_tail)
-        signature = f"{exc[0]}: {exc[1]} @ step {failure.step}" if exc and failure.step is not None else None
-        if action is not RecoveryAction.FAIL and signature is not None:
-            seen = await self._signatures(ctx)
-            if signature in seen:
-                action, reason = RecoveryAction.FAIL, f"the same error at the same step twice ({signature})"
-            else:
-                seen.add(signature)
-                await ctx.store.put(ctx.key("signatures"), json.dumps(sorted(seen)).encode())
+        if action is not RecoveryAction.FAIL:
+            repeat = await self._repeated(failure, ctx)
+            if repeat is not None:
+                found, action = repeat, repeat.action.recovery
+                reason = f"{found.failure_class.value} in rank {failure.rank} ({found.rule}): {found.evidence}"
         ctx.log.info("recovery_decided", round=failure.round, action=action.value, reason=reason, rank=failure.rank,
                      failure_class=found.failure_class.value, rule=found.rule)
         await ctx.emit(RecoveryDecided(
@@ -443,6 +464,55 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             node_id=failure.node_id, rank=failure.rank, decided_by=self.name,
             failure_class=found.failure_class.value, rule=found.rule, evidence=found.evidence[:4096],
         ))
+
+
+def _signature(failure: WorkerFailed) -> str | None:
+    """What makes two failures the same: the exception and its message, and the step or, when no step is known,
+    the traceback (its frames, addresses left out); None without an exception to compare."""
+    exc = last_exception(failure.error_tail)
+    if exc is None:
+        return None
+    if failure.step is not None:
+        return f"{exc[0]}: {exc[1]} @ step {failure.step}"
+    frames = re.sub(r"0x[0-9a-fA-F]+", "0x", _last_traceback(failure.error_tail))
+    return f"{exc[0]}: {exc[1]} @ traceback {hashlib.sha256(frames.encode()).hexdigest()[:16]}"
+
+
+def _last_traceback(tail: str) -> str:
+    """The last traceback of a stderr tail, its lines without the rank prefix torch adds ("" when there is none)."""
+    lines = [re.sub(r"^\[(?:rank|default)\d*\]:\s*", "", line.rstrip()) for line in tail.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.strip() == "Traceback (most recent call last):"]
+    return "\n".join(lines[starts[-1]:]) if starts else ""
+
+
+@dataclasses.dataclass
+class _Seen:
+    """The failures decided so far, by signature: each occurrence's (round, rank, step)."""
+
+    occurrences: dict[str, list[tuple[int, int, int | None]]] = dataclasses.field(default_factory=dict)
+    last: str = ""
+
+    def record(self, signature: str, failure: WorkerFailed, *, in_a_row: bool) -> list[tuple[int, int, int | None]]:
+        """Add ``failure``'s occurrence; with ``in_a_row``, earlier ones count only if the previous decision's
+        failure had this signature too."""
+        if in_a_row and self.last != signature:
+            self.occurrences.pop(signature, None)
+        seen = self.occurrences.setdefault(signature, [])
+        if not any(r == failure.round for r, _, _ in seen):  # a round's failure is decided once
+            seen.append((failure.round, failure.rank, failure.step))
+        self.last = signature
+        return seen
+
+    def to_json(self) -> bytes:
+        return json.dumps({"occurrences": self.occurrences, "last": self.last}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> _Seen:
+        data = json.loads(raw)
+        if isinstance(data, list):  # an earlier master's: the signatures seen once each, nothing more known
+            return cls({str(sig): [(0, -1, None)] for sig in data})
+        return cls({str(sig): [(int(r), int(k), None if s is None else int(s)) for r, k, s in seen]
+                    for sig, seen in data.get("occurrences", {}).items()}, str(data.get("last", "")))
 
 
 #: how often a root-cause wait looks whether the silent members were heard from again

@@ -24,6 +24,14 @@ Conditions: ``on`` ("worker" or "node"), ``exception``, ``message``, ``tail`` (s
 in the whole stderr tail), ``exit_codes``, ``signals`` (names or numbers),
 ``oom_record`` and ``gpu_fault`` (true or false), ``platform_reason``.
 
+A failure that repeats is a bug, whatever its rule says: the same exception and message at
+the same step (or, when no step is known, the same traceback twice in a row) ``after``
+times is decided as ``class`` (default: the second time, a user error, which fails)::
+
+    [repeats]
+    after = 3                      # 0: never
+    class = "user_error"
+
 Pure functions only: no IO except :func:`load_rules_file`.
 """
 
@@ -49,8 +57,8 @@ from stead.plugin import (
     last_exception,
 )
 
-__all__ = ["BUILTIN_RULES", "DEFAULT_ACTIONS", "Action", "Classification", "Facts", "FailureClass", "Rule",
-           "RuleSet", "classify", "installed_rules", "load_rules_file", "rules_from_entry_point"]
+__all__ = ["BUILTIN_RULES", "DEFAULT_ACTIONS", "Action", "Classification", "Facts", "FailureClass", "Repeats", "Rule",
+           "RuleSet", "classify", "installed_rules", "load_repeats", "load_rules_file", "rules_from_entry_point"]
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -181,6 +189,16 @@ class Rule:
                 return None
             found.append(f"platform: {facts.platform_reason}")
         return "; ".join(dict.fromkeys(f for f in found if f))
+
+
+@dataclasses.dataclass(frozen=True)
+class Repeats:
+    """How a failure that repeats is decided: as ``failure_class`` at its ``after``-th occurrence (0: never)."""
+
+    after: int = 2
+    failure_class: FailureClass = FailureClass.USER_ERROR
+    #: the rule name decisions on a repeat give
+    rule: str = "repeated-failure"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,8 +360,7 @@ def _signals(values: object, *, where: str) -> frozenset[int]:
     return frozenset(numbers)
 
 
-def load_rules_file(path: str | Path) -> tuple[tuple[Rule, ...], dict[FailureClass, Action]]:
-    """The rules and class actions of a TOML rules file; a ConfigError saying what is wrong and where."""
+def _read_rules_file(path: str | Path) -> dict[str, Any]:
     where = str(path)
     try:
         raw = tomllib.loads(Path(path).read_text())
@@ -352,9 +369,33 @@ def load_rules_file(path: str | Path) -> tuple[tuple[Rule, ...], dict[FailureCla
                           "diagnosis.rules_file") from exc
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"diagnosis rules file {where} is not valid TOML: {exc}") from exc
-    unknown = sorted(set(raw) - {"rules", "actions"})
+    unknown = sorted(set(raw) - {"rules", "actions", "repeats"})
     if unknown:
-        raise ConfigError(f"diagnosis rules file {where}: unknown table(s) {unknown}; it has [[rules]] and [actions]")
+        raise ConfigError(f"diagnosis rules file {where}: unknown table(s) {unknown}; it has [[rules]], [actions] "
+                          "and [repeats]")
+    return raw
+
+
+def load_repeats(path: str | Path) -> Repeats:
+    """The ``[repeats]`` table of a rules file (the defaults where it has none); a ConfigError saying what is wrong."""
+    where = f"diagnosis rules file {path}: [repeats]"
+    raw = _read_rules_file(path).get("repeats", {})
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a table: after = N, class = \"user_error\"")
+    unknown = sorted(set(raw) - {"after", "class"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; it takes after and class")
+    after = raw.get("after", Repeats.after)
+    if not isinstance(after, int) or isinstance(after, bool) or after < 0 or after == 1:
+        raise ConfigError(f"{where}: after = {after!r}; use the occurrence that decides (2 or more), or 0 for never")
+    failure_class = _enum(FailureClass, raw.get("class", Repeats.failure_class.value), where=where, key="class")
+    return Repeats(after=after, failure_class=failure_class)
+
+
+def load_rules_file(path: str | Path) -> tuple[tuple[Rule, ...], dict[FailureClass, Action]]:
+    """The rules and class actions of a TOML rules file; a ConfigError saying what is wrong and where."""
+    where = str(path)
+    raw = _read_rules_file(path)
     rules_raw = raw.get("rules", [])
     if not isinstance(rules_raw, list) or not all(isinstance(r, dict) for r in rules_raw):
         raise ConfigError(f"diagnosis rules file {where}: write each rule as a [[rules]] table")
