@@ -42,7 +42,7 @@ from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote
 from stead.core.agent.zygote_main import STARTUP_ENV
 from stead.core.config import Settings, settings_env
-from stead.core.errors import InvalidRequest, RetryableError
+from stead.core.errors import InvalidRequest, RetryableError, SteadError
 from stead.core.events import (
     NodeHealthReported,
     PeerCollective,
@@ -70,6 +70,7 @@ from stead.core.rpc import (
 )
 from stead.core.rpc.backend import MAX_ACKS_PER_BEAT, MAX_EVIDENCE_CHARS
 from stead.core.runspec import RUN_SPEC_ENV, RunConfig, Streams, read_spec, worker_env
+from stead.core.worker.progress import LAST_STEP_ENV
 
 __all__ = ["EXIT_MASTER_GONE", "EXIT_TERMINATED", "ZYGOTE_LATE_PRELOAD", "ZYGOTE_PRELOAD", "Agent",
            "clean_up_after", "load_run_config", "run_agent", "zygote_env"]
@@ -131,6 +132,8 @@ class Agent:
         self._progress: ProgressFiles | None = None
         #: each local rank's TORCHELASTIC_ERROR_FILE in the current round
         self._error_files: dict[int, Path] = {}
+        #: the newest step this node's workers reported in an earlier round (-1: none), for the next round's workers
+        self._last_step = -1
         self._reader: ProgressReader | None = None
         self._lock = anyio.Lock()
         self._resources = WorkerResources()
@@ -356,6 +359,22 @@ class Agent:
                        collectives=[(c.peer, c.seconds, c.error) for c in collectives], seconds=report.seconds)
         await self._report(lambda: self.client.report_health(self._reported(report)))
 
+    async def _heartbeat_info(self, step: int | None, *, acked: tuple[str, ...]) -> HeartbeatInfo:
+        assert self._group is not None
+        rss, cpu = self._resources.sample(self._group.pids.values())
+        gpu_memory, gpu_util = await self._gpu_usage()
+        return HeartbeatInfo(node_id=self.node_id, incarnation=self.incarnation, round=self.round, step=step,
+                             workers_alive=self._group.alive, rss_bytes=rss, cpu_percent=cpu,
+                             phase=self._reader.phase() if self._reader is not None else "",
+                             step_compute_s=self._pace.compute_s(self.nproc), gpu_memory_bytes=gpu_memory,
+                             gpu_util_percent=gpu_util, acked=acked)
+
+    async def _final_beat(self) -> None:
+        """One heartbeat at once, with the workers' last steps: the master records the job's final step from it,
+        not from a heartbeat up to an interval old."""
+        with anyio.move_on_after(self.settings.rpc_timeout_s), contextlib.suppress(SteadError):
+            await self.client.heartbeat(await self._heartbeat_info(self._step(), acked=()))
+
     async def _heartbeats(self) -> None:
         async with anyio.create_task_group() as background:  # imports in the zygote never hold a heartbeat up
             await self._beat(background)
@@ -375,14 +394,7 @@ class Agent:
                 self._first_step_pending = False
                 background.start_soon(self._preload_imports)
             elapsed = 0.0
-            assert self._group is not None
-            rss, cpu = self._resources.sample(self._group.pids.values())
-            gpu_memory, gpu_util = await self._gpu_usage()
-            beat = HeartbeatInfo(node_id=self.node_id, incarnation=self.incarnation, round=self.round, step=step,
-                                 workers_alive=self._group.alive, rss_bytes=rss, cpu_percent=cpu,
-                                 phase=self._reader.phase() if self._reader is not None else "",
-                                 step_compute_s=self._pace.compute_s(self.nproc), gpu_memory_bytes=gpu_memory,
-                                 gpu_util_percent=gpu_util, acked=tuple(self._acks))
+            beat = await self._heartbeat_info(step, acked=tuple(self._acks))
             try:
                 if await self.client.heartbeat(beat):
                     for command_id in beat.acked:  # on record, or recorded soon: the master took them in
@@ -424,6 +436,8 @@ class Agent:
                 await self._workers_started(command.round)
                 return
             await self._stop_workers(f"round {command.round} starts")
+            assert self._reader is not None
+            self._last_step = max([self._last_step, *(p.step for p in self._reader.read().values())])
             self._progress.reset()
             self._pace.reset()
             self.round, self.node_rank = command.round, command.node_rank
@@ -465,6 +479,7 @@ class Agent:
         env.update(settings_env(cfg.settings_overrides))  # the job's --set values reach worker-side code too
         env.update(self._progress.env(local_rank))
         env.update(extra_env)
+        env[LAST_STEP_ENV] = str(self._last_step)
         env.update({"STEAD_JOB": cfg.job_name, "STEAD_NODE_ID": self.node_id, "STEAD_ROUND": str(command.round),
                     "STEAD_MASTER_ADDR": self.client.address, "STEAD_TOKEN_FILE": self.token_file})
         env.pop(RUN_SPEC_ENV, None)
@@ -497,6 +512,7 @@ class Agent:
                 if stopped_at == math.inf:
                     succeeded += 1
                     if succeeded == self.nproc:
+                        await self._final_beat()
                         await self._report(lambda: self.client.report_workers(self._reported(
                             WorkersSucceeded(node_id=self.node_id, round=round_))))
             elif worker_exit.at <= stopped_at:

@@ -197,6 +197,8 @@ class AgentGateway:
         self.liveness.require_live(report.node_id, report.incarnation)
         if isinstance(report.event, WorkersStarted):
             self.progress.workers_started(report.node_id, report.incarnation, report.event.round)
+        else:  # the node's last heartbeat said its final step: on record before its end, whatever the interval
+            await self.progress.record(final=True)
         await self._submit(report.event)
 
     async def report_stacks(self, report: AgentReport[StacksDumped]) -> None:

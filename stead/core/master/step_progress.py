@@ -96,9 +96,10 @@ class ProgressRecorder:
             await self._clock.sleep(self.settings.progress_interval_s)
             await self.record()
 
-    async def record(self) -> None:
+    async def record(self, *, final: bool = False) -> None:
         """Record the round's progress (``StepProgress``) if every member has a step in it and it is news: the
-        round's first, a phase's start or end, or a later step ``progress_interval_s`` after the last record."""
+        round's first, a phase's start or end, or a later step ``progress_interval_s`` after the last record
+        (``final``: at once, the workers are done)."""
         rdzv = self._state().rdzv
         if not rdzv.active or not rdzv.members:
             return
@@ -115,7 +116,7 @@ class ProgressRecorder:
         if not first and phase == self._phase:  # a phase's start and end are recorded at once
             if self._step is not None and step <= self._step:
                 return
-            if now - self._at < _PROGRESS_SLACK * self.settings.progress_interval_s:
+            if not final and now - self._at < _PROGRESS_SLACK * self.settings.progress_interval_s:
                 return
         self._round, self._step, self._at, self._phase = rdzv.round, step, now, phase
         await self._submit(StepProgress(round=rdzv.round, step=step, phase=phase))

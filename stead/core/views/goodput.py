@@ -109,6 +109,9 @@ class _Fold:
         self.progress_seen = False
         #: the steps a failure cut short after the last report (counted lost until a restore shows them kept)
         self.unreported: _Segment | None = None
+        #: (round, step) of rounds that went on past step 0 with nothing restored by stead: the script's own
+        #: checkpoint, whose age stead does not know
+        self.own_resumes: list[tuple[int, int]] = []
 
     # -- time ---------------------------------------------------------------------
 
@@ -158,11 +161,15 @@ class _Fold:
     def first_step(self, event: StepProgress) -> None:
         """A round's first step report: start-up or a recovery ends; a rollback throws work away."""
         self.settle("lost")  # another round began with no failure on record: the last report's work is gone
+        if event.round not in self.restored and event.step > 0 and self.segments:
+            self.own_resumes.append((event.round, event.step))
         restored = self.restored.get(event.round, event.step - 1)
         cut = self.unreported
-        if cut is not None and cut.round < event.round and restored > cut.after and cut.upto > cut.after:
-            kept = min(restored, cut.upto) - cut.after  # done after the last report, saved, not done again
-            share = cut.seconds * kept / (cut.upto - cut.after)
+        if cut is not None and cut.round < event.round and restored > cut.after:
+            # the step this round goes on from shows how far the failed one got (a lost node tells nothing)
+            upto = max(cut.upto, restored)
+            kept = min(restored, upto) - cut.after  # done after the last report, saved, not done again
+            share = cut.seconds * kept / (upto - cut.after)
             self.parts["lost"] -= share
             self.parts["useful"] += share
             self.segments.append(_Segment(cut.round, cut.after, cut.after + kept, share))
@@ -242,6 +249,11 @@ class _Fold:
             for phase, seconds in recovery.phases.items():
                 phases[phase] += seconds
         missing = list(self.missing)
+        if self.own_resumes:
+            round_, step = self.own_resumes[0]
+            missing.append(f"{len(self.own_resumes)} round(s) went on where the script's own checkpoint left it "
+                           f"(round {round_} at step {step}), stead restored nothing: the steps done again since that "
+                           "checkpoint was written are not known, and count as useful")
         if not self.progress_seen:
             missing.append("no step progress was recorded: no time can be counted as useful")
         assert self.start is not None

@@ -32,15 +32,18 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["FILE_BYTES", "PROGRESS_ENV", "RECORD_BODY", "RECORD_SEQ", "STACKS_SIGNAL", "StepProgress",
+__all__ = ["FILE_BYTES", "LAST_STEP_ENV", "PROGRESS_ENV", "RECORD_BODY", "RECORD_SEQ", "STACKS_SIGNAL", "StepProgress",
            "imported_packages", "install_backward_clock", "install_step_hook", "install_stack_dumps", "paused", "phase",
            "report_step", "resume_steps_at", "stacks_path"]
 
 PROGRESS_ENV = "STEAD_PROGRESS_FILE"
+#: the last step this node's workers reported before the round began (-1: none), for a script that resumes from
+#: its own checkpoint without saying where (see :func:`install_step_hook`)
+LAST_STEP_ENV = "STEAD_LAST_STEP"
 
 #: the record's layout (see above): the sequence counter, then the body
 RECORD_SEQ = struct.Struct("<Q")
@@ -167,12 +170,25 @@ def install_step_hook() -> Any:
     checkpoint building a fresh optimizer's state) is not counted. Returns the hook's
     handle (``.remove()`` takes it off), or None when torch is not imported in this
     process (nothing to hook: the script does not train with torch).
+
+    ``base`` is 0, or where a stead checkpoint restored the script (:func:`resume_steps_at`),
+    or where the script resumed from a checkpoint of its own: an optimizer whose state is more
+    than its first step in this process makes was loaded. Its state's ``step`` (Adam, AdamW,
+    RMSprop, Adagrad, ...) says how many steps it had taken; without one (SGD with momentum)
+    the steps go on from the last one this node reported before the restart
+    (:data:`LAST_STEP_ENV`). Counted from 0 instead, a restarted script that checkpoints
+    itself would look as if it had lost everything it trained.
     """
     import sys
 
     optimizer = sys.modules.get("torch.optim.optimizer")
     if optimizer is None:
         return None
+    def before_step(opt: object, args: object, kwargs: object) -> None:
+        auto = _auto
+        if not (auto.explicit or auto.paused or auto.counts or auto.base):  # the first step: did the script resume?
+            auto.base = _resumed_at(opt)
+
     def on_step(opt: object, args: object, kwargs: object) -> None:
         auto = _auto
         if auto.explicit or auto.paused:
@@ -182,7 +198,38 @@ def install_step_hook() -> Any:
             auto.count = taken
             _write(auto.base + taken - 1)
 
-    return optimizer.register_optimizer_step_post_hook(on_step)
+    return _Hooks(optimizer.register_optimizer_step_pre_hook(before_step),
+                  optimizer.register_optimizer_step_post_hook(on_step))
+
+
+class _Hooks:
+    def __init__(self, *handles: Any) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _resumed_at(opt: object) -> int:
+    """The step a script resumed at, judged from ``opt`` before its first step in this process: 0 for a fresh
+    optimizer (its state is empty until it steps)."""
+    state = getattr(opt, "state", None)
+    if not isinstance(state, Mapping) or not any(isinstance(e, Mapping) and e for e in state.values()):
+        return 0
+    steps: list[int] = []
+    for entry in state.values():
+        value = entry.get("step") if isinstance(entry, Mapping) else None
+        if value is not None:
+            with contextlib.suppress(TypeError, ValueError, RuntimeError):
+                steps.append(int(value.item() if hasattr(value, "item") else value))
+    if steps:
+        return max(steps)  # steps taken so far: the next one's index
+    try:  # loaded, but it does not count its steps (SGD with momentum): go on from this node's last step
+        last = int(os.environ.get(LAST_STEP_ENV, "-1"))
+    except ValueError:
+        last = -1
+    return last + 1 if last >= 0 else 0
 
 
 def install_backward_clock() -> bool:

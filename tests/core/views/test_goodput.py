@@ -93,6 +93,23 @@ def test_steps_done_after_the_last_report_and_saved_before_the_failure_are_not_l
     assert ledger(records).useful_steps == 9 + 2 + 3
 
 
+@pytest.mark.parametrize(("resumed_at", "lost"), [(11, 0.4), (13, 0.0)])
+def test_a_script_that_resumed_from_its_own_checkpoint_loses_nothing_stead_can_see_and_says_so(
+        resumed_at: int, lost: float) -> None:
+    failed = WorkerFailed(node_id="node-1", round=1, local_rank=0, rank=1, exit_code=1, exited_at=12.4)
+    records = log((0.0, SPEC), *start(1, 2.0), *steps(1, 1, 10, at=3.0),  # step 10 at 12.0
+                  (12.45, failed), (12.5, RecoveryDecided(round=1, action=RecoveryAction.RESTART, reason="crash")),
+                  # no stead restore: it goes on from its own checkpoint, which shows how far round 1 got
+                  *start(2, 12.6), *steps(2, resumed_at, resumed_at + 3, at=13.5), *end(17.0, 2))
+    assert parts(records) == {"waiting": 3.0, "useful": round(9.0 + 0.4 - lost + 3.0 + 0.5, 6), **(
+        {"lost": lost} if lost else {}), "recovery": 1.1, "idle": 0.5}
+    result = ledger(records)
+    assert result.useful_steps == 9 + (resumed_at - 1 - 10) + 3
+    assert result.missing == (f"1 round(s) went on where the script's own checkpoint left it (round 2 at step "
+                              f"{resumed_at}), stead restored nothing: the steps done again since that checkpoint "
+                              "was written are not known, and count as useful",)
+
+
 def test_a_hang_counts_the_stall_as_detection_and_a_lost_node_skips_the_decision() -> None:
     hang = RestartRequested(round=1, reason="no step for 20 s", by="diagnosis")
     records = log((0.0, SPEC), *start(1, 1.0), *steps(1, 1, 5, at=2.0),  # step 5 at 6.0

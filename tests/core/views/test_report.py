@@ -57,6 +57,7 @@ def crash_then_node_loss() -> list[Record]:
                *[(13.5 + s * 0.5, StepProgress(round=2, step=7 + s)) for s in range(8)],
                (20.0, NodeLost(node_id="node-1", incarnation=1, reason="no heartbeat")),
                (21.0, NodeJoined(node_id="node-1", incarnation=2)), *round_of(3, 21.5),
+               (22.2, CheckpointRestored(round=3, step=14)),
                *[(22.5 + s, StepProgress(round=3, step=15 + s)) for s in range(3)],
                (25.0, WorkersSucceeded(node_id="node-0", round=3)), (25.5, JobSucceeded()))
 
@@ -82,7 +83,7 @@ def test_the_timeline_has_rounds_nodes_recovery_phases_marks_and_step_rates() ->
         assert drawn == pytest.approx(tl.ledger.recovery_phases[phase])
     assert [(m.kind, m.text.split()[0]) for m in tl.marks] == [
         ("failure", "worker.failed"), ("decision", "recovery.decided"), ("checkpoint", "ckpt.restored"),
-        ("failure", "node.lost")]
+        ("failure", "node.lost"), ("checkpoint", "ckpt.restored")]
     assert {(n, round(rate, 3)) for n, _, rate in tl.rates} == {(1, 1.0), (2, 2.0), (3, 1.0)}
     assert all(t > 3.0 for _, t, _ in tl.rates)
 

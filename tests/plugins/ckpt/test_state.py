@@ -184,3 +184,40 @@ def test_automatic_step_detection_counts_real_steps_from_the_restored_one(cluste
         progress._write = original  # type: ignore[assignment]
         progress._auto = progress._AutoStep()
     assert reported == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("optimizer", "loaded", "last_step", "first"), [
+    ("adam", False, -1, 0),  # a fresh optimizer: the script starts over
+    ("adam", True, -1, 3),  # loaded from the script's own checkpoint: Adam counts its steps
+    ("adam", True, 7, 3),  # ...and its count wins over the node's last step
+    ("sgd-momentum", True, 7, 8),  # loaded, no step count: it goes on from the node's last step
+    ("sgd-momentum", False, 7, 0),  # fresh (its state is empty before it steps): it starts over
+    ("sgd-momentum", True, -1, 0),  # loaded on a node that never stepped: nothing to go on from
+])
+def test_a_script_that_restores_its_own_checkpoint_goes_on_counting_where_it_resumed(
+        monkeypatch: pytest.MonkeyPatch, optimizer: str, loaded: bool, last_step: int, first: int) -> None:
+    def make(model: torch.nn.Module) -> torch.optim.Optimizer:
+        if optimizer == "adam":
+            return torch.optim.Adam(model.parameters())
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    saved_model = model_of(0)
+    saved_opt = make(saved_model)
+    for step in range(3):  # what the script saved with torch.save before it crashed: 3 steps
+        train_step(saved_model, saved_opt, step)
+    monkeypatch.setenv(progress.LAST_STEP_ENV, str(last_step))
+    reported: list[int] = []
+    monkeypatch.setattr(progress, "_auto", progress._AutoStep())
+    monkeypatch.setattr(progress, "_write", reported.append)
+    hook = progress.install_step_hook()
+    try:
+        model = model_of(1)
+        opt = make(model)
+        if loaded:
+            model.load_state_dict(saved_model.state_dict())
+            opt.load_state_dict(saved_opt.state_dict())
+        for step in range(2):
+            train_step(model, opt, step)
+    finally:
+        hook.remove()
+    assert reported == [first, first + 1]
