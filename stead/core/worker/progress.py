@@ -172,18 +172,20 @@ def install_step_hook() -> Any:
     process (nothing to hook: the script does not train with torch).
 
     ``base`` is 0, or where a stead checkpoint restored the script (:func:`resume_steps_at`),
-    or where the script resumed from a checkpoint of its own: an optimizer whose state is more
-    than its first step in this process makes was loaded. Its state's ``step`` (Adam, AdamW,
-    RMSprop, Adagrad, ...) says how many steps it had taken; without one (SGD with momentum)
-    the steps go on from the last one this node reported before the restart
-    (:data:`LAST_STEP_ENV`). Counted from 0 instead, a restarted script that checkpoints
-    itself would look as if it had lost everything it trained.
+    or where the script resumed from a checkpoint of its own: an optimizer whose state is not
+    empty before its first step in this process was loaded (a fresh one has none until it
+    steps). Its state's ``step`` (Adam, AdamW, RMSprop, Adagrad, ...) says how many steps it
+    had taken; without one (SGD with momentum) the steps go on from the last one this node
+    reported before the restart (:data:`LAST_STEP_ENV`): an older checkpoint's steps done
+    again are then not seen (the ledger says so). Counted from 0 instead, a restarted script
+    that checkpoints itself would look as if it had lost everything it trained.
     """
     import sys
 
     optimizer = sys.modules.get("torch.optim.optimizer")
     if optimizer is None:
         return None
+
     def before_step(opt: object, args: object, kwargs: object) -> None:
         auto = _auto
         if not (auto.explicit or auto.paused or auto.counts or auto.base):  # the first step: did the script resume?
