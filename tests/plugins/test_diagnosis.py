@@ -80,6 +80,9 @@ async def _decisions(plugin: DiagnosisPlugin, failures: list[WorkerFailed], stor
 
 VALUE = TRACEBACK.format(line="ValueError: warmup_steps=-3 must not be negative")
 OTHER = TRACEBACK.format(line="RuntimeError: CUDA error: an illegal memory access")
+#: a network still broken (a partition between two hosts) fails every attempt the same way: not a bug
+GLOO = TRACEBACK.format(line="RuntimeError: [gloo/transport/tcp/socket.cc:142] rv != -1. -1 vs -1. connect: "
+                             "Invalid argument")
 
 
 @pytest.mark.anyio
@@ -90,11 +93,13 @@ OTHER = TRACEBACK.format(line="RuntimeError: CUDA error: an illegal memory acces
     ([(None, VALUE), (None, VALUE)], ["restart", "fail"]),  # no step known: the same traceback twice in a row
     ([(None, VALUE), (None, OTHER), (None, VALUE)], ["restart", "restart", "restart"]),  # ...not in a row
     ([(3, VALUE), (5, OTHER), (3, VALUE)], ["restart", "restart", "fail"]),  # at one step: however far apart
+    ([(None, GLOO), (None, GLOO), (None, GLOO)], ["restart", "restart", "restart"]),  # a collective's: the world's
+    ([(3, GLOO), (3, GLOO)], ["restart", "restart"]),
 ])
 async def test_a_failure_that_repeats_is_a_user_error_on_its_second_occurrence(
         steps_and_tails: list[tuple[int | None, str]], actions: list[str]) -> None:
     failures = [_failure(tail, step=step, round=round_) for round_, (step, tail) in enumerate(steps_and_tails, 1)]
-    decided = await _decisions(DiagnosisPlugin(), failures)
+    decided = await _decisions(DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0)), failures)
     assert [d.action.value for d in decided if isinstance(d, RecoveryDecided)] == actions
     last = decided[-1]
     assert isinstance(last, RecoveryDecided)
@@ -117,7 +122,7 @@ async def test_a_restarted_master_remembers_the_failures_already_seen() -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(("table", "fails_at"), [("after = 3", 3), ("after = 0", None),
-                                                 ('class = "transient"', None)])
+                                                 ('class = "transient"', None), ('of = ["collective"]', None)])
 async def test_the_rules_file_says_when_and_as_what_a_repeat_is_decided(tmp_path: Path, table: str,
                                                                          fails_at: int | None) -> None:
     rules = tmp_path / "rules.toml"
@@ -126,12 +131,16 @@ async def test_the_rules_file_says_when_and_as_what_a_repeat_is_decided(tmp_path
     decided = await _decisions(plugin, [_failure(VALUE, round=r) for r in (1, 2, 3)])
     actions = [d.action for d in decided if isinstance(d, RecoveryDecided)]
     assert actions == [RecoveryAction.FAIL if r == fails_at else RecoveryAction.RESTART for r in (1, 2, 3)]
+    if table.startswith("of"):  # repeats of collective errors only: a transient one is not counted
+        assert all(isinstance(d, RecoveryDecided) and d.rule == "unknown" for d in decided)
     if table.startswith("class"):  # decided as a transient repeat: restarted, and named as a repeat
         assert isinstance(decided[-1], RecoveryDecided) and decided[-1].rule == "repeated-failure"
 
 
 @pytest.mark.parametrize(("table", "problem"), [("after = 1", "after = 1"), ("after = -2", "after = -2"),
-                                                ('class = "flaky"', "class = 'flaky'"), ("times = 2", "unknown key")])
+                                                ('class = "flaky"', "class = 'flaky'"), ("times = 2", "unknown key"),
+                                                ('of = "transient"', "of = 'transient'"),
+                                                ('of = ["network"]', "of = 'network'")])
 def test_a_bad_repeats_table_is_a_clear_error(tmp_path: Path, table: str, problem: str) -> None:
     rules = tmp_path / "rules.toml"
     rules.write_text(f"[repeats]\n{table}\n")
@@ -250,3 +259,13 @@ async def test_a_stall_the_heartbeats_disprove_leaves_the_hang_threshold_as_it_w
         assert plugin.clock.threshold() == before, "the unrecorded minute counted as one step's time"
     finally:
         await store.close()
+
+
+@pytest.mark.anyio
+async def test_repeated_collective_errors_count_when_the_rules_file_says_so(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[repeats]\nof = ["transient", "collective"]\n')
+    plugin = DiagnosisPlugin(settings=DiagnosisSettings(rules_file=str(rules), root_cause_wait_s=0))
+    decided = await _decisions(plugin, [_failure(GLOO, step=None, round=r) for r in (1, 2)])
+    assert [d.action for d in decided if isinstance(d, RecoveryDecided)] == [RecoveryAction.RESTART,
+                                                                             RecoveryAction.FAIL]

@@ -81,6 +81,9 @@ CASES = [
     ("a gloo peer that went away", Facts.of_worker(worker(TB.format(
         "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
         "[127.0.0.1]:5678"))), FailureClass.COLLECTIVE, "gloo-error"),
+    ("a gloo peer that cannot be reached (a partition)", Facts.of_worker(worker(TB.format(
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/socket.cc:142] rv != -1. -1 vs -1. connect: Invalid "
+        "argument"))), FailureClass.COLLECTIVE, "gloo-error"),
     ("a gloo timeout", Facts.of_worker(worker(TB.format(
         "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms "
         "for recv operation to complete"))), FailureClass.COLLECTIVE, "gloo-error"),
@@ -323,7 +326,8 @@ def test_the_readme_rules_file_loads_and_does_what_it_says(tmp_path: Path) -> No
     stale = table.classify(Facts.of_worker(worker(TB.format("OSError: [Errno 116] Stale file handle"))))
     assert (stale.rule, stale.failure_class) == ("stale-nfs", FailureClass.TRANSIENT)
     assert table.classify(Facts.of_worker(worker(TB.format("MemoryError")))).action is Action.FAIL
-    assert load_repeats(write(tmp_path, toml)) == Repeats(after=3, failure_class=FailureClass.USER_ERROR)
+    assert load_repeats(write(tmp_path, toml)) == Repeats(after=3, failure_class=FailureClass.USER_ERROR,
+                                                          of=frozenset({FailureClass.TRANSIENT}))
 
 
 GLOO_RESET = TB.format("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "

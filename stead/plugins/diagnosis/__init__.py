@@ -5,9 +5,10 @@ OOM record, GPU faults, the last exception, NCCL/gloo errors, exit codes and
 signals; users and packages add rules) into a class (user error, OOM, hardware,
 node lost, collective, transient), and the class into an action: fail fast,
 restart the workers, relaunch the node elsewhere, or ask for more memory. History
-is added on top: the same exception and message at the same step twice (or, with no
-step known, the same traceback twice in a row) is a user error that fails fast instead
-of looping (``[repeats]`` in the rules file), and the decision names both occurrences.
+is added on top: a failure of unknown cause (transient) with the same exception and
+message at the same step twice (or, with no step known, the same traceback twice in a
+row) is a user error that fails fast instead of looping (``[repeats]`` in the rules
+file), and the decision names both occurrences.
 The decision carries its class, the rule that matched and the evidence.
 Lost nodes are classified too (``diagnosis.classified``). The job machine gives
 the plugin ``decision_timeout_s`` per failure; when it is disabled, slow or absent,
@@ -312,10 +313,11 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             self._seen = _Seen.from_json(kv.value) if kv else _Seen()
         return self._seen
 
-    async def _repeated(self, failure: WorkerFailed, ctx: Ctx) -> Classification | None:
-        """Records ``failure``; a classification as a repeat when it is its ``repeats.after``-th occurrence."""
+    async def _repeated(self, failure: WorkerFailed, found: Classification, ctx: Ctx) -> Classification | None:
+        """Records ``failure`` (classified ``found``); a classification as a repeat when it is its
+        ``repeats.after``-th occurrence."""
         signature = _signature(failure)
-        if signature is None or self.repeats.after == 0:
+        if signature is None or self.repeats.after == 0 or found.failure_class not in self.repeats.of:
             return None
         history = await self._history(ctx)
         occurrences = history.record(signature, failure, in_a_row=failure.step is None)
@@ -453,7 +455,7 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         if found.action is Action.MORE_MEMORY:
             reason += "; more memory wanted for the node: the workers restart meanwhile"
         if action is not RecoveryAction.FAIL:
-            repeat = await self._repeated(failure, ctx)
+            repeat = await self._repeated(failure, found, ctx)
             if repeat is not None:
                 found, action = repeat, repeat.action.recovery
                 reason = f"{found.failure_class.value} in rank {failure.rank} ({found.rule}): {found.evidence}"

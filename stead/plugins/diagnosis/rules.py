@@ -24,13 +24,16 @@ Conditions: ``on`` ("worker" or "node"), ``exception``, ``message``, ``tail`` (s
 in the whole stderr tail), ``exit_codes``, ``signals`` (names or numbers),
 ``oom_record`` and ``gpu_fault`` (true or false), ``platform_reason``.
 
-A failure that repeats is a bug, whatever its rule says: the same exception and message at
-the same step (or, when no step is known, the same traceback twice in a row) ``after``
-times is decided as ``class`` (default: the second time, a user error, which fails)::
+A failure of an unknown cause that repeats is a bug: the same exception and message at the
+same step (or, when no step is known, the same traceback twice in a row) ``after`` times is
+decided as ``class`` (default: the second time, a user error, which fails). Only failures
+of the classes in ``of`` count (default: transient, the unknown): a collective error that
+repeats is the network still broken, an OOM that repeats still wants memory::
 
     [repeats]
     after = 3                      # 0: never
     class = "user_error"
+    of = ["transient", "collective"]
 
 Pure functions only: no IO except :func:`load_rules_file`.
 """
@@ -197,6 +200,8 @@ class Repeats:
 
     after: int = 2
     failure_class: FailureClass = FailureClass.USER_ERROR
+    #: the classes whose failures count as repeats
+    of: frozenset[FailureClass] = frozenset({FailureClass.TRANSIENT})
     #: the rule name decisions on a repeat give
     rule: str = "repeated-failure"
 
@@ -274,7 +279,7 @@ BUILTIN_RULES: tuple[Rule, ...] = (
          tail=_rx(r"NCCL (error|WARN)|nccl(System|Internal|Remote|Invalid\w*)Error|ProcessGroupNCCL.*(timeout|Timeout)"
                   r"|Watchdog caught collective operation timeout")),
     Rule(name="gloo-error", failure_class=FailureClass.COLLECTIVE,
-         tail=_rx(r"[Gg]loo.*([Cc]onnection (reset|closed|refused)|[Tt]imed out|[Tt]imeout)"
+         tail=_rx(r"[Gg]loo.*([Cc]onnection (reset|closed|refused)|[Tt]imed out|[Tt]imeout|connect: )"
                   r"|Connection reset by peer|Connection closed by peer|DistBackendError|DistNetworkError"
                   r"|DistStoreError|Socket Timeout")),
     Rule(name="cuda-or-nvml-error", failure_class=FailureClass.HARDWARE,
@@ -382,14 +387,18 @@ def load_repeats(path: str | Path) -> Repeats:
     raw = _read_rules_file(path).get("repeats", {})
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a table: after = N, class = \"user_error\"")
-    unknown = sorted(set(raw) - {"after", "class"})
+    unknown = sorted(set(raw) - {"after", "class", "of"})
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; it takes after and class")
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; it takes after, class and of")
     after = raw.get("after", Repeats.after)
     if not isinstance(after, int) or isinstance(after, bool) or after < 0 or after == 1:
         raise ConfigError(f"{where}: after = {after!r}; use the occurrence that decides (2 or more), or 0 for never")
     failure_class = _enum(FailureClass, raw.get("class", Repeats.failure_class.value), where=where, key="class")
-    return Repeats(after=after, failure_class=failure_class)
+    of = raw.get("of", [c.value for c in Repeats.of])
+    if not isinstance(of, list):
+        raise ConfigError(f"{where}: of = {of!r}; a list of classes, e.g. [\"transient\"]")
+    return Repeats(after=after, failure_class=failure_class,
+                   of=frozenset(_enum(FailureClass, c, where=where, key="of") for c in of))
 
 
 def load_rules_file(path: str | Path) -> tuple[tuple[Rule, ...], dict[FailureClass, Action]]:
