@@ -166,10 +166,14 @@ class _Fold:
         restored = self.restored.get(event.round, event.step - 1)
         cut = self.unreported
         if cut is not None and cut.round < event.round and restored > cut.after:
-            # the step this round goes on from shows how far the failed one got (a lost node tells nothing)
-            upto = max(cut.upto, restored)
-            kept = min(restored, upto) - cut.after  # done after the last report, saved, not done again
-            share = cut.seconds * kept / (upto - cut.after)
+            kept = restored - cut.after  # done after the last report, saved, not done again
+            if restored <= cut.upto:
+                share = cut.seconds * kept / (cut.upto - cut.after)
+            else:  # the round goes on past what the failure said (a lost node says nothing): the saved steps took
+                # their usual time, the rest of the time (a step cut short) is lost
+                pace = next((s.seconds / (s.upto - s.after) for s in reversed(self.segments)
+                             if s.round == cut.round and s.upto > s.after), None)
+                share = cut.seconds if pace is None else min(cut.seconds, kept * pace)
             self.parts["lost"] -= share
             self.parts["useful"] += share
             self.segments.append(_Segment(cut.round, cut.after, cut.after + kept, share))
