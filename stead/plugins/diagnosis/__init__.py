@@ -35,10 +35,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
-import re
 import time
 from collections.abc import Mapping, Sequence
 
@@ -62,7 +60,6 @@ from stead.plugin import (
     StacksDumped,
     StepProgress,
     WorkerFailed,
-    last_exception,
 )
 from stead.plugins.diagnosis.events import (
     FailureClassified,
@@ -71,6 +68,8 @@ from stead.plugins.diagnosis.events import (
     StragglerDetected,
 )
 from stead.plugins.diagnosis.hang import Stall, StepClock, name_culprit
+from stead.plugins.diagnosis.repeats import Seen
+from stead.plugins.diagnosis.repeats import signature as failure_signature
 from stead.plugins.diagnosis.rules import (
     BUILTIN_RULES,
     DEFAULT_ACTIONS,
@@ -108,7 +107,7 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
 
     def __init__(self, *, settings: DiagnosisSettings | None = None) -> None:
         super().__init__(settings=settings or DiagnosisSettings())
-        self._seen: _Seen | None = None
+        self._seen: Seen | None = None
         s = self.settings
         actions = dict(DEFAULT_ACTIONS)
         user_rules: tuple[Rule, ...] = ()
@@ -307,16 +306,16 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             await ctx.request_restart(round=stall.round, reason=(
                 f"hang: no step for {stall.stalled_s:.0f} s; {hung}: {culprit.summary}"))
 
-    async def _history(self, ctx: Ctx) -> _Seen:
+    async def _history(self, ctx: Ctx) -> Seen:
         if self._seen is None:
             kv = await ctx.store.get(ctx.key("signatures"))
-            self._seen = _Seen.from_json(kv.value) if kv else _Seen()
+            self._seen = Seen.from_json(kv.value) if kv else Seen()
         return self._seen
 
     async def _repeated(self, failure: WorkerFailed, found: Classification, ctx: Ctx) -> Classification | None:
         """Records ``failure`` (classified ``found``); a classification as a repeat when it is its
         ``repeats.after``-th occurrence."""
-        signature = _signature(failure)
+        signature = failure_signature(failure)
         if signature is None or self.repeats.after == 0 or found.failure_class not in self.repeats.of:
             return None
         history = await self._history(ctx)
@@ -466,55 +465,6 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             node_id=failure.node_id, rank=failure.rank, decided_by=self.name,
             failure_class=found.failure_class.value, rule=found.rule, evidence=found.evidence[:4096],
         ))
-
-
-def _signature(failure: WorkerFailed) -> str | None:
-    """What makes two failures the same: the exception and its message, and the step or, when no step is known,
-    the traceback (its frames, addresses left out); None without an exception to compare."""
-    exc = last_exception(failure.error_tail)
-    if exc is None:
-        return None
-    if failure.step is not None:
-        return f"{exc[0]}: {exc[1]} @ step {failure.step}"
-    frames = re.sub(r"0x[0-9a-fA-F]+", "0x", _last_traceback(failure.error_tail))
-    return f"{exc[0]}: {exc[1]} @ traceback {hashlib.sha256(frames.encode()).hexdigest()[:16]}"
-
-
-def _last_traceback(tail: str) -> str:
-    """The last traceback of a stderr tail, its lines without the rank prefix torch adds ("" when there is none)."""
-    lines = [re.sub(r"^\[(?:rank|default)\d*\]:\s*", "", line.rstrip()) for line in tail.splitlines()]
-    starts = [i for i, line in enumerate(lines) if line.strip() == "Traceback (most recent call last):"]
-    return "\n".join(lines[starts[-1]:]) if starts else ""
-
-
-@dataclasses.dataclass
-class _Seen:
-    """The failures decided so far, by signature: each occurrence's (round, rank, step)."""
-
-    occurrences: dict[str, list[tuple[int, int, int | None]]] = dataclasses.field(default_factory=dict)
-    last: str = ""
-
-    def record(self, signature: str, failure: WorkerFailed, *, in_a_row: bool) -> list[tuple[int, int, int | None]]:
-        """Add ``failure``'s occurrence; with ``in_a_row``, earlier ones count only if the previous decision's
-        failure had this signature too."""
-        if in_a_row and self.last != signature:
-            self.occurrences.pop(signature, None)
-        seen = self.occurrences.setdefault(signature, [])
-        if not any(r == failure.round for r, _, _ in seen):  # a round's failure is decided once
-            seen.append((failure.round, failure.rank, failure.step))
-        self.last = signature
-        return seen
-
-    def to_json(self) -> bytes:
-        return json.dumps({"occurrences": self.occurrences, "last": self.last}).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> _Seen:
-        data = json.loads(raw)
-        if isinstance(data, list):  # an earlier master's: the signatures seen once each, nothing more known
-            return cls({str(sig): [(0, -1, None)] for sig in data})
-        return cls({str(sig): [(int(r), int(k), None if s is None else int(s)) for r, k, s in seen]
-                    for sig, seen in data.get("occurrences", {}).items()}, str(data.get("last", "")))
 
 
 #: how often a root-cause wait looks whether the silent members were heard from again

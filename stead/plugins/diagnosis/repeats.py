@@ -1,0 +1,61 @@
+"""What makes two failures the same, and the failures decided so far: the history behind ``[repeats]``. Pure."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+
+from stead.plugin import WorkerFailed, last_exception
+
+__all__ = ["Seen", "last_traceback", "signature"]
+
+
+def signature(failure: WorkerFailed) -> str | None:
+    """What makes two failures the same: the exception and its message, and the step or, when no step is known,
+    the traceback (its frames, addresses left out); None without an exception to compare."""
+    exc = last_exception(failure.error_tail)
+    if exc is None:
+        return None
+    if failure.step is not None:
+        return f"{exc[0]}: {exc[1]} @ step {failure.step}"
+    frames = re.sub(r"0x[0-9a-fA-F]+", "0x", last_traceback(failure.error_tail))
+    return f"{exc[0]}: {exc[1]} @ traceback {hashlib.sha256(frames.encode()).hexdigest()[:16]}"
+
+
+def last_traceback(tail: str) -> str:
+    """The last traceback of a stderr tail, its lines without the rank prefix torch adds ("" when there is none)."""
+    lines = [re.sub(r"^\[(?:rank|default)\d*\]:\s*", "", line.rstrip()) for line in tail.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.strip() == "Traceback (most recent call last):"]
+    return "\n".join(lines[starts[-1]:]) if starts else ""
+
+
+@dataclasses.dataclass
+class Seen:
+    """The failures decided so far, by signature: each occurrence's (round, rank, step)."""
+
+    occurrences: dict[str, list[tuple[int, int, int | None]]] = dataclasses.field(default_factory=dict)
+    last: str = ""
+
+    def record(self, signature: str, failure: WorkerFailed, *, in_a_row: bool) -> list[tuple[int, int, int | None]]:
+        """Add ``failure``'s occurrence; with ``in_a_row``, earlier ones count only if the previous decision's
+        failure had this signature too."""
+        if in_a_row and self.last != signature:
+            self.occurrences.pop(signature, None)
+        seen = self.occurrences.setdefault(signature, [])
+        if not any(r == failure.round for r, _, _ in seen):  # a round's failure is decided once
+            seen.append((failure.round, failure.rank, failure.step))
+        self.last = signature
+        return seen
+
+    def to_json(self) -> bytes:
+        return json.dumps({"occurrences": self.occurrences, "last": self.last}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Seen:
+        data = json.loads(raw)
+        if isinstance(data, list):  # an earlier master's: the signatures seen once each, nothing more known
+            return cls({str(sig): [(0, -1, None)] for sig in data})
+        return cls({str(sig): [(int(r), int(k), None if s is None else int(s)) for r, k, s in seen]
+                    for sig, seen in data.get("occurrences", {}).items()}, str(data.get("last", "")))
