@@ -322,6 +322,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
     from stead.core.statemachine.policy import (
         last_exception as last_exception,
     )
+    from stead.core.statemachine.policy import (
+        last_traceback as last_traceback,
+    )
     from stead.core.store import (
         write_size as write_size,
     )
@@ -358,7 +361,7 @@ _WHERE = {
     "stead.core.rpc._status": ("at_least", "backend_errors", "finite_figure", "invalid"),
     "stead.core.statemachine": ("JobPhase", "JobState", "NodePhase", "NodeState", "RendezvousState"),
     "stead.core.statemachine.policy": ("DEFAULT_DECIDER", "DETERMINISTIC", "classify", "default_decision",
-                                       "last_exception"),
+                                       "last_exception", "last_traceback"),
     "stead.core.store": ("write_size",),
     "stead.core.store.base": ("KeyValue", "StateStore"),
     "stead.core.store.chunked": ("ChunkedValue",),
@@ -450,6 +453,7 @@ __all__ = [
     "finite_figure",
     "invalid",
     "last_exception",
+    "last_traceback",
     "load_named",
     "load_settings",
     "name_problem",

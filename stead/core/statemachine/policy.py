@@ -22,7 +22,8 @@ import signal
 
 from stead.core.events import RecoveryAction, RecoveryDecided, WorkerFailed
 
-__all__ = ["DEFAULT_DECIDER", "DETERMINISTIC", "classify", "default_decision", "last_exception", "signal_name"]
+__all__ = ["DEFAULT_DECIDER", "DETERMINISTIC", "classify", "default_decision", "last_exception", "last_traceback",
+           "signal_name"]
 
 #: the ``decided_by`` of a decision taken by this policy
 DEFAULT_DECIDER = "default"
@@ -39,12 +40,24 @@ _TRACEBACK_END = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::\s*(
 _TRACEBACK_START = "Traceback (most recent call last):"
 
 
-def last_exception(error_tail: str) -> tuple[str, str] | None:
-    """(exception type, message) of the last traceback in a stderr tail, if any."""
+def _lines(error_tail: str) -> tuple[list[str], int | None]:
+    """A stderr tail's lines without torch's rank prefix, and where its last traceback starts (None: none)."""
     lines = [_RANK_PREFIX.sub("", line.rstrip()) for line in error_tail.strip().splitlines()]
     starts = [i for i, line in enumerate(lines) if line.strip() == _TRACEBACK_START]
-    if starts:  # the first unindented line after the last traceback's frames names the exception
-        for line in lines[starts[-1] + 1:]:
+    return lines, (starts[-1] if starts else None)
+
+
+def last_traceback(error_tail: str) -> str:
+    """The last traceback of a stderr tail, without torch's rank prefixes ("" when there is none)."""
+    lines, start = _lines(error_tail)
+    return "\n".join(lines[start:]) if start is not None else ""
+
+
+def last_exception(error_tail: str) -> tuple[str, str] | None:
+    """(exception type, message) of the last traceback in a stderr tail, if any."""
+    lines, start = _lines(error_tail)
+    if start is not None:  # the first unindented line after the last traceback's frames names the exception
+        for line in lines[start + 1:]:
             if not line or line[0].isspace():
                 continue
             match = _TRACEBACK_END.match(line)

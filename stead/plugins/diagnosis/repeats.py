@@ -7,9 +7,9 @@ import hashlib
 import json
 import re
 
-from stead.plugin import WorkerFailed, last_exception
+from stead.plugin import WorkerFailed, last_exception, last_traceback
 
-__all__ = ["Seen", "last_traceback", "signature"]
+__all__ = ["Seen", "signature"]
 
 
 def signature(failure: WorkerFailed) -> str | None:
@@ -22,13 +22,6 @@ def signature(failure: WorkerFailed) -> str | None:
         return f"{exc[0]}: {exc[1]} @ step {failure.step}"
     frames = re.sub(r"0x[0-9a-fA-F]+", "0x", last_traceback(failure.error_tail))
     return f"{exc[0]}: {exc[1]} @ traceback {hashlib.sha256(frames.encode()).hexdigest()[:16]}"
-
-
-def last_traceback(tail: str) -> str:
-    """The last traceback of a stderr tail, its lines without the rank prefix torch adds ("" when there is none)."""
-    lines = [re.sub(r"^\[(?:rank|default)\d*\]:\s*", "", line.rstrip()) for line in tail.splitlines()]
-    starts = [i for i, line in enumerate(lines) if line.strip() == "Traceback (most recent call last):"]
-    return "\n".join(lines[starts[-1]:]) if starts else ""
 
 
 @dataclasses.dataclass
