@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.readme import readme_files
+
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
 BIN = Path(sys.executable).parent
 TRAIN = """
 import time, stead
@@ -27,12 +28,6 @@ for step in range(12):
     stead.report_step(step)
     time.sleep(0.15)
 """
-
-
-def readme_files() -> dict[str, str]:
-    """``<!-- file: PATH -->`` followed by a fenced block, in the README: PATH -> the block's text."""
-    blocks = re.findall(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", README.read_text(), flags=re.S)
-    return {path: body for path, body in blocks}
 
 
 def _pip_install(source: Path, target: Path) -> None:
