@@ -118,15 +118,20 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def imported_packages() -> list[str]:
-    """Top-level packages this process imported from site-packages (third-party libraries, not user code)."""
+    """Top-level packages this process imported from site-packages (third-party libraries, not user code), and the
+    submodules it imported of those that import their submodules only when first used (Hugging Face's
+    ``_LazyModule``: ``import transformers`` alone leaves out the ``Trainer`` and the models, most of its cost)."""
     import sys
+    import types
 
-    names = set()
-    for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None) or ""
-        if "." not in name and not name.startswith("_") and ("site-packages" in path or "dist-packages" in path):
-            names.add(name)
-    return sorted(names)
+    installed = {name: module for name, module in list(sys.modules.items())
+                 if not name.startswith("_") and _installed(getattr(module, "__file__", None) or "")}
+    lazy = {name for name, module in installed.items() if "." not in name and type(module) is not types.ModuleType}
+    return sorted(name for name in installed if "." not in name or name.partition(".")[0] in lazy)
+
+
+def _installed(path: str) -> bool:
+    return "site-packages" in path or "dist-packages" in path
 
 
 def _write_modules(path: str) -> None:

@@ -111,3 +111,22 @@ async def test_workers_report_steps_to_the_agent(tmp_path: Path, zygote: Zygote 
         seen = reader.read()
         assert {rank: p.step for rank, p in seen.items()} == {0: 100, 1: 101}
         assert {rank: p.pid for rank, p in seen.items()} == group.pids
+
+
+def test_the_modules_reported_for_the_zygote_include_a_lazy_packages_submodules(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``import transformers`` alone imports almost nothing: the submodules the worker used are named too, so the
+    zygote imports them before the next restart; an ordinary package is named by its top level only."""
+    import types
+
+    site = tmp_path / "site-packages"
+    lazy_type = type("LazyModule", (types.ModuleType,), {})
+    modules = {"lazypkg": lazy_type("lazypkg"), "lazypkg.trainer": types.ModuleType("lazypkg.trainer"),
+               "plain": types.ModuleType("plain"), "plain.sub": types.ModuleType("plain.sub"),
+               "_private": types.ModuleType("_private")}
+    for name, module in modules.items():
+        module.__file__ = str(site / name.replace(".", "/") / "__init__.py")
+        monkeypatch.setitem(__import__("sys").modules, name, module)
+    reported = set(progress.imported_packages())
+    assert {"lazypkg", "lazypkg.trainer", "plain"} <= reported
+    assert not {"plain.sub", "_private"} & reported
