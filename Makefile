@@ -83,6 +83,7 @@ bench: $(STAMP) etcd
 	-$(BIN)/python bench/goodput.py
 	-$(BIN)/python bench/scale.py
 	-$(BIN)/python bench/k8s.py
+	-$(BIN)/python bench/frameworks.py
 	-$(BIN)/python bench/master_scale.py --etcd-max 10000
 
 bench-quick: $(STAMP) etcd

@@ -1,0 +1,63 @@
+"""What every framework integration needs: a version check and the random number generators' state as values a
+flash checkpoint can hold (tensors, tuples, ints: no numpy arrays, no pickle)."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from stead.plugins.ckpt.errors import CheckpointError
+
+__all__ = ["IntegrationError", "release", "require_version", "rng_state", "set_rng_state"]
+
+
+class IntegrationError(CheckpointError):
+    """A framework, a checkpoint or a setting that an integration cannot work with; the message says what to do."""
+
+
+def release(version: str) -> tuple[int, ...]:
+    """``"5.24.0.dev0"`` -> ``(5, 24, 0)``: the numeric release, which is all a supported range speaks of."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    if match is None:
+        raise IntegrationError(f"cannot read the version {version!r}")
+    return tuple(int(part) for part in match.group(0).split("."))
+
+
+def require_version(package: str, version: str, *, at_least: str, below: str, extra: str) -> None:
+    """Refuse a framework ``version`` outside ``[at_least, below)``, naming both and the extra to install."""
+    have = release(version)
+    if not release(at_least) <= have < release(below):
+        raise IntegrationError(
+            f"stead's {package} integration supports {package} >={at_least},<{below}; this environment has "
+            f"{package} {version}: install a supported one (pip install 'stead[{extra}]') or run without "
+            f"stead.integrations.{extra}")
+
+
+def rng_state() -> dict[str, Any]:
+    """Python's, NumPy's and torch's (CPU and every CUDA device's) generator states, as checkpointable values."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": (version, tuple(internal), gauss),
+        "numpy": (str(kind), torch.from_numpy(np.asarray(keys).copy()), int(pos), int(has_gauss), float(cached)),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Give back what :func:`rng_state` took."""
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((str(kind), keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
