@@ -650,10 +650,17 @@ class NodeCheckpoints:
             info = state.slot_holding(job.step, job.round)
             if info is None:
                 raise CheckpointError(f"step {job.step} is no longer in memory")
+            copy_first = self.ckpt.persist_copy and _room_for_copy(info.capacity)
+
+            def unpin() -> None:  # the step is copied out: the workers may save into its slot while it is written
+                if control.pinned == (job.step, job.round):
+                    control.set_pinned(-1, -1)
+
             if not self._on_disk(job.step, info.rank):
-                await anyio.to_thread.run_sync(state.write_to_disk, info, self.names, self.root)
-            if control.slot(info.index).seq != info.seq:
-                raise CheckpointError("the slot changed while it was being written (it was not pinned)")
+                await anyio.to_thread.run_sync(functools.partial(state.write_to_disk, info, self.names, self.root,
+                                                                 copied=unpin if copy_first else None))
+                if not copy_first and control.slot(info.index).seq != info.seq:
+                    raise CheckpointError("the slot changed while it was being written (it was not pinned)")
             log.info("ckpt_persisted_rank", step=job.step, rank=info.rank, reason=job.reason)
             return True
         except CheckpointError as exc:
@@ -710,3 +717,11 @@ def _seconds(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if 0.0 <= value < float("inf") else None
+
+
+def _room_for_copy(nbytes: int) -> bool:
+    """Whether the host has room for a persist's copy of a slot: twice its size free, so the copy never pushes the
+    host towards swapping or the OOM killer (the slot then stays pinned for the write, as without a copy)."""
+    import psutil
+
+    return psutil.virtual_memory().available > 2 * nbytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -14,6 +15,7 @@ from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._checksum import checksum
 from stead.plugins.ckpt._layout import LayoutDoc, parse_document
 from stead.plugins.ckpt._shm import Control, SegmentNames, SlotInfo, map_segment
+from stead.plugins.ckpt.errors import CheckpointError
 
 __all__ = ["PersistJob", "RankMemory", "close_map"]
 
@@ -86,8 +88,14 @@ class RankMemory:
         finally:
             memory.release()
 
-    def write_to_disk(self, info: SlotInfo, names: SegmentNames, root: Path) -> None:
-        """Persist the slot's step for this rank (blocking: run in a thread; the slot is pinned)."""
+    def write_to_disk(self, info: SlotInfo, names: SegmentNames, root: Path, *,
+                      copied: Callable[[], None] | None = None) -> None:
+        """Persist the slot's step for this rank (blocking: run in a thread; the slot is pinned).
+
+        With ``copied``, the tensors are first copied out of the slot, the slot is checked unchanged,
+        and ``copied()`` is called (it unpins the slot) before the copy is written: the slot is held
+        for a memory copy instead of a disk write. Without, the caller checks the slot afterwards.
+        """
         import torch
 
         from stead.plugins.ckpt._codec import TensorMeta, dtype_from_name
@@ -109,6 +117,11 @@ class RankMemory:
                 flat = torch.frombuffer(view, dtype=dtype, count=meta.nbytes // dtype.itemsize,
                                         offset=int(entry["offset"]))
                 tensors.append(flat.view(meta.shape))
+        if copied is not None:
+            tensors = [tensor.clone() for tensor in tensors]
+            if self.control.slot(info.index).seq != info.seq:
+                raise CheckpointError("the slot changed while it was being copied (it was not pinned)")
+            copied()
         _disk.write_rank(root, step=doc.step, round_=doc.round, rank=doc.rank, world=doc.world, tree=doc.tree,
                          metas=[m.to_json() for m in metas], tensors=tensors, expected=expected)
 

@@ -24,6 +24,11 @@ class CheckpointSettings:
                                               "slot it restores")
     persist_grace_s: float = setting(60.0, help="how long an exiting agent waits for persists still running before "
                                                 "it frees the shared memory")
+    persist_copy: bool = setting(True, help="a persist first copies the step out of shared memory (when the host "
+                                            "has twice its size free) and writes the copy, so the workers go on "
+                                            "saving into both slots while it is written; off (or without the room): "
+                                            "the slot stays pinned for the whole write and saves that would need it "
+                                            "are skipped until it ends")
     persist_on_failure: bool = setting(True, help="when a worker fails, the agent writes the newest committed step "
                                                   "to disk (if not there yet)")
     persist_on_stop: bool = setting(True, help="when the job ends or is stopped (Ctrl-C, SIGTERM, preemption), the "

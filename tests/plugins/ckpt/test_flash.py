@@ -291,6 +291,39 @@ def test_only_the_newest_persisted_steps_are_kept(cluster: Cluster, tmp_path: Pa
     assert _disk.read_tracker(root) == 4
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("copy", [True, False])
+def test_while_a_step_is_written_to_disk_the_next_saves_go_on_into_both_slots(
+        copy: bool, tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ckpt.persist_copy the persist holds its slot for a memory copy, not for the disk write: the steps saved
+    while it writes are all kept. Without, the slot stays pinned and a save that would need it is skipped."""
+    import dataclasses
+    import threading
+
+    writing, finish = threading.Event(), threading.Event()
+    write_rank = _disk.write_rank
+
+    def slow_write(*args: Any, **kwargs: Any) -> None:
+        writing.set()
+        assert finish.wait(30), "the test never let the write finish"
+        write_rank(*args, **kwargs)
+
+    monkeypatch.setattr(_disk, "write_rank", slow_write)
+    with Cluster(tmp_path / "c", dataclasses.replace(settings, persist_copy=copy), job="ckpt-copy") as cluster:
+        cluster.agent()
+        cluster.round(1)
+        with cluster.worker() as ckpt:
+            assert ckpt.save(1, {"w": torch.full((4,), 1.0)}, persist=True)
+            assert writing.wait(30)
+            saved = [ckpt.save(step, {"w": torch.full((4,), float(step))}) for step in (2, 3, 4)]
+            finish.set()
+            assert ckpt.wait_persisted(timeout=30) == 1
+        assert saved == ([True, True, True] if copy else [True, False, False])
+    loaded = {"w": torch.zeros(4)}  # what was written is step 1's bytes, not those of a step saved meanwhile
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt" / "ckpt-copy" / "step_1"), no_dist=True)
+    assert torch.equal(loaded["w"], torch.full((4,), 1.0))
+
+
 def test_too_small_dev_shm_is_a_clear_error_naming_the_size_and_the_fix(cluster: Cluster) -> None:
     cluster.agent()
     cluster.round(1)
