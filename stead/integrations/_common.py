@@ -13,7 +13,7 @@ import torch
 
 from stead.plugins.ckpt.errors import CheckpointError
 
-__all__ = ["IntegrationError", "release", "require_version", "rng_state", "set_rng_state"]
+__all__ = ["IntegrationError", "python_rng_words", "release", "require_version", "rng_state", "set_rng_state"]
 
 
 class IntegrationError(CheckpointError):
@@ -43,7 +43,8 @@ def rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
-        "python": (version, tuple(internal), gauss),
+        # Mersenne Twister's 625 words as one tensor: as a tuple each would be a node of the checkpoint's tree
+        "python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
         "numpy": (str(kind), torch.from_numpy(np.asarray(keys).copy()), int(pos), int(has_gauss), float(cached)),
         "cpu": torch.random.get_rng_state(),
     }
@@ -55,9 +56,14 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Give back what :func:`rng_state` took."""
     version, internal, gauss = state["python"]
-    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    random.setstate((int(version), python_rng_words(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((str(kind), keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
     torch.random.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+def python_rng_words(internal: Any) -> tuple[int, ...]:
+    """Python's generator state words, from a tensor (as saved) or a sequence (as Python gives them)."""
+    return tuple(int(x) for x in (internal.tolist() if isinstance(internal, torch.Tensor) else internal))

@@ -17,8 +17,10 @@ more than tensors: the ``TrainerState``, the position in the epoch (the Trainer 
 already trained), each rank's random generators and the callbacks' state. The Trainer does all that
 itself for a ``resume_from_checkpoint`` folder, through code paths no subclass needs to reach into;
 ``resume`` writes the newest flash step (from memory under ``stead run``, else from stead's disk copy)
-as such a folder in shared memory (``/dev/shm``), the Trainer loads it, and the folder is removed at
-the first step. The cost is one serialization of the state at a restore, none at a save.
+as such a folder in shared memory (``/dev/shm``): the weights (safetensors: a copy, no pickling), the
+generators and the ``TrainerState``; the Trainer loads it, and the folder is removed at the first
+step. The optimizer's, scheduler's and scaler's states, most of the bytes, go from memory straight
+into the Trainer's objects when training begins (``on_train_begin``), never through a file.
 
 What each save holds: the model's ``state_dict`` (the unwrapped model), the optimizer's and the
 scheduler's (and the gradient scaler's) ``state_dict``, the random generators and the ``TrainerState``
@@ -48,7 +50,7 @@ import torch
 import transformers
 from transformers import TrainerCallback
 
-from stead.integrations._common import IntegrationError, require_version, rng_state
+from stead.integrations._common import IntegrationError, python_rng_words, require_version, rng_state
 from stead.plugins.ckpt.errors import StateMismatch
 from stead.plugins.ckpt.worker import FlashCheckpointer
 
@@ -56,9 +58,8 @@ __all__ = ["FlashCheckpoint"]
 
 require_version("transformers", transformers.__version__, at_least="5.0", below="6", extra="transformers")
 
-# the names of the Trainer's checkpoint folder (transformers.trainer's constants, stable since 4.x)
-_WEIGHTS, _OPTIMIZER, _SCHEDULER, _SCALER, _STATE = (
-    "pytorch_model.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json")
+# the names in the Trainer's checkpoint folder (transformers' constants, stable since 4.x)
+_SAFE_WEIGHTS, _STATE = "model.safetensors", "trainer_state.json"
 _FORMAT = "stead.transformers/1"
 
 
@@ -74,6 +75,7 @@ class FlashCheckpoint(TrainerCallback):  # type: ignore[misc]
         self._trainer: Any = None
         self._folder: Path | None = None
         self._due = self._persist = False  # the last step is to be saved (and persisted) at the next one's start
+        self._restore: dict[str, Any] | None = None  # what resume() found, for on_train_begin
 
     # -- saving -------------------------------------------------------------------------------------------------
     #
@@ -89,6 +91,19 @@ class FlashCheckpoint(TrainerCallback):  # type: ignore[misc]
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._due = self._persist = True  # the Trainer saved its own checkpoint of this step: persist ours too
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The optimizer, scheduler and scaler exist now: their states come from the step ``resume`` found."""
+        _refuse_sharded(args)
+        restore, self._restore = self._restore, None
+        if restore is None:
+            return
+        kwargs["optimizer"].load_state_dict(restore["optimizer"])
+        if restore["scheduler"] is not None and kwargs.get("lr_scheduler") is not None:
+            kwargs["lr_scheduler"].load_state_dict(restore["scheduler"])
+        scaler = getattr(getattr(self._trainer, "accelerator", None), "scaler", None)
+        if restore["scaler"] is not None and scaler is not None:
+            scaler.load_state_dict(restore["scaler"])
+
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save_due(args, state, control, kwargs)
 
@@ -103,7 +118,8 @@ class FlashCheckpoint(TrainerCallback):  # type: ignore[misc]
         self.flash.wait_persisted()  # the last save reaches the disk before train() returns
 
     def _save_due(self, args: Any, state: Any, control: Any, kwargs: Mapping[str, Any]) -> None:
-        if self._due and state.global_step > 0:
+        keeps = self._persist or self.flash.mode == "agent"  # without an agent only persisted saves are kept
+        if self._due and keeps and state.global_step > 0:
             self.flash.save(state.global_step - 1, self._state(args, state, control, kwargs), persist=self._persist)
         self._due = self._persist = False
 
@@ -147,15 +163,14 @@ class FlashCheckpoint(TrainerCallback):  # type: ignore[misc]
         transformers version or of a Trainer saving to another ``output_dir`` is refused before anything is
         written or loaded, with what does not fit."""
         self._trainer = trainer
-        if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-            raise IntegrationError("stead's flash checkpoint for the Trainer holds whole (DDP or single-process) "
-                                   "state; with FSDP or DeepSpeed resume from the Trainer's own checkpoints")
+        _refuse_sharded(trainer.args)
         found = self.flash.load()
         if found is None:
             return None
         step, saved = found
         self._check(saved, trainer, step)
         self._folder = _write_folder(saved, trainer.args, step)
+        self._restore = {key: saved[key] for key in ("optimizer", "scheduler", "scaler")}
         atexit.register(self._remove_folder)
         return str(self._folder)
 
@@ -185,6 +200,13 @@ class FlashCheckpoint(TrainerCallback):  # type: ignore[misc]
                                 "nothing was loaded. Build the same model, or start afresh under a new --job-name")
 
 
+def _refuse_sharded(args: Any) -> None:
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        raise IntegrationError("stead's flash checkpoint for the Trainer holds whole state (one process or DDP); "
+                               "with FSDP or DeepSpeed, leave FlashCheckpoint out and resume from the Trainer's own "
+                               "checkpoints")
+
+
 def _difference(saved: Mapping[str, Any], model: Mapping[str, Any]) -> str:
     """What differs between two ``{name: (shape, dtype)}``, the first few of each kind."""
     def few(names: list[str]) -> str:
@@ -202,17 +224,17 @@ def _difference(saved: Mapping[str, Any], model: Mapping[str, Any]) -> str:
 
 
 def _write_folder(saved: Mapping[str, Any], args: Any, step: int) -> Path:
-    """``saved`` as the Trainer's ``checkpoint-N`` folder, in shared memory when the machine has it."""
+    """What the Trainer reads of ``saved`` before training (the weights, the generators, the ``TrainerState``) as
+    its ``checkpoint-N`` folder, in shared memory when the machine has it. The weights are a safetensors file (a
+    copy, no pickling); the optimizer's, scheduler's and scaler's states are not written: the Trainer loads none
+    without an ``optimizer.pt``, and :meth:`FlashCheckpoint.on_train_begin` loads them from memory."""
+    from safetensors.torch import save_file
+
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     folder = Path(tempfile.mkdtemp(prefix="stead-hf-resume-", dir=base)) / f"checkpoint-{step + 1}"
     try:
         folder.mkdir()
-        torch.save(saved["model"], folder / _WEIGHTS)
-        torch.save(saved["optimizer"], folder / _OPTIMIZER)
-        if saved.get("scheduler") is not None:
-            torch.save(saved["scheduler"], folder / _SCHEDULER)
-        if saved.get("scaler") is not None:
-            torch.save(saved["scaler"], folder / _SCALER)
+        save_file(dict(saved["model"]), str(folder / _SAFE_WEIGHTS), metadata={"format": "pt"})
         torch.save(_trainer_rng(saved["rng"], args),
                    folder / (f"rng_state_{args.process_index}.pth" if args.world_size > 1 else "rng_state.pth"))
         (folder / _STATE).write_text(saved["trainer_state"])
@@ -226,7 +248,7 @@ def _trainer_rng(rng: Mapping[str, Any], args: Any) -> dict[str, Any]:
     """stead's generator states in the Trainer's ``rng_state.pth`` layout (NumPy's as a NumPy tuple)."""
     kind, keys, pos, has_gauss, cached = rng["numpy"]
     out: dict[str, Any] = {
-        "python": (int(rng["python"][0]), tuple(int(x) for x in rng["python"][1]), rng["python"][2]),
+        "python": (int(rng["python"][0]), python_rng_words(rng["python"][1]), rng["python"][2]),
         "numpy": (str(kind), keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)),
         "cpu": rng["cpu"],
     }

@@ -137,6 +137,14 @@ def test_an_unsupported_transformers_is_refused_with_what_to_install() -> None:
     require_version("transformers", "5.24.0.dev0", at_least="5.0", below="6", extra="transformers")
 
 
+def test_a_sharded_trainer_is_refused_with_what_to_do_instead(in_tmp: Path) -> None:
+    flash = _flash()
+    trainer = _trainer(in_tmp, flash, steps=2)
+    trainer.args.fsdp = ["full_shard"]  # what TrainingArguments(fsdp=...) leaves there
+    with pytest.raises(IntegrationError, match="with FSDP or DeepSpeed, leave FlashCheckpoint out"):
+        flash.resume(trainer)
+
+
 def test_every_must_be_a_whole_number_of_steps() -> None:
     with pytest.raises(ValueError, match="every=0"):
         integration.FlashCheckpoint(every=0, flash=FlashCheckpointer(job="unit"))
