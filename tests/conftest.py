@@ -37,7 +37,8 @@ WHOLE_JOB_DIRS = ("e2e", "chaos")
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def whole_job(item: pytest.Item) -> bool:
-        return any(part in WHOLE_JOB_DIRS for part in item.path.relative_to(item.config.rootpath).parts[:2])
+        return (any(part in WHOLE_JOB_DIRS for part in item.path.relative_to(item.config.rootpath).parts[:2])
+                or item.get_closest_marker("e2e") is not None)
 
     items.sort(key=lambda item: not whole_job(item))  # stable: the order within each part stays
 

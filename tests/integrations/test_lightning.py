@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from stead.cli.run_args import parse_run_args
 from stead.core.runspec import worker_env
-from stead.integrations._common import IntegrationError
+from stead.integrations import IntegrationError
 from stead.integrations.lightning import (
     FLASH_PATH,
     FlashCheckpoint,

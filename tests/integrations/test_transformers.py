@@ -20,8 +20,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from stead.ckpt import FlashCheckpointer, StateMismatch
+from stead.integrations import IntegrationError, require_version
 from stead.integrations import transformers as integration
-from stead.integrations._common import IntegrationError, require_version
 from tests.support.readme import readme_files
 from tests.support.recipes import recipe_env, stead_run, steps_by_process, torchrun, workdir
 
