@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -231,8 +232,21 @@ def _wait_checksummed(ckpt: FlashCheckpointer) -> None:
                "the agent checksummed every complete slot")
 
 
+@pytest.fixture
+def short_grace(tmp_path: Path, settings: Any) -> Iterator[Cluster]:
+    """A cluster whose agents wait 1 s, not 30, for a lost node's step to reach the disk (it never will)."""
+    import dataclasses
+
+    from stead.core.config import Settings
+
+    with Cluster(tmp_path, dataclasses.replace(settings, persist_grace_s=1.0), job="ckpt-test",
+                 stead_settings=Settings(retry_deadline_s=5.0)) as running:
+        yield running
+
+
 def test_after_a_node_loss_the_new_agent_restores_from_disk_and_skips_a_corrupt_step(
-        cluster: Cluster, tmp_path: Path) -> None:
+        short_grace: Cluster, tmp_path: Path) -> None:
+    cluster = short_grace
     cluster.agent()
     cluster.round(1)
     with cluster.worker() as ckpt:
