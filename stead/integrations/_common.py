@@ -13,7 +13,8 @@ import torch
 
 from stead.plugins.ckpt.errors import CheckpointError
 
-__all__ = ["IntegrationError", "python_rng_words", "release", "require_version", "rng_state", "set_rng_state"]
+__all__ = ["IntegrationError", "first_few", "python_rng_words", "release", "require_version", "rng_state",
+           "set_rng_state"]
 
 
 class IntegrationError(CheckpointError):
@@ -36,6 +37,11 @@ def require_version(package: str, version: str, *, at_least: str, below: str, ex
             f"stead's {package} integration supports {package} >={at_least},<{below}; this environment has "
             f"{package} {version}: install a supported one (pip install 'stead[{extra}]') or run without "
             f"stead.integrations.{extra}")
+
+
+def first_few(names: list[str], shown: int = 5) -> str:
+    """The first ``shown`` of ``names`` for an error message, and how many more there are."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def rng_state() -> dict[str, Any]:

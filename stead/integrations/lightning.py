@@ -50,7 +50,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from stead.integrations._common import IntegrationError, release, require_version, rng_state, set_rng_state
+from stead.integrations._common import IntegrationError, first_few, release, require_version, rng_state, set_rng_state
 from stead.plugins.ckpt.errors import UnsupportedState
 from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.worker import FlashCheckpointer
@@ -64,8 +64,6 @@ _MARK = "stead"
 _FORMAT = 1
 #: the checkpoint keys a resumed fit does not read back: what the codec refuses there is kept as its repr
 _INFORMATIVE = ("hyper_parameters", "datamodule_hyper_parameters")
-#: how many mismatched keys an error names
-_SHOWN = 5
 
 
 def check_version(version: str) -> None:
@@ -336,14 +334,14 @@ def _check_fits(checkpoint: Mapping[str, Any], module: torch.nn.Module, *, sourc
         missing = [k for k in want if k not in state]
         unexpected = [k for k in state if k not in want]
         if missing:
-            problems.append(f"missing {_names(missing)}")
+            problems.append(f"missing {first_few(missing)}")
         if unexpected:
-            problems.append(f"unexpected {_names(unexpected)}")
+            problems.append(f"unexpected {first_few(unexpected)}")
     shapes = [f"{k} {tuple(state[k].shape)} != {tuple(v.shape)}" for k, v in want.items()
               if k in state and isinstance(state[k], torch.Tensor) and isinstance(v, torch.Tensor)
               and state[k].shape != v.shape]
     if shapes:
-        problems.append(f"other shapes ({_names(shapes)})")
+        problems.append(f"other shapes ({first_few(shapes)})")
     if problems:
         raise IntegrationError(f"{source} is not a checkpoint of this {type(module).__name__}: "
                                f"{'; '.join(problems)}; nothing was loaded. Resume with the model it was saved "
@@ -352,8 +350,3 @@ def _check_fits(checkpoint: Mapping[str, Any], module: torch.nn.Module, *, sourc
 
 def _group_sizes(optimizer_states: Any) -> list[list[int]]:
     return [[len(group["params"]) for group in state["param_groups"]] for state in optimizer_states or []]
-
-
-def _names(items: list[str]) -> str:
-    shown = ", ".join(items[:_SHOWN])
-    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")

@@ -50,7 +50,7 @@ import torch
 import transformers
 from transformers import TrainerCallback
 
-from stead.integrations._common import IntegrationError, python_rng_words, require_version, rng_state
+from stead.integrations._common import IntegrationError, first_few, python_rng_words, require_version, rng_state
 from stead.plugins.ckpt.errors import StateMismatch
 from stead.plugins.ckpt.worker import FlashCheckpointer
 
@@ -76,6 +76,8 @@ class FlashCheckpoint(TrainerCallback):  # type: ignore[misc]
         self._folder: Path | None = None
         self._due = self._persist = False  # the last step is to be saved (and persisted) at the next one's start
         self._restore: dict[str, Any] | None = None  # what resume() found, for on_train_begin
+        self._history: Any = None  # the TrainerState.log_history whose entries _history_json holds, serialized
+        self._history_json: list[str] = []
 
     # -- saving -------------------------------------------------------------------------------------------------
     #
@@ -135,8 +137,19 @@ class FlashCheckpoint(TrainerCallback):  # type: ignore[misc]
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
             "rng": rng_state(),
-            "trainer_state": json.dumps(dataclasses.asdict(self._exported(state, control)), sort_keys=True),
+            "trainer_state": self._state_json(self._exported(state, control)),
         }
+
+    def _state_json(self, state: Any) -> str:
+        """``state`` as the Trainer's ``trainer_state.json``. Its ``log_history`` only grows (an entry per log): each
+        entry is serialized once and kept, so a save every step does not copy the whole history every step."""
+        history = state.log_history
+        if history is not self._history or len(history) < len(self._history_json):  # a new run, a resumed state
+            self._history, self._history_json = history, []
+        self._history_json.extend(json.dumps(entry, sort_keys=True) for entry in history[len(self._history_json):])
+        fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "log_history"}
+        head = json.dumps(fields, sort_keys=True)
+        return f'{head[:-1]}, "log_history": [{", ".join(self._history_json)}]}}'
 
     def _exported(self, state: Any, control: Any) -> Any:
         """``state`` with the callbacks' exported state, as the Trainer's own save records it."""
@@ -209,17 +222,15 @@ def _refuse_sharded(args: Any) -> None:
 
 def _difference(saved: Mapping[str, Any], model: Mapping[str, Any]) -> str:
     """What differs between two ``{name: (shape, dtype)}``, the first few of each kind."""
-    def few(names: list[str]) -> str:
-        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
     parts = []
     if missing := sorted(model.keys() - saved.keys()):
-        parts.append(f"not in the checkpoint: {few(missing)}")
+        parts.append(f"not in the checkpoint: {first_few(missing, 4)}")
     if unexpected := sorted(saved.keys() - model.keys()):
-        parts.append(f"not in this model: {few(unexpected)}")
+        parts.append(f"not in this model: {first_few(unexpected, 4)}")
     if differ := sorted(k for k in model.keys() & saved.keys() if model[k] != saved[k]):
-        parts.append("saved as " + few([f"{k} {list(saved[k][0])} {saved[k][1]} (this model: {list(model[k][0])} "
-                                        f"{model[k][1]})" for k in differ]))
+        shapes = [f"{k} {list(saved[k][0])} {saved[k][1]} (this model: {list(model[k][0])} {model[k][1]})"
+                  for k in differ]
+        parts.append(f"saved as {first_few(shapes, 4)}")
     return "; ".join(parts)
 
 
