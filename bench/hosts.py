@@ -20,7 +20,8 @@ timed the same way, as in bench/recovery.py. Measured:
   killed (every process SIGKILLed, its memory and link gone) -> every rank of the new round has stepped.
   *Shrink*: ``--nnodes 2:3`` c10d on 3 hosts, the job goes on with 2.
   *Spare*: ``--nnodes 3:3`` c10d on 4 hosts, the 4th started once the job is at MAX (it offers itself and
-  waits), then takes the lost host's place (goal: <= 2 s);
+  waits, its spare agent warm: the host is killed once that agent's zygote is ready, as it is on a spare that
+  waited more than a few seconds), then takes the lost host's place (goal: <= 2 s);
 * **partition** (stead, ``--nnodes 2:3`` c10d on 3 hosts): one non-master host's link down for
   ``PARTITION_S`` seconds, then up: the longest stall of rank 0's steps after the partition (from the partition,
   and from the heal, to stepping again), the steps lost (redone by a new round: the script keeps no checkpoint,
@@ -255,12 +256,11 @@ class Bench:
             argv = self.elastic_argv(hosts, f"{n}:{n}", stamps, run.name)
             procs.append(await self.launch(hosts[n], run, argv))
             log = run / f"{hosts[n].name}.log"
-            try:
-                await _until(lambda: log.exists() and "joined job" in log.read_text(errors="replace"),
-                             "spare host accepted", procs, timeout_s=60)
+            try:  # a spare host waits warm: its agent's zygote has imported the script's modules (~2.5 s here)
+                await _until(lambda: log.exists() and _warm_spare(log.read_text(errors="replace")),
+                             "spare host accepted and warm", procs, timeout_s=60)
             except Failed as exc:
                 raise Failed(f"{exc}:\n{self.tail(run)}") from None
-            await asyncio.sleep(1.0)  # the spare's offer settled: it waits, the job at MAX
         victim = n - 1
         killed = time.time()
         await hosts.kill(victim)
@@ -352,6 +352,13 @@ class Bench:
                 "partition_max_step_gap_s": round(stall, 3), "partition_steps_lost": lost,
                 "partition_new_rounds": rounds,
                 "partition_host_back_s": None if back is None else round(back - healed, 3)}
+
+
+def _warm_spare(log: str) -> bool:
+    """Whether a spare host's log says it joined the job and its spare agent's zygote is ready."""
+    joined = log.find("joined job")
+    waiting = log.find("spare_agent_waiting", max(joined, 0))
+    return joined >= 0 and waiting >= 0 and "zygote_ready" in log[waiting:]
 
 
 def _rank0_steps(stamps: Path, after: float) -> list[tuple[int, float]]:

@@ -286,6 +286,8 @@ class HostsPlatform:
             host.connected = False
             if hung_up and time.monotonic() - host.seen <= 2 * self.keepalive_s:  # (it reports every keepalive_s)
                 host.hung_up = time.monotonic()
+                # looked at again as the grace ends, not at the next placing look (up to PLACE_LOOK_S later)
+                asyncio.get_running_loop().call_later(self.hung_up_grace_s + 0.01, self._hung_up_nodes)
             log.warning("host_disconnected", host=host.name, address=host.address, hung_up=hung_up,
                         node=f"{host.node[0]}/{host.node[1]}" if host.node else None)
 

@@ -262,3 +262,20 @@ async def test_a_host_that_hangs_up_and_stays_away_has_its_node_reported_exited_
         await hosts.kill("node-1", 1)
         await hosts.launch(spec("node-1", 2))  # the host is gone: its node waits for another
         assert hosts._waiting.keys() == {("node-1", 2)}
+
+
+async def test_a_hung_up_host_is_looked_at_again_as_its_grace_ends_not_at_the_next_placing_look(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_platform, "PLACE_LOOK_S", 3600.0)  # only the grace's own timer can report the node
+    hosts, _ = platform()
+    hosts.hung_up_grace_s = 0.05
+    async with hosts:
+        await hosts.launch(spec("node-0"))
+        host, _ = hosts.offer(offer("a"))
+        assert host is not None
+        await hosts.launch(spec("node-1"))
+        hosts.gone(host, hung_up=True)
+        async with asyncio.timeout(30):
+            while not isinstance(exited := await hosts._events.get(), NodeExited):
+                pass
+        assert isinstance(exited, NodeExited) and (exited.node_id, exited.incarnation) == ("node-1", 1)
