@@ -3,7 +3,8 @@
 A user switching from ``torchrun`` keeps the command line: every torchrun flag
 stead honours is accepted in both spellings (``--nproc-per-node`` and
 ``--nproc_per_node``), with torchrun's default and its ``PET_<NAME>``
-environment fallback (which Kubeflow's PyTorchJob relies on). stead adds its own
+environment fallback (which Kubeflow's PyTorchJob relies on); under ``srun`` the Slurm
+job step gives the multi-node flags' defaults (:mod:`stead.cli.slurm_env`). stead adds its own
 flags (store, platform, job name, settings). :func:`parse_run_args` validates
 everything up front and raises :class:`~stead.core.errors.ConfigError` with a
 one-line message. What it returns, :class:`~stead.core.runspec.RunConfig`, is the typed spec the master, the
@@ -23,6 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import structlog
 
+from stead.cli.slurm_env import check_nnodes, flag_defaults, rendezvous, slurm_step
 from stead.core.config import Settings
 from stead.core.entrypoints import installed
 from stead.core.errors import ConfigError
@@ -55,7 +57,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     parser = argparse.ArgumentParser(
         prog="stead run",
         description="Run a distributed PyTorch training script that survives failures. "
-                    "Accepts torchrun's flags with torchrun's meaning; `torchrun ARGS` becomes `stead run ARGS`.",
+                    "Accepts torchrun's flags with torchrun's meaning; `torchrun ARGS` becomes `stead run ARGS`. "
+                    "Under srun (one task per node) the Slurm step gives the multi-node flags: `srun stead run "
+                    "train.py` is one job over the step's nodes, its first node serving the job's master "
+                    "(--rdzv-backend c10d); flags given on the command line win.",
         allow_abbrev=False,
     )
     torch_flags = parser.add_argument_group(
@@ -69,7 +74,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                         help="the training script (or module with -m, or program with --no-python) every worker runs")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
                         help="arguments passed to the training script unchanged")
-    _apply_env_defaults(parser, torch_dests, os.environ if environ is None else environ)
+    env = os.environ if environ is None else environ
+    step = slurm_step(env)
+    if step is not None:  # under srun: the step's nodes are the job's (torchrun's PET_* and flags still win)
+        parser.set_defaults(**flag_defaults(step))
+    _apply_env_defaults(parser, torch_dests, env)
     return parser
 
 
@@ -202,6 +211,12 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
     ns = build_parser(env).parse_args(list(argv))
 
     min_nodes, max_nodes = _parse_nnodes(ns.nnodes)
+    step = slurm_step(env)
+    if step is not None and not ns.standalone:
+        check_nnodes(step, min_nodes)
+        ns.rdzv_backend, ns.rdzv_endpoint, ns.master_addr = rendezvous(
+            step, backend=ns.rdzv_backend, endpoint=ns.rdzv_endpoint, node_rank=ns.node_rank,
+            master_addr=ns.master_addr, master_port=ns.master_port)
     if ns.standalone and (min_nodes, max_nodes) != (1, 1):
         raise ConfigError(f"--standalone runs a single node but --nnodes is {ns.nnodes!r}; "
                           "drop --nnodes or drop --standalone")

@@ -1,0 +1,179 @@
+"""``srun stead run train.py`` with no multi-node flags: the Slurm job step says what the flags would.
+
+Under ``srun`` every task of the step runs ``stead run``; one task per node makes one host each.
+:func:`slurm_step` reads the step from Slurm's environment (``SLURM_JOB_ID``, ``SLURM_STEP_NODELIST``,
+``SLURM_STEP_NUM_NODES``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_PROCID``) and :func:`flag_defaults` turns it into
+torchrun's elastic command line, as defaults that flags given on the command line replace (:func:`rendezvous`):
+
+* ``--rdzv-backend c10d --rdzv-endpoint FIRST:PORT``: the step's first node serves the job's master (its `stead
+  run` binds the endpoint; the others join it), node ranks are given by the master, so a node of the step beyond
+  ``--nnodes`` is a spare host that takes a lost node's place;
+* ``--nnodes`` the step's node count;
+* ``--rdzv-id slurm-JOBID``: one job name on every node (a requeued job keeps its id, so it resumes its own
+  checkpoints; a job submitted again resumes them with ``--rdzv-id`` or ``--job-name`` given);
+* PORT: 15000 + the job id's last four digits (Lightning's rule for Slurm), so two jobs sharing a node do not
+  take one port; ``--rdzv-endpoint`` or ``--master-port`` chooses another.
+
+A step that cannot be one job is refused (:func:`check_nnodes`): several tasks on a node (stead starts the
+node's workers itself), ``--nnodes`` asking for more nodes than the step has. The node list is Slurm's hostlist
+expression (``gpu[01-04,07],login1``), expanded here without asking the controller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+
+from stead.core.errors import ConfigError
+
+__all__ = ["SlurmStep", "check_nnodes", "flag_defaults", "hostnames", "rendezvous", "slurm_step"]
+
+#: the c10d endpoint's port is this plus the job id's last four digits
+PORT_BASE = 15000
+#: the most host names one node list may expand to (Slurm's own limit is far below this)
+MAX_HOSTS = 100_000
+
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmStep:
+    """The Slurm job step this `stead run` is a task of."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    #: this task's rank in the step (one task per node: the node's index in ``nodes``)
+    task: int
+
+    @property
+    def port(self) -> int:
+        digits = re.sub(r"\D", "", self.job_id)[-4:] or "0"
+        return PORT_BASE + int(digits)
+
+
+def slurm_step(environ: Mapping[str, str]) -> SlurmStep | None:
+    """The job step of an ``srun`` task (None outside one); ConfigError when it cannot be one job."""
+    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    nodelist = environ.get("SLURM_STEP_NODELIST")
+    if not job_id or nodelist is None:
+        return None  # not a task of an srun step (a batch script, or no allocation): one machine, as before
+    nodes = hostnames(nodelist)
+    count, tasks, task = (_int(environ, name) for name in
+                          ("SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID"))
+    if count != len(nodes):
+        raise ConfigError(f"Slurm's step environment disagrees with itself: SLURM_STEP_NUM_NODES={count} but "
+                          f"SLURM_STEP_NODELIST={nodelist!r} names {len(nodes)} nodes; run `stead run` under srun "
+                          "as it sets them, or give torchrun's multi-node flags")
+    if tasks != count:
+        raise ConfigError(f"srun started {tasks} tasks on {count} node(s) (SLURM_STEP_NUM_TASKS, "
+                          f"SLURM_STEP_TASKS_PER_NODE={environ.get('SLURM_STEP_TASKS_PER_NODE', '?')}): stead run "
+                          "is one task per node, and starts --nproc-per-node workers on it itself; use srun "
+                          "--ntasks-per-node 1")
+    if not 0 <= task < count:
+        raise ConfigError(f"SLURM_PROCID={task} is not a task of a {count}-task step; run `stead run` under srun")
+    return SlurmStep(job_id=job_id, nodes=nodes, task=task)
+
+
+def flag_defaults(step: SlurmStep) -> dict[str, str]:
+    """The defaults of torchrun's flags (argparse dests) that the step gives; the command line's flags replace
+    them. The rendezvous (c10d at the step's first node) is :func:`rendezvous`'s: it depends on other flags."""
+    return {"nnodes": str(len(step.nodes)), "rdzv_id": f"slurm-{step.job_id}"}
+
+
+def rendezvous(step: SlurmStep, *, backend: str, endpoint: str, node_rank: int | None, master_addr: str | None,
+               master_port: int | None) -> tuple[str, str, str | None]:
+    """(backend, endpoint, master address) for the step, given the rendezvous flags of the command line.
+
+    torchrun's static line (``--node-rank``, ``--master-addr``) and an explicit endpoint are kept (a static line
+    without ``--master-addr`` gets the step's first node); with none of them the step's first node serves the job
+    at c10d, on ``--master-port`` when given."""
+    if backend != "static" or endpoint:
+        return backend, endpoint, master_addr
+    if node_rank is not None:
+        return backend, endpoint, master_addr or step.nodes[0]
+    if master_addr is not None:
+        return backend, endpoint, master_addr
+    port = master_port if master_port is not None else step.port
+    return "c10d", f"{step.nodes[0]}:{port}", None
+
+
+def check_nnodes(step: SlurmStep, min_nodes: int) -> None:
+    """Refuse a ``--nnodes`` the step cannot run: at least more nodes than it has."""
+    if min_nodes > len(step.nodes):
+        raise ConfigError(f"--nnodes asks for at least {min_nodes} nodes but the Slurm step runs on {len(step.nodes)} "
+                          f"({','.join(step.nodes[:8])}{',...' if len(step.nodes) > 8 else ''}): ask srun for "
+                          f"--nodes {min_nodes} or more, or lower --nnodes")
+
+
+def hostnames(nodelist: str) -> tuple[str, ...]:
+    """Slurm's hostlist expression expanded: ``"n[1-3,07],login"`` -> n1 n2 n3 n07 login (zero padding kept)."""
+    if not nodelist.strip():
+        raise ConfigError(f"the Slurm node list {nodelist!r} names no host; run `stead run` under srun")
+    names: list[str] = []
+    for item in _top_level(nodelist.strip(), nodelist):
+        names.extend(_expand(item, nodelist))
+        if len(names) > MAX_HOSTS:
+            raise ConfigError(f"the Slurm node list {nodelist[:80]!r} names more than {MAX_HOSTS} hosts")
+    return tuple(names)
+
+
+def _top_level(text: str, whole: str) -> list[str]:
+    """``text`` split at the commas outside brackets."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char == "[":
+            depth += 1
+            if depth > 1:
+                raise _bad(whole, "a bracket inside a bracket")
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise _bad(whole, "a ']' without its '['")
+        elif char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise _bad(whole, "a '[' without its ']'")
+    items.append(text[start:])
+    if any(not item for item in items):
+        raise _bad(whole, "an empty name between commas")
+    return items
+
+
+def _expand(item: str, whole: str) -> list[str]:
+    """One name of the list, its bracket groups (``rack[1-2]-n[01-02]``) expanded in order."""
+    open_at = item.find("[")
+    if open_at < 0:
+        if "]" in item:
+            raise _bad(whole, "a ']' without its '['")
+        return [item]
+    close_at = item.index("]", open_at)
+    head, body, tail = item[:open_at], item[open_at + 1:close_at], item[close_at + 1:]
+    rests = _expand(tail, whole) if tail else [""]
+    out: list[str] = []
+    for part in body.split(","):
+        match = _RANGE.fullmatch(part.strip())
+        if match is None:
+            raise _bad(whole, f"[{body}] holds {part!r}, not a number or a range like 01-04")
+        first, last = match.group(1), match.group(2) or match.group(1)
+        if int(last) < int(first):
+            raise _bad(whole, f"the range {part} runs backwards")
+        if int(last) - int(first) >= MAX_HOSTS:
+            raise ConfigError(f"the Slurm node list {whole[:80]!r} names more than {MAX_HOSTS} hosts")
+        width = len(first) if first.startswith("0") else 0
+        out.extend(f"{head}{n:0{width}d}{rest}" for n in range(int(first), int(last) + 1) for rest in rests)
+    return out
+
+
+def _bad(nodelist: str, why: str) -> ConfigError:
+    return ConfigError(f"the Slurm node list {nodelist!r} does not parse ({why}); run `stead run` under srun, "
+                       "which sets SLURM_STEP_NODELIST, or give torchrun's multi-node flags")
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    raw = environ.get(name)
+    if raw is None or not raw.strip().isdigit():
+        raise ConfigError(f"the Slurm step's {name}={raw!r} is not a number; run `stead run` under srun, which "
+                          "sets it, or give torchrun's multi-node flags")
+    return int(raw)
