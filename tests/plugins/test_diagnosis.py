@@ -60,6 +60,16 @@ def test_last_exception_reads_the_last_traceback_line() -> None:
     assert last_exception("no error here") is None
 
 
+def test_last_exception_reads_a_rank_prefixed_traceback_whatever_the_exceptions_name() -> None:
+    tail = ("[rank1]: Traceback (most recent call last):\n"
+            '[rank1]:   File "train.py", line 26, in <module>\n'
+            "[rank1]:     opt.step()\n"
+            "[rank1]: stead.core.worker.numerics.NonFiniteGradientError: on rank 1\n")
+    assert last_exception(tail) == ("NonFiniteGradientError", "on rank 1")
+    # the frames keep their indentation under the prefix: a name without Error at its end is read too
+    assert last_exception(tail.replace("NonFiniteGradientError", "StopTraining")) == ("StopTraining", "on rank 1")
+
+
 async def _decisions(plugin: DiagnosisPlugin, failures: list[WorkerFailed], store: Any = None) -> list[Event]:
     """Each failure, in its own round, given to ``plugin`` as the one its round awaits a decision on."""
     store = store or await open_store("memory://")
@@ -95,6 +105,10 @@ GLOO = TRACEBACK.format(line="RuntimeError: [gloo/transport/tcp/socket.cc:142] r
     ([(3, VALUE), (5, OTHER), (3, VALUE)], ["restart", "restart", "fail"]),  # at one step: however far apart
     ([(None, GLOO), (None, GLOO), (None, GLOO)], ["restart", "restart", "restart"]),  # a collective's: the world's
     ([(3, GLOO), (3, GLOO)], ["restart", "restart"]),
+    # failing again right after the restore, before its round finished a step: the same traceback is that failure
+    ([(3, VALUE), (None, VALUE)], ["restart", "fail"]),
+    ([(3, VALUE), (None, OTHER)], ["restart", "restart"]),
+    ([(3, VALUE), (5, OTHER), (None, VALUE)], ["restart", "restart", "restart"]),  # not right after it
 ])
 async def test_a_failure_that_repeats_is_a_user_error_on_its_second_occurrence(
         steps_and_tails: list[tuple[int | None, str]], actions: list[str]) -> None:

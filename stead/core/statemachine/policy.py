@@ -32,8 +32,9 @@ DEFAULT_DECIDER = "default"
 DETERMINISTIC = frozenset({"SyntaxError", "IndentationError", "TabError", "NameError", "ImportError",
                            "ModuleNotFoundError", "UnboundLocalError", "InvalidRequest", "ConfigError",
                            "StateMismatch", "UnsupportedState"})
-#: torch prefixes a worker's stderr lines with its rank ("[rank3]: NameError: ...")
-_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d*\]:\s*")
+#: torch prefixes a worker's stderr lines with its rank ("[rank3]: NameError: ..."); only the prefix and its one
+#: space go: a traceback's frames keep their indentation (its end, the exception's line, is the first without)
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d*\]: ?")
 _EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))(?::\s*(?P<msg>.*))?$")
 #: the line that ends a Python traceback: the exception's (dotted) class name, then its message
 _TRACEBACK_END = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::\s*(?P<msg>.*))?$")

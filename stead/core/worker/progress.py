@@ -152,6 +152,7 @@ class _AutoStep:
         self.base = 0  # the step the count starts at
         self.explicit = False  # the script reports steps itself
         self.paused = 0
+        self.hooked = False  # the automatic detection's hooks are installed (in a stead worker)
 
 
 _auto = _AutoStep()
@@ -205,8 +206,16 @@ def install_step_hook() -> Any:
             auto.count = taken
             _write(auto.base + taken - 1)
 
+    _auto.hooked = True
     return _Hooks(optimizer.register_optimizer_step_pre_hook(before_step),
                   optimizer.register_optimizer_step_post_hook(on_step))
+
+
+def training_step() -> int | None:
+    """The step being trained (the next one reported), or None where steps are not tracked (no stead agent)."""
+    if _auto.explicit:
+        return _writer.step + 1 if _writer is not None else None
+    return _auto.base + _auto.count if _auto.hooked else None
 
 
 class _Hooks:

@@ -319,16 +319,18 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         if signature is None or self.repeats.after == 0 or found.failure_class not in self.repeats.of:
             return None
         history = await self._history(ctx)
-        occurrences = history.record(signature, failure, in_a_row=failure.step is None)
+        again = history.same_as_last(failure)  # no step known: the last failure's traceback again is that failure
+        occurrences = history.record(again or signature, failure, in_a_row=failure.step is None and not again)
         await ctx.store.put(ctx.key("signatures"), history.to_json())
         if len(occurrences) < self.repeats.after:
             return None
         named = ", ".join(f"round {r} (rank {k}{'' if s is None else f', step {s}'})" for r, k, s in occurrences)
         times = "twice" if len(occurrences) == 2 else f"{len(occurrences)} times"
-        where = f"at the same step {times}" if failure.step is not None else f"{times} in a row (no step known)"
+        where = (f"at the same step {times}" if failure.step is not None or again
+                 else f"{times} in a row (no step known)")
         action = self.rules.actions.get(self.repeats.failure_class, DEFAULT_ACTIONS[self.repeats.failure_class])
         return Classification(self.repeats.failure_class, action, self.repeats.rule,
-                              f"the same error {where}: {signature.split(' @ ')[0]} in {named}")
+                              f"the same error {where}: {(again or signature).split(' @ ')[0]} in {named}")
 
     async def handle(self, *, record: Record, ctx: Ctx) -> None:
         event = record.event
@@ -473,7 +475,8 @@ _SILENT_LOOK_S = 0.1
 _SYMPTOMS = frozenset({FailureClass.COLLECTIVE})
 #: which class is the likelier cause when several failures of one round compete (lower first)
 _CAUSE_ORDER = {FailureClass.HARDWARE: 0, FailureClass.OOM: 1, FailureClass.USER_ERROR: 2,
-                FailureClass.NODE_LOST: 3, FailureClass.TRANSIENT: 4, FailureClass.COLLECTIVE: 5}
+                FailureClass.NUMERICAL: 3, FailureClass.NODE_LOST: 4, FailureClass.TRANSIENT: 5,
+                FailureClass.COLLECTIVE: 6}
 
 
 class _RootCause:

@@ -9,7 +9,7 @@ import re
 
 from stead.plugin import WorkerFailed, last_exception, last_traceback
 
-__all__ = ["Seen", "signature"]
+__all__ = ["Seen", "signature", "traceback_signature"]
 
 
 def signature(failure: WorkerFailed) -> str | None:
@@ -20,6 +20,14 @@ def signature(failure: WorkerFailed) -> str | None:
         return None
     if failure.step is not None:
         return f"{exc[0]}: {exc[1]} @ step {failure.step}"
+    return traceback_signature(failure)
+
+
+def traceback_signature(failure: WorkerFailed) -> str | None:
+    """The exception, its message and its traceback's frames (addresses left out), whatever the step."""
+    exc = last_exception(failure.error_tail)
+    if exc is None:
+        return None
     frames = re.sub(r"0x[0-9a-fA-F]+", "0x", last_traceback(failure.error_tail))
     return f"{exc[0]}: {exc[1]} @ traceback {hashlib.sha256(frames.encode()).hexdigest()[:16]}"
 
@@ -30,6 +38,15 @@ class Seen:
 
     occurrences: dict[str, list[tuple[int, int, int | None]]] = dataclasses.field(default_factory=dict)
     last: str = ""
+    #: the last recorded failure's traceback signature (a failure with no step known that has it is that one again)
+    last_traceback: str = ""
+
+    def same_as_last(self, failure: WorkerFailed) -> str | None:
+        """The last failure's signature when ``failure``, with no step known (it failed before its round finished
+        a step: right after a restore), has its exception, message and traceback: the same failure again."""
+        if failure.step is not None or not self.last or not self.last_traceback:
+            return None
+        return self.last if traceback_signature(failure) == self.last_traceback else None
 
     def record(self, signature: str, failure: WorkerFailed, *, in_a_row: bool) -> list[tuple[int, int, int | None]]:
         """Add ``failure``'s occurrence; with ``in_a_row``, earlier ones count only if the previous decision's
@@ -40,10 +57,12 @@ class Seen:
         if not any(r == failure.round for r, _, _ in seen):  # a round's failure is decided once
             seen.append((failure.round, failure.rank, failure.step))
         self.last = signature
+        self.last_traceback = traceback_signature(failure) or ""
         return seen
 
     def to_json(self) -> bytes:
-        return json.dumps({"occurrences": self.occurrences, "last": self.last}).encode()
+        return json.dumps({"occurrences": self.occurrences, "last": self.last,
+                           "last_traceback": self.last_traceback}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Seen:
@@ -51,4 +70,5 @@ class Seen:
         if isinstance(data, list):  # an earlier master's: the signatures seen once each, nothing more known
             return cls({str(sig): [(0, -1, None)] for sig in data})
         return cls({str(sig): [(int(r), int(k), None if s is None else int(s)) for r, k, s in seen]
-                    for sig, seen in data.get("occurrences", {}).items()}, str(data.get("last", "")))
+                    for sig, seen in data.get("occurrences", {}).items()}, str(data.get("last", "")),
+                   str(data.get("last_traceback", "")))

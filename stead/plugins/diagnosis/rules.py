@@ -76,6 +76,8 @@ class FailureClass(enum.Enum):
     NODE_LOST = "node_lost"
     COLLECTIVE = "collective"
     TRANSIENT = "transient"
+    #: a NaN or Inf caught by stead.numerics: the step was not applied; restored from the last committed checkpoint
+    NUMERICAL = "numerical"
 
 
 class Action(enum.Enum):
@@ -101,6 +103,7 @@ DEFAULT_ACTIONS: Mapping[FailureClass, Action] = {
     FailureClass.NODE_LOST: Action.RELAUNCH,
     FailureClass.COLLECTIVE: Action.RESTART,
     FailureClass.TRANSIENT: Action.RESTART,
+    FailureClass.NUMERICAL: Action.RESTART,
 }
 
 
@@ -200,8 +203,9 @@ class Repeats:
 
     after: int = 2
     failure_class: FailureClass = FailureClass.USER_ERROR
-    #: the classes whose failures count as repeats
-    of: frozenset[FailureClass] = frozenset({FailureClass.TRANSIENT})
+    #: the classes whose failures count as repeats (a NaN at the same step after a restore comes from the data or
+    #: the code, not the machine)
+    of: frozenset[FailureClass] = frozenset({FailureClass.TRANSIENT, FailureClass.NUMERICAL})
     #: the rule name decisions on a repeat give
     rule: str = "repeated-failure"
 
@@ -274,6 +278,7 @@ BUILTIN_RULES: tuple[Rule, ...] = (
          tail=_rx(r"DefaultCPUAllocator: (can't allocate memory|not enough memory)|std::bad_alloc")),
     Rule(name="python-memory-error", failure_class=FailureClass.OOM, exception=_rx("MemoryError")),
     Rule(name="platform-oom-killed", failure_class=FailureClass.OOM, platform_reason=_rx(r"\bOOMKilled\b")),
+    Rule(name="non-finite-gradient", failure_class=FailureClass.NUMERICAL, exception=_rx(r"NonFiniteGradientError")),
     Rule(name="deterministic-python-error", failure_class=FailureClass.USER_ERROR, exception=_rx(_USER_ERRORS)),
     Rule(name="nccl-error", failure_class=FailureClass.COLLECTIVE,
          tail=_rx(r"NCCL (error|WARN)|nccl(System|Internal|Remote|Invalid\w*)Error|ProcessGroupNCCL.*(timeout|Timeout)"

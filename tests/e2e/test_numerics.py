@@ -1,0 +1,57 @@
+"""A NaN gradient under DDP: caught on the rank that made it, before the step; restored and trained on to the
+fault-free weights; the same NaN again at the same step fails the job on its second occurrence."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.e2e.test_failure_classes import RunJob, events, of_type, status
+from tests.support.readme import readme_files
+
+pytestmark = pytest.mark.e2e
+
+#: the README's script: DDP over 2 ranks, a flash checkpoint every step, the final weights printed as JSON
+SCRIPT = readme_files()["numerics_train.py"]
+#: the same with a bug: rank 1's loss is infinite at step 4 in every run
+BUGGY = SCRIPT.replace("    loss.backward()", "    if rank == 1 and step == 4:\n        loss = loss * float('inf')\n"
+                                            "    loss.backward()")
+
+
+def _weights(stdout: str) -> Any:
+    (line,) = [ln for ln in stdout.splitlines() if ln.startswith("WEIGHTS ")]
+    return json.loads(line.removeprefix("WEIGHTS "))
+
+
+def test_a_nan_gradient_is_caught_on_its_rank_before_the_step_and_the_job_ends_as_a_fault_free_one(
+        run_job: RunJob, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEAD_NUMERICS_INJECT", "nan:rank=1:step=4")
+    faulty = run_job(SCRIPT, job="nan", flags=("--nproc-per-node", "2", "--max-restarts", "2"))
+    assert faulty.returncode == 0, faulty.stderr[-4000:]
+    (decision,) = of_type(events(faulty, "nan"), "recovery.decided")
+    assert (decision["failure_class"], decision["rule"], decision["action"], decision["rank"]) == (
+        "numerical", "non-finite-gradient", "restart", 1)
+    assert "non-finite gradient (NaN or Inf) on rank 1" in decision["evidence"]
+    assert "at step 4" in decision["evidence"] and "before the all-reduce" in decision["evidence"]
+    assert "last failure: numerical (non-finite-gradient)" in status(faulty, "nan")
+    monkeypatch.delenv("STEAD_NUMERICS_INJECT")
+    clean = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "train.py"], cwd=faulty.cwd, capture_output=True, text=True, timeout=120)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    assert _weights(faulty.stdout) == _weights(clean.stdout)  # the NaN step was never applied, nor committed
+
+
+def test_a_nan_that_comes_back_at_the_same_step_after_the_restore_fails_the_job_on_its_second_time(
+        run_job: RunJob) -> None:
+    assert BUGGY != SCRIPT
+    job = run_job(BUGGY, job="bug", flags=("--nproc-per-node", "2", "--max-restarts", "3"))
+    assert job.returncode != 0
+    decisions = of_type(events(job, "bug"), "recovery.decided")
+    assert [(d["failure_class"], d["action"]) for d in decisions] == [("numerical", "restart"),
+                                                                        ("user_error", "fail")]
+    assert decisions[1]["rule"] == "repeated-failure" and "at the same step twice" in decisions[1]["evidence"]
+    assert "NonFiniteGradientError" in decisions[1]["evidence"] and "rank 1" in decisions[1]["evidence"]
