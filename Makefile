@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 RUNSTAMP := $(VENV)/.installed
 
-.PHONY: chromium chaos demo test stress lint typecheck proto bench bench-quick etcd clean
+.PHONY: chromium chaos demo test stress lint typecheck proto bench bench-quick etcd slurm clean
 
 # torch and numpy are installed in one pip command (torch==2.13.0 is the CPU wheel on this machine)
 $(RUNSTAMP): pyproject.toml
@@ -25,6 +25,19 @@ etcd:
 	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server >/dev/null; }
 	@command -v etcd >/dev/null 2>&1 || { echo "etcd-server could not be installed"; exit 1; }
+
+# Slurm's controller, node daemon and clients (Debian's 22.05, munge comes as a dependency but is not run) for the
+# Slurm cluster on test hosts (tests/support/slurm.py); no service starts on install
+SLURM_PACKAGES := slurmctld slurmd slurm-client
+SLURM_FOUND := PATH="$$PATH:/usr/sbin:/sbin" command -v slurmctld >/dev/null 2>&1 && \
+  PATH="$$PATH:/usr/sbin:/sbin" command -v slurmd >/dev/null 2>&1 && command -v srun >/dev/null 2>&1
+slurm:
+	@$(SLURM_FOUND) || { \
+	  echo "Slurm not found: installing $(SLURM_PACKAGES) with apt-get"; \
+	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    --no-install-recommends $(SLURM_PACKAGES) >/dev/null; }
+	@$(SLURM_FOUND) || { echo "Slurm ($(SLURM_PACKAGES)) could not be installed"; exit 1; }
 
 # Chromium renders `stead report`'s HTML headless in a test; without it that one test is skipped, saying why
 chromium:
@@ -48,7 +61,7 @@ typecheck: $(STAMP)
 
 # two xdist workers that steal work from each other; the whole-job tests (tests/e2e, tests/chaos) are collected
 # first (tests/conftest.py), so the last tests to run are short ones
-test: $(STAMP) etcd chromium lint typecheck
+test: $(STAMP) etcd slurm chromium lint typecheck
 	$(BIN)/pytest -q -n 2 --dist worksteal
 
 # concurrency stress: the store stress test (short bursts) and the sampler's master-restart test, hundreds of times
