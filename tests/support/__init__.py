@@ -9,6 +9,8 @@
   written byte by byte, what a broken or hostile client sends, for the RPC limit and fuzz tests;
 - :mod:`tests.support.hosts`: test hosts made of network, UTS and mount namespaces on a bridge (own address,
   hostname, /dev/shm and /tmp), killed, restarted, partitioned and healed, for the multi-host tests;
+- :mod:`tests.support.slurm`: a real Slurm cluster (Debian's slurmctld and slurmd) on such hosts, for the tests of
+  stead under ``srun`` and ``sbatch``;
 - :mod:`tests.support.history`: the fault injection and the surviving training history of the whole-job tests
   that check exactly-once data across failures (``tests/e2e``, ``tests/chaos``).
 
