@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from stead.plugins.ckpt.errors import CheckpointError
+from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 
-__all__ = ["IntegrationError", "first_few", "python_rng_words", "release", "require_version", "rng_state",
-           "set_rng_state"]
+__all__ = ["AFRESH", "IntegrationError", "check_header", "first_few", "python_rng_words", "release", "require_version",
+           "rng_state", "set_rng_state"]
 
 
 class IntegrationError(CheckpointError):
@@ -37,6 +37,31 @@ def require_version(package: str, version: str, *, at_least: str, below: str, ex
             f"stead's {package} integration supports {package} >={at_least},<{below}; this environment has "
             f"{package} {version}: install a supported one (pip install 'stead[{extra}]') or run without "
             f"stead.integrations.{extra}")
+
+
+#: what to do with a checkpoint that does not fit, to start over
+AFRESH = "Start the job under a new name (or remove its checkpoints) to start afresh"
+
+
+def check_header(saved: Any, *, integration: str, package: str, layout: int,
+                 supported: tuple[str, str]) -> Mapping[str, Any]:
+    """The header (``saved["format"]``) of a checkpoint saved by ``integration``'s FlashState at ``layout``, with
+    ``package`` at a supported version; StateMismatch (nothing loaded) naming what does not fit."""
+    header = saved.get("format") if isinstance(saved, Mapping) else None
+    if not isinstance(header, Mapping) or header.get("integration") != integration:
+        raise StateMismatch(f"the checkpoint was not saved by stead.integrations.{integration}.FlashState; nothing "
+                            f"was loaded. {AFRESH}")
+    version = str(header.get(package))
+    if header.get("version") != layout:
+        raise StateMismatch(f"the checkpoint has FlashState layout {header.get('version')} ({package} {version}), "
+                            f"this stead reads layout {layout}; nothing was loaded. Resume it with the stead that "
+                            "saved it, or start the job under a new name")
+    try:
+        require_version(package, version, at_least=supported[0], below=supported[1], extra=package)
+    except IntegrationError:
+        raise StateMismatch(f"the checkpoint was saved with {package} {version}, outside the supported "
+                            f">={supported[0]},<{supported[1]}; nothing was loaded. {AFRESH}") from None
+    return header
 
 
 def first_few(names: list[str], shown: int = 5) -> str:

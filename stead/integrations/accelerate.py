@@ -44,7 +44,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from stead.core.worker.progress import paused as _building_state
-from stead.integrations._common import IntegrationError, require_version, rng_state, set_rng_state
+from stead.integrations._common import IntegrationError, check_header, require_version, rng_state, set_rng_state
 from stead.plugins.ckpt.errors import StateMismatch
 from stead.plugins.ckpt.worker import FlashCheckpointer
 
@@ -56,7 +56,6 @@ require_version("accelerate", accelerate.__version__, at_least=SUPPORTED[0], bel
 
 #: the layout of the state dict below; a checkpoint of another layout is refused, not guessed at
 FORMAT = 1
-_AFRESH = "Start the job under a new name (or remove its checkpoints) to start afresh"
 _UNSUPPORTED = {DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA}
 
 
@@ -172,20 +171,9 @@ class FlashState:
             return {"model": get_model_state_dict(model)}
 
     def _check_fits(self, saved: Any) -> None:
-        header = saved.get("format") if isinstance(saved, Mapping) else None
-        if not isinstance(header, Mapping) or header.get("integration") != "accelerate":
-            raise StateMismatch("the checkpoint was not saved by stead.integrations.accelerate.FlashState; nothing "
-                                f"was loaded. {_AFRESH}")
+        header = check_header(saved, integration="accelerate", package="accelerate", layout=FORMAT,
+                              supported=SUPPORTED)
         version = str(header.get("accelerate"))
-        if header.get("version") != FORMAT:
-            raise StateMismatch(f"the checkpoint has FlashState layout {header.get('version')} (accelerate "
-                                f"{version}), this stead reads layout {FORMAT}; nothing was loaded. Resume it with "
-                                "the stead that saved it, or start the job under a new name")
-        try:
-            require_version("accelerate", version, at_least=SUPPORTED[0], below=SUPPORTED[1], extra="accelerate")
-        except IntegrationError:
-            raise StateMismatch(f"the checkpoint was saved with accelerate {version}, outside the supported "
-                                f">={SUPPORTED[0]},<{SUPPORTED[1]}; nothing was loaded. {_AFRESH}") from None
         acc = self.accelerator
         counts = {"schedulers": len(acc._schedulers), "dataloaders": len(acc._dataloaders),
                   "custom": len(acc._custom_objects)}

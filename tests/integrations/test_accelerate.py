@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 import sys
 import textwrap
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -32,7 +30,7 @@ from stead.ckpt import Checkpoint, FlashCheckpointer, StateMismatch
 from stead.integrations import IntegrationError
 from stead.integrations.accelerate import FlashState
 from tests.support.readme import readme_files
-from tests.support.recipes import assert_same, final, recipe_env, stead_run, torchrun, workdir
+from tests.support.recipes import assert_same, crashed_against_reference, recipe_env, stead_run, workdir
 
 RECIPE = "recipes/accelerate_loop.py"
 #: optimizer steps of a process: 2 epochs of 256 samples, 2 ranks, batches of 8 = 16 a rank an epoch; 24 is in epoch 1
@@ -260,17 +258,4 @@ def test_a_plain_accelerator_script_runs_under_stead_as_under_torchrun(tmp_path:
 def test_the_readme_recipe_recovers_to_the_uninterrupted_state(tmp_path: Path) -> None:
     """Under `stead run` rank 1 crashes in epoch 1 and resumes from memory; the disk path (what torchrun resumes
     from) is the unit tests' round trip."""
-    reference, crashed = (workdir(tmp_path, name, RECIPE, _recipe()) for name in ("reference", "stead"))
-    with ThreadPoolExecutor(2) as pool:  # independent runs side by side, each in its own directory
-        reference_run = pool.submit(torchrun, reference, RECIPE, _env(reference, ""))
-        stead_job = pool.submit(stead_run, crashed, RECIPE, _env(crashed, "crash"), "accel")
-    done, job = reference_run.result(), stead_job.result()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert job.returncode == 0, job.stderr[-4000:]
-    assert (crashed / "faulted").exists() and "succeeded after 1 restart(s)" in job.stderr
-    assert re.search(r"ckpt_restored\s.*tier=memory", job.stderr)
-
-    for rank in (0, 1):
-        want = final(reference, rank)
-        assert want["optim"], "the reference run has no optimizer state"
-        assert_same(final(crashed, rank), want, f"stead run with a crash, rank {rank}")
+    crashed_against_reference(tmp_path, RECIPE, _recipe(), "accel", _env)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,8 +26,8 @@ import torch
 from stead.core.config import env_name
 from stead.testing.leaks import SHM_NAMESPACE_ENV
 
-__all__ = ["FAULT_HOOK", "ThreeRuns", "assert_same", "final", "recipe_env", "run_three_ways", "stead_run",
-           "steps_by_process", "torchrun", "workdir"]
+__all__ = ["FAULT_HOOK", "ThreeRuns", "assert_same", "crashed_against_reference", "final", "recipe_env",
+           "run_three_ways", "stead_run", "steps_by_process", "torchrun", "workdir"]
 
 FAULT_HOOK = """
 import os
@@ -165,3 +166,23 @@ def run_three_ways(tmp: Path, path: str, text: str, fault_at: int, job: str, **e
     assert first.returncode != 0 and (killed / "faulted").exists()
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     return ThreeRuns(reference, crashed, killed, stead, again)
+
+
+def crashed_against_reference(tmp: Path, path: str, text: str, job: str, env: Any) -> Path:
+    """The script twice side by side: uninterrupted under torchrun, and under `stead run` with rank 1 crashing (the
+    environments ``env(cwd, fault)`` gives). Asserts that both succeeded, stead after one restart from memory, and
+    that each rank ended with the reference's state (it must hold an optimizer state); returns stead's directory."""
+    reference, crashed = (workdir(tmp, name, path, text) for name in ("reference", "stead"))
+    with ThreadPoolExecutor(2) as pool:  # independent runs side by side, each in its own directory
+        reference_run = pool.submit(torchrun, reference, path, env(reference, ""))
+        stead_job = pool.submit(stead_run, crashed, path, env(crashed, "crash"), job)
+    done, stead = reference_run.result(), stead_job.result()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert stead.returncode == 0, stead.stderr[-4000:]
+    assert (crashed / "faulted").exists() and "succeeded after 1 restart(s)" in stead.stderr
+    assert re.search(r"ckpt_restored.*tier=memory", stead.stdout + stead.stderr), stead.stderr[-4000:]
+    for rank in (0, 1):
+        want = final(reference, rank)
+        assert want["optim"], "the reference run has no optimizer state"
+        assert_same(final(crashed, rank), want, f"stead run with a crash, rank {rank}")
+    return crashed
