@@ -63,7 +63,7 @@ async def test_a_killed_node_is_down_at_once_its_step_ends_and_it_comes_back(tmp
         assert await cluster.node_state("h2") == "down"
         with anyio.fail_after(STEP_TIMEOUT_S):
             assert await step.wait() != 0
-        assert await cluster.job_state(job.id) == "NODE_FAIL"
+        assert await cluster.wait_job(job.id) == "NODE_FAIL"  # (COMPLETING a moment before)
 
         await cluster.restart_node(1)
         with anyio.fail_after(STEP_TIMEOUT_S):
