@@ -4,8 +4,10 @@ fault-free weights; the same NaN again at the same step fails the job on its sec
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,9 +30,17 @@ def _weights(stdout: str) -> Any:
 
 
 def test_a_nan_gradient_is_caught_on_its_rank_before_the_step_and_the_job_ends_as_a_fault_free_one(
-        run_job: RunJob, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STEAD_NUMERICS_INJECT", "nan:rank=1:step=4")
-    faulty = run_job(SCRIPT, job="nan", flags=("--nproc-per-node", "2", "--max-restarts", "2"))
+        run_job: RunJob, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    reference = tmp_path / "reference"  # the fault-free run, under torchrun, beside the faulty one
+    reference.mkdir()
+    (reference / "train.py").write_text(SCRIPT)
+    clean_env = {k: v for k, v in os.environ.items() if not k.startswith(("STEAD_", "TORCHELASTIC_"))}
+    with subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "train.py"], cwd=reference, env=clean_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as torchrun:
+        monkeypatch.setenv("STEAD_NUMERICS_INJECT", "nan:rank=1:step=4")
+        faulty = run_job(SCRIPT, job="nan", flags=("--nproc-per-node", "2", "--max-restarts", "2"))
+        clean_out, clean_err = torchrun.communicate(timeout=120)
     assert faulty.returncode == 0, faulty.stderr[-4000:]
     (decision,) = of_type(events(faulty, "nan"), "recovery.decided")
     assert (decision["failure_class"], decision["rule"], decision["action"], decision["rank"]) == (
@@ -38,11 +48,8 @@ def test_a_nan_gradient_is_caught_on_its_rank_before_the_step_and_the_job_ends_a
     assert "non-finite gradient (NaN or Inf) on rank 1" in decision["evidence"]
     assert "at step 4" in decision["evidence"] and "before the all-reduce" in decision["evidence"]
     assert "last failure: numerical (non-finite-gradient)" in status(faulty, "nan")
-    monkeypatch.delenv("STEAD_NUMERICS_INJECT")
-    clean = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            "train.py"], cwd=faulty.cwd, capture_output=True, text=True, timeout=120)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    assert _weights(faulty.stdout) == _weights(clean.stdout)  # the NaN step was never applied, nor committed
+    assert torchrun.returncode == 0, clean_err[-3000:]
+    assert _weights(faulty.stdout) == _weights(clean_out)  # the NaN step was never applied, nor committed
 
 
 def test_a_nan_that_comes_back_at_the_same_step_after_the_restore_fails_the_job_on_its_second_time(

@@ -68,6 +68,30 @@ if os.environ.get("RECIPE_FAULT") is not None and "stead agent" not in " ".join(
             os.killpg(0, signal.SIGKILL)  # the whole torchrun: launcher and workers
 
     register_optimizer_step_post_hook(_after_step)
+
+if os.environ.get("RECIPE_NO_DEEPSPEED_SHM_OP"):
+    # DeepSpeed on the CPU JIT-compiles a shared-memory all-reduce at its first start (35 s on the CI machine) that
+    # it uses only when LOCAL_SIZE is the world size, which neither torchrun nor stead sets: not built here
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    class _NoShmOp(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "deepspeed.comm.torch":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                module.build_shm_op = lambda: None
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _NoShmOp())
 """
 
 #: a whole run on the 2-core CI machine takes 10-60 s; this only ends a hung one
