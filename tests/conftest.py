@@ -40,7 +40,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return (any(part in WHOLE_JOB_DIRS for part in item.path.relative_to(item.config.rootpath).parts[:2])
                 or item.get_closest_marker("e2e") is not None)
 
-    items.sort(key=lambda item: not whole_job(item))  # stable: the order within each part stays
+    def seconds(item: pytest.Item) -> float:  # a long test's expected seconds: the longest start first, so that
+        marker = item.get_closest_marker("long")  # none is still running alone at the end of the run
+        return float(marker.args[0]) if marker is not None else 0.0
+
+    items.sort(key=lambda item: (not whole_job(item), -seconds(item)))  # stable: the order within each part stays
 
 
 @pytest.fixture

@@ -88,6 +88,7 @@ HOSTS_N = 256
 HOSTS_QUICK = [Fault(4, "crash", 1), Fault(10, "kill-host"), Fault(18, "partition"), Fault(25, "crash", 3)]
 
 
+@pytest.mark.long(45)
 @pytest.mark.timeout(500)
 def test_the_quick_schedule_across_hosts_with_a_host_killed_and_one_cut_off_loses_nothing(tmp_path: Path) -> None:
     async def on_hosts() -> ChaosResult:

@@ -233,6 +233,7 @@ async def test_a_host_killed_costs_its_node_and_the_job_goes_on(tmp_path: Path, 
     assert max(last.values()) == 149, last
 
 
+@pytest.mark.long(70)
 async def test_a_lost_host_that_comes_back_grows_the_job_again_at_once(tmp_path: Path) -> None:
     token = secrets.token_urlsafe(32)
     timestamps = tmp_path / "steps.log"
@@ -264,6 +265,7 @@ async def test_a_lost_host_that_comes_back_grows_the_job_again_at_once(tmp_path:
     assert started[-1][1] == "h2", started  # the node asked for again went to the host that came back
 
 
+@pytest.mark.long(52)
 async def test_a_partition_between_workers_alone_ends_in_a_restarted_round_not_a_hang(tmp_path: Path) -> None:
     """h1 and h2 cannot reach each other, both still reach the master (on h0): their collective stops, the hang
     is found from the job's pace (diagnosis.hang_floor_s) and the round restarts; once the link heals, a new round

@@ -204,6 +204,7 @@ async def finish(running: Job) -> int:
         return await running.process.wait()
 
 
+@pytest.mark.long(45)
 async def test_a_job_survives_a_deleted_pod_its_master_pod_deleted_and_an_oom_kill(tmp_path: Path,
                                                                                etcd_url: str) -> None:
     # a relaunched node's new pod restores from the checkpoints its predecessor persisted: on a claim every pod
@@ -306,6 +307,7 @@ async def _delete(api: FakeKubeApi, pod: str) -> None:
 
 
 
+@pytest.mark.long(110)
 async def test_a_failing_host_is_kept_out_and_a_node_with_no_room_is_given_up_then_asked_for_again(
         tmp_path: Path, etcd_url: str) -> None:
     # host-a's GPUs are broken (its pods' health checks fail); host-b has room for no pod at first

@@ -151,6 +151,7 @@ def test_an_etcd_killed_for_10_s_and_restarted_on_its_data_costs_no_step_and_no_
     assert '"master_task_paused"' in log(), "the outage was not noticed: the test proves nothing"
 
 
+@pytest.mark.long(50)
 def test_an_etcd_frozen_for_30_s_costs_no_step_and_no_restart(tmp_path: Path, etcd: EtcdServer) -> None:
     run = _start(tmp_path, etcd.url)
 
