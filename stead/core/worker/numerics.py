@@ -15,9 +15,9 @@ last step every rank committed. The diagnosis plugin classifies the error as num
 flash checkpoint); the same NaN at the same step again after the restore is a repeated failure, decided as
 the user's on its second occurrence.
 
-For a model that is not wrapped in DDP (one process, FSDP), the pre-step hook checks the total norm of the
-model's gradients instead: a non-finite gradient is caught before the step, but after FSDP's reduce-scatter,
-so it names the rank that saw it, not necessarily the one that made it.
+For a model that is not wrapped in DDP (one process), the pre-step hook checks the total norm of the model's
+gradients instead: a non-finite gradient is caught before the step. Under FSDP that check would come after the
+reduce-scatter, naming the rank that saw it, not necessarily the one that made it (not tested with FSDP yet).
 
 Fault injection for tests and demos: ``STEAD_NUMERICS_INJECT="nan:rank=1:step=5"`` (or ``inf``) makes rank 1's
 gradient non-finite at step 5, in the first run of the workers only (``TORCHELASTIC_RESTART_COUNT`` 0), so the
