@@ -6,15 +6,16 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
 
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
+from stead.plugins.ckpt.worker import FlashCheckpointer
 
-__all__ = ["AFRESH", "IntegrationError", "check_header", "first_few", "python_rng_words", "release", "require_version",
-           "rng_state", "set_rng_state"]
+__all__ = ["AFRESH", "FlashOwner", "IntegrationError", "check_header", "first_few", "python_rng_words", "release",
+           "require_version", "rng_state", "set_rng_state"]
 
 
 class IntegrationError(CheckpointError):
@@ -37,6 +38,31 @@ def require_version(package: str, version: str, *, at_least: str, below: str, ex
             f"stead's {package} integration supports {package} >={at_least},<{below}; this environment has "
             f"{package} {version}: install a supported one (pip install 'stead[{extra}]') or run without "
             f"stead.integrations.{extra}")
+
+
+class FlashOwner:
+    """What an integration's ``FlashState`` shares: the flash checkpointer it saves through (made as ``stead.ckpt``
+    makes one unless given), waiting for its persists, and closing it (also as a context manager)."""
+
+    def __init__(self, flash: FlashCheckpointer | None) -> None:
+        self._flash = flash if flash is not None else FlashCheckpointer()
+
+    @property
+    def flash(self) -> FlashCheckpointer:
+        """The flash checkpointer underneath (its ``mode``, ``wait_persisted``)."""
+        return self._flash
+
+    def wait_persisted(self, timeout: float | None = None) -> int | None:
+        return self._flash.wait_persisted(timeout)
+
+    def close(self) -> None:
+        self._flash.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 #: what to do with a checkpoint that does not fit, to start over

@@ -44,7 +44,14 @@ import torch
 from accelerate.utils import DistributedType
 
 from stead.core.worker.progress import paused as _building_state
-from stead.integrations._common import IntegrationError, check_header, require_version, rng_state, set_rng_state
+from stead.integrations._common import (
+    FlashOwner,
+    IntegrationError,
+    check_header,
+    require_version,
+    rng_state,
+    set_rng_state,
+)
 from stead.plugins.ckpt.errors import StateMismatch
 from stead.plugins.ckpt.worker import FlashCheckpointer
 
@@ -59,7 +66,7 @@ FORMAT = 1
 _UNSUPPORTED = {DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA}
 
 
-class FlashState:
+class FlashState(FlashOwner):
     """Everything ``accelerator.save_state()`` saves, flash-saved and restored as one (see the module doc).
 
     Build it after ``accelerator.prepare(...)`` and ``register_for_checkpointing(...)``: it
@@ -73,12 +80,7 @@ class FlashState:
                 f"FlashState cannot save an Accelerator running {accelerator.distributed_type}: its engine writes "
                 "its own checkpoints; use accelerator.save_state(dir) and load_state(dir) for it")
         self.accelerator = accelerator
-        self._flash = flash if flash is not None else FlashCheckpointer()
-
-    @property
-    def flash(self) -> FlashCheckpointer:
-        """The flash checkpointer underneath (its ``mode``, ``wait_persisted``)."""
-        return self._flash
+        super().__init__(flash)
 
     # -- saving -------------------------------------------------------------------------------------
 
@@ -110,9 +112,6 @@ class FlashState:
     def save(self, step: int, *, persist: bool = False) -> bool:
         """Save as ``step`` on every rank; False when skipped (see FlashCheckpointer.save)."""
         return self._flash.save(step, self.state(), persist=persist)
-
-    def wait_persisted(self, timeout: float | None = None) -> int | None:
-        return self._flash.wait_persisted(timeout)
 
     # -- restoring ----------------------------------------------------------------------------------
 
@@ -198,15 +197,6 @@ class FlashState:
         """The torch optimizers under Accelerate's wrappers (building their state must not go through the wrapper's
         gradient-accumulation and scaler logic)."""
         return [getattr(opt, "optimizer", opt) for opt in self.accelerator._optimizers]
-
-    def close(self) -> None:
-        self._flash.close()
-
-    def __enter__(self) -> FlashState:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _loader_state(loader: Any) -> dict[str, Any]:

@@ -68,6 +68,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 
 from stead.integrations._common import (
     AFRESH,
+    FlashOwner,
     IntegrationError,
     check_header,
     first_few,
@@ -102,7 +103,7 @@ class Restored(NamedTuple):
     client_state: dict[str, Any]
 
 
-class FlashState:
+class FlashState(FlashOwner):
     """``engine.save_checkpoint``'s files, flash-saved and loaded back by DeepSpeed (see the module docstring).
 
     Build it after ``deepspeed.initialize``, on every rank. ``flash`` lets a test or a script pick
@@ -112,12 +113,7 @@ class FlashState:
     def __init__(self, engine: Any, *, flash: FlashCheckpointer | None = None) -> None:
         _refuse_unsupported(engine)
         self.engine = engine
-        self._flash = flash if flash is not None else FlashCheckpointer()
-
-    @property
-    def flash(self) -> FlashCheckpointer:
-        """The flash checkpointer underneath (its ``mode``, ``wait_persisted``)."""
-        return self._flash
+        super().__init__(flash)
 
     # -- saving -------------------------------------------------------------------------------------
 
@@ -131,9 +127,6 @@ class FlashState:
         header = {**self._header(), "client_state": sorted(map(str, client_state or {}))}
         state = {"format": header, "files": self._files(client_state), "rng": rng_state()}
         return self._flash.save(step, state, persist=persist)
-
-    def wait_persisted(self, timeout: float | None = None) -> int | None:
-        return self._flash.wait_persisted(timeout)
 
     def _header(self) -> dict[str, Any]:
         engine = self.engine
@@ -215,15 +208,6 @@ class FlashState:
             engine.checkpoint_engine, engine.save_non_zero_checkpoint = before[:2]
             del engine._copy_recovery_script
             deepspeed_logger.setLevel(before[2])
-
-    def close(self) -> None:
-        self._flash.close()
-
-    def __enter__(self) -> FlashState:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _MemoryFiles(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed's classes are Any to mypy

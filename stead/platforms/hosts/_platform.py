@@ -49,6 +49,8 @@ SILENT_PERIODS = 3
 #: killed (with the host, most often). Its node is reported exited then, not after the heartbeat timeout. A host
 #: heard from longer ago (cut off, its hang-up arriving only as the link heals) is left to the heartbeat timeout.
 HUNG_UP_GRACE_S = 1.0
+#: the grace's timer fires this much after it, so that the look it makes finds the grace over
+_GRACE_LOOK_LATE_S = 0.01
 #: an elected master's own host gets a node only once the node waited this long for another host: the other hosts
 #: offer themselves within it as the job starts (their `stead run` started at about the same time, on a loaded
 #: machine too: 1 s was too short in a fresh-clone run), and the master's host stays a spare when there is one, so
@@ -287,7 +289,7 @@ class HostsPlatform:
             if hung_up and time.monotonic() - host.seen <= 2 * self.keepalive_s:  # (it reports every keepalive_s)
                 host.hung_up = time.monotonic()
                 # looked at again as the grace ends, not at the next placing look (up to PLACE_LOOK_S later)
-                asyncio.get_running_loop().call_later(self.hung_up_grace_s + 0.01, self._hung_up_nodes)
+                asyncio.get_running_loop().call_later(self.hung_up_grace_s + _GRACE_LOOK_LATE_S, self._hung_up_nodes)
             log.warning("host_disconnected", host=host.name, address=host.address, hung_up=hung_up,
                         node=f"{host.node[0]}/{host.node[1]}" if host.node else None)
 
