@@ -240,7 +240,7 @@ async def test_a_lost_host_that_comes_back_grows_the_job_again_at_once(tmp_path:
     async with test_hosts(3) as hosts:
         flags = ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:29400",
                  "--rdzv-id", "back", "--rdzv-conf", "heartbeat=3"]
-        script = [str(TRAIN), "--steps", "700", "--step-time", "0.03", "--timestamps", str(timestamps)]
+        script = [str(TRAIN), "--steps", "500", "--step-time", "0.03", "--timestamps", str(timestamps)]
         serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, *script], token)
         joining = [await _stead_run(hosts[i], tmp_path / f"h{i}", [*flags, *script], token) for i in (1, 2)]
         await _until_step(timestamps, 20, world=3)

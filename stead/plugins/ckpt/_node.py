@@ -56,6 +56,10 @@ __all__ = ["NodeCheckpoints"]
 _DISK_POLL_S = 0.02
 #: once its own parts are written, how long (at least) an agent waits for more parts of a step that stays incomplete
 _DISK_SETTLE_S = 0.2
+#: how often an agent waiting for a step on disk asks the master whether every part of it is written somewhere
+_ASK_PERSISTED_S = 0.5
+#: how long a step the master says is written in full may stay unseen before it counts as on a disk not shared here
+_UNSEEN_GRACE_S = 5.0
 
 log = structlog.get_logger("stead.plugins.ckpt")
 
@@ -172,7 +176,9 @@ class NodeCheckpoints:
                 self._spawn(self._verify, state, slot)
         if info.restart_count > 0 or info.round > 1:
             self._persist_committed("restart")
-        if self.hint[0] >= 0 and self.ckpt.persist_on_failure and not self._restorable_from_memory(info):
+        if (self.hint[0] >= 0 and self.ckpt.persist_on_failure and info.nnodes > 1
+                and not self._restorable_from_memory(info)):
+            # (a round of this node alone: no other node holds the step to write it, so nothing is waited for)
             await self._until_on_disk(self.hint[0])
         log.debug("ckpt_round", round=info.round, restore_step=self.hint[0], restore_round=self.hint[1])
 
@@ -215,8 +221,10 @@ class NodeCheckpoints:
         """Wait until every rank's part of ``step`` (or of a newer step some rank writes) is on disk or, once this
         node's own parts are, until no new part came for as long as the first one took (``_DISK_SETTLE_S`` at
         least): a lost node never writes its part, and a replicated state needs only some copies.
-        ``persist_grace_s`` at most."""
-        waited, seen, quiet, first_after = 0.0, 0, 0.0, None
+        ``persist_grace_s`` at most. A step the master says every rank wrote that this node does not see within
+        ``_UNSEEN_GRACE_S`` is on a disk it does not share (a volume of each node's own): nothing more is waited
+        for."""
+        waited, seen, quiet, first_after, asked, persisted_for = 0.0, 0, 0.0, None, 0.0, 0.0
         while True:
             # a newer step being written is the one to wait for: this agent's hint may be a commit behind the
             # others' (their workers saved once more before they stopped), and the workers restore the newest
@@ -241,8 +249,26 @@ class NodeCheckpoints:
             if waited == 0.0:
                 log.info("ckpt_waiting_for_disk", step=step, reason="the round's ranks differ from the ones that "
                          "hold it in memory (a resize or a new node): the workers read it from disk")
+            if persisted_for == 0.0 and waited >= asked:
+                asked = waited + _ASK_PERSISTED_S
+                if await self._persisted_elsewhere(step):
+                    persisted_for = waited
+            elif persisted_for and not written and waited - persisted_for >= _UNSEEN_GRACE_S:
+                log.warning("ckpt_disk_not_shared", step=step, root=str(self.root), waited_s=round(waited, 2),
+                            effect="this node's workers cannot read the step the others wrote; the ranks restore "
+                                   "the newest step every one of them can take",
+                            hint="give every node the same ckpt.dir (a shared volume) to restore across nodes")
+                return
             await anyio.sleep(_DISK_POLL_S)
             waited += _DISK_POLL_S
+
+    async def _persisted_elsewhere(self, step: int) -> bool:
+        """Whether the master counts every rank's part of ``step`` (or a newer step) as written."""
+        try:
+            reply = await self._client.get_committed(round_=self._round)
+        except SteadError:
+            return False  # not known: the wait goes on as it would without the master
+        return reply.persisted_step >= step
 
     async def after_failure(self) -> None:
         """A worker failed: persist the newest committed step, if it is not on disk yet."""
