@@ -233,7 +233,7 @@ async def test_a_host_killed_costs_its_node_and_the_job_goes_on(tmp_path: Path, 
     assert max(last.values()) == 149, last
 
 
-@pytest.mark.long(70)
+@pytest.mark.long(55)
 async def test_a_lost_host_that_comes_back_grows_the_job_again_at_once(tmp_path: Path) -> None:
     token = secrets.token_urlsafe(32)
     timestamps = tmp_path / "steps.log"

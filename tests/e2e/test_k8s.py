@@ -307,7 +307,7 @@ async def _delete(api: FakeKubeApi, pod: str) -> None:
 
 
 
-@pytest.mark.long(110)
+@pytest.mark.long(50)
 async def test_a_failing_host_is_kept_out_and_a_node_with_no_room_is_given_up_then_asked_for_again(
         tmp_path: Path, etcd_url: str) -> None:
     # host-a's GPUs are broken (its pods' health checks fail); host-b has room for no pod at first
