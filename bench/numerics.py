@@ -5,12 +5,16 @@ the CPU, 4 by default; ``--device cuda``: NCCL, one GPU a worker), an MLP of abo
 batches made from the step and the rank. Run with ``torch.distributed.run --standalone`` (the guard is a
 library: its cost does not depend on the launcher), each configuration ``--repeats`` times, interleaved:
 
-* ``overhead_ratio``: the median step time with the guard over without it (goal: <= 1.01);
+* ``overhead_ratio``: the mean step time with the guard (fingerprints every ``--fingerprint-every`` steps,
+  default 100 as the setting's default: their cost is spread over the steps) over without it, the median of
+  the interleaved runs (goal: <= 1.01);
 * ``nan_detect_steps``: a NaN injected into rank 1's gradients at step ``NAN_STEP``
   (``STEAD_NUMERICS_INJECT``): the step the guard names minus the step it was injected at (goal: 0, the
   same step; the step is not applied);
-* ``false_alarms``: guard errors over ``--healthy-steps`` steps of a healthy run (goal: 0);
-* ``bitflip_detect_steps``: None: replicas' fingerprints (silent corruption) are not built yet.
+* ``bitflip_detect_steps``: a bit flipped in rank 1's parameters after step ``BITFLIP_STEP``: the step at
+  which the replicas' fingerprints name rank 1, minus the injected step (goal: < ``--fingerprint-every``);
+* ``false_alarms``: guard errors (NaN or replica mismatch) over ``--healthy-steps`` steps of a healthy run
+  (goal: 0).
 
 Last line: one JSON object with the figures. ``--quick``: fewer steps, one run of each.
 """
@@ -31,6 +35,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 NAN_STEP = 7
+#: the step after which a bit of rank 1's parameters is flipped (not a multiple of any fingerprint cadence)
+BITFLIP_STEP = 13
 RUN_TIMEOUT_S = 900
 
 SCRIPT = """
@@ -62,7 +68,7 @@ for step in range(steps):
     try:
         model(x).square().mean().backward()
         opt.step()
-    except stead.numerics.NonFiniteGradientError as exc:
+    except (stead.numerics.NonFiniteGradientError, stead.numerics.ReplicaMismatchError) as exc:
         alarms.append(str(exc))
         print("ALARM " + json.dumps({"step": step, "error": str(exc)}), flush=True)
         break
@@ -79,8 +85,9 @@ dist.destroy_process_group()
 
 
 def _run(workdir: Path, device: str, nproc: int, steps: int, guarded: bool, width: int, batch: int,
-         inject: str = "") -> dict[str, Any]:
+         inject: str = "", every: int = 100) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEAD_", "TORCHELASTIC_"))}
+    env["STEAD_NUMERICS_FINGERPRINT_EVERY"] = str(every)
     env.update(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)),
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     if inject:
@@ -105,12 +112,15 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=None, help="workers (default: 4 on the CPU, 1 on CUDA)")
     parser.add_argument("--width", type=int, default=1600, help="the MLP's width (4 layers: 4 x width^2 weights)")
     parser.add_argument("--batch", type=int, default=64, help="samples a step on each worker (default 64)")
-    parser.add_argument("--steps", type=int, default=None, help="steps a timing run (default 60, quick 20)")
+    parser.add_argument("--steps", type=int, default=None, help="steps a timing run (default 203, quick 23)")
+    parser.add_argument("--fingerprint-every", type=int, default=None,
+                        help="the replicas compare fingerprints every this many steps (default 100, quick 10)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved runs of each (default 3, quick 1)")
     parser.add_argument("--healthy-steps", type=int, default=None, help="steps of the false-alarm run (default 300)")
     opts = parser.parse_args()
     nproc = opts.nproc or (1 if opts.device == "cuda" else 4)
-    steps = opts.steps or (20 if opts.quick else 60)
+    steps = opts.steps or (23 if opts.quick else 203)
+    every = opts.fingerprint_every or (10 if opts.quick else 100)
     repeats = opts.repeats or (1 if opts.quick else 3)
     healthy = opts.healthy_steps or (60 if opts.quick else 300)
     with tempfile.TemporaryDirectory(prefix="stead-bench-numerics-") as tmp:
@@ -120,10 +130,10 @@ def main() -> None:
         params = 0
         for attempt in range(repeats):
             for guarded in (False, True):
-                result = _run(workdir, opts.device, nproc, steps, guarded, opts.width, opts.batch)
-                runs[guarded].append(statistics.median(result["times"]))
+                result = _run(workdir, opts.device, nproc, steps, guarded, opts.width, opts.batch, every=every)
+                runs[guarded].append(statistics.fmean(result["times"]))
                 params = result["params"]
-                print(f"{'guarded' if guarded else 'plain':8} #{attempt}: median step "
+                print(f"{'guarded' if guarded else 'plain':8} #{attempt}: mean step "
                       f"{runs[guarded][-1] * 1e3:.2f} ms", flush=True)
         plain, guarded_s = statistics.median(runs[False]), statistics.median(runs[True])
         caught = _run(workdir, opts.device, max(nproc, 2) if opts.device == "cpu" else nproc, NAN_STEP + 5, True,
@@ -133,18 +143,26 @@ def main() -> None:
         if not named:
             print(f"the injected NaN was not caught:\n{caught['stderr']}", flush=True)
         nan_steps = (min(named) - NAN_STEP) if named else None
-        quiet = _run(workdir, opts.device, nproc, healthy, True, opts.width, opts.batch)
+        flipped = _run(workdir, opts.device, max(nproc, 3), BITFLIP_STEP + every + 3, True, opts.width,
+                       opts.batch, inject=f"bitflip:rank=1:step={BITFLIP_STEP}", every=every)
+        pinned = [int(m.group(1)) for alarm in flipped["alarms"]
+                  if (m := re.search(r"replica mismatch: rank 1 \(host [^)]*\) at step (\d+)", alarm["error"]))]
+        if not pinned:
+            print(f"the flipped bit was not caught on rank 1:\n{flipped['stderr']}", flush=True)
+        flip_steps = (min(pinned) - BITFLIP_STEP) if pinned else None
+        quiet = _run(workdir, opts.device, nproc, healthy, True, opts.width, opts.batch, every=every)
     figures = {
         "bench": "numerics", "device": opts.device, "nproc": nproc, "params": params, "batch": opts.batch,
         "step_plain_s": round(plain, 5), "step_guarded_s": round(guarded_s, 5),
         "overhead_ratio": round(guarded_s / plain, 4), "overhead_goal_met": guarded_s / plain <= 1.01,
-        "nan_detect_steps": nan_steps, "bitflip_detect_steps": None,
-        "bitflip_note": "replicas' fingerprints are not built yet",
-        "false_alarms": quiet["alarms"], "healthy_steps": healthy,
+        "nan_detect_steps": nan_steps, "bitflip_detect_steps": flip_steps, "fingerprint_every": every,
+        "bitflip_replicas": max(nproc, 3), "false_alarms": quiet["alarms"], "healthy_steps": healthy,
     }
-    print(f"guard: median step {guarded_s * 1e3:.2f} ms against {plain * 1e3:.2f} ms "
+    print(f"guard: mean step {guarded_s * 1e3:.2f} ms against {plain * 1e3:.2f} ms "
           f"({figures['overhead_ratio']}x; goal <= 1.01x); NaN injected at step {NAN_STEP}: caught "
-          f"{'at ' + str(min(named)) if named else 'NOT'}; false alarms over {healthy} healthy steps: "
+          f"{'at ' + str(min(named)) if named else 'NOT'}; bit flipped at step {BITFLIP_STEP}: rank 1 named "
+          f"{'at ' + str(min(pinned)) if pinned else 'NOT'} (fingerprints every {every}); false alarms over "
+          f"{healthy} healthy steps: "
           f"{quiet['alarms']}", flush=True)
     print(json.dumps(figures))
 

@@ -3,15 +3,24 @@
 ::
 
     model = DistributedDataParallel(model)
-    stead.numerics.guard(model)        # a NaN/Inf gradient is caught on the rank that made it, before the step
+    stead.numerics.guard(model)        # a NaN/Inf gradient caught on its rank before the step; replicas compared
 
-See :mod:`stead.core.worker.numerics` for how (a sum of each gradient bucket before its all-reduce), what it
-costs, and the fault injection tests and demos use (``STEAD_NUMERICS_INJECT=nan:rank=1:step=5``). Under plain
-torchrun the guard works the same; the restore from the last committed checkpoint is stead's.
+See :mod:`stead.core.worker.numerics` for how (a sum of each gradient bucket before its all-reduce; every
+``STEAD_NUMERICS_FINGERPRINT_EVERY`` steps, one all-gather of the replicas' parameter fingerprints), what it
+costs, and the fault injection tests and demos use (``STEAD_NUMERICS_INJECT=nan:rank=1:step=5``, ``bitflip``,
+``noise``). Under plain torchrun the guard works the same; the restore from the last committed checkpoint is
+stead's.
 """
 
 from __future__ import annotations
 
-from stead.core.worker.numerics import INJECT_ENV, Guard, NonFiniteGradientError, guard
+from stead.core.worker.numerics import (
+    INJECT_ENV,
+    Guard,
+    NonFiniteGradientError,
+    NumericsSettings,
+    ReplicaMismatchError,
+    guard,
+)
 
-__all__ = ["INJECT_ENV", "Guard", "NonFiniteGradientError", "guard"]
+__all__ = ["INJECT_ENV", "Guard", "NonFiniteGradientError", "NumericsSettings", "ReplicaMismatchError", "guard"]

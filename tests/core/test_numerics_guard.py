@@ -9,10 +9,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel
 
 import stead.numerics
-from stead.core.worker.numerics import parse_injection
+from stead.core.worker.fingerprint import fingerprint, flip_bit, odd_ranks, probe
+from stead.core.worker.numerics import Injection, parse_injection
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +79,57 @@ def test_an_injected_nan_comes_at_its_rank_and_step_in_the_first_run_only(
         guard.remove()
 
 
-@pytest.mark.parametrize("text", ["nan", "nan:rank=1", "bitflip:rank=1:step=2", "nan:rank=-1:step=2"])
+@pytest.mark.parametrize("text", ["nan", "nan:rank=1", "flip:rank=1:step=2", "nan:rank=-1:step=2",
+                                  "bitflip:rank=1:step=2:host="])
 def test_an_injection_that_does_not_parse_says_what_it_takes(text: str) -> None:
-    with pytest.raises(ValueError, match="is not KIND:rank=R:step=S with KIND nan or inf"):
+    with pytest.raises(ValueError, match=r"is not KIND:rank=R:step=S\[:host=H\] with KIND nan, inf, bitflip or noise"):
         parse_injection(text)
+
+
+def test_an_injection_may_name_a_host() -> None:
+    assert parse_injection("bitflip:rank=2:step=7:host=h2") == Injection("bitflip", 2, 7, "h2")
+    assert parse_injection(" noise:rank=0:step=1 ") == Injection("noise", 0, 1, "")
+
+
+@given(st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]),
+       st.integers(1, 64), st.integers(0, 10_000))
+def test_a_flipped_bit_always_changes_the_fingerprint_and_equal_tensors_always_agree(
+        dtype: torch.dtype, size: int, seed: int) -> None:
+    values = torch.randn(size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    same = values.clone()
+    assert torch.equal(fingerprint([values, values[::2]]), fingerprint([same, same[::2]]))
+    flip_bit(same)
+    assert not torch.equal(fingerprint([values]), fingerprint([same]))
+
+
+@pytest.mark.parametrize(("prints", "odd"), [
+    ([[1, 2], [1, 2], [1, 2]], []),
+    ([[1, 2], [1, 9], [1, 2]], [1]),
+    ([[7, 2], [1, 2], [1, 2], [1, 2]], [0]),
+    ([[1, 2], [1, 9]], None),  # two replicas: no majority, the probe decides
+    ([[1], [1], [2], [2]], None),  # a tie
+    ([[1], [2], [3]], None),
+    ([[1], [1], [1], [2], [3]], [3, 4]),
+    ([[5]], []),
+])
+def test_the_odd_ranks_are_those_that_differ_from_a_strict_majority(prints: list[list[int]],
+                                                                    odd: list[int] | None) -> None:
+    assert odd_ranks(prints) == odd
+
+
+def test_the_probe_gets_its_known_answer_on_this_cpu() -> None:
+    assert probe(torch.device("cpu"))
+
+
+def test_one_replica_compares_nothing_and_fingerprints_ask_for_ddp(group: None) -> None:
+    single = stead.numerics.guard(DistributedDataParallel(_model()), fingerprint_every=1)
+    single.remove()
+    assert not single.fingerprinting  # a world of one: no replica to compare with
+    with pytest.warns(UserWarning, match="fingerprint_every is for DDP models"):
+        plain = stead.numerics.guard(_model(), fingerprint_every=5)
+    plain.remove()
+    with pytest.raises(ValueError, match=r"must be 0 \(no fingerprints\) or more"):
+        stead.numerics.guard(_model(), fingerprint_every=-1)
 
 
 def test_a_ddp_model_with_a_hook_already_is_refused_saying_what_to_do(group: None) -> None:

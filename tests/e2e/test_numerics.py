@@ -1,5 +1,7 @@
 """A NaN gradient under DDP: caught on the rank that made it, before the step; restored and trained on to the
-fault-free weights; the same NaN again at the same step fails the job on its second occurrence."""
+fault-free weights; the same NaN again at the same step fails the job on its second occurrence. A flipped bit in
+one replica's parameters: the replicas' fingerprints name that rank, its node is relaunched, and the job ends
+with the fault-free weights."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from tests.support.readme import readme_files
 
 pytestmark = pytest.mark.e2e
 
-#: the README's script: DDP over 2 ranks, a flash checkpoint every step, the final weights printed as JSON
+#: the README's script: DDP, a flash checkpoint every step, the final weights printed as JSON
 SCRIPT = readme_files()["numerics_train.py"]
 #: the same with a bug: rank 1's loss is infinite at step 4 in every run
 BUGGY = SCRIPT.replace("    loss.backward()", "    if rank == 1 and step == 4:\n        loss = loss * float('inf')\n"
@@ -29,15 +31,21 @@ def _weights(stdout: str) -> Any:
     return json.loads(line.removeprefix("WEIGHTS "))
 
 
+def _torchrun(cwd: Path, nproc: int, **env: str) -> subprocess.Popen[str]:
+    """The README's script under plain torchrun, without faults, in ``cwd``."""
+    cwd.mkdir()
+    (cwd / "train.py").write_text(SCRIPT)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("STEAD_", "TORCHELASTIC_"))}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             str(nproc), "train.py"], cwd=cwd, env=clean | env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 def test_a_nan_gradient_is_caught_on_its_rank_before_the_step_and_the_job_ends_as_a_fault_free_one(
         run_job: RunJob, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    reference = tmp_path / "reference"  # the fault-free run, under torchrun, beside the faulty one
-    reference.mkdir()
-    (reference / "train.py").write_text(SCRIPT)
-    clean_env = {k: v for k, v in os.environ.items() if not k.startswith(("STEAD_", "TORCHELASTIC_"))}
-    with subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "train.py"], cwd=reference, env=clean_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as torchrun:
+    # 2 ranks: a sum of two gradients is the same in any order, so the restored run's DDP buckets (built anew,
+    # in another order) cannot round differently from the fault-free run's; with 3, gloo's ring could
+    with _torchrun(tmp_path / "reference", 2) as torchrun:  # the fault-free run, beside the faulty one
         monkeypatch.setenv("STEAD_NUMERICS_INJECT", "nan:rank=1:step=4")
         faulty = run_job(SCRIPT, job="nan", flags=("--nproc-per-node", "2", "--max-restarts", "2"))
         clean_out, clean_err = torchrun.communicate(timeout=120)
@@ -62,3 +70,25 @@ def test_a_nan_that_comes_back_at_the_same_step_after_the_restore_fails_the_job_
                                                                         ("user_error", "fail")]
     assert decisions[1]["rule"] == "repeated-failure" and "at the same step twice" in decisions[1]["evidence"]
     assert "NonFiniteGradientError" in decisions[1]["evidence"] and "rank 1" in decisions[1]["evidence"]
+
+
+def test_a_flipped_bit_in_one_replica_is_pinned_on_its_rank_its_node_relaunched_and_the_job_ends_fault_free(
+        run_job: RunJob, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # 3 ranks, for a majority; fingerprints every step, in the fault-free run too (no false alarm in 8 steps). The
+    # relaunched node restores from disk (its memory went with it): nothing was persisted, so it trains from step
+    # 0, exactly as the fault-free run does
+    every_step = {"STEAD_NUMERICS_FINGERPRINT_EVERY": "1"}
+    with _torchrun(tmp_path / "reference", 3, **every_step) as torchrun:
+        monkeypatch.setenv("STEAD_NUMERICS_INJECT", "bitflip:rank=2:step=4")
+        monkeypatch.setenv("STEAD_NUMERICS_FINGERPRINT_EVERY", "1")
+        faulty = run_job(SCRIPT, job="flip", flags=("--nproc-per-node", "3", "--max-restarts", "2"))
+        clean_out, clean_err = torchrun.communicate(timeout=120)
+    assert faulty.returncode == 0, faulty.stderr[-4000:]
+    (decision,) = of_type(events(faulty, "flip"), "recovery.decided")
+    assert (decision["failure_class"], decision["rule"], decision["action"], decision["rank"]) == (
+        "numerical", "replica-mismatch", "relaunch", 2)
+    assert "replica mismatch: rank 2 (host " in decision["evidence"] and "at step 4" in decision["evidence"]
+    assert "(2 of 3 replicas agree) in 0.weight" in decision["evidence"]
+    assert "last agreed at step 3" in decision["evidence"]
+    assert torchrun.returncode == 0, clean_err[-3000:]
+    assert _weights(faulty.stdout) == _weights(clean_out)  # the flipped step was never saved

@@ -108,6 +108,15 @@ CASES = [
     ("stead refusing a checkpoint that does not fit", Facts.of_worker(worker(TB.format(
         "[rank0]: stead.plugins.ckpt.errors.StateMismatch: step 3 does not fit"))), FailureClass.USER_ERROR,
      "deterministic-python-error"),
+    ("a NaN gradient stead.numerics caught", Facts.of_worker(worker(TB.format(
+        "[rank1]: stead.core.worker.numerics.NonFiniteGradientError: non-finite gradient (NaN or Inf) on rank 1"))),
+     FailureClass.NUMERICAL, "non-finite-gradient"),
+    ("a replica whose parameters differ from the majority's", Facts.of_worker(worker(TB.format(
+        "[rank2]: stead.core.worker.numerics.ReplicaMismatchError: replica mismatch: rank 2 (host h2) at step 4"))),
+     FailureClass.NUMERICAL, "replica-mismatch"),
+    ("replicas that differ with nobody to blame", Facts.of_worker(worker(TB.format(
+        "stead.core.worker.numerics.ReplicaMismatchError: replicas' parameters differ at step 4 and no replica can "
+        "be blamed: 2 replicas"))), FailureClass.NUMERICAL, "replica-mismatch-unattributed"),
     ("an illegal memory access is not called hardware", Facts.of_worker(worker(TB.format(
         "RuntimeError: CUDA error: an illegal memory access was encountered"))), FailureClass.TRANSIENT, "unknown"),
     ("a node whose heartbeats stopped", Facts.of_node(NodeLost(node_id="n", incarnation=1)),
@@ -146,6 +155,16 @@ def test_each_class_leads_to_its_action(failure_class: FailureClass, action: Act
     rule = Rule(name="r", failure_class=failure_class)
     found = classify(Facts(), (rule,))
     assert (found.action, found.action.recovery) == (action, recovery)
+
+
+@pytest.mark.parametrize(("message", "action"), [
+    ("replica mismatch: rank 2 (host h2) at step 4: its parameters differ from the majority's", Action.RELAUNCH),
+    ("replicas' parameters differ at step 4 and no replica can be blamed", Action.RESTART),
+], ids=["odd-rank-known", "nobody-to-blame"])
+def test_a_replica_that_differs_has_its_node_relaunched_and_a_mismatch_nobody_can_be_blamed_for_restarts(
+        message: str, action: Action) -> None:
+    found = classify(Facts.of_worker(worker(TB.format(f"ReplicaMismatchError: {message}"))), BUILTIN_RULES)
+    assert (found.failure_class, found.action) == (FailureClass.NUMERICAL, action)
 
 
 def test_the_evidence_names_what_matched() -> None:

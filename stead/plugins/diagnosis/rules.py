@@ -76,7 +76,8 @@ class FailureClass(enum.Enum):
     NODE_LOST = "node_lost"
     COLLECTIVE = "collective"
     TRANSIENT = "transient"
-    #: a NaN or Inf caught by stead.numerics: the step was not applied; restored from the last committed checkpoint
+    #: a NaN or Inf, or replicas whose parameters differ, caught by stead.numerics: the step was not applied (or not
+    #: saved); restored from the last committed checkpoint (a replica that differs: its node relaunched elsewhere)
     NUMERICAL = "numerical"
 
 
@@ -279,6 +280,10 @@ BUILTIN_RULES: tuple[Rule, ...] = (
     Rule(name="python-memory-error", failure_class=FailureClass.OOM, exception=_rx("MemoryError")),
     Rule(name="platform-oom-killed", failure_class=FailureClass.OOM, platform_reason=_rx(r"\bOOMKilled\b")),
     Rule(name="non-finite-gradient", failure_class=FailureClass.NUMERICAL, exception=_rx(r"NonFiniteGradientError")),
+    Rule(name="replica-mismatch-unattributed", failure_class=FailureClass.NUMERICAL,
+         exception=_rx(r"ReplicaMismatchError"), message=_rx(r"no replica can be blamed")),
+    Rule(name="replica-mismatch", failure_class=FailureClass.NUMERICAL, action=Action.RELAUNCH,
+         exception=_rx(r"ReplicaMismatchError")),
     Rule(name="deterministic-python-error", failure_class=FailureClass.USER_ERROR, exception=_rx(_USER_ERRORS)),
     Rule(name="nccl-error", failure_class=FailureClass.COLLECTIVE,
          tail=_rx(r"NCCL (error|WARN)|nccl(System|Internal|Remote|Invalid\w*)Error|ProcessGroupNCCL.*(timeout|Timeout)"
