@@ -124,6 +124,30 @@ async def test_a_failure_that_repeats_is_a_user_error_on_its_second_occurrence(
         assert "ValueError: warmup_steps=-3 must not be negative" in last.reason
 
 
+def _nan(host: str, step: int) -> str:
+    return TRACEBACK.format(line=f"[rank1]: stead.core.worker.numerics.NonFiniteGradientError: non-finite gradient "
+                                 f"(NaN or Inf) on rank 1 (host {host}) at step {step}: gradient bucket(s) [0]")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("hosts_and_steps", "decided"), [
+    ([("h1", 4), ("h1", 9)], [("restart", "non-finite-gradient"), ("relaunch", "non-finite-follows-host")]),
+    ([("h1", 4), ("h2", 9)], [("restart", "non-finite-gradient"), ("restart", "non-finite-gradient")]),
+    ([("h1", 4), ("h1", 4)], [("restart", "non-finite-gradient"), ("fail", "repeated-failure")]),  # the data's
+    ([("h1", 4), ("h2", 9), ("h1", 7)], [("restart", "non-finite-gradient"), ("restart", "non-finite-gradient"),
+                                         ("relaunch", "non-finite-follows-host")]),
+])
+async def test_a_nan_that_comes_back_on_its_host_with_other_data_has_the_host_kept_out(
+        hosts_and_steps: list[tuple[str, int]], decided: list[tuple[str, str]]) -> None:
+    failures = [_failure(_nan(host, step), step=step, round=round_)
+                for round_, (host, step) in enumerate(hosts_and_steps, 1)]
+    got = await _decisions(DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0)), failures)
+    decisions = [d for d in got if isinstance(d, RecoveryDecided)]
+    assert [(d.action.value, d.rule) for d in decisions] == decided
+    if decided[-1][1] == "non-finite-follows-host":
+        assert "a non-finite gradient on host h1 again, at step" in decisions[-1].evidence
+
+
 @pytest.mark.anyio
 async def test_a_restarted_master_remembers_the_failures_already_seen() -> None:
     store = await open_store("memory://")

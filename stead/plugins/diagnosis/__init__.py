@@ -8,7 +8,9 @@ restart the workers, relaunch the node elsewhere, or ask for more memory. Histor
 is added on top: a failure of unknown cause (transient) with the same exception and
 message at the same step twice (or, with no step known, the same traceback twice in a
 row) is a user error that fails fast instead of looping (``[repeats]`` in the rules
-file), and the decision names both occurrences.
+file), and the decision names both occurrences. A non-finite gradient (``stead.numerics``)
+on a host that produced one before at another step follows the host, not the data: its
+node is relaunched elsewhere and the host kept out (rule ``non-finite-follows-host``).
 The decision carries its class, the rule that matched and the evidence.
 Lost nodes are classified too (``diagnosis.classified``). The job machine gives
 the plugin ``decision_timeout_s`` per failure; when it is disabled, slow or absent,
@@ -37,6 +39,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 
@@ -332,6 +335,23 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         return Classification(self.repeats.failure_class, action, self.repeats.rule,
                               f"the same error {where}: {(again or signature).split(' @ ')[0]} in {named}")
 
+    async def _follows_host(self, failure: WorkerFailed, found: Classification,
+                            ctx: Ctx) -> Classification | None:
+        """A non-finite gradient on a host that produced one before at another step (other data): the host's
+        node is relaunched elsewhere and the host kept out."""
+        host = _NAN_HOST.search(found.evidence) if found.rule == "non-finite-gradient" else None
+        if host is None:
+            return None
+        history = await self._history(ctx)
+        earlier = history.nan_on(host[1], failure.step)
+        await ctx.store.put(ctx.key("signatures"), history.to_json())
+        if not earlier:
+            return None
+        steps = ", ".join("?" if s is None else str(s) for s in earlier)
+        return Classification(FailureClass.NUMERICAL, Action.RELAUNCH, "non-finite-follows-host",
+                              f"a non-finite gradient on host {host[1]} again, at step {failure.step} after step(s) "
+                              f"{steps} with other data: the host, not the data ({found.evidence})")
+
     async def handle(self, *, record: Record, ctx: Ctx) -> None:
         event = record.event
         match event:
@@ -456,7 +476,7 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         if found.action is Action.MORE_MEMORY:
             reason += "; more memory wanted for the node: the workers restart meanwhile"
         if action is not RecoveryAction.FAIL:
-            repeat = await self._repeated(failure, found, ctx)
+            repeat = await self._repeated(failure, found, ctx) or await self._follows_host(failure, found, ctx)
             if repeat is not None:
                 found, action = repeat, repeat.action.recovery
                 reason = f"{found.failure_class.value} in rank {failure.rank} ({found.rule}): {found.evidence}"
@@ -473,6 +493,8 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
 _SILENT_LOOK_S = 0.1
 #: classes that are usually the symptom of another rank's failure (its peers' collectives break), not a cause
 _SYMPTOMS = frozenset({FailureClass.COLLECTIVE})
+#: the host a stead.numerics error names
+_NAN_HOST = re.compile(r"on rank \d+ \(host ([^)]+)\)")
 #: which class is the likelier cause when several failures of one round compete (lower first)
 _CAUSE_ORDER = {FailureClass.HARDWARE: 0, FailureClass.OOM: 1, FailureClass.USER_ERROR: 2,
                 FailureClass.NUMERICAL: 3, FailureClass.NODE_LOST: 4, FailureClass.TRANSIENT: 5,

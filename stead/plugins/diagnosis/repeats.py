@@ -40,6 +40,17 @@ class Seen:
     last: str = ""
     #: the last recorded failure's traceback signature (a failure with no step known that has it is that one again)
     last_traceback: str = ""
+    #: the steps at which each host's workers produced a non-finite gradient
+    nan_hosts: dict[str, list[int | None]] = dataclasses.field(default_factory=dict)
+
+    def nan_on(self, host: str, step: int | None) -> list[int | None]:
+        """Record a non-finite gradient on ``host`` at ``step``; the steps of the earlier ones there at other steps
+        (the same NaN again at the same step comes from the data, not the host)."""
+        seen = self.nan_hosts.setdefault(host, [])
+        earlier = [s for s in seen if s != step]
+        if step not in seen:
+            seen.append(step)
+        return earlier
 
     def same_as_last(self, failure: WorkerFailed) -> str | None:
         """The last failure's signature when ``failure``, with no step known (it failed before its round finished
@@ -62,7 +73,7 @@ class Seen:
 
     def to_json(self) -> bytes:
         return json.dumps({"occurrences": self.occurrences, "last": self.last,
-                           "last_traceback": self.last_traceback}).encode()
+                           "last_traceback": self.last_traceback, "nan_hosts": self.nan_hosts}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Seen:
@@ -71,4 +82,6 @@ class Seen:
             return cls({str(sig): [(0, -1, None)] for sig in data})
         return cls({str(sig): [(int(r), int(k), None if s is None else int(s)) for r, k, s in seen]
                     for sig, seen in data.get("occurrences", {}).items()}, str(data.get("last", "")),
-                   str(data.get("last_traceback", "")))
+                   str(data.get("last_traceback", "")),
+                   {str(h): [None if s is None else int(s) for s in steps]
+                    for h, steps in data.get("nan_hosts", {}).items()})
