@@ -144,6 +144,8 @@ class Recovery:
     action: RecoveryAction | None = None
     #: the step the new round first reported (None before it did)
     first_step: int | None = None
+    #: the decision's failure class and rule, e.g. ``numerical (replica-mismatch)`` ("" where none was given)
+    decided: str = ""
 
     @property
     def cause(self) -> str:
@@ -151,7 +153,8 @@ class Recovery:
         event = self.failure
         match event:
             case WorkerFailed():
-                return f"worker failed on {event.node_id} (rank {event.rank})"
+                said = f": {self.decided}" if self.decided else ""
+                return f"worker failed on {event.node_id} (rank {event.rank}){said}"
             case NodeLost():
                 return f"node {event.node_id} lost: {event.reason}"
             case NodeExited():
@@ -209,6 +212,7 @@ class _Open:
     since: float
     new_round: int | None = None
     action: RecoveryAction | None = None
+    decided: str = ""
 
     def enter(self, phase: RecoveryPhase, at: float) -> None:
         at = max(at, self.since)
@@ -218,7 +222,7 @@ class _Open:
     def view(self, outcome: RecoveryOutcome, until: float, first_step: int | None = None) -> Recovery:
         last = PhaseSpan(self.phase, self.since, max(until, self.since))
         return Recovery(failure=self.failure, round=self.round, spans=(*self.spans, last), outcome=outcome,
-                        new_round=self.new_round, action=self.action, first_step=first_step)
+                        new_round=self.new_round, action=self.action, first_step=first_step, decided=self.decided)
 
 
 class RecoveryFold:
@@ -283,6 +287,7 @@ class RecoveryFold:
             case RecoveryDecided() if rec is not None and rec.phase is RecoveryPhase.DECIDE:
                 if event.round == rec.round:
                     rec.action = event.action
+                    rec.decided = f"{event.failure_class} ({event.rule})" if event.failure_class else ""
                     rec.enter(RecoveryPhase.RESTART, at)
             case StepProgress():
                 self._floor = max(self._floor, at)

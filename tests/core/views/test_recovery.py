@@ -85,6 +85,14 @@ def test_a_worker_failure_goes_through_every_phase_from_when_its_agent_saw_it_en
     assert rec.seconds == pytest.approx(1.8)
 
 
+def test_a_worker_failure_s_cause_says_the_class_and_rule_it_was_decided_as() -> None:
+    classified = RecoveryDecided(round=1, action=RecoveryAction.RELAUNCH, reason="r", failure_class="numerical",
+                                 rule="replica-mismatch")
+    [rec] = recoveries(log(*RUNNING, (5.5, crash(1, exited_at=5.2)), (5.7, classified), *round_(2, 6.0),
+                           (7.0, StepProgress(round=2, step=4))))
+    assert rec.cause == "worker failed on node-1 (rank 1): numerical (replica-mismatch)"
+
+
 def test_a_worker_failure_that_does_not_say_when_is_detected_at_its_record() -> None:
     [rec] = recoveries(log(*RUNNING, (5.5, crash(1)), (5.7, decided(1)), *round_(2, 6.0),
                            (7.0, StepProgress(round=2, step=4))))
