@@ -80,6 +80,8 @@ for step in range(steps):
 if rank == 0:
     print("RESULT " + json.dumps({"times": times[3:], "alarms": len(alarms),
                                   "params": sum(p.numel() for p in model.parameters())}), flush=True)
+if not alarms:
+    dist.barrier()  # every rank done with the group before any tears it down (a gloo teardown race otherwise)
 dist.destroy_process_group()
 """
 
