@@ -14,7 +14,7 @@ RunJob = Callable[..., Any]  # the run_job fixture of conftest.py
 
 pytestmark = pytest.mark.e2e
 
-#: deterministic: each step's batch depends only on (step, rank); rank 1 crashes right after saving step CRASH
+#: deterministic: each step's batch depends only on (step, rank); rank 1 crashes once both ranks saved step CRASH
 TRAIN = """
 import json, os, sys
 import torch, torch.distributed as dist
@@ -46,8 +46,10 @@ for step in range(first, STEPS):
     opt.step()
     ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
     stead.report_step(step)
-    if step == CRASH and rank == 1 and restart == 0:
-        os._exit(17)
+    if step == CRASH and restart == 0:
+        dist.barrier()  # both ranks saved the step: rank 0 is not stopped before its save on a loaded machine
+        if rank == 1:
+            os._exit(17)
 if rank == 0:
     torch.save({k: v.clone() for k, v in model.module.state_dict().items()}, OUT)
 ckpt.close()
