@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -208,6 +209,10 @@ def _configure(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Slurm's time-limit warning (sbatch --signal=USR1@SECONDS) goes to every process of the step: it must not end
+    # `stead run`, the master or the rendezvous host (the default action), which pass the ignoring on to what they
+    # start; the agent answers it (it persists the newest checkpoint), the workers ignore it too
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     if argv and argv[0] == "run":
         from stead.cli.run import main as run_main
 

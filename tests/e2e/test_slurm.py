@@ -11,8 +11,10 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import anyio
 import pytest
 
 from tests.support.readme import readme_files
@@ -41,21 +43,67 @@ async def test_srun_with_two_tasks_on_a_node_is_refused_saying_why(tmp_path: Pat
     assert "srun started 2 tasks on 1 node(s)" in err and "use srun --ntasks-per-node 1" in err, err[-2000:]
 
 
-async def test_the_readme_sbatch_script_trains_one_job_over_its_three_nodes(tmp_path: Path) -> None:
-    """srun in the batch script, no multi-node flag: one job of three nodes, served by the first (a crash's recovery
-    across hosts is tests/e2e/test_hosts_jobs.py's)."""
+@pytest.mark.long(40)
+async def test_the_readme_sbatch_script_trains_one_job_is_warned_cancelled_and_resumes_when_submitted_again(
+        tmp_path: Path) -> None:
+    """The README's batch script: srun, no multi-node flag, one job of three nodes served by the first. Slurm's
+    warning before a time limit (``--signal=USR1@SECONDS``; here sent at once with ``scancel --signal=USR1``)
+    reaches every process of the step: the agents persist the newest committed step and training goes on, nothing
+    restarted. ``scancel`` then stops the job with its newest step persisted, and the script submitted again (the
+    same job name) resumes from it. (A crash's recovery across hosts is tests/e2e/test_hosts_jobs.py's.)"""
     (tmp_path / "train.sbatch").write_text(readme_files()["train.sbatch"])
     shutil.copy(TRAIN, tmp_path / "train.py")
     # as on a cluster: `stead` and python3 on PATH (the environment's); no GLOO_SOCKET_IFNAME: stead picks it
     env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "STEAD_JOB_TOKEN")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', os.defpath)}"
+
+    async def stepped(beyond: int) -> bool:
+        return any(int(str(p["step"])) > beyond for p in await _recorded(tmp_path, "progress.step"))
+
+    async def persisted() -> list[int]:
+        return [int(str(p["step"])) for p in await _recorded(tmp_path, "ckpt.persisted")]
+
     async with slurm_cluster(3, workdir=tmp_path) as cluster:
-        job_id = await cluster.sbatch(tmp_path / "train.sbatch", env=env, cwd=tmp_path)
-        state = await cluster.wait_job(job_id, timeout_s=180)
-    out = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
-    assert state == "COMPLETED", out[-4000:]
-    assert f"job slurm-{job_id} succeeded" in out, out[-4000:]
+        first = await cluster.sbatch(tmp_path / "train.sbatch", env=env, cwd=tmp_path)
+        await _until("step 10", lambda: stepped(10))
+        await cluster.scancel(first, "--signal=USR1")
+        await _until("the warned step persisted", lambda: _has(tmp_path, "ckpt.persisted"))
+        [warned] = await persisted()
+        await _until("steps after the warning", lambda: stepped(warned + 5))
+        await cluster.scancel(first)
+        assert await cluster.wait_job(first, timeout_s=60) == "CANCELLED"
+        out = (tmp_path / f"slurm-{first}.out").read_text(errors="replace")
+        newest = max(await persisted())
+        again = await cluster.sbatch(tmp_path / "train.sbatch", env=env, cwd=tmp_path)
+        state = await cluster.wait_job(again, timeout_s=120)
+        events = [json.loads(line) for line in (await _events(tmp_path, "train")).splitlines() if line]
     assert out.count("serves its master") == 1, out[-4000:]  # the step's first node, h1, and only it
-    events = [json.loads(line) for line in (await _events(tmp_path, f"slurm-{job_id}")).splitlines() if line]
+    assert out.count("agent_warned") == 3, out[-4000:]  # every node's agent
+    assert "job train stopped: stopped by SIGTERM" in out, out[-4000:]
+    assert newest > warned  # the cancel persisted what came after the warning
+    resumed = (tmp_path / f"slurm-{again}.out").read_text(errors="replace")
+    assert state == "COMPLETED", resumed[-4000:]
+    assert f"rank 0 resumed from step {newest}" in resumed and "rank 0 done: 60 steps" in resumed, resumed[-4000:]
+    assert "job train succeeded" in resumed, resumed[-4000:]
     assert {e["data"]["host"] for e in events if e["type"] == "node.started"} == {"h1", "h2", "h3"}
-    assert [len(e["data"]["members"]) for e in events if e["type"] == "round.started"] == [3]
+    # one round each: the warning restarted nothing (the workers ignored it)
+    assert [len(e["data"]["members"]) for e in events if e["type"] == "round.started"] == [3, 3]
+
+
+async def _recorded(folder: Path, kind: str) -> list[dict[str, object]]:
+    if not (folder / ".stead" / "train.db").exists():
+        return []  # the job's master has not started yet
+    lines = (await _events(folder, "train")).splitlines()
+    return [e["data"] for e in map(json.loads, filter(None, lines)) if e["type"] == kind]
+
+
+async def _has(folder: Path, kind: str) -> bool:
+    return bool(await _recorded(folder, kind))
+
+
+async def _until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float = 120) -> None:
+    with anyio.move_on_after(timeout_s):
+        while not await check():  # noqa: ASYNC110 (another process writes the log)
+            await anyio.sleep(0.3)
+        return
+    raise AssertionError(f"no {what} within {timeout_s:g} s")

@@ -48,7 +48,7 @@ from tests.support.hosts import DEFAULT_SHARED, Host, Hosts, test_hosts
 __all__ = ["SLURM_TOOLS", "Job", "SlurmCluster", "SlurmError", "slurm_cluster"]
 
 #: the daemons and clients the cluster needs, looked up on PATH (and in /usr/sbin, where Debian puts the daemons)
-SLURM_TOOLS = ("slurmctld", "slurmd", "srun", "sbatch", "scontrol", "squeue", "sinfo")
+SLURM_TOOLS = ("slurmctld", "slurmd", "srun", "sbatch", "scancel", "scontrol", "squeue", "sinfo")
 #: inside the hosts' own network namespaces fixed ports never meet another suite's
 SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
@@ -175,6 +175,11 @@ class SlurmCluster:
         out = await self._client("sbatch", "--parsable", *args, str(script), env=env,
                                  cwd=cwd or Path(script).parent)
         return int(out.strip().split(";")[0])
+
+    async def scancel(self, job_id: int, *args: str) -> None:
+        """``scancel args job_id`` (a signal with ``--signal``; the whole job, its batch shell included, with
+        ``--full``); raises :class:`SlurmError` with Slurm's message if it fails."""
+        await self._client("scancel", *args, str(job_id))
 
     async def scontrol(self, *args: str) -> str:
         """``scontrol args``' output; raises :class:`SlurmError` with its message if it fails."""

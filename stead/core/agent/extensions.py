@@ -57,6 +57,8 @@ class AgentExtension(Generic[S]):
     - ``worker_env(*, round, local_rank) -> Mapping[str, str]``: variables for one worker.
     - ``before_round(*, round)``: new workers are about to start (the old ones are stopped).
     - ``after_failure(*, round, local_rank, exit_code, signal)``: a worker of ``round`` failed.
+    - ``warned(*, reason)``: the node will be stopped soon (Slurm's time-limit warning, SIGUSR1): save what must
+      survive now; the workers go on.
     - ``stop(*, job_ended)``: the agent exits; ``job_ended`` when the job is over (free everything).
     - ``cleanup(*, job, node_id, incarnation)``: that agent was killed and no later one of its node started:
       free what it left on this machine (``stead agent --cleanup`` calls it when the platform closes).

@@ -155,7 +155,8 @@ class Agent:
 
     async def run(self) -> int:
         preload = ZYGOTE_PRELOAD if not self.config.no_python else ()
-        with ProgressFiles(range(self.nproc)) as progress, anyio.open_signal_receiver(signal.SIGTERM) as sigterm:
+        with (ProgressFiles(range(self.nproc)) as progress, anyio.open_signal_receiver(signal.SIGTERM) as sigterm,
+              anyio.open_signal_receiver(signal.SIGUSR1) as warnings):
             self._progress = progress
             self._reader = ProgressReader(progress.paths)
             self._oom.open()
@@ -179,6 +180,7 @@ class Agent:
                         tg.start_soon(self._open_gpus)  # off the start-up path: NVML takes ~0.1 s even to say none
                         tg.start_soon(self._heartbeats)
                         tg.start_soon(self._stop_on_sigterm, sigterm, tg.cancel_scope)
+                        tg.start_soon(self._persist_on_warning, warnings)
                         await self._obey(tg)
                         tg.cancel_scope.cancel()
             finally:
@@ -189,6 +191,15 @@ class Agent:
                     await self.extensions.call("stop", job_ended=self._job_ended)
         self._log.info("agent_exiting", master_gone=self.master_gone, terminated=self.terminated)
         return EXIT_TERMINATED if self.terminated else EXIT_MASTER_GONE if self.master_gone else 0
+
+    async def _persist_on_warning(self, signals: AsyncIterator[int]) -> None:
+        """SIGUSR1 warns that the node will be stopped soon (Slurm's ``--signal=USR1@SECONDS`` before a time limit,
+        or a preemption notice): the extensions save what must survive (the newest checkpoint persisted) while the
+        workers go on; the stop itself (SIGTERM) persists again what came since."""
+        async for _ in signals:
+            self._log.warning("agent_warned", reason="SIGUSR1", round=self.round,
+                              action="persisting the newest checkpoint; the workers go on")
+            await self.extensions.call("warned", reason="SIGUSR1 (a time limit's or preemption's warning)")
 
     async def _stop_on_sigterm(self, signals: AsyncIterator[int], scope: anyio.CancelScope) -> None:
         """SIGTERM takes the node away (its pod deleted, preempted or evicted; the local platform closing): the

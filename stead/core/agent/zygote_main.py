@@ -64,6 +64,10 @@ MAX_MESSAGE_BYTES = 1 << 20
 
 _PR_SET_PDEATHSIG = 1
 _IGNORED_BY_PYTHON = frozenset({signal.SIGPIPE, signal.SIGXFSZ})
+#: ignored by the zygote and, unless the script handles it, by its workers: Slurm's time-limit warning
+#: (--signal=USR1@SECONDS), sent to every process of the step, is the agent's to answer (it persists the newest
+#: checkpoint); by default it would end them
+_IGNORED_IN_WORKERS = frozenset({signal.SIGUSR1})
 _BLOCKED_ACROSS_FORK = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD})
 
 #: variables read once when the interpreter or a native library (OpenMP, OpenBLAS, the
@@ -385,7 +389,7 @@ def _reset_signals() -> None:
         wanted: Any = signal.SIG_DFL
         if signum == signal.SIGINT:
             wanted = signal.default_int_handler
-        elif signum in _IGNORED_BY_PYTHON:
+        elif signum in _IGNORED_BY_PYTHON or signum in _IGNORED_IN_WORKERS:
             wanted = signal.SIG_IGN
         try:
             current = signal.getsignal(signum)
@@ -570,6 +574,8 @@ def main(base_path: Sequence[str], args: Sequence[str]) -> None:
     env = dict(os.environ)
     parent, fd, preload = int(args[0]), int(args[1]), [m for m in args[2].split(",") if m]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's to handle
+    for signum in _IGNORED_IN_WORKERS:
+        signal.signal(signum, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     sock.set_inheritable(False)
     zygote = _Zygote(sock, base_path, env)

@@ -274,6 +274,14 @@ class NodeCheckpoints:
         """A worker failed: persist the newest committed step, if it is not on disk yet."""
         self._persist_committed("worker failure")
 
+    async def warned(self, reason: str) -> None:
+        """The node will be stopped soon: persist the newest committed step now (what the workers saved last
+        first), whatever ckpt.persist_on_failure says; the workers go on saving."""
+        with anyio.move_on_after(self.settings.rpc_timeout_s):
+            await self._report_now()
+        self._persist_committed(reason, enabled=True)
+        log.info("ckpt_persisting_on_warning", reason=reason, step=self._committed[0])
+
     # -- the workers' socket -------------------------------------------------------------------------
 
     async def _serve_worker(self, stream: anyio.abc.SocketStream) -> None:

@@ -56,11 +56,22 @@ async def test_a_huge_stderr_tail_is_cut_to_its_end_so_the_failure_report_still_
 
 
 async def test_death_by_signal_is_reported_as_signal(tmp_path: Path, zygote: Zygote | None) -> None:
-    script = write(tmp_path, "sig.py", "import os, signal\nos.kill(os.getpid(), signal.SIGUSR1)\n")
+    script = write(tmp_path, "sig.py", "import os, signal\nos.kill(os.getpid(), signal.SIGUSR2)\n")
     async with WorkerGroup(zygote=zygote) as group:
         await group.start([spec(py(script), tmp_path)])
         (result,) = await collect(group)
-    assert (result.exit_code, result.signal) == (None, signal.SIGUSR1)
+    assert (result.exit_code, result.signal) == (None, signal.SIGUSR2)
+
+
+async def test_a_zygote_s_worker_ignores_slurms_time_limit_warning_unless_it_handles_it(tmp_path: Path) -> None:
+    script = write(tmp_path, "warned.py", "import os, signal, sys\n"
+                                          "os.kill(os.getpid(), signal.SIGUSR1)\n"  # ignored: it goes on
+                                          "signal.signal(signal.SIGUSR1, lambda *_: sys.exit(3))\n"
+                                          "os.kill(os.getpid(), signal.SIGUSR1)\n")  # its own handler runs
+    async with Zygote(preload=()) as warm, WorkerGroup(zygote=warm) as group:
+        await group.start([spec(py(script), tmp_path)])
+        (result,) = await collect(group)
+    assert (result.exit_code, result.signal) == (3, None)
 
 
 async def test_an_exit_is_reported_while_the_other_workers_still_run(tmp_path: Path, zygote: Zygote | None) -> None:
