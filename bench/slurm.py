@@ -1,0 +1,286 @@
+"""`srun torchrun` against `srun stead run` on a real Slurm cluster of test hosts (issue 41).
+
+The cluster is ``tests.support.slurm``: Debian's Slurm 22.05, a controller and 4 compute hosts made of network
+namespaces (each its own address, link, /dev/shm and /tmp), sharing this bench's temporary folder as the job's
+working directory, as cluster nodes share a filesystem. One task per node, one gloo worker per task, the same
+script under both launchers (examples/train.py, which writes a wall-clock line ``rank restart step time`` after
+every step and one when it crashes). Measured, each launcher in a step of its own (``srun -N3``, or ``-N4`` for
+stead's spare):
+
+* **startup**: from starting ``srun`` to every rank's first step. torchrun: ``--nnodes 3 --rdzv-backend c10d
+  --rdzv-endpoint <first node>:29500``; stead: no multi-node flag (``stead run`` reads the step);
+* **worker crash**: rank 1 exits at step ``CRASH_STEP`` (``--max-restarts 3`` under both): from the crash to the
+  first step of the new round on every rank (goal: stead <= 0.5 s and >= 8x faster);
+* **host loss**: a compute host running a worker is killed (every process, its link and memory; Slurm is not
+  told). stead: ``-N4 --nnodes 3``, the 4th node a warm spare (the host is killed a few seconds after the job
+  steps, once the spare has had time to warm): kill -> every rank of the new round stepped
+  (``host_loss_stead_s``; goal <= 2 s plus Slurm's detection, printed on its own). torchrun: what becomes of the
+  step (``host_loss_torchrun``, Slurm's state word for the job). ``slurm_detect_s``: kill -> Slurm shows the node
+  down or not responding (``SlurmdTimeout`` 5 s on this cluster), and what Slurm then does to stead's step is
+  reported as ``stead_step_after_detect``: stead's job recovers before Slurm sees the loss, and its step then
+  lives or dies by Slurm's rules (srun ends a step that lost a node), which only a Slurm platform launching the
+  agents as steps of their own would change.
+
+Last line: one JSON object with the figures. ``--quick`` is the same (one run of each is all there is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.support.hosts import DEFAULT_SHARED, IFNAME, Host  # noqa: E402
+from tests.support.slurm import SlurmCluster, slurm_cluster  # noqa: E402
+
+CRASH_STEP = 20
+STEPS = 60
+#: how long a new round may take after a worker crash before the launcher counts as not recovering
+CRASH_WAIT_S = 60.0
+STEP_TIME_S = 0.05
+POLL_S = 0.02
+TIMEOUT_S = 180.0
+#: how long the job steps before a host is killed, so that stead's spare agent has its zygote ready
+SPARE_WARM_S = 5.0
+#: the host-loss runs' steps: long enough to outlast Slurm's detection of the lost node (~30 s here)
+LONG_STEPS = 2000
+#: how long a host-loss run is given after Slurm saw the node gone, before it is ended here (still running: "RUNNING")
+AFTER_DETECT_S = 15.0
+
+
+class Failed(RuntimeError):
+    """A measurement did not give its figure; the message says why."""
+
+
+def _lines(stamps: Path) -> list[tuple[int, int, str, float]]:
+    if not stamps.exists():
+        return []
+    out = []
+    for line in stamps.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 4:
+            out.append((int(parts[0]), int(parts[1]), parts[2], float(parts[3])))
+    return out
+
+
+def _round_stepped(stamps: Path, after: float, ranks: int) -> float | None:
+    """When every rank of a round begun after ``after`` had finished its first step (step 0: the script keeps no
+    checkpoint, so every round starts over), the latest of those; None while not yet."""
+    firsts: dict[int, float] = {}
+    for rank, _, step, when in _lines(stamps):
+        if step == "0" and when > after:
+            firsts.setdefault(rank, when)
+    return max(firsts[r] for r in range(ranks)) if all(r in firsts for r in range(ranks)) else None
+
+
+def _crashed(stamps: Path) -> float | None:
+    return next((when for _, _, step, when in _lines(stamps) if step == "crash"), None)
+
+
+async def _until(predicate: object, what: str, proc: asyncio.subprocess.Process | None = None,
+                 timeout_s: float = TIMEOUT_S) -> object:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()  # type: ignore[operator]
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise Failed(f"no {what} within {timeout_s:g} s")
+        if proc is not None and proc.returncode is not None:
+            raise Failed(f"srun ended ({proc.returncode}) before {what}")
+        await asyncio.sleep(POLL_S)
+
+
+class Bench:
+    def __init__(self, cluster: SlurmCluster, workdir: Path) -> None:
+        self.cluster = cluster
+        self.workdir = workdir
+        self.runs = 0
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("STEAD_", "TORCHELASTIC_", "PET_"))}
+        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env.get('PATH', os.defpath)}"
+        self.env["STEAD_JOB_TOKEN"] = secrets.token_urlsafe(32)
+
+    def command(self, launcher: str, nodes: int, *script: str) -> tuple[list[str], dict[str, str]]:
+        names = ",".join(n.name for n in self.cluster.nodes[:nodes])
+        srun = ["-N", str(nodes), "-w", names, "--ntasks-per-node", "1"]
+        if launcher == "torchrun":
+            head = self.cluster.nodes[0].address
+            return ([*srun, sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "1",
+                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:29500", "--rdzv-id", f"t{self.runs}",
+                     "--max-restarts", "3", *script], {**self.env, "GLOO_SOCKET_IFNAME": IFNAME})
+        flags = ["--nnodes", "3"] if nodes > 3 else []
+        return ([*srun, sys.executable, "-m", "stead", "run", *flags, "--nproc-per-node", "1", "--max-restarts", "3",
+                 *script], self.env)
+
+    async def launch(self, launcher: str, nodes: int, *extra: str,
+                     steps: int = STEPS) -> tuple[asyncio.subprocess.Process, Path, float]:
+        self.runs += 1
+        folder = self.workdir / f"{launcher}-{self.runs}"
+        folder.mkdir()
+        shutil.copy(ROOT / "examples" / "train.py", folder / "train.py")
+        stamps = folder / "steps.log"
+        args, env = self.command(launcher, nodes, "train.py", "--steps", str(steps), "--step-time", str(STEP_TIME_S),
+                                 "--timestamps", str(stamps), *extra)
+        log = (folder / "srun.log").open("wb")
+        started = time.time()
+        proc = await self.cluster.spawn_srun(args, env=env, cwd=folder, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        return proc, stamps, started
+
+    async def ended(self, proc: asyncio.subprocess.Process, timeout_s: float = TIMEOUT_S) -> int:
+        try:
+            return await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            proc.kill()
+            return await proc.wait()
+
+    async def startup_and_crash(self, launcher: str) -> tuple[float, float | str]:
+        """Launch -> every rank's first step; crash -> the new round stepping (or why it did not)."""
+        proc, stamps, started = await self.launch(launcher, 3, "--crash-at-step", str(CRASH_STEP), "--crash-rank", "1")
+        first = float(await _until(lambda: _round_stepped(stamps, started, 3), "every rank's first step", proc))  # type: ignore[arg-type]
+        try:
+            crash = float(await _until(lambda: _crashed(stamps), "the crash", proc))  # type: ignore[arg-type]
+            again = float(await _until(lambda: _round_stepped(stamps, crash, 3), "the new round's first step", proc,  # type: ignore[arg-type]
+                                       timeout_s=CRASH_WAIT_S))
+        except Failed as exc:
+            await self.ended(proc)
+            tail = (stamps.parent / "srun.log").read_text(errors="replace").strip().splitlines()[-3:]
+            return first - started, f"{exc}: {' | '.join(tail)}"
+        await self.ended(proc)
+        return first - started, again - crash
+
+    async def host_loss(self, launcher: str) -> dict[str, object]:
+        nodes = 4 if launcher == "stead" else 3
+        proc, stamps, started = await self.launch(launcher, nodes, steps=LONG_STEPS)
+        await _until(lambda: _round_stepped(stamps, started, 3), "every rank's first step", proc)
+        await asyncio.sleep(SPARE_WARM_S)
+        victim = self.cluster.nodes[1] if launcher == "torchrun" else self._member_host(stamps.parent)
+        killed = time.time()
+        await self.cluster.hosts.kill(victim.index)
+        figures: dict[str, object] = {}
+        detect = asyncio.create_task(self._detected(victim.name, killed))
+        if launcher == "stead":
+            try:
+                stepped = await _until(lambda: _round_stepped(stamps, killed, 3), "a new round stepping", proc)
+                figures["host_loss_stead_s"] = round(float(stepped) - killed, 3)  # type: ignore[arg-type]
+            except Failed as exc:
+                figures["host_loss_stead_s"], figures["host_loss_stead_note"] = None, str(exc)
+        figures["slurm_detect_s"] = await detect
+        try:  # Slurm's verdict on the step
+            code: int | None = await asyncio.wait_for(proc.wait(), AFTER_DETECT_S)
+        except TimeoutError:
+            code = None  # still running: the step outlived the node's loss
+        state = await self._job_state()
+        if code is None:
+            await self.ended(proc, timeout_s=0.1)
+        if launcher == "stead":
+            figures["stead_step_after_detect"] = (f"srun exit {code}, Slurm job state {state}" if code is not None
+                                                  else f"still running {AFTER_DETECT_S:g} s after, job state {state}")
+        else:
+            figures["host_loss_torchrun"] = state
+            figures["host_loss_torchrun_exit"] = code
+        await self.cluster.restart_node(self.cluster.nodes.index(victim))
+        return figures
+
+    def _member_host(self, folder: Path) -> Host:
+        """A host of stead's round that is not the master's (the first node's) nor the spare."""
+        [store] = (folder / ".stead").glob("slurm-*.db")
+        out = subprocess.run([sys.executable, "-m", "stead", "events", "--job", store.stem, "--json"], cwd=folder,
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        events = [json.loads(line) for line in out.splitlines() if line]
+        hosts = {e["data"]["node_id"]: e["data"]["host"] for e in events if e["type"] == "node.started"}
+        [*_, members] = [e["data"]["members"] for e in events if e["type"] == "round.started"]
+        names = {hosts[m] for m in members} - {self.cluster.nodes[0].name}
+        return next(n for n in self.cluster.nodes if n.name in names)
+
+    async def _detected(self, name: str, killed: float) -> float | None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            state = await self.cluster.node_state(name)
+            if "down" in state or "*" in state or "fail" in state:
+                return round(time.time() - killed, 2)
+            await asyncio.sleep(0.2)
+        return None
+
+    async def _job_state(self) -> str:
+        """The newest job's state once it has settled (COMPLETING is on the way to its end), 10 s at most."""
+        state = "unknown"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            out = await self.cluster.scontrol("show", "job", "--oneliner")
+            jobs = [line for line in out.splitlines() if "JobId=" in line]
+            if jobs:
+                last = max(jobs, key=lambda line: int(line.split("JobId=")[1].split()[0]))
+                state = last.split("JobState=")[1].split()[0]
+                if state != "COMPLETING":
+                    return state
+            await asyncio.sleep(0.2)
+        return state
+
+
+def _ratio(slow: float | None, fast: float | None) -> float | None:
+    return round(slow / fast, 2) if slow and fast else None
+
+
+async def _measure(workdir: Path) -> dict[str, object]:
+    shared: Sequence[Path | str] = (*DEFAULT_SHARED, workdir)
+    async with slurm_cluster(4, workdir=workdir, shared=shared) as cluster:
+        bench = Bench(cluster, workdir)
+        figures: dict[str, object] = {"bench": "slurm", "nodes": 4, "used": 3, "step_time_s": STEP_TIME_S}
+        crashes: dict[str, float] = {}
+        for launcher in ("torchrun", "stead"):
+            try:
+                startup, crash = await bench.startup_and_crash(launcher)
+                figures[f"startup_{launcher}_s"] = round(startup, 3)
+                if isinstance(crash, str):
+                    figures[f"worker_crash_{launcher}_s"], figures[f"worker_crash_{launcher}_note"] = None, crash
+                else:
+                    crashes[launcher] = crash
+                    figures[f"worker_crash_{launcher}_s"] = round(crash, 3)
+            except Failed as exc:
+                figures[f"startup_{launcher}_s"] = figures[f"worker_crash_{launcher}_s"] = None
+                figures[f"{launcher}_note"] = str(exc)
+            print(f"{launcher}: launch -> first step {figures[f'startup_{launcher}_s']} s; crash -> new round "
+                  f"stepping {figures[f'worker_crash_{launcher}_s']} s", flush=True)
+        crash_t, crash_s = crashes.get("torchrun"), crashes.get("stead")
+        ratio = _ratio(crash_t, crash_s)
+        figures["worker_crash_ratio"] = ratio
+        torchrun_loss = await bench.host_loss("torchrun")
+        print(f"torchrun: a host killed: the job {torchrun_loss.get('host_loss_torchrun')} (srun exit "
+              f"{torchrun_loss.get('host_loss_torchrun_exit')}); Slurm saw the node gone after "
+              f"{torchrun_loss.get('slurm_detect_s')} s", flush=True)
+        stead_loss = await bench.host_loss("stead")
+        print(f"stead: a host killed: the spare's round stepping {stead_loss.get('host_loss_stead_s')} s after the "
+              f"kill; Slurm saw the node gone after {stead_loss.get('slurm_detect_s')} s; then "
+              f"{stead_loss.get('stead_step_after_detect')}", flush=True)
+        figures["host_loss_torchrun"] = torchrun_loss.get("host_loss_torchrun")
+        figures["host_loss_stead_s"] = stead_loss.get("host_loss_stead_s")
+        figures["slurm_detect_s"] = stead_loss.get("slurm_detect_s") or torchrun_loss.get("slurm_detect_s")
+        figures["stead_step_after_detect"] = stead_loss.get("stead_step_after_detect")
+        figures["worker_crash_goal_met"] = crash_s is not None and crash_s <= 0.5 and (ratio or 0) >= 8
+        return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the same runs (one of each is all there is)")
+    parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="stead-bench-slurm-") as tmp:
+        figures = asyncio.run(_measure(Path(tmp)))
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
