@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.hosts import Failed, _lines, _round_stepped  # noqa: E402
 from tests.support.hosts import DEFAULT_SHARED, IFNAME, Host  # noqa: E402
 from tests.support.slurm import SlurmCluster, slurm_cluster  # noqa: E402
 
@@ -58,31 +59,6 @@ SPARE_WARM_S = 5.0
 LONG_STEPS = 2000
 #: how long a host-loss run is given after Slurm saw the node gone, before it is ended here (still running: "RUNNING")
 AFTER_DETECT_S = 15.0
-
-
-class Failed(RuntimeError):
-    """A measurement did not give its figure; the message says why."""
-
-
-def _lines(stamps: Path) -> list[tuple[int, int, str, float]]:
-    if not stamps.exists():
-        return []
-    out = []
-    for line in stamps.read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 4:
-            out.append((int(parts[0]), int(parts[1]), parts[2], float(parts[3])))
-    return out
-
-
-def _round_stepped(stamps: Path, after: float, ranks: int) -> float | None:
-    """When every rank of a round begun after ``after`` had finished its first step (step 0: the script keeps no
-    checkpoint, so every round starts over), the latest of those; None while not yet."""
-    firsts: dict[int, float] = {}
-    for rank, _, step, when in _lines(stamps):
-        if step == "0" and when > after:
-            firsts.setdefault(rank, when)
-    return max(firsts[r] for r in range(ranks)) if all(r in firsts for r in range(ranks)) else None
 
 
 def _crashed(stamps: Path) -> float | None:
