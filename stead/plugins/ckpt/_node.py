@@ -224,7 +224,8 @@ class NodeCheckpoints:
         ``persist_grace_s`` at most. A step the master says every rank wrote that this node does not see within
         ``_UNSEEN_GRACE_S`` is on a disk it does not share (a volume of each node's own): nothing more is waited
         for."""
-        waited, seen, quiet, first_after, asked, persisted_for = 0.0, 0, 0.0, None, 0.0, 0.0
+        waited, seen, quiet, first_after, asked = 0.0, 0, 0.0, None, 0.0
+        persisted_at: float | None = None  # when (in ``waited``) the master first said every part is written
         while True:
             # a newer step being written is the one to wait for: this agent's hint may be a commit behind the
             # others' (their workers saved once more before they stopped), and the workers restore the newest
@@ -249,11 +250,11 @@ class NodeCheckpoints:
             if waited == 0.0:
                 log.info("ckpt_waiting_for_disk", step=step, reason="the round's ranks differ from the ones that "
                          "hold it in memory (a resize or a new node): the workers read it from disk")
-            if persisted_for == 0.0 and waited >= asked:
+            if persisted_at is None and waited >= asked:
                 asked = waited + _ASK_PERSISTED_S
                 if await self._persisted_elsewhere(step):
-                    persisted_for = waited
-            elif persisted_for and not written and waited - persisted_for >= _UNSEEN_GRACE_S:
+                    persisted_at = waited
+            elif persisted_at is not None and not written and waited - persisted_at >= _UNSEEN_GRACE_S:
                 log.warning("ckpt_disk_not_shared", step=step, root=str(self.root), waited_s=round(waited, 2),
                             effect="this node's workers cannot read the step the others wrote; the ranks restore "
                                    "the newest step every one of them can take",
