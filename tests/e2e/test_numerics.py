@@ -41,6 +41,18 @@ def _torchrun(cwd: Path, nproc: int, **env: str) -> subprocess.Popen[str]:
                             stderr=subprocess.PIPE, text=True)
 
 
+def _decided(job: Any, name: str, reference: subprocess.Popen[str], reference_err: str, *, rule: str, action: str,
+             rank: int) -> dict[str, Any]:
+    """The faulty job and its fault-free reference both ended well, and the job's one decision was the numerical
+    ``rule``'s ``action`` on ``rank``."""
+    assert job.returncode == 0, job.stderr[-4000:]
+    assert reference.returncode == 0, reference_err[-3000:]
+    (decision,) = of_type(events(job, name), "recovery.decided")
+    assert (decision["failure_class"], decision["rule"], decision["action"], decision["rank"]) == (
+        "numerical", rule, action, rank)
+    return decision
+
+
 def test_a_nan_gradient_is_caught_on_its_rank_before_the_step_and_the_job_ends_as_a_fault_free_one(
         run_job: RunJob, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # 2 ranks: a sum of two gradients is the same in any order, so the restored run's DDP buckets (built anew,
@@ -49,14 +61,10 @@ def test_a_nan_gradient_is_caught_on_its_rank_before_the_step_and_the_job_ends_a
         monkeypatch.setenv("STEAD_NUMERICS_INJECT", "nan:rank=1:step=4")
         faulty = run_job(SCRIPT, job="nan", flags=("--nproc-per-node", "2", "--max-restarts", "2"))
         clean_out, clean_err = torchrun.communicate(timeout=120)
-    assert faulty.returncode == 0, faulty.stderr[-4000:]
-    (decision,) = of_type(events(faulty, "nan"), "recovery.decided")
-    assert (decision["failure_class"], decision["rule"], decision["action"], decision["rank"]) == (
-        "numerical", "non-finite-gradient", "restart", 1)
+    decision = _decided(faulty, "nan", torchrun, clean_err, rule="non-finite-gradient", action="restart", rank=1)
     assert "non-finite gradient (NaN or Inf) on rank 1" in decision["evidence"]
     assert "at step 4" in decision["evidence"] and "before the all-reduce" in decision["evidence"]
     assert "last failure: numerical (non-finite-gradient)" in status(faulty, "nan")
-    assert torchrun.returncode == 0, clean_err[-3000:]
     assert _weights(faulty.stdout) == _weights(clean_out)  # the NaN step was never applied, nor committed
 
 
@@ -83,12 +91,8 @@ def test_a_flipped_bit_in_one_replica_is_pinned_on_its_rank_its_node_relaunched_
         monkeypatch.setenv("STEAD_NUMERICS_FINGERPRINT_EVERY", "1")
         faulty = run_job(SCRIPT, job="flip", flags=("--nproc-per-node", "3", "--max-restarts", "2"))
         clean_out, clean_err = torchrun.communicate(timeout=120)
-    assert faulty.returncode == 0, faulty.stderr[-4000:]
-    (decision,) = of_type(events(faulty, "flip"), "recovery.decided")
-    assert (decision["failure_class"], decision["rule"], decision["action"], decision["rank"]) == (
-        "numerical", "replica-mismatch", "relaunch", 2)
+    decision = _decided(faulty, "flip", torchrun, clean_err, rule="replica-mismatch", action="relaunch", rank=2)
     assert "replica mismatch: rank 2 (host " in decision["evidence"] and "at step 4" in decision["evidence"]
     assert "(2 of 3 replicas agree) in 0.weight" in decision["evidence"]
     assert "last agreed at step 3" in decision["evidence"]
-    assert torchrun.returncode == 0, clean_err[-3000:]
     assert _weights(faulty.stdout) == _weights(clean_out)  # the flipped step was never saved
