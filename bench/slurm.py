@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.hosts import Failed, _lines, _round_stepped  # noqa: E402
+from bench.hosts import RUN_TIMEOUT_S, Failed, _lines, _round_stepped, _until  # noqa: E402
 from tests.support.hosts import DEFAULT_SHARED, IFNAME, Host  # noqa: E402
 from tests.support.slurm import SlurmCluster, slurm_cluster  # noqa: E402
 
@@ -51,8 +51,6 @@ STEPS = 60
 #: how long a new round may take after a worker crash before the launcher counts as not recovering
 CRASH_WAIT_S = 60.0
 STEP_TIME_S = 0.05
-POLL_S = 0.02
-TIMEOUT_S = 180.0
 #: how long the job steps before a host is killed, so that stead's spare agent has its zygote ready
 SPARE_WARM_S = 5.0
 #: the host-loss runs' steps: long enough to outlast Slurm's detection of the lost node (~30 s here)
@@ -63,20 +61,6 @@ AFTER_DETECT_S = 15.0
 
 def _crashed(stamps: Path) -> float | None:
     return next((when for _, _, step, when in _lines(stamps) if step == "crash"), None)
-
-
-async def _until(predicate: object, what: str, proc: asyncio.subprocess.Process | None = None,
-                 timeout_s: float = TIMEOUT_S) -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()  # type: ignore[operator]
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise Failed(f"no {what} within {timeout_s:g} s")
-        if proc is not None and proc.returncode is not None:
-            raise Failed(f"srun ended ({proc.returncode}) before {what}")
-        await asyncio.sleep(POLL_S)
 
 
 class Bench:
@@ -115,7 +99,7 @@ class Bench:
         log.close()
         return proc, stamps, started
 
-    async def ended(self, proc: asyncio.subprocess.Process, timeout_s: float = TIMEOUT_S) -> int:
+    async def ended(self, proc: asyncio.subprocess.Process, timeout_s: float = RUN_TIMEOUT_S) -> int:
         try:
             return await asyncio.wait_for(proc.wait(), timeout_s)
         except TimeoutError:
@@ -125,10 +109,10 @@ class Bench:
     async def startup_and_crash(self, launcher: str) -> tuple[float, float | str]:
         """Launch -> every rank's first step; crash -> the new round stepping (or why it did not)."""
         proc, stamps, started = await self.launch(launcher, 3, "--crash-at-step", str(CRASH_STEP), "--crash-rank", "1")
-        first = float(await _until(lambda: _round_stepped(stamps, started, 3), "every rank's first step", proc))  # type: ignore[arg-type]
+        first = float(await _until(lambda: _round_stepped(stamps, started, 3), "every rank's first step", [proc]))  # type: ignore[arg-type]
         try:
-            crash = float(await _until(lambda: _crashed(stamps), "the crash", proc))  # type: ignore[arg-type]
-            again = float(await _until(lambda: _round_stepped(stamps, crash, 3), "the new round's first step", proc,  # type: ignore[arg-type]
+            crash = float(await _until(lambda: _crashed(stamps), "the crash", [proc]))  # type: ignore[arg-type]
+            again = float(await _until(lambda: _round_stepped(stamps, crash, 3), "the new round's first step", [proc],  # type: ignore[arg-type]
                                        timeout_s=CRASH_WAIT_S))
         except Failed as exc:
             await self.ended(proc)
@@ -140,7 +124,7 @@ class Bench:
     async def host_loss(self, launcher: str) -> dict[str, object]:
         nodes = 4 if launcher == "stead" else 3
         proc, stamps, started = await self.launch(launcher, nodes, steps=LONG_STEPS)
-        await _until(lambda: _round_stepped(stamps, started, 3), "every rank's first step", proc)
+        await _until(lambda: _round_stepped(stamps, started, 3), "every rank's first step", [proc])
         await asyncio.sleep(SPARE_WARM_S)
         victim = self.cluster.nodes[1] if launcher == "torchrun" else self._member_host(stamps.parent)
         killed = time.time()
@@ -149,7 +133,7 @@ class Bench:
         detect = asyncio.create_task(self._detected(victim.name, killed))
         if launcher == "stead":
             try:
-                stepped = await _until(lambda: _round_stepped(stamps, killed, 3), "a new round stepping", proc)
+                stepped = await _until(lambda: _round_stepped(stamps, killed, 3), "a new round stepping", [proc])
                 figures["host_loss_stead_s"] = round(float(stepped) - killed, 3)  # type: ignore[arg-type]
             except Failed as exc:
                 figures["host_loss_stead_s"], figures["host_loss_stead_note"] = None, str(exc)
