@@ -89,7 +89,10 @@ def test_a_flipped_bit_in_one_replica_is_pinned_on_its_rank_its_node_relaunched_
     with _torchrun(tmp_path / "reference", 3, **every_step) as torchrun:
         monkeypatch.setenv("STEAD_NUMERICS_INJECT", "bitflip:rank=2:step=4")
         monkeypatch.setenv("STEAD_NUMERICS_FINGERPRINT_EVERY", "1")
-        faulty = run_job(SCRIPT, job="flip", flags=("--nproc-per-node", "3", "--max-restarts", "2"))
+        # (the relaunched node waits ckpt.persist_grace_s for a persisted step that nobody writes: its memory went
+        # with the node it replaces; 5 s instead of 60)
+        faulty = run_job(SCRIPT, job="flip", flags=("--nproc-per-node", "3", "--max-restarts", "2",
+                                                    "--set", "ckpt.persist_grace_s=5"))
         clean_out, clean_err = torchrun.communicate(timeout=120)
     decision = _decided(faulty, "flip", torchrun, clean_err, rule="replica-mismatch", action="relaunch", rank=2)
     assert "replica mismatch: rank 2 (host " in decision["evidence"] and "at step 4" in decision["evidence"]

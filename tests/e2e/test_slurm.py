@@ -80,7 +80,8 @@ async def test_the_readme_sbatch_script_trains_one_job_is_warned_cancelled_and_r
         events = [json.loads(line) for line in (await _events(tmp_path, "train")).splitlines() if line]
     assert log.count("serves its master") == 1, log[-4000:]  # the step's first node, h1, and only it
     assert log.count("agent_warned") == 3, log[-4000:]  # every node's agent
-    assert "job train stopped: stopped by SIGTERM" in log, log[-4000:]
+    # (its "stopped by SIGTERM" line is not asked for: the cluster's KillWait is 1 s, and a loaded machine's
+    # `stead run` may be SIGKILLed after its agents persisted and before it prints it)
     assert newest > warned  # the cancel persisted what came after the warning
     resumed = (tmp_path / f"slurm-{again}.out").read_text(errors="replace")
     assert state == "COMPLETED", resumed[-4000:]

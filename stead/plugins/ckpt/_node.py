@@ -176,9 +176,7 @@ class NodeCheckpoints:
                 self._spawn(self._verify, state, slot)
         if info.restart_count > 0 or info.round > 1:
             self._persist_committed("restart")
-        if (self.hint[0] >= 0 and self.ckpt.persist_on_failure and info.nnodes > 1
-                and not self._restorable_from_memory(info)):
-            # (a round of this node alone: no other node holds the step to write it, so nothing is waited for)
+        if self.hint[0] >= 0 and self.ckpt.persist_on_failure and not self._restorable_from_memory(info):
             await self._until_on_disk(self.hint[0])
         log.debug("ckpt_round", round=info.round, restore_step=self.hint[0], restore_round=self.hint[1])
 
