@@ -48,7 +48,9 @@ What is here:
   ``stead/plugins/NAME/_proto`` for a bundled one, which its package exports as ``proto``, see
   ``scripts/gen_proto.sh``);
 * the node side: :class:`AgentExtension` (``stead.agent_extensions`` entry points),
-  :class:`AgentContext`, :class:`RoundInfo`.
+  :class:`AgentContext`, :class:`RoundInfo`; for an extension that talks to its peers on other hosts,
+  :data:`HOST_ENV` (the variable naming the node's host), :func:`interface_toward` (the local address that
+  reaches the master) and the job's TLS (:func:`tls_files`, :func:`server_context`, :func:`client_context`).
 
 Imports are lazy: a training script that imports a worker-side helper from here
 pays only for what that helper needs.
@@ -68,6 +70,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
     )
     from stead.core.agent.extensions import (
         RoundInfo as RoundInfo,
+    )
+    from stead.core.agent.netif import (
+        interface_toward as interface_toward,
     )
     from stead.core.config import (
         Settings as Settings,
@@ -237,6 +242,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
     from stead.core.events import (
         event_kind as event_kind,
     )
+    from stead.core.platform import (
+        HOST_ENV as HOST_ENV,
+    )
     from stead.core.plugins import (
         MasterPlugin as MasterPlugin,
     )
@@ -291,6 +299,15 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
     )
     from stead.core.rpc._status import (
         invalid as invalid,
+    )
+    from stead.core.rpc.tls import (
+        client_context as client_context,
+    )
+    from stead.core.rpc.tls import (
+        server_context as server_context,
+    )
+    from stead.core.rpc.tls import (
+        tls_files as tls_files,
     )
     from stead.core.statemachine import (
         JobPhase as JobPhase,
@@ -357,6 +374,9 @@ _WHERE = {
     "stead.core.plugins": ("MasterPlugin", "NoSettings", "NodeTelemetry", "Plugin", "PluginContext", "PluginTasks"),
     "stead.core.retry": ("Backoff", "retrying"),
     "stead.core.rpc": ("RpcConnection", "client_tls", "read_token_file"),
+    "stead.core.rpc.tls": ("client_context", "server_context", "tls_files"),
+    "stead.core.agent.netif": ("interface_toward",),
+    "stead.core.platform": ("HOST_ENV",),
     "stead.core.rpc._checks": ("MAX_NODE_ID_CHARS", "check_name", "name_problem"),
     "stead.core.rpc._status": ("at_least", "backend_errors", "finite_figure", "invalid"),
     "stead.core.statemachine": ("JobPhase", "JobState", "NodePhase", "NodeState", "RendezvousState"),
@@ -446,7 +466,12 @@ __all__ = [
     "backend_errors",
     "check_name",
     "classify",
+    "client_context",
     "client_tls",
+    "interface_toward",
+    "server_context",
+    "tls_files",
+    "HOST_ENV",
     "default_decision",
     "env_name",
     "event_kind",

@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -231,6 +232,37 @@ async def test_a_host_killed_costs_its_node_and_the_job_goes_on(tmp_path: Path, 
         assert any(e["type"] == "node.pending" for e in events), [e["type"] for e in events]
     last = _steps(timestamps)
     assert max(last.values()) == 149, last
+
+
+@pytest.mark.long(45)
+async def test_a_lost_host_s_node_resumes_from_its_newest_committed_step_held_in_a_peer_host_s_memory(
+        tmp_path: Path) -> None:
+    """Each host keeps its checkpoints on a disk of its own (the default ckpt.dir, in each host's own folder): the
+    spare that takes the lost host's place can read none of them, so the step it resumes from is the replica of its
+    rank that another host held in memory (ckpt.replicas, 1 by default), and nothing committed is trained again."""
+    token = secrets.token_urlsafe(32)
+    timestamps = tmp_path / "steps.log"
+    async with test_hosts(3) as hosts:
+        flags = ["--nnodes", "2:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:29400",
+                 "--rdzv-id", "replicas", "--rdzv-conf", "heartbeat=5"]
+        script = [str(TRAIN), "--steps", "120", "--save-every", "1", "--timestamps", str(timestamps)]
+        serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, *script], token)
+        joining = [await _stead_run(hosts[1], tmp_path / "h1", [*flags, *script], token)]
+        await _until_step(timestamps, 15, world=2)
+        joining.append(await _stead_run(hosts[2], tmp_path / "h2", [*flags, *script], token))  # the spare
+        await asyncio.sleep(3.0)
+        killed_at = time.time()
+        await hosts.kill(1)
+        (rc0, err0), (rc2, err2) = await _ended(serving), await _ended(joining[1])
+        events = await _events(hosts[0], tmp_path / "h0", "replicas")
+    assert (rc0, rc2) == (0, 0), (err0[-3000:], err2[-3000:])
+    restored = [e["data"] for e in events if e["type"] == "ckpt.restored"]
+    after = restored[-1]  # the round the spare joined: rank 0 from its own memory, rank 1 from h0's replica
+    assert (after["memory_ranks"], after["peer_ranks"], after["disk_ranks"]) == (1, 1, 0), restored  # type: ignore[index]
+    resumed = [int(step) for rank, _, step, at in (line.split() for line in timestamps.read_text().splitlines())
+               if rank == "1" and step.isdigit() and float(at) > killed_at]
+    assert resumed and min(resumed) == after["step"] + 1, (after, resumed[:3])  # type: ignore[operator]
+    assert max(_steps(timestamps).values()) == 119
 
 
 @pytest.mark.long(55)

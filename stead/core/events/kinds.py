@@ -530,6 +530,8 @@ class CheckpointRestored(Event):
     step: int
     memory_ranks: int = 0
     disk_ranks: int = 0
+    #: ranks that restored a replica fetched from another host's memory (their own memory was lost with a host)
+    peer_ranks: int = 0
 
 
 @event_kind("plugin.failed")

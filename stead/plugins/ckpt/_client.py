@@ -9,7 +9,7 @@ from stead.plugin import RpcConnection
 from stead.plugins.ckpt._proto.stead import v1 as proto
 from stead.plugins.ckpt.events import CheckpointCorrupt
 
-__all__ = ["CheckpointClient", "Committed", "Saved", "corrupt_to_proto"]
+__all__ = ["CheckpointClient", "Committed", "PeerCopy", "Saved", "corrupt_to_proto"]
 
 #: the most of a corrupt copy's detail a report carries (the master takes up to MAX_EVIDENCE_CHARS)
 _CORRUPT_DETAIL_CHARS = 2000
@@ -28,12 +28,32 @@ class Saved:
 
 
 @dataclasses.dataclass(frozen=True)
+class PeerCopy:
+    """A node that holds (a source) or is to hold (a target) replicas: for a source, of ``rank``'s ``step``."""
+
+    node_id: str
+    address: str
+    rank: int = -1
+    step: int = -1
+    round: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
 class Committed:
     step: int = -1
     round: int = 0
     round_step: int = -1
     persisted_step: int = -1
     released: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    #: a memory report's answer: where this node sends its ranks' replicas (None: not said)
+    targets: tuple[PeerCopy, ...] | None = None
+    #: the nodes that hold replicas of the committed step of the ranks asked for
+    sources: tuple[PeerCopy, ...] = ()
+
+
+def _peers(values: Sequence[proto.ReplicaPeer]) -> tuple[PeerCopy, ...]:
+    return tuple(PeerCopy(node_id=p.node_id, address=p.address, rank=p.rank, step=p.step, round=p.round)
+                 for p in values)
 
 
 class CheckpointClient:
@@ -49,25 +69,30 @@ class CheckpointClient:
         return proto.CheckpointServiceStub(self._conn.channel)
 
     async def report_saved(self, *, round_: int, world_size: int, tier: str, ranks: Mapping[int, Saved],
-                           path: str = "") -> Committed:
+                           path: str = "", host: str = "", replica_address: str = "",
+                           replicas: Sequence[tuple[int, int, int, int]] = ()) -> Committed:
+        """``replicas``: (rank, step, round, bytes) of each replica this node holds."""
         request = proto.ReportSavedRequest(
             node_id=self.node_id, incarnation=self.incarnation, round=round_, world_size=world_size, tier=tier,
             ranks=[proto.RankSaved(rank=r, step=s.step, held_steps=sorted(s.held), seconds=dict(s.seconds))
                    for r, s in sorted(ranks.items())],
-            path=path)
+            path=path, host=host, replica_address=replica_address,
+            replicas=[proto.ReplicaHeld(rank=r, step=s, round=o, bytes=b) for r, s, o, b in replicas])
         with self._conn.errors("CheckpointService.ReportSaved"):
             reply = await self._stub.report_saved(request, timeout=self._conn.call_timeout_s)
         return Committed(round=round_, round_step=reply.committed_step,
-                         released={r.rank: r.step for r in reply.released})
+                         released={r.rank: r.step for r in reply.released},
+                         targets=_peers(reply.replica_targets) if tier == "memory" else None)
 
     async def get_committed(self, *, round_: int, after_step: int = -1, wait_s: float = 0.0,
-                            ranks: Sequence[int] = ()) -> Committed:
+                            ranks: Sequence[int] = (), replica_ranks: Sequence[int] = ()) -> Committed:
         request = proto.GetCommittedRequest(node_id=self.node_id, round=round_, after_step=after_step, wait_s=wait_s,
-                                      ranks=list(ranks))
+                                            ranks=list(ranks), replica_ranks=list(replica_ranks))
         with self._conn.errors("CheckpointService.GetCommitted"):
             reply = await self._stub.get_committed(request, timeout=wait_s + self._conn.call_timeout_s)
         return Committed(step=reply.step, round=reply.round, round_step=reply.round_step,
-                         persisted_step=reply.persisted_step, released={r.rank: r.step for r in reply.released})
+                         persisted_step=reply.persisted_step, released={r.rank: r.step for r in reply.released},
+                         sources=_peers(reply.replica_sources))
 
     async def report_restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str) -> None:
         request = proto.ReportRestoredRequest(node_id=self.node_id, round=round_, world_size=world_size, rank=rank,

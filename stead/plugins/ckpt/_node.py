@@ -36,7 +36,8 @@ from stead.plugin import (
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._client import CheckpointClient, Committed, Saved
 from stead.plugins.ckpt._link import SOCKET_ENV
-from stead.plugins.ckpt._rankmem import PersistJob, RankMemory, close_map
+from stead.plugins.ckpt._peers import PeerReplicas
+from stead.plugins.ckpt._rankmem import PersistJob, RankMemory
 from stead.plugins.ckpt._shm import (
     Control,
     SegmentNames,
@@ -44,7 +45,6 @@ from stead.plugins.ckpt._shm import (
     VerifyState,
     create_segment,
     round_capacity,
-    unlink_quietly,
 )
 from stead.plugins.ckpt.errors import CheckpointError, SharedMemoryTooSmall
 from stead.plugins.ckpt.events import CheckpointCorrupt
@@ -85,7 +85,8 @@ class NodeCheckpoints:
     """The agent side of flash checkpoints for one node (lives on the extension's own event loop)."""
 
     def __init__(self, *, settings: Settings, ckpt: CheckpointSettings, names: SegmentNames, node_id: str,
-                 incarnation: int, master_address: str, token: str, root: Path, socket_path: Path) -> None:
+                 incarnation: int, master_address: str, token: str, root: Path, socket_path: Path,
+                 job: str = "") -> None:
         self.settings = settings
         self.ckpt = ckpt
         self.names = names
@@ -111,12 +112,15 @@ class NodeCheckpoints:
         self._checksummer = anyio.Lock()
         self._master_refused = False
         self._tg: anyio.abc.TaskGroup | None = None
+        self.peers = PeerReplicas(ckpt=ckpt, settings=settings, names=names, token=token, job=job or names.prefix,
+                                  master_address=master_address, new_gen=self._new_gen)
 
     # -- lifecycle (on the node's loop) ---------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._conn.open()
         try:
+            await self.peers.start(lambda: self._dirty.set())  # a replica taken is reported with the next report
             async with await anyio.create_unix_listener(self.socket_path) as listener, \
                     anyio.create_task_group() as tg:
                 self._tg = tg
@@ -124,6 +128,7 @@ class NodeCheckpoints:
                 tg.start_soon(self._report_loop)
                 tg.start_soon(self._poll_loop)
                 tg.start_soon(self._persist_loop)
+                tg.start_soon(self.peers.send_loop, self._current, lambda: self._committed)
                 task_status.started()
                 await self._stopping.wait()
                 with anyio.move_on_after(self.ckpt.persist_grace_s):
@@ -135,6 +140,7 @@ class NodeCheckpoints:
                 tg.cancel_scope.cancel()
         finally:
             self._tg = None
+            self.peers.close()
             self._conn.close()
             for state in self._ranks.values():
                 state.close()
@@ -168,6 +174,8 @@ class NodeCheckpoints:
         if reply.step > self._committed[0] or reply.round > self._committed[1]:
             self._committed = (reply.step, reply.round)
         self._drop_pending_persists(info.round)
+        if self.peers.enabled and self.hint[0] >= 0:
+            await self._from_peers(info)
         for state in self._ranks.values():
             state.passed = -1
             slot = state.slot_holding(*self.hint) if self.hint[0] >= 0 else None
@@ -179,6 +187,41 @@ class NodeCheckpoints:
         if self.hint[0] >= 0 and self.ckpt.persist_on_failure and not self._restorable_from_memory(info):
             await self._until_on_disk(self.hint[0])
         log.debug("ckpt_round", round=info.round, restore_step=self.hint[0], restore_round=self.hint[1])
+
+    async def _from_peers(self, info: RoundInfo) -> None:
+        """Fetch from peers' replicas the step to restore of each local rank whose memory lacks it (a node new to
+        the job, or one whose host was replaced): its workers then restore it from memory, reading no file."""
+        missing = {}
+        for local_rank in range(info.nproc_per_node):
+            rank = info.node_rank * info.nproc_per_node + local_rank
+            state = self._ranks.get(local_rank)
+            slot = state.slot_holding(*self.hint) if state is not None else None
+            if slot is None or (slot.rank, slot.world) != (rank, info.world_size):
+                missing[rank] = local_rank
+        if not missing:
+            return
+        try:
+            reply = await self._client.get_committed(round_=info.round, replica_ranks=sorted(missing))
+        except SteadError as exc:
+            log.warning("ckpt_replicas_unknown", error=str(exc), effect="the workers restore from disk")
+            return
+        for rank, local_rank in sorted(missing.items()):
+            sources = [s for s in reply.sources if s.rank == rank and (s.step, s.round) == self.hint]
+            if not sources:
+                log.info("ckpt_no_replica", rank=rank, step=self.hint[0],
+                         effect="no peer holds it: the workers restore from disk")
+                continue
+            state = self._state(local_rank)
+
+            async def unusable(detail: str, state: RankMemory = state, rank: int = rank) -> None:
+                await self._report_corrupt(state, self.hint[0], "peer", detail, rank=rank)
+
+            if not await self.peers.take(state, rank, self.hint[0], self.hint[1], sources, unusable):
+                log.info("ckpt_replicas_failed", rank=rank, step=self.hint[0], effect="restoring from disk")
+
+    def _new_gen(self) -> int:
+        self._gen += 1
+        return self._gen
 
     def _drop_pending_persists(self, round_: int) -> None:
         """Give up the persists of an earlier round whose step was not committed when this round began. Their
@@ -348,15 +391,20 @@ class NodeCheckpoints:
 
     def _hello(self, message: dict[str, Any]) -> RankMemory:
         local_rank = int(message["local_rank"])
-        state = self._ranks.get(local_rank)
         if not self._ranks:
             self._spawn(_import_torch)  # the job uses flash checkpoints: a persist will need torch soon
-        if state is None:
-            control = Control(self.names.control(local_rank), create=True, local_rank=local_rank)
-            state = self._ranks[local_rank] = RankMemory(local_rank=local_rank, control=control)
+        state = self._state(local_rank)
         state.rank, state.world, state.round = int(message["rank"]), int(message["world"]), int(message["round"])
         state.passed = -1
         state.newest_saved = (-1, -1)
+        return state
+
+    def _state(self, local_rank: int) -> RankMemory:
+        """What the agent keeps of ``local_rank``, its control block created on first use."""
+        state = self._ranks.get(local_rank)
+        if state is None:
+            control = Control(self.names.control(local_rank), create=True, local_rank=local_rank)
+            state = self._ranks[local_rank] = RankMemory(local_rank=local_rank, control=control)
         return state
 
     async def _reserve(self, state: RankMemory, nbytes: int, slots: list[int]) -> None:
@@ -373,19 +421,11 @@ class NodeCheckpoints:
         capacity = round_capacity(nbytes)
         total = capacity * len(grow)
         for index in grow:
-            self._gen += 1
-            gen = self._gen
+            gen = self._new_gen()
             name = self.names.data(state.local_rank, index, gen)
             await anyio.to_thread.run_sync(_create, name, capacity, total)
             total = 0
-            old = control.slot(index)
-            with control.locked():
-                control.set_segment(index, gen, capacity)
-            cached = state.maps.pop(index, None)
-            if cached is not None:
-                close_map(cached[1])
-            if old.gen:
-                unlink_quietly(self.names.data(state.local_rank, index, old.gen))
+            state.use_segment(self.names, index, gen, capacity)
             log.debug("ckpt_slot_allocated", local_rank=state.local_rank, slot=index, bytes=capacity)
 
     def _saved(self, state: RankMemory, index: int, step: int, seq: int, persist: bool,
@@ -428,7 +468,9 @@ class NodeCheckpoints:
             report[state.rank] = Saved(step=state.passed, held=held, seconds=state.save_s)
         round_ = ranks[0].round
         reply = await self._client.report_saved(round_=round_, world_size=ranks[0].world, tier="memory",
-                                                ranks=report)
+                                                ranks=report, host=self.peers.host,
+                                                replica_address=self.peers.address, replicas=self.peers.held())
+        self.peers.set_targets(reply.targets)
         self._apply(reply, round_)
 
     async def _report_loop(self) -> None:
@@ -500,6 +542,7 @@ class NodeCheckpoints:
             for state in self._ranks.values():
                 if state.round == round_:
                     state.control.set_committed(reply.round_step, round_)
+            self.peers.committed(reply.round_step, round_)
         for state in self._ranks.values():
             if state.round == round_ and state.rank in reply.released:
                 state.control.set_released(reply.released[state.rank], round_)
@@ -535,6 +578,7 @@ class NodeCheckpoints:
                 for i, value in enumerate(sums):
                     _U64.pack_into(view, info.checks_off + 8 * i, value)
                 state.control.set_checks_seq(index, seq)
+            self.peers.wake()  # a committed step waits for its checksums before it is sent to peers
         except (CheckpointError, OSError, ValueError) as exc:
             log.warning("ckpt_checksum_failed", local_rank=state.local_rank, error=str(exc))
         finally:
@@ -730,6 +774,8 @@ class NodeCheckpoints:
             log.warning("ckpt_report_failed", what="disk", step=step, error=str(exc))
 
     async def _report_restored(self, state: RankMemory, step: int, tier: str) -> None:
+        if tier == "memory" and self.peers.fetched.get(state.local_rank) == step:
+            tier = "peer"  # its slot was given the step from another host's replica
         try:
             await self._client.report_restored(round_=state.round, world_size=state.world, rank=state.rank,
                                                step=step, tier=tier)

@@ -14,7 +14,7 @@ import structlog
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._checksum import checksum
 from stead.plugins.ckpt._layout import LayoutDoc, parse_document
-from stead.plugins.ckpt._shm import Control, SegmentNames, SlotInfo, map_segment
+from stead.plugins.ckpt._shm import Control, SegmentNames, SlotInfo, map_segment, unlink_quietly
 from stead.plugins.ckpt.errors import CheckpointError
 
 __all__ = ["PersistJob", "RankMemory", "close_map"]
@@ -70,6 +70,17 @@ class RankMemory:
         view = map_segment(names.data(self.local_rank, info.index, info.gen), info.capacity)
         self.maps[info.index] = (info.gen, view)
         return view
+
+    def use_segment(self, names: SegmentNames, index: int, gen: int, capacity: int) -> None:
+        """Make slot ``index`` use the new segment ``gen`` (created, ``capacity`` bytes) and free its old one."""
+        old = self.control.slot(index)
+        with self.control.locked():
+            self.control.set_segment(index, gen, capacity)
+        cached = self.maps.pop(index, None)
+        if cached is not None:
+            close_map(cached[1])
+        if old.gen:
+            unlink_quietly(names.data(self.local_rank, index, old.gen))
 
     def notify(self) -> None:
         self.changed.set()

@@ -141,6 +141,10 @@ class SegmentNames:
     def data(self, local_rank: int, slot: int, gen: int) -> str:
         return f"{self.prefix}i{self.incarnation}-r{local_rank}-s{slot}-g{gen}"
 
+    def replica(self, rank: int, gen: int) -> str:
+        """A replica this node holds of another node's global ``rank``."""
+        return f"{self.prefix}i{self.incarnation}-p{rank}-g{gen}"
+
     def stale(self) -> list[str]:
         """Segments of this job and node left by another incarnation of the agent."""
         mine = f"{self.prefix}i{self.incarnation}-"

@@ -63,7 +63,7 @@ class CheckpointAgentExtension(AgentExtension[CheckpointSettings]):
         self._node = NodeCheckpoints(
             settings=ctx.settings, ckpt=self.settings, names=names, node_id=ctx.node_id, incarnation=ctx.incarnation,
             master_address=ctx.master_address, token=read_token_file(ctx.token_file), root=root,
-            socket_path=ctx.workdir / "ckpt.sock")
+            socket_path=ctx.workdir / "ckpt.sock", job=ctx.job)
         self._portal_cm = start_blocking_portal(name="stead-ckpt")
         portal: BlockingPortal = await anyio.to_thread.run_sync(self._portal_cm.__enter__)
         self._portal = portal

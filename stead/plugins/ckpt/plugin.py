@@ -11,6 +11,7 @@ restarting round which step to restore.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import structlog
@@ -26,6 +27,7 @@ from stead.plugin import (
     finite_figure,
     invalid,
 )
+from stead.plugins.ckpt import _placement
 from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, released, save_seconds
 from stead.plugins.ckpt._proto.stead import v1 as proto
 from stead.plugins.ckpt.events import CheckpointCorrupt, CheckpointPersisted, CheckpointRestored
@@ -36,6 +38,8 @@ __all__ = ["CheckpointPlugin", "CheckpointServicer", "corrupt_from_proto"]
 log = structlog.get_logger("stead.plugins.ckpt")
 
 TIERS = ("memory", "disk")
+#: where a rank's restore came from ("peer": a replica fetched from another host's memory)
+RESTORE_TIERS = ("memory", "peer", "disk", "none")
 #: ranks beyond this are refused as bad input (a typo, not a world)
 _MAX_WORLD = 1 << 20
 
@@ -54,6 +58,11 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         self._changed = asyncio.Condition()
         #: round -> rank -> (step, tier) of the restores reported so far
         self._restored: dict[int, dict[int, tuple[int, str]]] = {}
+        #: the nodes that take replicas (the newest incarnation's report of each), and what each holds
+        self._peers: dict[str, _Peer] = {}
+        self._held: dict[str, dict[int, tuple[int, int]]] = {}
+        self._placement: tuple[tuple[_placement.Member, ...], dict[str, tuple[str, ...]]] = ((), {})
+        self._single_host_said = False
 
     async def start(self, *, ctx: PluginContext[CheckpointSettings]) -> None:
         self._ctx = ctx
@@ -87,6 +96,42 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
             answer = (book.round_step if book.round == round_ else -1), released(book, ranks)
         await self._notify()
         return answer
+
+    def replica_report(self, *, node_id: str, incarnation: int, round_: int, host: str, address: str,
+                       ranks: list[int], held: dict[int, tuple[int, int]]) -> tuple[tuple[str, str], ...]:
+        """Note where a node takes replicas and which it holds; the (node_id, address) its replicas go to."""
+        peer = self._peers.get(node_id)
+        if peer is not None and peer.incarnation > incarnation:
+            return ()  # a report of an incarnation that was replaced
+        self._peers[node_id] = _Peer(incarnation=incarnation, host=host, address=address, round=round_,
+                                     first_rank=min(ranks, default=-1))
+        self._held[node_id] = held
+        if self.settings.replicas <= 0 or not address:
+            return ()
+        newest = max(p.round for p in self._peers.values())
+        members = tuple(sorted((_placement.Member(node_id=n, host=p.host, first_rank=p.first_rank)
+                                for n, p in self._peers.items() if p.round == newest and p.address and p.host
+                                and p.first_rank >= 0), key=lambda m: (m.first_rank, m.node_id)))
+        if members != self._placement[0]:
+            self._placement = members, _placement.targets(members, self.settings.replicas)
+            hosts = {m.host for m in members}
+            if len(members) > 1 and len(hosts) == 1 and not self._single_host_said:
+                self._single_host_said = True
+                log.info("ckpt_replicas_single_host", host=next(iter(hosts)), nodes=len(members),
+                         effect="no replica is placed: a copy on the same host would not survive its loss")
+            elif len(hosts) > 1:
+                log.info("ckpt_replicas_placed", placement={k: list(v) for k, v in self._placement[1].items()})
+        return tuple((t, self._peers[t].address) for t in self._placement[1].get(node_id, ()))
+
+    def replica_sources(self, node_id: str, ranks: list[int]) -> list[tuple[str, str, int]]:
+        """(holder, address, rank) of the replicas of the committed step of ``ranks`` (on other nodes than the
+        caller), nearest holder first."""
+        committed = (self.book.step, self.book.step_round)
+        if committed[0] < 0:
+            return []
+        return [(holder, self._peers[holder].address, rank) for rank in ranks
+                for holder, held in self._held.items()
+                if holder != node_id and holder in self._peers and held.get(rank) == committed]
 
     async def disk_report(self, *, step: int, world_size: int, ranks: list[int], path: str,
                           seconds: float | None = None) -> None:
@@ -126,7 +171,8 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
             steps = {s for s, _ in reports.values()}
             await self.ctx.emit(CheckpointRestored(
                 round=round_, step=min(steps), memory_ranks=sum(t == "memory" for _, t in reports.values()),
-                disk_ranks=sum(t == "disk" for _, t in reports.values())))
+                disk_ranks=sum(t == "disk" for _, t in reports.values()),
+                peer_ranks=sum(t == "peer" for _, t in reports.values())))
             if len(steps) > 1:
                 log.error("ckpt_ranks_restored_different_steps", round=round_, steps=sorted(steps))
 
@@ -143,6 +189,15 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Peer:
+    incarnation: int
+    host: str
+    address: str
+    round: int
+    first_rank: int
 
 
 def _check_node(where: str, node_id: str) -> None:
@@ -193,8 +248,12 @@ class CheckpointServicer(proto.CheckpointServiceBase):
                         for r in message.ranks}
             step, freed = await self._plugin.memory_report(round_=message.round, world_size=message.world_size,
                                                            ranks=holdings)
+        targets = self._plugin.replica_report(
+            node_id=message.node_id, incarnation=message.incarnation, round_=message.round, host=message.host,
+            address=_replica_address(message.replica_address), ranks=ranks, held=_held(message))
         released = [proto.RankStep(rank=r, step=s) for r, s in freed.items()]
-        return proto.ReportSavedReply(committed_step=step, released=released)
+        return proto.ReportSavedReply(committed_step=step, released=released,
+                                      replica_targets=[proto.ReplicaPeer(node_id=n, address=a) for n, a in targets])
 
     async def get_committed(self, message: proto.GetCommittedRequest) -> proto.GetCommittedReply:
         where = "GetCommittedRequest"
@@ -204,20 +263,25 @@ class CheckpointServicer(proto.CheckpointServiceBase):
         at_least(f"{where}.after_step", message.after_step, -1, "a training step, or -1 for none")
         for i, rank in enumerate(message.ranks):
             at_least(f"{where}.ranks[{i}]", rank, 0, "ranks count from 0")
+        for i, rank in enumerate(message.replica_ranks):
+            at_least(f"{where}.replica_ranks[{i}]", rank, 0, "ranks count from 0")
         with backend_errors("CheckpointService.GetCommitted"):
             book, freed = await self._plugin.committed(round_=message.round, after_step=message.after_step,
                                                        wait_s=message.wait_s, ranks=list(message.ranks))
+        sources = [proto.ReplicaPeer(node_id=n, address=a, rank=r, step=book.step, round=book.step_round)
+                   for n, a, r in self._plugin.replica_sources(message.node_id, list(message.replica_ranks))]
         return proto.GetCommittedReply(step=book.step, round=book.step_round,
-                                 round_step=book.round_step if book.round == message.round else -1,
-                                 persisted_step=book.persisted,
-                                 released=[proto.RankStep(rank=r, step=s) for r, s in freed.items()])
+                                       round_step=book.round_step if book.round == message.round else -1,
+                                       persisted_step=book.persisted,
+                                       released=[proto.RankStep(rank=r, step=s) for r, s in freed.items()],
+                                       replica_sources=sources)
 
     async def report_restored(self, message: proto.ReportRestoredRequest) -> proto.Ack:
         where = "ReportRestoredRequest"
         _check_node(where, message.node_id)
         _check_world(message.world_size, [message.rank])
-        if message.tier not in (*TIERS, "none"):
-            invalid(f"tier={message.tier!r} must be memory, disk or none")
+        if message.tier not in RESTORE_TIERS:
+            invalid(f"tier={message.tier!r} must be one of {RESTORE_TIERS}")
         at_least(f"{where}.round", message.round, 0, "rendezvous rounds count from 0")
         at_least(f"{where}.step", message.step, -1, "a training step, or -1 when nothing was restored")
         with backend_errors("CheckpointService.ReportRestored"):
@@ -228,13 +292,36 @@ class CheckpointServicer(proto.CheckpointServiceBase):
     async def report_corrupt(self, message: proto.ReportCorruptRequest) -> proto.Ack:
         where = "ReportCorruptRequest"
         _check_node(where, message.node_id)
-        if message.tier not in TIERS:
-            invalid(f"tier={message.tier!r} must be one of {TIERS}")
+        if message.tier not in (*TIERS, "peer"):
+            invalid(f"tier={message.tier!r} must be one of {(*TIERS, 'peer')}")
         at_least(f"{where}.rank", message.rank, 0, "ranks count from 0")
         at_least(f"{where}.step", message.step, 0, "a training step")
         with backend_errors("CheckpointService.ReportCorrupt"):
             await self._plugin.corrupt(corrupt_from_proto(message))
         return proto.Ack()
+
+
+def _replica_address(address: str) -> str:
+    """A node's replica port as ``host:port``; refused as bad input when it is not one."""
+    if not address:
+        return ""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or len(address) > 300 or not port.isdigit() or not 0 < int(port) < 65536:
+        invalid(f"replica_address={address[:80]!r} is not host:port; run every node with the same stead")
+    return address
+
+
+def _held(message: proto.ReportSavedRequest) -> dict[int, tuple[int, int]]:
+    """The replicas a report says its node holds: rank -> (step, round)."""
+    where = "ReportSavedRequest"
+    if len(message.host) > 255:
+        invalid(f"{where}.host is {len(message.host)} characters long, longer than any host name; run every node "
+                "with the same stead")
+    for i, r in enumerate(message.replicas):
+        at_least(f"{where}.replicas[{i}].rank", r.rank, 0, "ranks count from 0")
+        at_least(f"{where}.replicas[{i}].step", r.step, 0, "a training step")
+        at_least(f"{where}.replicas[{i}].round", r.round, 0, "rendezvous rounds count from 0")
+    return {r.rank: (r.step, r.round) for r in message.replicas}
 
 
 def corrupt_from_proto(message: proto.ReportCorruptRequest) -> CheckpointCorrupt:

@@ -40,3 +40,9 @@ class CheckpointSettings:
                                             "the node's environment")
     shm_namespace: str = setting("", help="a tag in every shared-memory segment's name, so that jobs of the same name "
                                           "on one host (two users, two test runs) never share or remove each other's")
+    replicas: int = setting(1, min=0, max=8, help="how many other hosts' memory holds a copy of each node's newest "
+                                                  "committed step, so that a lost host's replacement restores it from "
+                                                  "a peer instead of disk (0: none; a job on one host keeps none)")
+    replica_max_bytes: int = setting(0, min=0, help="the most shared memory a node gives the replicas it holds for "
+                                                    "other nodes, in bytes (0: as much as /dev/shm has); a replica "
+                                                    "that does not fit is refused and its source says so")

@@ -11,6 +11,8 @@ __all__ = (
     "GetCommittedRequest",
     "RankSaved",
     "RankStep",
+    "ReplicaHeld",
+    "ReplicaPeer",
     "ReportCorruptRequest",
     "ReportRestoredRequest",
     "ReportSavedReply",
@@ -68,6 +70,11 @@ class GetCommittedReply(betterproto2.Message):
 
     released: "list[RankStep]" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, repeated=True)
 
+    replica_sources: "list[ReplicaPeer]" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The nodes holding a replica of the committed step of each of the asked replica_ranks.
+    """
+
 
 default_message_pool.register_message("stead.v1", "GetCommittedReply", GetCommittedReply)
 
@@ -88,6 +95,11 @@ class GetCommittedRequest(betterproto2.Message):
     ranks: "list[int]" = betterproto2.field(5, betterproto2.TYPE_INT32, repeated=True)
     """
     Ranks whose released steps the caller wants to hear about.
+    """
+
+    replica_ranks: "list[int]" = betterproto2.field(6, betterproto2.TYPE_INT32, repeated=True)
+    """
+    Ranks whose replicas of the committed step the caller wants to fetch (a node replacing a lost one).
     """
 
 
@@ -133,6 +145,40 @@ default_message_pool.register_message("stead.v1", "RankStep", RankStep)
 
 
 @dataclass(eq=False, repr=False)
+class ReplicaHeld(betterproto2.Message):
+    rank: "int" = betterproto2.field(1, betterproto2.TYPE_INT32)
+
+    step: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+
+    round: "int" = betterproto2.field(3, betterproto2.TYPE_INT32)
+
+    bytes: "int" = betterproto2.field(4, betterproto2.TYPE_INT64)
+
+
+default_message_pool.register_message("stead.v1", "ReplicaHeld", ReplicaHeld)
+
+
+@dataclass(eq=False, repr=False)
+class ReplicaPeer(betterproto2.Message):
+    """
+    A node that holds (or is to hold) replicas of a rank's checkpoint.
+    """
+
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    address: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    rank: "int" = betterproto2.field(3, betterproto2.TYPE_INT32)
+
+    step: "int" = betterproto2.field(4, betterproto2.TYPE_INT64)
+
+    round: "int" = betterproto2.field(5, betterproto2.TYPE_INT32)
+
+
+default_message_pool.register_message("stead.v1", "ReplicaPeer", ReplicaPeer)
+
+
+@dataclass(eq=False, repr=False)
 class ReportCorruptRequest(betterproto2.Message):
     node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -168,7 +214,7 @@ class ReportRestoredRequest(betterproto2.Message):
 
     tier: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
     """
-    "memory", "disk" or "none".
+    "memory", "peer" (a replica fetched from another host's memory), "disk" or "none".
     """
 
 
@@ -185,6 +231,11 @@ class ReportSavedReply(betterproto2.Message):
     released: "list[RankStep]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Pending steps of the reporting ranks that can never be committed.
+    """
+
+    replica_targets: "list[ReplicaPeer]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Where the reporting node sends the replicas of its ranks' committed steps (node_id and address only).
     """
 
 
@@ -211,6 +262,21 @@ class ReportSavedRequest(betterproto2.Message):
     path: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
     """
     disk: the step's directory.
+    """
+
+    host: "str" = betterproto2.field(8, betterproto2.TYPE_STRING)
+    """
+    memory: the host the node runs on (replicas are placed on other hosts than their source).
+    """
+
+    replica_address: "str" = betterproto2.field(9, betterproto2.TYPE_STRING)
+    """
+    memory: where the node's agent takes and serves replicas ("host:port"); empty: it keeps none.
+    """
+
+    replicas: "list[ReplicaHeld]" = betterproto2.field(10, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    memory: the replicas of other nodes' ranks this node holds now, each verified on arrival.
     """
 
 

@@ -1,0 +1,243 @@
+"""One node's side of peer replicas: its replica port, the copies of its ranks' committed steps sent to other hosts,
+and the replicas a node that replaces a lost one fetches into its own slots before its workers start.
+
+The master places the replicas (:mod:`._placement`) and answers each memory report with the nodes this node sends
+to; a node's agent sends each local rank's newest committed slot there once its checksums are computed, in a thread
+of its own (never the training thread; the worker's memory is read unpinned, and a copy torn by a newer save is
+dropped by the holder). A node new to the round (a spare, a relaunched node) whose ranks' committed step is not in
+its memory asks the master who holds replicas of it, fetches each into one of its own slots, verified by hash, and
+marks the slot as holding the step: its workers then restore it as they restore their own memory, with no disk read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import structlog
+
+from stead.plugin import (
+    HOST_ENV,
+    Settings,
+    client_context,
+    interface_toward,
+    server_context,
+    tls_files,
+)
+from stead.plugins.ckpt._client import PeerCopy
+from stead.plugins.ckpt._rankmem import RankMemory
+from stead.plugins.ckpt._replicas import ReplicaError, ReplicaMeta, ReplicaServer, fetch, push
+from stead.plugins.ckpt._shm import (
+    SegmentNames,
+    SlotInfo,
+    VerifyState,
+    create_segment,
+    round_capacity,
+)
+from stead.plugins.ckpt.settings import CheckpointSettings
+
+__all__ = ["PeerReplicas"]
+
+log = structlog.get_logger("stead.plugins.ckpt")
+
+
+@dataclasses.dataclass
+class _Sent:
+    step: int
+    round: int
+
+
+class PeerReplicas:
+    """The replicas of one node (lives on the checkpoint's event loop; transfers run in threads)."""
+
+    def __init__(self, *, ckpt: CheckpointSettings, settings: Settings, names: SegmentNames, token: str, job: str,
+                 master_address: str, new_gen: Callable[[], int]) -> None:
+        #: the next generation of a slot segment's name (shared with the node's own allocations)
+        self.new_gen = new_gen
+        self.enabled = ckpt.replicas > 0
+        self.ckpt, self.settings, self.names, self.token, self.job = ckpt, settings, names, token, job
+        self.master_address = master_address
+        self.host = os.environ.get(HOST_ENV) or socket.gethostname()
+        self.address = ""
+        self.targets: tuple[PeerCopy, ...] = ()
+        #: local rank -> the step its slot was given from a peer's replica (its restore's tier is "peer")
+        self.fetched: dict[int, int] = {}
+        #: seconds from a commit to its replicas in place, newest last (what bench/replicas.py reads from the log)
+        self.lag_s: list[float] = []
+        self._server: ReplicaServer | None = None
+        self._client_tls: ssl.SSLContext | None = None
+        self._sent: dict[tuple[str, int], _Sent] = {}
+        self._said: set[str] = set()
+        self._wake = anyio.Event()
+        self._committed_at: dict[tuple[int, int], float] = {}
+
+    async def start(self, changed: Callable[[], None]) -> None:
+        """Open the replica port on the address that reaches the master (``changed``: a replica was taken)."""
+        if not self.enabled:
+            return
+        files = tls_files(self.settings)
+        server_tls = server_context(files) if files is not None else None
+        self._client_tls = client_context(files) if files is not None else None
+        host, _, port = self.master_address.rpartition(":")
+        found = interface_toward(host.strip("[]"), int(port)) if port.isdigit() else None
+        bind = found[1] if found is not None else "127.0.0.1"
+        loop = anyio.lowlevel.current_token()
+
+        def taken() -> None:
+            anyio.from_thread.run_sync(changed, token=loop)
+
+        self._server = ReplicaServer(names=self.names, token=self.token, job=self.job, tls=server_tls,
+                                     max_bytes=self.ckpt.replica_max_bytes, timeout_s=self._timeout_s, changed=taken)
+        self.address = await anyio.to_thread.run_sync(self._server.start, bind)
+        log.debug("ckpt_replica_port", address=self.address, host=self.host)
+
+    @property
+    def _timeout_s(self) -> float:
+        return max(self.settings.rpc_timeout_s, 5.0)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def held(self) -> list[tuple[int, int, int, int]]:
+        """(rank, step, round, bytes) of each replica this node holds for others."""
+        if self._server is None:
+            return []
+        return [(m.rank, m.step, m.round, capacity) for m, capacity in self._server.holdings()]
+
+    # -- sending ---------------------------------------------------------------------------------------
+
+    def set_targets(self, targets: tuple[PeerCopy, ...] | None) -> None:
+        if targets is None or targets == self.targets:
+            return
+        self.targets = targets
+        self.wake()
+
+    def committed(self, step: int, round_: int) -> None:
+        self._committed_at.setdefault((step, round_), time.monotonic())
+        self.wake()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def send_loop(self, ranks: Callable[[], Sequence[RankMemory]], committed: Callable[[], tuple[int, int]]
+                        ) -> None:
+        """Send each local rank's newest committed step to the targets that lack it, as commits come."""
+        if not self.enabled:
+            return
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            step, round_ = committed()
+            if step < 0 or not self.targets:
+                continue
+            done = True
+            for state in ranks():
+                slot = state.slot_holding(step, round_)
+                if slot is None or slot.checks_seq != slot.seq:
+                    continue  # not saved here, or its checksums are not computed yet (that wakes us again)
+                for target in self.targets:
+                    sent = self._sent.get((target.address, slot.rank))
+                    if sent is not None and (sent.round, sent.step) >= (round_, step):
+                        continue
+                    ok = await anyio.to_thread.run_sync(self._push, state, slot, target)
+                    if ok:
+                        self._sent[target.address, slot.rank] = _Sent(step=step, round=round_)
+                    done = done and ok
+            started = self._committed_at.pop((step, round_), None)
+            self._committed_at = {k: v for k, v in self._committed_at.items() if k > (step, round_)}
+            if done and started is not None:
+                self.lag_s = [*self.lag_s[-99:], time.monotonic() - started]
+                log.debug("ckpt_replicated", step=step, round=round_, lag_s=round(self.lag_s[-1], 4),
+                          targets=[t.node_id for t in self.targets])
+
+    def _push(self, state: RankMemory, slot: SlotInfo, target: PeerCopy) -> bool:
+        view = state.mapping(slot, self.names)
+        memory = memoryview(view)
+        try:
+            push(target.address, token=self.token, job=self.job, tls=self._client_tls, meta=ReplicaMeta.of_slot(slot),
+                 source=memory, intact=lambda: state.control.slot(slot.index).seq == slot.seq,
+                 timeout_s=self._timeout_s)
+        except ReplicaError as exc:
+            self._say(target.address, "ckpt_replica_not_sent", str(exc), step=slot.step, rank=slot.rank,
+                      node=target.node_id)
+            return False
+        finally:
+            memory.release()
+        return True
+
+    def _say(self, key: str, what: str, error: str, **fields: object) -> None:
+        """Warn once per peer and kind of trouble, then only at debug level (a peer that stays away is not news)."""
+        said = f"{key}|{error.split(':', 1)[0]}"
+        if said in self._said:
+            log.debug(what, error=error, **fields)
+            return
+        self._said.add(said)
+        log.warning(what, error=error, **fields, effect="that replica is not in place; the step stays restorable "
+                                                        "from this node's memory and from disk")
+
+    # -- fetching ----------------------------------------------------------------------------------------
+
+    async def take(self, state: RankMemory, rank: int, step: int, round_: int, sources: Sequence[PeerCopy],
+                   unusable: Callable[[str], Awaitable[None]]) -> bool:
+        """Fetch ``rank``'s replica of ``step`` from the first source that serves it whole and verified, into a slot
+        of ``state`` (a local rank whose workers have not started); whether one did. ``unusable(detail)`` reports
+        each replica that failed its checks or could not be fetched."""
+        for source in sources:
+            started = time.monotonic()
+            try:
+                meta = await anyio.to_thread.run_sync(self._fetch_into, state, source, rank, step, round_)
+            except (ReplicaError, OSError) as exc:
+                log.warning("ckpt_replica_unusable", rank=rank, step=step, holder=source.node_id, error=str(exc),
+                            effect="the next holder is tried, then disk")
+                await unusable(f"the replica held by {source.node_id} ({source.address}): {exc}")
+                continue
+            self.fetched[state.local_rank] = step
+            log.info("ckpt_replica_fetched", rank=rank, step=step, holder=source.node_id, bytes=meta.nbytes,
+                     seconds=round(time.monotonic() - started, 4))
+            return True
+        return False
+
+    def _fetch_into(self, state: RankMemory, source: PeerCopy, rank: int, step: int, round_: int) -> ReplicaMeta:
+        control = state.control
+        index = min(control.slots(), key=lambda s: (s.complete, s.step)).index  # an empty slot, else the oldest
+        seq = control.begin_write(index)
+        target: list[memoryview] = []
+
+        def into(meta: ReplicaMeta) -> memoryview:
+            info = control.slot(index)
+            if info.capacity < meta.nbytes:
+                self._regrow(state, index, round_capacity(meta.nbytes))
+                info = control.slot(index)
+            target.append(memoryview(state.mapping(info, self.names)))
+            return target[0]
+
+        try:
+            meta = fetch(source.address, token=self.token, job=self.job, tls=self._client_tls, rank=rank, step=step,
+                         round_=round_, into=into, timeout_s=self._timeout_s)
+        except BaseException:
+            control.abandon_write(index)
+            raise
+        finally:
+            for view in target:
+                view.release()
+        even = control.end_write(index, seq=seq, step=meta.step, round_=meta.round, rank=meta.rank, world=meta.world,
+                                 data_bytes=meta.data_bytes, n_tensors=meta.n_tensors, checks_off=meta.checks_off,
+                                 layout_off=meta.layout_off, layout_len=meta.layout_len, layout_sum=meta.layout_sum)
+        control.set_checks_seq(index, even)
+        control.set_verify(index, even, VerifyState.OK)  # every tensor was checked against its checksum on arrival
+        return meta
+
+    def _regrow(self, state: RankMemory, index: int, capacity: int) -> None:
+        """Give slot ``index`` a segment of ``capacity`` bytes (the node's workers have not mapped it yet)."""
+        gen = self.new_gen()
+        create_segment(self.names.data(state.local_rank, index, gen), capacity)
+        state.use_segment(self.names, index, gen, capacity)

@@ -1,0 +1,475 @@
+"""Replicas of flash checkpoints between agents: a rank's committed slot copied into another host's memory.
+
+One TCP connection per transfer, wrapped in TLS when the job has certificates (``tls_*`` settings). Before anything
+else both sides prove they hold the job's token without sending it: the server sends a nonce, the client answers
+with its own nonce and an HMAC-SHA256 of both (and of the job's name) under the token, the server checks it and
+answers with its own HMAC, which the client checks before it sends or reads a byte of a checkpoint. A process that
+took a dead agent's port learns nothing and is refused; one of another job (or token) fails either proof.
+
+Then one request, a JSON line:
+
+- ``{"op": "put", "meta": {...}}``, answered ``{"ok": true}`` once the holder made room (or a refusal: too little
+  memory, ``ckpt.replica_max_bytes``), then the slot's bytes (tensors, checksums, layout document: ``meta["nbytes"]``),
+  and ``{"intact": bool}``: whether the slot was left unchanged while it was sent (the sender reads the worker's
+  memory without pinning it; a save into that slot meanwhile makes the copy torn, and it is dropped). The holder
+  writes the bytes into a new segment, checks the layout document against its checksum and every tensor against
+  the checksums the source's agent computed, and only then puts it in place of the rank's previous replica
+  (double-buffered: a replica is never torn, and a failed transfer leaves the previous one). Answer
+  ``{"ok": true}`` or ``{"ok": false, "error": ...}``.
+- ``{"op": "get", "rank": R, "step": S, "round": r}``: the holder answers ``{"ok": true, "meta": {...}}`` and the
+  bytes, or ``{"ok": false, "error": ...}``; the fetcher verifies them the same way before it uses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import json
+import mmap
+import secrets
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from stead.plugins.ckpt._checksum import checksum
+from stead.plugins.ckpt._layout import parse_document
+from stead.plugins.ckpt._shm import (
+    SegmentNames,
+    SlotInfo,
+    create_segment,
+    map_segment,
+    round_capacity,
+    unlink_quietly,
+)
+from stead.plugins.ckpt.errors import CheckpointError
+
+__all__ = ["Held", "ReplicaError", "ReplicaMeta", "ReplicaServer", "fetch", "push", "verify"]
+
+log = structlog.get_logger("stead.plugins.ckpt")
+
+_GREETING = "stead-replica 1"
+_REFUSED = "refused"
+_MAX_LINE = 64 << 10
+#: the largest replica taken (one rank's slot): bounds what a request may make the holder allocate
+_MAX_REPLICA_BYTES = 1 << 40
+#: the largest layout document (JSON) a replica may carry
+_MAX_LAYOUT_BYTES = 256 << 20
+_CHUNK = 8 << 20
+
+
+class ReplicaError(CheckpointError):
+    """A replica could not be sent, fetched or taken (the message says what and why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaMeta:
+    """What a replica is: the rank, world, step and round it holds, and its slot's layout (offsets and sizes)."""
+
+    rank: int
+    world: int
+    step: int
+    round: int
+    data_bytes: int
+    n_tensors: int
+    checks_off: int
+    layout_off: int
+    layout_len: int
+    layout_sum: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout_off + self.layout_len
+
+    @classmethod
+    def of_slot(cls, info: SlotInfo) -> ReplicaMeta:
+        return cls(rank=info.rank, world=info.world, step=info.step, round=info.round, data_bytes=info.data_bytes,
+                   n_tensors=info.n_tensors, checks_off=info.checks_off, layout_off=info.layout_off,
+                   layout_len=info.layout_len, layout_sum=info.layout_sum)
+
+    def to_json(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, value: Any) -> ReplicaMeta:
+        """Parsed and bounded: a meta that could make the holder allocate or read out of bounds is refused."""
+        if not isinstance(value, dict):
+            raise ReplicaError("a replica's description is not an object; run every node with the same stead")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        numbers = {name: value.get(name) for name in fields}
+        bad = [n for n, v in numbers.items() if not isinstance(v, int) or isinstance(v, bool) or v < -1]
+        if bad:
+            raise ReplicaError(f"a replica's description has no valid {', '.join(bad)}; run every node with the "
+                               "same stead")
+        meta = cls(**{n: int(v) for n, v in numbers.items() if isinstance(v, int)})
+        if not (0 <= meta.rank < meta.world and meta.step >= 0 and meta.round >= 0 and meta.layout_len > 0
+                and meta.checks_off + 8 * meta.n_tensors <= meta.layout_off and meta.data_bytes <= meta.checks_off
+                and meta.layout_len <= _MAX_LAYOUT_BYTES and meta.nbytes <= _MAX_REPLICA_BYTES
+                and meta.layout_sum >= 0 and meta.n_tensors >= 0):
+            raise ReplicaError(f"a replica's description does not hold together ({meta}); it is refused")
+        return meta
+
+
+def verify(view: memoryview, meta: ReplicaMeta, *, capacity: int, where: str) -> None:
+    """Check a replica's bytes: its layout document against its checksum and every tensor against the checksums its
+    source's agent computed; ReplicaError naming what failed."""
+    try:
+        doc = parse_document(bytes(view[meta.layout_off:meta.nbytes]), expected_sum=meta.layout_sum, where=where)
+        doc.check_fits(capacity, where=where)
+    except CheckpointError as exc:
+        raise ReplicaError(str(exc)) from None
+    if (doc.step, doc.round, doc.rank, doc.world) != (meta.step, meta.round, meta.rank, meta.world) \
+            or len(doc.tensors) != meta.n_tensors:
+        raise ReplicaError(f"{where}: its layout names step {doc.step} of rank {doc.rank} (round {doc.round}, world "
+                           f"{doc.world}, {len(doc.tensors)} tensors), not what it was sent as")
+    sums = view[meta.checks_off:meta.checks_off + 8 * meta.n_tensors].cast("Q")
+    try:
+        bad = [i for i, (offset, nbytes) in enumerate(doc.regions())
+               if checksum(view[offset:offset + nbytes]) != sums[i]]
+    finally:
+        sums.release()
+    if bad:
+        raise ReplicaError(f"{where}: {len(bad)} of {meta.n_tensors} tensors fail their checksums (first: tensor "
+                           f"{bad[0]}); the copy was damaged on its way and is not used")
+
+
+# -- the wire ------------------------------------------------------------------------------------------------
+
+
+def _proof(token: str, side: str, job: str, server_nonce: str, client_nonce: str) -> str:
+    message = f"{_GREETING}|{side}|{job}|{server_nonce}|{client_nonce}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+class _Conn:
+    """Lines and raw bytes over one (TLS) socket, with a buffer of what came after the last line."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = bytearray()
+
+    def line(self) -> str:
+        while True:
+            end = self._buf.find(b"\n")
+            if end >= 0:
+                raw = bytes(self._buf[:end])
+                del self._buf[:end + 1]
+                return raw.decode("utf-8", "replace")
+            if len(self._buf) > _MAX_LINE:
+                raise ReplicaError("a peer sent a line longer than any of the replica protocol's")
+            chunk = self.sock.recv(_MAX_LINE)
+            if not chunk:
+                raise ReplicaError("the peer closed the connection")
+            self._buf += chunk
+
+    def json(self) -> dict[str, Any]:
+        text = self.line()
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise ReplicaError(f"a peer sent {text[:80]!r}, not a replica request; run every node with the same "
+                               "stead") from None
+        if not isinstance(value, dict):
+            raise ReplicaError("a peer sent a JSON value that is not an object")
+        return value
+
+    def send_line(self, value: str | dict[str, Any]) -> None:
+        text = value if isinstance(value, str) else json.dumps(value)
+        self.sock.sendall(text.encode() + b"\n")
+
+    def read_into(self, target: memoryview) -> None:
+        done = min(len(self._buf), len(target))
+        target[:done] = self._buf[:done]
+        del self._buf[:done]
+        while done < len(target):
+            got = self.sock.recv_into(target[done:done + _CHUNK])
+            if not got:
+                raise ReplicaError(f"the peer closed the connection after {done} of {len(target)} bytes")
+            done += got
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _connect(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, timeout_s: float) -> _Conn:
+    host, port = _split(address)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=host)
+    except (OSError, ssl.SSLError) as exc:
+        raise ReplicaError(f"cannot reach the agent at {address} ({exc})") from None
+    conn = _Conn(sock)
+    try:
+        words = conn.line().rsplit(" ", 1)
+        if len(words) != 2 or words[0] != _GREETING:
+            raise ReplicaError(f"{address} is not a stead agent's replica port")
+        server_nonce, client_nonce = words[1], secrets.token_hex(16)
+        conn.send_line(f"{client_nonce} {_proof(token, 'client', job, server_nonce, client_nonce)}")
+        answer = conn.line()
+        if answer == _REFUSED:
+            raise ReplicaError(f"the agent at {address} refused this node: it did not prove it holds this job's token "
+                               "(give every host the same job token: STEAD_JOB_TOKEN or the token file)")
+        if not hmac.compare_digest(answer.encode(), _proof(token, "server", job, server_nonce,
+                                                           client_nonce).encode()):
+            raise ReplicaError(f"the agent at {address} did not prove it holds this job's token (another job, or "
+                               "a process that took a dead agent's port): nothing was sent to it")
+    except (OSError, ReplicaError) as exc:
+        conn.close()
+        raise exc if isinstance(exc, ReplicaError) else ReplicaError(f"{address}: {exc}") from None
+    return conn
+
+
+def push(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, meta: ReplicaMeta, source: memoryview,
+         intact: Callable[[], bool], timeout_s: float) -> None:
+    """Send ``source`` (a slot's first ``meta.nbytes`` bytes) to the agent at ``address`` as a replica."""
+    conn = _connect(address, token=token, job=job, tls=tls, timeout_s=timeout_s)
+    try:
+        conn.send_line({"op": "put", "meta": meta.to_json()})
+        answer = conn.json()
+        if not answer.get("ok"):
+            raise ReplicaError(f"the agent at {address} refused the replica: "
+                               f"{answer.get('error', '(no reason given)')}")
+        conn.sock.sendall(source[:meta.nbytes])
+        conn.send_line({"intact": bool(intact())})
+        answer = conn.json()
+    except OSError as exc:
+        raise ReplicaError(f"sending a replica to {address} failed ({exc})") from None
+    finally:
+        conn.close()
+    if not answer.get("ok"):
+        raise ReplicaError(f"the agent at {address} refused the replica: {answer.get('error', '(no reason given)')}")
+
+
+def fetch(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, rank: int, step: int, round_: int,
+          into: Callable[[ReplicaMeta], memoryview], timeout_s: float) -> ReplicaMeta:
+    """Fetch the replica of ``rank``'s ``step`` (of ``round_``) from ``address`` into the memory ``into(meta)``
+    gives, and verify it there; ReplicaError when it is not there, does not arrive whole or fails its checks."""
+    conn = _connect(address, token=token, job=job, tls=tls, timeout_s=timeout_s)
+    try:
+        conn.send_line({"op": "get", "rank": rank, "step": step, "round": round_})
+        answer = conn.json()
+        if not answer.get("ok"):
+            raise ReplicaError(f"the agent at {address} has no replica of rank {rank} step {step}: "
+                               f"{answer.get('error', '(no reason given)')}")
+        meta = ReplicaMeta.from_json(answer.get("meta"))
+        if (meta.rank, meta.step, meta.round) != (rank, step, round_):
+            raise ReplicaError(f"the agent at {address} sent step {meta.step} of rank {meta.rank} for step {step} "
+                               f"of rank {rank}")
+        target = into(meta)
+        conn.read_into(target[:meta.nbytes])
+    except OSError as exc:
+        raise ReplicaError(f"fetching a replica from {address} failed ({exc})") from None
+    finally:
+        conn.close()
+    verify(target, meta, capacity=len(target), where=f"the replica of rank {rank} step {step} from {address}")
+    return meta
+
+
+# -- the holder ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Held:
+    """One replica this node holds: its description and its own segment."""
+
+    meta: ReplicaMeta
+    name: str
+    capacity: int
+    view: mmap.mmap
+
+
+class ReplicaServer:
+    """The replica port of one agent: takes replicas of other nodes' ranks and serves them back (threads)."""
+
+    def __init__(self, *, names: SegmentNames, token: str, job: str, tls: ssl.SSLContext | None, max_bytes: int,
+                 timeout_s: float, changed: Callable[[], None]) -> None:
+        self.names, self.token, self.job, self.tls = names, token, job, tls
+        self.max_bytes, self.timeout_s, self.changed = max_bytes, timeout_s, changed
+        self.held: dict[int, Held] = {}
+        self._lock = threading.Lock()
+        self._gen = 0
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._conns: set[socket.socket] = set()
+        self.address = ""
+
+    def start(self, host: str) -> str:
+        """Listen on ``host`` (a port the OS picks); returns ``host:port``."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(16)
+        self._listener = listener
+        port = listener.getsockname()[1]
+        self.address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        self._thread = threading.Thread(target=self._accept, name="stead-ckpt-replicas", daemon=True)
+        self._thread.start()
+        return self.address
+
+    def close(self) -> None:
+        """Stop serving and free every replica held."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        with self._lock:
+            for sock in list(self._conns):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        with self._lock:
+            for held in self.held.values():
+                _free(held)
+            self.held.clear()
+
+    def holdings(self) -> list[tuple[ReplicaMeta, int]]:
+        with self._lock:
+            return [(h.meta, h.capacity) for h in self.held.values()]
+
+    def _accept(self) -> None:
+        while True:
+            listener = self._listener
+            if listener is None:
+                return
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), name="stead-ckpt-replica", daemon=True).start()
+
+    def _serve(self, raw: socket.socket) -> None:
+        raw.settimeout(self.timeout_s)
+        with self._lock:
+            self._conns.add(raw)
+        conn: _Conn | None = None
+        try:
+            sock = self.tls.wrap_socket(raw, server_side=True) if self.tls is not None else raw
+            conn = _Conn(sock)
+            if not self._handshake(conn):
+                return
+            request = conn.json()
+            if request.get("op") == "put":
+                self._put(conn, request)
+            elif request.get("op") == "get":
+                self._get(conn, request)
+            else:
+                conn.send_line({"ok": False, "error": f"unknown request {request.get('op')!r}; run every node with "
+                                                      "the same stead"})
+        except (OSError, ssl.SSLError, ReplicaError) as exc:
+            log.warning("ckpt_replica_connection_failed", error=str(exc))
+        finally:
+            with self._lock:
+                self._conns.discard(raw)
+            if conn is not None:
+                conn.close()
+            else:
+                raw.close()
+
+    def _handshake(self, conn: _Conn) -> bool:
+        nonce = secrets.token_hex(16)
+        conn.send_line(f"{_GREETING} {nonce}")
+        words = conn.line().split(" ")
+        if len(words) != 2 or not hmac.compare_digest(words[1].encode(),
+                                                      _proof(self.token, "client", self.job, nonce, words[0]).encode()):
+            log.warning("ckpt_replica_unauthenticated",
+                        reason="a peer did not prove it holds the job's token: nothing is read from it or sent to it")
+            conn.send_line(_REFUSED)
+            return False
+        conn.send_line(_proof(self.token, "server", self.job, nonce, words[0]))
+        return True
+
+    def _put(self, conn: _Conn, request: dict[str, Any]) -> None:
+        meta = ReplicaMeta.from_json(request.get("meta"))
+        capacity = round_capacity(meta.nbytes)
+        with self._lock:
+            others = sum(h.capacity for r, h in self.held.items() if r != meta.rank)
+            self._gen += 1
+            gen = self._gen
+        if self.max_bytes and others + capacity > self.max_bytes:
+            conn.send_line({"ok": False, "error": (
+                f"this node holds {others} bytes of replicas and ckpt.replica_max_bytes={self.max_bytes} leaves no "
+                f"room for rank {meta.rank}'s {capacity}; raise ckpt.replica_max_bytes on the holding nodes (or "
+                "lower ckpt.replicas)")})
+            return
+        name = self.names.replica(meta.rank, gen)
+        try:
+            create_segment(name, capacity)
+        except CheckpointError as exc:
+            conn.send_line({"ok": False, "error": f"no room for rank {meta.rank}'s replica: {exc}"})
+            return
+        held = Held(meta=meta, name=name, capacity=capacity, view=map_segment(name, capacity))
+        started = time.monotonic()
+        try:
+            conn.send_line({"ok": True})  # room made: the sender may send the bytes
+            memory = memoryview(held.view)
+            try:
+                conn.read_into(memory[:meta.nbytes])
+                intact = conn.json().get("intact") is True
+                if not intact:
+                    raise ReplicaError(f"rank {meta.rank}'s slot was rewritten while step {meta.step} was sent "
+                                       "(a newer save): the copy is dropped, the previous replica kept")
+                verify(memory, meta, capacity=capacity, where=f"the replica of rank {meta.rank} step {meta.step}")
+            finally:
+                memory.release()
+        except ReplicaError as exc:
+            _free(held)
+            conn.send_line({"ok": False, "error": str(exc)})
+            return
+        except BaseException:
+            _free(held)
+            raise
+        stale: Held | None
+        with self._lock:
+            old = self.held.get(meta.rank)
+            if old is not None and (old.meta.round, old.meta.step) > (meta.round, meta.step):
+                stale, keep = held, old  # a late, older copy: the newer one stays
+            else:
+                self.held[meta.rank], stale, keep = held, old, held
+        if stale is not None:
+            _free(stale)
+        conn.send_line({"ok": True})
+        if keep is held:
+            log.debug("ckpt_replica_taken", rank=meta.rank, step=meta.step, bytes=meta.nbytes,
+                      seconds=round(time.monotonic() - started, 4))
+            self.changed()
+
+    def _get(self, conn: _Conn, request: dict[str, Any]) -> None:
+        rank, step, round_ = (request.get(k) for k in ("rank", "step", "round"))
+        with self._lock:
+            held = self.held.get(rank) if isinstance(rank, int) else None
+            if held is None or (held.meta.step, held.meta.round) != (step, round_):
+                have = f"it holds step {held.meta.step} (round {held.meta.round})" if held is not None else \
+                    "it holds none of that rank"
+                conn.send_line({"ok": False, "error": f"no replica of rank {rank} step {step} round {round_}: {have}"})
+                return
+            conn.send_line({"ok": True, "meta": held.meta.to_json()})
+            memory = memoryview(held.view)
+            try:
+                conn.sock.sendall(memory[:held.meta.nbytes])  # under the lock: a newer put waits, never frees it
+            finally:
+                memory.release()
+
+
+def _free(held: Held) -> None:
+    try:
+        held.view.close()
+    except BufferError:
+        log.debug("ckpt_replica_mapping_in_use")
+    unlink_quietly(held.name)

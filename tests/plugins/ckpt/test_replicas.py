@@ -1,0 +1,195 @@
+"""Peer replicas: a node's committed step copied into another host's memory, and fetched back by the node that
+replaces it, verified, with no disk read; a damaged replica, a stranger on the port and a full budget refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from stead.core.config import Settings
+from stead.core.platform import HOST_ENV
+from stead.plugin import CheckpointRestored
+from stead.plugins.ckpt import _disk
+from stead.plugins.ckpt._replicas import ReplicaError, ReplicaMeta, push
+from stead.plugins.ckpt._shm import SHM_DIR, unlink_quietly
+from stead.plugins.ckpt.agent import CheckpointAgentExtension
+from stead.plugins.ckpt.events import CheckpointCorrupt
+from stead.plugins.ckpt.settings import CheckpointSettings
+from stead.plugins.ckpt.testing import LocalCluster, environ_set
+
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+
+@pytest.fixture
+def memory_only(settings: CheckpointSettings) -> CheckpointSettings:
+    """Nothing is written to disk unless a test asks: whatever is restored came from memory."""
+    return dataclasses.replace(settings, persist_on_failure=False, persist_on_stop=False, persist_grace_s=2.0)
+
+
+def _cluster(tmp_path: Path, settings: CheckpointSettings) -> LocalCluster:
+    return LocalCluster(tmp_path, settings, job="replicas", stead_settings=Settings(retry_deadline_s=5.0))
+
+
+def _agent(cluster: LocalCluster, node: str, host: str, incarnation: int = 1) -> CheckpointAgentExtension:
+    with environ_set({HOST_ENV: host}):
+        return cluster.agent(node, incarnation=incarnation)
+
+
+def _held(cluster: LocalCluster, node: str) -> list[tuple[int, int, int, int]]:
+    ext = cluster.agents[node]
+    assert ext._node is not None
+    return ext._node.peers.held()
+
+
+def _until(cluster: LocalCluster, done: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        cluster.settle(0.05)
+
+
+def _lose_host(cluster: LocalCluster, node: str) -> None:
+    """The node's host is gone: its agent killed and its memory with it."""
+    names = cluster.agents[node]._names
+    assert names is not None
+    cluster.kill_agent(node)
+    for name in names.all_mine():
+        unlink_quietly(name)
+
+
+def _two_hosts_save(cluster: LocalCluster, steps: int) -> None:
+    """node-0 on host a, node-1 on host b, one rank each, save steps 1..steps (each rank's own values: a state that
+    no rank can take from another's copy), and each node's replica of the last is in the other's memory."""
+    _agent(cluster, "node-0", "a")
+    _agent(cluster, "node-1", "b")
+    for node, rank in (("node-0", 0), ("node-1", 1)):
+        cluster.round(1, node_id=node, world=2, node_rank=rank)
+    with cluster.worker(node_id="node-0", rank=0, world=2, local_rank=0) as rank0, \
+            cluster.worker(node_id="node-1", rank=1, world=2, local_rank=0) as rank1:
+        for step in range(1, steps + 1):
+            assert rank0.save(step, {"w": torch.full((1000,), 10.0 * step), "step": step})
+            assert rank1.save(step, {"w": torch.full((1000,), 10.0 * step + 1), "step": step})
+    _until(cluster, lambda: [h[:3] for h in _held(cluster, "node-0")] == [(1, steps, 1)]
+           and [h[:3] for h in _held(cluster, "node-1")] == [(0, steps, 1)], "each node holds the other's replica")
+
+
+def _replace_node_1(cluster: LocalCluster) -> None:
+    """node-1's host is lost; node-1 comes back on host c, and both nodes start round 2."""
+    _lose_host(cluster, "node-1")
+    _agent(cluster, "node-1", "c", incarnation=2)
+    for node, rank in (("node-0", 0), ("node-1", 1)):
+        cluster.round(2, node_id=node, world=2, node_rank=rank, restart_count=1)
+
+
+def _load(cluster: LocalCluster, node: str, rank: int) -> tuple[int, dict[str, object]] | None:
+    with cluster.worker(node_id=node, rank=rank, world=2, local_rank=0, round_=2) as ckpt:
+        return ckpt.load()
+
+
+def test_a_lost_host_s_replacement_restores_its_rank_s_newest_step_from_a_peer_s_replica(
+        tmp_path: Path, memory_only: CheckpointSettings) -> None:
+    with _cluster(tmp_path, memory_only) as cluster:
+        _two_hosts_save(cluster, steps=3)
+        _replace_node_1(cluster)
+        restored = [_load(cluster, "node-0", 0), _load(cluster, "node-1", 1)]
+        cluster.settle()
+        events = [e for e in cluster.events if isinstance(e, CheckpointRestored)]
+    for rank, got in enumerate(restored):
+        assert got is not None and got[0] == 3 and got[1]["step"] == 3
+        assert torch.equal(got[1]["w"], torch.full((1000,), 30.0 + rank))  # type: ignore[arg-type]
+    assert not (Path(memory_only.dir) / "replicas").exists()  # no file was there to read
+    assert [(e.step, e.memory_ranks, e.peer_ranks, e.disk_ranks) for e in events] == [(3, 1, 1, 0)]
+
+
+def test_a_damaged_replica_is_reported_and_never_restored(tmp_path: Path, memory_only: CheckpointSettings) -> None:
+    with _cluster(tmp_path, memory_only) as cluster:
+        _two_hosts_save(cluster, steps=2)
+        holder = cluster.agents["node-0"]._node
+        assert holder is not None and holder.peers._server is not None
+        held = holder.peers._server.held[1]
+        held.view[0] ^= 0xFF  # a flipped byte in the first tensor of rank 1's replica
+        _replace_node_1(cluster)
+        restored = _load(cluster, "node-1", 1)
+        cluster.settle()
+        corrupt = [e for e in cluster.events if isinstance(e, CheckpointCorrupt)]
+    assert restored is None  # no other copy of rank 1's state exists: nothing, rather than damaged bytes
+    assert [(e.rank, e.step, e.tier) for e in corrupt] == [(1, 2, "peer")]
+    assert "fail their checksums" in corrupt[0].detail
+
+
+def test_a_replica_whose_checksums_fail_on_arrival_is_refused_and_the_previous_one_kept(
+        tmp_path: Path, memory_only: CheckpointSettings) -> None:
+    with _cluster(tmp_path, memory_only) as cluster:
+        _two_hosts_save(cluster, steps=1)
+        node = cluster.agents["node-1"]._node
+        holder = cluster.agents["node-0"]._node
+        assert node is not None and holder is not None
+        state = node._ranks[0]
+        slot = next(s for s in state.control.slots() if s.step == 1)
+        damaged = bytearray(state.mapping(slot, node.names)[:slot.layout_off + slot.layout_len])
+        damaged[0] ^= 1
+        meta = ReplicaMeta.of_slot(slot)
+        with pytest.raises(ReplicaError, match="fail their checksums"):
+            push(holder.peers.address, token=cluster.token, job=cluster.job, tls=None, meta=meta,
+                 source=memoryview(damaged), intact=lambda: True, timeout_s=5.0)
+        assert [h[:3] for h in holder.peers.held()] == [(1, 1, 1)]
+
+
+def test_a_peer_without_the_job_s_token_is_refused_before_anything_is_sent(
+        tmp_path: Path, memory_only: CheckpointSettings) -> None:
+    with _cluster(tmp_path, memory_only) as cluster:
+        _two_hosts_save(cluster, steps=1)
+        holder = cluster.agents["node-0"]._node
+        assert holder is not None
+        meta = ReplicaMeta(rank=1, world=2, step=5, round=1, data_bytes=0, n_tensors=0, checks_off=0, layout_off=0,
+                           layout_len=2, layout_sum=0)
+        for token, job in (("x" * 43, cluster.job), (cluster.token, "another-job")):
+            with pytest.raises(ReplicaError, match="did not prove it holds this job's token"):
+                push(holder.peers.address, token=token, job=job, tls=None, meta=meta, source=memoryview(b"{}"),
+                     intact=lambda: True, timeout_s=5.0)
+        assert [h[:3] for h in holder.peers.held()] == [(1, 1, 1)]
+
+
+def test_a_budget_too_small_for_a_replica_is_named_in_the_refusal(
+        tmp_path: Path, memory_only: CheckpointSettings) -> None:
+    with _cluster(tmp_path, dataclasses.replace(memory_only, replica_max_bytes=4096)) as cluster:
+        _agent(cluster, "node-0", "a")
+        node = cluster.agents["node-0"]._node
+        assert node is not None
+        meta = ReplicaMeta(rank=1, world=2, step=5, round=1, data_bytes=0, n_tensors=0, checks_off=0, layout_off=0,
+                           layout_len=2, layout_sum=0)
+        with pytest.raises(ReplicaError, match=r"ckpt\.replica_max_bytes=4096"):
+            push(node.peers.address, token=cluster.token, job=cluster.job, tls=None, meta=meta,
+                 source=memoryview(b"{}"), intact=lambda: True, timeout_s=5.0)
+        assert node.peers.held() == []
+
+
+def test_nodes_on_one_host_keep_no_replicas(tmp_path: Path, memory_only: CheckpointSettings) -> None:
+    with _cluster(tmp_path, memory_only) as cluster:
+        for node, rank in (("node-0", 0), ("node-1", 1)):
+            _agent(cluster, node, "same-host")
+            cluster.round(1, node_id=node, world=2, node_rank=rank)
+        with cluster.worker(node_id="node-0", rank=0, world=2, local_rank=0) as rank0, \
+                cluster.worker(node_id="node-1", rank=1, world=2, local_rank=0) as rank1:
+            for step in (1, 2):
+                assert rank0.save(step, {"w": torch.ones(10)}) and rank1.save(step, {"w": torch.ones(10)})
+        cluster.settle(0.5)
+        assert _held(cluster, "node-0") == [] and _held(cluster, "node-1") == []
+        assert not any(n.startswith(cluster.agents["node-0"]._names.prefix) and "-p" in n  # type: ignore[union-attr]
+                       for n in (p.name for p in SHM_DIR.iterdir()) if "-p1-" in n)
+
+
+def test_a_replica_of_a_step_is_replaced_by_the_next_one_and_the_memory_freed(
+        tmp_path: Path, memory_only: CheckpointSettings) -> None:
+    with _cluster(tmp_path, memory_only) as cluster:
+        _two_hosts_save(cluster, steps=4)
+        names = cluster.agents["node-0"]._names
+        assert names is not None
+        replicas = [n for n in names.all_mine() if "-p1-" in n]
+    assert len(replicas) == 1, replicas  # double-buffered while a copy arrives, one kept after
+    assert not _disk.candidates(Path(memory_only.dir) / "replicas", 0, any_rank=True)
