@@ -255,13 +255,16 @@ async def test_a_lost_host_s_node_resumes_from_its_newest_committed_step_held_in
         await hosts.kill(1)
         (rc0, err0), (rc2, err2) = await _ended(serving), await _ended(joining[1])
         events = await _events(hosts[0], tmp_path / "h0", "replicas")
-    assert (rc0, rc2) == (0, 0), (err0[-3000:], err2[-3000:])
+        rc, status, _ = await hosts[0].run([sys.executable, "-m", "stead", "status", "--job", "replicas"],
+                                           cwd=tmp_path / "h0")
+    assert (rc0, rc2, rc) == (0, 0, 0), (err0[-3000:], err2[-3000:], status)
     restored = [e["data"] for e in events if e["type"] == "ckpt.restored"]
     after = restored[-1]  # the round the spare joined: rank 0 from its own memory, rank 1 from h0's replica
     assert (after["memory_ranks"], after["peer_ranks"], after["disk_ranks"]) == (1, 1, 0), restored  # type: ignore[index]
     resumed = [int(step) for rank, _, step, at in (line.split() for line in timestamps.read_text().splitlines())
                if rank == "1" and step.isdigit() and float(at) > killed_at]
     assert resumed and min(resumed) == after["step"] + 1, (after, resumed[:3])  # type: ignore[operator]
+    assert f"restored   last: step {after['step']}: memory 1, peer 1" in status, status
     assert max(_steps(timestamps).values()) == 119
 
 

@@ -78,6 +78,9 @@ def goodput_lines(ledger: Ledger) -> list[str]:
         phases = ", ".join(f"{p.value.replace('_', ' ')} {ledger.recovery_phases[p]:.2f} s" for p in RecoveryPhase)
         count = len(ledger.recoveries)
         lines.append(f"recovery   {count} {'recovery' if count == 1 else 'recoveries'}: {phases}")
+        restored = next((r.restored for r in reversed(ledger.recoveries) if r.restored), "")
+        if restored:
+            lines.append(f"restored   last: {restored} (ranks by tier: own memory, a peer host's replica, disk)")
     lines += [f"           (not counted: {what})" for what in ledger.missing]
     return lines
 

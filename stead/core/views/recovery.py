@@ -39,6 +39,7 @@ import enum
 from collections.abc import Iterable, Mapping
 
 from stead.core.events import (
+    CheckpointRestored,
     JobFailed,
     JobStopped,
     JobSubmitted,
@@ -146,6 +147,8 @@ class Recovery:
     first_step: int | None = None
     #: the decision's failure class and rule, e.g. ``numerical (replica-mismatch)`` ("" where none was given)
     decided: str = ""
+    #: what the new round's workers restored and from where, e.g. ``step 41: memory 1, peer 1`` ("": not reported)
+    restored: str = ""
 
     @property
     def cause(self) -> str:
@@ -213,6 +216,7 @@ class _Open:
     new_round: int | None = None
     action: RecoveryAction | None = None
     decided: str = ""
+    restored: str = ""
 
     def enter(self, phase: RecoveryPhase, at: float) -> None:
         at = max(at, self.since)
@@ -222,7 +226,8 @@ class _Open:
     def view(self, outcome: RecoveryOutcome, until: float, first_step: int | None = None) -> Recovery:
         last = PhaseSpan(self.phase, self.since, max(until, self.since))
         return Recovery(failure=self.failure, round=self.round, spans=(*self.spans, last), outcome=outcome,
-                        new_round=self.new_round, action=self.action, first_step=first_step, decided=self.decided)
+                        new_round=self.new_round, action=self.action, first_step=first_step, decided=self.decided,
+                        restored=self.restored)
 
 
 class RecoveryFold:
@@ -289,6 +294,8 @@ class RecoveryFold:
                     rec.action = event.action
                     rec.decided = f"{event.failure_class} ({event.rule})" if event.failure_class else ""
                     rec.enter(RecoveryPhase.RESTART, at)
+            case CheckpointRestored() if rec is not None and event.round == rec.new_round:
+                rec.restored = restored_from(event)
             case StepProgress():
                 self._floor = max(self._floor, at)
                 if rec is not None and event.round == rec.new_round:
@@ -337,6 +344,15 @@ class RecoveryFold:
         self._open = rec
         closed = (interrupted.view(RecoveryOutcome.INTERRUPTED, start),) if interrupted is not None else ()
         return Folded(closed=closed, began=rec.view(RecoveryOutcome.ONGOING, at))
+
+
+def restored_from(event: CheckpointRestored) -> str:
+    """``step 41: memory 1, peer 1`` (ranks per tier: their own memory, a peer host's replica, disk)."""
+    if event.step < 0:
+        return "nothing (a fresh start)"
+    tiers = [f"{name} {count}" for name, count in (("memory", event.memory_ranks), ("peer", event.peer_ranks),
+                                                    ("disk", event.disk_ranks)) if count]
+    return f"step {event.step}: {', '.join(tiers)}" if tiers else f"step {event.step}"
 
 
 def recoveries(records: Iterable[Record], *, now: float | None = None) -> list[Recovery]:

@@ -225,12 +225,13 @@ def render_html(job: str, tl: Timeline) -> str:
                else "never submitted")
     rows = "".join(
         f"<tr><td>{html.escape(datetime.datetime.fromtimestamp(r.at).strftime('%H:%M:%S.%f')[:-3])}</td>"
-        f"<td>{html.escape(r.cause)}</td>"
+        f"<td>{html.escape(r.cause)}</td><td>{html.escape(r.restored or '-')}</td>"
         + "".join(f"<td>{r.phases.get(p, 0.0):.2f}</td>" for p in RecoveryPhase)
         + f"<td>{r.seconds:.2f}{_UNFINISHED.get(r.outcome, '')}</td></tr>"
         for r in book.recoveries)
     recoveries = (
-        "<table><tr><th>at</th><th>cause</th>" + "".join(f"<th>{_label(p)} s</th>" for p in RecoveryPhase)
+        "<table><tr><th>at</th><th>cause</th><th>restored (ranks by tier)</th>"
+        + "".join(f"<th>{_label(p)} s</th>" for p in RecoveryPhase)
         + f"<th>total s</th></tr>{rows}</table>" if rows else "<p>No recoveries.</p>")
     missing = ("<ul class='missing'>" + "".join(f"<li>{html.escape(m)}</li>" for m in tl.missing) + "</ul>"
                if tl.missing else "")

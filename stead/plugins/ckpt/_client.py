@@ -36,6 +36,7 @@ class PeerCopy:
     rank: int = -1
     step: int = -1
     round: int = -1
+    world: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +53,8 @@ class Committed:
 
 
 def _peers(values: Sequence[proto.ReplicaPeer]) -> tuple[PeerCopy, ...]:
-    return tuple(PeerCopy(node_id=p.node_id, address=p.address, rank=p.rank, step=p.step, round=p.round)
-                 for p in values)
+    return tuple(PeerCopy(node_id=p.node_id, address=p.address, rank=p.rank, step=p.step, round=p.round,
+                          world=p.world) for p in values)
 
 
 class CheckpointClient:
@@ -70,14 +71,14 @@ class CheckpointClient:
 
     async def report_saved(self, *, round_: int, world_size: int, tier: str, ranks: Mapping[int, Saved],
                            path: str = "", host: str = "", replica_address: str = "",
-                           replicas: Sequence[tuple[int, int, int, int]] = ()) -> Committed:
-        """``replicas``: (rank, step, round, bytes) of each replica this node holds."""
+                           replicas: Sequence[tuple[int, int, int, int, int]] = ()) -> Committed:
+        """``replicas``: (rank, world, step, round, bytes) of each replica this node holds."""
         request = proto.ReportSavedRequest(
             node_id=self.node_id, incarnation=self.incarnation, round=round_, world_size=world_size, tier=tier,
             ranks=[proto.RankSaved(rank=r, step=s.step, held_steps=sorted(s.held), seconds=dict(s.seconds))
                    for r, s in sorted(ranks.items())],
             path=path, host=host, replica_address=replica_address,
-            replicas=[proto.ReplicaHeld(rank=r, step=s, round=o, bytes=b) for r, s, o, b in replicas])
+            replicas=[proto.ReplicaHeld(rank=r, world=w, step=s, round=o, bytes=b) for r, w, s, o, b in replicas])
         with self._conn.errors("CheckpointService.ReportSaved"):
             reply = await self._stub.report_saved(request, timeout=self._conn.call_timeout_s)
         return Committed(round=round_, round_step=reply.committed_step,

@@ -193,11 +193,9 @@ class NodeCheckpoints:
         the job, or one whose host was replaced): its workers then restore it from memory, reading no file."""
         missing = {}
         for local_rank in range(info.nproc_per_node):
-            rank = info.node_rank * info.nproc_per_node + local_rank
             state = self._ranks.get(local_rank)
-            slot = state.slot_holding(*self.hint) if state is not None else None
-            if slot is None or (slot.rank, slot.world) != (rank, info.world_size):
-                missing[rank] = local_rank
+            if state is None or state.slot_holding(*self.hint) is None:  # (held as another rank: a resize)
+                missing[info.node_rank * info.nproc_per_node + local_rank] = local_rank
         if not missing:
             return
         try:
@@ -211,12 +209,17 @@ class NodeCheckpoints:
                 log.info("ckpt_no_replica", rank=rank, step=self.hint[0],
                          effect="no peer holds it: the workers restore from disk")
                 continue
+            if all(s.world != info.world_size for s in sources):
+                log.info("ckpt_replica_of_another_world", rank=rank, step=self.hint[0], saved_world=sources[0].world,
+                         world=info.world_size, effect="the step is resharded from disk (not yet from peers' memory)")
+                continue
+            sources = [s for s in sources if s.world == info.world_size]
             state = self._state(local_rank)
 
             async def unusable(detail: str, state: RankMemory = state, rank: int = rank) -> None:
                 await self._report_corrupt(state, self.hint[0], "peer", detail, rank=rank)
 
-            if not await self.peers.take(state, rank, self.hint[0], self.hint[1], sources, unusable):
+            if not await self.peers.take(state, rank, info.world_size, self.hint, sources, unusable):
                 log.info("ckpt_replicas_failed", rank=rank, step=self.hint[0], effect="restoring from disk")
 
     def _new_gen(self) -> int:

@@ -69,8 +69,6 @@ class PeerReplicas:
         self.targets: tuple[PeerCopy, ...] = ()
         #: local rank -> the step its slot was given from a peer's replica (its restore's tier is "peer")
         self.fetched: dict[int, int] = {}
-        #: seconds from a commit to its replicas in place, newest last (what bench/replicas.py reads from the log)
-        self.lag_s: list[float] = []
         self._server: ReplicaServer | None = None
         self._client_tls: ssl.SSLContext | None = None
         self._sent: dict[tuple[str, int], _Sent] = {}
@@ -107,11 +105,11 @@ class PeerReplicas:
             self._server.close()
             self._server = None
 
-    def held(self) -> list[tuple[int, int, int, int]]:
-        """(rank, step, round, bytes) of each replica this node holds for others."""
+    def held(self) -> list[tuple[int, int, int, int, int]]:
+        """(rank, world, step, round, bytes) of each replica this node holds for others."""
         if self._server is None:
             return []
-        return [(m.rank, m.step, m.round, capacity) for m, capacity in self._server.holdings()]
+        return [(m.rank, m.world, m.step, m.round, capacity) for m, capacity in self._server.holdings()]
 
     # -- sending ---------------------------------------------------------------------------------------
 
@@ -139,25 +137,32 @@ class PeerReplicas:
             step, round_ = committed()
             if step < 0 or not self.targets:
                 continue
-            done = True
+            done, sent_bytes, sending_s = True, 0, 0.0
             for state in ranks():
                 slot = state.slot_holding(step, round_)
-                if slot is None or slot.checks_seq != slot.seq:
-                    continue  # not saved here, or its checksums are not computed yet (that wakes us again)
+                if slot is None:
+                    continue  # not saved here (a newer save took the slot: the newer commit follows)
+                if slot.checks_seq != slot.seq:
+                    done = False  # its checksums are not computed yet (that wakes us again)
+                    continue
                 for target in self.targets:
                     sent = self._sent.get((target.address, slot.rank))
                     if sent is not None and (sent.round, sent.step) >= (round_, step):
                         continue
+                    began = time.monotonic()
                     ok = await anyio.to_thread.run_sync(self._push, state, slot, target)
                     if ok:
                         self._sent[target.address, slot.rank] = _Sent(step=step, round=round_)
+                        sent_bytes += slot.layout_off + slot.layout_len
+                        sending_s += time.monotonic() - began
                     done = done and ok
+            if not done:
+                continue
             started = self._committed_at.pop((step, round_), None)
-            self._committed_at = {k: v for k, v in self._committed_at.items() if k > (step, round_)}
-            if done and started is not None:
-                self.lag_s = [*self.lag_s[-99:], time.monotonic() - started]
-                log.debug("ckpt_replicated", step=step, round=round_, lag_s=round(self.lag_s[-1], 4),
-                          targets=[t.node_id for t in self.targets])
+            self._committed_at = {(s, r): t for (s, r), t in self._committed_at.items() if (r, s) > (round_, step)}
+            if started is not None:  # (bench/replicas.py reads the lag and the bandwidth from these lines)
+                log.debug("ckpt_replicated", step=step, round=round_, lag_s=round(time.monotonic() - started, 4),
+                          bytes=sent_bytes, sending_s=round(sending_s, 4), targets=[t.node_id for t in self.targets])
 
     def _push(self, state: RankMemory, slot: SlotInfo, target: PeerCopy) -> bool:
         view = state.mapping(slot, self.names)
@@ -186,15 +191,17 @@ class PeerReplicas:
 
     # -- fetching ----------------------------------------------------------------------------------------
 
-    async def take(self, state: RankMemory, rank: int, step: int, round_: int, sources: Sequence[PeerCopy],
+    async def take(self, state: RankMemory, rank: int, world: int, hint: tuple[int, int], sources: Sequence[PeerCopy],
                    unusable: Callable[[str], Awaitable[None]]) -> bool:
-        """Fetch ``rank``'s replica of ``step`` from the first source that serves it whole and verified, into a slot
-        of ``state`` (a local rank whose workers have not started); whether one did. ``unusable(detail)`` reports
-        each replica that failed its checks or could not be fetched."""
+        """Fetch ``rank``'s replica of the step ``hint`` (step, round) of a world of ``world`` ranks from the first
+        source that serves it whole and verified, into a slot of ``state`` (a local rank whose workers have not
+        started); whether one did. ``unusable(detail)`` reports each replica that failed its checks or could not be
+        fetched. A replica saved by another world is not fetched: resharding from memory is not done yet."""
+        step, round_ = hint
         for source in sources:
             started = time.monotonic()
             try:
-                meta = await anyio.to_thread.run_sync(self._fetch_into, state, source, rank, step, round_)
+                meta = await anyio.to_thread.run_sync(self._fetch_into, state, source, rank, world, step, round_)
             except (ReplicaError, OSError) as exc:
                 log.warning("ckpt_replica_unusable", rank=rank, step=step, holder=source.node_id, error=str(exc),
                             effect="the next holder is tried, then disk")
@@ -206,13 +213,16 @@ class PeerReplicas:
             return True
         return False
 
-    def _fetch_into(self, state: RankMemory, source: PeerCopy, rank: int, step: int, round_: int) -> ReplicaMeta:
+    def _fetch_into(self, state: RankMemory, source: PeerCopy, rank: int, world: int, step: int,
+                    round_: int) -> ReplicaMeta:
         control = state.control
         index = min(control.slots(), key=lambda s: (s.complete, s.step)).index  # an empty slot, else the oldest
         seq = control.begin_write(index)
         target: list[memoryview] = []
 
         def into(meta: ReplicaMeta) -> memoryview:
+            if meta.world != world:
+                raise ReplicaError(f"the holder sent a copy saved by a world of {meta.world} ranks for one of {world}")
             info = control.slot(index)
             if info.capacity < meta.nbytes:
                 self._regrow(state, index, round_capacity(meta.nbytes))

@@ -60,7 +60,8 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         self._restored: dict[int, dict[int, tuple[int, str]]] = {}
         #: the nodes that take replicas (the newest incarnation's report of each), and what each holds
         self._peers: dict[str, _Peer] = {}
-        self._held: dict[str, dict[int, tuple[int, int]]] = {}
+        #: holder node -> rank -> (step, round, world) of the replica it holds
+        self._held: dict[str, dict[int, tuple[int, int, int]]] = {}
         self._placement: tuple[tuple[_placement.Member, ...], dict[str, tuple[str, ...]]] = ((), {})
         self._single_host_said = False
 
@@ -98,7 +99,7 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         return answer
 
     def replica_report(self, *, node_id: str, incarnation: int, round_: int, host: str, address: str,
-                       ranks: list[int], held: dict[int, tuple[int, int]]) -> tuple[tuple[str, str], ...]:
+                       ranks: list[int], held: dict[int, tuple[int, int, int]]) -> tuple[tuple[str, str], ...]:
         """Note where a node takes replicas and which it holds; the (node_id, address) its replicas go to."""
         peer = self._peers.get(node_id)
         if peer is not None and peer.incarnation > incarnation:
@@ -123,15 +124,15 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
                 log.info("ckpt_replicas_placed", placement={k: list(v) for k, v in self._placement[1].items()})
         return tuple((t, self._peers[t].address) for t in self._placement[1].get(node_id, ()))
 
-    def replica_sources(self, node_id: str, ranks: list[int]) -> list[tuple[str, str, int]]:
-        """(holder, address, rank) of the replicas of the committed step of ``ranks`` (on other nodes than the
-        caller), nearest holder first."""
+    def replica_sources(self, node_id: str, ranks: list[int]) -> list[tuple[str, str, int, int]]:
+        """(holder, address, rank, world) of the replicas of the committed step of ``ranks`` held by other nodes
+        than the caller."""
         committed = (self.book.step, self.book.step_round)
         if committed[0] < 0:
             return []
-        return [(holder, self._peers[holder].address, rank) for rank in ranks
+        return [(holder, self._peers[holder].address, rank, held[rank][2]) for rank in ranks
                 for holder, held in self._held.items()
-                if holder != node_id and holder in self._peers and held.get(rank) == committed]
+                if holder != node_id and holder in self._peers and rank in held and held[rank][:2] == committed]
 
     async def disk_report(self, *, step: int, world_size: int, ranks: list[int], path: str,
                           seconds: float | None = None) -> None:
@@ -268,8 +269,8 @@ class CheckpointServicer(proto.CheckpointServiceBase):
         with backend_errors("CheckpointService.GetCommitted"):
             book, freed = await self._plugin.committed(round_=message.round, after_step=message.after_step,
                                                        wait_s=message.wait_s, ranks=list(message.ranks))
-        sources = [proto.ReplicaPeer(node_id=n, address=a, rank=r, step=book.step, round=book.step_round)
-                   for n, a, r in self._plugin.replica_sources(message.node_id, list(message.replica_ranks))]
+        sources = [proto.ReplicaPeer(node_id=n, address=a, rank=r, step=book.step, round=book.step_round, world=w)
+                   for n, a, r, w in self._plugin.replica_sources(message.node_id, list(message.replica_ranks))]
         return proto.GetCommittedReply(step=book.step, round=book.step_round,
                                        round_step=book.round_step if book.round == message.round else -1,
                                        persisted_step=book.persisted,
@@ -311,8 +312,8 @@ def _replica_address(address: str) -> str:
     return address
 
 
-def _held(message: proto.ReportSavedRequest) -> dict[int, tuple[int, int]]:
-    """The replicas a report says its node holds: rank -> (step, round)."""
+def _held(message: proto.ReportSavedRequest) -> dict[int, tuple[int, int, int]]:
+    """The replicas a report says its node holds: rank -> (step, round, world)."""
     where = "ReportSavedRequest"
     if len(message.host) > 255:
         invalid(f"{where}.host is {len(message.host)} characters long, longer than any host name; run every node "
@@ -321,7 +322,8 @@ def _held(message: proto.ReportSavedRequest) -> dict[int, tuple[int, int]]:
         at_least(f"{where}.replicas[{i}].rank", r.rank, 0, "ranks count from 0")
         at_least(f"{where}.replicas[{i}].step", r.step, 0, "a training step")
         at_least(f"{where}.replicas[{i}].round", r.round, 0, "rendezvous rounds count from 0")
-    return {r.rank: (r.step, r.round) for r in message.replicas}
+        at_least(f"{where}.replicas[{i}].world", r.world, r.rank + 1, "the world the rank saved it in")
+    return {r.rank: (r.step, r.round, r.world) for r in message.replicas}
 
 
 def corrupt_from_proto(message: proto.ReportCorruptRequest) -> CheckpointCorrupt:

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stead.core.events import (
+    CheckpointRestored,
     DecisionTimeout,
     Event,
     JobFailed,
@@ -111,6 +112,20 @@ def test_a_member_node_lost_or_exited_restarts_without_detect_or_decision(failur
     [rec] = recoveries(log(*RUNNING, (5.5, failure), *round_(2, 8.0), (9.0, StepProgress(round=2, step=4))))
     assert phases(rec) == [(R, 5.5, 8.0), (RV, 8.0, 8.5), (F, 8.5, 9.0)]
     assert rec.kind is kind and rec.cause == cause and rec.action is None
+
+
+def test_a_recovery_says_what_its_new_round_restored_and_from_which_tier() -> None:
+    lost = NodeLost(node_id="node-1", incarnation=1, reason="heartbeat timeout")
+    restored = CheckpointRestored(round=2, step=41, memory_ranks=1, peer_ranks=1)
+    [rec] = recoveries(log(*RUNNING, (5.5, lost), *round_(2, 8.0), (8.7, restored),
+                           (9.0, StepProgress(round=2, step=42))))
+    assert rec.restored == "step 41: memory 1, peer 1"
+    [before] = recoveries(log(*RUNNING, (5.5, lost), (5.6, CheckpointRestored(round=1, step=3, disk_ranks=2)),
+                              *round_(2, 8.0), (9.0, StepProgress(round=2, step=4))))
+    assert before.restored == ""  # (a restore of the failed round is not this recovery's)
+    [fresh] = recoveries(log(*RUNNING, (5.5, lost), *round_(2, 8.0), (8.7, CheckpointRestored(round=2, step=-1)),
+                             (9.0, StepProgress(round=2, step=0))))
+    assert fresh.restored == "nothing (a fresh start)"
 
 
 @pytest.mark.parametrize(("request_", "kind"), [

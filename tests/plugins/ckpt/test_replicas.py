@@ -40,7 +40,7 @@ def _agent(cluster: LocalCluster, node: str, host: str, incarnation: int = 1) ->
         return cluster.agent(node, incarnation=incarnation)
 
 
-def _held(cluster: LocalCluster, node: str) -> list[tuple[int, int, int, int]]:
+def _held(cluster: LocalCluster, node: str) -> list[tuple[int, int, int, int, int]]:
     ext = cluster.agents[node]
     assert ext._node is not None
     return ext._node.peers.held()
@@ -74,8 +74,8 @@ def _two_hosts_save(cluster: LocalCluster, steps: int) -> None:
         for step in range(1, steps + 1):
             assert rank0.save(step, {"w": torch.full((1000,), 10.0 * step), "step": step})
             assert rank1.save(step, {"w": torch.full((1000,), 10.0 * step + 1), "step": step})
-    _until(cluster, lambda: [h[:3] for h in _held(cluster, "node-0")] == [(1, steps, 1)]
-           and [h[:3] for h in _held(cluster, "node-1")] == [(0, steps, 1)], "each node holds the other's replica")
+    _until(cluster, lambda: [h[:4] for h in _held(cluster, "node-0")] == [(1, 2, steps, 1)]
+           and [h[:4] for h in _held(cluster, "node-1")] == [(0, 2, steps, 1)], "each node holds the other's replica")
 
 
 def _replace_node_1(cluster: LocalCluster) -> None:
@@ -137,7 +137,7 @@ def test_a_replica_whose_checksums_fail_on_arrival_is_refused_and_the_previous_o
         with pytest.raises(ReplicaError, match="fail their checksums"):
             push(holder.peers.address, token=cluster.token, job=cluster.job, tls=None, meta=meta,
                  source=memoryview(damaged), intact=lambda: True, timeout_s=5.0)
-        assert [h[:3] for h in holder.peers.held()] == [(1, 1, 1)]
+        assert [h[:4] for h in holder.peers.held()] == [(1, 2, 1, 1)]
 
 
 def test_a_peer_without_the_job_s_token_is_refused_before_anything_is_sent(
@@ -152,7 +152,7 @@ def test_a_peer_without_the_job_s_token_is_refused_before_anything_is_sent(
             with pytest.raises(ReplicaError, match="did not prove it holds this job's token"):
                 push(holder.peers.address, token=token, job=job, tls=None, meta=meta, source=memoryview(b"{}"),
                      intact=lambda: True, timeout_s=5.0)
-        assert [h[:3] for h in holder.peers.held()] == [(1, 1, 1)]
+        assert [h[:4] for h in holder.peers.held()] == [(1, 2, 1, 1)]
 
 
 def test_a_budget_too_small_for_a_replica_is_named_in_the_refusal(

@@ -154,6 +154,11 @@ class ReplicaHeld(betterproto2.Message):
 
     bytes: "int" = betterproto2.field(4, betterproto2.TYPE_INT64)
 
+    world: "int" = betterproto2.field(5, betterproto2.TYPE_INT32)
+    """
+    The world size the rank saved it in.
+    """
+
 
 default_message_pool.register_message("stead.v1", "ReplicaHeld", ReplicaHeld)
 
@@ -173,6 +178,8 @@ class ReplicaPeer(betterproto2.Message):
     step: "int" = betterproto2.field(4, betterproto2.TYPE_INT64)
 
     round: "int" = betterproto2.field(5, betterproto2.TYPE_INT32)
+
+    world: "int" = betterproto2.field(6, betterproto2.TYPE_INT32)
 
 
 default_message_pool.register_message("stead.v1", "ReplicaPeer", ReplicaPeer)
