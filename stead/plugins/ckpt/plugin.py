@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 
 import structlog
 
@@ -38,6 +39,8 @@ __all__ = ["CheckpointPlugin", "CheckpointServicer", "corrupt_from_proto"]
 log = structlog.get_logger("stead.plugins.ckpt")
 
 TIERS = ("memory", "disk")
+#: how often (at most) the replicas' line of ``stead status`` is written to the store
+_STATUS_EVERY_S = 5.0
 #: where a rank's restore came from ("peer": a replica fetched from another host's memory)
 RESTORE_TIERS = ("memory", "peer", "disk", "none")
 #: ranks beyond this are refused as bad input (a typo, not a world)
@@ -64,6 +67,8 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         self._held: dict[str, dict[int, tuple[int, int, int]]] = {}
         self._placement: tuple[tuple[_placement.Member, ...], dict[str, tuple[str, ...]]] = ((), {})
         self._single_host_said = False
+        #: what ``stead status`` was last told of the replicas (published at most every _STATUS_EVERY_S)
+        self._status: tuple[list[str], float] = ([], 0.0)
 
     async def start(self, *, ctx: PluginContext[CheckpointSettings]) -> None:
         self._ctx = ctx
@@ -99,13 +104,14 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         return answer
 
     def replica_report(self, *, node_id: str, incarnation: int, round_: int, host: str, address: str,
-                       ranks: list[int], held: dict[int, tuple[int, int, int]]) -> tuple[tuple[str, str], ...]:
+                       ranks: list[int], held: dict[int, tuple[int, int, int]],
+                       held_bytes: int = 0) -> tuple[tuple[str, str], ...]:
         """Note where a node takes replicas and which it holds; the (node_id, address) its replicas go to."""
         peer = self._peers.get(node_id)
         if peer is not None and peer.incarnation > incarnation:
             return ()  # a report of an incarnation that was replaced
         self._peers[node_id] = _Peer(incarnation=incarnation, host=host, address=address, round=round_,
-                                     first_rank=min(ranks, default=-1))
+                                     first_rank=min(ranks, default=-1), held_bytes=held_bytes)
         self._held[node_id] = held
         if self.settings.replicas <= 0 or not address:
             return ()
@@ -123,6 +129,21 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
             elif len(hosts) > 1:
                 log.info("ckpt_replicas_placed", placement={k: list(v) for k, v in self._placement[1].items()})
         return tuple((t, self._peers[t].address) for t in self._placement[1].get(node_id, ()))
+
+    async def publish_replicas(self, now: float) -> None:
+        """Tell ``stead status`` which node holds whose replica and the memory it takes (when that changed)."""
+        holders = sorted((n, p) for n, p in self._peers.items() if self._held.get(n))
+        if not holders:
+            return
+        total = sum(p.held_bytes for _, p in holders)
+        parts = [f"{n} (host {p.host}) holds rank{'s' if len(self._held[n]) > 1 else ''} "
+                 f"{', '.join(str(r) for r in sorted(self._held[n]))} ({_mib(p.held_bytes)})" for n, p in holders[:8]]
+        summary = [f"replicas: {_mib(total)} of other nodes' steps in memory: {'; '.join(parts)}"
+                   + ("; ..." if len(holders) > 8 else "")]
+        if summary == self._status[0] or now - self._status[1] < _STATUS_EVERY_S:
+            return
+        self._status = summary, now
+        await self.ctx.store.put(self.ctx.key("status"), json.dumps({"summary": summary, "at": now}).encode())
 
     def replica_sources(self, node_id: str, ranks: list[int]) -> list[tuple[str, str, int, int]]:
         """(holder, address, rank, world) of the replicas of the committed step of ``ranks`` held by other nodes
@@ -199,6 +220,12 @@ class _Peer:
     address: str
     round: int
     first_rank: int
+    #: the memory the replicas it holds take
+    held_bytes: int = 0
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def _check_node(where: str, node_id: str) -> None:
@@ -251,7 +278,10 @@ class CheckpointServicer(proto.CheckpointServiceBase):
                                                            ranks=holdings)
         targets = self._plugin.replica_report(
             node_id=message.node_id, incarnation=message.incarnation, round_=message.round, host=message.host,
-            address=_replica_address(message.replica_address), ranks=ranks, held=_held(message))
+            address=_replica_address(message.replica_address), ranks=ranks, held=_held(message),
+            held_bytes=sum(max(0, r.bytes) for r in message.replicas))
+        with backend_errors("CheckpointService.ReportSaved"):
+            await self._plugin.publish_replicas(time.time())
         released = [proto.RankStep(rank=r, step=s) for r, s in freed.items()]
         return proto.ReportSavedReply(committed_step=step, released=released,
                                       replica_targets=[proto.ReplicaPeer(node_id=n, address=a) for n, a in targets])

@@ -95,6 +95,8 @@ def test_a_lost_host_s_replacement_restores_its_rank_s_newest_step_from_a_peer_s
         tmp_path: Path, memory_only: CheckpointSettings) -> None:
     with _cluster(tmp_path, memory_only) as cluster:
         _two_hosts_save(cluster, steps=3)
+        _until(cluster, lambda: "node-0 (host a) holds rank 1 (2.0 MiB)" in " ".join(cluster.plugin._status[0]),
+               "stead status says who holds which replica")
         _replace_node_1(cluster)
         restored = [_load(cluster, "node-0", 0), _load(cluster, "node-1", 1)]
         cluster.settle()
