@@ -3,7 +3,10 @@ replaces it, verified, with no disk read; a damaged replica, a stranger on the p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -195,3 +198,30 @@ def test_a_replica_of_a_step_is_replaced_by_the_next_one_and_the_memory_freed(
         replicas = [n for n in names.all_mine() if "-p1-" in n]
     assert len(replicas) == 1, replicas  # double-buffered while a copy arrives, one kept after
     assert not _disk.candidates(Path(memory_only.dir) / "replicas", 0, any_rank=True)
+
+
+def test_a_process_squatting_on_a_holder_s_port_is_sent_nothing() -> None:
+    """A process that took a dead agent's port cannot prove it holds the job's token: the sender stops there."""
+    got: list[bytes] = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def squatter() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.sendall(b"stead-replica 1 0123\n")
+                got.append(conn.recv(4096))  # the sender's nonce and proof
+                conn.sendall(b"0" * 64 + b"\n")  # a proof it cannot make
+                conn.settimeout(2.0)
+                with contextlib.suppress(OSError):
+                    got.append(conn.recv(4096))
+
+        thread = threading.Thread(target=squatter)
+        thread.start()
+        meta = ReplicaMeta(rank=0, world=2, step=1, round=1, data_bytes=0, n_tensors=0, checks_off=0, layout_off=0,
+                           layout_len=2, layout_sum=0)
+        with pytest.raises(ReplicaError, match="did not prove it holds this job's token"):
+            push(f"127.0.0.1:{port}", token="t" * 43, job="j", tls=None, meta=meta, source=memoryview(b"{}"),
+                 intact=lambda: True, timeout_s=5.0)
+        thread.join()
+    assert len(got) == 2 and got[1] == b""  # after its proof failed, the sender closed without a byte more
