@@ -26,11 +26,14 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train.py"
 
 
-async def _events(folder: Path, job: str) -> str:
+async def _events(folder: Path, job: str, *, before_start: bool = False) -> str:
+    """``stead events --json`` of ``job``; with ``before_start``, "" while its master has recorded nothing yet."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "stead", "events", "--job", job, "--json", cwd=folder,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await process.communicate()
+    if before_start and process.returncode == 1 and f"no events for job '{job}'" in err.decode():
+        return ""
     assert process.returncode == 0, err.decode()
     return out.decode()
 
@@ -95,7 +98,7 @@ async def test_the_readme_sbatch_script_trains_one_job_is_warned_cancelled_and_r
 async def _recorded(folder: Path, kind: str) -> list[dict[str, object]]:
     if not (folder / ".stead" / "train.db").exists():
         return []  # the job's master has not started yet
-    lines = (await _events(folder, "train")).splitlines()
+    lines = (await _events(folder, "train", before_start=True)).splitlines()  # (or started, nothing recorded yet)
     return [e["data"] for e in map(json.loads, filter(None, lines)) if e["type"] == kind]
 
 
