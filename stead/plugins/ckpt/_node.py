@@ -174,8 +174,7 @@ class NodeCheckpoints:
         if reply.step > self._committed[0] or reply.round > self._committed[1]:
             self._committed = (reply.step, reply.round)
         self._drop_pending_persists(info.round)
-        if self.peers.enabled and self.hint[0] >= 0:
-            await self._from_peers(info)
+        from_peers = self.peers.enabled and self.hint[0] >= 0 and await self._from_peers(info)
         for state in self._ranks.values():
             state.passed = -1
             slot = state.slot_holding(*self.hint) if self.hint[0] >= 0 else None
@@ -184,43 +183,56 @@ class NodeCheckpoints:
                 self._spawn(self._verify, state, slot)
         if info.restart_count > 0 or info.round > 1:
             self._persist_committed("restart")
-        if self.hint[0] >= 0 and self.ckpt.persist_on_failure and not self._restorable_from_memory(info):
+        if (self.hint[0] >= 0 and self.ckpt.persist_on_failure and not self._restorable_from_memory(info)
+                and not from_peers):
             await self._until_on_disk(self.hint[0])
         log.debug("ckpt_round", round=info.round, restore_step=self.hint[0], restore_round=self.hint[1])
 
-    async def _from_peers(self, info: RoundInfo) -> None:
+    async def _from_peers(self, info: RoundInfo) -> bool:
         """Fetch from peers' replicas the step to restore of each local rank whose memory lacks it (a node new to
-        the job, or one whose host was replaced): its workers then restore it from memory, reading no file."""
+        the job, or one whose host was replaced): its workers then restore it from memory, reading no file. When
+        the newest committed step's replica was not in place yet, the newest replica there is (the ranks restore
+        the newest step every one of them has: the survivors keep it in their other slot). Whether every such rank
+        got one (then nothing is waited for on disk)."""
         missing = {}
         for local_rank in range(info.nproc_per_node):
             state = self._ranks.get(local_rank)
             if state is None or state.slot_holding(*self.hint) is None:  # (held as another rank: a resize)
                 missing[info.node_rank * info.nproc_per_node + local_rank] = local_rank
         if not missing:
-            return
+            return False
         try:
             reply = await self._client.get_committed(round_=info.round, replica_ranks=sorted(missing))
         except SteadError as exc:
             log.warning("ckpt_replicas_unknown", error=str(exc), effect="the workers restore from disk")
-            return
+            return False
+        every = True
         for rank, local_rank in sorted(missing.items()):
-            sources = [s for s in reply.sources if s.rank == rank and (s.step, s.round) == self.hint]
+            sources = [s for s in reply.sources if s.rank == rank]
             if not sources:
                 log.info("ckpt_no_replica", rank=rank, step=self.hint[0],
-                         effect="no peer holds it: the workers restore from disk")
+                         effect="no peer holds one: the workers restore from disk")
+                every = False
                 continue
             if all(s.world != info.world_size for s in sources):
                 log.info("ckpt_replica_of_another_world", rank=rank, step=self.hint[0], saved_world=sources[0].world,
                          world=info.world_size, effect="the step is resharded from disk (not yet from peers' memory)")
+                every = False
                 continue
-            sources = [s for s in sources if s.world == info.world_size]
             state = self._state(local_rank)
 
-            async def unusable(detail: str, state: RankMemory = state, rank: int = rank) -> None:
-                await self._report_corrupt(state, self.hint[0], "peer", detail, rank=rank)
+            async def unusable(step: int, detail: str, state: RankMemory = state, rank: int = rank) -> None:
+                await self._report_corrupt(state, step, "peer", detail, rank=rank)
 
-            if not await self.peers.take(state, rank, info.world_size, self.hint, sources, unusable):
+            got = await self.peers.take(state, rank, info.world_size,
+                                        [s for s in sources if s.world == info.world_size], unusable)
+            if got is None:
                 log.info("ckpt_replicas_failed", rank=rank, step=self.hint[0], effect="restoring from disk")
+                every = False
+            elif got != self.hint:
+                log.info("ckpt_replica_behind", rank=rank, step=got[0], committed=self.hint[0],
+                         effect="the ranks restore the newest step every one of them holds")
+        return every
 
     def _new_gen(self) -> int:
         self._gen += 1

@@ -3,10 +3,11 @@ and the replicas a node that replaces a lost one fetches into its own slots befo
 
 The master places the replicas (:mod:`._placement`) and answers each memory report with the nodes this node sends
 to; a node's agent sends each local rank's newest committed slot there once its checksums are computed, in a thread
-of its own (never the training thread; the worker's memory is read unpinned, and a copy torn by a newer save is
-dropped by the holder). A node new to the round (a spare, a relaunched node) whose ranks' committed step is not in
-its memory asks the master who holds replicas of it, fetches each into one of its own slots, verified by hash, and
-marks the slot as holding the step: its workers then restore it as they restore their own memory, with no disk read.
+of its own (never the training thread): the slot is first copied into a buffer of the agent's (a memory copy; the
+slot is not pinned, and a copy a newer save rewrote meanwhile is dropped), then sent from there. A node new to the
+round (a spare, a relaunched node) whose ranks' committed step is not in its memory asks the master who holds
+replicas of it, fetches each into one of its own slots, verified by hash, and marks the slot as holding the step:
+its workers then restore it as they restore their own memory, with no disk read.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class PeerReplicas:
         self._said: set[str] = set()
         self._wake = anyio.Event()
         self._committed_at: dict[tuple[int, int], float] = {}
+        #: local rank -> the buffer its slot is copied into before it is sent
+        self._buffers: dict[int, bytearray] = {}
 
     async def start(self, changed: Callable[[], None]) -> None:
         """Open the replica port on the address that reaches the master (``changed``: a replica was taken)."""
@@ -165,12 +168,16 @@ class PeerReplicas:
                           bytes=sent_bytes, sending_s=round(sending_s, 4), targets=[t.node_id for t in self.targets])
 
     def _push(self, state: RankMemory, slot: SlotInfo, target: PeerCopy) -> bool:
-        view = state.mapping(slot, self.names)
-        memory = memoryview(view)
+        """Send ``slot`` (a copy of it, taken first: the worker may save into the slot again while it travels)."""
+        copy = self._copy(state, slot)
+        if copy is None:
+            log.debug("ckpt_replica_skipped", step=slot.step, rank=slot.rank,
+                      reason="a newer save rewrote the slot while it was copied; the next commit is sent")
+            return False
+        memory = memoryview(copy)
         try:
             push(target.address, token=self.token, job=self.job, tls=self._client_tls, meta=ReplicaMeta.of_slot(slot),
-                 source=memory, intact=lambda: state.control.slot(slot.index).seq == slot.seq,
-                 timeout_s=self._timeout_s)
+                 source=memory, intact=lambda: True, timeout_s=self._timeout_s)
         except ReplicaError as exc:
             self._say(target.address, "ckpt_replica_not_sent", str(exc), step=slot.step, rank=slot.rank,
                       node=target.node_id)
@@ -178,6 +185,20 @@ class PeerReplicas:
         finally:
             memory.release()
         return True
+
+    def _copy(self, state: RankMemory, slot: SlotInfo) -> bytearray | None:
+        """The slot's bytes copied into this rank's send buffer (a memory copy, the GIL released), or None when the
+        worker rewrote the slot meanwhile. One buffer per local rank, kept for the next step's copy."""
+        import torch  # (the agent imported it when the job's first worker said hello)
+
+        nbytes = slot.layout_off + slot.layout_len
+        buffer = self._buffers.get(state.local_rank)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = self._buffers[state.local_rank] = bytearray(round_capacity(nbytes))
+        source = torch.frombuffer(state.mapping(slot, self.names), dtype=torch.uint8, count=nbytes)
+        torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).copy_(source)
+        del source
+        return buffer if state.control.slot(slot.index).seq == slot.seq else None
 
     def _say(self, key: str, what: str, error: str, **fields: object) -> None:
         """Warn once per peer and kind of trouble, then only at debug level (a peer that stays away is not news)."""
@@ -191,27 +212,28 @@ class PeerReplicas:
 
     # -- fetching ----------------------------------------------------------------------------------------
 
-    async def take(self, state: RankMemory, rank: int, world: int, hint: tuple[int, int], sources: Sequence[PeerCopy],
-                   unusable: Callable[[str], Awaitable[None]]) -> bool:
-        """Fetch ``rank``'s replica of the step ``hint`` (step, round) of a world of ``world`` ranks from the first
-        source that serves it whole and verified, into a slot of ``state`` (a local rank whose workers have not
-        started); whether one did. ``unusable(detail)`` reports each replica that failed its checks or could not be
-        fetched. A replica saved by another world is not fetched: resharding from memory is not done yet."""
-        step, round_ = hint
+    async def take(self, state: RankMemory, rank: int, world: int, sources: Sequence[PeerCopy],
+                   unusable: Callable[[int, str], Awaitable[None]]) -> tuple[int, int] | None:
+        """Fetch ``rank``'s replica (saved in a world of ``world`` ranks) from the first of ``sources`` (newest
+        first) that serves it whole and verified, into a slot of ``state`` (a local rank whose workers have not
+        started), and note its step as committed there; (step, round) of the one taken, None when none was.
+        ``unusable(step, detail)`` reports each replica that failed its checks or could not be fetched."""
         for source in sources:
+            step, round_ = source.step, source.round
             started = time.monotonic()
             try:
                 meta = await anyio.to_thread.run_sync(self._fetch_into, state, source, rank, world, step, round_)
             except (ReplicaError, OSError) as exc:
                 log.warning("ckpt_replica_unusable", rank=rank, step=step, holder=source.node_id, error=str(exc),
                             effect="the next holder is tried, then disk")
-                await unusable(f"the replica held by {source.node_id} ({source.address}): {exc}")
+                await unusable(step, f"the replica held by {source.node_id} ({source.address}): {exc}")
                 continue
+            state.control.note_committed(step, round_)  # only committed steps are replicated
             self.fetched[state.local_rank] = step
             log.info("ckpt_replica_fetched", rank=rank, step=step, holder=source.node_id, bytes=meta.nbytes,
                      seconds=round(time.monotonic() - started, 4))
-            return True
-        return False
+            return step, round_
+        return None
 
     def _fetch_into(self, state: RankMemory, source: PeerCopy, rank: int, world: int, step: int,
                     round_: int) -> ReplicaMeta:

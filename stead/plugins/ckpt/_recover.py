@@ -4,8 +4,9 @@ When every rank holds the committed step in its agent's memory, each copies it f
 (:meth:`Restore.memory_candidate`, no disk read). Otherwise (:meth:`Restore.from_tiers`) the
 ranks agree on the newest step that every rank can take, each from the best tier that has it:
 
-1. its own memory: the committed step, or an older one still in the other slot when some rank's
-   agent wrote it to disk (agents write committed steps only), checked against its checksums;
+1. its own memory: the committed step, or an older one still in the other slot when it is known committed (the
+   rank's agent heard of its commit, or fetched it from a peer host's replica: only committed steps are replicated;
+   or some rank's agent wrote it to disk: agents write committed steps only), checked against its checksums;
 2. its own copy on disk, saved at this world size;
 3. another rank's copy on disk, for a replicated state only (DDP: :mod:`._copies` says when),
    the same state as every copy the other ranks restore; or, for a sharded state saved by
@@ -175,14 +176,15 @@ class Restore:
             view.release()
 
     def _older_slot(self, step: int, hint: tuple[SlotInfo, LayoutDoc] | None) -> Copy | None:
-        """A copy of ``step`` in this rank's other slot: usable once some rank's agent wrote the same step and round
-        to disk (so it was committed) and the slot passes the checksums its agent computed."""
+        """A copy of ``step`` in this rank's other slot: usable once it is known committed (the agent heard of its
+        commit, or some rank's agent wrote the same step and round to disk: agents write committed steps only) and
+        the slot passes the checksums its agent computed."""
         if self.control is None:
             return None
         for slot in self.control.slots():
             if (not slot.complete or slot.step != step or (slot.rank, slot.world) != (self.rank, self.world)
                     or (hint is not None and slot.index == hint[0].index) or slot.checks_seq != slot.seq
-                    or not self._committed_on_disk(step, slot.round)):
+                    or not self._known_committed(step, slot.round)):
                 continue
             found = self._document(slot)
             if found is None or not self._sums_match(slot, *found):
@@ -191,6 +193,18 @@ class Restore:
             return Copy(step=step, round=slot.round, rank=self.rank, memory=(slot, doc),
                         fingerprint=_copies.fingerprint(doc.tree, doc.tensors, self._stored_sums(slot, doc, mapped)))
         return None
+
+    def _committed_slot_steps(self) -> list[int]:
+        """The steps this rank's slots hold, saved as this rank in this world, that are known committed."""
+        if self.control is None:
+            return []
+        recent = set(self.control.recently_committed())
+        return [s.step for s in self.control.slots() if s.complete and (s.rank, s.world) == (self.rank, self.world)
+                and (s.step, s.round) in recent]
+
+    def _known_committed(self, step: int, round_: int) -> bool:
+        recent = self.control is not None and (step, round_) in self.control.recently_committed()
+        return recent or self._committed_on_disk(step, round_)
 
     def _committed_on_disk(self, step: int, round_: int) -> bool:
         for rank in _disk.written_ranks(self.root, step):
@@ -259,7 +273,8 @@ class Restore:
         bound = _NO_BOUND
         while True:
             mine = max([s for s in _disk.candidates(self.root, self.rank, any_rank=True) if s <= bound]
-                       + ([memory[1].step] if memory is not None and memory[1].step <= bound else []), default=-1)
+                       + ([memory[1].step] if memory is not None and memory[1].step <= bound else [])
+                       + [s for s in self._committed_slot_steps() if s <= bound], default=-1)
             step = self.group.min([mine])[0]
             if step < 0:
                 return None, None

@@ -300,6 +300,9 @@ class ReplicaServer:
         self.names, self.token, self.job, self.tls = names, token, job, tls
         self.max_bytes, self.timeout_s, self.changed = max_bytes, timeout_s, changed
         self.held: dict[int, Held] = {}
+        #: rank -> the segment its previous replica used, written over by the next one (double buffering without
+        #: allocating and faulting a new segment for every step)
+        self._spares: dict[int, Held] = {}
         self._lock = threading.Lock()
         self._gen = 0
         self._listener: socket.socket | None = None
@@ -335,13 +338,16 @@ class ReplicaServer:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         with self._lock:
-            for held in self.held.values():
+            for held in [*self.held.values(), *self._spares.values()]:
                 _free(held)
             self.held.clear()
+            self._spares.clear()
 
     def holdings(self) -> list[tuple[ReplicaMeta, int]]:
+        """Each replica held and the memory it takes (its spare segment included)."""
         with self._lock:
-            return [(h.meta, h.capacity) for h in self.held.values()]
+            return [(h.meta, h.capacity + (self._spares[r].capacity if r in self._spares else 0))
+                    for r, h in self.held.items()]
 
     def _accept(self) -> None:
         while True:
@@ -399,22 +405,32 @@ class ReplicaServer:
         meta = ReplicaMeta.from_json(request.get("meta"))
         capacity = round_capacity(meta.nbytes)
         with self._lock:
-            others = sum(h.capacity for r, h in self.held.items() if r != meta.rank)
+            others = sum(h.capacity for r, h in [*self.held.items(), *self._spares.items()] if r != meta.rank)
+            mine = self.held[meta.rank].capacity if meta.rank in self.held else 0
+            spare = self._spares.pop(meta.rank, None)
             self._gen += 1
             gen = self._gen
-        if self.max_bytes and others + capacity > self.max_bytes:
+        if spare is not None and spare.capacity < meta.nbytes:
+            _free(spare)  # (the rank's state grew)
+            spare = None
+        if self.max_bytes and others + mine + (capacity if spare is None else spare.capacity) > self.max_bytes:
+            if spare is not None:
+                _free(spare)
             conn.send_line({"ok": False, "error": (
-                f"this node holds {others} bytes of replicas and ckpt.replica_max_bytes={self.max_bytes} leaves no "
-                f"room for rank {meta.rank}'s {capacity}; raise ckpt.replica_max_bytes on the holding nodes (or "
-                "lower ckpt.replicas)")})
+                f"this node holds {others + mine} bytes of replicas and ckpt.replica_max_bytes={self.max_bytes} leaves "
+                f"no room for rank {meta.rank}'s next {capacity} (each is double-buffered); raise "
+                "ckpt.replica_max_bytes on the holding nodes (or lower ckpt.replicas)")})
             return
-        name = self.names.replica(meta.rank, gen)
-        try:
-            create_segment(name, capacity)
-        except CheckpointError as exc:
-            conn.send_line({"ok": False, "error": f"no room for rank {meta.rank}'s replica: {exc}"})
-            return
-        held = Held(meta=meta, name=name, capacity=capacity, view=map_segment(name, capacity))
+        if spare is not None:
+            held = dataclasses.replace(spare, meta=meta)
+        else:
+            name = self.names.replica(meta.rank, gen)
+            try:
+                create_segment(name, capacity)
+            except CheckpointError as exc:
+                conn.send_line({"ok": False, "error": f"no room for rank {meta.rank}'s replica: {exc}"})
+                return
+            held = Held(meta=meta, name=name, capacity=capacity, view=map_segment(name, capacity))
         started = time.monotonic()
         try:
             conn.send_line({"ok": True})  # room made: the sender may send the bytes
@@ -429,11 +445,11 @@ class ReplicaServer:
             finally:
                 memory.release()
         except ReplicaError as exc:
-            _free(held)
+            self._keep_spare(meta.rank, held)
             conn.send_line({"ok": False, "error": str(exc)})
             return
         except BaseException:
-            _free(held)
+            self._keep_spare(meta.rank, held)
             raise
         stale: Held | None
         with self._lock:
@@ -443,12 +459,20 @@ class ReplicaServer:
             else:
                 self.held[meta.rank], stale, keep = held, old, held
         if stale is not None:
-            _free(stale)
+            self._keep_spare(meta.rank, stale)
         conn.send_line({"ok": True})
         if keep is held:
             log.debug("ckpt_replica_taken", rank=meta.rank, step=meta.step, bytes=meta.nbytes,
                       seconds=round(time.monotonic() - started, 4))
             self.changed()
+
+    def _keep_spare(self, rank: int, held: Held) -> None:
+        """Keep ``held``'s segment for ``rank``'s next replica (one per rank; any other is freed)."""
+        with self._lock:
+            other = self._spares.get(rank)
+            self._spares[rank] = held
+        if other is not None:
+            _free(other)
 
     def _get(self, conn: _Conn, request: dict[str, Any]) -> None:
         rank, step, round_ = (request.get(k) for k in ("rank", "step", "round"))

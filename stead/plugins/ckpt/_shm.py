@@ -12,6 +12,7 @@ slot. The control block, little endian::
     16   committed_step i64 | committed_round i64          written by the agent
     32   released_step i64  | released_round i64           written by the agent
     48   pinned_step i64    | pinned_round i64             written by the agent (a persist reads that slot)
+    64   4 x (step i64 | round i64)                         written by the agent: the newest commits, newest first
     128  slot 0, 256 slot 1 (128 bytes each):
          seq u64 | state u32 | pad u32 | step i64 | round i64 | rank i32 | world i32     worker
          data_bytes u64 | n_tensors u64 | checks_off u64 | layout_off u64 | layout_len u64  worker
@@ -75,6 +76,8 @@ _U32 = struct.Struct("<I")
 _SLOT_WORKER = struct.Struct("<QIIqqiiQQQQQQ")
 _GEN, _CAPACITY, _CHECKS_SEQ, _VERIFY_SEQ, _VERIFY_STATE = 88, 96, 104, 112, 120
 _COMMITTED, _RELEASED, _PINNED = 16, 32, 48
+#: the newest commits the agent heard of (or a replica it fetched proves), newest first
+_RECENT, _RECENT_PAIRS = 64, 4
 
 
 class SlotState(enum.IntEnum):
@@ -255,7 +258,7 @@ class Control:
         self.view = mmap.mmap(self._fd, CONTROL_BYTES, flags=mmap.MAP_SHARED)
         if create:
             _HEAD.pack_into(self.view, 0, MAGIC, VERSION, local_rank)
-            for offset in (_COMMITTED, _RELEASED, _PINNED):
+            for offset in (_COMMITTED, _RELEASED, _PINNED, *(_RECENT + 16 * i for i in range(_RECENT_PAIRS))):
                 _I64.pack_into(self.view, offset, -1)
                 _I64.pack_into(self.view, offset + 8, -1)
         magic, version, _ = _HEAD.unpack_from(self.view, 0)
@@ -295,6 +298,22 @@ class Control:
 
     def set_committed(self, step: int, round_: int) -> None:
         self._set_pair(_COMMITTED, step, round_)
+        self.note_committed(step, round_)
+
+    def note_committed(self, step: int, round_: int) -> None:
+        """Remember that ``step`` of ``round_`` was committed (the newest few are kept)."""
+        recent = self.recently_committed()
+        if (step, round_) in recent:
+            return
+        for i, (s, r) in enumerate(sorted({(step, round_), *recent}, key=lambda p: (p[1], p[0]),
+                                          reverse=True)[:_RECENT_PAIRS]):
+            self._set_pair(_RECENT + 16 * i, s, r)
+
+    def recently_committed(self) -> list[tuple[int, int]]:
+        """(step, round) of the newest commits this rank's agent heard of, newest first: a slot that holds one
+        of them holds a committed step, even when a newer one was committed since."""
+        pairs = [self._pair(_RECENT + 16 * i) for i in range(_RECENT_PAIRS)]
+        return [p for p in pairs if p[0] >= 0]
 
     @property
     def released(self) -> tuple[int, int]:

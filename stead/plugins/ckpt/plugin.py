@@ -145,15 +145,17 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         self._status = summary, now
         await self.ctx.store.put(self.ctx.key("status"), json.dumps({"summary": summary, "at": now}).encode())
 
-    def replica_sources(self, node_id: str, ranks: list[int]) -> list[tuple[str, str, int, int]]:
-        """(holder, address, rank, world) of the replicas of the committed step of ``ranks`` held by other nodes
-        than the caller."""
-        committed = (self.book.step, self.book.step_round)
-        if committed[0] < 0:
+    def replica_sources(self, node_id: str, ranks: list[int]) -> list[tuple[str, str, int, int, int, int]]:
+        """(holder, address, rank, step, round, world) of the replicas of ``ranks`` that other nodes than the caller
+        hold, of the committed step or older (a replica not yet in place for the newest), newest first."""
+        newest = (self.book.step_round, self.book.step)
+        if newest[1] < 0:
             return []
-        return [(holder, self._peers[holder].address, rank, held[rank][2]) for rank in ranks
-                for holder, held in self._held.items()
-                if holder != node_id and holder in self._peers and rank in held and held[rank][:2] == committed]
+        found = [(holder, self._peers[holder].address, rank, *held[rank]) for rank in ranks
+                 for holder, held in self._held.items()
+                 if holder != node_id and holder in self._peers and rank in held
+                 and (held[rank][1], held[rank][0]) <= newest]
+        return sorted(found, key=lambda f: (f[2], -f[4], -f[3]))
 
     async def disk_report(self, *, step: int, world_size: int, ranks: list[int], path: str,
                           seconds: float | None = None) -> None:
@@ -299,8 +301,8 @@ class CheckpointServicer(proto.CheckpointServiceBase):
         with backend_errors("CheckpointService.GetCommitted"):
             book, freed = await self._plugin.committed(round_=message.round, after_step=message.after_step,
                                                        wait_s=message.wait_s, ranks=list(message.ranks))
-        sources = [proto.ReplicaPeer(node_id=n, address=a, rank=r, step=book.step, round=book.step_round, world=w)
-                   for n, a, r, w in self._plugin.replica_sources(message.node_id, list(message.replica_ranks))]
+        sources = [proto.ReplicaPeer(node_id=n, address=a, rank=r, step=s, round=o, world=w)
+                   for n, a, r, s, o, w in self._plugin.replica_sources(message.node_id, list(message.replica_ranks))]
         return proto.GetCommittedReply(step=book.step, round=book.step_round,
                                        round_step=book.round_step if book.round == message.round else -1,
                                        persisted_step=book.persisted,

@@ -72,7 +72,8 @@ class GetCommittedReply(betterproto2.Message):
 
     replica_sources: "list[ReplicaPeer]" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, repeated=True)
     """
-    The nodes holding a replica of the committed step of each of the asked replica_ranks.
+    The nodes holding a replica of each of the asked replica_ranks (of the committed step, or an older one when
+    the newest was not in place yet), newest first.
     """
 
 
