@@ -93,6 +93,7 @@ bench: $(STAMP) etcd
 	-$(BIN)/python bench/startup.py
 	-$(BIN)/python bench/failover.py
 	-$(BIN)/python bench/hosts.py
+	-$(BIN)/python bench/replicas.py
 	-$(BIN)/python bench/goodput.py
 	-$(BIN)/python bench/scale.py
 	-$(BIN)/python bench/k8s.py

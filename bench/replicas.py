@@ -12,12 +12,14 @@ for each size:
 * **save stall**: the median seconds of ``save()`` on rank 0 while the job runs, over the memcpy floor of the same
   bytes measured in the worker (goal with replicas: <= 1.1x the floor, as without);
 * **replica lag and bandwidth** (peer): from each commit to its replicas in place on the other host (the agents'
-  ``ckpt_replicated`` lines), and the bytes sent over the seconds spent sending them, against a plain socket copy
-  of as many bytes between two of the hosts over the same kind of link (goal: >= 0.8x);
+  ``ckpt_replicated`` lines), and the bytes sent over the seconds spent sending them (the copy out of the slot, the
+  transfer and the holder's hash check), against a plain socket copy of as many bytes between the two job hosts
+  while they train (goal: >= 0.8x; against the same copy between idle hosts once the job ended, too);
 * **host loss**: the second job host killed (every process, its memory and link gone) -> every rank of the new
   round (the spare in its place) has finished a step (goal with replicas: <= 1.5 s at 256 MiB, and faster than
-  disk); and the steps every rank had finished before the kill that the new round trains again (goal: 0 beyond
-  the last committed step).
+  disk), and -> every rank has restored (its ``ckpt_restored`` line); the page cache is dropped at the kill (as
+  root), as the files on a shared filesystem would not be in the replacement host's; and the steps every rank had
+  finished before the kill that the new round trains again (goal: 0 beyond the last committed step).
 
 The last line is one JSON object with the figures under the issue's names (the 256 MiB run's, or the largest
 size run's when it was not run), and each size's under ``by_size``. ``--quick``: 32 MiB only.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import json
 import re
 import shutil
@@ -51,6 +54,10 @@ AFTER_SPARE_STEPS = 4
 RUN_TIMEOUT_S = 240.0
 #: every Nth step is also written to disk (what a restore from disk can go back to), in both modes
 PERSIST_EVERY = 10
+_RESTORED = re.compile(r"^(\S+) \[info\s*\] ckpt_restored\s", re.MULTILINE)
+#: root may drop the page cache: a checkpoint on a shared filesystem is not in the cache of the host that replaces
+#: a lost one (here every host shares this machine's cache, so it is dropped at the kill, in both modes)
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 _REPLICATED = re.compile(r"ckpt_replicated\s.*?bytes=(\d+).*?lag_s=([\d.]+).*?sending_s=([\d.]+)")
 
 _SOCKET_RECEIVER = """
@@ -134,6 +141,12 @@ class ReplicaBench(Bench):
                          "spare host accepted and warm", procs, RUN_TIMEOUT_S)
             now = max(int(s) for _, _, s, _ in _lines(stamps) if s.isdigit())
             await _until(lambda: past(now + AFTER_SPARE_STEPS), "steps after the spare joined", procs, RUN_TIMEOUT_S)
+            loaded = None
+            if replicas:  # a plain socket copy of one replica's bytes between the two job hosts, as they train
+                _, _, step_bytes = _replicated(run)
+                if step_bytes:
+                    loaded = await _socket_bandwidth(hosts[0], hosts[1], step_bytes)
+            _drop_page_cache()  # the checkpoint files are not in the replacement host's page cache
             killed = time.time()
             done = min(max((int(s) for r, _, s, w in _lines(stamps) if r == rank and s.isdigit() and w <= killed),
                            default=-1) for rank in (0, 1))
@@ -151,20 +164,36 @@ class ReplicaBench(Bench):
         restored = firsts[1][0] - 1
         floor, saves = _stalls(stalls, 0)
         before = saves[2:] or saves  # the first saves allocate and fault their slots
-        lags, sent, sending = [], 0, 0.0
-        for name in ("h0.log", "h1.log"):
-            for match in _REPLICATED.finditer((run / name).read_text(errors="replace")):
-                sent += int(match.group(1))
-                lags.append(float(match.group(2)))
-                sending += float(match.group(3))
+        lags, rate, step_bytes = _replicated(run)
+        restored_at = [datetime.datetime.fromisoformat(m.group(1)).timestamp() for name in ("h0.log", "h2.log")
+                       for m in _RESTORED.finditer((run / name).read_text(errors="replace"))]
+        restored_at = [t for t in restored_at if t > killed]
         for proc in procs:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.wait(), 60)
         return {"host_loss_s": round(max(w for _, w in firsts) - killed, 3), "restored_step": restored,
+                "restored_s": round(max(restored_at) - killed, 3) if len(restored_at) >= 2 else None,
                 "steps_rolled_back": max(0, done - restored), "save_stall_s": _median(before),
-                "memcpy_floor_s": floor, "replica_lag_s": _median(lags),
-                "replica_bytes_per_s": round(sent / sending) if sending else None,
-                "replica_step_bytes": sent // len(lags) if lags else None}
+                "memcpy_floor_s": floor, "replica_lag_s": _median(lags), "replica_bytes_per_s": rate,
+                "replica_step_bytes": step_bytes,
+                "socket_loaded_bytes_per_s": None if loaded is None else round(loaded)}
+
+
+def _drop_page_cache() -> None:
+    with contextlib.suppress(OSError):  # (not root: the cache stays, and disk reads look faster than they are)
+        DROP_CACHES.write_text("1\n")
+
+
+def _replicated(run: Path) -> tuple[list[float], int | None, int]:
+    """From the job hosts' ckpt_replicated lines: the lags, the bytes per second sent, and one step's bytes."""
+    lags, sent, sending = [], 0, 0.0
+    for name in ("h0.log", "h1.log"):
+        log = run / name
+        for match in _REPLICATED.finditer(log.read_text(errors="replace") if log.exists() else ""):
+            sent += int(match.group(1))
+            lags.append(float(match.group(2)))
+            sending += float(match.group(3))
+    return lags, round(sent / sending) if sending else None, sent // len(lags) if lags else 0
 
 
 def _median(values: list[float]) -> float | None:
@@ -184,15 +213,16 @@ async def _measure(sizes: list[int], keep: bool = False) -> dict[str, object]:
                 try:
                     async with test_hosts(3, shared=shared, skip_unavailable=False) as hosts:
                         got = await bench.host_loss(hosts, mib, replicas)
-                        if replicas and got["replica_step_bytes"]:
-                            figures["socket_bytes_per_s"] = round(await _socket_bandwidth(  # (h1 is gone)
+                        if replicas and got["replica_step_bytes"]:  # (the job stopped; h1 is gone)
+                            figures["socket_idle_bytes_per_s"] = round(await _socket_bandwidth(
                                 hosts[0], hosts[2], int(got["replica_step_bytes"])))
                 except Failed as exc:
                     print(f"{mib} MiB, {mode}: no figure: {exc}", flush=True)
                     figures[f"{mode}_note"] = str(exc).splitlines()[0]
                     continue
                 figures.update({f"{mode}_{k}": v for k, v in got.items()})
-                print(f"{mib:5d} MiB/node {mode:<4}: host lost -> stepping again {got['host_loss_s']} s, restored "
+                print(f"{mib:5d} MiB/node {mode:<4}: host lost -> every rank restored {got['restored_s']} s, stepping "
+                      f"again {got['host_loss_s']} s, restored "
                       f"step {got['restored_step']}, {got['steps_rolled_back']} step(s) trained again; save stall "
                       f"{got['save_stall_s']} s (memcpy {got['memcpy_floor_s']} s)"
                       + (f"; replicas in place {got['replica_lag_s']} s after commit, "
@@ -214,7 +244,10 @@ async def _measure(sizes: list[int], keep: bool = False) -> dict[str, object]:
         "save_stall_ratio_replicated": ratio(main.get("peer_save_stall_s"), main.get("peer_memcpy_floor_s")),
         "save_stall_ratio_unreplicated": ratio(main.get("disk_save_stall_s"), main.get("disk_memcpy_floor_s")),
         "replica_lag_s": main.get("peer_replica_lag_s"),
-        "replica_bandwidth_ratio": ratio(main.get("peer_replica_bytes_per_s"), main.get("socket_bytes_per_s")),
+        "replica_bandwidth_ratio": ratio(main.get("peer_replica_bytes_per_s"),
+                                         main.get("peer_socket_loaded_bytes_per_s")),
+        "replica_bandwidth_ratio_idle_link": ratio(main.get("peer_replica_bytes_per_s"),
+                                                   main.get("socket_idle_bytes_per_s")),
         "host_loss_peer_s": main.get("peer_host_loss_s"),
         "host_loss_disk_s": main.get("disk_host_loss_s"),
         "host_loss_steps_rolled_back": main.get("peer_steps_rolled_back"),
