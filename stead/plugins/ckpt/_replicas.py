@@ -62,6 +62,8 @@ _MAX_REPLICA_BYTES = 1 << 40
 #: the largest layout document (JSON) a replica may carry
 _MAX_LAYOUT_BYTES = 256 << 20
 _CHUNK = 8 << 20
+#: connections a replica port serves at once (each node sends one at a time; a flood of strangers is cut here)
+_MAX_CONNECTIONS = 64
 
 
 class ReplicaError(CheckpointError):
@@ -308,6 +310,9 @@ class ReplicaServer:
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
+        #: what :meth:`holdings` returns, replaced whole under the lock (read without it: a fetch being served holds
+        #: the lock for as long as it sends, and the agent's reports must not wait for it)
+        self._snapshot: tuple[tuple[ReplicaMeta, int], ...] = ()
         self.address = ""
 
     def start(self, host: str) -> str:
@@ -342,12 +347,16 @@ class ReplicaServer:
                 _free(held)
             self.held.clear()
             self._spares.clear()
+            self._changed_holdings()
 
     def holdings(self) -> list[tuple[ReplicaMeta, int]]:
         """Each replica held and the memory it takes (its spare segment included)."""
-        with self._lock:
-            return [(h.meta, h.capacity + (self._spares[r].capacity if r in self._spares else 0))
-                    for r, h in self.held.items()]
+        return list(self._snapshot)
+
+    def _changed_holdings(self) -> None:
+        """(under the lock) what :meth:`holdings` says from now on."""
+        self._snapshot = tuple((h.meta, h.capacity + (self._spares[r].capacity if r in self._spares else 0))
+                               for r, h in self.held.items())
 
     def _accept(self) -> None:
         while True:
@@ -358,6 +367,11 @@ class ReplicaServer:
                 sock, _ = listener.accept()
             except OSError:
                 return
+            if len(self._conns) >= _MAX_CONNECTIONS:
+                log.warning("ckpt_replica_connection_refused", reason=f"{_MAX_CONNECTIONS} connections are open "
+                            "already (no node sends more than a few at once)")
+                sock.close()
+                continue
             threading.Thread(target=self._serve, args=(sock,), name="stead-ckpt-replica", daemon=True).start()
 
     def _serve(self, raw: socket.socket) -> None:
@@ -458,6 +472,7 @@ class ReplicaServer:
                 stale, keep = held, old  # a late, older copy: the newer one stays
             else:
                 self.held[meta.rank], stale, keep = held, old, held
+            self._changed_holdings()
         if stale is not None:
             self._keep_spare(meta.rank, stale)
         conn.send_line({"ok": True})
@@ -471,6 +486,7 @@ class ReplicaServer:
         with self._lock:
             other = self._spares.get(rank)
             self._spares[rank] = held
+            self._changed_holdings()
         if other is not None:
             _free(other)
 
