@@ -20,7 +20,7 @@ from stead.core.platform import HOST_ENV
 from stead.plugin import CheckpointRestored
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._replicas import ReplicaError, ReplicaMeta, push
-from stead.plugins.ckpt._shm import SHM_DIR, unlink_quietly
+from stead.plugins.ckpt._shm import unlink_quietly
 from stead.plugins.ckpt.agent import CheckpointAgentExtension
 from stead.plugins.ckpt.events import CheckpointCorrupt
 from stead.plugins.ckpt.settings import CheckpointSettings
@@ -88,6 +88,14 @@ def _replace_node_1(cluster: LocalCluster) -> None:
     _agent(cluster, "node-1", "c", incarnation=2)
     for node, rank in (("node-0", 0), ("node-1", 1)):
         cluster.round(2, node_id=node, world=2, node_rank=rank, restart_count=1)
+
+
+def _push_empty(address: str, *, token: str, job: str) -> None:
+    """Offer ``address`` a replica of two bytes (what a refusal is tested with)."""
+    meta = ReplicaMeta(rank=1, world=2, step=5, round=1, data_bytes=0, n_tensors=0, checks_off=0, layout_off=0,
+                       layout_len=2, layout_sum=0)
+    push(address, token=token, job=job, tls=None, meta=meta, source=memoryview(b"{}"), intact=lambda: True,
+         timeout_s=5.0)
 
 
 def _load(cluster: LocalCluster, node: str, rank: int) -> tuple[int, dict[str, object]] | None:
@@ -180,12 +188,9 @@ def test_a_peer_without_the_job_s_token_is_refused_before_anything_is_sent(
         _two_hosts_save(cluster, steps=1)
         holder = cluster.agents["node-0"]._node
         assert holder is not None
-        meta = ReplicaMeta(rank=1, world=2, step=5, round=1, data_bytes=0, n_tensors=0, checks_off=0, layout_off=0,
-                           layout_len=2, layout_sum=0)
         for token, job in (("x" * 43, cluster.job), (cluster.token, "another-job")):
             with pytest.raises(ReplicaError, match="did not prove it holds this job's token"):
-                push(holder.peers.address, token=token, job=job, tls=None, meta=meta, source=memoryview(b"{}"),
-                     intact=lambda: True, timeout_s=5.0)
+                _push_empty(holder.peers.address, token=token, job=job)
         assert [h[:4] for h in holder.peers.held()] == [(1, 2, 1, 1)]
 
 
@@ -195,11 +200,8 @@ def test_a_budget_too_small_for_a_replica_is_named_in_the_refusal(
         _agent(cluster, "node-0", "a")
         node = cluster.agents["node-0"]._node
         assert node is not None
-        meta = ReplicaMeta(rank=1, world=2, step=5, round=1, data_bytes=0, n_tensors=0, checks_off=0, layout_off=0,
-                           layout_len=2, layout_sum=0)
         with pytest.raises(ReplicaError, match=r"ckpt\.replica_max_bytes=4096"):
-            push(node.peers.address, token=cluster.token, job=cluster.job, tls=None, meta=meta,
-                 source=memoryview(b"{}"), intact=lambda: True, timeout_s=5.0)
+            _push_empty(node.peers.address, token=cluster.token, job=cluster.job)
         assert node.peers.held() == []
 
 
@@ -214,8 +216,9 @@ def test_nodes_on_one_host_keep_no_replicas(tmp_path: Path, memory_only: Checkpo
                 assert rank0.save(step, {"w": torch.ones(10)}) and rank1.save(step, {"w": torch.ones(10)})
         cluster.settle(0.5)
         assert _held(cluster, "node-0") == [] and _held(cluster, "node-1") == []
-        assert not any(n.startswith(cluster.agents["node-0"]._names.prefix) and "-p" in n  # type: ignore[union-attr]
-                       for n in (p.name for p in SHM_DIR.iterdir()) if "-p1-" in n)
+        for node in ("node-0", "node-1"):
+            names = cluster.agents[node]._names
+            assert names is not None and not [n for n in names.all_mine() if "-p0-" in n or "-p1-" in n]
 
 
 def test_a_replica_of_a_step_is_replaced_by_the_next_one_in_one_of_two_buffers(
@@ -249,10 +252,7 @@ def test_a_process_squatting_on_a_holder_s_port_is_sent_nothing() -> None:
 
         thread = threading.Thread(target=squatter)
         thread.start()
-        meta = ReplicaMeta(rank=0, world=2, step=1, round=1, data_bytes=0, n_tensors=0, checks_off=0, layout_off=0,
-                           layout_len=2, layout_sum=0)
         with pytest.raises(ReplicaError, match="did not prove it holds this job's token"):
-            push(f"127.0.0.1:{port}", token="t" * 43, job="j", tls=None, meta=meta, source=memoryview(b"{}"),
-                 intact=lambda: True, timeout_s=5.0)
+            _push_empty(f"127.0.0.1:{port}", token="t" * 43, job="j")
         thread.join()
     assert len(got) == 2 and got[1] == b""  # after its proof failed, the sender closed without a byte more
