@@ -58,6 +58,7 @@ _RESTORED = re.compile(r"^(\S+) \[info\s*\] ckpt_restored\s", re.MULTILINE)
 #: root may drop the page cache: a checkpoint on a shared filesystem is not in the cache of the host that replaces
 #: a lost one (here every host shares this machine's cache, so it is dropped at the kill, in both modes)
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+_FETCHED = re.compile(r"ckpt_replica_fetched\s.*?seconds=([\d.]+)")
 _REPLICATED = re.compile(r"ckpt_replicated\s.*?bytes=(\d+).*?lag_s=([\d.]+).*?sending_s=([\d.]+)")
 
 _SOCKET_RECEIVER = """
@@ -168,11 +169,13 @@ class ReplicaBench(Bench):
         restored_at = [datetime.datetime.fromisoformat(m.group(1)).timestamp() for name in ("h0.log", "h2.log")
                        for m in _RESTORED.finditer((run / name).read_text(errors="replace"))]
         restored_at = [t for t in restored_at if t > killed]
+        fetched = [float(m.group(1)) for m in _FETCHED.finditer((run / "h2.log").read_text(errors="replace"))]
         for proc in procs:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.wait(), 60)
         return {"host_loss_s": round(max(w for _, w in firsts) - killed, 3), "restored_step": restored,
                 "restored_s": round(max(restored_at) - killed, 3) if len(restored_at) >= 2 else None,
+                "replica_fetch_s": fetched[0] if fetched else None,
                 "steps_rolled_back": max(0, done - restored), "save_stall_s": _median(before),
                 "memcpy_floor_s": floor, "replica_lag_s": _median(lags), "replica_bytes_per_s": rate,
                 "replica_step_bytes": step_bytes,
@@ -225,7 +228,8 @@ async def _measure(sizes: list[int], keep: bool = False) -> dict[str, object]:
                       f"again {got['host_loss_s']} s, restored "
                       f"step {got['restored_step']}, {got['steps_rolled_back']} step(s) trained again; save stall "
                       f"{got['save_stall_s']} s (memcpy {got['memcpy_floor_s']} s)"
-                      + (f"; replicas in place {got['replica_lag_s']} s after commit, "
+                      + (f"; the spare fetched its rank's replica in {got['replica_fetch_s']} s"
+                         f"; replicas in place {got['replica_lag_s']} s after commit, "
                          f"{(got['replica_bytes_per_s'] or 0) / 1e6:.0f} MB/s" if replicas else ""), flush=True)
             by_size[str(mib)] = figures
     finally:
@@ -250,6 +254,9 @@ async def _measure(sizes: list[int], keep: bool = False) -> dict[str, object]:
                                                    main.get("socket_idle_bytes_per_s")),
         "host_loss_peer_s": main.get("peer_host_loss_s"),
         "host_loss_disk_s": main.get("disk_host_loss_s"),
+        "host_loss_peer_restored_s": main.get("peer_restored_s"),
+        "host_loss_disk_restored_s": main.get("disk_restored_s"),
+        "host_loss_peer_fetch_s": main.get("peer_replica_fetch_s"),
         "host_loss_steps_rolled_back": main.get("peer_steps_rolled_back"),
         "host_loss_disk_steps_rolled_back": main.get("disk_steps_rolled_back"),
         "by_size": by_size,
