@@ -35,6 +35,7 @@ from stead.plugin import (
 )
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._client import CheckpointClient, Committed, Saved
+from stead.plugins.ckpt._diskwait import until_on_disk
 from stead.plugins.ckpt._link import SOCKET_ENV
 from stead.plugins.ckpt._peers import PeerReplicas
 from stead.plugins.ckpt._rankmem import PersistJob, RankMemory
@@ -51,15 +52,6 @@ from stead.plugins.ckpt.events import CheckpointCorrupt
 from stead.plugins.ckpt.settings import CheckpointSettings
 
 __all__ = ["NodeCheckpoints"]
-
-#: how often an agent looks whether a step it waits for is on disk yet
-_DISK_POLL_S = 0.02
-#: once its own parts are written, how long (at least) an agent waits for more parts of a step that stays incomplete
-_DISK_SETTLE_S = 0.2
-#: how often an agent waiting for a step on disk asks the master whether every part of it is written somewhere
-_ASK_PERSISTED_S = 0.5
-#: how long a step the master says is written in full may stay unseen before it counts as on a disk not shared here
-_UNSEEN_GRACE_S = 5.0
 
 log = structlog.get_logger("stead.plugins.ckpt")
 
@@ -274,50 +266,12 @@ class NodeCheckpoints:
         return True
 
     async def _until_on_disk(self, step: int) -> None:
-        """Wait until every rank's part of ``step`` (or of a newer step some rank writes) is on disk or, once this
-        node's own parts are, until no new part came for as long as the first one took (``_DISK_SETTLE_S`` at
-        least): a lost node never writes its part, and a replicated state needs only some copies.
-        ``persist_grace_s`` at most. A step the master says every rank wrote that this node does not see within
-        ``_UNSEEN_GRACE_S`` is on a disk it does not share (a volume of each node's own): nothing more is waited
-        for."""
-        waited, seen, quiet, first_after, asked = 0.0, 0, 0.0, None, 0.0
-        persisted_at: float | None = None  # when (in ``waited``) the master first said every part is written
-        while True:
-            # a newer step being written is the one to wait for: this agent's hint may be a commit behind the
-            # others' (their workers saved once more before they stopped), and the workers restore the newest
-            newest = max([step, *await anyio.to_thread.run_sync(functools.partial(
-                _disk.candidates, self.root, -1, any_rank=True))])
-            if newest != step:
-                step, seen, quiet = newest, 0, 0.0
-            complete, ranks = await anyio.to_thread.run_sync(_disk.progress, self.root, step)
-            if complete:
-                return
-            written = len(ranks)
-            if written and first_after is None:
-                first_after = waited
-            mine_done = not self._persisting and all(s.persist is None for s in self._ranks.values())
-            quiet = quiet + _DISK_POLL_S if written == seen and mine_done else 0.0
-            seen = written
-            settled = first_after is not None and quiet >= max(_DISK_SETTLE_S, first_after)
-            if waited >= self.ckpt.persist_grace_s or settled:
-                log.info("ckpt_partly_on_disk", step=step, ranks_written=written, waited_s=round(waited, 2),
-                         effect="the workers restore it if it is replicated, else an older step")
-                return
-            if waited == 0.0:
-                log.info("ckpt_waiting_for_disk", step=step, reason="the round's ranks differ from the ones that "
-                         "hold it in memory (a resize or a new node): the workers read it from disk")
-            if persisted_at is None and waited >= asked:
-                asked = waited + _ASK_PERSISTED_S
-                if await self._persisted_elsewhere(step):
-                    persisted_at = waited
-            elif persisted_at is not None and not written and waited - persisted_at >= _UNSEEN_GRACE_S:
-                log.warning("ckpt_disk_not_shared", step=step, root=str(self.root), waited_s=round(waited, 2),
-                            effect="this node's workers cannot read the step the others wrote; the ranks restore "
-                                   "the newest step every one of them can take",
-                            hint="give every node the same ckpt.dir (a shared volume) to restore across nodes")
-                return
-            await anyio.sleep(_DISK_POLL_S)
-            waited += _DISK_POLL_S
+        """:func:`._diskwait.until_on_disk` for this node (its own persists, the master's count of the parts)."""
+        def mine_done() -> bool:
+            return not self._persisting and all(s.persist is None for s in self._ranks.values())
+
+        await until_on_disk(self.root, step, grace_s=self.ckpt.persist_grace_s, mine_done=mine_done,
+                            persisted_elsewhere=self._persisted_elsewhere)
 
     async def _persisted_elsewhere(self, step: int) -> bool:
         """Whether the master counts every rank's part of ``step`` (or a newer step) as written."""
