@@ -216,7 +216,12 @@ def _connect(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, 
         raise ReplicaError(f"cannot reach the agent at {address} ({exc})") from None
     conn = _Conn(sock)
     try:
-        words = conn.line().rsplit(" ", 1)
+        try:
+            words = conn.line().rsplit(" ", 1)
+        except (OSError, ReplicaError) as exc:
+            raise ReplicaError(f"the agent at {address} sent no greeting ({exc}): it may serve TLS and this node not "
+                               "(give every host the same tls_* settings), or it is not a stead agent's replica "
+                               "port") from None
         if len(words) != 2 or words[0] != _GREETING:
             raise ReplicaError(f"{address} is not a stead agent's replica port")
         server_nonce, client_nonce = words[1], secrets.token_hex(16)

@@ -39,8 +39,6 @@ __all__ = ["CheckpointPlugin", "CheckpointServicer", "corrupt_from_proto"]
 log = structlog.get_logger("stead.plugins.ckpt")
 
 TIERS = ("memory", "disk")
-#: how often (at most) the replicas' line of ``stead status`` is written to the store
-_STATUS_EVERY_S = 5.0
 #: where a rank's restore came from ("peer": a replica fetched from another host's memory)
 RESTORE_TIERS = ("memory", "peer", "disk", "none")
 #: ranks beyond this are refused as bad input (a typo, not a world)
@@ -67,8 +65,8 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         self._held: dict[str, dict[int, tuple[int, int, int]]] = {}
         self._placement: tuple[tuple[_placement.Member, ...], dict[str, tuple[str, ...]]] = ((), {})
         self._single_host_said = False
-        #: what ``stead status`` was last told of the replicas (published at most every _STATUS_EVERY_S)
-        self._status: tuple[list[str], float] = ([], 0.0)
+        #: what ``stead status`` was last told of the replicas
+        self._status: list[str] = []
 
     async def start(self, *, ctx: PluginContext[CheckpointSettings]) -> None:
         self._ctx = ctx
@@ -131,7 +129,8 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         return tuple((t, self._peers[t].address) for t in self._placement[1].get(node_id, ()))
 
     async def publish_replicas(self, now: float) -> None:
-        """Tell ``stead status`` which node holds whose replica and the memory it takes (when that changed)."""
+        """Tell ``stead status`` which node holds whose replica and the memory it takes, when that changed (the
+        line names no step: it changes as nodes come and go, not with every commit)."""
         holders = sorted((n, p) for n, p in self._peers.items() if self._held.get(n))
         if not holders:
             return
@@ -140,9 +139,9 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
                  f"{', '.join(str(r) for r in sorted(self._held[n]))} ({_mib(p.held_bytes)})" for n, p in holders[:8]]
         summary = [f"replicas: {_mib(total)} of other nodes' steps in memory: {'; '.join(parts)}"
                    + ("; ..." if len(holders) > 8 else "")]
-        if summary == self._status[0] or now - self._status[1] < _STATUS_EVERY_S:
+        if summary == self._status:
             return
-        self._status = summary, now
+        self._status = summary
         await self.ctx.store.put(self.ctx.key("status"), json.dumps({"summary": summary, "at": now}).encode())
 
     def replica_sources(self, node_id: str, ranks: list[int]) -> list[tuple[str, str, int, int, int, int]]:

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from typing import Any
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from stead.core.rpc import MasterClient, RpcServer, new_token, write_token_file
+from stead.core.rpc import MasterClient, RpcServer, client_tls, new_token, write_token_file
+from stead.core.rpc.tls import server_context, tls_files
 from stead.core.store import open_store
 from stead.plugin import AgentContext, Event, JobState, PluginContext, Record, RoundInfo, Settings
 from stead.plugins.ckpt.agent import CheckpointAgentExtension
@@ -77,11 +79,16 @@ class LocalCluster:
                             store=store, state=JobState, emit=emit, add_rpc_handler=handlers.append)
         await self.plugin.start(ctx=ctx)
         try:
-            async with RpcServer(handlers, token=self.token) as server:
+            async with RpcServer(handlers, token=self.token, tls=self._server_tls()) as server:
                 task_status.started(server.address)
                 await self._stop.wait()
         finally:
             await store.close()
+
+    def _server_tls(self) -> ssl.SSLContext | None:
+        """Mutual TLS when the stead settings name the tls_* files (the agents' clients then use them too)."""
+        files = tls_files(self.stead_settings)
+        return server_context(files) if files is not None else None
 
     # -- agents -------------------------------------------------------------------------------------
 
@@ -92,7 +99,7 @@ class LocalCluster:
         workdir = self.tmp / f"{node_id}-{incarnation}"
         workdir.mkdir(exist_ok=True)
         ext = CheckpointAgentExtension(settings=self.settings)
-        client = MasterClient(self.address, self.token, call_timeout_s=5)
+        client = MasterClient(self.address, self.token, call_timeout_s=5, tls=client_tls(self.stead_settings))
         ctx = AgentContext(job=self.job, node_id=node_id, incarnation=incarnation, nproc=nproc,
                            settings=self.stead_settings, client=client,
                            master_address=self.address, token_file=str(self.token_file), workdir=workdir)

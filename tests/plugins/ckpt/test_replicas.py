@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stead.cli.certs import make_certs
 from stead.core.config import Settings
 from stead.core.platform import HOST_ENV
 from stead.plugin import CheckpointRestored
@@ -35,8 +36,9 @@ def memory_only(settings: CheckpointSettings) -> CheckpointSettings:
     return dataclasses.replace(settings, persist_on_failure=False, persist_on_stop=False, persist_grace_s=2.0)
 
 
-def _cluster(tmp_path: Path, settings: CheckpointSettings) -> LocalCluster:
-    return LocalCluster(tmp_path, settings, job="replicas", stead_settings=Settings(retry_deadline_s=5.0))
+def _cluster(tmp_path: Path, settings: CheckpointSettings, **stead: str) -> LocalCluster:
+    return LocalCluster(tmp_path, settings, job="replicas",
+                        stead_settings=Settings.from_mapping({"retry_deadline_s": "5", **stead}))
 
 
 def _agent(cluster: LocalCluster, node: str, host: str, incarnation: int = 1) -> CheckpointAgentExtension:
@@ -90,12 +92,12 @@ def _replace_node_1(cluster: LocalCluster) -> None:
         cluster.round(2, node_id=node, world=2, node_rank=rank, restart_count=1)
 
 
-def _push_empty(address: str, *, token: str, job: str) -> None:
+def _push_empty(address: str, *, token: str, job: str, timeout_s: float = 5.0) -> None:
     """Offer ``address`` a replica of two bytes (what a refusal is tested with)."""
     meta = ReplicaMeta(rank=1, world=2, step=5, round=1, data_bytes=0, n_tensors=0, checks_off=0, layout_off=0,
                        layout_len=2, layout_sum=0)
     push(address, token=token, job=job, tls=None, meta=meta, source=memoryview(b"{}"), intact=lambda: True,
-         timeout_s=5.0)
+         timeout_s=timeout_s)
 
 
 def _load(cluster: LocalCluster, node: str, rank: int) -> tuple[int, dict[str, object]] | None:
@@ -108,7 +110,7 @@ def test_a_lost_host_s_replacement_restores_its_rank_s_newest_step_from_a_peer_s
     with _cluster(tmp_path, memory_only) as cluster:
         _two_hosts_save(cluster, steps=3)
         _until(cluster, lambda: re.search(r"node-0 \(host a\) holds rank 1 \([24]\.0 MiB\)",  # (one or two buffers)
-                                          " ".join(cluster.plugin._status[0])) is not None,
+                                          " ".join(cluster.plugin._status)) is not None,
                "stead status says who holds which replica")
         _replace_node_1(cluster)
         restored = [_load(cluster, "node-0", 0), _load(cluster, "node-1", 1)]
@@ -146,6 +148,25 @@ def test_when_the_newest_step_s_replica_was_not_in_place_every_rank_restores_the
         got = _load(cluster, "node-1", 1)
     assert got is not None and got[0] == 3 and got[1]["step"] == 3
     assert torch.equal(got[1]["w"], torch.full((1000,), 31.0))  # type: ignore[arg-type]
+
+
+def test_with_the_job_s_certificates_replicas_travel_over_mutual_tls_and_a_plain_text_peer_gets_nothing(
+        tmp_path: Path, memory_only: CheckpointSettings) -> None:
+    tls = {name: str(path) for name, path in make_certs(job="replicas", directory=tmp_path / "pki",
+                                                        hosts=["127.0.0.1"]).items()}
+    with _cluster(tmp_path, memory_only, **tls) as cluster:
+        _two_hosts_save(cluster, steps=2)
+        holder = cluster.agents["node-0"]._node
+        assert holder is not None
+        with pytest.raises(ReplicaError, match="it may serve TLS and this node not"):  # (it waits for a TLS hello)
+            _push_empty(holder.peers.address, token=cluster.token, job=cluster.job, timeout_s=1.0)
+        _replace_node_1(cluster)
+        got = _load(cluster, "node-1", 1)
+        cluster.settle()
+        events = [e for e in cluster.events if isinstance(e, CheckpointRestored)]
+    assert got is not None and got[0] == 2 and torch.equal(got[1]["w"], torch.full((1000,), 21.0))  # type: ignore[arg-type]
+    assert holder.peers._client_tls is not None
+    assert not events or events[-1].peer_ranks == 1
 
 
 def test_a_damaged_replica_is_reported_and_never_restored(tmp_path: Path, memory_only: CheckpointSettings) -> None:
