@@ -41,7 +41,7 @@ from stead.core.events import (
     WorkersSucceeded,
 )
 from stead.core.events.log import BadRecord
-from stead.core.views.recovery import Recovery, RecoveryFold, RecoveryOutcome, RecoveryPhase
+from stead.core.views.recovery import Recovery, RecoveryFold, RecoveryOutcome, RecoveryPhase, restored_from
 
 __all__ = ["PARTS", "RECOVERY_PHASES", "Ledger", "Recovery", "ledger", "step_rates"]
 
@@ -102,6 +102,8 @@ class _Fold:
         self.last_step: int | None = None
         self.phase = ""
         self.restored: dict[int, int] = {}
+        #: round -> what its workers restored and from where (:func:`restored_from`)
+        self.restored_from: dict[int, str] = {}
         self.recoveries: list[Recovery] = []
         self.fold = RecoveryFold()
         self.ended = False
@@ -233,6 +235,10 @@ class _Fold:
                 self.mode, self.ended = "idle", True
             case CheckpointRestored():
                 self.restored[event.round] = event.step
+                self.restored_from[event.round] = restored_from(event)
+                # the last rank's restore can be recorded after the round's first step report: that round went on
+                # where stead's checkpoint left it, not the script's own
+                self.own_resumes = [(r, s) for r, s in self.own_resumes if r != event.round]
             case _:
                 pass
 
@@ -247,7 +253,9 @@ class _Fold:
                 self.settle("useful")  # still stepping: the time since the last report, provisionally
         self.settle("lost")  # (nothing left by now: every way out of running settles what was pending)
         ongoing = self.fold.ongoing(self.cursor)
-        recoveries = [*self.recoveries, *([ongoing] if ongoing is not None else [])]
+        recoveries = [r if r.restored or r.new_round not in self.restored_from
+                      else dataclasses.replace(r, restored=self.restored_from[r.new_round])  # (recorded late)
+                      for r in [*self.recoveries, *([ongoing] if ongoing is not None else [])]]
         phases = dict.fromkeys(RecoveryPhase, 0.0)
         for recovery in recoveries:
             for phase, seconds in recovery.phases.items():

@@ -29,6 +29,9 @@ DISK_SETTLE_S = 0.2
 ASK_PERSISTED_S = 0.5
 #: how long a step the master says is written in full may stay unseen before it counts as on a disk not shared here
 UNSEEN_GRACE_S = 5.0
+#: how long nothing of the step (nor of a newer one) may appear on disk, this node's own persists done, before no
+#: other node is taken to be writing it (every node that held it is gone, or stopped before it wrote its part)
+UNWRITTEN_GRACE_S = 15.0
 
 
 async def until_on_disk(root: Path, step: int, *, grace_s: float, mine_done: Callable[[], bool],
@@ -38,7 +41,9 @@ async def until_on_disk(root: Path, step: int, *, grace_s: float, mine_done: Cal
     (``DISK_SETTLE_S`` at least): a lost node never writes its part, and a replicated state needs only some copies.
     ``grace_s`` (``ckpt.persist_grace_s``) at most. A step the master says every rank wrote
     (``persisted_elsewhere(step)``) that this node does not see within ``UNSEEN_GRACE_S`` is on a disk it does not
-    share (a volume of each node's own): nothing more is waited for."""
+    share (a volume of each node's own): nothing more is waited for. When no part of it at all appeared for
+    ``UNWRITTEN_GRACE_S``, no node is writing it (every node that held it is gone: a job submitted again after its
+    nodes were stopped before they wrote the newest commit): nothing more is waited for either."""
     waited, seen, quiet, first_after, asked = 0.0, 0, 0.0, None, 0.0
     persisted_at: float | None = None  # when (in ``waited``) the master first said every part is written
     while True:
@@ -69,6 +74,10 @@ async def until_on_disk(root: Path, step: int, *, grace_s: float, mine_done: Cal
             asked = waited + ASK_PERSISTED_S
             if await persisted_elsewhere(step):
                 persisted_at = waited
+        elif persisted_at is None and first_after is None and done and waited >= UNWRITTEN_GRACE_S:
+            log.info("ckpt_step_not_being_written", step=step, waited_s=round(waited, 2),
+                     effect="no node is writing it; the ranks restore the newest step every one of them can take")
+            return
         elif persisted_at is not None and not written and waited - persisted_at >= UNSEEN_GRACE_S:
             log.warning("ckpt_disk_not_shared", step=step, root=str(root), waited_s=round(waited, 2),
                         effect="this node's workers cannot read the step the others wrote; the ranks restore "

@@ -110,6 +110,17 @@ def test_a_script_that_resumed_from_its_own_checkpoint_loses_nothing_stead_can_s
                               "was written are not known, and count as useful",)
 
 
+def test_a_restore_recorded_after_the_round_s_first_step_is_still_stead_s_and_named_in_the_recovery() -> None:
+    """The last rank's restore report can reach the master after another rank's first step of the round."""
+    lost = NodeLost(node_id="node-1", incarnation=1, reason="host h1 hung up")
+    records = log((0.0, SPEC), *start(1, 2.0), *steps(1, 1, 10, at=3.0),  # step 10 at 12.0
+                  (12.45, lost), *start(2, 12.6), *steps(2, 11, 13, at=13.5),
+                  (13.6, CheckpointRestored(round=2, step=10, memory_ranks=1, peer_ranks=1)), *end(17.0, 2))
+    result = ledger(records)
+    assert result.missing == ()  # not taken for the script's own checkpoint
+    assert [r.restored for r in result.recoveries] == ["step 10: memory 1, peer 1"]
+
+
 def test_a_hang_counts_the_stall_as_detection_and_a_lost_node_skips_the_decision() -> None:
     hang = RestartRequested(round=1, reason="no step for 20 s", by="diagnosis")
     records = log((0.0, SPEC), *start(1, 1.0), *steps(1, 1, 5, at=2.0),  # step 5 at 6.0

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from stead.core.config import Settings
-from stead.plugins.ckpt import segment_names
+from stead.plugins.ckpt import _diskwait, segment_names
 from stead.plugins.ckpt._client import Committed
 from stead.plugins.ckpt._node import NodeCheckpoints
 from stead.plugins.ckpt.settings import CheckpointSettings
@@ -53,3 +53,16 @@ async def test_a_step_every_rank_wrote_to_a_disk_this_node_does_not_share_is_not
     with anyio.fail_after(60):  # an hour of persist_grace_s is not waited out
         await _node(root, grace_s=3600, master=master)._until_on_disk(7)
     assert master.asked >= 1
+
+
+async def test_a_step_no_node_writes_is_not_waited_for_past_the_unwritten_grace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step to restore was committed but every node that held it stopped before writing it (a job submitted
+    again after a cancel that cut the persists short): nothing of it ever appears, so the wait ends long before
+    persist_grace_s."""
+    root = tmp_path / "job"
+    root.mkdir()
+    monkeypatch.setattr(_diskwait, "UNWRITTEN_GRACE_S", 0.3)
+    master = _Master(persisted=4)  # an older step is all there is
+    with anyio.fail_after(60):  # an hour of persist_grace_s is not waited out
+        await _node(root, grace_s=3600, master=master)._until_on_disk(7)
