@@ -245,7 +245,9 @@ async def test_a_lost_host_s_node_resumes_from_its_newest_committed_step_held_in
     async with test_hosts(3) as hosts:
         flags = ["--nnodes", "2:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:29400",
                  "--rdzv-id", "replicas", "--rdzv-conf", "heartbeat=5"]
-        script = [str(TRAIN), "--steps", "120", "--save-every", "1", "--timestamps", str(timestamps)]
+        # a step takes several replica transfers of this small model, so the newest commit is usually in place
+        script = [str(TRAIN), "--steps", "120", "--save-every", "1", "--step-time", "0.05", "--timestamps",
+                  str(timestamps)]
         serving = await _stead_run(hosts[0], tmp_path / "h0", [*flags, *script], token)
         joining = [await _stead_run(hosts[1], tmp_path / "h1", [*flags, *script], token)]
         await _until_step(timestamps, 15, world=2)
