@@ -159,6 +159,9 @@ async def test_unauthenticated_and_idle_connections_are_closed_and_an_agent_s_op
         async with MasterClient(server.address, token, call_timeout_s=10) as quiet:
             await quiet.register(REGISTER)
             await until(lambda: server.connections == 1, "the quiet client's idle connection was closed")
+            # (on a loaded machine the client may not have read the close yet: a call then would go out on the dead
+            # connection and fail, as a call does that crosses a close; retried, as agents retry)
+            await until(lambda: not quiet._conn.channel._connected, "the quiet client saw its connection closed")
             await quiet.register(REGISTER)  # and its next call connects again
         await anyio.sleep(1.0)  # five idle timeouts: the agent's stream is a call, its connection is not idle
         assert not backend.stream_closed.is_set(), "the agent's command stream was cut"
