@@ -20,8 +20,11 @@ import structlog
 from stead.plugin import (
     MAX_NODE_ID_CHARS,
     CheckpointCommitted,
+    NodeExited,
+    NodeLost,
     Plugin,
     PluginContext,
+    Record,
     at_least,
     backend_errors,
     check_name,
@@ -50,6 +53,8 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
 
     name = "ckpt"
     settings_class = CheckpointSettings
+    #: a node that ended took the replicas it held with it
+    subscriptions = (NodeLost, NodeExited)
 
     def __init__(self, *, settings: CheckpointSettings) -> None:
         super().__init__(settings=settings)
@@ -155,6 +160,15 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
                  if holder != node_id and holder in self._peers and rank in held
                  and (held[rank][1], held[rank][0]) <= newest]
         return sorted(found, key=lambda f: (f[2], -f[4], -f[3]))
+
+    async def handle(self, *, record: Record, ctx: PluginContext[CheckpointSettings]) -> None:
+        """A node that was lost or exited holds no replica any more: no replacement is sent to it for one."""
+        event = record.event
+        if isinstance(event, NodeLost | NodeExited):
+            peer = self._peers.get(event.node_id)
+            if peer is not None and peer.incarnation <= event.incarnation:
+                del self._peers[event.node_id]
+                self._held.pop(event.node_id, None)
 
     async def disk_report(self, *, step: int, world_size: int, ranks: list[int], path: str,
                           seconds: float | None = None) -> None:

@@ -17,12 +17,14 @@ import torch
 from stead.cli.certs import make_certs
 from stead.core.config import Settings
 from stead.core.platform import HOST_ENV
-from stead.plugin import CheckpointRestored
+from stead.plugin import CheckpointRestored, NodeExited, NodeLost, Record
 from stead.plugins.ckpt import _disk
+from stead.plugins.ckpt._book import Book
 from stead.plugins.ckpt._replicas import ReplicaError, ReplicaMeta, push
 from stead.plugins.ckpt._shm import unlink_quietly
 from stead.plugins.ckpt.agent import CheckpointAgentExtension
 from stead.plugins.ckpt.events import CheckpointCorrupt
+from stead.plugins.ckpt.plugin import CheckpointPlugin
 from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.testing import LocalCluster, environ_set
 
@@ -278,3 +280,21 @@ def test_a_process_squatting_on_a_holder_s_port_is_sent_nothing() -> None:
             _push_empty(f"127.0.0.1:{port}", token="t" * 43, job="j")
         thread.join()
     assert len(got) == 2 and got[1] == b""  # after its proof failed, the sender closed without a byte more
+
+
+@pytest.mark.anyio
+async def test_a_node_that_ended_is_no_holder_any_more_and_its_next_incarnation_s_report_stays() -> None:
+    plugin = CheckpointPlugin(settings=CheckpointSettings())
+    plugin.book = Book(step=5, step_round=1, persisted=-1)
+    for node, host, rank in (("node-0", "a", 0), ("node-1", "b", 1)):
+        plugin.replica_report(node_id=node, incarnation=1, round_=1, host=host, address=f"10.0.0.{rank + 1}:5000",
+                              ranks=[rank], held={1 - rank: (5, 1, 2)})
+    assert [s[0] for s in plugin.replica_sources("node-2", [0, 1])] == ["node-1", "node-0"]
+    lost = Record(seq=1, at=0.0, event=NodeLost(node_id="node-1", incarnation=1, reason="host b hung up"))
+    await plugin.handle(record=lost, ctx=None)  # type: ignore[arg-type]
+    assert [s[0] for s in plugin.replica_sources("node-2", [0, 1])] == ["node-0"]  # rank 0's copy went with host b
+    plugin.replica_report(node_id="node-1", incarnation=2, round_=2, host="c", address="10.0.0.3:5000", ranks=[1],
+                          held={0: (5, 1, 2)})
+    late = Record(seq=2, at=0.0, event=NodeExited(node_id="node-1", incarnation=1, signal=9))
+    await plugin.handle(record=late, ctx=None)  # type: ignore[arg-type]
+    assert [s[0] for s in plugin.replica_sources("node-2", [0])] == ["node-1"]
