@@ -1,4 +1,4 @@
-"""The operator (kopf, run by kopf's own testing runner) against the test API server.
+"""The operator (kopf, in the test's event loop) against the test API server.
 
 No kubelet here: the master pods it makes stay unscheduled, and the tests play their
 lives (deleted, ended) through the API, so that only the operator's part is under test.
@@ -6,13 +6,17 @@ lives (deleted, ended) through the API, so that only the operator's part is unde
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
+import kopf
 import pytest
-from kopf.testing import KopfRunner
 
 from stead.core.events import JobSubmitted, NodeRequested
 from stead.core.events.log import EventLog
@@ -34,6 +38,31 @@ def steadjob(name: str, store: str, **spec: Any) -> dict[str, Any]:
                      "store": store, "resources": {"limits": {"memory": "8Gi"}}, **spec}}
 
 
+@asynccontextmanager
+async def running(registry: Any) -> AsyncIterator[None]:
+    """The operator, run in this test's event loop as ``stead operator`` runs it (kopf until a stop flag).
+
+    One loop, not kopf's threaded test runner: a runner's stop blocks the loop that serves the test API
+    server, so a handler still in flight got no answer until its timeout (and the runner gave up on
+    the operator), and etcd's gRPC client delivers its replies through one loop per process.
+    """
+    settings = kopf.OperatorSettings()
+    settings.process.ultimate_exiting_timeout = None  # kopf's last resort kills its thread: pytest's here
+    stop = asyncio.Event()
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(partial(kopf.operator, registry=registry, settings=settings, standalone=True,
+                                     namespaces=["default"], stop_flag=stop))
+            try:
+                yield
+            finally:
+                stop.set()
+    finally:
+        loop = asyncio.get_running_loop()
+        for number in (signal.SIGINT, signal.SIGTERM):  # kopf's, in the main thread; pytest's own again
+            loop.remove_signal_handler(number)
+
+
 async def until(api: FakeKubeApi, holds: Callable[[], bool]) -> None:
     await api.wait_for(holds, timeout_s=TIMEOUT_S)
 
@@ -52,8 +81,7 @@ async def test_a_steadjob_gets_its_objects_and_master_a_deleted_master_is_replac
     base = K8sSettings(api_url=kube_api.url, pod_api_url=kube_api.url, master_host="127.0.0.1")
     async with Kube(base, pool=2) as kube:
         await kube.create(CRDS, custom_resource_definition())
-        with KopfRunner(["run", "--standalone", "--namespace", "default"], registry=operator.registry(base),
-                        timeout=60):
+        async with running(operator.registry(base)):
             made = await kube.create(JOBS, steadjob("demo", "etcd://127.0.0.1:2379"))
             assert made is not None
             uid = made["metadata"]["uid"]
@@ -90,8 +118,7 @@ async def test_a_suspended_job_has_no_pods_and_resumes_when_unsuspended(kube_api
     base = K8sSettings(api_url=kube_api.url, master_host="127.0.0.1")
     async with Kube(base, pool=2) as kube:
         await kube.create(CRDS, custom_resource_definition())
-        with KopfRunner(["run", "--standalone", "--namespace", "default"], registry=operator.registry(base),
-                        timeout=60):
+        async with running(operator.registry(base)):
             await kube.create(JOBS, steadjob("held", "etcd://127.0.0.1:2379", suspend=True))
             await until(kube_api, lambda: _status(kube_api, "held").get("phase") == "Suspended")
             assert not kube_api.objects("pods", "default")
@@ -115,8 +142,7 @@ async def test_a_running_jobs_status_is_read_from_its_store(kube_api: FakeKubeAp
     base = K8sSettings(api_url=kube_api.url, master_host="127.0.0.1")
     async with Kube(base, pool=2) as kube:
         await kube.create(CRDS, custom_resource_definition())
-        with KopfRunner(["run", "--standalone", "--namespace", "default"],
-                        registry=operator.registry(base, status_interval_s=0.2), timeout=60):
+        async with running(operator.registry(base, status_interval_s=0.2)):
             await kube.create(JOBS, steadjob("watched", etcd_url))
             await until(kube_api, lambda: "targetNodes" in _status(kube_api, "watched"))
             status = _status(kube_api, "watched")
@@ -132,8 +158,7 @@ async def test_a_steadjob_asking_for_what_the_operator_does_not_allow_is_refused
     allowed_env = [{"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "key"}}}]
     async with Kube(base, pool=2) as kube:
         await kube.create(CRDS, custom_resource_definition())
-        with KopfRunner(["run", "--standalone", "--namespace", "default"], registry=operator.registry(base),
-                        timeout=60):
+        async with running(operator.registry(base)):
             await kube.create(JOBS, steadjob("greedy", "etcd://127.0.0.1:2379", serviceAccountName="admin",
                                              env=other_token))
             await kube.create(JOBS, steadjob("sneaky", "etcd://127.0.0.1:2379",
@@ -161,10 +186,6 @@ async def test_a_steadjob_asking_for_what_the_operator_does_not_allow_is_refused
             assert kube_api.get_object("serviceaccounts", "default", "modest-master") is None
 
 
-def _operator(base: K8sSettings) -> KopfRunner:
-    return KopfRunner(["run", "--standalone", "--namespace", "default"], registry=operator.registry(base), timeout=60)
-
-
 async def test_an_operator_restart_keeps_a_running_job_and_a_spec_changed_to_a_refused_one_gets_no_new_master(
         kube_api: FakeKubeApi) -> None:
     lenient = K8sSettings(api_url=kube_api.url, master_host="127.0.0.1", allowed_service_accounts="shared",
@@ -172,12 +193,13 @@ async def test_an_operator_restart_keeps_a_running_job_and_a_spec_changed_to_a_r
     strict = K8sSettings(api_url=kube_api.url, master_host="127.0.0.1", master_image="stead:operator")
     async with Kube(lenient, pool=2) as kube:
         await kube.create(CRDS, custom_resource_definition())
-        with _operator(lenient):
+        async with running(operator.registry(lenient)):
             await kube.create(JOBS, steadjob("kept", "etcd://127.0.0.1:2379", serviceAccountName="shared"))
             await until(kube_api, lambda: _status(kube_api, "kept").get("master") == "kept-master-1")
         pod = _pod(kube_api, "kept-master-1")
         assert pod is not None and pod["spec"]["containers"][0]["image"] == "stead:operator"  # never the job's
-        with _operator(strict):  # restarted with a stricter configuration: the running job is not failed ...
+        # restarted with a stricter configuration: the running job is not failed ...
+        async with running(operator.registry(strict)):
             await kube.delete(PODS, "kept-master-1", grace_period_s=0)
             await until(kube_api, lambda: _pod(kube_api, "kept-master-2") is not None)  # ... and keeps a master
             assert _status(kube_api, "kept")["phase"] == "Pending"
@@ -199,7 +221,7 @@ async def test_a_job_never_takes_over_an_object_it_did_not_make(kube_api: FakeKu
         await kube.create(CRDS, custom_resource_definition())
         await kube.create(SERVICE_ACCOUNTS, {"apiVersion": "v1", "kind": "ServiceAccount",
                                              "metadata": {"name": "taken-master", "namespace": "default"}})
-        with _operator(base):
+        async with running(operator.registry(base)):
             await kube.create(JOBS, steadjob("taken", "etcd://127.0.0.1:2379"))
             await kube.create(JOBS, steadjob("stead", "etcd://127.0.0.1:2379"))  # its account: the shared one
             await until(kube_api, lambda: _status(kube_api, "taken").get("phase") == "Failed"
