@@ -33,7 +33,9 @@ folder = pathlib.Path(sys.argv[1])
 n = len(list(folder.glob("master-*")))
 fd = int(os.environ["STEAD_MASTER_LISTEN_FD"])
 port = socket.socket(fileno=os.dup(fd)).getsockname()[1]
-(folder / f"master-{n}").write_text(f"{os.getpid()} {os.environ.get('STEAD_MASTER_TAKEOVER', '-')} {port}")
+# written whole, then named (a test reading the folder never sees a file half written)
+(folder / f".master-{n}").write_text(f"{os.getpid()} {os.environ.get('STEAD_MASTER_TAKEOVER', '-')} {port}")
+(folder / f".master-{n}").rename(folder / f"master-{n}")
 code = folder / f"exit-{n}"
 while not code.exists():
     time.sleep(0.02)
