@@ -1,14 +1,16 @@
-"""`srun torchrun` against `srun stead run` on a real Slurm cluster of test hosts (issue 41).
+"""`srun torchrun` against `stead run` in a batch script (the Slurm platform) on a real Slurm cluster of test hosts.
 
 The cluster is ``tests.support.slurm``: Debian's Slurm 22.05, a controller and 4 compute hosts made of network
 namespaces (each its own address, link, /dev/shm and /tmp), sharing this bench's temporary folder as the job's
-working directory, as cluster nodes share a filesystem. One task per node, one gloo worker per task, the same
-script under both launchers (examples/train.py, which writes a wall-clock line ``rank restart step time`` after
-every step and one when it crashes). Measured, each launcher in a step of its own (``srun -N3``, or ``-N4`` for
-stead's spare):
+working directory, as cluster nodes share a filesystem. One gloo worker per node, the same script under both
+launchers (examples/train.py, which writes a wall-clock line ``rank restart step time`` after every step and one
+when it crashes). torchrun runs as Slurm users run it, one task per node of an ``srun -N3`` step; stead as its
+README says, ``stead run`` with no multi-node flag in an ``sbatch --no-kill`` script of 3 nodes (4 for the spare),
+which starts a step of its own on every node (the Slurm platform):
 
-* **startup**: from starting ``srun`` to every rank's first step. torchrun: ``--nnodes 3 --rdzv-backend c10d
-  --rdzv-endpoint <first node>:29500``; stead: no multi-node flag (``stead run`` reads the step);
+* **startup**: from starting ``srun`` (torchrun), or from the batch script's start (stead: Slurm's own delay in
+  starting a batch job is not stead's), to every rank's first step. torchrun: ``--nnodes 3 --rdzv-backend c10d
+  --rdzv-endpoint <first node>:29500``; stead: no multi-node flag (``stead run`` reads the allocation);
 * **worker crash**: rank 1 exits at step ``CRASH_STEP`` (``--max-restarts 3`` under both): from the crash to the
   first step of the new round on every rank (goal: stead <= 0.5 s and >= 8x faster);
 * **host loss**: a compute host running a worker is killed (every process, its link and memory; Slurm is not
@@ -16,10 +18,9 @@ stead's spare):
   steps, once the spare has had time to warm): kill -> every rank of the new round stepped
   (``host_loss_stead_s``; goal <= 2 s plus Slurm's detection, printed on its own). torchrun: what becomes of the
   step (``host_loss_torchrun``, Slurm's state word for the job). ``slurm_detect_s``: kill -> Slurm shows the node
-  down or not responding (``SlurmdTimeout`` 5 s on this cluster), and what Slurm then does to stead's step is
-  reported as ``stead_step_after_detect``: stead's job recovers before Slurm sees the loss, and its step then
-  lives or dies by Slurm's rules (srun ends a step that lost a node), which only a Slurm platform launching the
-  agents as steps of their own would change.
+  down or not responding (``SlurmdTimeout`` 5 s on this cluster), and what then becomes of stead's Slurm job is
+  reported as ``stead_step_after_detect``: stead's job recovers before Slurm sees the loss, and Slurm then ends
+  only the lost node's step (the job was submitted ``--no-kill``), so the job trains on.
 
 Last line: one JSON object with the figures. ``--quick`` is the same (one run of each is all there is).
 """
@@ -38,13 +39,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.hosts import RUN_TIMEOUT_S, Failed, _lines, _round_stepped, _until  # noqa: E402
 from tests.support.hosts import DEFAULT_SHARED, IFNAME, Host  # noqa: E402
-from tests.support.slurm import SlurmCluster, slurm_cluster  # noqa: E402
+from tests.support.slurm import ENDED, SlurmCluster, slurm_cluster  # noqa: E402
 
 CRASH_STEP = 20
 STEPS = 60
@@ -57,6 +59,33 @@ SPARE_WARM_S = 5.0
 LONG_STEPS = 2000
 #: how long a host-loss run is given after Slurm saw the node gone, before it is ended here (still running: "RUNNING")
 AFTER_DETECT_S = 15.0
+
+
+class _BatchJob:
+    """An sbatch job seen as a process (``returncode`` once Slurm says it ended: 0 for COMPLETED), its state polled
+    in the background."""
+
+    def __init__(self, cluster: SlurmCluster, job_id: int) -> None:
+        self.cluster = cluster
+        self.job_id = job_id
+        self.returncode: int | None = None
+        self.state = "PENDING"
+        self._watch = asyncio.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while self.state not in ENDED:
+            await asyncio.sleep(0.3)
+            self.state = await self.cluster.job_state(self.job_id)
+        self.returncode = 0 if self.state == "COMPLETED" else 1
+
+    async def wait(self) -> int:
+        await self._watch
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        subprocess.run([self.cluster.tools["scancel"], str(self.job_id)], env=self.cluster.client_env(),
+                       capture_output=True, check=False)
 
 
 def _crashed(stamps: Path) -> float | None:
@@ -72,39 +101,48 @@ class Bench:
         self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env.get('PATH', os.defpath)}"
         self.env["STEAD_JOB_TOKEN"] = secrets.token_urlsafe(32)
 
-    def command(self, launcher: str, nodes: int, *script: str) -> tuple[list[str], dict[str, str]]:
+    def torchrun(self, nodes: int, *script: str) -> list[str]:
         names = ",".join(n.name for n in self.cluster.nodes[:nodes])
-        srun = ["-N", str(nodes), "-w", names, "--ntasks-per-node", "1"]
-        if launcher == "torchrun":
-            head = self.cluster.nodes[0].address
-            return ([*srun, sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "1",
-                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:29500", "--rdzv-id", f"t{self.runs}",
-                     "--max-restarts", "3", *script], {**self.env, "GLOO_SOCKET_IFNAME": IFNAME})
-        flags = ["--nnodes", "3"] if nodes > 3 else []
-        return ([*srun, sys.executable, "-m", "stead", "run", *flags, "--nproc-per-node", "1", "--max-restarts", "3",
-                 *script], self.env)
+        head = self.cluster.nodes[0].address
+        return ["-N", str(nodes), "-w", names, "--ntasks-per-node", "1", sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:29500",
+                "--rdzv-id", f"t{self.runs}", "--max-restarts", "3", *script]
 
     async def launch(self, launcher: str, nodes: int, *extra: str,
-                     steps: int = STEPS) -> tuple[asyncio.subprocess.Process, Path, float]:
+                     steps: int = STEPS) -> tuple[Any, Path, float]:
+        """The run started: (its srun process, or its batch job; the ranks' step stamps; when it started)."""
         self.runs += 1
         folder = self.workdir / f"{launcher}-{self.runs}"
         folder.mkdir()
         shutil.copy(ROOT / "examples" / "train.py", folder / "train.py")
         stamps = folder / "steps.log"
-        args, env = self.command(launcher, nodes, "train.py", "--steps", str(steps), "--step-time", str(STEP_TIME_S),
-                                 "--timestamps", str(stamps), *extra)
-        log = (folder / "srun.log").open("wb")
-        started = time.time()
-        proc = await self.cluster.spawn_srun(args, env=env, cwd=folder, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        return proc, stamps, started
+        script = ("train.py", "--steps", str(steps), "--step-time", str(STEP_TIME_S), "--timestamps", str(stamps),
+                  *extra)
+        if launcher == "torchrun":
+            log = (folder / "srun.log").open("wb")
+            started = time.time()
+            proc = await self.cluster.spawn_srun(self.torchrun(nodes, *script),
+                                                 env={**self.env, "GLOO_SOCKET_IFNAME": IFNAME}, cwd=folder,
+                                                 stdout=log, stderr=subprocess.STDOUT)
+            log.close()
+            return proc, stamps, started
+        names = ",".join(n.name for n in self.cluster.nodes[:nodes])
+        flags = "--nnodes 3 " if nodes > 3 else ""
+        (folder / "job.sbatch").write_text(
+            f"#!/bin/bash\n#SBATCH --no-kill\ndate +%s.%N > started\nexec {sys.executable} -m stead run {flags}"
+            f"--nproc-per-node 1 --max-restarts 3 {' '.join(script)} > srun.log 2>&1\n")
+        job = _BatchJob(self.cluster, await self.cluster.sbatch(folder / "job.sbatch", f"--nodes={nodes}",
+                                                                f"--nodelist={names}", env=self.env, cwd=folder))
+        await _until(lambda: (folder / "started").exists() and (folder / "started").read_text().strip(),
+                     "the batch script's start", [cast(asyncio.subprocess.Process, job)])
+        return job, stamps, float((folder / "started").read_text())
 
-    async def ended(self, proc: asyncio.subprocess.Process, timeout_s: float = RUN_TIMEOUT_S) -> int:
+    async def ended(self, proc: Any, timeout_s: float = RUN_TIMEOUT_S) -> int:
         try:
-            return await asyncio.wait_for(proc.wait(), timeout_s)
+            return int(await asyncio.wait_for(proc.wait(), timeout_s))
         except TimeoutError:
             proc.kill()
-            return await proc.wait()
+            return int(await proc.wait())
 
     async def startup_and_crash(self, launcher: str) -> tuple[float, float | str]:
         """Launch -> every rank's first step; crash -> the new round stepping (or why it did not)."""
@@ -145,9 +183,11 @@ class Bench:
         state = await self._job_state()
         if code is None:
             await self.ended(proc, timeout_s=0.1)
+            if launcher == "stead":
+                await self.cluster.wait_job(proc.job_id, timeout_s=60)
         if launcher == "stead":
-            figures["stead_step_after_detect"] = (f"srun exit {code}, Slurm job state {state}" if code is not None
-                                                  else f"still running {AFTER_DETECT_S:g} s after, job state {state}")
+            figures["stead_step_after_detect"] = (f"ended ({proc.state})" if code is not None
+                                                  else f"training {AFTER_DETECT_S:g} s after, job state {state}")
         else:
             figures["host_loss_torchrun"] = state
             figures["host_loss_torchrun_exit"] = code

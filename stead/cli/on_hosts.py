@@ -16,6 +16,7 @@ import asyncio
 import errno
 import os
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ from stead.core.runspec import RunConfig
 from stead.core.tokenfile import check_token, read_token_file
 
 __all__ = ["HOST_KEEPALIVE_S", "hosts_platform", "hosts_token", "join", "listening_host", "serving_socket",
-           "tell_hosts"]
+           "slurm_platform", "tell_hosts"]
 
 #: how often the master writes to a host's stream when it has nothing to say; a host that hears nothing for three
 #: times this long offers itself again (a broken link found in seconds, not at the TCP timeout)
@@ -114,9 +115,33 @@ def hosts_platform(config: RunConfig, local: Platform, *, home: str | None = Non
     return platform, [HostServicer(platform, keepalive_s=HOST_KEEPALIVE_S)]
 
 
+def slurm_platform(config: RunConfig, local: Platform, *, token: str | None,
+                   takeover: bool) -> tuple[Platform, list[Any]]:
+    """The Slurm platform (:mod:`stead.platforms.hosts.slurm`) of a `stead run` in a Slurm job's batch script or
+    salloc shell: the hosts platform, with a host step started on every node of the allocation, each joining this
+    master by the flags given here in its environment (torchrun's ``PET_*``), with the job's token."""
+    from stead.cli.slurm_env import HOST_STEP_ENV, slurm_allocation
+    from stead.platforms.hosts import HostServicer, HostsPlatform, job_shape
+    from stead.platforms.hosts.slurm import SlurmPlatform
+
+    allocation = slurm_allocation(os.environ)
+    if allocation is None:
+        raise ConfigError("the Slurm platform's master runs in the Slurm job's batch script or salloc shell, where "
+                          "SLURM_JOB_ID and SLURM_JOB_NODELIST are set: run `stead run` there")
+    hosts = HostsPlatform(local=local, shape=job_shape(config), local_rank=None, static=False,
+                          host_name=allocation.here or socket.gethostname(), keepalive_s=HOST_KEEPALIVE_S,
+                          pending_after_s=config.last_call_timeout_s, nodes_here=False)
+    env = {HOST_STEP_ENV: allocation.job_id, "PET_NNODES": f"{config.min_nodes}:{config.max_nodes}",
+           "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": config.hosts_endpoint, "PET_RDZV_ID": config.rdzv_id}
+    if token:
+        env[JOB_TOKEN_ENV] = token
+    platform = SlurmPlatform(hosts, job_id=allocation.job_id, nodes=allocation.nodes, cpus=allocation.cpus,
+                             argv=[sys.executable, "-m", "stead", "run", *config.argv], env=env, takeover=takeover)
+    return platform, [HostServicer(hosts, keepalive_s=HOST_KEEPALIVE_S)]
+
+
 def tell_hosts(platform: Platform | None, *, exit_code: int, summary: str) -> None:
     """The job ended: what the other hosts' `stead run` print and exit with (told as the platform closes)."""
-    from stead.platforms.hosts import HostsPlatform
-
-    assert isinstance(platform, HostsPlatform), platform
-    platform.end(exit_code=exit_code, summary=summary)
+    end = getattr(platform, "end", None)
+    assert callable(end), platform
+    end(exit_code=exit_code, summary=summary)

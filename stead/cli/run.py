@@ -21,8 +21,16 @@ from typing import Any
 
 import structlog
 
-from stead.cli.on_hosts import hosts_platform, hosts_token, join, listening_host, serving_socket, tell_hosts
-from stead.cli.run_args import ELECTED_BACKENDS, PLATFORM_GROUP, parse_run_args
+from stead.cli.on_hosts import (
+    hosts_platform,
+    hosts_token,
+    join,
+    listening_host,
+    serving_socket,
+    slurm_platform,
+    tell_hosts,
+)
+from stead.cli.run_args import ELECTED_BACKENDS, PLATFORM_GROUP, SLURM_PLATFORM, parse_run_args
 from stead.cli.supervisor import EXIT_MASTER_CRASHED, LISTEN_FD_ENV, STOP_ENV, TAKEOVER_ENV, supervise
 from stead.core.config import Settings
 from stead.core.entrypoints import load_named
@@ -135,6 +143,10 @@ async def started_job(config: RunConfig, *, token_file: str | None = None,
     if config.hosts_endpoint and config.rdzv_backend in ELECTED_BACKENDS:  # this host's `stead run` was elected:
         host = listening_host(listen_fd)  # its master serves where it bound the socket; the hosts find it in etcd
         platform, handlers = hosts_platform(config, await load_platform("local", settings), home=host)
+    elif config.hosts_endpoint and config.platform == SLURM_PLATFORM:  # every node of the Slurm job a host step
+        platform, handlers = slurm_platform(config, await load_platform("local", settings), token=token,
+                                            takeover=takeover)
+        host = parse_address(config.hosts_endpoint)[0]
     elif config.hosts_endpoint:  # one job over several machines: this host serves its master at the flags' address
         platform, handlers = hosts_platform(config, await load_platform("local", settings))
         host = parse_address(config.hosts_endpoint)[0]
@@ -405,7 +417,9 @@ def _run_on_hosts(config: RunConfig, argv: Sequence[str]) -> int:
     """torchrun's multi-node flags: this host serves the job's master, or joins the host that does."""
     try:
         tls_files(config.settings)  # bad TLS settings fail here, before anything starts
-        token = hosts_token(config)
+        # the Slurm platform hands its host steps the token (found or made as on one machine); other hosts' `stead
+        # run` must each be given the same one
+        token = run_token(config) if config.platform == SLURM_PLATFORM else hosts_token(config)
         listener = serving_socket(config)
     except ConfigError as exc:
         print(f"stead run: error: {exc}", file=sys.stderr)
@@ -415,6 +429,16 @@ def _run_on_hosts(config: RunConfig, argv: Sequence[str]) -> int:
 
         return run_elected(config, argv, token=token, local=lambda: load_platform("local", config.settings),
                            node_spec=agent_spec_factory(config))
+    if listener is None and config.platform == SLURM_PLATFORM:
+        print(f"stead run: error: the Slurm job's master serves at {config.hosts_endpoint} on this host, but the port "
+              "is taken (another `stead run` of this Slurm job, or another program): give another --master-port",
+              file=sys.stderr)
+        return 2
+    if config.platform == SLURM_PLATFORM:
+        print(f"stead: job {config.job_name}: this host serves its master at {config.hosts_endpoint}; every node of "
+              "the Slurm job runs a host step that joins it (the nodes beyond --nnodes are spares)", file=sys.stderr)
+        return supervise(argv, config.settings, token=token, host=parse_address(config.hosts_endpoint)[0],
+                         listener=listener)
     if listener is None:
         print(f"stead: job {config.job_name}: joining its master at {config.hosts_endpoint}", file=sys.stderr)
         try:

@@ -18,13 +18,22 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
 
 import structlog
 
-from stead.cli.slurm_env import check_nnodes, flag_defaults, rendezvous, slurm_step
+from stead.cli.slurm_env import (
+    HOST_STEP_ENV,
+    SlurmAllocation,
+    check_nnodes,
+    flag_defaults,
+    rendezvous,
+    slurm_allocation,
+    slurm_step,
+)
 from stead.core.config import Settings
 from stead.core.entrypoints import installed
 from stead.core.errors import ConfigError
@@ -78,6 +87,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     step = slurm_step(env)
     if step is not None:  # under srun: the step's nodes are the job's (torchrun's PET_* and flags still win)
         parser.set_defaults(**flag_defaults(step))
+    allocation = slurm_allocation(env) if step is None else None
+    if allocation is not None and len(allocation.nodes) > 1:  # the Slurm platform's, unless flags say otherwise
+        parser.set_defaults(nnodes=str(len(allocation.nodes)), rdzv_id=f"slurm-{allocation.job_id}")
     _apply_env_defaults(parser, torch_dests, env)
     return parser
 
@@ -155,7 +167,9 @@ def _add_stead_flags(group: argparse._ArgumentGroup) -> None:
     add("--store", default=None, metavar="URL",
         help="state store: sqlite:///PATH (default sqlite:///.stead/<job>.db), etcd://HOST:PORT, or memory://")
     add("--platform", default="local", metavar="NAME",
-        help="where nodes run: 'local' (processes on this machine); other platforms install their own "
+        help="where nodes run: 'local' (processes on this machine); 'slurm' (the nodes of the Slurm job this "
+             "runs in, each an srun step of its own, the nodes beyond --nnodes warm spares: the default in an "
+             "sbatch script or salloc shell holding several nodes); other platforms install their own "
              "(default local)")
     add("--plugins", default=None, metavar="NAME,...",
         help="run only these master plugins, each of which must be installed (default: every installed one); "
@@ -217,6 +231,7 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
         ns.rdzv_backend, ns.rdzv_endpoint, ns.master_addr = rendezvous(
             step, backend=ns.rdzv_backend, endpoint=ns.rdzv_endpoint, node_rank=ns.node_rank,
             master_addr=ns.master_addr, master_port=ns.master_port)
+    slurm = _slurm_allocation(ns, env, step is not None, min_nodes)
     if ns.standalone and (min_nodes, max_nodes) != (1, 1):
         raise ConfigError(f"--standalone runs a single node but --nnodes is {ns.nnodes!r}; "
                           "drop --nnodes or drop --standalone")
@@ -242,7 +257,8 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
     overrides = _settings_overrides(rdzv_conf, ns.settings, ns.shutdown_timeout)
     settings = Settings.from_mapping(overrides, base=Settings.from_env(env))
     check_plugin_settings(settings)
-    _check_platform(ns.platform)
+    if ns.platform not in (SLURM_PLATFORM, HOSTS_PLATFORM):
+        _check_platform(ns.platform)
     plugins, disabled = parse_plugins(ns.plugins, ns.no_plugin)
     start_nodes = _start_nodes(ns.start_nodes, min_nodes, max_nodes, settings.capacity_nodes)
 
@@ -253,14 +269,19 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
     else:
         rdzv_backend, rdzv_endpoint = ns.rdzv_backend, ns.rdzv_endpoint
     hosts_endpoint = "" if ns.standalone else _hosts_endpoint(ns, min_nodes, max_nodes)
+    if slurm is not None:  # this host serves the job's master; the Slurm platform starts a host step on every node
+        hosts_endpoint = _hostport(slurm.here or socket.gethostname(), ns.master_port or slurm.port)
+        rdzv_backend, rdzv_endpoint = "c10d", hosts_endpoint
     store_url = ns.store if ns.store is not None else f"sqlite:///.stead/{job_name}.db"
     if hosts_endpoint and rdzv_backend in ELECTED_BACKENDS and ns.store is None:
         store_url = f"etcd://{hosts_endpoint}"  # the job's log lives where its hosts elect its master
     if not _STORE_URL.fullmatch(store_url):
         raise ConfigError(f"--store {store_url!r} is not a URL; use sqlite:///PATH, etcd://HOST:PORT or memory://")
     platform = ns.platform
-    if hosts_endpoint:
-        if ns.platform != "local":
+    if slurm is not None:
+        platform = SLURM_PLATFORM
+    elif hosts_endpoint:
+        if ns.platform not in ("local", HOSTS_PLATFORM):
             raise ConfigError(f"torchrun's multi-node flags run one job over several machines, each running `stead "
                               f"run`; --platform {ns.platform} starts the nodes itself: drop --node-rank, "
                               "--master-addr and --rdzv-endpoint, or drop --platform")
@@ -298,6 +319,7 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
         local_ranks_filter=ranks_filter,
         store_url=store_url,
         platform=platform,
+        argv=tuple(argv),
         hosts_endpoint=hosts_endpoint,
         plugins=plugins,
         disabled_plugins=disabled,
@@ -315,8 +337,8 @@ def _check_platform(name: str) -> None:
     platforms = installed(PLATFORM_GROUP)
     if name in platforms:
         return
-    raise ConfigError(f"--platform {name!r} is not installed (installed: {', '.join(platforms) or 'none'}); "
-                      "pick one of them")
+    raise ConfigError(f"--platform {name!r} is not installed (installed: {', '.join(platforms) or 'none'}; and "
+                      f"{SLURM_PLATFORM} in a Slurm job); pick one of them")
 
 
 def parse_plugins(enabled: str | None, disabled: Sequence[str]) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
@@ -519,6 +541,8 @@ def parse_settings(assignments: Sequence[str]) -> dict[str, str]:
 #: the platform of a job over several machines (torchrun's multi-node flags; not an entry point: `stead run` sets
 #: it up itself, see stead.cli.run)
 HOSTS_PLATFORM = "hosts"
+#: the Slurm platform's name (:mod:`stead.platforms.hosts.slurm`): the hosts platform, its hosts started as steps
+SLURM_PLATFORM = "slurm"
 #: torchrun's default ports: a static rendezvous's --master-port, a c10d --rdzv-endpoint's
 STATIC_PORT, C10D_PORT = 29500, 29400
 #: etcd's client port, where torchrun's etcd rendezvous looks when --rdzv-endpoint names no port
@@ -579,6 +603,40 @@ def _endpoint(text: str, *, default_port: int = 0) -> str:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--rdzv-endpoint {text!r} is not HOST:PORT (a port 1-65535); e.g. node0.example:29400")
     return _hostport(host, int(port))
+
+
+def _slurm_allocation(ns: argparse.Namespace, env: Mapping[str, str], in_step: bool,
+                      min_nodes: int) -> SlurmAllocation | None:
+    """The allocation the Slurm platform runs the job on (``--platform slurm``, or by default in an allocation of
+    several nodes when no multi-node flag is given); None for every other platform. A host step the platform
+    started (:data:`HOST_STEP_ENV`) is one host of the job, not a Slurm platform of its own: its flags come from
+    its master (``PET_*``), so ``--platform slurm`` in the command line it shares is dropped there."""
+    if env.get(HOST_STEP_ENV):
+        if ns.platform == SLURM_PLATFORM:
+            ns.platform = "local"
+        return None
+    flagged = ns.rdzv_backend != "static" or bool(ns.rdzv_endpoint) or ns.node_rank is not None \
+        or ns.master_addr is not None
+    allocation = None if in_step or ns.standalone else slurm_allocation(env)
+    if ns.platform != SLURM_PLATFORM:
+        if ns.platform != "local" or allocation is None or len(allocation.nodes) < 2 or flagged:
+            return None
+    elif in_step:
+        raise ConfigError("--platform slurm starts the job's nodes as srun steps itself: run `stead run` in the batch "
+                          "script (or salloc shell) without srun, or drop --platform slurm to make this srun step's "
+                          "nodes the job")
+    elif ns.standalone or allocation is None:
+        raise ConfigError("--platform slurm runs the job on the nodes of the Slurm job it runs in: run `stead run` in "
+                          "an sbatch script or an salloc shell (SLURM_JOB_ID and SLURM_JOB_NODELIST set)")
+    elif flagged:
+        raise ConfigError("--platform slurm serves the job's master on this host and starts every node itself: drop "
+                          "--rdzv-backend, --rdzv-endpoint, --node-rank and --master-addr")
+    if min_nodes > len(allocation.nodes):
+        held = len(allocation.nodes)
+        raise ConfigError(f"--nnodes asks for at least {min_nodes} nodes but the Slurm job holds {held} "
+                          f"({','.join(allocation.nodes[:8])}{',...' if len(allocation.nodes) > 8 else ''}): ask "
+                          f"sbatch or salloc for --nodes {min_nodes} or more, or lower --nnodes")
+    return allocation
 
 
 def _hostport(host: str, port: int) -> str:

@@ -14,6 +14,10 @@ torchrun's elastic command line, as defaults that flags given on the command lin
 * PORT: 15000 + the job id's last four digits (Lightning's rule for Slurm), so two jobs sharing a node do not
   take one port; ``--rdzv-endpoint`` or ``--master-port`` chooses another.
 
+Outside an ``srun`` step, in a batch script or an salloc shell, :func:`slurm_allocation` reads the allocation
+(``SLURM_JOB_NODELIST``, ``SLURMD_NODENAME``, ``SLURM_JOB_CPUS_PER_NODE``) for the Slurm platform
+(:mod:`stead.platforms.hosts.slurm`), which starts a host step on each node itself.
+
 A step that cannot be one job is refused (:func:`check_nnodes`): several tasks on a node (stead starts the
 node's workers itself), ``--nnodes`` asking for more nodes than the step has. The node list is Slurm's hostlist
 expression (``gpu[01-04,07],login1``), expanded here without asking the controller.
@@ -27,14 +31,20 @@ from collections.abc import Mapping
 
 from stead.core.errors import ConfigError
 
-__all__ = ["SlurmStep", "check_nnodes", "flag_defaults", "hostnames", "rendezvous", "slurm_step"]
+__all__ = ["HOST_STEP_ENV", "SlurmAllocation", "SlurmStep", "check_nnodes", "flag_defaults", "hostnames",
+           "rendezvous", "slurm_allocation", "slurm_step"]
 
 #: the c10d endpoint's port is this plus the job id's last four digits
 PORT_BASE = 15000
 #: the most host names one node list may expand to (Slurm's own limit is far below this)
 MAX_HOSTS = 100_000
 
+#: set (to the Slurm job id) in the environment of a host step the Slurm platform started: that `stead run` is one
+#: host of the job its master serves, whatever its own one-node step says
+HOST_STEP_ENV = "STEAD_SLURM_HOST_STEP"
+
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+_CPUS = re.compile(r"(\d+)(?:\(x(\d+)\))?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +62,55 @@ class SlurmStep:
         return PORT_BASE + int(digits)
 
 
+@dataclasses.dataclass(frozen=True)
+class SlurmAllocation:
+    """The Slurm job (an sbatch script's, an salloc shell's) a `stead run` runs in outside any ``srun`` step: the
+    Slurm platform's (:mod:`stead.platforms.hosts.slurm`) nodes."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    #: the allocation's node this runs on (a batch script runs on its first node); None: another host (salloc's)
+    here: str | None
+    #: CPUs the job holds on each node (``SLURM_JOB_CPUS_PER_NODE``), in ``nodes``' order; empty when not given
+    cpus: tuple[int, ...] = ()
+
+    @property
+    def port(self) -> int:
+        return SlurmStep(self.job_id, self.nodes, 0).port
+
+
+def slurm_allocation(environ: Mapping[str, str]) -> SlurmAllocation | None:
+    """The allocation of a `stead run` inside a Slurm job but not in an ``srun`` step (an sbatch script, an salloc
+    shell); None elsewhere, and in a host step the Slurm platform started. ConfigError when it does not parse."""
+    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not job_id or nodelist is None or environ.get("SLURM_STEP_NODELIST") is not None \
+            or environ.get(HOST_STEP_ENV):
+        return None
+    nodes = hostnames(nodelist)
+    here = environ.get("SLURMD_NODENAME") or None
+    return SlurmAllocation(job_id=job_id, nodes=nodes, here=here if here in nodes else None,
+                           cpus=_cpus_per_node(environ.get("SLURM_JOB_CPUS_PER_NODE", ""), len(nodes)))
+
+
+def _cpus_per_node(text: str, count: int) -> tuple[int, ...]:
+    """``SLURM_JOB_CPUS_PER_NODE`` (``"4(x2),2"``) per node; empty when it is missing or does not say ``count``."""
+    cpus: list[int] = []
+    for part in filter(None, text.split(",")):
+        match = _CPUS.fullmatch(part.strip())
+        if match is None:
+            return ()
+        cpus.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return tuple(cpus) if len(cpus) == count else ()
+
+
 def slurm_step(environ: Mapping[str, str]) -> SlurmStep | None:
-    """The job step of an ``srun`` task (None outside one); ConfigError when it cannot be one job."""
+    """The job step of an ``srun`` task (None outside one, and in a host step the Slurm platform started: its
+    flags come from its master); ConfigError when it cannot be one job."""
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     nodelist = environ.get("SLURM_STEP_NODELIST")
-    if not job_id or nodelist is None:
-        return None  # not a task of an srun step (a batch script, or no allocation): one machine, as before
+    if not job_id or nodelist is None or environ.get(HOST_STEP_ENV):
+        return None  # not a task of an srun step (a batch script: slurm_allocation's; or no allocation)
     nodes = hostnames(nodelist)
     count, tasks, task = (_int(environ, name) for name in
                           ("SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID"))

@@ -99,6 +99,8 @@ class RunConfig:
     #: ``HOST:PORT`` where the job's master serves when the job spans several machines (torchrun's multi-node
     #: flags, each host running `stead run`); "": every node runs on this machine
     hosts_endpoint: str = ""
+    #: the ``stead run`` arguments as given (the Slurm platform starts the same command on every host)
+    argv: tuple[str, ...] = ()
 
 
 def gpu_count(environ: Mapping[str, str] | None = None) -> int:

@@ -281,7 +281,8 @@ def test_gpu_count_is_limited_by_cuda_visible_devices(monkeypatch: pytest.Monkey
     (["--job-name", "a" * 64, "train.py"], "at most 63"),
     (["--store", "nourl", "train.py"], "--store 'nourl' is not a URL"),
     (["--local-ranks-filter", "a", "train.py"], "comma-separated local ranks"),
-    (["--platform", "slurm", "train.py"], r"--platform 'slurm' is not installed \(installed: k8s, local\)"),
+    (["--platform", "nomad", "train.py"], r"--platform 'nomad' is not installed \(installed: k8s, local; and slurm "
+                                          r"in a Slurm job\)"),
     (["--plugins", "nope", "train.py"], r"--plugins: plugin\(s\) 'nope' not installed"),
     (["--no-plugin", "nope", "train.py"], r"--no-plugin: plugin\(s\) 'nope' not installed"),
     (["--set", "ckpt.bogus=1", "train.py"], r"unknown setting 'ckpt.bogus'; settings of the ckpt plugin: ckpt.dir="),

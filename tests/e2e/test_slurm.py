@@ -1,4 +1,4 @@
-"""`srun stead run train.py` against a real Slurm cluster (tests.support.slurm): the job step's nodes make one job.
+"""`stead run train.py` in a batch script, and under `srun`, against a real Slurm cluster (tests.support.slurm).
 
 As Slurm users run it: one folder on a filesystem every node shares (the job's working directory), the job token
 in the environment srun passes on, no multi-node flag.
@@ -49,16 +49,16 @@ async def test_srun_with_two_tasks_on_a_node_is_refused_saying_why(tmp_path: Pat
 @pytest.mark.long(40)
 async def test_the_readme_sbatch_script_trains_one_job_is_warned_cancelled_and_resumes_when_submitted_again(
         tmp_path: Path) -> None:
-    """The README's batch script: srun, no multi-node flag, one job of three nodes served by the first. Slurm's
-    warning before a time limit (``--signal=USR1@SECONDS``; here sent at once with ``scancel --signal=USR1``)
-    reaches every process of the step: the agents persist the newest committed step and training goes on, nothing
-    restarted. ``scancel`` then stops the job with its newest step persisted, and the script submitted again (the
-    same job name) resumes from it. (A crash's recovery across hosts is tests/e2e/test_hosts_jobs.py's.)"""
+    """The README's batch script: no srun, no multi-node flag, the Slurm platform's job of three nodes, each a step of
+    its own, served by the batch host. Slurm's warning before a time limit (``--signal=USR1@SECONDS``; here sent at
+    once with ``scancel --signal=USR1``) reaches every process of the steps: the agents persist the newest committed
+    step and training goes on, nothing restarted. ``scancel`` then stops the job with its newest step persisted,
+    and the script submitted again (the same job name) resumes from it. (A crash's recovery across hosts is
+    tests/e2e/test_hosts_jobs.py's.)"""
     (tmp_path / "train.sbatch").write_text(readme_files()["train.sbatch"])
     shutil.copy(TRAIN, tmp_path / "train.py")
     # as on a cluster: `stead` and python3 on PATH (the environment's); no GLOO_SOCKET_IFNAME: stead picks it
-    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "STEAD_JOB_TOKEN")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', os.defpath)}"
+    env = _cluster_env()
 
     async def stepped(beyond: int) -> bool:
         return any(int(str(p["step"])) > beyond for p in await _recorded(tmp_path, "progress.step"))
@@ -81,7 +81,7 @@ async def test_the_readme_sbatch_script_trains_one_job_is_warned_cancelled_and_r
         state = await cluster.wait_job(again, timeout_s=120)
         log = out.read_text(errors="replace")  # read late: a cancelled job's last lines come after its state
         events = [json.loads(line) for line in (await _events(tmp_path, "train")).splitlines() if line]
-    assert log.count("serves its master") == 1, log[-4000:]  # the step's first node, h1, and only it
+    assert log.count("serves its master") == 1, log[-4000:]  # the batch host, h1, and only it
     assert log.count("agent_warned") == 3, log[-4000:]  # every node's agent
     # (its "stopped by SIGTERM" line is not asked for: the cluster's KillWait is 1 s, and a loaded machine's
     # `stead run` may be SIGKILLed after its agents persisted and before it prints it)
@@ -95,10 +95,74 @@ async def test_the_readme_sbatch_script_trains_one_job_is_warned_cancelled_and_r
     assert [len(e["data"]["members"]) for e in events if e["type"] == "round.started"] == [3, 3]
 
 
-async def _recorded(folder: Path, kind: str) -> list[dict[str, object]]:
-    if not (folder / ".stead" / "train.db").exists():
+@pytest.mark.long(60)
+async def test_the_slurm_platform_keeps_a_faulty_node_out_and_a_killed_host_costs_a_node_not_the_slurm_job(
+        tmp_path: Path) -> None:
+    """`stead run --nnodes 2:3` in a batch script of four nodes: every node a host step, one a spare. node-1's
+    first agent fails its health check: its host is excluded, its step stopped, and node-1 goes to the spare. A
+    compute host running a node is then killed: its node is lost at once (Slurm says it is down), no spare is
+    left, the job goes on with two nodes, and the Slurm job completes (its allocation kept: ``--no-kill``)."""
+    shutil.copy(TRAIN, tmp_path / "train.py")
+    (tmp_path / "plat.sbatch").write_text(
+        "#!/bin/bash\n#SBATCH --no-kill\nstead run --nnodes 2:3 --job-name plat --set health_check=all "
+        "train.py --steps 600 --step-time 0.05 --save-every 1\n")
+    env = {**_cluster_env(), "STEAD_FAULT_HEALTH": "node-1:1:slow"}  # node-1's first agent: 4x the work
+
+    async def hosts_of(after: int = 0) -> dict[str, str]:
+        return {str(e["node_id"]): str(e["host"]) for e in await _recorded(tmp_path, "node.started", "plat")
+                if int(str(e["incarnation"])) > after}
+
+    async def stepped(beyond: int) -> bool:
+        return any(int(str(p["step"])) > beyond for p in await _recorded(tmp_path, "progress.step", "plat"))
+
+    async with slurm_cluster(4, workdir=tmp_path) as cluster:
+        job = await cluster.sbatch(tmp_path / "plat.sbatch", "--nodes=4", env=env, cwd=tmp_path)
+        await _until("node-1 on the spare", lambda: _async_dict(hosts_of(1)), timeout_s=180)
+        await _until("steps after the check", lambda: stepped(20))
+        placed = await hosts_of()
+        excluded = _excluded(tmp_path, job)
+        victim = next(host for node, host in sorted(placed.items()) if host != "h1")
+        await cluster.kill_node(int(victim[1:]) - 1)
+        state = await cluster.wait_job(job, timeout_s=180)
+        started = await _recorded(tmp_path, "node.started", "plat")
+        exited = await _recorded(tmp_path, "node.exited", "plat")
+        rounds = await _recorded(tmp_path, "round.started", "plat")
+    log = (tmp_path / f"slurm-{job}.out").read_text(errors="replace")
+    assert state == "COMPLETED", log[-4000:]
+    assert "job plat succeeded" in log, log[-4000:]
+    assert f"the job excluded host {excluded} as faulty" in log, log[-4000:]
+    assert excluded not in {str(e["host"]) for e in started if int(str(e["incarnation"])) > 1}
+    assert [e for e in started if e["node_id"] == "node-1" and e["incarnation"] == 2]
+    lost = [str(e["reason"]) for e in exited if str(e.get("reason", "")).startswith("NodeLost")]
+    assert lost and f"node {victim}" in lost[0], exited
+    members = rounds[-1]["members"]
+    assert isinstance(members, list) and len(members) == 2, rounds  # no spare left: the job went on with two nodes
+
+
+def _excluded(folder: Path, job: int) -> str:
+    """The host the Slurm platform gave up as the job excluded it (its log line in the batch output)."""
+    for line in (folder / f"slurm-{job}.out").read_text(errors="replace").splitlines():
+        if "slurm_node_given_up" in line and "excluded host" in line:
+            return line.split("node=")[1].split()[0]
+    raise AssertionError("no host was excluded")
+
+
+async def _async_dict(found: Awaitable[dict[str, str]]) -> bool:
+    return bool(await found)
+
+
+def _cluster_env() -> dict[str, str]:
+    """As on a cluster: `stead` and python3 on PATH (the environment's); no GLOO_SOCKET_IFNAME (stead picks it), no
+    job token (stead makes one and keeps it for the job's next submission)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "STEAD_JOB_TOKEN")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', os.defpath)}"
+    return env
+
+
+async def _recorded(folder: Path, kind: str, job: str = "train") -> list[dict[str, object]]:
+    if not (folder / ".stead" / f"{job}.db").exists():
         return []  # the job's master has not started yet
-    lines = (await _events(folder, "train", before_start=True)).splitlines()  # (or started, nothing recorded yet)
+    lines = (await _events(folder, job, before_start=True)).splitlines()  # (or started, nothing recorded yet)
     return [e["data"] for e in map(json.loads, filter(None, lines)) if e["type"] == kind]
 
 

@@ -128,7 +128,10 @@ class HostsPlatform:
     report at least every ``keepalive_s``; one silent for :data:`SILENT_PERIODS` of them gets no node. A host that
     hangs up while it was heard from lately and does not come back within ``hung_up_grace_s`` has its node
     reported exited at once (:data:`HUNG_UP_GRACE_S`). A node that no host can take for ``pending_after_s`` is
-    reported pending (NodePending: the scaler goes on without it while MIN hold).
+    reported pending (NodePending: the scaler goes on without it while MIN hold). ``nodes_here``: False when this
+    host runs no node of its own and names no host last (the Slurm platform, which starts a host on every node of
+    its allocation, this one's included). A host named in a node's ``avoid_hosts`` (excluded as faulty) or barred
+    (:meth:`bar`) gets no node.
     """
 
     name = "hosts"
@@ -136,9 +139,12 @@ class HostsPlatform:
     def __init__(self, *, local: Platform, shape: proto.JobShape, local_rank: int | None, static: bool,
                  host_name: str, keepalive_s: float, pending_after_s: float,
                  ended_wait_s: float = ENDED_WAIT_S, hung_up_grace_s: float = HUNG_UP_GRACE_S,
-                 home: str | None = None) -> None:
+                 home: str | None = None, nodes_here: bool = True) -> None:
         self.local = local
         self.home = home
+        self.nodes_here = nodes_here
+        #: host names given no node any more (why, by name): gone, or excluded by the platform (:meth:`bar`)
+        self.barred: dict[str, str] = {}
         self.ended_wait_s = ended_wait_s
         self.hung_up_grace_s = hung_up_grace_s
         #: set once the master leaves (it ends, or leaves its nodes to the next one): hang-ups are its own doing
@@ -230,7 +236,7 @@ class HostsPlatform:
         """A node an earlier master launched: this host's by pid; another host's once it offers itself again
         (its `stead run` does, to whichever master serves), so it is taken as running meanwhile."""
         key = (spec.node_id, spec.incarnation)
-        if self.home is not None:  # every node runs on a host that offers itself again, this one's included
+        if self.home is not None or not self.nodes_here:  # every node runs on a host that offers itself again
             return True
         if await self.local.adopt(spec, pid=pid):  # (the local platform checks the pid runs this node's agent)
             self._placed[key] = LOCAL
@@ -292,6 +298,28 @@ class HostsPlatform:
                 asyncio.get_running_loop().call_later(self.hung_up_grace_s + _GRACE_LOOK_LATE_S, self._hung_up_nodes)
             log.warning("host_disconnected", host=host.name, address=host.address, hung_up=hung_up,
                         node=f"{host.node[0]}/{host.node[1]}" if host.node else None)
+
+    def bar(self, name: str, reason: str, *, lost: bool) -> None:
+        """Host ``name`` gets no node any more (``reason``: why, as its platform says); ``lost``: it is gone, so
+        that the node it ran is reported exited now (NodeLost), not after the heartbeat timeout."""
+        self.barred[name] = reason
+        for host in self._hosts.values():
+            key = host.node
+            if host.name != name or key is None or not lost or key in self._killed:
+                continue
+            if self._placed.get(key) != host.launcher_id or self._leaving:
+                continue
+            host.node = None
+            self._killed.add(key)  # (a host that comes back still running it is told to kill it)
+            if host.connected:  # (drained, not dead: its agent goes)
+                host.commands.put_nowait(proto.HostCommand(kill=proto.Kill(node_id=key[0], incarnation=key[1])))
+            log.warning("host_lost", host=host.name, address=host.address, node=key[0], incarnation=key[1],
+                        reason=reason)
+            self._events.put_nowait(NodeExited(node_id=key[0], incarnation=key[1], reason=f"NodeLost: {reason}"))
+
+    def connected(self, name: str) -> bool:
+        """Whether a host named ``name`` holds a stream to this master now."""
+        return any(host.connected and host.name == name for host in self._hosts.values())
 
     def _hung_up_nodes(self) -> None:
         """Report the node of each host that hung up and did not come back within ``hung_up_grace_s`` exited."""
@@ -369,7 +397,7 @@ class HostsPlatform:
     def _local_takes(self, key: _Key) -> bool:
         """Whether this host runs the node: the node of its rank (static); c10d: when this host runs no node, or
         ran an older incarnation of this one; never when the master was elected (``home``)."""
-        if self.home is not None:
+        if self.home is not None or not self.nodes_here:
             return False
         if self.static:
             return static_rank(key[0]) == self.local_rank
@@ -380,11 +408,15 @@ class HostsPlatform:
         incarnation's included: its exit is reported first), and holding the node's rank in a static rendezvous;
         the master's own host (``home``) last, and once the node waited :data:`HOME_LAST_S`."""
         rank = static_rank(key[0]) if self.static else None
+        spec = self._waiting.get(key)
+        avoid = set(spec.avoid_hosts) if spec is not None else set()
         now = time.monotonic()
         silent_after = now - SILENT_PERIODS * self.keepalive_s
         home_ok = now - self._since.get(key, now) >= HOME_LAST_S
         for host in sorted(self._hosts.values(), key=lambda h: (h.address == self.home, h.name)):
             if not host.connected or host.seen < silent_after or host.node is not None:
+                continue
+            if host.name in avoid or host.name in self.barred:
                 continue
             if self.static and host.node_rank != rank:
                 continue

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
 import socket
 import sys
@@ -34,7 +35,7 @@ from grpclib.exceptions import GRPCError
 from stead.core.config import Settings
 from stead.core.errors import HungUp, PermanentError, RpcUnavailable, Unauthenticated
 from stead.core.events import NodeExited, NodeStarted
-from stead.core.platform import NodeSpec, Platform
+from stead.core.platform import HOST_ENV, NodeSpec, Platform
 from stead.core.retry import Backoff
 from stead.core.rpc import RpcConnection, client_tls
 from stead.core.rpc.address import parse_address
@@ -83,7 +84,7 @@ class _Host:
         self.launcher_id = secrets.token_hex(8)
         #: mutual TLS with the master when the tls_* settings ask for it (checked before this host started)
         self.tls = client_tls(self.settings)
-        self.name = socket.gethostname()
+        self.name = os.environ.get(HOST_ENV) or socket.gethostname()  # the platform's name for it, if any
         self.node_rank = config.node_rank if config.rdzv_backend == "static" else -1
         #: the token file this host's agents read (its own: the master's host may share this directory)
         self.token_file = write_token_file(Path(".stead") / f"{config.job_name}.{self.launcher_id}.token", token)
