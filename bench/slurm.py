@@ -79,7 +79,7 @@ class _BatchJob:
         self.returncode = 0 if self.state == "COMPLETED" else 1
 
     async def wait(self) -> int:
-        await self._watch
+        await asyncio.shield(self._watch)  # (a caller's timeout cancels its wait, not the polling)
         assert self.returncode is not None
         return self.returncode
 
