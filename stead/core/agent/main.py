@@ -35,7 +35,7 @@ from stead.core.agent.health_check import ORDERS_ENV as HEALTH_ORDERS_ENV
 from stead.core.agent.netif import interface_env
 from stead.core.agent.oom import OomRecords, killed_like_oom
 from stead.core.agent.pace import StepPace
-from stead.core.agent.progress import ProgressFiles, ProgressReader
+from stead.core.agent.progress import ProgressFiles, ProgressReader, progress_prefix, remove_left_behind
 from stead.core.agent.resources import WorkerResources
 from stead.core.agent.stacks import dump_stacks
 from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
@@ -155,7 +155,9 @@ class Agent:
 
     async def run(self) -> int:
         preload = ZYGOTE_PRELOAD if not self.config.no_python else ()
-        with (ProgressFiles(range(self.nproc)) as progress, anyio.open_signal_receiver(signal.SIGTERM) as sigterm,
+        prefix = progress_prefix(self.config.job_name, self.node_id, self.incarnation)
+        with (ProgressFiles(range(self.nproc), prefix=prefix) as progress,
+              anyio.open_signal_receiver(signal.SIGTERM) as sigterm,
               anyio.open_signal_receiver(signal.SIGUSR1) as warnings):
             self._progress = progress
             self._reader = ProgressReader(progress.paths)
@@ -599,7 +601,8 @@ async def clean_up_after(*, node_id: str, incarnation: int) -> int:
     config = load_run_config()
     extensions = Extensions(load_extensions(config.settings, plugins=config.plugins, disabled=config.disabled_plugins))
     await extensions.call("cleanup", job=config.job_name, node_id=node_id, incarnation=incarnation)
-    log.info("agent_cleaned_up", node=node_id, incarnation=incarnation)
+    removed = remove_left_behind(progress_prefix(config.job_name, node_id, incarnation))
+    log.info("agent_cleaned_up", node=node_id, incarnation=incarnation, progress_dirs=len(removed))
     return 0
 
 

@@ -6,6 +6,7 @@ The record layout and the worker's writer are :mod:`stead.core.worker.progress`.
 from __future__ import annotations
 
 import mmap
+import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -14,18 +15,41 @@ from types import TracebackType
 
 from stead.core.worker.progress import FILE_BYTES, PROGRESS_ENV, RECORD_BODY, RECORD_SEQ, StepProgress
 
-__all__ = ["ProgressFiles", "ProgressReader"]
+__all__ = ["ProgressFiles", "ProgressReader", "progress_prefix", "remove_left_behind"]
 
 #: attempts at a consistent read before keeping the previous value (a writer mid-update)
 _READ_ATTEMPTS = 8
 
 
 
-class ProgressFiles:
-    """The agent's progress files, one per local rank, in a temporary directory removed on close."""
+def progress_prefix(job: str, node_id: str, incarnation: int) -> str:
+    """The start of the name of one agent's progress directory: what :func:`remove_left_behind` finds once that
+    agent was killed (a killed agent removes nothing itself)."""
+    return f"stead-progress-{job}.{node_id}.{incarnation}-"
 
-    def __init__(self, local_ranks: Iterable[int], *, directory: str | Path | None = None) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="stead-progress-", dir=directory))
+
+def remove_left_behind(prefix: str, *, directory: str | Path | None = None) -> list[Path]:
+    """Remove the progress directories named ``prefix...`` that this user owns (in the temporary directory, or
+    ``directory``); the ones removed."""
+    removed = []
+    for path in Path(directory or tempfile.gettempdir()).glob(f"{prefix}*"):
+        try:
+            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+class ProgressFiles:
+    """The agent's progress files, one per local rank, in a temporary directory removed on close (named
+    ``prefix...``: :func:`progress_prefix` for an agent's, so that a killed agent's is found and removed)."""
+
+    def __init__(self, local_ranks: Iterable[int], *, directory: str | Path | None = None,
+                 prefix: str = "stead-progress-") -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix=prefix, dir=directory))
         self.paths: dict[int, Path] = {}
         for rank in local_ranks:
             path = self.dir / f"rank{rank}"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from _agent_helpers import py, spec, write
 
-from stead.core.agent.progress import ProgressFiles, ProgressReader
+from stead.core.agent.progress import ProgressFiles, ProgressReader, progress_prefix, remove_left_behind
 from stead.core.agent.workers import WorkerGroup
 from stead.core.agent.zygote import Zygote
 from stead.core.worker import progress
@@ -96,6 +96,17 @@ def test_files_live_in_a_directory_removed_on_close(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
+def test_a_killed_agent_s_directory_is_found_by_its_node_and_removed_by_the_clean_up(tmp_path: Path) -> None:
+    mine = ProgressFiles([0, 1], directory=tmp_path, prefix=progress_prefix("job", "node-1", 2))  # never closed
+    other = ProgressFiles([0], directory=tmp_path, prefix=progress_prefix("job", "node-1", 3))
+    foreign = tmp_path / f"{progress_prefix('job', 'node-1', 2)}theirs"
+    foreign.mkdir()
+    os.chown(foreign, 65534, 65534)  # another user's, of the same name: left alone
+    assert remove_left_behind(progress_prefix("job", "node-1", 2), directory=tmp_path) == [mine.dir]
+    assert not mine.dir.exists() and other.dir.exists() and foreign.exists()
+    other.close()
+
+
 async def test_workers_report_steps_to_the_agent(tmp_path: Path, zygote: Zygote | None) -> None:
     script = write(tmp_path, "steps.py", """
         import sys
