@@ -73,7 +73,8 @@ stress: $(STAMP) etcd
 
 # long runs that do not fit in `make test`: the RPC fuzz with many more cases per method, and the chaos job
 # under a long seeded fault schedule on etcd (CHAOS_FAULTS faults of every kind, a 20 s etcd outage among them)
-# and across three test hosts (CHAOS_HOST_FAULTS worker faults, hosts killed and cut off)
+# and across three test hosts (CHAOS_HOST_FAULTS worker faults, hosts killed and cut off); and the whole-job tests
+# marked `extended` (variants that tests in `make test` cover in part, kept out of its 15-minute budget)
 FUZZ_EXAMPLES ?= 3000
 CHAOS_FAULTS ?= 200
 CHAOS_SEED ?= 1
@@ -83,6 +84,7 @@ chaos: $(STAMP) etcd
 	STEAD_CHAOS_LONG=1 STEAD_CHAOS_FAULTS=$(CHAOS_FAULTS) STEAD_CHAOS_SEED=$(CHAOS_SEED) \
 	  STEAD_CHAOS_HOST_FAULTS=$(CHAOS_HOST_FAULTS) \
 	  $(BIN)/pytest -q -s --timeout=4000 tests/chaos -k long
+	STEAD_EXTENDED=1 $(BIN)/pytest -q -n 2 -m extended tests
 
 proto: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/gen_proto.sh

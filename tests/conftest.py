@@ -30,6 +30,8 @@ SPARES_ENV = env_name("", "spare_agents")
 os.environ.setdefault(SPARES_ENV, "0")
 
 
+#: set by `make chaos`: the tests marked ``extended`` run too (skipped in `make test`, saying what covers them)
+EXTENDED_ENV = "STEAD_EXTENDED"
 #: the tests that run whole jobs (most of the suite's time) go first, so that the suite's tail is short tests that
 #: the xdist workers share out (``--dist worksteal``), not one long job on one worker while the other waits
 WHOLE_JOB_DIRS = ("e2e", "chaos")
@@ -45,6 +47,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return float(marker.args[0]) if marker is not None else 0.0
 
     items.sort(key=lambda item: (not whole_job(item), -seconds(item)))  # stable: the order within each part stays
+    if not os.environ.get(EXTENDED_ENV):
+        for item in items:
+            marker = item.get_closest_marker("extended")
+            if marker is not None:
+                item.add_marker(pytest.mark.skip(reason=f"runs in `make chaos` ({EXTENDED_ENV}=1); in `make test`: "
+                                                        f"{marker.args[0]}"))
 
 
 @pytest.fixture

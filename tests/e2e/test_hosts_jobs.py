@@ -182,6 +182,8 @@ async def _until_step(timestamps: Path, step: int, world: int) -> None:
             await asyncio.sleep(0.1)
 
 
+@pytest.mark.extended("a killed host's node on the spare: the replica test below; no spare, the job shrinking: "
+                      "tests/e2e/test_slurm.py's platform test, on the same hosts platform")
 @pytest.mark.parametrize(("nnodes", "hosts_n", "killed", "why"), [
     ("2:2", 3, 1, "a spare host (it offered itself while the job was at MAX) takes the lost host's place"),
     ("2:3", 3, 2, "no spare: the job shrinks to the hosts it has and goes on"),
@@ -268,6 +270,12 @@ async def test_a_lost_host_s_node_resumes_from_its_newest_committed_step_held_in
     assert resumed and min(resumed) == after["step"] + 1, (after, resumed[:3])  # type: ignore[operator]
     assert f"restored   last: step {after['step']}: memory 1, peer 1" in status, status
     assert max(_steps(timestamps).values()) == 119
+    # the killed host's node ended once (its host hung up, or its heartbeats stopped) and came back on the spare
+    ended = [e["data"] for e in events if (e["type"] == "node.lost" and not e["data"]["reason"].startswith("retired"))
+             or (e["type"] == "node.exited" and "hung up" in e["data"]["reason"])]  # type: ignore[index]
+    assert len(ended) == 1, ended
+    started = [(e["data"]["node_id"], e["data"]["host"]) for e in events if e["type"] == "node.started"]  # type: ignore[index]
+    assert started[-1] == (ended[0]["node_id"], "h2"), started  # type: ignore[index]
 
 
 @pytest.mark.long(55)

@@ -68,6 +68,8 @@ def test_a_nan_gradient_is_caught_on_its_rank_before_the_step_and_the_job_ends_a
     assert _weights(faulty.stdout) == _weights(clean_out)  # the NaN step was never applied, nor committed
 
 
+@pytest.mark.extended("the rule that decides it (repeated-failure): tests/e2e/test_failure_classes.py's repeated "
+                      "failure; a NaN caught on its rank: the test above")
 def test_a_nan_that_comes_back_at_the_same_step_after_the_restore_fails_the_job_on_its_second_time(
         run_job: RunJob) -> None:
     assert BUGGY != SCRIPT
