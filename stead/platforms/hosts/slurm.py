@@ -16,9 +16,11 @@ itself survives a node's death only when the job was submitted with ``--no-kill`
 Slurm ends the whole job (``NODE_FAIL``). A step that ends while the job runs is looked at (:meth:`_step_ended`):
 its node down or failing in Slurm's eyes (``sinfo``), or gone from the allocation, is lost (its node reported
 exited now, NodeLost, the node named in the reason) and never used again; a node draining gets no new node; a
-step that ended on a healthy node is started again, at most :data:`STEP_STARTS` times. Slurm's node states are
-also read every :data:`POLL_S`, so that a node Slurm marks down is let go before its step's end reaches here. A
-node the job excludes as faulty (``NodeSpec.avoid_hosts``) has its step stopped and gets none again.
+step that ended on a healthy node is started again, at most :data:`STEP_STARTS` times; while Slurm's controller
+does not answer (``sinfo`` fails) nothing is known of the node, and its step is tried again without counting.
+Slurm's node states are also read every :data:`POLL_S`, so that a node Slurm marks down is let go before its
+step's end reaches here. A node the job excludes as faulty (``NodeSpec.avoid_hosts``) has its step stopped and
+gets none again.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ POLL_S = 5.0
 STEP_STARTS = 4
 #: the pause before a step that ended on a healthy node is started again (doubling at each start)
 RESTART_PAUSE_S = 1.0
+#: the longest pause between two starts of a node's step
+MAX_RESTART_PAUSE_S = 30.0
 #: how long the hosts' steps are given to end by themselves once the job ended, before srun is signalled
 STEP_END_WAIT_S = 10.0
 #: how long srun is given to end its step after SIGTERM, before SIGKILL
@@ -207,18 +211,25 @@ class SlurmPlatform:
             rc = await self._run(step)
             if self._leaving or step.given_up:
                 return
-            why = await self._step_ended(step, rc)
-            if why:
-                self._give_up(step, why, lost=True)
-                return
             if time.monotonic() - started > 60.0:
                 pause = RESTART_PAUSE_S  # it ran a while: a new failure, not the same one again
-            log.warning("slurm_step_ended", node=step.node, exit_code=rc, said=self._said(step),
-                        again_in_s=round(pause, 1), starts=step.starts)
+            states = await self._states()
+            if step.node not in states:  # Slurm's controller does not answer: nothing is known of the node, and
+                step.starts -= 1  # the start is not counted against it (the job keeps what it has meanwhile)
+                log.warning("slurm_controller_unreachable", node=step.node, exit_code=rc, said=self._said(step),
+                            again_in_s=round(pause, 1), what="the node's host step is started again once sinfo "
+                            "answers; check slurmctld (scontrol ping)")
+            else:
+                why = self._step_ended(step, states)
+                if why:
+                    self._give_up(step, why, lost=True)
+                    return
+                log.warning("slurm_step_ended", node=step.node, exit_code=rc, said=self._said(step),
+                            again_in_s=round(pause, 1), starts=step.starts)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(pause):
                     await step.stop.wait()
-            pause *= 2
+            pause = min(pause * 2, MAX_RESTART_PAUSE_S)
 
     async def _run(self, step: _Step) -> int:
         """Run the node's host step to its end; its exit code (negative: a signal)."""
@@ -241,10 +252,9 @@ class SlurmPlatform:
                 step.lines = [*step.lines[-(_KEPT_LINES - 1):], line.strip()]
         return await process.wait()
 
-    async def _step_ended(self, step: _Step, rc: int) -> str:
+    def _step_ended(self, step: _Step, states: Mapping[str, tuple[str, str]]) -> str:
         """Why the node gets no step again ("" when it does): Slurm says it is gone, or it left the job."""
         said = self._said(step)
-        states = await self._states()
         state, reason = states.get(step.node, ("", ""))
         if state in LOST_STATES:
             return f"Slurm says node {step.node} is {state}{f' ({reason})' if reason else ''}; its step ended: {said}"
@@ -252,7 +262,6 @@ class SlurmPlatform:
             return f"Slurm drains node {step.node}{f' ({reason})' if reason else ''}; its step ended: {said}"
         if "Node failure" in said or "Requested node configuration is not available" in said:
             return f"node {step.node} failed or left the Slurm job ({said})"
-        del rc
         return ""
 
     def _give_up(self, step: _Step, reason: str, *, lost: bool) -> None:

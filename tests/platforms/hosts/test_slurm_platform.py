@@ -40,12 +40,16 @@ class FakeSlurm:
         self.steps = dict(steps)
         self.states = dict(states)
         self.commands: list[list[str]] = []
+        #: sinfo fails as it does while slurmctld does not answer
+        self.unreachable = False
         self.envs: list[Mapping[str, str]] = []
 
     async def spawn(self, *command: str, **kwargs: Any) -> asyncio.subprocess.Process:
         self.commands.append(list(command))
         self.envs.append(dict(kwargs.get("env") or {}))
-        if command[0] == "sinfo":
+        if command[0] == "sinfo" and self.unreachable:
+            line = "echo 'sinfo: error: Unable to contact slurm controller (connect failure)' >&2; exit 1"
+        elif command[0] == "sinfo":
             lines = "".join(f"{node}|{state}\n" for node, state in self.states.items())
             line = f"printf %s {shlex.quote(lines)}"
         else:
@@ -138,6 +142,23 @@ async def test_a_step_that_ends_on_a_healthy_node_is_started_again_and_given_up_
     assert f"started {slurm_module.STEP_STARTS} times" in hosts.barred["h3"]
     assert "Exited with exit code 1" in hosts.barred["h3"]
     assert fake.started("h1") == 1 and "h1" not in hosts.barred
+
+
+async def test_while_slurm_s_controller_does_not_answer_a_node_s_step_is_tried_again_without_giving_it_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slurm_module, "RESTART_PAUSE_S", 0.01)
+    monkeypatch.setattr(slurm_module, "MAX_RESTART_PAUSE_S", 0.02)
+    fake = FakeSlurm({"h3": "echo 'srun: error: Unable to contact slurm controller (connect failure)' >&2; exit 1"},
+                     {n: "allocated" for n in NODES})
+    fake.unreachable = True
+    platform, hosts = slurm_platform(fake)
+    async with platform:
+        await _until(lambda: fake.started("h3") > 2 * slurm_module.STEP_STARTS)
+        assert "h3" not in hosts.barred  # the controller's silence is not the node's failure
+        fake.unreachable = False  # it answers again: the node's own failures count from here
+        await _until(lambda: "h3" in hosts.barred)
+    assert "Unable to contact slurm controller" in hosts.barred["h3"]
+    assert fake.started("h1") == 1 and "h1" not in hosts.barred  # the running steps kept going
 
 
 async def test_a_host_the_job_excludes_as_faulty_has_its_step_stopped_and_gets_no_node() -> None:
