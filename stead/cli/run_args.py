@@ -257,7 +257,7 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
     overrides = _settings_overrides(rdzv_conf, ns.settings, ns.shutdown_timeout)
     settings = Settings.from_mapping(overrides, base=Settings.from_env(env))
     check_plugin_settings(settings)
-    if ns.platform not in (SLURM_PLATFORM, HOSTS_PLATFORM):
+    if ns.platform != SLURM_PLATFORM:  # (not an entry point: `stead run` sets it up itself)
         _check_platform(ns.platform)
     plugins, disabled = parse_plugins(ns.plugins, ns.no_plugin)
     start_nodes = _start_nodes(ns.start_nodes, min_nodes, max_nodes, settings.capacity_nodes)
@@ -281,7 +281,7 @@ def parse_run_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = N
     if slurm is not None:
         platform = SLURM_PLATFORM
     elif hosts_endpoint:
-        if ns.platform not in ("local", HOSTS_PLATFORM):
+        if ns.platform != "local":
             raise ConfigError(f"torchrun's multi-node flags run one job over several machines, each running `stead "
                               f"run`; --platform {ns.platform} starts the nodes itself: drop --node-rank, "
                               "--master-addr and --rdzv-endpoint, or drop --platform")
