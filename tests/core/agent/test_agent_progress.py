@@ -95,7 +95,6 @@ def test_files_live_in_a_directory_removed_on_close(tmp_path: Path) -> None:
     assert not files.dir.exists()
 
 
-@pytest.mark.anyio
 def test_a_killed_agent_s_directory_is_found_by_its_node_and_removed_by_the_clean_up(tmp_path: Path) -> None:
     mine = ProgressFiles([0, 1], directory=tmp_path, prefix=progress_prefix("job", "node-1", 2))  # never closed
     other = ProgressFiles([0], directory=tmp_path, prefix=progress_prefix("job", "node-1", 3))
@@ -107,6 +106,7 @@ def test_a_killed_agent_s_directory_is_found_by_its_node_and_removed_by_the_clea
     other.close()
 
 
+@pytest.mark.anyio
 async def test_workers_report_steps_to_the_agent(tmp_path: Path, zygote: Zygote | None) -> None:
     script = write(tmp_path, "steps.py", """
         import sys
