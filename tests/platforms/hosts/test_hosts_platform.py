@@ -73,6 +73,21 @@ async def test_c10d_this_host_takes_the_first_node_offered_hosts_the_rest_and_a_
         assert (launched(hosts, "a"), launched(hosts, "b")) == ([], [("node-1", 2)])
 
 
+async def test_a_node_never_goes_to_a_host_it_must_avoid_or_a_barred_one() -> None:
+    hosts, local = platform()
+    async with hosts:
+        await hosts.launch(spec("node-0"))  # this host's
+        for launcher in ("a", "b", "c"):
+            host, why = hosts.offer(offer(launcher))
+            assert host is not None, why
+        hosts.bar("host-b", "drained", lost=False)
+        await hosts.launch(dataclasses.replace(spec("node-1", 2), avoid_hosts=("host-a",)))  # excluded as faulty
+        assert (launched(hosts, "a"), launched(hosts, "b"), launched(hosts, "c")) == ([], [], [("node-1", 2)])
+        await hosts.launch(dataclasses.replace(spec("node-2"), avoid_hosts=("host-a",)))  # no host left for it
+        assert (launched(hosts, "a"), launched(hosts, "b")) == ([], [])
+    assert local.launches == [("node-0", 1)]
+
+
 async def test_an_elected_master_runs_no_node_and_its_own_host_gets_one_last(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_platform, "HOME_LAST_S", 0.3)
