@@ -37,8 +37,8 @@ def _torchrun(cwd: Path, nproc: int, **env: str) -> subprocess.Popen[str]:
     (cwd / "train.py").write_text(SCRIPT)
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("STEAD_", "TORCHELASTIC_"))}
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             str(nproc), "train.py"], cwd=cwd, env=clean | env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             str(nproc), "train.py"], cwd=cwd, env=clean | env | {"TMPDIR": str(cwd)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _decided(job: Any, name: str, reference: subprocess.Popen[str], reference_err: str, *, rule: str, action: str,

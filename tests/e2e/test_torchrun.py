@@ -74,8 +74,9 @@ def _torchrun(cwd: Path, run: int) -> subprocess.Popen[str]:
            if not k.startswith(("STEAD_", "TORCHELASTIC_")) or k == SHM_NAMESPACE_ENV}  # no stead in sight
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "train.py", str(N), str(EPOCHS), str(EVERY), str(run)]
-    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    # (TMPDIR: torchrun's own log folder, torchelastic_*, which it never removes, goes with the test's folder)
+    return subprocess.Popen(command, cwd=cwd, env={**env, "TMPDIR": str(cwd)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _last_step(log: Path) -> int:

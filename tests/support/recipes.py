@@ -118,9 +118,10 @@ def recipe_env(cwd: Path, fault: str, at_step: int, **extra: str) -> dict[str, s
 
 
 def torchrun(cwd: Path, script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    # (TMPDIR: torchrun's own log folder, torchelastic_*, which it never removes, goes with the test's folder)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           script], cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                          start_new_session=True)
+                           script], cwd=cwd, env={**env, "TMPDIR": str(cwd)}, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, start_new_session=True)
 
 
 def stead_run(cwd: Path, script: str, env: dict[str, str], job: str = "recipe") -> subprocess.CompletedProcess[str]:

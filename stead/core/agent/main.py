@@ -35,7 +35,13 @@ from stead.core.agent.health_check import ORDERS_ENV as HEALTH_ORDERS_ENV
 from stead.core.agent.netif import interface_env
 from stead.core.agent.oom import OomRecords, killed_like_oom
 from stead.core.agent.pace import StepPace
-from stead.core.agent.progress import ProgressFiles, ProgressReader, progress_prefix, remove_left_behind
+from stead.core.agent.progress import (
+    ProgressFiles,
+    ProgressReader,
+    progress_prefix,
+    remove_earlier,
+    remove_left_behind,
+)
 from stead.core.agent.resources import WorkerResources
 from stead.core.agent.stacks import dump_stacks
 from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
@@ -156,6 +162,7 @@ class Agent:
     async def run(self) -> int:
         preload = ZYGOTE_PRELOAD if not self.config.no_python else ()
         prefix = progress_prefix(self.config.job_name, self.node_id, self.incarnation)
+        remove_earlier(self.config.job_name, self.node_id, self.incarnation)  # killed predecessors' on this machine
         with (ProgressFiles(range(self.nproc), prefix=prefix) as progress,
               anyio.open_signal_receiver(signal.SIGTERM) as sigterm,
               anyio.open_signal_receiver(signal.SIGUSR1) as warnings):

@@ -15,7 +15,7 @@ from types import TracebackType
 
 from stead.core.worker.progress import FILE_BYTES, PROGRESS_ENV, RECORD_BODY, RECORD_SEQ, StepProgress
 
-__all__ = ["ProgressFiles", "ProgressReader", "progress_prefix", "remove_left_behind"]
+__all__ = ["ProgressFiles", "ProgressReader", "progress_prefix", "remove_earlier", "remove_left_behind"]
 
 #: attempts at a consistent read before keeping the previous value (a writer mid-update)
 _READ_ATTEMPTS = 8
@@ -31,16 +31,30 @@ def progress_prefix(job: str, node_id: str, incarnation: int) -> str:
 def remove_left_behind(prefix: str, *, directory: str | Path | None = None) -> list[Path]:
     """Remove the progress directories named ``prefix...`` that this user owns (in the temporary directory, or
     ``directory``); the ones removed."""
+    return [path for path in Path(directory or tempfile.gettempdir()).glob(f"{prefix}*") if _remove_mine(path)]
+
+
+def remove_earlier(job: str, node_id: str, incarnation: int, *, directory: str | Path | None = None) -> list[Path]:
+    """Remove what the earlier incarnations of this node left on this machine (killed ones remove nothing, and
+    only the last one's clean-up runs when the job ends); the ones removed."""
+    head = progress_prefix(job, node_id, 0).removesuffix("0-")
     removed = []
-    for path in Path(directory or tempfile.gettempdir()).glob(f"{prefix}*"):
-        try:
-            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+    for path in Path(directory or tempfile.gettempdir()).glob(f"{head}*"):
+        number = path.name[len(head):].partition("-")[0]
+        if number.isdigit() and int(number) < incarnation and _remove_mine(path):
+            removed.append(path)
     return removed
+
+
+def _remove_mine(path: Path) -> bool:
+    """Remove ``path``, a directory of this user's (not a link); whether it was."""
+    try:
+        if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+            return False
+    except OSError:
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
 
 
 class ProgressFiles:

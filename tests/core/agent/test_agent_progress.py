@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 from _agent_helpers import py, spec, write
 
-from stead.core.agent.progress import ProgressFiles, ProgressReader, progress_prefix, remove_left_behind
+from stead.core.agent.progress import (
+    ProgressFiles,
+    ProgressReader,
+    progress_prefix,
+    remove_earlier,
+    remove_left_behind,
+)
 from stead.core.agent.workers import WorkerGroup
 from stead.core.agent.zygote import Zygote
 from stead.core.worker import progress
@@ -104,6 +110,17 @@ def test_a_killed_agent_s_directory_is_found_by_its_node_and_removed_by_the_clea
     assert remove_left_behind(progress_prefix("job", "node-1", 2), directory=tmp_path) == [mine.dir]
     assert not mine.dir.exists() and other.dir.exists() and foreign.exists()
     other.close()
+
+
+def test_a_new_incarnation_removes_what_its_killed_predecessors_left_and_nothing_else(tmp_path: Path) -> None:
+    made = {(node, incarnation): ProgressFiles([0], directory=tmp_path,
+                                               prefix=progress_prefix("job", node, incarnation))
+            for node, incarnation in (("node-1", 1), ("node-1", 2), ("node-1", 3), ("node-10", 1), ("node-1", 11))}
+    removed = remove_earlier("job", "node-1", 3, directory=tmp_path)
+    assert sorted(removed) == sorted([made["node-1", 1].dir, made["node-1", 2].dir])
+    assert all(made[key].dir.exists() for key in (("node-1", 3), ("node-10", 1), ("node-1", 11)))
+    for key in (("node-1", 3), ("node-10", 1), ("node-1", 11)):
+        made[key].close()
 
 
 @pytest.mark.anyio
