@@ -30,6 +30,7 @@ from stead.cli.slurm_env import (
     SlurmAllocation,
     check_nnodes,
     flag_defaults,
+    platform_allocation,
     rendezvous,
     slurm_allocation,
     slurm_step,
@@ -607,36 +608,18 @@ def _endpoint(text: str, *, default_port: int = 0) -> str:
 
 def _slurm_allocation(ns: argparse.Namespace, env: Mapping[str, str], in_step: bool,
                       min_nodes: int) -> SlurmAllocation | None:
-    """The allocation the Slurm platform runs the job on (``--platform slurm``, or by default in an allocation of
-    several nodes when no multi-node flag is given); None for every other platform. A host step the platform
-    started (:data:`HOST_STEP_ENV`) is one host of the job, not a Slurm platform of its own: its flags come from
-    its master (``PET_*``), so ``--platform slurm`` in the command line it shares is dropped there."""
+    """The allocation the Slurm platform runs the job on (:func:`~stead.cli.slurm_env.platform_allocation`); None
+    for every other platform. A host step the platform started (:data:`HOST_STEP_ENV`) is one host of the job, not
+    a Slurm platform of its own: its flags come from its master (``PET_*``), so ``--platform slurm`` in the command
+    line it shares is dropped there."""
     if env.get(HOST_STEP_ENV):
         if ns.platform == SLURM_PLATFORM:
             ns.platform = "local"
         return None
     flagged = ns.rdzv_backend != "static" or bool(ns.rdzv_endpoint) or ns.node_rank is not None \
         or ns.master_addr is not None
-    allocation = None if in_step or ns.standalone else slurm_allocation(env)
-    if ns.platform != SLURM_PLATFORM:
-        if ns.platform != "local" or allocation is None or len(allocation.nodes) < 2 or flagged:
-            return None
-    elif in_step:
-        raise ConfigError("--platform slurm starts the job's nodes as srun steps itself: run `stead run` in the batch "
-                          "script (or salloc shell) without srun, or drop --platform slurm to make this srun step's "
-                          "nodes the job")
-    elif ns.standalone or allocation is None:
-        raise ConfigError("--platform slurm runs the job on the nodes of the Slurm job it runs in: run `stead run` in "
-                          "an sbatch script or an salloc shell (SLURM_JOB_ID and SLURM_JOB_NODELIST set)")
-    elif flagged:
-        raise ConfigError("--platform slurm serves the job's master on this host and starts every node itself: drop "
-                          "--rdzv-backend, --rdzv-endpoint, --node-rank and --master-addr")
-    if min_nodes > len(allocation.nodes):
-        held = len(allocation.nodes)
-        raise ConfigError(f"--nnodes asks for at least {min_nodes} nodes but the Slurm job holds {held} "
-                          f"({','.join(allocation.nodes[:8])}{',...' if len(allocation.nodes) > 8 else ''}): ask "
-                          f"sbatch or salloc for --nodes {min_nodes} or more, or lower --nnodes")
-    return allocation
+    return platform_allocation(env, asked=ns.platform == SLURM_PLATFORM, default=ns.platform == "local",
+                               in_step=in_step, standalone=ns.standalone, flagged=flagged, min_nodes=min_nodes)
 
 
 def _hostport(host: str, port: int) -> str:

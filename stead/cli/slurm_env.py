@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from stead.core.errors import ConfigError
 
 __all__ = ["HOST_STEP_ENV", "SlurmAllocation", "SlurmStep", "check_nnodes", "flag_defaults", "hostnames",
-           "rendezvous", "slurm_allocation", "slurm_step"]
+           "platform_allocation", "rendezvous", "slurm_allocation", "slurm_step"]
 
 #: the c10d endpoint's port is this plus the job id's last four digits
 PORT_BASE = 15000
@@ -91,6 +91,34 @@ def slurm_allocation(environ: Mapping[str, str]) -> SlurmAllocation | None:
     here = environ.get("SLURMD_NODENAME") or None
     return SlurmAllocation(job_id=job_id, nodes=nodes, here=here if here in nodes else None,
                            cpus=_cpus_per_node(environ.get("SLURM_JOB_CPUS_PER_NODE", ""), len(nodes)))
+
+
+def platform_allocation(environ: Mapping[str, str], *, asked: bool, default: bool, in_step: bool, standalone: bool,
+                        flagged: bool, min_nodes: int) -> SlurmAllocation | None:
+    """The allocation the Slurm platform runs the job on: when ``--platform slurm`` is ``asked`` for, or by
+    ``default`` (no other platform named) in an allocation of several nodes when no multi-node flag is given
+    (``flagged``); None otherwise. ConfigError when the platform asked for cannot run (under srun, outside an
+    allocation, with multi-node flags) or the allocation holds fewer than ``min_nodes``."""
+    allocation = None if in_step or standalone else slurm_allocation(environ)
+    if not asked:
+        if not default or allocation is None or len(allocation.nodes) < 2 or flagged:
+            return None
+    elif in_step:
+        raise ConfigError("--platform slurm starts the job's nodes as srun steps itself: run `stead run` in the batch "
+                          "script (or salloc shell) without srun, or drop --platform slurm to make this srun step's "
+                          "nodes the job")
+    elif allocation is None:
+        raise ConfigError("--platform slurm runs the job on the nodes of the Slurm job it runs in: run `stead run` in "
+                          "an sbatch script or an salloc shell (SLURM_JOB_ID and SLURM_JOB_NODELIST set)")
+    elif flagged:
+        raise ConfigError("--platform slurm serves the job's master on this host and starts every node itself: drop "
+                          "--rdzv-backend, --rdzv-endpoint, --node-rank and --master-addr")
+    if min_nodes > len(allocation.nodes):
+        held = len(allocation.nodes)
+        raise ConfigError(f"--nnodes asks for at least {min_nodes} nodes but the Slurm job holds {held} "
+                          f"({','.join(allocation.nodes[:8])}{',...' if held > 8 else ''}): ask sbatch or salloc "
+                          f"for --nodes {min_nodes} or more, or lower --nnodes")
+    return allocation
 
 
 def _cpus_per_node(text: str, count: int) -> tuple[int, ...]:
