@@ -55,6 +55,10 @@ STEP_STARTS = 4
 RESTART_PAUSE_S = 1.0
 #: the longest pause between two starts of a node's step
 MAX_RESTART_PAUSE_S = 30.0
+#: a step that ran this long before it ended failed anew: the pause before its next start is the first again
+RAN_A_WHILE_S = 60.0
+#: how long one ``sinfo`` may take before the nodes' states count as unknown (the controller not answering)
+SINFO_TIMEOUT_S = 30.0
 #: how long the hosts' steps are given to end by themselves once the job ended, before srun is signalled
 STEP_END_WAIT_S = 10.0
 #: how long srun is given to end its step after SIGTERM, before SIGKILL
@@ -211,7 +215,7 @@ class SlurmPlatform:
             rc = await self._run(step)
             if self._leaving or step.given_up:
                 return
-            if time.monotonic() - started > 60.0:
+            if time.monotonic() - started > RAN_A_WHILE_S:
                 pause = RESTART_PAUSE_S  # it ran a while: a new failure, not the same one again
             states = await self._states()
             if step.node not in states:  # Slurm's controller does not answer: nothing is known of the node, and
@@ -326,13 +330,13 @@ class SlurmPlatform:
             log.warning("slurm_states_unread", error=repr(exc))
             return {}
         try:
-            async with asyncio.timeout(30.0):
+            async with asyncio.timeout(SINFO_TIMEOUT_S):
                 out, err = await process.communicate()
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()
-            log.warning("slurm_states_unread", error=f"{self.sinfo} did not answer within 30 s")
+            log.warning("slurm_states_unread", error=f"{self.sinfo} did not answer within {SINFO_TIMEOUT_S:g} s")
             return {}
         if process.returncode != 0:
             log.warning("slurm_states_unread", exit_code=process.returncode, said=err.decode(errors="replace")[-300:])
