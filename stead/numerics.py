@@ -4,6 +4,7 @@
 
     model = DistributedDataParallel(model)
     stead.numerics.guard(model)        # a NaN/Inf gradient caught on its rank before the step; replicas compared
+    stead.numerics.report_loss(loss)   # a loss spike caught (numerics.loss_spike=record or skip; off by default)
 
 See :mod:`stead.core.worker.numerics` for how (a sum of each gradient bucket before its all-reduce; every
 ``STEAD_NUMERICS_FINGERPRINT_EVERY`` steps, one all-gather of the replicas' parameter fingerprints), what it
@@ -14,6 +15,7 @@ stead's.
 
 from __future__ import annotations
 
+from stead.core.worker.loss_spike import LossSpikeError, report_loss
 from stead.core.worker.numerics import (
     INJECT_ENV,
     Guard,
@@ -23,4 +25,5 @@ from stead.core.worker.numerics import (
     guard,
 )
 
-__all__ = ["INJECT_ENV", "Guard", "NonFiniteGradientError", "NumericsSettings", "ReplicaMismatchError", "guard"]
+__all__ = ["INJECT_ENV", "Guard", "LossSpikeError", "NonFiniteGradientError", "NumericsSettings",
+           "ReplicaMismatchError", "guard", "report_loss"]

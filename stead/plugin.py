@@ -180,6 +180,12 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
         NodeStarted as NodeStarted,
     )
     from stead.core.events import (
+        NumericsNote as NumericsNote,
+    )
+    from stead.core.events import (
+        NumericsReported as NumericsReported,
+    )
+    from stead.core.events import (
         PluginFailed as PluginFailed,
     )
     from stead.core.events import (
@@ -354,6 +360,9 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; at run time __getatt
     from stead.core.store.chunked import (
         ChunkedValue as ChunkedValue,
     )
+    from stead.core.worker.numerics_settings import (
+        NumericsSettings as NumericsSettings,
+    )
 
 _WHERE = {
     "stead.core.agent.extensions": ("AgentContext", "AgentExtension", "RoundInfo"),
@@ -366,7 +375,8 @@ _WHERE = {
                           "EventMark", "JobFailed", "JobStopped", "JobSubmitted",
                           "JobSucceeded", "MembershipDecided", "NodeExited", "NodeJoined", "NodeLost", "NodePending",
                           "NodeRequested", "NodeResourcesDecided", "NodeStarted",
-                          "PluginFailed", "PluginsStarted", "Record", "RecoveryAction", "RecoveryDecided",
+                          "NumericsNote", "NumericsReported", "PluginFailed", "PluginsStarted", "Record",
+                          "RecoveryAction", "RecoveryDecided",
                           "RelaunchRequested", "RestartRequested", "RoundCompleted", "RoundStarted", "StackSample",
                           "StacksDumped", "StacksRequested", "StepProgress", "RoomFound",
                           "TimerFired", "TimerName", "TransitionRejected", "WorkerFailed", "WorkersStarted",
@@ -385,6 +395,7 @@ _WHERE = {
     "stead.core.store": ("write_size",),
     "stead.core.store.base": ("KeyValue", "StateStore"),
     "stead.core.store.chunked": ("ChunkedValue",),
+    "stead.core.worker.numerics_settings": ("NumericsSettings",),
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
 
@@ -449,6 +460,9 @@ __all__ = [
     "Settings",
     "StateStore",
     "StackSample",
+    "NumericsNote",
+    "NumericsReported",
+    "NumericsSettings",
     "StacksDumped",
     "StacksRequested",
     "SteadError",

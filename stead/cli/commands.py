@@ -409,6 +409,7 @@ async def _status(args: argparse.Namespace, settings: Settings) -> int:
     from stead.core.statemachine import fold_all
     from stead.core.views.display import format_status, last_diagnoses, status_json
     from stead.core.views.goodput import ledger
+    from stead.core.views.numerics import numerics_lines
     from stead.core.views.top import published_lines
 
     store = await _open_existing(args, settings)
@@ -427,10 +428,10 @@ async def _status(args: argparse.Namespace, settings: Settings) -> int:
             about = {}
         print(json.dumps(status_json(args.job, fold_all(records), diagnoses=last_diagnoses(records),
                                      plugins=plugins, master=about if isinstance(about, dict) else {},
-                                     goodput=goodput)))
+                                     goodput=goodput, numerics=numerics_lines(records))))
         return 0
     print(format_status(args.job, fold_all(records), diagnoses=last_diagnoses(records), plugins=plugins,
-                        goodput=goodput))
+                        goodput=goodput, numerics=numerics_lines(records)))
     return 0
 
 

@@ -39,6 +39,8 @@ from stead.core.errors import ConfigError, PluginError
 from stead.core.events import Event, Record, RelaunchRequested, RestartRequested, StacksRequested
 from stead.core.statemachine import JobState
 from stead.core.store.base import StateStore
+from stead.core.worker.numerics_settings import NAMESPACE as NUMERICS
+from stead.core.worker.numerics_settings import NumericsSettings
 
 __all__ = [
     "GROUP",
@@ -346,11 +348,14 @@ PLATFORM_GROUP = "stead.platforms"
 
 
 def check_plugin_settings(settings: Settings, *, group: str = GROUP) -> None:
-    """Every ``--set plugin.name=value`` names an installed plugin (or platform with settings) and one of its
-    settings, with a valid value."""
+    """Every ``--set plugin.name=value`` names an installed plugin (or platform with settings), or ``numerics``
+    (the workers' :mod:`stead.numerics`), and one of its settings, with a valid value."""
     names = installed(group)
     platforms = installed(PLATFORM_GROUP) if group == GROUP else []
     for plugin in settings.plugin_values:
+        if plugin == NUMERICS and group == GROUP:  # the workers' (and the diagnosis') settings, not a plugin's
+            load_settings(NumericsSettings, NUMERICS, settings)
+            continue
         if plugin not in names and plugin not in platforms:
             raise ConfigError(f"--set {plugin}.…: no plugin {plugin!r} is installed (installed: "
                               f"{', '.join(names) or 'none'}; platforms: {', '.join(platforms) or 'none'})")

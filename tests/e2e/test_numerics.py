@@ -1,5 +1,6 @@
-"""A NaN gradient under DDP: caught on the rank that made it, before the step; restored and trained on to the
-fault-free weights; the same NaN again at the same step fails the job on its second occurrence. A flipped bit in
+"""A NaN gradient under DDP with numerics.on_nan=restore: caught on the rank that made it, before the step;
+restored and trained on to the fault-free weights; the same NaN again at the same step fails the job on its second
+occurrence (the default, on_nan=skip, skips the step instead: test_numerics_skip.py). A flipped bit in
 one replica's parameters: the replicas' fingerprints name that rank, its node is relaunched, and the job ends
 with the fault-free weights."""
 
@@ -59,7 +60,8 @@ def test_a_nan_gradient_is_caught_on_its_rank_before_the_step_and_the_job_ends_a
     # in another order) cannot round differently from the fault-free run's; with 3, gloo's ring could
     with _torchrun(tmp_path / "reference", 2) as torchrun:  # the fault-free run, beside the faulty one
         monkeypatch.setenv("STEAD_NUMERICS_INJECT", "nan:rank=1:step=4")
-        faulty = run_job(SCRIPT, job="nan", flags=("--nproc-per-node", "2", "--max-restarts", "2"))
+        faulty = run_job(SCRIPT, job="nan", flags=("--nproc-per-node", "2", "--max-restarts", "2",
+                                                   "--set", "numerics.on_nan=restore"))
         clean_out, clean_err = torchrun.communicate(timeout=120)
     decision = _decided(faulty, "nan", torchrun, clean_err, rule="non-finite-gradient", action="restart", rank=1)
     assert "non-finite gradient (NaN or Inf) on rank 1" in decision["evidence"]
@@ -73,7 +75,8 @@ def test_a_nan_gradient_is_caught_on_its_rank_before_the_step_and_the_job_ends_a
 def test_a_nan_that_comes_back_at_the_same_step_after_the_restore_fails_the_job_on_its_second_time(
         run_job: RunJob) -> None:
     assert BUGGY != SCRIPT
-    job = run_job(BUGGY, job="bug", flags=("--nproc-per-node", "2", "--max-restarts", "3"))
+    job = run_job(BUGGY, job="bug", flags=("--nproc-per-node", "2", "--max-restarts", "3",
+                                           "--set", "numerics.on_nan=restore"))
     assert job.returncode != 0
     decisions = of_type(events(job, "bug"), "recovery.decided")
     assert [(d["failure_class"], d["action"]) for d in decisions] == [("numerical", "restart"),

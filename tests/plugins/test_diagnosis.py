@@ -70,8 +70,10 @@ def test_last_exception_reads_a_rank_prefixed_traceback_whatever_the_exceptions_
     assert last_exception(tail.replace("NonFiniteGradientError", "StopTraining")) == ("StopTraining", "on rank 1")
 
 
-async def _decisions(plugin: DiagnosisPlugin, failures: list[WorkerFailed], store: Any = None) -> list[Event]:
-    """Each failure, in its own round, given to ``plugin`` as the one its round awaits a decision on."""
+async def _decisions(plugin: DiagnosisPlugin, failures: list[WorkerFailed], store: Any = None,
+                     stead_settings: Settings | None = None) -> list[Event]:
+    """Each failure, in its own round, given to ``plugin`` as the one its round awaits a decision on (the steps
+    its decisions skip folded into the state, as the job machine does)."""
     store = store or await open_store("memory://")
     emitted: list[Event] = []
     state = JobState(phase=JobPhase.RECOVERING, awaiting_decision=True)
@@ -80,11 +82,13 @@ async def _decisions(plugin: DiagnosisPlugin, failures: list[WorkerFailed], stor
         emitted.append(event)
         return Record(seq=len(emitted), at=0.0, event=event)
 
-    ctx = PluginContext(plugin="diagnosis", job="j", settings=NoSettings(), stead_settings=Settings(), store=store,
-                        state=lambda: state, emit=emit, add_rpc_handler=None)
+    ctx = PluginContext(plugin="diagnosis", job="j", settings=NoSettings(), stead_settings=stead_settings or Settings(),
+                        store=store, state=lambda: state, emit=emit, add_rpc_handler=None)
     for seq, failure in enumerate(failures, 1):
         state = dataclasses.replace(state, last_failure=failure)
         await plugin.handle(record=Record(seq=seq, at=0.0, event=failure), ctx=ctx)
+        skipped = {s for e in emitted if isinstance(e, RecoveryDecided) for s in e.skip_steps}
+        state = dataclasses.replace(state, skip_steps=frozenset(skipped))
     return emitted
 
 
@@ -124,6 +128,10 @@ async def test_a_failure_that_repeats_is_a_user_error_on_its_second_occurrence(
         assert "ValueError: warmup_steps=-3 must not be negative" in last.reason
 
 
+#: numerics.on_nan=restore: a NaN rolls back and trains its step again (the default skips it)
+RESTORE = Settings.from_mapping({"numerics.on_nan": "restore"})
+
+
 def _nan(host: str, step: int) -> str:
     return TRACEBACK.format(line=f"[rank1]: stead.core.worker.numerics.NonFiniteGradientError: non-finite gradient "
                                  f"(NaN or Inf) on rank 1 (host {host}) at step {step}: gradient bucket(s) [0]")
@@ -141,7 +149,8 @@ async def test_a_nan_that_comes_back_on_its_host_with_other_data_has_the_host_ke
         hosts_and_steps: list[tuple[str, int]], decided: list[tuple[str, str]]) -> None:
     failures = [_failure(_nan(host, step), step=step, round=round_)
                 for round_, (host, step) in enumerate(hosts_and_steps, 1)]
-    got = await _decisions(DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0)), failures)
+    got = await _decisions(DiagnosisPlugin(settings=DiagnosisSettings(root_cause_wait_s=0)), failures,
+                           stead_settings=RESTORE)
     decisions = [d for d in got if isinstance(d, RecoveryDecided)]
     assert [(d.action.value, d.rule) for d in decisions] == decided
     if decided[-1][1] == "non-finite-follows-host":

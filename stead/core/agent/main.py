@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from stead.core.agent.extensions import AgentContext, Extensions, load_extension
 from stead.core.agent.gpu import GpuHealth
 from stead.core.agent.health_check import ORDERS_ENV as HEALTH_ORDERS_ENV
 from stead.core.agent.netif import interface_env
+from stead.core.agent.notes import NotesReader
 from stead.core.agent.oom import OomRecords, killed_like_oom
 from stead.core.agent.pace import StepPace
 from stead.core.agent.progress import (
@@ -51,6 +53,7 @@ from stead.core.config import Settings, settings_env
 from stead.core.errors import InvalidRequest, RetryableError, SteadError
 from stead.core.events import (
     NodeHealthReported,
+    NumericsReported,
     PeerCollective,
     StackSample,
     StacksDumped,
@@ -76,6 +79,7 @@ from stead.core.rpc import (
 )
 from stead.core.rpc.backend import MAX_ACKS_PER_BEAT, MAX_EVIDENCE_CHARS
 from stead.core.runspec import RUN_SPEC_ENV, RunConfig, Streams, read_spec, worker_env
+from stead.core.worker.numerics_settings import skip_steps_env
 from stead.core.worker.progress import LAST_STEP_ENV
 
 __all__ = ["EXIT_MASTER_GONE", "EXIT_TERMINATED", "ZYGOTE_LATE_PRELOAD", "ZYGOTE_PRELOAD", "Agent",
@@ -84,7 +88,8 @@ __all__ = ["EXIT_MASTER_GONE", "EXIT_TERMINATED", "ZYGOTE_LATE_PRELOAD", "ZYGOTE
 log = structlog.get_logger("stead.agent")
 
 #: an event an agent reports (see stead.core.rpc.backend)
-_Reported = TypeVar("_Reported", WorkerFailed, WorkersStarted, WorkersSucceeded, StacksDumped, NodeHealthReported)
+_Reported = TypeVar("_Reported", WorkerFailed, WorkersStarted, WorkersSucceeded, StacksDumped, NodeHealthReported,
+                    NumericsReported)
 
 #: the agent's exit code when it gave up on a master gone for longer than master_gone_timeout_s
 EXIT_MASTER_GONE = 3
@@ -141,6 +146,9 @@ class Agent:
         #: the newest step this node's workers reported in an earlier round (-1: none), for the next round's workers
         self._last_step = -1
         self._reader: ProgressReader | None = None
+        #: the workers' numerical notes on their way to the master; a report of them in flight
+        self._notes: NotesReader | None = None
+        self._forwarding = False
         self._lock = anyio.Lock()
         self._resources = WorkerResources()
         self._pace = StepPace()
@@ -168,6 +176,7 @@ class Agent:
               anyio.open_signal_receiver(signal.SIGUSR1) as warnings):
             self._progress = progress
             self._reader = ProgressReader(progress.paths)
+            self._notes = NotesReader(progress.paths)
             self._oom.open()
             try:
                 started = (contextlib.nullcontext(self._warm) if self._warm is not None
@@ -414,6 +423,11 @@ class Agent:
                 self._first_step_pending = False
                 background.start_soon(self._preload_imports)
             elapsed = 0.0
+            if self._notes is not None and not self._forwarding:
+                self._notes.look()
+                if self._notes.pending or self._notes.dropped:
+                    self._forwarding = True
+                    background.start_soon(self._forward_notes)
             beat = await self._heartbeat_info(step, acked=tuple(self._acks))
             try:
                 if await self.client.heartbeat(beat):
@@ -425,6 +439,20 @@ class Agent:
                     await self._register(deadline_s=0.0)  # one try: the command loop rides out a longer outage
             except RetryableError as exc:
                 self._log.warning("heartbeat_failed", error=str(exc))
+
+    async def _forward_notes(self) -> None:
+        """Send the workers' pending numerical notes (a report of at most MAX_NOTES_PER_REPORT each)."""
+        assert self._notes is not None
+        try:
+            while self._notes.pending or self._notes.dropped:
+                notes, dropped = self._notes.take()
+                report = self._reported(NumericsReported(node_id=self.node_id, round=self.round, notes=notes,
+                                                         dropped=dropped))
+                await self._report(functools.partial(self.client.report_numerics, report))
+        except SteadError as exc:  # the master is away for longer than a report retries: these notes are lost
+            self._log.warning("numerics_notes_lost", error=str(exc))
+        finally:
+            self._forwarding = False
 
     async def _preload_imports(self) -> None:
         """Have the zygote import what the workers imported, so the next restart skips it too."""
@@ -500,6 +528,7 @@ class Agent:
         env.update(self._progress.env(local_rank))
         env.update(extra_env)
         env[LAST_STEP_ENV] = str(self._last_step)
+        env.update(skip_steps_env(command.skip_steps))  # the master's decisions: every rank skips the same steps
         env.update({"STEAD_JOB": cfg.job_name, "STEAD_NODE_ID": self.node_id, "STEAD_ROUND": str(command.round),
                     "STEAD_MASTER_ADDR": self.client.address, "STEAD_TOKEN_FILE": self.token_file})
         env.pop(RUN_SPEC_ENV, None)

@@ -5,6 +5,8 @@ from stead.core.events.kinds import *  # noqa: F403
 from stead.core.events.kinds import __all__ as _kinds
 from stead.core.events.names import *  # noqa: F403
 from stead.core.events.names import __all__ as _names
+from stead.core.events.numerics import *  # noqa: F403
+from stead.core.events.numerics import __all__ as _numerics
 
 __all__ = ["Event", "EventMark", "Record", "decode_record", "encode_record", "event_kind", "event_types", *_kinds,
-           *_names]
+           *_names, *_numerics]

@@ -312,6 +312,8 @@ class RecoveryDecided(Event):
     #: the classification rule that matched, and what it matched on
     rule: str = ""
     evidence: str = ""
+    #: steps every rank skips from the restarted round on (their batches caused a numerical fault): restart only
+    skip_steps: tuple[int, ...] = ()
 
 
 @event_kind("request.restart", mark=EventMark.DECISION)

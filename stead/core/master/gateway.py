@@ -22,9 +22,11 @@ import structlog
 from stead.core.clock import WALL_CLOCK, Clock
 from stead.core.config import Settings
 from stead.core.events import (
+    MAX_NUMERICS_RECORDS,
     Event,
     NodeHealthReported,
     NodeJoined,
+    NumericsReported,
     Record,
     StacksDumped,
     WorkerFailed,
@@ -72,6 +74,8 @@ class AgentGateway:
                                               round_store=round_store)
         #: the round's step progress (a task records it every progress interval)
         self.progress = ProgressRecorder(settings=settings, submit=submit, get_state=get_state, clock=clock)
+        #: numerical notes dropped past the job's bound (:meth:`report_numerics`), since this master started
+        self._numerics_dropped = 0
         #: node id -> what its last heartbeat said, for plugins
         self._telemetry: dict[str, NodeTelemetry] = {}
         #: the worker failures this master recorded or is recording, by (node, incarnation, round, rank): done
@@ -204,6 +208,23 @@ class AgentGateway:
     async def report_stacks(self, report: AgentReport[StacksDumped]) -> None:
         self.liveness.require_live(report.node_id, report.incarnation)
         await self._submit(report.event)
+
+    async def report_numerics(self, report: AgentReport[NumericsReported]) -> None:
+        """Record a node's numerical notes, up to :data:`MAX_NUMERICS_RECORDS` reports a job (a flood of loss spikes
+        must not flood the store): past that, the notes are counted in the log and dropped."""
+        self.liveness.require_live(report.node_id, report.incarnation)
+        event = report.event
+        recorded = self._state().numerics_reports
+        if recorded >= MAX_NUMERICS_RECORDS:
+            self._numerics_dropped += len(event.notes) + event.dropped
+            log.warning("numerics_notes_dropped", node=event.node_id, notes=len(event.notes),
+                        dropped_so_far=self._numerics_dropped,
+                        reason=f"the job recorded {recorded} reports of numerical notes, its bound")
+            return
+        for note in event.notes:
+            log.warning("numerics_note", node=event.node_id, round=event.round, kind=note.kind, rank=note.rank,
+                        step=note.step, loss=note.loss, median=note.median, score=note.score, action=note.action)
+        await self._submit(event)
 
     async def report_health(self, report: AgentReport[NodeHealthReported]) -> None:
         self.liveness.require_live(report.node_id, report.incarnation)

@@ -17,6 +17,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
+from stead.core.events import MAX_NOTES_PER_REPORT, NOTE_KINDS
 from stead.core.rpc._checks import MAX_NODE_ID_CHARS, check_name
 from stead.core.rpc._proto.stead.v1 import (
     Ack,
@@ -29,6 +30,7 @@ from stead.core.rpc._proto.stead.v1 import (
     HeartbeatBatchReply,
     HeartbeatReply,
     HeartbeatRequest,
+    NumericsReport,
     RegisterReply,
     RegisterRequest,
     StacksReport,
@@ -42,6 +44,7 @@ from stead.core.rpc.convert import (
     failure_from_proto,
     health_from_proto,
     heartbeat_from_proto,
+    numerics_from_proto,
     register_from_proto,
     register_reply_to_proto,
     stacks_from_proto,
@@ -187,6 +190,27 @@ class AgentServicer(AgentServiceBase):
             check_node_id(f"{where}.collectives[{i}].peer", c.peer)
         with backend_errors("AgentService.ReportHealth"):
             await self._backend.report_health(health_from_proto(message))
+        return Ack()
+
+    async def report_numerics(self, message: NumericsReport) -> Ack:
+        where = "NumericsReport"
+        _check_node(where, message.node_id, message.incarnation)
+        _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
+        _at_least(where, "dropped", message.dropped, 0, "a count of notes")
+        if len(message.notes) > MAX_NOTES_PER_REPORT:
+            invalid(f"{where}.notes holds {len(message.notes)} notes: send at most {MAX_NOTES_PER_REPORT} a report and "
+                    "the rest with the next ones")
+        for i, note in enumerate(message.notes):
+            if note.kind not in NOTE_KINDS:
+                invalid(f"{where}.notes[{i}].kind is {note.kind[:40]!r}: one of {', '.join(NOTE_KINDS)}")
+            _at_least(where, f"notes[{i}].rank", note.rank, 0, "ranks count from 0")
+            _at_least(where, f"notes[{i}].step", note.step, 0, "steps count from 0")
+            for name in ("loss", "median", "score"):
+                _finite_figure(where, f"notes[{i}].{name}", getattr(note, name), "number (unset when not finite)")
+            if note.action not in ("", "record", "skip"):
+                invalid(f"{where}.notes[{i}].action is {note.action[:40]!r}: record, skip, or empty")
+        with backend_errors("AgentService.ReportNumerics"):
+            await self._backend.report_numerics(numerics_from_proto(message))
         return Ack()
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:

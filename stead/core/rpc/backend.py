@@ -25,7 +25,14 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
-from stead.core.events import NodeHealthReported, StacksDumped, WorkerFailed, WorkersStarted, WorkersSucceeded
+from stead.core.events import (
+    NodeHealthReported,
+    NumericsReported,
+    StacksDumped,
+    WorkerFailed,
+    WorkersStarted,
+    WorkersSucceeded,
+)
 
 __all__ = [
     "AgentBackend",
@@ -133,6 +140,8 @@ class StartWorkersCmd:
     restart_count: int
     master_addr: str
     master_port: int
+    #: steps every rank skips (see :mod:`stead.core.worker.skipping`)
+    skip_steps: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -241,3 +250,5 @@ class AgentBackend(Protocol):
     async def report_stacks(self, report: AgentReport[StacksDumped]) -> None: ...
 
     async def report_health(self, report: AgentReport[NodeHealthReported]) -> None: ...
+
+    async def report_numerics(self, report: AgentReport[NumericsReported]) -> None: ...

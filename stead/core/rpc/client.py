@@ -33,7 +33,14 @@ from stead.core.errors import (
     SteadError,
     Unauthenticated,
 )
-from stead.core.events import NodeHealthReported, StacksDumped, WorkerFailed, WorkersStarted, WorkersSucceeded
+from stead.core.events import (
+    NodeHealthReported,
+    NumericsReported,
+    StacksDumped,
+    WorkerFailed,
+    WorkersStarted,
+    WorkersSucceeded,
+)
 from stead.core.retry import retrying
 from stead.core.rpc._channel import Channel
 from stead.core.rpc._proto.stead.v1 import (
@@ -60,6 +67,7 @@ from stead.core.rpc.convert import (
     failure_to_proto,
     health_to_proto,
     heartbeat_to_proto,
+    numerics_to_proto,
     register_reply_from_proto,
     register_to_proto,
     stacks_to_proto,
@@ -278,6 +286,10 @@ class MasterClient:
     async def report_health(self, report: AgentReport[NodeHealthReported]) -> None:
         with self._conn.errors("AgentService.ReportHealth"):
             await self._stub.report_health(health_to_proto(report), timeout=self._conn.call_timeout_s)
+
+    async def report_numerics(self, report: AgentReport[NumericsReported]) -> None:
+        with self._conn.errors("AgentService.ReportNumerics"):
+            await self._stub.report_numerics(numerics_to_proto(report), timeout=self._conn.call_timeout_s)
 
     def __repr__(self) -> str:
         return f"MasterClient({self._conn.address})"

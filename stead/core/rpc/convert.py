@@ -19,6 +19,8 @@ import betterproto2
 
 from stead.core.events import (
     NodeHealthReported,
+    NumericsNote,
+    NumericsReported,
     PeerCollective,
     StackSample,
     StacksDumped,
@@ -33,6 +35,7 @@ from stead.core.rpc._proto.stead.v1 import (
     FailureReport,
     HealthReport,
     HeartbeatRequest,
+    NumericsReport,
     RegisterReply,
     RegisterRequest,
     StacksReport,
@@ -40,6 +43,9 @@ from stead.core.rpc._proto.stead.v1 import (
     StopNode,
     StopWorkers,
     WorkersReport,
+)
+from stead.core.rpc._proto.stead.v1 import (
+    NumericsNote as ProtoNumericsNote,
 )
 from stead.core.rpc._proto.stead.v1 import (
     PeerCollective as ProtoPeerCollective,
@@ -77,6 +83,8 @@ __all__ = [
     "health_to_proto",
     "heartbeat_from_proto",
     "heartbeat_to_proto",
+    "numerics_from_proto",
+    "numerics_to_proto",
     "register_from_proto",
     "register_reply_from_proto",
     "register_reply_to_proto",
@@ -206,6 +214,16 @@ def stacks_to_proto(report: AgentReport[StacksDumped]) -> StacksReport:
 def stacks_from_proto(message: StacksReport) -> AgentReport[StacksDumped]:
     workers = tuple(from_proto(StackSample, w) for w in message.workers)
     return AgentReport(incarnation=message.incarnation, event=from_proto(StacksDumped, message, workers=workers))
+
+
+def numerics_to_proto(report: AgentReport[NumericsReported]) -> NumericsReport:
+    return to_proto(NumericsReport, report.event, incarnation=report.incarnation,
+                    notes=[to_proto(ProtoNumericsNote, n) for n in report.event.notes])
+
+
+def numerics_from_proto(message: NumericsReport) -> AgentReport[NumericsReported]:
+    notes = tuple(from_proto(NumericsNote, n) for n in message.notes)
+    return AgentReport(incarnation=message.incarnation, event=from_proto(NumericsReported, message, notes=notes))
 
 
 def health_to_proto(report: AgentReport[NodeHealthReported]) -> HealthReport:

@@ -59,6 +59,7 @@ from stead.core.events import (
     NodeRequested,
     NodeResourcesDecided,
     NodeStarted,
+    NumericsReported,
     PluginFailed,
     PluginsStarted,
     RecoveryAction,
@@ -205,6 +206,8 @@ def _transition(state: JobState, event: Event, *, now: float) -> Transition[JobS
             return Transition(committed)
         case JobSucceeded() | JobFailed() | JobStopped():
             return _end(state, event)
+        case NumericsReported():
+            return Transition(dataclasses.replace(state, numerics_reports=state.numerics_reports + 1))
         case _:
             return Transition(state)  # plugin events and error reports do not change the job
 
@@ -369,20 +372,23 @@ def _deciders(state: JobState, *, why: str) -> Transition[JobState]:
 
 
 def _decided(state: JobState, event: RecoveryDecided, *, now: float) -> Transition[JobState]:
-    assert state.spec is not None
+    spec = state.spec
+    assert spec is not None
     if not state.awaiting_decision or event.round != state.rdzv.round:
         return reject(state, f"no failure of round {event.round} is waiting for a decision")
     failure = state.last_failure
+    if event.action is not RecoveryAction.FAIL and event.skip_steps:
+        state = dataclasses.replace(state, skip_steps=state.skip_steps | frozenset(event.skip_steps))
     if event.action is not RecoveryAction.FAIL and not state.rdzv.active:
         # a member's end (its host lost, its pod OOM-killed) broke the round while the decision waited: the worker
         # failure was most likely that end seen from here, and the node's relaunch budget pays for it (as in
         # torchrun, a membership change spends no restart)
         settled = dataclasses.replace(state, awaiting_decision=False)
         return Transition(settled, rounds.plan(settled, now=now))
-    if event.action is RecoveryAction.FAIL or state.restarts >= state.spec.max_restarts:
+    if event.action is RecoveryAction.FAIL or state.restarts >= spec.max_restarts:
         reason = event.reason
         if event.action is not RecoveryAction.FAIL:
-            reason = f"max restarts exhausted ({state.spec.max_restarts}); last failure: {event.reason}"
+            reason = f"max restarts exhausted ({spec.max_restarts}); last failure: {event.reason}"
         failed = JobFailed(
             reason=reason,
             message=event.message or (failure.error_tail if failure else ""),

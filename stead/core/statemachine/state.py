@@ -75,6 +75,11 @@ class JobState:
     resumed_at: Mapping[str, int] = dataclasses.field(default_factory=dict)
     #: hosts a relaunch decision excluded (a faulty GPU, say): relaunched nodes avoid them
     excluded_hosts: frozenset[str] = frozenset()
+    #: steps every rank skips (their batches caused a numerical fault), as the recovery decisions said: every
+    #: round's workers are told (``StartWorkers``)
+    skip_steps: frozenset[int] = frozenset()
+    #: ``numerics.reported`` records so far (the master records a bounded number of them)
+    numerics_reports: int = 0
     #: the nodes' health checks (see :mod:`.health`)
     health: HealthState = dataclasses.field(default_factory=HealthState)
     #: the nodes the job aims at, as the scaler last decided (None: the spec's start_nodes, else MAX)

@@ -87,7 +87,7 @@ def goodput_lines(ledger: Ledger) -> list[str]:
 
 def status_json(job: str, state: JobState, *, diagnoses: Mapping[str, str] | None = None,
                 plugins: Iterable[str] = (), master: Mapping[str, object] | None = None,
-                goodput: Ledger | None = None) -> dict[str, object]:
+                goodput: Ledger | None = None, numerics: Iterable[str] = ()) -> dict[str, object]:
     """What ``format_status`` shows, as one JSON object (``stead status --json``); the ledger's figures
     (``goodput`` 0..1, ``wall_s``, one ``<part>_s`` per part) at the top level."""
     spec = state.spec
@@ -104,7 +104,7 @@ def status_json(job: str, state: JobState, *, diagnoses: Mapping[str, str] | Non
         "nodes": {n: {"phase": s.phase.value, "incarnation": s.incarnation, "awaiting_health_check": s.unchecked,
                       "exit_code": s.exit_code,
                       "signal": s.signal, "last_failure": (diagnoses or {}).get(n)} for n, s in state.nodes.items()},
-        "plugins": list(plugins),
+        "plugins": list(plugins), "skip_steps": sorted(state.skip_steps), "numerics": list(numerics),
         "master_pid": info.get("pid"), "master_host": info.get("host"), "master_address": info.get("address"),
         "master_started_at": info.get("started_at"), "master_metrics": info.get("metrics"),
         "error": state.message or None,
@@ -113,7 +113,8 @@ def status_json(job: str, state: JobState, *, diagnoses: Mapping[str, str] | Non
 
 
 def format_status(job: str, state: JobState, *, diagnoses: Mapping[str, str] | None = None,
-                  plugins: Iterable[str] = (), goodput: Ledger | None = None) -> str:
+                  plugins: Iterable[str] = (), goodput: Ledger | None = None, numerics: Iterable[str] = ()) -> str:
+    """``numerics``: the lines of :func:`stead.core.views.numerics.numerics_lines` (steps skipped, loss spikes)."""
     spec = state.spec
     lines = [f"job        {job}", f"phase      {state.phase.value}" + (f"  ({state.reason})" if state.reason else "")]
     if spec is not None:
@@ -143,6 +144,7 @@ def format_status(job: str, state: JobState, *, diagnoses: Mapping[str, str] | N
         lines.append(f"node       {node_id:<10} {node.phase.value:<9} incarnation {node.incarnation}{extra}")
         if diagnoses and node_id in diagnoses:
             lines.append(f"           last failure: {diagnoses[node_id]}")
+    lines += [f"numerics   {line}" for line in numerics]
     lines += [f"plugin     {line}" for line in plugins]
     if state.message:
         lines.append("error      " + state.message.strip().replace("\n", "\n           "))

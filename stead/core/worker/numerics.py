@@ -49,9 +49,11 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from stead.core.config import load_settings, setting
+from stead.core.config import load_settings
 from stead.core.worker import progress
 from stead.core.worker.fingerprint import fingerprint, flip_bit, odd_ranks, probe
+from stead.core.worker.numerics_settings import NumericsSettings
+from stead.core.worker.skipping import drop_gradients, skip_steps, skipped
 
 __all__ = ["INJECT_ENV", "Guard", "NonFiniteGradientError", "NumericsSettings", "ReplicaMismatchError", "guard",
            "parse_injection"]
@@ -72,15 +74,6 @@ class NonFiniteGradientError(RuntimeError):
 
 class ReplicaMismatchError(RuntimeError):
     """Data-parallel replicas' parameters differ after a step: silent corruption (module doc)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class NumericsSettings:
-    """``STEAD_NUMERICS_<NAME>`` in the workers' environment, or guard()'s keyword arguments."""
-
-    fingerprint_every: int = setting(100, min=0, help="every how many optimizer steps DDP replicas compare their "
-                                                      "parameters' fingerprints (0: never)")
-    fingerprint_optimizer: bool = setting(False, help="the fingerprint covers the optimizer's state too")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +110,8 @@ class Guard:
         #: the last step whose fingerprints every replica agreed on (-1: none compared yet)
         self.agreed = -1
         self.ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        #: the steps this round skips on every rank (the master's decisions, see :mod:`.skipping`)
+        self.skip = skip_steps()
         self._stepping: int | None = None  # the step the pre-step hook passed, until the post-step hook
         self._handles = (register_optimizer_step_pre_hook(self._before_step),
                          register_optimizer_step_post_hook(self._after_step))
@@ -146,6 +141,13 @@ class Guard:
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         step = self.step
+        if step in self.skip:  # the master's decision, the same on every rank: nothing of the step is applied
+            self.sums = []
+            self.taken += 1
+            self._stepping = step
+            drop_gradients(optimizer)
+            skipped(step, rank=self.rank, cause="its batch caused a numerical fault before the rollback")
+            return
         if self.ddp:
             sums, self.sums = self.sums, []
             if not sums or math.isfinite(float(torch.stack(sums).sum())):
@@ -166,9 +168,10 @@ class Guard:
             where = f"the gradients of {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
         raise NonFiniteGradientError(
             f"non-finite gradient (NaN or Inf) on rank {self.rank} (host {self.host}) at step {step}: {where}; "
-            "the step was not applied. stead restores the last committed checkpoint; the same fault at the same "
-            "step again fails the job (look for a division by zero, a log of 0, a learning rate or loss scale too "
-            "high, or a bad batch)")
+            "the step was not applied. stead restores the last committed checkpoint and then, as numerics.on_nan "
+            "says, skips this step's batch on every rank (skip, the default), trains it again (restore) or fails "
+            "the job (fail); if it keeps coming, look for a division by zero, a log of 0, a learning rate or loss "
+            "scale too high, or bad data")
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         step, self._stepping = self._stepping, None

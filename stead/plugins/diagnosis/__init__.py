@@ -52,6 +52,7 @@ from stead.plugin import (
     NodeExited,
     NodeJoined,
     NodeLost,
+    NumericsSettings,
     Plugin,
     PluginContext,
     PluginsStarted,
@@ -63,6 +64,7 @@ from stead.plugin import (
     StacksDumped,
     StepProgress,
     WorkerFailed,
+    load_settings,
 )
 from stead.plugins.diagnosis.events import (
     FailureClassified,
@@ -71,6 +73,7 @@ from stead.plugins.diagnosis.events import (
     StragglerDetected,
 )
 from stead.plugins.diagnosis.hang import Stall, StepClock, name_culprit
+from stead.plugins.diagnosis.numerical import SKIPPING_RULES, NumericalVerdict, decide_numerical
 from stead.plugins.diagnosis.repeats import Seen
 from stead.plugins.diagnosis.repeats import signature as failure_signature
 from stead.plugins.diagnosis.rules import (
@@ -475,8 +478,13 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
                        "for the round, no restart is spent")
         if found.action is Action.MORE_MEMORY:
             reason += "; more memory wanted for the node: the workers restart meanwhile"
+        skip: tuple[int, ...] = ()
         if action is not RecoveryAction.FAIL:
-            repeat = await self._repeated(failure, found, ctx) or await self._follows_host(failure, found, ctx)
+            verdict = await self._numerical(failure, found, ctx)
+            skip = verdict.skip_steps
+            repeat = verdict.found
+            if repeat is None:
+                repeat = await self._repeated(failure, found, ctx) or await self._follows_host(failure, found, ctx)
             if repeat is not None:
                 found, action = repeat, repeat.action.recovery
                 reason = f"{found.failure_class.value} in rank {failure.rank} ({found.rule}): {found.evidence}"
@@ -486,7 +494,25 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             round=failure.round, action=action, reason=reason, message=failure.error_tail,
             node_id=failure.node_id, rank=failure.rank, decided_by=self.name,
             failure_class=found.failure_class.value, rule=found.rule, evidence=found.evidence[:4096],
+            skip_steps=skip if action is RecoveryAction.RESTART else (),
         ))
+
+    async def _numerical(self, failure: WorkerFailed, found: Classification, ctx: Ctx) -> NumericalVerdict:
+        """A NaN gradient or a loss spike: counted against numerics.nan_budget, and decided as numerics.on_nan
+        says (:mod:`.numerical`); a NaN whose step would be skipped is tried against its host first."""
+        if found.rule not in SKIPPING_RULES:
+            return NumericalVerdict()
+        history = await self._history(ctx)
+        history.numerical_faults += 1
+        await ctx.store.put(ctx.key("signatures"), history.to_json())
+        numerics = load_settings(NumericsSettings, "numerics", ctx.stead_settings)
+        verdict = decide_numerical(found, settings=numerics, faults=history.numerical_faults,
+                                   skipped=ctx.state.skip_steps)
+        if verdict.skip_steps and found.rule == "non-finite-gradient":
+            follows = await self._follows_host(failure, found, ctx)
+            if follows is not None:  # the host's fault, not the batch's: nothing to skip
+                return NumericalVerdict(follows)
+        return verdict
 
 
 #: how often a root-cause wait looks whether the silent members were heard from again

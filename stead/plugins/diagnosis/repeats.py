@@ -42,6 +42,8 @@ class Seen:
     last_traceback: str = ""
     #: the steps at which each host's workers produced a non-finite gradient
     nan_hosts: dict[str, list[int | None]] = dataclasses.field(default_factory=dict)
+    #: numerical faults (NaN/Inf gradients, loss spikes) the job rolled back from or failed on, for numerics.nan_budget
+    numerical_faults: int = 0
 
     def nan_on(self, host: str, step: int | None) -> list[int | None]:
         """Record a non-finite gradient on ``host`` at ``step``; the steps of the earlier ones there at other steps
@@ -73,7 +75,8 @@ class Seen:
 
     def to_json(self) -> bytes:
         return json.dumps({"occurrences": self.occurrences, "last": self.last,
-                           "last_traceback": self.last_traceback, "nan_hosts": self.nan_hosts}).encode()
+                           "last_traceback": self.last_traceback, "nan_hosts": self.nan_hosts,
+                           "numerical_faults": self.numerical_faults}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Seen:
@@ -84,4 +87,4 @@ class Seen:
                     for sig, seen in data.get("occurrences", {}).items()}, str(data.get("last", "")),
                    str(data.get("last_traceback", "")),
                    {str(h): [None if s is None else int(s) for s in steps]
-                    for h, steps in data.get("nan_hosts", {}).items()})
+                    for h, steps in data.get("nan_hosts", {}).items()}, int(data.get("numerical_faults", 0)))

@@ -76,8 +76,9 @@ class FailureClass(enum.Enum):
     NODE_LOST = "node_lost"
     COLLECTIVE = "collective"
     TRANSIENT = "transient"
-    #: a NaN or Inf, or replicas whose parameters differ, caught by stead.numerics: the step was not applied (or not
-    #: saved); restored from the last committed checkpoint (a replica that differs: its node relaunched elsewhere)
+    #: a NaN or Inf, a loss spike, or replicas whose parameters differ, caught by stead.numerics: the step was not
+    #: applied (or not saved); restored from the last committed checkpoint (a replica that differs: its node relaunched
+    #: elsewhere), and the step's batch skipped as numerics.on_nan / numerics.loss_spike say
     NUMERICAL = "numerical"
 
 
@@ -280,6 +281,7 @@ BUILTIN_RULES: tuple[Rule, ...] = (
     Rule(name="python-memory-error", failure_class=FailureClass.OOM, exception=_rx("MemoryError")),
     Rule(name="platform-oom-killed", failure_class=FailureClass.OOM, platform_reason=_rx(r"\bOOMKilled\b")),
     Rule(name="non-finite-gradient", failure_class=FailureClass.NUMERICAL, exception=_rx(r"NonFiniteGradientError")),
+    Rule(name="loss-spike", failure_class=FailureClass.NUMERICAL, exception=_rx(r"LossSpikeError")),
     Rule(name="replica-mismatch-unattributed", failure_class=FailureClass.NUMERICAL,
          exception=_rx(r"ReplicaMismatchError"), message=_rx(r"no replica can be blamed")),
     Rule(name="replica-mismatch", failure_class=FailureClass.NUMERICAL, action=Action.RELAUNCH,

@@ -19,6 +19,8 @@ from stead.core.config import Settings
 from stead.core.events import (
     Event,
     NodeHealthReported,
+    NumericsNote,
+    NumericsReported,
     PeerCollective,
     Record,
     StackSample,
@@ -53,6 +55,8 @@ from stead.core.rpc.convert import (
     health_to_proto,
     heartbeat_from_proto,
     heartbeat_to_proto,
+    numerics_from_proto,
+    numerics_to_proto,
     register_from_proto,
     register_reply_from_proto,
     register_reply_to_proto,
@@ -104,6 +108,9 @@ FAILURE = AgentReport(incarnation=3, event=WorkerFailed(
 STACKS = AgentReport(incarnation=3, event=StacksDumped(
     node_id="node-1", round=4, method="faulthandler", error="rank 6 did not answer",
     workers=(StackSample(rank=5, local_rank=1, step=77, stack='Thread 0x1:\n  File "train.py", line 3'),)))
+NUMERICS = AgentReport(incarnation=3, event=NumericsReported(
+    node_id="node-1", round=4, dropped=2, notes=(NumericsNote(kind="loss_spike", rank=5, step=77, loss=40.5,
+                                                              median=2.25, score=31.5, action="skip"),)))
 HEALTH = AgentReport(incarnation=3, event=NodeHealthReported(
     node_id="node-1", incarnation=3, check=2, matmul_s=0.0125, device="cuda:0 NVIDIA H100", error="slow peer",
     seconds=4.5, collectives=(PeerCollective(peer="node-2", seconds=0.25, error="slow"),)))
@@ -120,6 +127,7 @@ BEAT = HeartbeatInfo(node_id="node-1", incarnation=3, round=4, step=1234, worker
 CROSSINGS: list[tuple[Any, Callable[[Any], betterproto2.Message], Callable[[Any], Any]]] = [
     (FAILURE, failure_to_proto, failure_from_proto),
     (STACKS, stacks_to_proto, stacks_from_proto),
+    (NUMERICS, numerics_to_proto, numerics_from_proto),
     (HEALTH, health_to_proto, health_from_proto),
     (STARTED, workers_to_proto, workers_from_proto),
     (SUCCEEDED, workers_to_proto, workers_from_proto),
@@ -130,7 +138,7 @@ CROSSINGS: list[tuple[Any, Callable[[Any], betterproto2.Message], Callable[[Any]
 #: every kind of command, with every field set
 COMMANDS: list[AgentCommand] = [
     StartWorkersCmd(id="start-workers/4/node-1", round=4, node_rank=1, nnodes=2, nproc_per_node=8, world_size=16,
-                    restart_count=3, master_addr="10.0.0.1", master_port=29400),
+                    restart_count=3, master_addr="10.0.0.1", master_port=29400, skip_steps=(4, 9)),
     StopWorkersCmd(id="stop-workers/4/node-1", round=4, reason="node-2 failed"),
     StopNodeCmd(id="stop-node/node-1/3", reason="the job succeeded"),
     DumpStacksCmd(id="dump-stacks/17/node-1", round=4, reason="no progress for 600 s"),

@@ -17,6 +17,8 @@ __all__ = (
     "HeartbeatBatchReply",
     "HeartbeatReply",
     "HeartbeatRequest",
+    "NumericsNote",
+    "NumericsReport",
     "PeerCollective",
     "RegisterReply",
     "RegisterRequest",
@@ -337,6 +339,60 @@ default_message_pool.register_message("stead.v1", "HeartbeatRequest", HeartbeatR
 
 
 @dataclass(eq=False, repr=False)
+class NumericsNote(betterproto2.Message):
+    kind: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    "loss_spike" or "step_skipped".
+    """
+
+    rank: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+
+    step: "int" = betterproto2.field(3, betterproto2.TYPE_INT64)
+
+    loss: "float | None" = betterproto2.field(4, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    A loss spike's loss and the median of the recent losses; unset when not finite or none.
+    """
+
+    median: "float | None" = betterproto2.field(5, betterproto2.TYPE_DOUBLE, optional=True)
+
+    score: "float | None" = betterproto2.field(6, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    Robust standard deviations above the median; unset for a non-finite loss.
+    """
+
+    action: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
+    """
+    What the worker did: "record" or "skip".
+    """
+
+
+default_message_pool.register_message("stead.v1", "NumericsNote", NumericsNote)
+
+
+@dataclass(eq=False, repr=False)
+class NumericsReport(betterproto2.Message):
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    incarnation: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+
+    round: "int" = betterproto2.field(3, betterproto2.TYPE_INT32)
+
+    notes: "list[NumericsNote]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    At most 32 a report.
+    """
+
+    dropped: "int" = betterproto2.field(5, betterproto2.TYPE_INT32)
+    """
+    Notes the agent refused (malformed) or could not send (over its bounds) since its last report.
+    """
+
+
+default_message_pool.register_message("stead.v1", "NumericsReport", NumericsReport)
+
+
+@dataclass(eq=False, repr=False)
 class PeerCollective(betterproto2.Message):
     peer: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -432,6 +488,12 @@ class StartWorkers(betterproto2.Message):
     master_addr: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
 
     master_port: "int" = betterproto2.field(8, betterproto2.TYPE_INT32)
+
+    skip_steps: "list[int]" = betterproto2.field(9, betterproto2.TYPE_INT64, repeated=True)
+    """
+    Steps every rank skips (their batches caused a numerical fault): the workers get them as
+    STEAD_NUMERICS_SKIP_STEPS. At most 4096.
+    """
 
 
 default_message_pool.register_message("stead.v1", "StartWorkers", StartWorkers)
@@ -684,6 +746,27 @@ class AgentServiceStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         )
 
+    async def report_numerics(
+        self,
+        message: "NumericsReport",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "Ack":
+        """
+        Numerical notes of the node's workers (loss spikes, steps skipped), as they wrote them.
+        """
+
+        return await self._unary_unary(
+            "/stead.v1.AgentService/ReportNumerics",
+            message,
+            Ack,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
 
 class AgentServiceBase(betterproto2_grpclib.ServiceBase):
     async def register(self, message: "RegisterRequest") -> "RegisterReply":
@@ -753,6 +836,13 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
+    async def report_numerics(self, message: "NumericsReport") -> "Ack":
+        """
+        Numerical notes of the node's workers (loss spikes, steps skipped), as they wrote them.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_register(self, stream: "grpclib.server.Stream[RegisterRequest, RegisterReply]") -> None:
         request = await stream.recv_message()
         assert request is not None
@@ -812,6 +902,12 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.report_health(request)
         await stream.send_message(response)
 
+    async def __rpc_report_numerics(self, stream: "grpclib.server.Stream[NumericsReport, Ack]") -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.report_numerics(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/stead.v1.AgentService/Register": grpclib.const.Handler(
@@ -866,6 +962,12 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
                 self.__rpc_report_health,
                 grpclib.const.Cardinality.UNARY_UNARY,
                 HealthReport,
+                Ack,
+            ),
+            "/stead.v1.AgentService/ReportNumerics": grpclib.const.Handler(
+                self.__rpc_report_numerics,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                NumericsReport,
                 Ack,
             ),
         }

@@ -1,0 +1,50 @@
+"""Event kinds of numerical faults the workers report (``numerics.*``): loss spikes, steps skipped.
+
+A worker writes a note (:mod:`stead.core.worker.notes`), its agent forwards the new ones with each report
+(:mod:`stead.core.agent.notes`), and the master records them, at most :data:`MAX_NOTES_PER_REPORT` a report and
+:data:`MAX_NUMERICS_RECORDS` reports a job (past that it counts what it drops, see the gateway). The decision to
+skip a step is the ``recovery.decided`` event's ``skip_steps``; a ``step_skipped`` note says the workers did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stead.core.events.base import Event, EventMark, event_kind
+
+__all__ = ["MAX_NOTES_PER_REPORT", "MAX_NUMERICS_RECORDS", "NOTE_KINDS", "NumericsNote", "NumericsReported"]
+
+#: the notes one report carries at most (the agent sends the rest with its next reports)
+MAX_NOTES_PER_REPORT = 32
+#: the reports a job records at most; the master counts the notes of any later ones and drops them
+MAX_NUMERICS_RECORDS = 200
+#: ``loss_spike``: a rank's loss spiked (``action`` record or skip); ``step_skipped``: the workers skipped ``step``
+NOTE_KINDS = ("loss_spike", "step_skipped")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NumericsNote:
+    """One worker's note: what (``kind``, one of :data:`NOTE_KINDS`), on which global rank, at which step."""
+
+    kind: str
+    rank: int
+    step: int
+    #: a loss spike's loss, and the median of the recent losses it was judged against (None: not finite / none)
+    loss: float | None = None
+    median: float | None = None
+    #: robust standard deviations above the median (None: a non-finite loss)
+    score: float | None = None
+    #: what the worker did: ``record`` (a warning) or ``skip`` (it failed the step for a rollback)
+    action: str = ""
+
+
+@event_kind("numerics.reported", mark=EventMark.DIAGNOSIS)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NumericsReported(Event):
+    """Notes of a node's workers in ``round``; ``dropped``: notes its agent refused or could not send (malformed,
+    over its bounds)."""
+
+    node_id: str
+    round: int
+    notes: tuple[NumericsNote, ...]
+    dropped: int = 0

@@ -1,0 +1,52 @@
+"""The numerical faults of a job, for ``stead status``: steps skipped (decided and done), loss spikes, notes dropped.
+
+Read from the log: the decisions' ``skip_steps`` (``recovery.decided``) and the workers' notes
+(``numerics.reported``). The last :data:`SHOWN` lines are shown, with a count of the others.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from stead.core.events import NumericsNote, NumericsReported, Record, RecoveryDecided
+
+__all__ = ["SHOWN", "numerics_lines"]
+
+#: the lines status shows at most (the newest)
+SHOWN = 10
+_HOST = re.compile(r"on rank \d+ \(host ([^)]+)\)")
+
+
+def numerics_lines(records: Iterable[Record]) -> list[str]:
+    """One line per step skipped, loss spike and batch of notes dropped, oldest first (the last :data:`SHOWN`)."""
+    lines: list[str] = []
+    dropped = 0
+    for record in records:
+        event = record.event
+        if isinstance(event, RecoveryDecided) and event.skip_steps:
+            host = _HOST.search(event.evidence)
+            cause = "a loss spike" if event.rule == "loss-spike" else "a non-finite gradient"
+            steps = ", ".join(map(str, event.skip_steps))
+            lines.append(f"step {steps} skipped from round {event.round + 1} on: {cause} on rank {event.rank}"
+                         f"{f' (host {host[1]})' if host else ''} ({event.rule})")
+        elif isinstance(event, NumericsReported):
+            lines += [_note_line(note, event.round) for note in event.notes]
+            dropped += event.dropped
+    if len(lines) > SHOWN:
+        lines = [f"({len(lines) - SHOWN} earlier: stead events --job JOB | grep -e numerics -e skip_steps)",
+                 *lines[-SHOWN:]]
+    if dropped:
+        lines.append(f"{dropped} note(s) of the workers dropped by their agents (malformed or over their bounds: "
+                     "the agents' logs say which)")
+    return lines
+
+
+def _note_line(note: NumericsNote, round_: int) -> str:
+    if note.kind == "step_skipped":
+        return f"step {note.step} skipped by the workers of round {round_} (rank {note.rank} says)"
+    loss = "not finite" if note.loss is None else f"{note.loss:.4g}"
+    above = (f", {note.score:.1f} robust std above the median {note.median:.4g}"
+             if note.score is not None and note.median is not None else "")
+    done = {"skip": "rolled back, its batch skipped", "record": "recorded"}.get(note.action, note.action or "?")
+    return f"loss spike at step {note.step} on rank {note.rank} (round {round_}): loss {loss}{above}; {done}"
