@@ -1,0 +1,38 @@
+"""stead status's numerics lines: steps skipped (decided, and done by the workers), loss spikes, notes dropped."""
+
+from __future__ import annotations
+
+from stead.core.events import NumericsNote, NumericsReported, Record, RecoveryAction, RecoveryDecided
+from stead.core.views.numerics import SHOWN, numerics_lines
+
+
+def _records(*events: object) -> list[Record]:
+    return [Record(seq=i, at=0.0, event=e) for i, e in enumerate(events, 1)]  # type: ignore[arg-type]
+
+
+def test_status_shows_each_skip_and_spike_and_the_notes_dropped() -> None:
+    decided = RecoveryDecided(round=1, action=RecoveryAction.RESTART, reason="", rank=1, rule="non-finite-gradient",
+                              evidence="NonFiniteGradientError: ... on rank 1 (host h1) at step 6: ...",
+                              skip_steps=(6,))
+    plain = RecoveryDecided(round=2, action=RecoveryAction.RESTART, reason="", rank=0, rule="gloo-error")
+    notes = NumericsReported(node_id="node-0", round=2, dropped=3, notes=(
+        NumericsNote(kind="loss_spike", rank=0, step=4, loss=1200.0, median=1.1, score=512.25, action="record"),
+        NumericsNote(kind="loss_spike", rank=2, step=9, action="skip"),
+        NumericsNote(kind="step_skipped", rank=0, step=6)))
+    assert numerics_lines(_records(decided, plain, notes)) == [
+        "step 6 skipped from round 2 on: a non-finite gradient on rank 1 (host h1) (non-finite-gradient)",
+        "loss spike at step 4 on rank 0 (round 2): loss 1200, 512.2 robust std above the median 1.1; recorded",
+        "loss spike at step 9 on rank 2 (round 2): loss not finite; rolled back, its batch skipped",
+        "step 6 skipped by the workers of round 2 (rank 0 says)",
+        "3 note(s) of the workers dropped by their agents (malformed or over their bounds: the agents' logs say "
+        "which)",
+    ]
+
+
+def test_status_shows_the_newest_lines_and_counts_the_others() -> None:
+    many = NumericsReported(node_id="node-0", round=1, notes=tuple(
+        NumericsNote(kind="step_skipped", rank=0, step=s) for s in range(SHOWN + 4)))
+    lines = numerics_lines(_records(many))
+    assert len(lines) == SHOWN + 1 and lines[0].startswith("(4 earlier: stead events")
+    assert lines[-1].startswith(f"step {SHOWN + 3} skipped")
+    assert numerics_lines(_records()) == []
