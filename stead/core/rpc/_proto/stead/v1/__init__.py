@@ -492,7 +492,7 @@ class StartWorkers(betterproto2.Message):
     skip_steps: "list[int]" = betterproto2.field(9, betterproto2.TYPE_INT64, repeated=True)
     """
     Steps every rank skips (their batches caused a numerical fault): the workers get them as
-    STEAD_NUMERICS_SKIP_STEPS. At most 4096.
+    STEAD_NUMERICS_SKIP_STEPS. Bounded by the job's numerics.nan_budget (one per fault at most).
     """
 
 
