@@ -534,6 +534,10 @@ class CheckpointRestored(Event):
     disk_ranks: int = 0
     #: ranks that restored a replica fetched from another host's memory (their own memory was lost with a host)
     peer_ranks: int = 0
+    #: the newest step replicated everywhere ("R": every rank's copy in another host's memory) and the newest
+    #: committed step when the workers restored (-1: none, or not said)
+    replicated_step: int = -1
+    committed_step: int = -1
 
 
 @event_kind("plugin.failed")

@@ -347,12 +347,25 @@ class RecoveryFold:
 
 
 def restored_from(event: CheckpointRestored) -> str:
-    """``step 41: memory 1, peer 1`` (ranks per tier: their own memory, a peer host's replica, disk)."""
+    """``step 41: memory 1, peer 1`` (ranks per tier: their own memory, a peer host's replica, disk), and how the
+    step stands to the newest replicated step R and the newest commit where the record says: ``(replicated)``,
+    ``(newer than replicated step 40)``, ``(replicated; the newest commit, 42, was not)``, ``(older than replicated
+    step 40: no copy of it was left)``."""
     if event.step < 0:
         return "nothing (a fresh start)"
     tiers = [f"{name} {count}" for name, count in (("memory", event.memory_ranks), ("peer", event.peer_ranks),
                                                     ("disk", event.disk_ranks)) if count]
-    return f"step {event.step}: {', '.join(tiers)}" if tiers else f"step {event.step}"
+    said = f"step {event.step}: {', '.join(tiers)}" if tiers else f"step {event.step}"
+    replicated = event.replicated_step
+    if replicated < 0:
+        return said
+    if event.step > replicated:
+        return f"{said} (newer than replicated step {replicated})"
+    if event.step < replicated:
+        return f"{said} (older than replicated step {replicated}: no copy of it was left)"
+    if event.committed_step > replicated:
+        return f"{said} (replicated; the newest commit, {event.committed_step}, was not yet)"
+    return f"{said} (replicated)"
 
 
 def recoveries(records: Iterable[Record], *, now: float | None = None) -> list[Recovery]:

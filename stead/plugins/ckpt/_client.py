@@ -9,7 +9,7 @@ from stead.plugin import RpcConnection
 from stead.plugins.ckpt._proto.stead import v1 as proto
 from stead.plugins.ckpt.events import CheckpointCorrupt
 
-__all__ = ["CheckpointClient", "Committed", "PeerCopy", "Saved", "corrupt_to_proto"]
+__all__ = ["CheckpointClient", "Committed", "PeerCopy", "Replicated", "Saved", "corrupt_to_proto"]
 
 #: the most of a corrupt copy's detail a report carries (the master takes up to MAX_EVIDENCE_CHARS)
 _CORRUPT_DETAIL_CHARS = 2000
@@ -40,6 +40,16 @@ class PeerCopy:
 
 
 @dataclasses.dataclass(frozen=True)
+class Replicated:
+    """What the master says of replication (:mod:`._replicated`): R and X as (step, round), and whether the workers
+    keep their slots (and the holders R's copy)."""
+
+    replicated: tuple[int, int] = (-1, -1)
+    replicating: tuple[int, int] = (-1, -1)
+    keep: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Committed:
     step: int = -1
     round: int = 0
@@ -50,6 +60,15 @@ class Committed:
     targets: tuple[PeerCopy, ...] | None = None
     #: the nodes that hold replicas of the committed step of the ranks asked for
     sources: tuple[PeerCopy, ...] = ()
+    #: None: the master did not say (one of before "commit means replicated")
+    replication: Replicated | None = None
+
+
+def _replicated(value: proto.Replication | None) -> Replicated | None:
+    if value is None:
+        return None
+    return Replicated(replicated=(value.replicated_step, value.replicated_round),
+                      replicating=(value.replicating_step, value.replicating_round), keep=value.keep)
 
 
 def _peers(values: Sequence[proto.ReplicaPeer]) -> tuple[PeerCopy, ...]:
@@ -83,17 +102,22 @@ class CheckpointClient:
             reply = await self._stub.report_saved(request, timeout=self._conn.call_timeout_s)
         return Committed(round=round_, round_step=reply.committed_step,
                          released={r.rank: r.step for r in reply.released},
-                         targets=_peers(reply.replica_targets) if tier == "memory" else None)
+                         targets=_peers(reply.replica_targets) if tier == "memory" else None,
+                         replication=_replicated(reply.replication))
 
     async def get_committed(self, *, round_: int, after_step: int = -1, wait_s: float = 0.0,
-                            ranks: Sequence[int] = (), replica_ranks: Sequence[int] = ()) -> Committed:
+                            ranks: Sequence[int] = (), replica_ranks: Sequence[int] = (),
+                            replicated: tuple[int, int] | None = None) -> Committed:
+        """``replicated``: the replicated step (step, round) the caller knows; a wait also ends when it moves."""
         request = proto.GetCommittedRequest(node_id=self.node_id, round=round_, after_step=after_step, wait_s=wait_s,
-                                            ranks=list(ranks), replica_ranks=list(replica_ranks))
+                                            ranks=list(ranks), replica_ranks=list(replica_ranks),
+                                            replicated_step=replicated[0] if replicated is not None else None,
+                                            replicated_round=replicated[1] if replicated is not None else None)
         with self._conn.errors("CheckpointService.GetCommitted"):
             reply = await self._stub.get_committed(request, timeout=wait_s + self._conn.call_timeout_s)
         return Committed(step=reply.step, round=reply.round, round_step=reply.round_step,
                          persisted_step=reply.persisted_step, released={r.rank: r.step for r in reply.released},
-                         sources=_peers(reply.replica_sources))
+                         sources=_peers(reply.replica_sources), replication=_replicated(reply.replication))
 
     async def report_restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str) -> None:
         request = proto.ReportRestoredRequest(node_id=self.node_id, round=round_, world_size=world_size, rank=rank,

@@ -34,7 +34,7 @@ from stead.plugin import (
     retrying,
 )
 from stead.plugins.ckpt import _disk
-from stead.plugins.ckpt._client import CheckpointClient, Committed, Saved
+from stead.plugins.ckpt._client import CheckpointClient, Committed, Replicated, Saved
 from stead.plugins.ckpt._diskwait import until_on_disk
 from stead.plugins.ckpt._link import SOCKET_ENV
 from stead.plugins.ckpt._peers import PeerReplicas
@@ -216,8 +216,14 @@ class NodeCheckpoints:
             async def unusable(step: int, detail: str, state: RankMemory = state, rank: int = rank) -> None:
                 await self._report_corrupt(state, step, "peer", detail, rank=rank)
 
-            got = await self.peers.take(state, rank, info.world_size,
-                                        [s for s in sources if s.world == info.world_size], unusable)
+            usable = [s for s in sources if s.world == info.world_size]
+            got = await self.peers.take(state, rank, info.world_size, usable, unusable)
+            replicated = reply.replication.replicated if reply.replication is not None else (-1, -1)
+            if got is not None and got != replicated and replicated[0] >= 0:
+                # the replicated step too, into the other slot: when another rank's newest copy did not arrive,
+                # the ranks restore that one, and every rank has it (the survivors keep its slot)
+                await self.peers.take(state, rank, info.world_size,
+                                      [s for s in usable if (s.step, s.round) == replicated], unusable)
             if got is None:
                 log.info("ckpt_replicas_failed", rank=rank, step=self.hint[0], effect="restoring from disk")
                 every = False
@@ -474,10 +480,12 @@ class NodeCheckpoints:
                 continue
             round_ = pending[0].round
             after = self._committed[0] if self._committed[1] == round_ else -1
+            known = self.peers.replicated
             try:
                 reply = await self._client.get_committed(round_=round_, after_step=after,
                                                          wait_s=self.ckpt.commit_poll_s,
-                                                         ranks=[s.rank for s in pending])
+                                                         ranks=[s.rank for s in pending],
+                                                         replicated=known.replicated if known is not None else None)
             except RetryableError as exc:
                 log.warning("ckpt_poll_failed", error=str(exc), action=f"retrying in {backoff.delay:g} s")
                 await backoff.wait()
@@ -489,6 +497,12 @@ class NodeCheckpoints:
             self._apply(reply, round_)
 
     def _pending(self, state: RankMemory) -> bool:
+        """Whether the rank waits for its newest save's commit or release, or for the step its slots keep for
+        replicas to be replicated (its next save waits for it)."""
+        known = self.peers.replicated
+        if known is not None and known.replicating != known.replicated \
+                and state.slot_holding(*known.replicating) is not None:
+            return True
         held = state.held()
         if not held:
             return False
@@ -506,6 +520,8 @@ class NodeCheckpoints:
         self._master_refused = True
 
     def _apply(self, reply: Committed, round_: int) -> None:
+        if reply.replication is not None:
+            self._keep(reply.replication)  # first: a worker sees a commit only once the slots to keep are marked
         if reply.round_step >= 0 and (round_ > self._committed[1] or reply.round_step > self._committed[0]):
             self._committed = (reply.round_step, round_)
             for state in self._ranks.values():
@@ -516,6 +532,19 @@ class NodeCheckpoints:
             if state.round == round_ and state.rank in reply.released:
                 state.control.set_released(reply.released[state.rank], round_)
         self._check_persists()
+
+    def _keep(self, replication: Replicated) -> None:
+        """Mark the replicated and replicating steps' slots as kept (when the master says to keep them) and tell
+        the replica holder and sender which steps those are."""
+        none = (-1, -1)
+        kept = (replication.replicated, replication.replicating) if replication.keep else (none, none)
+        for state in self._ranks.values():
+            if state.control.kept != kept:
+                with state.control.locked():
+                    state.control.set_kept(*kept)
+        if replication != self.peers.replicated:
+            self.peers.replication(replication)
+            self._pending_changed.set()  # a step whose replicas are awaited: the poll watches for them
 
     # -- checksums and verification ------------------------------------------------------------------
 
@@ -743,7 +772,7 @@ class NodeCheckpoints:
             log.warning("ckpt_report_failed", what="disk", step=step, error=str(exc))
 
     async def _report_restored(self, state: RankMemory, step: int, tier: str) -> None:
-        if tier == "memory" and self.peers.fetched.get(state.local_rank) == step:
+        if tier == "memory" and step in self.peers.fetched.get(state.local_rank, ()):
             tier = "peer"  # its slot was given the step from another host's replica
         try:
             await self._client.report_restored(round_=state.round, world_size=state.world, rank=state.rank,

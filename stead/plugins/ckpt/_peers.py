@@ -2,9 +2,11 @@
 and the replicas a node that replaces a lost one fetches into its own slots before its workers start.
 
 The master places the replicas (:mod:`._placement`) and answers each memory report with the nodes this node sends
-to; a node's agent sends each local rank's newest committed slot there once its checksums are computed, in a thread
-of its own (never the training thread): the slot is first copied into a buffer of the agent's (a memory copy; the
-slot is not pinned, and a copy a newer save rewrote meanwhile is dropped), then sent from there. A node new to the
+to and the committed step every node copies now (X, :mod:`._replicated`; the newest commit when the master does not
+say); a node's agent sends each local rank's slot of it there once its checksums are computed, in a thread of its
+own (never the training thread): the slot is first copied into a buffer of the agent's (a memory copy; a copy a
+newer save rewrote meanwhile is dropped), then sent from there. The holders keep the copy of the replicated step
+(R) while a newer one arrives, and serve either. A node new to the
 round (a spare, a relaunched node) whose ranks' committed step is not in its memory asks the master who holds
 replicas of it, fetches each into one of its own slots, verified by hash, and marks the slot as holding the step:
 its workers then restore it as they restore their own memory, with no disk read.
@@ -32,7 +34,7 @@ from stead.plugin import (
     server_context,
     tls_files,
 )
-from stead.plugins.ckpt._client import PeerCopy
+from stead.plugins.ckpt._client import PeerCopy, Replicated
 from stead.plugins.ckpt._rankmem import RankMemory
 from stead.plugins.ckpt._replicas import ReplicaError, ReplicaMeta, ReplicaServer, fetch, push
 from stead.plugins.ckpt._shm import (
@@ -68,8 +70,10 @@ class PeerReplicas:
         self.host = os.environ.get(HOST_ENV) or socket.gethostname()
         self.address = ""
         self.targets: tuple[PeerCopy, ...] = ()
-        #: local rank -> the step its slot was given from a peer's replica (its restore's tier is "peer")
-        self.fetched: dict[int, int] = {}
+        #: local rank -> the steps its slots were given from peers' replicas (its restore's tier is "peer")
+        self.fetched: dict[int, set[int]] = {}
+        #: what the master last said of replication (None: nothing, or a master that does not say)
+        self.replicated: Replicated | None = None
         self._server: ReplicaServer | None = None
         self._client_tls: ssl.SSLContext | None = None
         self._sent: dict[tuple[str, int], _Sent] = {}
@@ -122,6 +126,19 @@ class PeerReplicas:
         self.targets = targets
         self.wake()
 
+    def replication(self, replicated: Replicated) -> None:
+        """The master's word on replication: send its X, and keep R's copies held here (while it asks to keep)."""
+        if replicated == self.replicated:
+            return
+        self.replicated = replicated
+        if self._server is not None:
+            self._server.keep(replicated.replicated if replicated.keep else (-1, -1))
+        self.wake()
+
+    def _to_send(self, committed: tuple[int, int]) -> tuple[int, int]:
+        """The step to send: the master's X, else (a master that does not say) the newest commit."""
+        return self.replicated.replicating if self.replicated is not None else committed
+
     def committed(self, step: int, round_: int) -> None:
         self._committed_at.setdefault((step, round_), time.monotonic())
         self.wake()
@@ -131,13 +148,13 @@ class PeerReplicas:
 
     async def send_loop(self, ranks: Callable[[], Sequence[RankMemory]], committed: Callable[[], tuple[int, int]]
                         ) -> None:
-        """Send each local rank's newest committed step to the targets that lack it, as commits come."""
+        """Send each local rank's slot of X (:meth:`_to_send`) to the targets that lack it, as commits come."""
         if not self.enabled:
             return
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
-            step, round_ = committed()
+            step, round_ = self._to_send(committed())
             if step < 0 or not self.targets:
                 continue
             done, sent_bytes, sending_s = True, 0, 0.0
@@ -229,7 +246,7 @@ class PeerReplicas:
                 await unusable(step, f"the replica held by {source.node_id} ({source.address}): {exc}")
                 continue
             state.control.note_committed(step, round_)  # only committed steps are replicated
-            self.fetched[state.local_rank] = step
+            self.fetched.setdefault(state.local_rank, set()).add(step)
             log.info("ckpt_replica_fetched", rank=rank, step=step, holder=source.node_id, bytes=meta.nbytes,
                      seconds=round(time.monotonic() - started, 4))
             return step, round_

@@ -5,8 +5,9 @@ When every rank holds the committed step in its agent's memory, each copies it f
 ranks agree on the newest step that every rank can take, each from the best tier that has it:
 
 1. its own memory: the committed step, or an older one still in the other slot when it is known committed (the
-   rank's agent heard of its commit, or fetched it from a peer host's replica: only committed steps are replicated;
-   or some rank's agent wrote it to disk: agents write committed steps only), checked against its checksums;
+   rank's agent heard of its commit, or it is the replicated or replicating step the worker keeps, or it was
+   fetched from a peer host's replica: only committed steps are replicated; or some rank's agent wrote it to disk:
+   agents write committed steps only), checked against its checksums;
 2. its own copy on disk, saved at this world size;
 3. another rank's copy on disk, for a replicated state only (DDP: :mod:`._copies` says when),
    the same state as every copy the other ranks restore; or, for a sharded state saved by
@@ -34,6 +35,7 @@ from typing import Any
 import structlog
 import torch
 
+from stead.core.events import RestoreBound
 from stead.plugins.ckpt import _copies, _disk, _fromdisk
 from stead.plugins.ckpt._checksum import checksum
 from stead.plugins.ckpt._codec import TensorMeta, decode, find
@@ -97,16 +99,26 @@ class Restore:
 
     def __init__(self, *, rank: int, world: int, root: Path, settings: CheckpointSettings, group: Group,
                  control: Control | None, mapped: Callable[[int], MappedSlot | None],
-                 report_corrupt: Callable[[int, str, str], None]) -> None:
+                 report_corrupt: Callable[[int, str, str], None], bounds: tuple[RestoreBound, ...] = ()) -> None:
         self.rank, self.world, self.root, self.settings, self.group = rank, world, root, settings, group
         self.control, self.mapped, self.report_corrupt = control, mapped, report_corrupt
+        #: the replica mismatches' bounds: a copy one of them excludes is never restored (every rank has the same)
+        self.bounds = bounds
+
+    def excluded(self, step: int, round_: int) -> bool:
+        """Whether a restore bound keeps the copy of ``step`` saved in ``round_`` out (it may hold a corruption)."""
+        bound = next((b for b in self.bounds if b.excludes(step, round_)), None)
+        if bound is not None:
+            log.info("ckpt_restore_bounded", step=step, round=round_, rank=self.rank, at_most=bound.step,
+                     mismatch_round=bound.round, reason="replicas' fingerprints last agreed at that step")
+        return bound is not None
 
     # -- memory ----------------------------------------------------------------------------------------
 
     def memory_candidate(self, hint: tuple[int, int]) -> tuple[SlotInfo, LayoutDoc] | None:
         """The slot holding the committed step the agent handed over, checked; None when unusable."""
         step, round_ = hint
-        if self.control is None or step < 0:
+        if self.control is None or step < 0 or self.excluded(step, round_):
             return None
         slot = next((s for s in self.control.slots() if s.holds(step, round_)), None)
         if slot is None:
@@ -198,13 +210,19 @@ class Restore:
         """The steps this rank's slots hold, saved as this rank in this world, that are known committed."""
         if self.control is None:
             return []
-        recent = set(self.control.recently_committed())
+        recent = self._committed_pairs()
         return [s.step for s in self.control.slots() if s.complete and (s.rank, s.world) == (self.rank, self.world)
                 and (s.step, s.round) in recent]
 
+    def _committed_pairs(self) -> set[tuple[int, int]]:
+        """(step, round) of the commits this rank's agent heard of lately, and of the replicated and replicating
+        steps (committed both, however old)."""
+        if self.control is None:
+            return set()
+        return {*self.control.recently_committed(), *(p for p in self.control.kept if p[0] >= 0)}
+
     def _known_committed(self, step: int, round_: int) -> bool:
-        recent = self.control is not None and (step, round_) in self.control.recently_committed()
-        return recent or self._committed_on_disk(step, round_)
+        return (step, round_) in self._committed_pairs() or self._committed_on_disk(step, round_)
 
     def _committed_on_disk(self, step: int, round_: int) -> bool:
         for rank in _disk.written_ranks(self.root, step):
@@ -309,6 +327,8 @@ class Restore:
             prints = [] if print_lo == _NONE else [print_lo, print_hi]
             round_ = round_lo if round_lo != _NONE else None
             source = self._guarded(step, lambda: self._replica(step, round_, prints, holders))
+        if source is not None and self.excluded(source.step, source.round):
+            source = None  # every rank's copy of it comes from the same round: every rank drops it (ranks agree below)
         reshard = source is not None and source.reshard
         every, all_reshard, any_reshard = self.group.min([int(source is not None), int(reshard), -int(reshard)])
         if every != 1 or all_reshard != -any_reshard:

@@ -14,7 +14,8 @@ Then one request, a JSON line:
   memory without pinning it; a save into that slot meanwhile makes the copy torn, and it is dropped). The holder
   writes the bytes into a new segment, checks the layout document against its checksum and every tensor against
   the checksums the source's agent computed, and only then puts it in place of the rank's previous replica
-  (double-buffered: a replica is never torn, and a failed transfer leaves the previous one). Answer
+  (double-buffered: a replica is never torn, and a failed transfer leaves the previous one; the replicated step's
+  copy, :meth:`ReplicaServer.keep`, is kept beside the newer one until a newer step is replicated). Answer
   ``{"ok": true}`` or ``{"ok": false, "error": ...}``.
 - ``{"op": "get", "rank": R, "step": S, "round": r}``: the holder answers ``{"ok": true, "meta": {...}}`` and the
   bytes, or ``{"ok": false, "error": ...}``; the fetcher verifies them the same way before it uses them.
@@ -307,6 +308,10 @@ class ReplicaServer:
         self.names, self.token, self.job, self.tls = names, token, job, tls
         self.max_bytes, self.timeout_s, self.changed = max_bytes, timeout_s, changed
         self.held: dict[int, Held] = {}
+        #: rank -> the replicated step's copy, kept beside a newer one in ``held`` until a newer step is replicated
+        self.kept: dict[int, Held] = {}
+        #: (step, round) of the replicated step ((-1, -1): none to keep)
+        self._replicated = (-1, -1)
         #: rank -> the segment its previous replica used, written over by the next one (double buffering without
         #: allocating and faulting a new segment for every step)
         self._spares: dict[int, Held] = {}
@@ -348,20 +353,33 @@ class ReplicaServer:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         with self._lock:
-            for held in [*self.held.values(), *self._spares.values()]:
+            for held in [*self.held.values(), *self.kept.values(), *self._spares.values()]:
                 _free(held)
             self.held.clear()
+            self.kept.clear()
             self._spares.clear()
             self._changed_holdings()
 
     def holdings(self) -> list[tuple[ReplicaMeta, int]]:
-        """Each replica held and the memory it takes (its spare segment included)."""
+        """Each replica held and the memory it takes (its spare segment included), a kept one too."""
         return list(self._snapshot)
+
+    def keep(self, replicated: tuple[int, int]) -> None:
+        """Keep the copies of ``replicated`` ((step, round); (-1, -1): none) while newer ones arrive; a copy kept for
+        an older step becomes its rank's spare buffer."""
+        with self._lock:
+            self._replicated = replicated
+            dropped = [(r, h) for r, h in self.kept.items() if (h.meta.step, h.meta.round) != replicated]
+            for rank, _ in dropped:
+                del self.kept[rank]
+            self._changed_holdings()
+        for rank, held in dropped:
+            self._keep_spare(rank, held)
 
     def _changed_holdings(self) -> None:
         """(under the lock) what :meth:`holdings` says from now on."""
-        self._snapshot = tuple((h.meta, h.capacity + (self._spares[r].capacity if r in self._spares else 0))
-                               for r, h in self.held.items())
+        self._snapshot = (*((h.meta, h.capacity + (self._spares[r].capacity if r in self._spares else 0))
+                            for r, h in self.held.items()), *((h.meta, h.capacity) for h in self.kept.values()))
 
     def _accept(self) -> None:
         while True:
@@ -424,8 +442,9 @@ class ReplicaServer:
         meta = ReplicaMeta.from_json(request.get("meta"))
         capacity = round_capacity(meta.nbytes)
         with self._lock:
-            others = sum(h.capacity for r, h in [*self.held.items(), *self._spares.items()] if r != meta.rank)
-            mine = self.held[meta.rank].capacity if meta.rank in self.held else 0
+            others = sum(h.capacity for r, h in [*self.held.items(), *self.kept.items(), *self._spares.items()]
+                         if r != meta.rank)
+            mine = sum(h.capacity for h in (self.held.get(meta.rank), self.kept.get(meta.rank)) if h is not None)
             spare = self._spares.pop(meta.rank, None)
             self._gen += 1
             gen = self._gen
@@ -437,8 +456,9 @@ class ReplicaServer:
                 _free(spare)
             conn.send_line({"ok": False, "error": (
                 f"this node holds {others + mine} bytes of replicas and ckpt.replica_max_bytes={self.max_bytes} leaves "
-                f"no room for rank {meta.rank}'s next {capacity} (each is double-buffered); raise "
-                "ckpt.replica_max_bytes on the holding nodes (or lower ckpt.replicas)")})
+                f"no room for rank {meta.rank}'s next {capacity} (each is double-buffered, and the replicated "
+                "step's copy is kept beside a newer one: up to three per rank); raise ckpt.replica_max_bytes on the "
+                "holding nodes (or lower ckpt.replicas)")})
             return
         if spare is not None:
             held = dataclasses.replace(spare, meta=meta)
@@ -477,6 +497,10 @@ class ReplicaServer:
                 stale, keep = held, old  # a late, older copy: the newer one stays
             else:
                 self.held[meta.rank], stale, keep = held, old, held
+                if old is not None and (old.meta.step, old.meta.round) == self._replicated \
+                        and (meta.step, meta.round) != self._replicated:
+                    stale = self.kept.pop(meta.rank, None)  # the replicated step's copy stays, beside the newer
+                    self.kept[meta.rank] = old
             self._changed_holdings()
         if stale is not None:
             self._keep_spare(meta.rank, stale)
@@ -498,7 +522,9 @@ class ReplicaServer:
     def _get(self, conn: _Conn, request: dict[str, Any]) -> None:
         rank, step, round_ = (request.get(k) for k in ("rank", "step", "round"))
         with self._lock:
-            held = self.held.get(rank) if isinstance(rank, int) else None
+            copies = [self.held.get(rank), self.kept.get(rank)] if isinstance(rank, int) else []
+            held = next((h for h in copies if h is not None and (h.meta.step, h.meta.round) == (step, round_)),
+                        copies[0] if copies else None)
             if held is None or (held.meta.step, held.meta.round) != (step, round_):
                 have = f"it holds step {held.meta.step} (round {held.meta.round})" if held is not None else \
                     "it holds none of that rank"

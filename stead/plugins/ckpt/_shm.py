@@ -18,11 +18,15 @@ slot. The control block, little endian::
          data_bytes u64 | n_tensors u64 | checks_off u64 | layout_off u64 | layout_len u64  worker
          layout_sum u64                                                                     worker
          gen u64 | capacity u64 | checks_seq u64 | verify_seq u64 | verify_state u32        agent
+    384  replicated_step i64 | replicated_round i64      written by the agent: every rank's copy is on another host
+    400  replicating_step i64 | replicating_round i64    written by the agent: the step being copied there
 
 ``seq`` is odd while the worker writes the slot; ``state`` is COMPLETE once the
 step is fully copied. Each side writes only its own fields; choosing a slot to
 overwrite (worker) and pinning one (agent) happen under ``flock`` on the control
-segment, so a persist never reads a slot being rewritten.
+segment, so a persist never reads a slot being rewritten. The worker never
+overwrites the slot of the pinned step, nor (while the master says to keep them)
+those of the replicated and the replicating steps (:mod:`._replicated`).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ _U32 = struct.Struct("<I")
 _SLOT_WORKER = struct.Struct("<QIIqqiiQQQQQQ")
 _GEN, _CAPACITY, _CHECKS_SEQ, _VERIFY_SEQ, _VERIFY_STATE = 88, 96, 104, 112, 120
 _COMMITTED, _RELEASED, _PINNED = 16, 32, 48
+_REPLICATED, _REPLICATING = 384, 400
 #: the newest commits the agent heard of (or a replica it fetched proves), newest first
 _RECENT, _RECENT_PAIRS = 64, 4
 
@@ -258,7 +263,8 @@ class Control:
         self.view = mmap.mmap(self._fd, CONTROL_BYTES, flags=mmap.MAP_SHARED)
         if create:
             _HEAD.pack_into(self.view, 0, MAGIC, VERSION, local_rank)
-            for offset in (_COMMITTED, _RELEASED, _PINNED, *(_RECENT + 16 * i for i in range(_RECENT_PAIRS))):
+            for offset in (_COMMITTED, _RELEASED, _PINNED, _REPLICATED, _REPLICATING,
+                           *(_RECENT + 16 * i for i in range(_RECENT_PAIRS))):
                 _I64.pack_into(self.view, offset, -1)
                 _I64.pack_into(self.view, offset + 8, -1)
         magic, version, _ = _HEAD.unpack_from(self.view, 0)
@@ -328,6 +334,19 @@ class Control:
 
     def set_pinned(self, step: int, round_: int) -> None:
         self._set_pair(_PINNED, step, round_)
+
+    @property
+    def kept(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(step, round) of the replicated step and of the step being replicated, whose slots the worker keeps;
+        (-1, -1) each when none (or when the master does not ask to keep them)."""
+        return self._pair(_REPLICATED), self._pair(_REPLICATING)
+
+    def set_kept(self, replicated: tuple[int, int], replicating: tuple[int, int]) -> None:
+        """Keep these steps' slots (a replicated step is committed: it is also noted as such)."""
+        if replicated[0] >= 0:
+            self.note_committed(*replicated)
+        self._set_pair(_REPLICATED, *replicated)
+        self._set_pair(_REPLICATING, *replicating)
 
     # -- slots ------------------------------------------------------------------------------
 

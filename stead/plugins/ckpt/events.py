@@ -10,7 +10,7 @@ import dataclasses
 
 from stead.plugin import CheckpointPersisted, CheckpointRestored, Event, EventMark, event_kind
 
-__all__ = ["CheckpointCorrupt", "CheckpointPersisted", "CheckpointRestored"]
+__all__ = ["CheckpointCorrupt", "CheckpointPersisted", "CheckpointReplicated", "CheckpointRestored"]
 
 
 @event_kind("ckpt.corrupt", mark=EventMark.FAILURE)
@@ -23,3 +23,15 @@ class CheckpointCorrupt(Event):
     rank: int
     node_id: str = ""
     detail: str = ""
+
+
+@event_kind("ckpt.replicated", mark=EventMark.CHECKPOINT)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointReplicated(Event):
+    """Every rank's copy of committed ``step`` (of ``round``) is in the memory of a node on another host: a host's
+    loss restores it, or a newer step, from memory (the newest such step: "R")."""
+
+    step: int
+    round: int
+    #: seconds from the step's choice for copying (its commit, or the previous step's replication) to now
+    lag_s: float | None = None

@@ -6,11 +6,17 @@ into its :class:`~stead.plugins.ckpt._book.Book` and records ``CheckpointCommitt
 wait for a commit long-poll ``GetCommitted``. The newest commit and persisted step
 are kept under the plugin's own store key, so a restarted master still tells a
 restarting round which step to restore.
+
+"Commit means replicated" (:mod:`._replicated`): from what the holders of replicas report, the plugin moves the
+newest step every rank's copy of is in another host's memory (R, recorded as ``ckpt.replicated`` and kept under
+the same key) and picks the committed step the agents copy next (X); both go out with every commit, and the agents
+keep their slots.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import time
@@ -31,10 +37,10 @@ from stead.plugin import (
     finite_figure,
     invalid,
 )
-from stead.plugins.ckpt import _placement
+from stead.plugins.ckpt import _placement, _replicated
 from stead.plugins.ckpt._book import Book, Holding, disk_report, memory_report, released, save_seconds
 from stead.plugins.ckpt._proto.stead import v1 as proto
-from stead.plugins.ckpt.events import CheckpointCorrupt, CheckpointPersisted, CheckpointRestored
+from stead.plugins.ckpt.events import CheckpointCorrupt, CheckpointPersisted, CheckpointReplicated, CheckpointRestored
 from stead.plugins.ckpt.settings import CheckpointSettings
 
 __all__ = ["CheckpointPlugin", "CheckpointServicer", "corrupt_from_proto"]
@@ -46,6 +52,11 @@ TIERS = ("memory", "disk")
 RESTORE_TIERS = ("memory", "peer", "disk", "none")
 #: ranks beyond this are refused as bad input (a typo, not a world)
 _MAX_WORLD = 1 << 20
+#: the commits the master remembers (step, round), so that a replica of a step the job never committed is never
+#: handed out for a restore (R, X and the newest commit are kept apart from these, and across a master restart)
+_COMMITS_KEPT = 16
+#: the replicas one node may say it holds of one rank: the newest and R's, kept while the newest arrived
+_MAX_HELD_PER_RANK = 2
 
 
 class CheckpointPlugin(Plugin[CheckpointSettings]):
@@ -66,8 +77,11 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         self._restored: dict[int, dict[int, tuple[int, str]]] = {}
         #: the nodes that take replicas (the newest incarnation's report of each), and what each holds
         self._peers: dict[str, _Peer] = {}
-        #: holder node -> rank -> (step, round, world) of the replica it holds
-        self._held: dict[str, dict[int, tuple[int, int, int]]] = {}
+        #: holder node -> rank -> (step, round, world) of each replica it holds of it
+        self._held: dict[str, dict[int, tuple[tuple[int, int, int], ...]]] = {}
+        #: R and X (:mod:`._replicated`), and the commits seen lately: (step, round)
+        self.replication = _replicated.Replication()
+        self._commits: collections.deque[tuple[int, int]] = collections.deque(maxlen=_COMMITS_KEPT)
         self._placement: tuple[tuple[_placement.Member, ...], dict[str, tuple[str, ...]]] = ((), {})
         self._single_host_said = False
         #: what ``stead status`` was last told of the replicas
@@ -81,7 +95,12 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
                 saved = json.loads(raw.value)
                 self.book = Book(step=int(saved["step"]), step_round=int(saved["step_round"]),
                                  persisted=int(saved["persisted"]))
-            except (ValueError, KeyError, TypeError) as exc:
+                replicated, replicating = saved.get("replicated", [-1, -1]), saved.get("replicating", [-1, -1])
+                self.replication = _replicated.Replication(
+                    replicated=(int(replicated[0]), int(replicated[1])),
+                    replicating=(int(replicating[0]), int(replicating[1])), world=int(saved.get("world", 0)),
+                    since=time.monotonic(), keep=bool(saved.get("keep", False)))
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
                 log.warning("ckpt_book_unreadable", error=repr(exc), action="starting with no committed step")
         ctx.add_rpc_handler(CheckpointServicer(self))
 
@@ -99,15 +118,17 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
             book, step = memory_report(self.book, round_=round_, world_size=world_size, ranks=ranks)
             if step is not None:
                 await self.ctx.emit(CheckpointCommitted(step=step, tier="memory", save_s=save_seconds(book, step)))
-                await self._save(book)
+                self._commits.append((step, round_))
                 log.debug("ckpt_committed", step=step, round=round_)
             self.book = book
+            if step is not None and not await self._advance(time.monotonic()):
+                await self._save(book)
             answer = (book.round_step if book.round == round_ else -1), released(book, ranks)
         await self._notify()
         return answer
 
     def replica_report(self, *, node_id: str, incarnation: int, round_: int, host: str, address: str,
-                       ranks: list[int], held: dict[int, tuple[int, int, int]],
+                       ranks: list[int], held: dict[int, tuple[tuple[int, int, int], ...]],
                        held_bytes: int = 0) -> tuple[tuple[str, str], ...]:
         """Note where a node takes replicas and which it holds; the (node_id, address) its replicas go to."""
         peer = self._peers.get(node_id)
@@ -133,16 +154,63 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
                 log.info("ckpt_replicas_placed", placement={k: list(v) for k, v in self._placement[1].items()})
         return tuple((t, self._peers[t].address) for t in self._placement[1].get(node_id, ()))
 
+    async def advance_replication(self) -> None:
+        """Fold the holders' reports into R and X (after a replica report)."""
+        async with self._lock:
+            changed = await self._advance(time.monotonic())
+        if changed:
+            await self._notify()
+
+    async def _advance(self, now: float) -> bool:
+        """(under the lock) R and X after a commit or a report; whether anything changed (then the book was saved)."""
+        before = self.replication
+        holders: dict[int, set[tuple[int, int, int]]] = {}
+        for node, held in self._held.items():
+            if node in self._peers:
+                for rank, copies in held.items():
+                    holders.setdefault(rank, set()).update(copies)
+        after = _replicated.advance(before, committed=(self.book.step, self.book.step_round),
+                                    world=self.book.world_size, round_=self.book.round, holders=holders, now=now,
+                                    wait_s=self.settings.replica_wait_s)
+        if after == before:
+            return False
+        self.replication = after
+        if after.replicated != before.replicated:
+            step, round_ = after.replicated
+            await self.ctx.emit(CheckpointReplicated(step=step, round=round_, lag_s=round(now - before.since, 4)))
+            log.debug("ckpt_replicated_everywhere", step=step, round=round_)
+        if before.keep and not after.keep:
+            log.warning("ckpt_replicas_late", step=before.replicating[0], waited_s=self.settings.replica_wait_s,
+                        effect="the workers save on without waiting for replicas; a host lost before the next step "
+                               "is replicated everywhere may cost a disk read",
+                        hint="check the replica holders' logs (ckpt_replica_not_sent), or raise ckpt.replica_wait_s "
+                             "when a state takes longer to copy between hosts")
+        await self._save(self.book)
+        return True
+
+    def _known_committed(self, step: int, round_: int) -> bool:
+        rep = self.replication
+        return (step, round_) in (rep.replicated, rep.replicating, (self.book.step, self.book.step_round)) \
+            or (step, round_) in self._commits
+
     async def publish_replicas(self, now: float) -> None:
-        """Tell ``stead status`` which node holds whose replica and the memory it takes, when that changed (the
-        line names no step: it changes as nodes come and go, not with every commit)."""
+        """Tell ``stead status`` the newest replicated step (R) and which node holds whose replica and the memory
+        they take, when that changed (it names no newest commit: that changes with every commit, and the job's own
+        line shows it)."""
         holders = sorted((n, p) for n, p in self._peers.items() if self._held.get(n))
         if not holders:
             return
+        rep = self.replication
+        replicated = (f"replicated: step {rep.replicated[0]} (every rank's copy in another host's memory: a lost "
+                      "host restores it or a newer step from memory)" if rep.replicated[0] >= 0
+                      else "replicated: no step yet in every rank's replica")
+        if rep.waiting and not rep.keep and rep.replicated[0] >= 0:
+            replicated += (f"; copies of step {rep.replicating[0]} are late and not waited for (more than "
+                           f"ckpt.replica_wait_s={self.settings.replica_wait_s:g} s)")
         total = sum(p.held_bytes for _, p in holders)
         parts = [f"{n} (host {p.host}) holds rank{'s' if len(self._held[n]) > 1 else ''} "
                  f"{', '.join(str(r) for r in sorted(self._held[n]))} ({_mib(p.held_bytes)})" for n, p in holders[:8]]
-        summary = [f"replicas: {_mib(total)} of other nodes' steps in memory: {'; '.join(parts)}"
+        summary = [replicated, f"replicas: {_mib(total)} of other nodes' steps in memory: {'; '.join(parts)}"
                    + ("; ..." if len(holders) > 8 else "")]
         if summary == self._status:
             return
@@ -151,14 +219,19 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
 
     def replica_sources(self, node_id: str, ranks: list[int]) -> list[tuple[str, str, int, int, int, int]]:
         """(holder, address, rank, step, round, world) of the replicas of ``ranks`` that other nodes than the caller
-        hold, of the committed step or older (a replica not yet in place for the newest), newest first."""
-        newest = (self.book.step_round, self.book.step)
-        if newest[1] < 0:
+        hold, of a step the job committed (the newest, R, X or one of the last few: a replica of any other step is
+        never handed out), newest first."""
+        if self.book.step < 0:
             return []
-        found = [(holder, self._peers[holder].address, rank, *held[rank]) for rank in ranks
-                 for holder, held in self._held.items()
-                 if holder != node_id and holder in self._peers and rank in held
-                 and (held[rank][1], held[rank][0]) <= newest]
+        found = [(holder, self._peers[holder].address, rank, *copy) for rank in ranks
+                 for holder, held in self._held.items() if holder != node_id and holder in self._peers
+                 for copy in held.get(rank, ())]
+        refused = [f for f in found if not self._known_committed(f[3], f[4])]
+        if refused:
+            log.warning("ckpt_replica_of_no_commit", holder=refused[0][0], rank=refused[0][2], step=refused[0][3],
+                        round=refused[0][4], count=len(refused),
+                        effect="never handed out for a restore: the job did not commit that step")
+        found = [f for f in found if f not in refused]
         return sorted(found, key=lambda f: (f[2], -f[4], -f[3]))
 
     async def handle(self, *, record: Record, ctx: PluginContext[CheckpointSettings]) -> None:
@@ -182,11 +255,14 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
             self.book = book
         await self._notify()
 
-    async def committed(self, *, round_: int, after_step: int, wait_s: float,
-                        ranks: list[int]) -> tuple[Book, dict[int, int]]:
+    async def committed(self, *, round_: int, after_step: int, wait_s: float, ranks: list[int],
+                        replicated: tuple[int, int] | None = None) -> tuple[Book, dict[int, int]]:
+        """The book and the releases of ``ranks``; waits up to ``wait_s`` for a commit after ``after_step``, a release,
+        or (``replicated``: the caller's) another replicated step."""
         def ready() -> bool:
             book = self.book
-            return (book.round == round_ and book.round_step > after_step) or bool(released(book, ranks))
+            moved = replicated is not None and replicated != self.replication.replicated
+            return (book.round == round_ and book.round_step > after_step) or bool(released(book, ranks)) or moved
 
         wait = min(max(wait_s, 0.0), self.settings.commit_poll_s)
         if wait > 0 and not ready():
@@ -209,7 +285,8 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
             await self.ctx.emit(CheckpointRestored(
                 round=round_, step=min(steps), memory_ranks=sum(t == "memory" for _, t in reports.values()),
                 disk_ranks=sum(t == "disk" for _, t in reports.values()),
-                peer_ranks=sum(t == "peer" for _, t in reports.values())))
+                peer_ranks=sum(t == "peer" for _, t in reports.values()),
+                replicated_step=self.replication.replicated[0], committed_step=self.book.step))
             if len(steps) > 1:
                 log.error("ckpt_ranks_restored_different_steps", round=round_, steps=sorted(steps))
 
@@ -220,7 +297,10 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         await self.ctx.emit(report)
 
     async def _save(self, book: Book) -> None:
-        value = json.dumps({"step": book.step, "step_round": book.step_round, "persisted": book.persisted})
+        rep = self.replication
+        value = json.dumps({"step": book.step, "step_round": book.step_round, "persisted": book.persisted,
+                            "replicated": list(rep.replicated), "replicating": list(rep.replicating),
+                            "world": rep.world, "keep": rep.keep})
         await self.ctx.store.put(self.ctx.key("book"), value.encode())
 
     async def _notify(self) -> None:
@@ -296,10 +376,12 @@ class CheckpointServicer(proto.CheckpointServiceBase):
             address=_replica_address(message.replica_address), ranks=ranks, held=_held(message),
             held_bytes=sum(max(0, r.bytes) for r in message.replicas))
         with backend_errors("CheckpointService.ReportSaved"):
+            await self._plugin.advance_replication()
             await self._plugin.publish_replicas(time.time())
         released = [proto.RankStep(rank=r, step=s) for r, s in freed.items()]
         return proto.ReportSavedReply(committed_step=step, released=released,
-                                      replica_targets=[proto.ReplicaPeer(node_id=n, address=a) for n, a in targets])
+                                      replica_targets=[proto.ReplicaPeer(node_id=n, address=a) for n, a in targets],
+                                      replication=_replication(self._plugin.replication))
 
     async def get_committed(self, message: proto.GetCommittedRequest) -> proto.GetCommittedReply:
         where = "GetCommittedRequest"
@@ -312,15 +394,19 @@ class CheckpointServicer(proto.CheckpointServiceBase):
         for i, rank in enumerate(message.replica_ranks):
             at_least(f"{where}.replica_ranks[{i}]", rank, 0, "ranks count from 0")
         with backend_errors("CheckpointService.GetCommitted"):
+            known = None
+            if message.replicated_step is not None and message.replicated_round is not None:
+                known = (message.replicated_step, message.replicated_round)
             book, freed = await self._plugin.committed(round_=message.round, after_step=message.after_step,
-                                                       wait_s=message.wait_s, ranks=list(message.ranks))
+                                                       wait_s=message.wait_s, ranks=list(message.ranks),
+                                                       replicated=known)
         sources = [proto.ReplicaPeer(node_id=n, address=a, rank=r, step=s, round=o, world=w)
                    for n, a, r, s, o, w in self._plugin.replica_sources(message.node_id, list(message.replica_ranks))]
         return proto.GetCommittedReply(step=book.step, round=book.step_round,
                                        round_step=book.round_step if book.round == message.round else -1,
                                        persisted_step=book.persisted,
                                        released=[proto.RankStep(rank=r, step=s) for r, s in freed.items()],
-                                       replica_sources=sources)
+                                       replica_sources=sources, replication=_replication(self._plugin.replication))
 
     async def report_restored(self, message: proto.ReportRestoredRequest) -> proto.Ack:
         where = "ReportRestoredRequest"
@@ -357,8 +443,13 @@ def _replica_address(address: str) -> str:
     return address
 
 
-def _held(message: proto.ReportSavedRequest) -> dict[int, tuple[int, int, int]]:
-    """The replicas a report says its node holds: rank -> (step, round, world)."""
+def _replication(rep: _replicated.Replication) -> proto.Replication:
+    return proto.Replication(replicated_step=rep.replicated[0], replicated_round=rep.replicated[1],
+                             replicating_step=rep.replicating[0], replicating_round=rep.replicating[1], keep=rep.keep)
+
+
+def _held(message: proto.ReportSavedRequest) -> dict[int, tuple[tuple[int, int, int], ...]]:
+    """The replicas a report says its node holds: rank -> (step, round, world) of each."""
     where = "ReportSavedRequest"
     if len(message.host) > 255:
         invalid(f"{where}.host is {len(message.host)} characters long, longer than any host name; run every node "
@@ -368,7 +459,14 @@ def _held(message: proto.ReportSavedRequest) -> dict[int, tuple[int, int, int]]:
         at_least(f"{where}.replicas[{i}].step", r.step, 0, "a training step")
         at_least(f"{where}.replicas[{i}].round", r.round, 0, "rendezvous rounds count from 0")
         at_least(f"{where}.replicas[{i}].world", r.world, r.rank + 1, "the world the rank saved it in")
-    return {r.rank: (r.step, r.round, r.world) for r in message.replicas}
+    held: dict[int, tuple[tuple[int, int, int], ...]] = {}
+    for r in message.replicas:
+        held[r.rank] = (*held.get(r.rank, ()), (r.step, r.round, r.world))
+        if len(held[r.rank]) > _MAX_HELD_PER_RANK:
+            invalid(f"{where}.replicas names {len(held[r.rank])} replicas of rank {r.rank}; a node holds "
+                    f"{_MAX_HELD_PER_RANK} at most (the newest, and the replicated step's): run every node with the "
+                    "same stead")
+    return held
 
 
 def corrupt_from_proto(message: proto.ReportCorruptRequest) -> CheckpointCorrupt:

@@ -43,6 +43,11 @@ class CheckpointSettings:
     replicas: int = setting(1, min=0, max=8, help="how many other hosts' memory holds a copy of each node's newest "
                                                   "committed step, so that a lost host's replacement restores it from "
                                                   "a peer instead of disk (0: none; a job on one host keeps none)")
+    replica_wait_s: float = setting(30.0, min=0.001, help="how long the workers keep the slots of a step whose "
+                                                          "replicas are on their way (saves that would need them "
+                                                          "are skipped, so commits follow the replicas' pace) before "
+                                                          "they stop waiting and save on; the next step replicated "
+                                                          "everywhere makes them wait again")
     replica_max_bytes: int = setting(0, min=0, help="the most shared memory a node gives the replicas it holds for "
                                                     "other nodes, in bytes (0: as much as /dev/shm has); a replica "
                                                     "that does not fit is refused and its source says so")

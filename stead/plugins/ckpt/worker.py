@@ -42,6 +42,7 @@ from typing import Any, Literal
 import structlog
 import torch
 
+from stead.core.worker.numerics_settings import RESTORE_BOUNDS_ENV, restore_bounds
 from stead.core.worker.progress import resume_steps_at
 from stead.plugin import load_settings
 from stead.plugins.ckpt import _disk, _overlap
@@ -53,11 +54,11 @@ from stead.plugins.ckpt._link import SOCKET_ENV, AgentLink
 from stead.plugins.ckpt._mapped import MappedSlot
 from stead.plugins.ckpt._recover import Restore
 from stead.plugins.ckpt._restore import Template
-from stead.plugins.ckpt._shm import Control
+from stead.plugins.ckpt._shm import Control, SlotInfo
 from stead.plugins.ckpt.errors import CheckpointError
 from stead.plugins.ckpt.settings import CheckpointSettings
 
-__all__ = ["FlashCheckpointer", "STEP_ENV"]
+__all__ = ["STEP_ENV", "FlashCheckpointer", "kept_steps", "target_slot"]
 
 log = structlog.get_logger("stead.ckpt")
 
@@ -197,7 +198,8 @@ class FlashCheckpointer:
             target = self._target(control)
             seq = -1 if target is None else control.begin_write(target)
         if target is None:
-            log.debug("ckpt_save_skipped", step=step, reason="both slots are in use (a persist reads one)")
+            log.debug("ckpt_save_skipped", step=step, reason="both slots are kept (the newest commit, a persist's "
+                                                              "step, the replicated step or the one copied to peers)")
             self._link.notify({"op": "skipped", "step": step})
             return False
         try:
@@ -232,12 +234,17 @@ class FlashCheckpointer:
         copied (a mismatch raises :class:`StateMismatch` and nothing is loaded); with
         ``strict``, the tensors under each of the mapping's top-level keys must also be the
         same set as the checkpoint's, and a missing or unexpected one is named.
+
+        After a replica mismatch the master bounds what may be restored (``STEAD_CKPT_RESTORE_BOUNDS``): the
+        newest committed step at or before the last step whose fingerprints agreed, from any tier; None when no
+        tier holds one (the script starts from its initial state).
         """
         self._finish_previous()
         self._hint = self._newest_hint()
         restore = Restore(rank=self.rank, world=self.world_size, root=self.path, settings=self.settings,
                           group=self._group, control=self._control, mapped=self._mapped,
-                          report_corrupt=self._report_corrupt)
+                          report_corrupt=self._report_corrupt,
+                          bounds=restore_bounds(os.environ.get(RESTORE_BOUNDS_ENV, "")))
         candidate = restore.memory_candidate(self._hint)
         result: tuple[int, dict[Any, Any]] | None = None
         tier = "none"
@@ -350,27 +357,11 @@ class FlashCheckpointer:
         released, released_round = control.released
         return released_round == self.round and released == step
 
-    def _protected(self, control: Control) -> tuple[int, int] | None:
-        committed, committed_round = control.committed
-        if committed_round == self.round and committed >= 0:
-            return committed, committed_round
-        return self._restored
-
     def _target(self, control: Control) -> int | None:
-        """The slot to write: neither the newest committed step's nor the one a persist reads."""
-        protected = self._protected(control)
-        pinned = control.pinned
-        free = []
-        for slot in control.slots():
-            if protected is not None and slot.holds(*protected):
-                continue
-            if pinned[0] >= 0 and slot.holds(*pinned):
-                continue
-            free.append(slot)
-        if not free:
-            return None
-        free.sort(key=lambda s: (s.complete, s.round, s.step))  # an empty or older slot first
-        return free[0].index
+        """The slot to write: none whose step must stay (:func:`kept_steps`, :func:`target_slot`)."""
+        kept = kept_steps(round_=self.round, committed=control.committed, restored=self._restored,
+                          pinned=control.pinned, replication=control.kept)
+        return target_slot(control.slots(), kept)
 
     def _ensure_capacity(self, index: int, needed: int) -> MappedSlot:
         mapped = self._mapped(index)
@@ -505,6 +496,36 @@ class FlashCheckpointer:
         if newest < 0:
             return -1, 0
         return newest & ((1 << _STEP_BITS) - 1), newest >> _STEP_BITS
+
+
+def kept_steps(*, round_: int, committed: tuple[int, int], restored: tuple[int, int] | None, pinned: tuple[int, int],
+               replication: tuple[tuple[int, int], tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (step, round) pairs a save of round ``round_`` must not overwrite:
+
+    - the newest commit of this round, else the step this worker restored (what a restart restores);
+    - the step a persist reads (``pinned``);
+    - the replicated step R and the step being replicated X (``replication``, both (-1, -1) while the master does
+      not ask to keep them), those of this round: the restored step stands for them until a step of this round is
+      replicated, so that a host lost meanwhile still finds it in every survivor's memory.
+    """
+    kept = [pinned]
+    if committed[1] == round_ and committed[0] >= 0:
+        kept.append(committed)
+    replicated, _ = replication
+    if restored is not None and (len(kept) == 1 or (replicated[0] >= 0 and replicated[1] < round_)):
+        kept.append(restored)
+    kept += [pair for pair in replication if pair[0] >= 0 and pair[1] == round_]
+    return kept
+
+
+def target_slot(slots: list[SlotInfo], kept: list[tuple[int, int]]) -> int | None:
+    """The slot a save writes: an empty or the oldest one among those holding none of the ``kept`` steps ((step,
+    round) pairs: the newest commit, the step a persist reads, the replicated step and the one being replicated;
+    (-1, -1): none); None when every slot holds one of them (the save is skipped)."""
+    free = [slot for slot in slots if not any(step >= 0 and slot.holds(step, round_) for step, round_ in kept)]
+    if not free:
+        return None
+    return min(free, key=lambda s: (s.complete, s.round, s.step)).index  # an empty or older slot first
 
 
 def _cuda_device(wanted: bool) -> int | None:

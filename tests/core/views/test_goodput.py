@@ -208,3 +208,20 @@ def test_the_recovery_part_is_the_recoveries_of_the_one_fold(timed: list[tuple[f
     result = ledger(records, now=max(now, records[-1].at))
     assert sum(r.seconds for r in result.recoveries) == pytest.approx(result.parts["recovery"], abs=1e-6)
     assert sum(result.recovery_phases.values()) == pytest.approx(result.parts["recovery"], abs=1e-6)
+
+
+@pytest.mark.parametrize(("restored", "rolled_back_s"), [(10, 0.0), (8, 2.0)])
+def test_a_lost_host_restored_from_a_peer_s_replica_is_charged_only_the_steps_it_rolled_back(
+        restored: int, rolled_back_s: float) -> None:
+    """The replacement fetched its rank's step from another host's memory: with the newest step the job reached
+    (replicated) nothing done is charged again, only the time after the last report (a step cut short); with an
+    older one (R, the newer commit's copies still on their way) the steps after it are."""
+    lost = NodeLost(node_id="node-1", incarnation=1, reason="host h1 hung up")
+    records = log((0.0, SPEC), *start(1, 2.0), *steps(1, 1, 10, at=3.0),  # step 10 at 12.0
+                  (12.45, lost), *start(2, 12.6),
+                  (13.2, CheckpointRestored(round=2, step=restored, memory_ranks=1, peer_ranks=1,
+                                            replicated_step=restored, committed_step=10)),
+                  *steps(2, restored + 1, 13, at=13.5), *end(17.0, 2))
+    result = parts(records)
+    assert result["lost"] == pytest.approx(0.45 + rolled_back_s)
+    assert ledger(records).useful_steps == 11  # steps 1-13, each counted once (the first report starts the count)

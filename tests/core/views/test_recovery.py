@@ -40,6 +40,7 @@ from stead.core.views.recovery import (
     RecoveryOutcome,
     RecoveryPhase,
     recoveries,
+    restored_from,
 )
 
 D, DC, R, RV, F = (RecoveryPhase.DETECT, RecoveryPhase.DECIDE, RecoveryPhase.RESTART, RecoveryPhase.RENDEZVOUS,
@@ -282,3 +283,19 @@ def test_any_log_gives_recoveries_whose_phases_are_ordered_non_negative_and_add_
     for earlier_rec, later_rec in itertools.pairwise(found):
         assert earlier_rec.end <= later_rec.at  # one at a time
         assert earlier_rec.outcome is not RecoveryOutcome.ONGOING  # only the last may go on
+
+
+@pytest.mark.parametrize(("event", "said"), [
+    (CheckpointRestored(round=2, step=41, memory_ranks=1, peer_ranks=1), "step 41: memory 1, peer 1"),
+    (CheckpointRestored(round=2, step=41, memory_ranks=1, peer_ranks=1, replicated_step=41, committed_step=41),
+     "step 41: memory 1, peer 1 (replicated)"),
+    (CheckpointRestored(round=2, step=41, memory_ranks=1, peer_ranks=1, replicated_step=40, committed_step=41),
+     "step 41: memory 1, peer 1 (newer than replicated step 40)"),
+    (CheckpointRestored(round=2, step=40, memory_ranks=1, peer_ranks=1, replicated_step=40, committed_step=41),
+     "step 40: memory 1, peer 1 (replicated; the newest commit, 41, was not yet)"),
+    (CheckpointRestored(round=2, step=30, memory_ranks=1, disk_ranks=1, replicated_step=40, committed_step=41),
+     "step 30: memory 1, disk 1 (older than replicated step 40: no copy of it was left)"),
+])
+def test_a_restore_says_where_each_rank_read_it_and_how_it_stands_to_the_replicated_step(
+        event: CheckpointRestored, said: str) -> None:
+    assert restored_from(event) == said

@@ -71,9 +71,21 @@ def _lose_host(cluster: LocalCluster, node: str) -> None:
         unlink_quietly(name)
 
 
+def _replicated(cluster: LocalCluster, step: int) -> None:
+    """Until ``step`` (of round 1) is replicated everywhere and every agent knows it (a save meanwhile would be
+    skipped: both slots are kept, the replicated step's and the one on its way)."""
+    def settled() -> bool:
+        nodes = [ext._node for ext in cluster.agents.values() if ext._node is not None]
+        return cluster.plugin.replication.replicated == (step, 1) and all(
+            n.peers.replicated is not None and n.peers.replicated.replicated == (step, 1) for n in nodes)
+
+    _until(cluster, settled, "the step being copied replicated everywhere, and every agent told")
+
+
 def _two_hosts_save(cluster: LocalCluster, steps: int) -> None:
     """node-0 on host a, node-1 on host b, one rank each, save steps 1..steps (each rank's own values: a state that
-    no rank can take from another's copy), and each node's replica of the last is in the other's memory."""
+    no rank can take from another's copy), each once the one before is replicated, and each node's replica of the
+    last is in the other's memory."""
     _agent(cluster, "node-0", "a")
     _agent(cluster, "node-1", "b")
     for node, rank in (("node-0", 0), ("node-1", 1)):
@@ -83,6 +95,7 @@ def _two_hosts_save(cluster: LocalCluster, steps: int) -> None:
         for step in range(1, steps + 1):
             assert rank0.save(step, {"w": torch.full((1000,), 10.0 * step), "step": step})
             assert rank1.save(step, {"w": torch.full((1000,), 10.0 * step + 1), "step": step})
+            _replicated(cluster, step)
     _until(cluster, lambda: [h[:4] for h in _held(cluster, "node-0")] == [(1, 2, steps, 1)]
            and [h[:4] for h in _held(cluster, "node-1")] == [(0, 2, steps, 1)], "each node holds the other's replica")
 
@@ -288,13 +301,13 @@ async def test_a_node_that_ended_is_no_holder_any_more_and_its_next_incarnation_
     plugin.book = Book(step=5, step_round=1, persisted=-1)
     for node, host, rank in (("node-0", "a", 0), ("node-1", "b", 1)):
         plugin.replica_report(node_id=node, incarnation=1, round_=1, host=host, address=f"10.0.0.{rank + 1}:5000",
-                              ranks=[rank], held={1 - rank: (5, 1, 2)})
+                              ranks=[rank], held={1 - rank: ((5, 1, 2),)})
     assert [s[0] for s in plugin.replica_sources("node-2", [0, 1])] == ["node-1", "node-0"]
     lost = Record(seq=1, at=0.0, event=NodeLost(node_id="node-1", incarnation=1, reason="host b hung up"))
     await plugin.handle(record=lost, ctx=None)  # type: ignore[arg-type]
     assert [s[0] for s in plugin.replica_sources("node-2", [0, 1])] == ["node-0"]  # rank 0's copy went with host b
     plugin.replica_report(node_id="node-1", incarnation=2, round_=2, host="c", address="10.0.0.3:5000", ranks=[1],
-                          held={0: (5, 1, 2)})
+                          held={0: ((5, 1, 2),)})
     late = Record(seq=2, at=0.0, event=NodeExited(node_id="node-1", incarnation=1, signal=9))
     await plugin.handle(record=late, ctx=None)  # type: ignore[arg-type]
     assert [s[0] for s in plugin.replica_sources("node-2", [0])] == ["node-1"]

@@ -13,6 +13,7 @@ __all__ = (
     "RankStep",
     "ReplicaHeld",
     "ReplicaPeer",
+    "Replication",
     "ReportCorruptRequest",
     "ReportRestoredRequest",
     "ReportSavedReply",
@@ -76,6 +77,8 @@ class GetCommittedReply(betterproto2.Message):
     the newest was not in place yet), newest first.
     """
 
+    replication: "Replication | None" = betterproto2.field(7, betterproto2.TYPE_MESSAGE, optional=True)
+
 
 default_message_pool.register_message("stead.v1", "GetCommittedReply", GetCommittedReply)
 
@@ -102,6 +105,14 @@ class GetCommittedRequest(betterproto2.Message):
     """
     Ranks whose replicas of the committed step the caller wants to fetch (a node replacing a lost one).
     """
+
+    replicated_step: "int | None" = betterproto2.field(7, betterproto2.TYPE_INT64, optional=True)
+    """
+    The replicated step the caller knows of: with wait_s > 0 the call also returns once the master's differs.
+    Absent (an agent that does not say): commits and releases alone end the wait.
+    """
+
+    replicated_round: "int | None" = betterproto2.field(8, betterproto2.TYPE_INT32, optional=True)
 
 
 default_message_pool.register_message("stead.v1", "GetCommittedRequest", GetCommittedRequest)
@@ -147,6 +158,10 @@ default_message_pool.register_message("stead.v1", "RankStep", RankStep)
 
 @dataclass(eq=False, repr=False)
 class ReplicaHeld(betterproto2.Message):
+    """
+    One replica a node holds; a rank may have two: the replicated step's, kept while a newer one is in place.
+    """
+
     rank: "int" = betterproto2.field(1, betterproto2.TYPE_INT32)
 
     step: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
@@ -184,6 +199,27 @@ class ReplicaPeer(betterproto2.Message):
 
 
 default_message_pool.register_message("stead.v1", "ReplicaPeer", ReplicaPeer)
+
+
+@dataclass(eq=False, repr=False)
+class Replication(betterproto2.Message):
+    """
+    "Commit means replicated": the step every rank's copy of is in another host's memory (R), the committed step
+    the agents copy now (X), and whether the workers keep both steps' slots and the holders R's copy.
+    """
+
+    replicated_step: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+
+    replicated_round: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+
+    replicating_step: "int" = betterproto2.field(3, betterproto2.TYPE_INT64)
+
+    replicating_round: "int" = betterproto2.field(4, betterproto2.TYPE_INT32)
+
+    keep: "bool" = betterproto2.field(5, betterproto2.TYPE_BOOL)
+
+
+default_message_pool.register_message("stead.v1", "Replication", Replication)
 
 
 @dataclass(eq=False, repr=False)
@@ -244,6 +280,11 @@ class ReportSavedReply(betterproto2.Message):
     replica_targets: "list[ReplicaPeer]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Where the reporting node sends the replicas of its ranks' committed steps (node_id and address only).
+    """
+
+    replication: "Replication | None" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    Which committed step is replicated and which is being copied (absent: a master that does not say).
     """
 
 
