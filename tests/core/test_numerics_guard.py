@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel
 
 import stead.numerics
+from stead.core.worker import progress
 from stead.core.worker.fingerprint import fingerprint, flip_bit, odd_ranks, probe
 from stead.core.worker.numerics import Injection, parse_injection
 
@@ -139,3 +140,28 @@ def test_a_ddp_model_with_a_hook_already_is_refused_saying_what_to_do(group: Non
     model.register_comm_hook(None, default_hooks.allreduce_hook)
     with pytest.raises(RuntimeError, match="call guard before registering another"):
         stead.numerics.guard(model)
+
+
+def test_the_last_agreed_step_is_where_the_run_started_until_fingerprints_are_compared(
+        group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = DistributedDataParallel(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fresh = stead.numerics.guard(model, fingerprint_every=0)
+    try:
+        assert fresh.last_agreed().startswith("fingerprints last agreed at step -1 (the script's initial state")
+        _train(model, opt, poison=False)
+        assert fresh.last_agreed().startswith("fingerprints last agreed at step -1 (")  # the run's start, still
+        fresh.agreed = 0
+        assert fresh.last_agreed() == "fingerprints last agreed at step 0"
+    finally:
+        fresh.remove()
+    monkeypatch.setattr(progress, "training_step", lambda: 7)  # a run that restored step 6 steps from 7 on
+    model = DistributedDataParallel(_model())  # (a DDP model takes one communication hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    restored = stead.numerics.guard(model, fingerprint_every=0)
+    try:
+        _train(model, opt, poison=False)
+        assert restored.last_agreed() == ("fingerprints last agreed at step 6 (the step this run of the workers "
+                                          "restored; none compared since)")
+    finally:
+        restored.remove()

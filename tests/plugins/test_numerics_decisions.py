@@ -9,7 +9,7 @@ from stead.core.config import Settings
 from stead.core.events import RecoveryDecided
 from stead.plugin import NumericsSettings
 from stead.plugins.diagnosis import DiagnosisPlugin
-from stead.plugins.diagnosis.numerical import decide_numerical, fault_step
+from stead.plugins.diagnosis.numerical import decide_numerical, fault_step, restore_bound
 from stead.plugins.diagnosis.rules import Action, Classification, FailureClass
 from stead.plugins.diagnosis.settings import DiagnosisSettings
 from tests.plugins.test_diagnosis import TRACEBACK, _decisions, _failure
@@ -114,3 +114,57 @@ def test_fault_step_reads_the_step_the_error_names() -> None:
     assert fault_step("non-finite gradient (NaN or Inf) on rank 1 (host h) at step 12: bucket") == 12
     assert fault_step("loss spike on rank 0 (host h-at step 3x)") is None
     assert fault_step("no step here") is None
+
+
+def _mismatch(agreed: str, *, blamed: bool = True) -> str:
+    if blamed:
+        line = ("[rank1]: stead.core.worker.numerics.ReplicaMismatchError: replica mismatch: rank 1 (host h1) at step "
+                f"8: its parameters differ from the majority's (2 of 3 replicas agree) in 0.weight; {agreed}. The step")
+    else:
+        line = ("[rank0]: stead.core.worker.numerics.ReplicaMismatchError: replicas' parameters differ at step 8 and "
+                f"no replica can be blamed: 2 replicas, no majority (host h0, rank 0); {agreed}. stead restores")
+    return TRACEBACK.format(line=line)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("tail", "decided"), [
+    # fingerprints every 3 steps: the corruption of step 6 or 7 reached every replica before step 8 showed it
+    (_mismatch("fingerprints last agreed at step 5"), ("relaunch", "replica-mismatch", 5)),
+    (_mismatch("fingerprints last agreed at step 5", blamed=False), ("restart", "replica-mismatch-unattributed", 5)),
+    # none compared since this run restored step 3 / since the initial state
+    (_mismatch("fingerprints last agreed at step 3 (the step this run of the workers restored; none compared "
+               "since)"), ("relaunch", "replica-mismatch", 3)),
+    (_mismatch("fingerprints last agreed at step -1 (the script's initial state; none compared since)"),
+     ("relaunch", "replica-mismatch", -1)),
+    # an error that names no agreed step (another stead's): the usual restore, no bound
+    (_mismatch("no step named"), ("relaunch", "replica-mismatch", None)),
+    # another numerical fault: no bound
+    (_nan("h1", 4), ("restart", "non-finite-gradient", None)),
+])
+async def test_a_replica_mismatch_bounds_the_restore_to_the_last_step_whose_fingerprints_agreed(
+        tail: str, decided: tuple[str, str, int | None]) -> None:
+    (decision,) = await _decided([(tail, 8)])
+    assert (decision.action.value, decision.rule, decision.restore_at_most) == decided
+    bound = decided[2]
+    if bound is not None and bound >= 0:
+        said = f"the restore is bounded to step {bound}, the last whose replicas' fingerprints agreed"
+        assert said in decision.reason
+        assert "none left there: the round starts from the script's initial state" in decision.reason
+    elif bound is not None:
+        assert "the round starts from the initial state, no checkpoint is restored" in decision.reason
+    else:
+        assert "bounded" not in decision.reason
+
+
+@pytest.mark.anyio
+async def test_a_mismatch_that_fails_the_job_bounds_nothing() -> None:
+    tail = _mismatch("fingerprints last agreed at step 5")
+    first, *_, last = await _decided([(tail, 8), (tail, 8)])  # the same error at the same step: repeated-failure
+    assert (first.action.value, first.restore_at_most) == ("relaunch", 5)
+    assert (last.action.value, last.rule, last.restore_at_most) == ("fail", "repeated-failure", None)
+
+
+def test_restore_bound_reads_the_step_the_error_names() -> None:
+    assert restore_bound(_found("replica-mismatch", "x; fingerprints last agreed at step 12. The")) == 12
+    assert restore_bound(_found("replica-mismatch-unattributed", "fingerprints last agreed at step -1 (the")) == -1
+    assert restore_bound(_found("non-finite-gradient", "fingerprints last agreed at step 12")) is None

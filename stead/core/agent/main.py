@@ -79,7 +79,7 @@ from stead.core.rpc import (
 )
 from stead.core.rpc.backend import MAX_ACKS_PER_BEAT, MAX_EVIDENCE_CHARS
 from stead.core.runspec import RUN_SPEC_ENV, RunConfig, Streams, read_spec, worker_env
-from stead.core.worker.numerics_settings import skip_steps_env
+from stead.core.worker.numerics_settings import restore_bounds_env, skip_steps_env
 from stead.core.worker.progress import LAST_STEP_ENV
 
 __all__ = ["EXIT_MASTER_GONE", "EXIT_TERMINATED", "ZYGOTE_LATE_PRELOAD", "ZYGOTE_PRELOAD", "Agent",
@@ -529,6 +529,7 @@ class Agent:
         env.update(extra_env)
         env[LAST_STEP_ENV] = str(self._last_step)
         env.update(skip_steps_env(command.skip_steps))  # the master's decisions: every rank skips the same steps
+        env.update(restore_bounds_env(command.restore_bounds))  # and restores within the same bounds
         env.update({"STEAD_JOB": cfg.job_name, "STEAD_NODE_ID": self.node_id, "STEAD_ROUND": str(command.round),
                     "STEAD_MASTER_ADDR": self.client.address, "STEAD_TOKEN_FILE": self.token_file})
         env.pop(RUN_SPEC_ENV, None)

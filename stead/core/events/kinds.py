@@ -314,6 +314,10 @@ class RecoveryDecided(Event):
     evidence: str = ""
     #: steps every rank skips from the restarted round on (their batches caused a numerical fault): restart only
     skip_steps: tuple[int, ...] = ()
+    #: the newest step the restarted round may restore, after a replica mismatch: the last step whose fingerprints
+    #: agreed (-1: the script's initial state); no copy of a later step saved in ``round`` or before is restored from
+    #: then on (see :class:`stead.core.events.RestoreBound`); None: no bound
+    restore_at_most: int | None = None
 
 
 @event_kind("request.restart", mark=EventMark.DECISION)

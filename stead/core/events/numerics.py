@@ -4,6 +4,10 @@ A worker writes a note (:mod:`stead.core.worker.notes`), its agent forwards the 
 (:mod:`stead.core.agent.notes`), and the master records them, at most :data:`MAX_NOTES_PER_REPORT` a report and
 :data:`MAX_NUMERICS_RECORDS` reports a job (past that it counts what it drops, see the gateway). The decision to
 skip a step is the ``recovery.decided`` event's ``skip_steps``; a ``step_skipped`` note says the workers did.
+
+A replica mismatch's decision bounds the restore (``recovery.decided``'s ``restore_at_most``): the job state keeps
+each bound as a :class:`RestoreBound` and every round's workers are told them all, so that no copy a corruption may
+have reached is ever restored, in that round or any later one.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import dataclasses
 
 from stead.core.events.base import Event, EventMark, event_kind
 
-__all__ = ["MAX_NOTES_PER_REPORT", "MAX_NUMERICS_RECORDS", "NOTE_KINDS", "NumericsNote", "NumericsReported"]
+__all__ = ["MAX_NOTES_PER_REPORT", "MAX_NUMERICS_RECORDS", "NOTE_KINDS", "NumericsNote", "NumericsReported",
+           "RestoreBound"]
 
 #: the notes one report carries at most (the agent sends the rest with its next reports)
 MAX_NOTES_PER_REPORT = 32
@@ -48,3 +53,18 @@ class NumericsReported(Event):
     round: int
     notes: tuple[NumericsNote, ...]
     dropped: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RestoreBound:
+    """A replica mismatch seen in ``round``: the replicas' fingerprints last agreed at ``step``, and every step after it
+    that the round saved may hold the corruption (the all-reduce spreads one rank's wrong gradients to every
+    replica before the next fingerprint shows it). No copy of a step after ``step`` saved in ``round`` or an earlier
+    round is restored again, from any tier; copies that later rounds saved are not concerned."""
+
+    step: int
+    round: int
+
+    def excludes(self, step: int, round_: int) -> bool:
+        """Whether the copy of ``step`` saved in ``round_`` may hold the corruption."""
+        return step > self.step and round_ <= self.round

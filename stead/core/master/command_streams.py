@@ -94,7 +94,7 @@ class CommandStreams:
         the latest).
         """
         outbox = self._outbox(effect.node_id, effect.incarnation)
-        outbox.queue.put_nowait(_command(effect, store_addr or self._store_addr(), self._state().skip_steps))
+        outbox.queue.put_nowait(_command(effect, store_addr or self._store_addr(), self._state()))
 
     async def stream(self, node_id: str, incarnation: int) -> AsyncGenerator[AgentCommand, None]:
         """The node's commands, starting with the one in force that its agent has not acknowledged (it may never
@@ -142,13 +142,13 @@ class CommandStreams:
         """The command ``order`` stands for, made again from the job state (a round's start with its round's
         rendezvous store)."""
         if not isinstance(order, StartWorkers):
-            return _command(order, self._store_addr(), self._state().skip_steps)
+            return _command(order, self._store_addr(), self._state())
         try:
             address = await self._round_store(order.round) if self._round_store else self._store_addr()
         except StoreError as exc:
             raise RpcUnavailable(f"the rendezvous store of round {order.round} of job {self.job!r} is not available "
                                  f"({exc}); try again in a moment") from exc
-        return _command(order, address, self._state().skip_steps)
+        return _command(order, address, self._state())
 
     def take_acks(self, node_id: str, incarnation: int, ids: Sequence[str]) -> None:
         """Take a heartbeat's acknowledgements in, to be recorded by :meth:`record_acks`; one of a command not in
@@ -203,9 +203,10 @@ def _one_off(command: AgentCommand) -> bool:
 
 
 def _command(effect: StartWorkers | StopWorkers | StopNode | DumpStacks | CheckHealth,
-             store_addr: tuple[str, int], skip_steps: frozenset[int] = frozenset()) -> AgentCommand:
+             store_addr: tuple[str, int], state: JobState | None = None) -> AgentCommand:
     """The command an effect stands for; ``store_addr``: the rendezvous store of a start's round or a check;
-    ``skip_steps``: the steps the job skips (the job state's, when the command is given: decisions only add)."""
+    ``state``: the job state when the command is given, whose steps to skip and restore bounds a start carries
+    (decisions only add to them)."""
     host, port = store_addr
     match effect:
         case StartWorkers():
@@ -213,7 +214,8 @@ def _command(effect: StartWorkers | StopWorkers | StopNode | DumpStacks | CheckH
                 id=effect.id, round=effect.round, node_rank=effect.node_rank, nnodes=effect.nnodes,
                 nproc_per_node=effect.nproc_per_node, world_size=effect.world_size,
                 restart_count=effect.restart_count, master_addr=host, master_port=port,
-                skip_steps=tuple(sorted(skip_steps)),
+                skip_steps=tuple(sorted(state.skip_steps)) if state else (),
+                restore_bounds=state.restore_bounds if state else (),
             )
         case StopWorkers():
             return StopWorkersCmd(id=effect.id, round=effect.round, reason=effect.reason)

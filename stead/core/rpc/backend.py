@@ -28,6 +28,7 @@ from typing import Generic, Protocol, TypeVar
 from stead.core.events import (
     NodeHealthReported,
     NumericsReported,
+    RestoreBound,
     StacksDumped,
     WorkerFailed,
     WorkersStarted,
@@ -142,6 +143,8 @@ class StartWorkersCmd:
     master_port: int
     #: steps every rank skips (see :mod:`stead.core.worker.skipping`)
     skip_steps: tuple[int, ...] = ()
+    #: what a restore may take after replica mismatches (see :class:`stead.core.events.RestoreBound`)
+    restore_bounds: tuple[RestoreBound, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

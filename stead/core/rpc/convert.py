@@ -22,6 +22,7 @@ from stead.core.events import (
     NumericsNote,
     NumericsReported,
     PeerCollective,
+    RestoreBound,
     StackSample,
     StacksDumped,
     WorkerFailed,
@@ -49,6 +50,9 @@ from stead.core.rpc._proto.stead.v1 import (
 )
 from stead.core.rpc._proto.stead.v1 import (
     PeerCollective as ProtoPeerCollective,
+)
+from stead.core.rpc._proto.stead.v1 import (
+    RestoreBound as ProtoRestoreBound,
 )
 from stead.core.rpc._proto.stead.v1 import (
     WorkersState as ProtoWorkersState,
@@ -136,7 +140,8 @@ def heartbeat_from_proto(message: HeartbeatRequest) -> HeartbeatInfo:
 def command_to_proto(command: AgentCommand) -> Command:
     match command:
         case StartWorkersCmd():
-            return Command(id=command.id, start_workers=_body(StartWorkers, command))
+            bounds = [to_proto(ProtoRestoreBound, b) for b in command.restore_bounds]
+            return Command(id=command.id, start_workers=_body(StartWorkers, command, restore_bounds=bounds))
         case StopWorkersCmd():
             return Command(id=command.id, stop_workers=_body(StopWorkers, command))
         case StopNodeCmd():
@@ -152,7 +157,8 @@ def command_to_proto(command: AgentCommand) -> Command:
 def command_from_proto(message: Command) -> AgentCommand | None:
     """The command, or None when its body is one this stead version does not know."""
     if (start := message.start_workers) is not None:
-        return from_proto(StartWorkersCmd, start, id=message.id)
+        bounds = tuple(from_proto(RestoreBound, b) for b in start.restore_bounds)
+        return from_proto(StartWorkersCmd, start, id=message.id, restore_bounds=bounds)
     if (stop := message.stop_workers) is not None:
         return from_proto(StopWorkersCmd, stop, id=message.id)
     if (stop_node := message.stop_node) is not None:
@@ -184,10 +190,11 @@ def to_proto(kind: type[M], value: DataclassInstance, **given: Any) -> M:
     return kind(**values, **given)
 
 
-def _body(kind: type[M], command: AgentCommand) -> M:
-    """The message of ``kind`` that carries ``command`` in a ``Command``: its fields but its id (the envelope's)."""
+def _body(kind: type[M], command: AgentCommand, **given: Any) -> M:
+    """The message of ``kind`` that carries ``command`` in a ``Command``: its fields but its id (the envelope's), and
+    those ``given`` (a nested message's values, converted by the caller)."""
     return kind(**{field.name: _listed(getattr(command, field.name)) for field in dataclasses.fields(command)
-                   if field.name != "id"})
+                   if field.name != "id" and field.name not in given}, **given)
 
 
 def _tupled(value: Any) -> Any:

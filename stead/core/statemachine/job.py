@@ -69,6 +69,7 @@ from stead.core.events import (
     ResizeWait,
     ResourcesTimeout,
     RestartRequested,
+    RestoreBound,
     RoundCompleted,
     RoundStarted,
     StacksRequested,
@@ -379,6 +380,9 @@ def _decided(state: JobState, event: RecoveryDecided, *, now: float) -> Transiti
     failure = state.last_failure
     if event.action is not RecoveryAction.FAIL and event.skip_steps:
         state = dataclasses.replace(state, skip_steps=state.skip_steps | frozenset(event.skip_steps))
+    if event.action is not RecoveryAction.FAIL and event.restore_at_most is not None:
+        bound = RestoreBound(step=event.restore_at_most, round=event.round)
+        state = dataclasses.replace(state, restore_bounds=(*state.restore_bounds, bound))
     if event.action is not RecoveryAction.FAIL and not state.rdzv.active:
         # a member's end (its host lost, its pod OOM-killed) broke the round while the decision waited: the worker
         # failure was most likely that end seen from here, and the node's relaunch budget pays for it (as in

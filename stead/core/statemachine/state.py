@@ -10,7 +10,7 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 
-from stead.core.events import JobSubmitted, NodeHealthReported, TimerName, WorkerFailed
+from stead.core.events import JobSubmitted, NodeHealthReported, RestoreBound, TimerName, WorkerFailed
 from stead.core.statemachine.effects import AgentOrder
 from stead.core.statemachine.node import NodePhase, NodeState, is_ready
 from stead.core.statemachine.rendezvous import RendezvousState
@@ -78,6 +78,8 @@ class JobState:
     #: steps every rank skips (their batches caused a numerical fault), as the recovery decisions said: every
     #: round's workers are told (``StartWorkers``)
     skip_steps: frozenset[int] = frozenset()
+    #: the replica mismatches' bounds on what a restore may take (every round's workers are told them all)
+    restore_bounds: tuple[RestoreBound, ...] = ()
     #: ``numerics.reported`` records so far (the master records a bounded number of them)
     numerics_reports: int = 0
     #: the nodes' health checks (see :mod:`.health`)

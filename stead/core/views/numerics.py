@@ -1,7 +1,9 @@
-"""The numerical faults of a job, for ``stead status``: steps skipped (decided and done), loss spikes, notes dropped.
+"""The numerical faults of a job, for ``stead status``: steps skipped (decided and done), loss spikes, notes dropped,
+restores bounded after a replica mismatch (decided, and the step restored).
 
-Read from the log: the decisions' ``skip_steps`` (``recovery.decided``) and the workers' notes
-(``numerics.reported``). The last :data:`SHOWN` lines are shown, with a count of the others.
+Read from the log: the decisions' ``skip_steps`` and ``restore_at_most`` (``recovery.decided``), the workers' notes
+(``numerics.reported``) and the restore that followed a bound (``ckpt.restored``). The last :data:`SHOWN` lines are
+shown, with a count of the others.
 """
 
 from __future__ import annotations
@@ -9,21 +11,30 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from stead.core.events import NumericsNote, NumericsReported, Record, RecoveryDecided
+from stead.core.events import CheckpointRestored, NumericsNote, NumericsReported, Record, RecoveryDecided
 
 __all__ = ["SHOWN", "numerics_lines"]
 
 #: the lines status shows at most (the newest)
 SHOWN = 10
 _HOST = re.compile(r"on rank \d+ \(host ([^)]+)\)")
+#: the host a ReplicaMismatchError blames ("replica mismatch: rank 1 (host h1) at step 8")
+_ODD_HOST = re.compile(r"replica mismatch: rank \d+ \(host ([^)]+)\)")
 
 
 def numerics_lines(records: Iterable[Record]) -> list[str]:
     """One line per step skipped, loss spike and batch of notes dropped, oldest first (the last :data:`SHOWN`)."""
     lines: list[str] = []
     dropped = 0
+    bounded: RecoveryDecided | None = None  # the last bound decided, until a later round restores
     for record in records:
         event = record.event
+        if isinstance(event, RecoveryDecided) and event.restore_at_most is not None:
+            bounded = event
+            lines.append(_bound_line(event))
+        elif isinstance(event, CheckpointRestored) and bounded is not None and event.round > bounded.round:
+            lines.append(_bounded_restore_line(event, bounded))
+            bounded = None
         if isinstance(event, RecoveryDecided) and event.skip_steps:
             host = _HOST.search(event.evidence)
             cause = "a loss spike" if event.rule == "loss-spike" else "a non-finite gradient"
@@ -50,3 +61,20 @@ def _note_line(note: NumericsNote, round_: int) -> str:
              if note.score is not None and note.median is not None else "")
     done = {"skip": "rolled back, its batch skipped", "record": "recorded"}.get(note.action, note.action or "?")
     return f"loss spike at step {note.step} on rank {note.rank} (round {round_}): loss {loss}{above}; {done}"
+
+
+def _bound_line(event: RecoveryDecided) -> str:
+    host = _ODD_HOST.search(event.evidence)
+    at = event.restore_at_most
+    where = "the initial state" if at is not None and at < 0 else f"step {at}"
+    return (f"restore bounded to {where} from round {event.round + 1} on: a replica mismatch on rank {event.rank}"
+            f"{f' (host {host[1]})' if host else ''}, fingerprints last agreed there ({event.rule})")
+
+
+def _bounded_restore_line(event: CheckpointRestored, bound: RecoveryDecided) -> str:
+    if event.step < 0 and (bound.restore_at_most or 0) < 0:
+        return f"round {event.round} started from the initial state, as bounded"
+    if event.step < 0:
+        return (f"round {event.round} restored nothing: no checkpoint at or before step {bound.restore_at_most} was "
+                "left in memory or on disk; it started from the initial state")
+    return f"round {event.round} restored step {event.step} (bounded to step {bound.restore_at_most} or before)"

@@ -24,9 +24,11 @@ default 100; 0: off) the replicas compare a fingerprint of their parameters (and
 ``fingerprint_optimizer``) in one all-gather of one int64 per tensor, after the step is applied and before the
 script saves it (:mod:`stead.core.worker.fingerprint`). A rank that differs from the majority raises
 :class:`ReplicaMismatchError` naming itself, its host, the step and the tensors that differ: the diagnosis
-relaunches its node and keeps its host out (rule ``replica-mismatch``), and the round restores the last step
-every rank committed (the odd step never is). With two replicas each runs a known-answer probe: the one that
-gets it wrong is odd; when both get it right rank 0 raises, no host is blamed, the round restores all the same.
+relaunches its node and keeps its host out (rule ``replica-mismatch``). The error also says the last step whose
+fingerprints agreed (where this run started when none was compared yet): every step after it may hold the
+corruption (the all-reduce spreads one rank's wrong gradients to every replica), so the round restores the newest
+checkpoint at or before it (the master's restore bound). With two replicas each runs a known-answer probe: the one
+that gets it wrong is odd; when both get it right rank 0 raises, no host is blamed, the round restores all the same.
 
 Fault injection for tests and demos: ``STEAD_NUMERICS_INJECT="KIND:rank=R:step=S"`` (``:host=H`` to ask for a
 host as well) makes rank R's gradient non-finite at step S (KIND ``nan`` or ``inf``), or, after the step is
@@ -107,8 +109,12 @@ class Guard:
         self.sums: list[torch.Tensor] = []
         #: optimizer steps since guard(): the step where stead does not track them (plain torchrun)
         self.taken = 0
-        #: the last step whose fingerprints every replica agreed on (-1: none compared yet)
-        self.agreed = -1
+        #: the last step whose fingerprints every replica agreed on (None: none compared yet in this run)
+        self.agreed: int | None = None
+        #: the first step this run of the workers applied (None: none yet); the step before it is where the run
+        #: started: the restored step (every rank restores the same one), or -1, the script's initial state (DDP
+        #: broadcast rank 0's parameters to every replica when it wrapped the model)
+        self.first: int | None = None
         self.ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         #: the steps this round skips on every rank (the master's decisions, see :mod:`.skipping`)
         self.skip = skip_steps()
@@ -177,6 +183,8 @@ class Guard:
         step, self._stepping = self._stepping, None
         if step is None:
             return  # not a step the pre-step hook passed (a second optimizer's, or no backward)
+        if self.first is None:
+            self.first = step
         first = next(iter(self.model.parameters()), None)
         if first is not None and self._injecting("bitflip", "noise", at=step):
             with torch.no_grad():
@@ -229,9 +237,9 @@ class Guard:
                     raise ReplicaMismatchError(
                         f"replicas' parameters differ at step {step} and no replica can be blamed: {len(rows)} "
                         f"replicas, no majority, every one passed the known-answer probe (host {self.host}, rank "
-                        f"{self.rank}); fingerprints last agreed at step {self.agreed}. stead restores the last "
-                        "committed checkpoint. If this model's replicas differ by design (per-rank parameters), "
-                        "turn the check off: STEAD_NUMERICS_FINGERPRINT_EVERY=0")
+                        f"{self.rank}); {self.last_agreed()}. stead restores the newest checkpoint at or before "
+                        "that step. If this model's replicas differ by design (per-rank parameters), turn the check "
+                        "off: STEAD_NUMERICS_FINGERPRINT_EVERY=0")
                 return
         me = dist.get_rank(group)
         if me not in odd:
@@ -241,10 +249,18 @@ class Guard:
         raise ReplicaMismatchError(
             f"replica mismatch: rank {self.rank} (host {self.host}) at step {step}: its parameters {blame} "
             f"({len(rows) - len(odd)} of {len(rows)} replicas agree) in {', '.join(differ[:5])}"
-            f"{' ...' if len(differ) > 5 else ''}; fingerprints last agreed at step {self.agreed}. The step is "
-            "not saved; stead relaunches this rank's node elsewhere, keeps its host out and restores the last "
-            "committed checkpoint. If this model's replicas differ by design, turn the check off: "
-            "STEAD_NUMERICS_FINGERPRINT_EVERY=0")
+            f"{' ...' if len(differ) > 5 else ''}; {self.last_agreed()}. The step is not saved; stead relaunches "
+            "this rank's node elsewhere, keeps its host out and restores the newest checkpoint at or before that "
+            "step. If this model's replicas differ by design, turn the check off: STEAD_NUMERICS_FINGERPRINT_EVERY=0")
+
+    def last_agreed(self) -> str:
+        """``fingerprints last agreed at step A``, the bound of the restore the master decides (every step after A
+        may hold the corruption: the all-reduce spread it); A is where this run started when it compared none yet."""
+        if self.agreed is not None:
+            return f"fingerprints last agreed at step {self.agreed}"
+        start = (self.first if self.first is not None else self.step) - 1
+        where = "the script's initial state" if start < 0 else "the step this run of the workers restored"
+        return f"fingerprints last agreed at step {start} ({where}; none compared since)"
 
     def _injecting(self, *kinds: str, at: int | None = None) -> bool:
         injection = self.injection

@@ -12,8 +12,10 @@ import dataclasses
 
 from stead.core.config import setting
 from stead.core.errors import ConfigError
+from stead.core.events import RestoreBound
 
-__all__ = ["LOSS_SPIKE_MODES", "NAMESPACE", "ON_NAN_MODES", "SKIP_STEPS_ENV", "NumericsSettings", "skip_steps_env"]
+__all__ = ["LOSS_SPIKE_MODES", "NAMESPACE", "ON_NAN_MODES", "RESTORE_BOUNDS_ENV", "SKIP_STEPS_ENV", "NumericsSettings",
+           "restore_bounds", "restore_bounds_env", "skip_steps_env"]
 
 #: the settings' namespace: ``--set numerics.on_nan=fail``
 NAMESPACE = "numerics"
@@ -24,6 +26,9 @@ LOSS_SPIKE_MODES = ("off", "record", "skip")
 #: the steps every rank of a round skips (their batches dropped), comma-separated: set by the agent from the
 #: master's decisions, never by hand (a test may, to make a reference run skip the same steps)
 SKIP_STEPS_ENV = "STEAD_NUMERICS_SKIP_STEPS"
+#: what a restore may take after replica mismatches, ``STEP@ROUND`` comma-separated (no copy of a step after STEP
+#: saved in ROUND or before is restored): set by the agent from the master's decisions, never by hand
+RESTORE_BOUNDS_ENV = "STEAD_CKPT_RESTORE_BOUNDS"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,3 +73,24 @@ class NumericsSettings:
 def skip_steps_env(steps: frozenset[int] | tuple[int, ...]) -> dict[str, str]:
     """The variable that tells a round's workers the steps to skip; nothing when there are none."""
     return {SKIP_STEPS_ENV: ",".join(map(str, sorted(steps)))} if steps else {}
+
+
+def restore_bounds_env(bounds: tuple[RestoreBound, ...]) -> dict[str, str]:
+    """The variable that tells a round's workers the restore bounds; nothing when there are none."""
+    return {RESTORE_BOUNDS_ENV: ",".join(f"{b.step}@{b.round}" for b in bounds)} if bounds else {}
+
+
+def restore_bounds(text: str) -> tuple[RestoreBound, ...]:
+    """The bounds :data:`RESTORE_BOUNDS_ENV` holds; ValueError saying what is wrong with a bad value."""
+    bounds = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        step, at, round_ = part.partition("@")
+        try:
+            bound = RestoreBound(step=int(step), round=int(round_))
+        except ValueError:
+            bound = None
+        if not at or bound is None or bound.step < -1 or bound.round < 0:
+            raise ValueError(f"{RESTORE_BOUNDS_ENV}={text[:200]!r} holds {part[:40]!r}, not STEP@ROUND (a step of -1 "
+                             "or more, a round of 0 or more); the agent sets it from the master's decisions: unset it")
+        bounds.append(bound)
+    return tuple(bounds)

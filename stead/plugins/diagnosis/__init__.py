@@ -73,7 +73,13 @@ from stead.plugins.diagnosis.events import (
     StragglerDetected,
 )
 from stead.plugins.diagnosis.hang import Stall, StepClock, name_culprit
-from stead.plugins.diagnosis.numerical import SKIPPING_RULES, NumericalVerdict, decide_numerical
+from stead.plugins.diagnosis.numerical import (
+    SKIPPING_RULES,
+    NumericalVerdict,
+    bound_reason,
+    decide_numerical,
+    restore_bound,
+)
 from stead.plugins.diagnosis.repeats import Seen
 from stead.plugins.diagnosis.repeats import signature as failure_signature
 from stead.plugins.diagnosis.rules import (
@@ -479,6 +485,7 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
         if found.action is Action.MORE_MEMORY:
             reason += "; more memory wanted for the node: the workers restart meanwhile"
         skip: tuple[int, ...] = ()
+        bound = restore_bound(found)  # (a replica mismatch's, kept unless the decision fails the job)
         if action is not RecoveryAction.FAIL:
             verdict = await self._numerical(failure, found, ctx)
             skip = verdict.skip_steps
@@ -488,13 +495,17 @@ class DiagnosisPlugin(Plugin[DiagnosisSettings]):
             if repeat is not None:
                 found, action = repeat, repeat.action.recovery
                 reason = f"{found.failure_class.value} in rank {failure.rank} ({found.rule}): {found.evidence}"
+        if bound is not None and action is not RecoveryAction.FAIL:
+            reason += f"; {bound_reason(bound)}"
+        else:
+            bound = None
         ctx.log.info("recovery_decided", round=failure.round, action=action.value, reason=reason, rank=failure.rank,
                      failure_class=found.failure_class.value, rule=found.rule)
         await ctx.emit(RecoveryDecided(
             round=failure.round, action=action, reason=reason, message=failure.error_tail,
             node_id=failure.node_id, rank=failure.rank, decided_by=self.name,
             failure_class=found.failure_class.value, rule=found.rule, evidence=found.evidence[:4096],
-            skip_steps=skip if action is RecoveryAction.RESTART else (),
+            skip_steps=skip if action is RecoveryAction.RESTART else (), restore_at_most=bound,
         ))
 
     async def _numerical(self, failure: WorkerFailed, found: Classification, ctx: Ctx) -> NumericalVerdict:

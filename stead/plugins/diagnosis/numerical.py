@@ -9,6 +9,15 @@
   step is no repeated failure: it cannot fail again at that step. A step that was skipped already and faults
   again (the script's steps do not line up with stead's) takes the usual path, where a repeat fails the job.
 * ``on_nan=restore``: the usual path (restart; the same fault at the same step again is a repeated failure).
+
+A replica mismatch (rules ``replica-mismatch``, ``replica-mismatch-unattributed``) bounds the restore
+(:func:`restore_bound`): with fingerprints every N steps, a corruption on one rank at step A+1 reaches every replica
+through the all-reduce before the mismatch is seen at A+N, so the last committed step may hold it. The round
+restores the newest checkpoint at or before A, the last step whose fingerprints agreed, from whichever tier holds
+one, and the script's initial state when none does. Why not fail then: every step after A is suspect and the
+initial state is the only state left that is known good; failing would hand a person the same choice later, with
+nothing gained. The bound is read from the error's message, which stead's guard writes and which travels with the
+failure, so it is there when the decision is made (a worker's note may come after it).
 """
 
 from __future__ import annotations
@@ -19,12 +28,17 @@ import re
 from stead.plugin import NumericsSettings
 from stead.plugins.diagnosis.rules import Action, Classification, FailureClass
 
-__all__ = ["NumericalVerdict", "SKIPPING_RULES", "decide_numerical", "fault_step"]
+__all__ = ["MISMATCH_RULES", "NumericalVerdict", "SKIPPING_RULES", "bound_reason", "decide_numerical", "fault_step",
+           "restore_bound"]
 
 #: the rules of the numerical faults this module decides
 SKIPPING_RULES = ("non-finite-gradient", "loss-spike")
 #: the step a stead.numerics error names
 _STEP = re.compile(r"\bat step (\d+)\b")
+#: the rules of a replica mismatch, whose decision bounds the restore
+MISMATCH_RULES = ("replica-mismatch", "replica-mismatch-unattributed")
+#: the last step a ReplicaMismatchError says the replicas agreed at (-1: the script's initial state)
+_AGREED = re.compile(r"\bfingerprints last agreed at step (-?\d+)\b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,3 +82,25 @@ def decide_numerical(found: Classification, *, settings: NumericsSettings, fault
         FailureClass.NUMERICAL, Action.RESTART, found.rule,
         f"{found.evidence}; step {step}'s batch is skipped on every rank after the rollback ({setting}; fault "
         f"{faults} of numerics.nan_budget={settings.nan_budget})"), (step,))
+
+
+def restore_bound(found: Classification) -> int | None:
+    """The newest step the round after a replica mismatch may restore: the last step whose fingerprints agreed, as
+    the ReplicaMismatchError says (-1: the script's initial state); None for another fault, or an error naming no
+    such step (then the usual restore, the last committed step)."""
+    if found.rule not in MISMATCH_RULES:
+        return None
+    match = _AGREED.search(found.evidence)
+    return int(match[1]) if match else None
+
+
+def bound_reason(step: int) -> str:
+    """What a decision bounded to ``step`` says about the restore."""
+    if step < 0:
+        return ("the replicas agreed on no step since the script's initial state, and every later step may hold the "
+                "corruption: the round starts from the initial state, no checkpoint is restored")
+    return (f"the restore is bounded to step {step}, the last whose replicas' fingerprints agreed (a later step may "
+            f"hold the corruption, spread by the all-reduce): the newest checkpoint at or before step {step}, from "
+            "memory, a peer's replica or disk; none left there: the round starts from the script's initial state "
+            "(persist a step at least every numerics.fingerprint_every steps, and keep ckpt.keep_last of them, to "
+            "keep one)")

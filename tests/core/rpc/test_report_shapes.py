@@ -23,6 +23,7 @@ from stead.core.events import (
     NumericsReported,
     PeerCollective,
     Record,
+    RestoreBound,
     StackSample,
     StacksDumped,
     WorkerFailed,
@@ -138,7 +139,8 @@ CROSSINGS: list[tuple[Any, Callable[[Any], betterproto2.Message], Callable[[Any]
 #: every kind of command, with every field set
 COMMANDS: list[AgentCommand] = [
     StartWorkersCmd(id="start-workers/4/node-1", round=4, node_rank=1, nnodes=2, nproc_per_node=8, world_size=16,
-                    restart_count=3, master_addr="10.0.0.1", master_port=29400, skip_steps=(4, 9)),
+                    restart_count=3, master_addr="10.0.0.1", master_port=29400, skip_steps=(4, 9),
+                    restore_bounds=(RestoreBound(step=-1, round=1), RestoreBound(step=12, round=3))),
     StopWorkersCmd(id="stop-workers/4/node-1", round=4, reason="node-2 failed"),
     StopNodeCmd(id="stop-node/node-1/3", reason="the job succeeded"),
     DumpStacksCmd(id="dump-stacks/17/node-1", round=4, reason="no progress for 600 s"),

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from stead.core.events import NumericsNote, NumericsReported, Record, RecoveryAction, RecoveryDecided
+import dataclasses
+
+from stead.core.events import (
+    CheckpointRestored,
+    NumericsNote,
+    NumericsReported,
+    Record,
+    RecoveryAction,
+    RecoveryDecided,
+)
 from stead.core.views.numerics import SHOWN, numerics_lines
 
 
@@ -36,3 +45,26 @@ def test_status_shows_the_newest_lines_and_counts_the_others() -> None:
     assert len(lines) == SHOWN + 1 and lines[0].startswith("(4 earlier: stead events")
     assert lines[-1].startswith(f"step {SHOWN + 3} skipped")
     assert numerics_lines(_records()) == []
+
+
+def test_status_shows_a_bounded_restore_and_the_step_the_next_round_restored() -> None:
+    mismatch = RecoveryDecided(round=1, action=RecoveryAction.RELAUNCH, reason="", rank=1, rule="replica-mismatch",
+                               evidence="ReplicaMismatchError: replica mismatch: rank 1 (host h1) at step 8: ...; "
+                                        "fingerprints last agreed at step 5. The step ...", restore_at_most=5)
+    unattributed = RecoveryDecided(round=3, action=RecoveryAction.RESTART, reason="", rank=0,
+                                   rule="replica-mismatch-unattributed", restore_at_most=-1)
+    assert numerics_lines(_records(
+        mismatch, CheckpointRestored(round=1, step=7), CheckpointRestored(round=2, step=4, disk_ranks=3),
+        CheckpointRestored(round=3, step=9), unattributed, CheckpointRestored(round=4, step=-1),
+        dataclasses.replace(mismatch, round=4), CheckpointRestored(round=5, step=-1))) == [
+        "restore bounded to step 5 from round 2 on: a replica mismatch on rank 1 (host h1), fingerprints last agreed "
+        "there (replica-mismatch)",
+        "round 2 restored step 4 (bounded to step 5 or before)",
+        "restore bounded to the initial state from round 4 on: a replica mismatch on rank 0, fingerprints last "
+        "agreed there (replica-mismatch-unattributed)",
+        "round 4 started from the initial state, as bounded",
+        "restore bounded to step 5 from round 5 on: a replica mismatch on rank 1 (host h1), fingerprints last agreed "
+        "there (replica-mismatch)",
+        "round 5 restored nothing: no checkpoint at or before step 5 was left in memory or on disk; it started from "
+        "the initial state",
+    ]

@@ -22,6 +22,7 @@ __all__ = (
     "PeerCollective",
     "RegisterReply",
     "RegisterRequest",
+    "RestoreBound",
     "StacksReport",
     "StartWorkers",
     "StopNode",
@@ -451,6 +452,21 @@ default_message_pool.register_message("stead.v1", "RegisterRequest", RegisterReq
 
 
 @dataclass(eq=False, repr=False)
+class RestoreBound(betterproto2.Message):
+    """
+    No copy of a step after `step` saved in `round` or an earlier round is restored: the replicas' fingerprints
+    last agreed at `step` (-1: the script's initial state) before a mismatch seen in `round`.
+    """
+
+    step: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+
+    round: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+
+
+default_message_pool.register_message("stead.v1", "RestoreBound", RestoreBound)
+
+
+@dataclass(eq=False, repr=False)
 class StacksReport(betterproto2.Message):
     node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -493,6 +509,12 @@ class StartWorkers(betterproto2.Message):
     """
     Steps every rank skips (their batches caused a numerical fault): the workers get them as
     STEAD_NUMERICS_SKIP_STEPS. Bounded by the job's numerics.nan_budget (one per fault at most).
+    """
+
+    restore_bounds: "list[RestoreBound]" = betterproto2.field(10, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    What a restore may take after replica mismatches (the job state's restore bounds): the workers get them as
+    STEAD_CKPT_RESTORE_BOUNDS. Bounded by the job's restarts (one per mismatch decided at most).
     """
 
 
