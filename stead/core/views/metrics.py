@@ -51,6 +51,7 @@ from stead.core.events import (
 from stead.core.events.log import BadRecord
 from stead.core.statemachine import JobState, NodePhase
 from stead.core.views.goodput import ledger
+from stead.core.views.numerics import numerics_counts
 from stead.core.views.recovery import RecoveryPhase
 
 __all__ = ["JobMetrics", "MetricsServer", "RECOVERY_BUCKETS_S", "read_metrics_token"]
@@ -156,6 +157,33 @@ class JobMetrics(Collector):
         restarts_used = GaugeMetricFamily("stead_restarts", "Restarts spent of the budget", labels=["job"])
         restarts_used.add_metric(job, float(state.restarts))
         yield restarts_used
+        yield from _numerics(self.job, [r for r in records if isinstance(r, Record)])
+
+
+def _numerics(job: str, records: Sequence[Record]) -> Iterator[Any]:
+    """The numerical faults' metrics (:func:`stead.core.views.numerics.numerics_counts`)."""
+    counts = numerics_counts(records)
+    faults = CounterMetricFamily("stead_numerical_faults", "Numerical faults decided (NaN/Inf gradients, loss "
+                                 "spikes, replica mismatches, the nan budget spent), by the rule that matched",
+                                 labels=["job", "rule"])
+    for rule, count in sorted(counts.faults.items()):
+        faults.add_metric([job, rule], count)
+    yield faults
+    skipped = GaugeMetricFamily("stead_steps_skipped", "Steps every rank skips (their batch caused a numerical "
+                                "fault), as decided", labels=["job"])
+    skipped.add_metric([job], counts.steps_skipped)
+    yield skipped
+    notes = CounterMetricFamily("stead_numerics_notes", "The workers' numerical notes recorded (loss spikes, steps "
+                                "skipped), by kind; dropped: those their agents refused or could not send",
+                                labels=["job", "kind"])
+    for kind, count in sorted(counts.notes.items()):
+        notes.add_metric([job, kind], count)
+    notes.add_metric([job, "dropped"], counts.notes_dropped)
+    yield notes
+    bounded = CounterMetricFamily("stead_bounded_restores", "Restores bounded to the last step whose replicas' "
+                                  "fingerprints agreed (after a replica mismatch)", labels=["job"])
+    bounded.add_metric([job], counts.bounded_restores)
+    yield bounded
 
 
 def _buckets(values: Sequence[float]) -> list[tuple[str, float]]:

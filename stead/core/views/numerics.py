@@ -8,12 +8,21 @@ shown, with a count of the others.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections import Counter
 from collections.abc import Iterable
 
-from stead.core.events import CheckpointRestored, NumericsNote, NumericsReported, Record, RecoveryDecided
+from stead.core.events import (
+    NOTE_KINDS,
+    CheckpointRestored,
+    NumericsNote,
+    NumericsReported,
+    Record,
+    RecoveryDecided,
+)
 
-__all__ = ["SHOWN", "numerics_lines"]
+__all__ = ["SHOWN", "NumericsCounts", "numerics_counts", "numerics_lines"]
 
 #: the lines status shows at most (the newest)
 SHOWN = 10
@@ -22,8 +31,9 @@ _HOST = re.compile(r"on rank \d+ \(host ([^)]+)\)")
 _ODD_HOST = re.compile(r"replica mismatch: rank \d+ \(host ([^)]+)\)")
 
 
-def numerics_lines(records: Iterable[Record]) -> list[str]:
-    """One line per step skipped, loss spike and batch of notes dropped, oldest first (the last :data:`SHOWN`)."""
+def numerics_lines(records: Iterable[Record], *, shown: int | None = SHOWN) -> list[str]:
+    """One line per step skipped, loss spike, restore bounded and batch of notes dropped, oldest first (the last
+    ``shown``; None: all, as the HTML report shows them)."""
     lines: list[str] = []
     dropped = 0
     bounded: RecoveryDecided | None = None  # the last bound decided, until a later round restores
@@ -44,13 +54,49 @@ def numerics_lines(records: Iterable[Record]) -> list[str]:
         elif isinstance(event, NumericsReported):
             lines += [_note_line(note, event.round) for note in event.notes]
             dropped += event.dropped
-    if len(lines) > SHOWN:
-        lines = [f"({len(lines) - SHOWN} earlier: stead events --job JOB | grep -e numerics -e skip_steps)",
-                 *lines[-SHOWN:]]
+    if shown is not None and len(lines) > shown:
+        lines = [f"({len(lines) - shown} earlier: stead events --job JOB | grep -e numerics -e skip_steps)",
+                 *lines[-shown:]]
     if dropped:
         lines.append(f"{dropped} note(s) of the workers dropped by their agents (malformed or over their bounds: "
                      "the agents' logs say which)")
     return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericsCounts:
+    """A job's numerical faults in figures (its metrics)."""
+
+    #: numerical faults decided, by the rule that matched (a NaN/Inf gradient, a loss spike, a replica mismatch, the
+    #: budget spent, a repeat)
+    faults: Counter[str]
+    #: steps every rank skips, as decided
+    steps_skipped: int
+    #: the workers' notes recorded, by kind (:data:`NOTE_KINDS`), and those their agents dropped
+    notes: Counter[str]
+    notes_dropped: int
+    #: restores bounded after a replica mismatch
+    bounded_restores: int
+
+
+def numerics_counts(records: Iterable[Record]) -> NumericsCounts:
+    """The figures of :class:`NumericsCounts`, from the job's records."""
+    faults: Counter[str] = Counter()
+    notes: Counter[str] = Counter(dict.fromkeys(NOTE_KINDS, 0))
+    skipped: set[int] = set()
+    dropped = bounded = 0
+    for record in records:
+        event = record.event
+        if isinstance(event, RecoveryDecided) and event.failure_class == "numerical":
+            faults[event.rule or "unknown"] += 1
+        if isinstance(event, RecoveryDecided):
+            skipped.update(event.skip_steps)
+            bounded += event.restore_at_most is not None
+        elif isinstance(event, NumericsReported):
+            notes.update(note.kind for note in event.notes)
+            dropped += event.dropped
+    return NumericsCounts(faults=faults, steps_skipped=len(skipped), notes=notes, notes_dropped=dropped,
+                          bounded_restores=bounded)
 
 
 def _note_line(note: NumericsNote, round_: int) -> str:

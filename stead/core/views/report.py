@@ -2,9 +2,10 @@
 
 :func:`timeline` is a pure fold of the records into what the picture shows: the job's own lane
 (start-up, each recovery in its phases, the tail), one band per round, one lane per node
-incarnation, marks for failures, decisions and checkpoints, the step rate over time, and the
-goodput ledger. :func:`render_html` draws it with plotly, its JavaScript inlined: the file opens
-with no network, so it can be attached to a bug report. A log with unreadable records, a job that
+incarnation, marks for failures, decisions and checkpoints, the step rate over time, the goodput
+ledger, and the numerical faults (the lines of ``stead status``, every one). :func:`render_html`
+draws it with plotly, its JavaScript inlined: the file opens with no network, so it can be
+attached to a bug report. A log with unreadable records, a job that
 never stepped or one still running gives a report that says what it could not show.
 """
 
@@ -31,6 +32,7 @@ from stead.core.events import (
 )
 from stead.core.events.log import BadRecord
 from stead.core.views.goodput import PARTS, Ledger, ledger, step_rates
+from stead.core.views.numerics import numerics_lines
 from stead.core.views.recovery import RecoveryOutcome, RecoveryPhase
 
 __all__ = ["JOB_LANE", "Mark", "Span", "Timeline", "render_html", "timeline", "write_report"]
@@ -79,6 +81,8 @@ class Timeline:
     ended: bool
     #: what could not be drawn, in words (the ledger's own gaps included)
     missing: tuple[str, ...]
+    #: the numerical faults, a line each (steps skipped, loss spikes, restores bounded: :mod:`.numerics`)
+    numerics: tuple[str, ...] = ()
 
 
 def _describe(record: Record) -> str:
@@ -150,7 +154,8 @@ def timeline(records: Iterable[Record | BadRecord], *, now: float | None = None)
     if not rates:
         missing.append("no step rate: fewer than two step reports in one round")
     return Timeline(origin=origin, length=length, spans=tuple(spans), marks=tuple(marks), rates=tuple(rates),
-                    ledger=book, ended=book.ended, missing=tuple(missing))
+                    ledger=book, ended=book.ended, missing=tuple(missing),
+                    numerics=tuple(numerics_lines(good, shown=None)))
 
 
 def _label(phase: RecoveryPhase) -> str:
@@ -233,6 +238,8 @@ def render_html(job: str, tl: Timeline) -> str:
         "<table><tr><th>at</th><th>cause</th><th>restored (ranks by tier)</th>"
         + "".join(f"<th>{_label(p)} s</th>" for p in RecoveryPhase)
         + f"<th>total s</th></tr>{rows}</table>" if rows else "<p>No recoveries.</p>")
+    numerics = ("<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in tl.numerics) + "</ul>"
+                if tl.numerics else "<p>No numerical faults.</p>")
     missing = ("<ul class='missing'>" + "".join(f"<li>{html.escape(m)}</li>" for m in tl.missing) + "</ul>"
                if tl.missing else "")
     timeline_div = pio.to_html(_timeline_figure(job, tl), full_html=False, include_plotlyjs=True,
@@ -251,6 +258,8 @@ goodput <b>{book.goodput:.1%}</b>; {len(book.recoveries)} recoveries; {book.usef
 {goodput_div}
 <h2>Recoveries</h2>
 {recoveries}
+<h2>Numerical faults</h2>
+{numerics}
 </body></html>
 """
 

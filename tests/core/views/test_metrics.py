@@ -18,6 +18,8 @@ from stead.core.errors import ConfigError
 from stead.core.events import (
     CheckpointCommitted,
     JobSubmitted,
+    NumericsNote,
+    NumericsReported,
     Record,
     RecoveryAction,
     RecoveryDecided,
@@ -108,6 +110,35 @@ def test_checkpoint_save_and_persist_times_are_histograms_of_what_the_records_ca
     assert count("save", "+Inf") == 2.0  # counted: the two that said how long
     assert count("persist", "2.5") == 0.0 and count("persist", "5") == 1.0
     assert got["stead_checkpoints"][(("job", "met"), ("tier", "memory"))] == 3.0
+
+
+def test_the_numerical_faults_are_counted_by_rule_with_the_steps_skipped_the_notes_and_the_bounded_restores() -> None:
+    def decided(round_: int, rule: str, **kw: object) -> RecoveryDecided:
+        return RecoveryDecided(round=round_, action=RecoveryAction.RESTART, reason="r", failure_class="numerical",
+                               rule=rule, **kw)  # type: ignore[arg-type]
+
+    events = [SPEC, decided(1, "non-finite-gradient", skip_steps=(6,)), decided(2, "loss-spike", skip_steps=(9,)),
+              decided(3, "non-finite-gradient", skip_steps=(6,)),  # the same step again: one step skipped
+              decided(4, "replica-mismatch", restore_at_most=11),
+              RecoveryDecided(round=5, action=RecoveryAction.RESTART, reason="r", failure_class="transient"),
+              NumericsReported(node_id="node-0", round=2, dropped=2, notes=(
+                  NumericsNote(kind="step_skipped", rank=0, step=6), NumericsNote(kind="loss_spike", rank=1, step=9),
+                  NumericsNote(kind="loss_spike", rank=1, step=12, action="record")))]
+    metrics = JobMetrics("met", JobState, clock=lambda: 4.0)
+    metrics.seed([Record(seq=i, at=float(i), event=e) for i, e in enumerate(events, 1)])
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    got = {f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples}
+           for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    job = (("job", "met"),)
+    assert got["stead_numerical_faults"] == {(("job", "met"), ("rule", "loss-spike")): 1.0,
+                                             (("job", "met"), ("rule", "non-finite-gradient")): 2.0,
+                                             (("job", "met"), ("rule", "replica-mismatch")): 1.0}
+    assert got["stead_steps_skipped"][job] == 2.0
+    assert got["stead_numerics_notes"] == {(("job", "met"), ("kind", "dropped")): 2.0,
+                                           (("job", "met"), ("kind", "loss_spike")): 2.0,
+                                           (("job", "met"), ("kind", "step_skipped")): 1.0}
+    assert got["stead_bounded_restores"][job] == 1.0
 
 
 async def test_a_master_serves_its_metrics_and_frees_the_port_when_it_stops(tmp_path: Path) -> None:

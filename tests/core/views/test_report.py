@@ -18,6 +18,8 @@ from stead.core.events import (
     JobSucceeded,
     NodeJoined,
     NodeLost,
+    NumericsNote,
+    NumericsReported,
     Record,
     RecoveryAction,
     RecoveryDecided,
@@ -201,3 +203,24 @@ def test_chromium_renders_the_report_headless_with_its_timeline(tmp_path: Path) 
     # plotly drew it: the div holds the plot's SVG layers, with one bar per lane kind among them
     assert 'id="timeline"' in dom.stdout and "js-plotly-plot" in dom.stdout and "main-svg" in dom.stdout
     assert ">detect<" in dom.stdout  # the legend names the recovery phases
+
+
+def test_the_report_lists_the_numerical_faults_as_stead_status_does() -> None:
+    failed = WorkerFailed(node_id="node-1", round=1, local_rank=0, rank=1, exit_code=1, exited_at=T0 + 5.4)
+    nan = RecoveryDecided(round=1, action=RecoveryAction.RESTART, reason="nan", rank=1, rule="non-finite-gradient",
+                          failure_class="numerical", skip_steps=(4,),
+                          evidence="NonFiniteGradientError: ... on rank 1 (host h<1>) at step 4: ...")
+    records = log((0.0, SPEC), *round_of(1, 1.0), *[(2.0 + s, StepProgress(round=1, step=s)) for s in range(4)],
+                  (5.45, failed), (5.5, nan), *round_of(2, 5.6),
+                  (6.0, NumericsReported(node_id="node-0", round=2, notes=(
+                      NumericsNote(kind="step_skipped", rank=0, step=4),))), (7.0, JobSucceeded()))
+    tl = timeline(records)
+    assert tl.numerics == ("step 4 skipped from round 2 on: a non-finite gradient on rank 1 (host h<1>) "
+                           "(non-finite-gradient)", "step 4 skipped by the workers of round 2 (rank 0 says)")
+    parsed = _Page()
+    parsed.feed(render_html("j", tl))
+    text = " ".join(parsed.text)
+    assert "Numerical faults" in text and "(host h<1>)" in text  # escaped, shown as text
+    clean = _Page()
+    clean.feed(render_html("j", timeline(crash_then_node_loss())))
+    assert "No numerical faults." in " ".join(clean.text)
