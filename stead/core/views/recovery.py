@@ -217,6 +217,8 @@ class _Open:
     action: RecoveryAction | None = None
     decided: str = ""
     restored: str = ""
+    #: the decision's restore bound (a replica mismatch's: the last step whose fingerprints agreed)
+    bound: int | None = None
 
     def enter(self, phase: RecoveryPhase, at: float) -> None:
         at = max(at, self.since)
@@ -293,9 +295,12 @@ class RecoveryFold:
                 if event.round == rec.round:
                     rec.action = event.action
                     rec.decided = f"{event.failure_class} ({event.rule})" if event.failure_class else ""
+                    rec.bound = event.restore_at_most
                     rec.enter(RecoveryPhase.RESTART, at)
             case CheckpointRestored() if rec is not None and event.round == rec.new_round:
-                rec.restored = restored_from(event)
+                rec.restored = restored_from(event) + (
+                    f" (bounded to step {rec.bound} or before: replicas' fingerprints last agreed there)"
+                    if rec.bound is not None else "")
             case StepProgress():
                 self._floor = max(self._floor, at)
                 if rec is not None and event.round == rec.new_round:

@@ -95,6 +95,15 @@ def test_a_worker_failure_s_cause_says_the_class_and_rule_it_was_decided_as() ->
     assert rec.cause == "worker failed on node-1 (rank 1): numerical (replica-mismatch)"
 
 
+def test_a_replica_mismatch_s_recovery_says_the_bound_its_restore_kept_to() -> None:
+    bounded = RecoveryDecided(round=1, action=RecoveryAction.RESTART, reason="r", failure_class="numerical",
+                              rule="replica-mismatch-unattributed", restore_at_most=2)
+    [rec] = recoveries(log(*RUNNING, (5.5, crash(1, exited_at=5.2)), (5.7, bounded), *round_(2, 6.0),
+                           (6.8, CheckpointRestored(round=2, step=2, disk_ranks=2)),
+                           (7.0, StepProgress(round=2, step=3))))
+    assert rec.restored == "step 2: disk 2 (bounded to step 2 or before: replicas' fingerprints last agreed there)"
+
+
 def test_a_worker_failure_that_does_not_say_when_is_detected_at_its_record() -> None:
     [rec] = recoveries(log(*RUNNING, (5.5, crash(1)), (5.7, decided(1)), *round_(2, 6.0),
                            (7.0, StepProgress(round=2, step=4))))
