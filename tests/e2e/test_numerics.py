@@ -54,6 +54,9 @@ def _decided(job: Any, name: str, reference: subprocess.Popen[str], reference_er
     return decision
 
 
+@pytest.mark.extended("a NaN caught on its rank, rolled back, the job ending with a fault-free run's weights: "
+                      "tests/e2e/test_numerics_skip.py (numerics.on_nan=skip, the default); restore's decision: "
+                      "tests/plugins/test_numerics_decisions.py")
 def test_a_nan_gradient_is_caught_on_its_rank_before_the_step_and_the_job_ends_as_a_fault_free_one(
         run_job: RunJob, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # 2 ranks: a sum of two gradients is the same in any order, so the restored run's DDP buckets (built anew,

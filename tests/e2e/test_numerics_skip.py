@@ -33,6 +33,8 @@ def test_a_nan_is_rolled_back_and_its_step_skipped_on_every_rank_and_a_loss_spik
         clean_out, clean_err = torchrun.communicate(timeout=120)
     decision = _decided(job, "skip", torchrun, clean_err, rule="non-finite-gradient", action="restart", rank=1)
     assert decision["skip_steps"] == [6]
+    assert "non-finite gradient (NaN or Inf) on rank 1" in decision["evidence"]
+    assert "at step 6" in decision["evidence"] and "before the all-reduce" in decision["evidence"]
     assert "step 6's batch is skipped on every rank" in decision["evidence"]
     assert _weights(job.stdout) == _weights(clean_out)  # step 6 applied nothing, on either rank
     notes = [(n["kind"], n["rank"], n["step"], n["action"]) for r in of_type(events(job, "skip"), "numerics.reported")
