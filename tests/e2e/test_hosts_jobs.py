@@ -279,6 +279,8 @@ async def test_a_lost_host_s_node_resumes_from_its_newest_committed_step_held_in
 
 
 @pytest.mark.long(55)
+@pytest.mark.extended("a node given up for want of room and asked for again once there is: tests/e2e/test_k8s.py's "
+                      "failing-host test; a job growing back to MAX: tests/e2e/test_scale.py")
 async def test_a_lost_host_that_comes_back_grows_the_job_again_at_once(tmp_path: Path) -> None:
     token = secrets.token_urlsafe(32)
     timestamps = tmp_path / "steps.log"

@@ -128,6 +128,8 @@ def _assert_untouched(cwd: Path, store: str) -> None:
     assert not _records(cwd, store, "worker.failed")
 
 
+@pytest.mark.extended("an outage ridden out with no step lost: the frozen etcd below; etcd restarted on its data "
+                      "and the job resuming: the outage past retry_deadline_s below")
 def test_an_etcd_killed_for_10_s_and_restarted_on_its_data_costs_no_step_and_no_restart(
         tmp_path: Path, etcd: EtcdServer) -> None:
     run = _start(tmp_path, etcd.url)
