@@ -545,6 +545,11 @@ class NodeCheckpoints:
         if replication != self.peers.replicated:
             self.peers.replication(replication)
             self._pending_changed.set()  # a step whose replicas are awaited: the poll watches for them
+            for state in self._ranks.values():  # X is sent once its checksums are known: skipped if a newer save came
+                slot = state.slot_holding(*replication.replicating)
+                if slot is not None and slot.checks_seq != slot.seq \
+                        and (slot.index, slot.seq) not in state.checksumming:
+                    self._spawn(self._checksum, state, slot.index, slot.seq)
 
     # -- checksums and verification ------------------------------------------------------------------
 
@@ -566,8 +571,10 @@ class NodeCheckpoints:
         try:
             async with self._checksummer:  # one at a time: they read gigabytes
                 info = state.control.slot(index)
-                if info.seq != seq or not info.complete or state.newest_saved != (index, seq):
-                    return  # rewritten, or a newer save is waiting for its checksums
+                replicating = self.peers.replicated.replicating if self.peers.replicated is not None else (-1, -1)
+                if info.seq != seq or not info.complete or (state.newest_saved != (index, seq)
+                                                            and not info.holds(*replicating)):
+                    return  # rewritten, or a newer save is waiting for its checksums (X's are wanted anyway)
                 _, sums = await anyio.to_thread.run_sync(state.sums, info, self.names)
             view = state.mapping(info, self.names)
             with state.control.locked():

@@ -10,11 +10,12 @@ Two steps are tracked, each a ``(step, round)`` pair:
 
 While ``keep`` is on, the workers never overwrite the slots holding R and X and the holders keep R's copy while X's
 arrives: a host's loss then restores X where every rank can get it, R at worst, from memory. With two slots per
-rank a save that would need either is skipped, so commits follow the replicas' pace. ``keep`` turns on once a step
-was replicated (replication is shown to work, so the first steps of a job, or a job whose replicas cannot be
-placed or do not fit, never wait for it) and off when X is not replicated within ``wait_s``: saves then go on
-without waiting (a host lost meanwhile may cost a disk read, said in the recovery's record), and the next X that
-arrives everywhere turns it on again.
+rank a save that would need either is skipped, so commits follow the replicas' pace (steps faster than a copy's
+transfer would otherwise overwrite every step before its copies arrive). ``keep`` is on while every node of the
+round has replicas placed on another host (a job on one host, or with ``ckpt.replicas=0``, never waits for
+copies that cannot be made); it goes off (``late``) when X is not replicated within ``wait_s``: saves then go on
+without waiting (a copy refused for lack of memory, a holder that does not answer: a host lost meanwhile may cost
+a disk read, said in the recovery's record), and the next X that arrives everywhere turns it on again.
 
 X moves to the newest commit once it is replicated, when a newer round committed (the round X was saved in ended:
 its copies may never all arrive), and when it waited ``wait_s`` in vain.
@@ -45,8 +46,15 @@ class Replication:
     world: int = 0
     #: when X was chosen (the master's clock)
     since: float = 0.0
-    #: the workers keep R's and X's slots, the holders R's copy
-    keep: bool = False
+    #: X waited in vain (``wait_s``): nothing is kept until a step is replicated again
+    late: bool = False
+    #: every node of the round has replicas placed on another host
+    placed: bool = False
+
+    @property
+    def keep(self) -> bool:
+        """The workers keep R's and X's slots, the holders R's copy."""
+        return self.placed and not self.late
 
     @property
     def waiting(self) -> bool:
@@ -62,17 +70,21 @@ def replicated_everywhere(step: tuple[int, int], world: int,
     return world > 0 and all(copy in holders.get(rank, ()) for rank in range(world))
 
 
-def advance(rep: Replication, *, committed: tuple[int, int], world: int, round_: int,
+def advance(rep: Replication, *, committed: tuple[int, int], world: int, round_: int, placed: bool,
             holders: Mapping[int, Collection[tuple[int, int, int]]], now: float, wait_s: float) -> Replication:
     """The replication after a commit or a holder's report: R moves to X once X is everywhere, X to the newest commit
     (``committed``, of a round of ``world`` ranks) when it may (see the module docstring). ``round_``: the newest
     round reported; X waits in vain only in its own round (a newer round replaces it at its first commit, however
-    long the restart took)."""
+    long the restart took). ``placed``: every node of the newest round has replicas placed on another host."""
+    if placed != rep.placed:
+        rep = dataclasses.replace(rep, placed=placed)
+    if not placed:
+        return rep  # no copy is made: none is waited for, nor chosen
     if rep.waiting and replicated_everywhere(rep.replicating, rep.world, holders):
-        rep = dataclasses.replace(rep, replicated=rep.replicating, keep=True)
+        rep = dataclasses.replace(rep, replicated=rep.replicating, late=False)
     stale = rep.waiting and round_ == rep.replicating[1] and now - rep.since > wait_s
-    if stale and rep.keep:
-        rep = dataclasses.replace(rep, keep=False)
+    if stale and not rep.late:
+        rep = dataclasses.replace(rep, late=True)
     if committed[0] >= 0 and newer(committed, rep.replicating) and (
             not rep.waiting or committed[1] > rep.replicating[1] or stale):
         rep = dataclasses.replace(rep, replicating=committed, world=world, since=now)

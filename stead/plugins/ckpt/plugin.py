@@ -99,7 +99,7 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
                 self.replication = _replicated.Replication(
                     replicated=(int(replicated[0]), int(replicated[1])),
                     replicating=(int(replicating[0]), int(replicating[1])), world=int(saved.get("world", 0)),
-                    since=time.monotonic(), keep=bool(saved.get("keep", False)))
+                    since=time.monotonic(), late=bool(saved.get("late", False)))
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 log.warning("ckpt_book_unreadable", error=repr(exc), action="starting with no committed step")
         ctx.add_rpc_handler(CheckpointServicer(self))
@@ -170,7 +170,8 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
                 for rank, copies in held.items():
                     holders.setdefault(rank, set()).update(copies)
         after = _replicated.advance(before, committed=(self.book.step, self.book.step_round),
-                                    world=self.book.world_size, round_=self.book.round, holders=holders, now=now,
+                                    world=self.book.world_size, round_=self.book.round, placed=self._placed(),
+                                    holders=holders, now=now,
                                     wait_s=self.settings.replica_wait_s)
         if after == before:
             return False
@@ -179,7 +180,7 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
             step, round_ = after.replicated
             await self.ctx.emit(CheckpointReplicated(step=step, round=round_, lag_s=round(now - before.since, 4)))
             log.debug("ckpt_replicated_everywhere", step=step, round=round_)
-        if before.keep and not after.keep:
+        if after.late and not before.late:
             log.warning("ckpt_replicas_late", step=before.replicating[0], waited_s=self.settings.replica_wait_s,
                         effect="the workers save on without waiting for replicas; a host lost before the next step "
                                "is replicated everywhere may cost a disk read",
@@ -187,6 +188,11 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
                              "when a state takes longer to copy between hosts")
         await self._save(self.book)
         return True
+
+    def _placed(self) -> bool:
+        """Whether every node of the newest round has replicas placed on another host (then commits wait for them)."""
+        members, targets = self._placement
+        return bool(members) and self.settings.replicas > 0 and all(targets.get(m.node_id) for m in members)
 
     def _known_committed(self, step: int, round_: int) -> bool:
         rep = self.replication
@@ -300,7 +306,7 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         rep = self.replication
         value = json.dumps({"step": book.step, "step_round": book.step_round, "persisted": book.persisted,
                             "replicated": list(rep.replicated), "replicating": list(rep.replicating),
-                            "world": rep.world, "keep": rep.keep})
+                            "world": rep.world, "late": rep.late})
         await self.ctx.store.put(self.ctx.key("book"), value.encode())
 
     async def _notify(self) -> None:

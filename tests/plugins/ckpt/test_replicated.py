@@ -33,18 +33,27 @@ WAIT_S = 30.0
 
 
 def _advance(rep: Replication, committed: tuple[int, int], holders: dict[int, set[tuple[int, int, int]]], *,
-             now: float = 0.0, world: int = 2, round_: int | None = None) -> Replication:
+             now: float = 0.0, world: int = 2, round_: int | None = None, placed: bool = True) -> Replication:
     return advance(rep, committed=committed, world=world, round_=committed[1] if round_ is None else round_,
-                   holders=holders, now=now, wait_s=WAIT_S)
+                   placed=placed, holders=holders, now=now, wait_s=WAIT_S)
 
 
-def test_the_first_commit_is_copied_and_replicated_once_every_rank_s_copy_is_held() -> None:
+def test_the_first_commit_is_copied_kept_from_the_start_and_replicated_once_every_rank_s_copy_is_held() -> None:
     rep = _advance(Replication(), (1, 1), {})
-    assert (rep.replicating, rep.replicated, rep.keep, rep.world) == ((1, 1), NONE, False, 2)
+    assert (rep.replicating, rep.replicated, rep.keep, rep.world) == ((1, 1), NONE, True, 2)
     half = _advance(rep, (1, 1), {0: {(1, 1, 2)}})
     assert half.replicated == NONE  # rank 1's copy is not anywhere yet
     rep = _advance(half, (1, 1), {0: {(1, 1, 2)}, 1: {(1, 1, 2), (0, 1, 2)}})
-    assert (rep.replicated, rep.keep) == ((1, 1), True)  # replication works: from now on the slots are kept
+    assert (rep.replicated, rep.keep) == ((1, 1), True)
+
+
+def test_a_round_whose_nodes_have_no_replicas_placed_never_keeps_slots_for_them() -> None:
+    """One host (or ckpt.replicas=0): no copy can be made, and the workers must not wait for one."""
+    rep = _advance(Replication(), (1, 1), {}, placed=False)
+    assert (rep.replicating, rep.keep, rep.waiting) == (NONE, False, False)  # (the agents poll for nothing)
+    assert _advance(rep, (2, 1), {}, now=WAIT_S * 2, placed=False) == rep
+    placed = _advance(rep, (2, 1), {}, now=WAIT_S * 2)  # the nodes' replicas placed (their first reports came)
+    assert (placed.replicating, placed.keep) == ((2, 1), True)
 
 
 @pytest.mark.parametrize(("holders", "why"), [
@@ -60,7 +69,7 @@ def test_a_step_is_replicated_only_when_every_rank_of_its_world_has_a_copy_of_it
 
 
 def test_while_x_is_on_its_way_newer_commits_wait_and_x_moves_once_it_is_replicated() -> None:
-    rep = Replication(replicated=(4, 1), replicating=(5, 1), world=2, since=0.0, keep=True)
+    rep = Replication(replicated=(4, 1), replicating=(5, 1), world=2, since=0.0, placed=True)
     assert _advance(rep, (6, 1), {0: {(4, 1, 2)}, 1: {(4, 1, 2)}}, now=1.0) == rep  # X stays 5
     done = _advance(rep, (6, 1), {0: {(5, 1, 2)}, 1: {(5, 1, 2)}}, now=2.0)
     assert (done.replicated, done.replicating, done.since, done.keep) == ((5, 1), (6, 1), 2.0, True)
@@ -70,9 +79,9 @@ def test_while_x_is_on_its_way_newer_commits_wait_and_x_moves_once_it_is_replica
 
 
 def test_x_waiting_in_vain_stops_the_keeping_and_the_next_step_replicated_starts_it_again() -> None:
-    rep = Replication(replicated=(4, 1), replicating=(5, 1), world=2, since=0.0, keep=True)
+    rep = Replication(replicated=(4, 1), replicating=(5, 1), world=2, since=0.0, placed=True)
     late = _advance(rep, (5, 1), {}, now=WAIT_S + 1)
-    assert (late.keep, late.replicating) == (False, (5, 1))  # the workers save on: newer commits come
+    assert (late.keep, late.late, late.replicating) == (False, True, (5, 1))  # the workers save on
     retarget = _advance(late, (9, 1), {}, now=WAIT_S + 2)
     assert (retarget.replicating, retarget.since, retarget.keep) == ((9, 1), WAIT_S + 2, False)
     again = _advance(retarget, (11, 1), {0: {(9, 1, 2)}, 1: {(9, 1, 2)}}, now=WAIT_S + 3)
@@ -80,7 +89,7 @@ def test_x_waiting_in_vain_stops_the_keeping_and_the_next_step_replicated_starts
 
 
 def test_a_new_round_s_first_commit_replaces_an_x_of_the_round_that_ended_however_long_the_restart_took() -> None:
-    rep = Replication(replicated=(4, 1), replicating=(5, 1), world=2, since=0.0, keep=True)
+    rep = Replication(replicated=(4, 1), replicating=(5, 1), world=2, since=0.0, placed=True)
     restarting = _advance(rep, (5, 1), {}, now=WAIT_S * 10, round_=2)  # round 2 reported, nothing committed in it
     assert restarting == rep  # no stale X while the round it belongs to is over: the keeping goes on
     new = _advance(rep, (7, 2), {}, now=WAIT_S * 10, world=3, round_=2)
@@ -224,9 +233,12 @@ async def test_the_master_moves_r_from_the_holders_reports_keeps_it_across_a_res
     store = await open_store("memory://")
     events: list[Event] = []
     plugin = await _plugin(store, events)
-    for rank in (0, 1):
-        await plugin.memory_report(round_=1, world_size=2, ranks={rank: Holding(passed=5, steps=frozenset({5}))})
+    await plugin.memory_report(round_=1, world_size=2, ranks={0: Holding(passed=5, steps=frozenset({5}))})
+    _report(plugin, "node-0", "a", 0, {})
+    _report(plugin, "node-1", "b", 1, {})  # the replicas are placed: each node's on the other host
+    await plugin.memory_report(round_=1, world_size=2, ranks={1: Holding(passed=5, steps=frozenset({5}))})
     assert plugin.replication.replicating == (5, 1) and plugin.replication.replicated == NONE
+    assert plugin.replication.keep
     _report(plugin, "node-0", "a", 0, {1: ((5, 1, 2),)})
     await plugin.advance_replication()
     assert plugin.replication.replicated == NONE  # rank 0's copy is not in place yet
@@ -241,7 +253,7 @@ async def test_the_master_moves_r_from_the_holders_reports_keeps_it_across_a_res
     assert plugin._status[0].startswith("replicated: step 5 (every rank's copy in another host's memory")
 
     restarted = await _plugin(store, events)
-    assert (restarted.replication.replicated, restarted.replication.keep) == ((5, 1), True)
+    assert (restarted.replication.replicated, restarted.replication.late) == ((5, 1), False)
     for rank, tier in ((0, "memory"), (1, "peer")):
         await restarted.restored(round_=2, world_size=2, rank=rank, step=5, tier=tier)
     [restored] = [e for e in events if isinstance(e, CheckpointRestored)]
