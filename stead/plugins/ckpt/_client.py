@@ -107,12 +107,13 @@ class CheckpointClient:
 
     async def get_committed(self, *, round_: int, after_step: int = -1, wait_s: float = 0.0,
                             ranks: Sequence[int] = (), replica_ranks: Sequence[int] = (),
-                            replicated: tuple[int, int] | None = None) -> Committed:
-        """``replicated``: the replicated step (step, round) the caller knows; a wait also ends when it moves."""
+                            replicated: Replicated | None = None) -> Committed:
+        """``replicated``: what the caller knows of replication; a wait also ends when R or the keeping changes."""
         request = proto.GetCommittedRequest(node_id=self.node_id, round=round_, after_step=after_step, wait_s=wait_s,
                                             ranks=list(ranks), replica_ranks=list(replica_ranks),
-                                            replicated_step=replicated[0] if replicated is not None else None,
-                                            replicated_round=replicated[1] if replicated is not None else None)
+                                            replicated_step=replicated.replicated[0] if replicated else None,
+                                            replicated_round=replicated.replicated[1] if replicated else None,
+                                            keep=replicated.keep if replicated else False)
         with self._conn.errors("CheckpointService.GetCommitted"):
             reply = await self._stub.get_committed(request, timeout=wait_s + self._conn.call_timeout_s)
         return Committed(step=reply.step, round=reply.round, round_step=reply.round_step,

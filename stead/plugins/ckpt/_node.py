@@ -485,7 +485,7 @@ class NodeCheckpoints:
                 reply = await self._client.get_committed(round_=round_, after_step=after,
                                                          wait_s=self.ckpt.commit_poll_s,
                                                          ranks=[s.rank for s in pending],
-                                                         replicated=known.replicated if known is not None else None)
+                                                         replicated=known)
             except RetryableError as exc:
                 log.warning("ckpt_poll_failed", error=str(exc), action=f"retrying in {backoff.delay:g} s")
                 await backoff.wait()

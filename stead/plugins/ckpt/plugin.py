@@ -262,12 +262,12 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         await self._notify()
 
     async def committed(self, *, round_: int, after_step: int, wait_s: float, ranks: list[int],
-                        replicated: tuple[int, int] | None = None) -> tuple[Book, dict[int, int]]:
+                        replicated: tuple[tuple[int, int], bool] | None = None) -> tuple[Book, dict[int, int]]:
         """The book and the releases of ``ranks``; waits up to ``wait_s`` for a commit after ``after_step``, a release,
-        or (``replicated``: the caller's) another replicated step."""
+        or (``replicated``: the caller's R and whether it keeps slots) another replicated step or keeping."""
         def ready() -> bool:
             book = self.book
-            moved = replicated is not None and replicated != self.replication.replicated
+            moved = replicated is not None and replicated != (self.replication.replicated, self.replication.keep)
             return (book.round == round_ and book.round_step > after_step) or bool(released(book, ranks)) or moved
 
         wait = min(max(wait_s, 0.0), self.settings.commit_poll_s)
@@ -402,7 +402,7 @@ class CheckpointServicer(proto.CheckpointServiceBase):
         with backend_errors("CheckpointService.GetCommitted"):
             known = None
             if message.replicated_step is not None and message.replicated_round is not None:
-                known = (message.replicated_step, message.replicated_round)
+                known = ((message.replicated_step, message.replicated_round), message.keep)
             book, freed = await self._plugin.committed(round_=message.round, after_step=message.after_step,
                                                        wait_s=message.wait_s, ranks=list(message.ranks),
                                                        replicated=known)

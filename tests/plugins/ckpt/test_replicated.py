@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -209,13 +210,15 @@ def test_without_a_step_to_keep_a_holder_keeps_the_newest_copy_only(holder: Repl
 # -- the master: R from the holders' reports, kept across a restart, said in the restore's record ----------------
 
 
-async def _plugin(store: StateStore, events: list[Event]) -> CheckpointPlugin:
+async def _plugin(store: StateStore, events: list[Event],
+                  settings: CheckpointSettings | None = None) -> CheckpointPlugin:
     async def emit(event: Event) -> Record:
         events.append(event)
         return Record(seq=len(events), at=0.0, event=event)
 
-    plugin = CheckpointPlugin(settings=CheckpointSettings())
-    await plugin.start(ctx=PluginContext(plugin="ckpt", job="j", settings=CheckpointSettings(),
+    settings = settings or CheckpointSettings()
+    plugin = CheckpointPlugin(settings=settings)
+    await plugin.start(ctx=PluginContext(plugin="ckpt", job="j", settings=settings,
                                          stead_settings=Settings(), store=store, state=JobState, emit=emit,
                                          add_rpc_handler=lambda _handler: None))
     return plugin
@@ -272,4 +275,32 @@ async def test_a_node_saying_it_holds_more_copies_of_a_rank_than_r_s_and_the_new
     with pytest.raises(GRPCError, match="3 replicas of rank 1; a node holds 2 at most") as caught:
         await servicer.report_saved(message)
     assert caught.value.status == Status.INVALID_ARGUMENT
+    await store.close()
+
+
+@pytest.mark.anyio
+async def test_an_agent_s_long_poll_returns_when_the_replicated_step_moves() -> None:
+    """The workers wait for it (both slots kept): their agent hears of it at once, not at the poll's end."""
+    store = await open_store("memory://")
+    plugin = await _plugin(store, [], CheckpointSettings(commit_poll_s=3600.0))  # no answer but the one awaited
+    _report(plugin, "node-0", "a", 0, {})
+    _report(plugin, "node-1", "b", 1, {})
+    await plugin.memory_report(round_=1, world_size=2,
+                               ranks={r: Holding(passed=5, steps=frozenset({5})) for r in (0, 1)})
+    known = (plugin.replication.replicated, plugin.replication.keep)
+    got: list[tuple[int, int]] = []
+
+    async def poll() -> None:
+        await plugin.committed(round_=1, after_step=5, wait_s=3600, ranks=[], replicated=known)
+        got.append(plugin.replication.replicated)
+
+    with anyio.fail_after(60):  # (a bound on a hang: the poll would otherwise wait an hour)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(poll)
+            await anyio.sleep(0.05)
+            assert got == []
+            _report(plugin, "node-0", "a", 0, {1: ((5, 1, 2),)})
+            _report(plugin, "node-1", "b", 1, {0: ((5, 1, 2),)})
+            await plugin.advance_replication()
+    assert got == [(5, 1)]
     await store.close()

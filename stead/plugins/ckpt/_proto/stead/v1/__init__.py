@@ -114,6 +114,11 @@ class GetCommittedRequest(betterproto2.Message):
 
     replicated_round: "int | None" = betterproto2.field(8, betterproto2.TYPE_INT32, optional=True)
 
+    keep: "bool" = betterproto2.field(9, betterproto2.TYPE_BOOL)
+    """
+    Whether the caller keeps slots for replicas (a change ends the wait too).
+    """
+
 
 default_message_pool.register_message("stead.v1", "GetCommittedRequest", GetCommittedRequest)
 
