@@ -311,3 +311,31 @@ async def test_a_node_that_ended_is_no_holder_any_more_and_its_next_incarnation_
     late = Record(seq=2, at=0.0, event=NodeExited(node_id="node-1", incarnation=1, signal=9))
     await plugin.handle(record=late, ctx=None)  # type: ignore[arg-type]
     assert [s[0] for s in plugin.replica_sources("node-2", [0])] == ["node-1"]
+
+
+def test_a_replacement_fetches_its_rank_s_newest_copy_and_the_replicated_one_that_every_rank_can_get(
+        tmp_path: Path, memory_only: CheckpointSettings) -> None:
+    """Step 4 is committed and its copy of rank 1 reached node-0, rank 0's never reached node-1 (node-0's sends
+    fail): step 3 stays the replicated step. node-0 keeps its copy of rank 1's step 3 beside step 4's, and node-1's
+    replacement fetches both: whichever the ranks agree on (4 if every rank has it, else 3) is in its memory."""
+    with _cluster(tmp_path, memory_only) as cluster:
+        _two_hosts_save(cluster, steps=3)
+        node_0 = cluster.agents["node-0"]._node
+        assert node_0 is not None
+        node_0.peers._push = lambda *_: False  # type: ignore[method-assign]
+        with cluster.worker(node_id="node-0", rank=0, world=2, local_rank=0) as rank0, \
+                cluster.worker(node_id="node-1", rank=1, world=2, local_rank=0) as rank1:
+            assert rank0.save(4, {"w": torch.full((1000,), 40.0), "step": 4})
+            assert rank1.save(4, {"w": torch.full((1000,), 41.0), "step": 4})
+            _until(cluster, lambda: sorted(h[2] for h in _held(cluster, "node-0")) == [3, 4],
+                   "node-0 holds rank 1's step 4 and keeps its step 3 (the replicated one)")
+            assert cluster.plugin.replication.replicated == (3, 1)
+            assert not rank0.save(5, {"w": torch.full((1000,), 50.0), "step": 5})  # slots of 3 and 4 kept
+        _replace_node_1(cluster)
+        replacement = cluster.agents["node-1"]._node
+        assert replacement is not None
+        assert sorted(s.step for s in replacement._ranks[0].control.slots() if s.complete) == [3, 4]
+        assert replacement.peers.fetched[0] == {3, 4}
+        got = _load(cluster, "node-1", 1)
+        cluster.settle()
+    assert got is not None and got[0] == 4 and torch.equal(got[1]["w"], torch.full((1000,), 41.0))  # type: ignore[arg-type]
