@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from stead.cli.run_args import ELECTED_BACKENDS
+from stead.cli.slurm_signals import slurm_warnings
 from stead.cli.supervisor import listen
 from stead.core.errors import ConfigError
 from stead.core.jobtoken import JOB_TOKEN_ENV
@@ -97,8 +98,9 @@ def join(config: RunConfig, *, token: str, node_spec: Any, local: Callable[[], A
     from stead.platforms.hosts import join_job  # not at import: a one-machine `stead run` never needs it
 
     async def run() -> int:
-        return await join_job(config, token=token, local=await local(), node_spec=node_spec,
-                              keepalive_s=HOST_KEEPALIVE_S)
+        async with slurm_warnings(os.environ):  # a Slurm job's host step says what Slurm's warning announced
+            return await join_job(config, token=token, local=await local(), node_spec=node_spec,
+                                  keepalive_s=HOST_KEEPALIVE_S)
 
     return asyncio.run(run())
 

@@ -31,6 +31,7 @@ from stead.cli.on_hosts import (
     tell_hosts,
 )
 from stead.cli.run_args import ELECTED_BACKENDS, PLATFORM_GROUP, SLURM_PLATFORM, parse_run_args
+from stead.cli.slurm_signals import slurm_stop_cause
 from stead.cli.supervisor import EXIT_MASTER_CRASHED, LISTEN_FD_ENV, STOP_ENV, TAKEOVER_ENV, supervise
 from stead.core.config import Settings
 from stead.core.entrypoints import load_named
@@ -326,7 +327,22 @@ async def _stop_on_signal(master: Master, *,
             loop.remove_signal_handler(sig)
     name = signal.Signals(signum).name
     print(f"stead: {name}: stopping job {master.config.job}; press Ctrl-C again to kill it", file=sys.stderr)
-    await master.submit(JobStopped(reason=f"stopped by {name}"))
+    # SIGTERM again while the stop is recorded is not a second stop: Slurm signals every process of its step, and
+    # `stead run` passes its own SIGTERM on to this master as well
+    repeats = signum == signal.SIGTERM
+    if repeats:
+        loop.add_signal_handler(signal.SIGTERM, log.info, "sigterm_repeated")
+    try:
+        # inside a Slurm job a SIGTERM is its time limit, a preemption, a cancel or a node failure: Slurm says which
+        cause = await slurm_stop_cause(os.environ, signum)
+        if cause is None:
+            await master.submit(JobStopped(reason=f"stopped by {name}"))
+            return
+        log.warning("job_stopping", job=master.config.job, signal=name, cause=cause)
+        await master.submit(JobStopped(reason=f"stopped by {name}: {cause}", cause=cause))
+    finally:
+        if repeats:
+            loop.remove_signal_handler(signal.SIGTERM)
 
 
 def _summary(config: RunConfig, state: JobState) -> str:

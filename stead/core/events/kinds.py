@@ -129,6 +129,9 @@ class JobFailed(Event):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JobStopped(Event):
     reason: str = "stopped by user"
+    #: why the stop was asked for, as the scheduler says ("Slurm's time limit (TIMEOUT)", "preempted (PREEMPTED)",
+    #: "cancel cause unknown: ..."); "" when nobody was asked (a Ctrl-C, an older record). ``reason`` includes it
+    cause: str = ""
 
 
 # -- nodes -------------------------------------------------------------------
