@@ -60,7 +60,8 @@ CLIENT_TIMEOUT_S = 30.0
 POLL_S = 0.1
 #: seconds without an answer before slurmctld marks a node down (a killed node is marked down at once anyway)
 SLURMD_TIMEOUT_S = 5
-#: seconds between a step's SIGTERM and SIGKILL when it is cancelled (its node failed, its job ended)
+#: seconds between a step's SIGTERM and SIGKILL when it is cancelled (its node failed, its job ended); a test that
+#: asserts what a job does on its SIGTERM gives it longer (``slurm_cluster(kill_wait_s=...)``)
 KILL_WAIT_S = 1
 #: a job's states once it has ended (``scontrol show job``'s JobState)
 ENDED = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -89,7 +90,8 @@ def _which(tool: str) -> str | None:
     return shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin")
 
 
-def _slurm_conf(workdir: Path, controller: Host, nodes: Sequence[Host], cpus: int) -> str:
+def _slurm_conf(workdir: Path, controller: Host, nodes: Sequence[Host], cpus: int,
+                kill_wait_s: int = KILL_WAIT_S) -> str:
     node_lines = "\n".join(f"NodeName={h.name} NodeAddr={h.address} CPUs={cpus} State=UNKNOWN" for h in nodes)
     return textwrap.dedent(f"""\
         ClusterName=stead
@@ -117,7 +119,7 @@ def _slurm_conf(workdir: Path, controller: Host, nodes: Sequence[Host], cpus: in
         ReturnToService=2
         JobRequeue=0
         SlurmdTimeout={SLURMD_TIMEOUT_S}
-        KillWait={KILL_WAIT_S}
+        KillWait={kill_wait_s}
         InactiveLimit=0
         AccountingStorageType=accounting_storage/none
         JobAcctGatherType=jobacct_gather/none
@@ -288,9 +290,9 @@ class SlurmCluster:
         await self._daemon(node, [self.tools["slurmd"], "-D", "-N", node.name, "-f", str(self.conf)],
                            f"slurmd-{node.name}")
 
-    async def _start(self, cpus: int) -> None:
+    async def _start(self, cpus: int, kill_wait_s: int = KILL_WAIT_S) -> None:
         (self.workdir / "state").mkdir(parents=True, exist_ok=True)
-        self.conf.write_text(_slurm_conf(self.workdir, self.controller, self.nodes, cpus))
+        self.conf.write_text(_slurm_conf(self.workdir, self.controller, self.nodes, cpus, kill_wait_s))
         (self.workdir / "cgroup.conf").write_text(CGROUP_CONF)
         await self._daemon(self.controller, [self.tools["slurmctld"], "-D", "-i", "-f", str(self.conf)],
                            "slurmctld")
@@ -308,10 +310,11 @@ class SlurmCluster:
 
 
 @contextlib.asynccontextmanager
-async def slurm_cluster(n_compute: int, *, workdir: Path, cpus_per_node: int = 2,
+async def slurm_cluster(n_compute: int, *, workdir: Path, cpus_per_node: int = 2, kill_wait_s: int = KILL_WAIT_S,
                         shared: Iterable[Path | str] = DEFAULT_SHARED) -> AsyncIterator[SlurmCluster]:
     """``async with slurm_cluster(n, workdir=tmp_path) as cluster:`` a controller and ``n`` compute nodes of
-    ``cpus_per_node`` CPUs each, every node idle; all stopped and removed on exit. ``workdir`` (a test's
+    ``cpus_per_node`` CPUs each (``KillWait`` of ``kill_wait_s``), every node idle; all stopped and removed on
+    exit. ``workdir`` (a test's
     ``tmp_path``) holds the config, state and logs, and must be a path every host sees (one of ``shared``, or
     outside /tmp); the test is skipped where namespaces cannot be made or Slurm is not installed."""
     if n_compute < 1:
@@ -326,7 +329,7 @@ async def slurm_cluster(n_compute: int, *, workdir: Path, cpus_per_node: int = 2
     async with test_hosts(n_compute + 1, shared=shared) as hosts:
         cluster = SlurmCluster(hosts, workdir, tools)
         try:
-            await cluster._start(cpus_per_node)
+            await cluster._start(cpus_per_node, kill_wait_s)
             yield cluster
         finally:
             with anyio.CancelScope(shield=True):

@@ -17,6 +17,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from stead.cli.slurm_signals import slurm_stop_cause, slurm_warnings
+from stead.core.events import JobStopped, JobSubmitted, Record, decode_record, encode_record
+from stead.core.statemachine.fold import fold_all
+from stead.core.views.display import format_status
 from stead.platforms.hosts.slurm_why import SlurmJob, ask_job, parse_duration_s, parse_job, stop_cause, warning_text
 
 pytestmark = pytest.mark.anyio
@@ -178,3 +181,15 @@ async def test_slurms_warning_is_answered_with_the_time_left_and_ignored_again_a
         signal.signal(signal.SIGUSR1, previous)
     warned = next(e for e in logs if e["event"] == "slurm_warned")
     assert (warned["said"], warned["time_left_s"]) == ("Slurm warned: time limit in ~90 s", 90)
+
+
+def test_the_cause_reaches_stead_status_and_an_older_stop_without_one_still_loads() -> None:
+    cause = stop_cause(parse_job(scontrol_line("COMPLETING", "TimeLimit")))
+    stop = JobStopped(reason=f"stopped by SIGTERM: {cause}", cause=cause)
+    submitted = JobSubmitted(job="j", min_nodes=1, max_nodes=1, nproc_per_node=1, max_restarts=1,
+                             max_node_relaunches=1, last_call_timeout_s=5.0, join_timeout_s=60.0)
+    records = [Record(seq=1, at=1.0, event=submitted), Record(seq=2, at=2.0, event=stop)]
+    state = fold_all(decode_record(encode_record(r), where="test") for r in records)
+    assert "phase      stopped  (stopped by SIGTERM: Slurm's time limit (TIMEOUT))" in format_status("j", state)
+    older = b'{"type": "job.stopped", "v": 1, "seq": 2, "at": 2.0, "data": {"reason": "stopped by SIGTERM"}}'
+    assert decode_record(older, where="test").event == JobStopped(reason="stopped by SIGTERM", cause="")
