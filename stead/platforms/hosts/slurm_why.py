@@ -9,7 +9,9 @@ on the test cluster (tests/support/slurm.py) from a batch script's SIGTERM handl
   cancelled it is accounting's to say, ``sacct``, and a cluster without slurmdbd has none);
 - the time limit: ``JobState=COMPLETING Reason=TimeLimit`` (it ends TIMEOUT);
 - a preemption (``PreemptMode=CANCEL``): ``JobState=COMPLETING Reason=None ... PreemptTime=2026-11-27T18:37:14``
-  (it ends PREEMPTED).
+  (it ends PREEMPTED);
+- a node of the job lost (without ``--no-kill``), on the job's other nodes: ``JobState=COMPLETING Reason=NodeDown``
+  (it ends NODE_FAIL).
 
 A controller asked a little later, or another Slurm version, may answer with the end state itself (``TIMEOUT``,
 ``PREEMPTED``, ``CANCELLED``, ``NODE_FAIL``, ``DEADLINE``): both are read. The question is bounded by

@@ -1,4 +1,4 @@
-"""Why Slurm ended a job, from ``scontrol show job -o``'s answers (the first three as Slurm 22.05 gave them on the test
+"""Why Slurm ended a job, from ``scontrol show job -o``'s answers (the first four as Slurm 22.05 gave them on the test
 cluster in a batch script's SIGTERM handler, shortened), and ``scontrol`` itself stood in for by shell commands:
 an answer, a controller that does not answer, one that never answers, no scontrol at all. Against a real Slurm
 cluster: tests/e2e/test_slurm.py (an ``scancel``)."""
@@ -41,12 +41,13 @@ def scontrol_line(state: str, reason: str = "None", *, preempt: str = "None", ru
     (scontrol_line("COMPLETING"), "cancelled by scancel (CANCELLED)"),
     (scontrol_line("COMPLETING", "TimeLimit"), "Slurm's time limit (TIMEOUT)"),
     (scontrol_line("COMPLETING", preempt="2026-11-27T18:37:14"), "preempted (PREEMPTED)"),
+    (scontrol_line("COMPLETING", "NodeDown"), "node failure (NODE_FAIL)"),
     # the end states themselves (a controller asked later, another version), and their reasons while completing
     (scontrol_line("TIMEOUT", "TimeLimit"), "Slurm's time limit (TIMEOUT)"),
     (scontrol_line("CANCELLED"), "cancelled by scancel (CANCELLED)"),
     (scontrol_line("PREEMPTED"), "preempted (PREEMPTED)"),
     (scontrol_line("NODE_FAIL", "NodeDown"), "node failure (NODE_FAIL)"),
-    (scontrol_line("COMPLETING", "NodeDown"), "node failure (NODE_FAIL)"),
+    (scontrol_line("COMPLETING", "NodeFail"), "node failure (NODE_FAIL)"),
     (scontrol_line("DEADLINE"), "the job's deadline (DEADLINE)"),
     (scontrol_line("COMPLETING", "launch_failed_requeued_held"),
      "Slurm ends the job: COMPLETING, reason launch_failed_requeued_held"),
