@@ -31,7 +31,7 @@ from stead.cli.on_hosts import (
     tell_hosts,
 )
 from stead.cli.run_args import ELECTED_BACKENDS, PLATFORM_GROUP, SLURM_PLATFORM, parse_run_args
-from stead.cli.slurm_signals import slurm_stop_cause
+from stead.cli.slurm_signals import slurm_stop_cause, slurm_warnings
 from stead.cli.supervisor import EXIT_MASTER_CRASHED, LISTEN_FD_ENV, STOP_ENV, TAKEOVER_ENV, supervise
 from stead.core.config import Settings
 from stead.core.entrypoints import load_named
@@ -227,7 +227,8 @@ async def run_job(config: RunConfig, *, listen_fd: int | None = None, takeover: 
             started.append(master)
         if stop_reason is not None and not master.state.phase.terminal:
             await master.submit(JobStopped(reason=stop_reason))
-        async with asyncio.TaskGroup() as tasks:
+        # the master's own warning from Slurm (under srun, or `--signal=B:USR1@S` in a batch script): logged
+        async with slurm_warnings(os.environ), asyncio.TaskGroup() as tasks:
             # an elected master (--rdzv-backend etcd) stops the job on SIGINT only: SIGTERM (its host shutting down)
             # ends it where it stands, and a standby on another host takes the job over
             elected = bool(config.hosts_endpoint) and config.rdzv_backend in ELECTED_BACKENDS
