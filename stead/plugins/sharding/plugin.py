@@ -42,7 +42,18 @@ class ShardingPlugin(Plugin[ShardingSettings]):
                        else f"exit code {failure.exit_code}")
                 await service.failed(node_id=failure.node_id, round_=failure.round, rank=failure.rank,
                                      reason=f"rank {failure.rank} failed ({why})")
+            case NodeLost() | NodeExited() as ended if _older(ended, ctx):
+                # an incarnation already replaced (a partitioned host's old agent hanging up once the link heals):
+                # the streams of the node's id in this round are its successor's
+                ctx.log.info("shard_streams_kept", node=ended.node_id, incarnation=ended.incarnation,
+                             why="an older incarnation of the node ended; its successor reads on")
             case NodeLost() as lost:
                 await service.failed(node_id=lost.node_id, reason=f"node {lost.node_id} lost ({lost.reason})")
             case NodeExited() as exited:
                 await service.failed(node_id=exited.node_id, reason=f"node {exited.node_id} exited")
+
+
+def _older(ended: NodeLost | NodeExited, ctx: PluginContext[ShardingSettings]) -> bool:
+    """Whether ``ended`` speaks of an incarnation older than the node's newest (the job's state knows it)."""
+    node = ctx.state.nodes.get(ended.node_id)
+    return node is not None and ended.incarnation < node.incarnation

@@ -14,7 +14,7 @@ from stead.core.config import Settings
 from stead.core.errors import InvalidRequest
 from stead.core.events import Event, NodeExited, NodeLost, Record
 from stead.core.plugins import PluginContext
-from stead.core.statemachine import JobPhase, JobState
+from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState
 from stead.core.store import MIN_MAX_WRITE_BYTES, StateStore, open_store
 from stead.plugins.sharding.events import LeasesReleased, ShardRoundStarted
 from stead.plugins.sharding.ledger import DatasetSpec, Range
@@ -211,8 +211,10 @@ async def test_the_plugin_returns_the_leases_of_lost_and_exited_nodes_but_not_af
     store = await open_store("memory://")
     handlers: list[object] = []
     phase = [JobPhase.RUNNING]
+    # node-0 was relaunched: its second incarnation reads for rank 0 in this round
+    nodes = {"node-0": NodeState(node_id="node-0", incarnation=2, phase=NodePhase.JOINED)}
     ctx = PluginContext(plugin="sharding", job="t", settings=ShardingSettings(), stead_settings=Settings(),
-                        store=store, state=lambda: JobState(phase=phase[0]), emit=_no_emit,
+                        store=store, state=lambda: JobState(phase=phase[0], nodes=nodes), emit=_no_emit,
                         add_rpc_handler=handlers.append)
     plugin = ShardingPlugin(settings=ShardingSettings())
     await plugin.start(ctx=ctx)
@@ -223,14 +225,17 @@ async def test_the_plugin_returns_the_leases_of_lost_and_exited_nodes_but_not_af
     answers = await asyncio.gather(*(service.lease(_who(r, world=world), epoch=0, have=0, count=1, consumed=0,
                                                    wait_s=5) for r in range(world)))
     ledger = service._datasets["ids"].ledger
-    events = [NodeLost(node_id="node-1", incarnation=1), NodeExited(node_id="node-2", incarnation=1, signal=9)]
+    # the first incarnation of node-0 ending late (a partitioned host's agent hanging up once the link healed)
+    # leaves its successor's stream alone
+    events = [NodeLost(node_id="node-1", incarnation=1), NodeExited(node_id="node-2", incarnation=1, signal=9),
+              NodeExited(node_id="node-0", incarnation=1), NodeLost(node_id="node-0", incarnation=1)]
     for seq, event in enumerate(events, start=1):
         await plugin.handle(record=Record(seq=seq, at=0.0, event=event), ctx=ctx)
     assert ledger.gen is not None and [r for r, s in ledger.gen.streams.items() if s.dead] == [1, 2]
     back = set(_slots(answers[1].ranges + answers[2].ranges))
     assert back <= {(p, i) for p, s, e in ledger.remaining.ranges() for i in range(s, e)}
     phase[0] = JobPhase.SUCCEEDED  # a finished job's nodes exit: nothing to give back
-    await plugin.handle(record=Record(seq=3, at=0.0, event=NodeExited(node_id="node-3", incarnation=1)), ctx=ctx)
+    await plugin.handle(record=Record(seq=5, at=0.0, event=NodeExited(node_id="node-3", incarnation=1)), ctx=ctx)
     assert not ledger.gen.streams[3].dead
     await store.close()
 
