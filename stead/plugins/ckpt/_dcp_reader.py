@@ -1,26 +1,27 @@
-"""A torch.distributed.checkpoint StorageReader over stead's manifests: DCP plans a reshard, stead reads the bytes.
+"""A torch.distributed.checkpoint StorageReader over a step's parts: DCP plans a reshard, stead reads the bytes.
 
 DCP's own FileSystemReader unpickles ``.metadata`` and hands every plain value's
 record to ``torch.load(weights_only=False)``. :class:`ManifestReader` gives DCP the
-step's ``Metadata`` built from the (hashed, JSON) manifests, drops the plain values'
-reads from the plan (they are in the state already, from the JSON tree) and reads
-each tensor chunk from its raw bytes, checked against the manifest's checksum, into
-memory of its own: the copies into the destinations are made once every chunk has
-passed (:func:`stage_chunks` returns them). Imported only when a step is resharded:
-importing DCP takes most of a second.
+step's ``Metadata`` built from the (hashed, JSON) manifests or slot layouts, drops the
+plain values' reads from the plan (they are in the state already, from the JSON tree)
+and has each tensor chunk read from its raw bytes (a data file, a slot in some node's
+memory), checked against its checksum, into memory of its own: the copies into the
+destinations are made once every chunk has passed (:func:`stage_chunks` returns them).
+Imported only when a step is resharded: importing DCP takes most of a second.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -31,8 +32,12 @@ from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 
 __all__ = ["ManifestReader", "stage_chunks"]
 
+#: reads tensor ``index`` of a part into the memory given (its exact bytes) and checks it against its checksum
+ReadChunk = Callable[[_disk.P, int, memoryview], None]
 
-def stage_chunks(target: dict[Any, Any], index: _disk.DcpIndex) -> list[tuple[torch.Tensor, torch.Tensor]]:
+
+def stage_chunks(target: dict[Any, Any], index: _disk.DcpIndex[_disk.P], read: ReadChunk[_disk.P]
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The copies that fill ``target``'s tensors (DTensors resharded) from the step ``index`` describes: (a view
     of a destination, the checked bytes that go there), for every chunk this rank reads; nothing is copied yet.
 
@@ -44,7 +49,7 @@ def stage_chunks(target: dict[Any, Any], index: _disk.DcpIndex) -> list[tuple[to
     the error raised is the one that stopped the load (DCP wraps it in a CheckpointException, which is
     no ``Exception``).
     """
-    reader = ManifestReader(index)
+    reader = ManifestReader(index, read)
     try:
         with warnings.catch_warnings():  # no_dist is the intent here, not a process group that went missing
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -57,12 +62,12 @@ def stage_chunks(target: dict[Any, Any], index: _disk.DcpIndex) -> list[tuple[to
     return reader.staged
 
 
-class ManifestReader(StorageReader):
-    """torch.distributed.checkpoint's reads of one step, served from stead's manifests (see the module docstring)."""
+class ManifestReader(StorageReader, Generic[_disk.P]):
+    """torch.distributed.checkpoint's reads of one step, served from stead's parts (see the module docstring)."""
 
-    def __init__(self, index: _disk.DcpIndex) -> None:
+    def __init__(self, index: _disk.DcpIndex[_disk.P], read: ReadChunk[_disk.P]) -> None:
         super().__init__()
-        self._index = index
+        self._index, self._read = index, read
         #: (a view of a destination, the checked bytes that go there), for every chunk read
         self.staged: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -83,29 +88,25 @@ class ManifestReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[tuple[ReadItem, _disk.Manifest, int]]] = {}
         for item in plan.items:
             chunk = self._index.chunks.get(item.storage_index) if item.type is LoadItemType.TENSOR else None
             if chunk is None:
                 raise CheckpointError(f"torch.distributed.checkpoint asked for {item.storage_index.fqn} as "
-                                      f"{item.type.name}, which stead does not read from its data files; "
+                                      f"{item.type.name}, which stead does not read from its parts; "
                                       "report this as a stead bug")
-            per_file.setdefault(chunk[0].data_file, []).append((item, *chunk))
-        for reads in per_file.values():
-            with _disk.open_data(reads[0][1]) as handle:
-                for item, manifest, index in reads:
-                    meta = TensorMeta.from_json(manifest.tensors[index], where=str(manifest.dir))
-                    chunk_tensor = torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype, where=str(manifest.dir)))
-                    _disk.read_tensor_into(manifest, handle, index, _disk.tensor_bytes(chunk_tensor))  # checked
-                    piece = chunk_tensor
-                    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
-                        piece = piece.narrow(dim, start, length)
-                    target = planner.resolve_tensor(item).detach()
-                    if target.size() != piece.size():
-                        raise StateMismatch(f"{item.storage_index.fqn}: torch.distributed.checkpoint planned "
-                                            f"{list(target.size())} from a chunk of {list(piece.size())}")
-                    # only the part this rank restores is kept: the rest of a larger chunk is let go
-                    self.staged.append((target, piece if piece.numel() == chunk_tensor.numel() else piece.clone()))
+            part, index = chunk
+            meta = TensorMeta.from_json(part.tensors[index], where=part.label)
+            chunk_tensor = torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype, where=part.label))
+            self._read(part, index, _disk.tensor_bytes(chunk_tensor))  # checked
+            piece = chunk_tensor
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                piece = piece.narrow(dim, start, length)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != piece.size():
+                raise StateMismatch(f"{item.storage_index.fqn}: torch.distributed.checkpoint planned "
+                                    f"{list(target.size())} from a chunk of {list(piece.size())}")
+            # only the part this rank restores is kept: the rest of a larger chunk is let go
+            self.staged.append((target, piece if piece.numel() == chunk_tensor.numel() else piece.clone()))
         done: Future[None] = Future()
         done.set_result(None)
         return done

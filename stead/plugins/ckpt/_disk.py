@@ -37,9 +37,9 @@ import struct
 import threading
 import uuid
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import structlog
 
@@ -52,8 +52,10 @@ if TYPE_CHECKING:
 __all__ = [
     "DcpIndex",
     "Manifest",
+    "Part",
     "candidates",
     "dcp_index",
+    "flat_records",
     "finish_step",
     "progress",
     "is_complete",
@@ -220,6 +222,11 @@ class Manifest:
     def dir(self) -> Path:
         return step_dir(self.root, self.step)
 
+    @property
+    def label(self) -> str:
+        """Where this part of the step lives, for messages: the manifest's path."""
+        return str(_manifest_path(self.root, self.step, self.rank))
+
 
 def write_rank(root: Path, *, step: int, round_: int, rank: int, world: int, tree: Any,
                metas: list[dict[str, Any]], tensors: list[Any], expected: list[int] | None = None) -> None:
@@ -230,9 +237,6 @@ def write_rank(root: Path, *, step: int, round_: int, rank: int, world: int, tre
     """
     load_dcp()
     import torch
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    from stead.plugins.ckpt._codec import decode
 
     tensors = [_owning(t) for t in tensors]
     sums = [checksum(tensor_bytes(t)) for t in tensors]
@@ -243,20 +247,16 @@ def write_rank(root: Path, *, step: int, round_: int, rank: int, world: int, tre
                                   "memory; not persisting a corrupt copy")
     folder = step_dir(root, step)
     folder.mkdir(parents=True, exist_ok=True)
-    state = decode(tree, lambda i, _path: tensors[i], where=f"step {step} rank {rank}")
-    flat, mappings = flatten_state_dict(state)
-    index_of = {id(t): i for i, t in enumerate(tensors)}
     raw: dict[int, int] = {}
     items: list[dict[str, Any]] = []
     data = folder / _data_name(rank)
     tmp = folder / f".{data.name}.tmp-{os.getpid()}"
     with _create_private(tmp, "w+b") as handle:
-        for fqn, value in flat.items():
+        for fqn, path, value, index in flat_records(tree, tensors, where=f"step {step} rank {rank}"):
             start = handle.tell()
             torch.save(value, handle)
             end = handle.tell()
-            item: dict[str, Any] = {"fqn": fqn, "path": list(mappings[fqn]), "offset": start, "length": end - start}
-            index = index_of.get(id(value)) if isinstance(value, torch.Tensor) else None
+            item: dict[str, Any] = {"fqn": fqn, "path": path, "offset": start, "length": end - start}
             if index is not None and index not in raw:
                 raw[index] = _record_offset(handle, start, end, int(metas[index]["nbytes"]))
                 item["tensor"] = index
@@ -272,6 +272,22 @@ def write_rank(root: Path, *, step: int, round_: int, rank: int, world: int, tre
     manifest = {"format": FORMAT, "step": step, "round": round_, "rank": rank, "world": world,
                 "file": data.name, "tensors": entries, "tree": tree, "dcp": items}
     _write_atomic(_manifest_path(root, step, rank), with_digest(json.dumps(manifest, separators=(",", ":")).encode()))
+
+
+def flat_records(tree: Any, tensors: Sequence[Any], *, where: str
+                 ) -> list[tuple[str, list[Any], Any, int | None]]:
+    """The state ``tree`` describes (``tensors``: its leaves) as torch.distributed.checkpoint stores it, one record
+    per value: (fqn, path, value, the index of the tensor when the value is one of ``tensors``, else None)."""
+    load_dcp()
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from stead.plugins.ckpt._codec import decode
+
+    flat, mappings = flatten_state_dict(decode(tree, lambda i, _path: tensors[i], where=where))
+    index_of = {id(t): i for i, t in enumerate(tensors)}
+    return [(fqn, list(mappings[fqn]), value, index_of.get(id(value)) if isinstance(value, torch.Tensor) else None)
+            for fqn, value in flat.items()]
 
 
 def read_manifest(root: Path, step: int, rank: int) -> Manifest:
@@ -445,18 +461,37 @@ def _retain(root: Path, keep_last: int) -> None:
             log.debug("ckpt_step_removed", step=step, keep_last=keep_last)
 
 
+class Part(Protocol):
+    """One rank's part of a step as :func:`dcp_index` reads it: a manifest on disk, or a slot in some node's memory
+    (:mod:`._memreshard`)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def data_file(self) -> str: ...
+    @property
+    def tensors(self) -> list[dict[str, Any]]: ...
+    @property
+    def dcp(self) -> list[dict[str, Any]]: ...
+    @property
+    def label(self) -> str: ...
+
+
+P = TypeVar("P", bound=Part)
+
+
 @dataclasses.dataclass(frozen=True)
-class DcpIndex:
-    """A step as torch.distributed.checkpoint sees it, built from its ranks' manifests."""
+class DcpIndex(Generic[P]):
+    """A step as torch.distributed.checkpoint sees it, built from its ranks' parts (manifests, or slots)."""
 
     #: what ``.metadata`` holds: every tensor's chunks, every plain value's record, in each rank's data file
     metadata: Metadata
-    #: each tensor chunk's manifest and index in it: where stead finds the chunk's raw bytes and checksum
-    chunks: dict[MetadataIndex, tuple[Manifest, int]]
+    #: each tensor chunk's part and index in it: where stead finds the chunk's raw bytes and checksum
+    chunks: dict[MetadataIndex, tuple[P, int]]
 
 
-def dcp_index(folder: Path, manifests: list[Manifest]) -> DcpIndex:
-    """The torch.distributed.checkpoint ``Metadata`` of a step (``manifests``: every rank's), and its chunks.
+def dcp_index(folder: Path | str, manifests: Sequence[P]) -> DcpIndex[P]:
+    """The torch.distributed.checkpoint ``Metadata`` of a step (``manifests``: every rank's part), and its chunks.
 
     A replicated tensor (the same offsets on several ranks) is described once, by the lowest rank,
     as ``dcp.save`` does.
@@ -478,7 +513,7 @@ def dcp_index(folder: Path, manifests: list[Manifest]) -> DcpIndex:
 
     sd_meta: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
-    chunks: dict[MetadataIndex, tuple[Manifest, int]] = {}
+    chunks: dict[MetadataIndex, tuple[P, int]] = {}
     planner: dict[str, tuple[Any, ...]] = {}
     chunk_offsets: dict[str, set[tuple[int, ...]]] = {}
     for manifest in sorted(manifests, key=lambda m: m.rank):
@@ -513,8 +548,8 @@ def dcp_index(folder: Path, manifests: list[Manifest]) -> DcpIndex:
                 storage[key] = info
                 chunks[key] = (manifest, tensor)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            raise CheckpointError(f"{_manifest_path(manifest.root, manifest.step, manifest.rank)}: its record "
-                                  f"table is malformed ({exc!r}); restore an older step") from exc
+            raise CheckpointError(f"{manifest.label}: its record table is malformed ({exc!r}); restore an older "
+                                  "step") from exc
     metadata = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
                         storage_meta=StorageMeta(checkpoint_id=str(folder), save_id=uuid.uuid4().hex),
                         version="1.0.0")

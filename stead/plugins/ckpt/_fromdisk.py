@@ -21,9 +21,11 @@ plan crosses the process group either.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -32,7 +34,7 @@ from stead.plugins.ckpt._codec import TensorMeta, decode, dtype_from_name, find
 from stead.plugins.ckpt._restore import Template, as_dict, destination
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 
-__all__ = ["Staged", "read_step", "stage_resharded"]
+__all__ = ["Staged", "read_step", "stage_parts", "stage_resharded"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,51 +77,78 @@ def stage_resharded(manifest: _disk.Manifest, given: Template, *, world: int) ->
     A chunk that fails its checksum raises :class:`CheckpointError` (an older step can be tried); a state that
     cannot take the step raises :class:`StateMismatch`.
     """
-    where = f"step {manifest.step}"
-    metas = _metas(manifest)
-    skeleton = decode(manifest.tree, lambda i, _path: metas[i], where=where)
-    template = given(skeleton) if callable(given) else given
-    ranks = [manifest if rank == manifest.rank else _disk.read_manifest(manifest.root, manifest.step, rank)
+    parts = [manifest if rank == manifest.rank else _disk.read_manifest(manifest.root, manifest.step, rank)
              for rank in range(manifest.world)]
-    index = _disk.dcp_index(manifest.dir, ranks)
-    dcp_tensors = {int(item["tensor"]) for item in manifest.dcp if "tensor" in item}
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def read(part: _disk.Manifest, index: int, target: memoryview) -> None:
+            handle = handles.get(part.data_file)
+            if handle is None:
+                handle = handles[part.data_file] = stack.enter_context(_disk.open_data(part))
+            _disk.read_tensor_into(part, handle, index, target)
+
+        return stage_parts(parts, manifest, given, step=manifest.step, world=world, where=manifest.dir, read=read)
+
+
+class _Whole(_disk.Part, Protocol):
+    """A part that also holds the state's tree (every rank's part has it, the same)."""
+
+    @property
+    def tree(self) -> Any: ...
+
+
+W = TypeVar("W", bound=_Whole)
+
+
+def stage_parts(parts: Sequence[W], own: W, given: Template, *, step: int, world: int, where: Path | str,
+                read: Callable[[W, int, memoryview], None]) -> Staged:
+    """The step whose every rank's part is in ``parts`` (``own``: the one whose tree and unsharded values this
+    rank takes), resharded for ``world`` ranks as :func:`stage_resharded` says; ``read(part, index, target)``
+    reads a tensor of a part, checked (a data file on disk, a slot in some node's memory)."""
+    what = f"step {step}"
+    saved = len(parts)
+    metas = [TensorMeta.from_json(t, where=own.label) for t in own.tensors]
+    skeleton = decode(own.tree, lambda i, _path: metas[i], where=what)
+    template = given(skeleton) if callable(given) else given
+    index = _disk.dcp_index(where, parts)
+    dcp_tensors = {int(item["tensor"]) for item in own.dcp if "tensor" in item}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    with _disk.open_data(manifest) as handle:
 
-        def leaf(i: int, path: tuple[object, ...]) -> Any:
-            meta, existing = metas[i], find(template, path) if template is not None else None
-            if i not in dcp_tensors:  # inside a value DCP stores whole (a tuple): stead's own copy of it
-                if meta.sharded:
-                    raise StateMismatch(f"{where}: the shard at {list(path)} sits inside a tuple, which "
-                                        "torch.distributed.checkpoint cannot reshard; restore it with the "
-                                        f"{manifest.world} ranks that saved it")
-                value, target = destination(meta, existing, path)
-                if value is not existing:  # a new tensor, nobody's yet
-                    _read_into(manifest, handle, i, target, check=True)
-                    return value
-                checked = torch.empty(meta.shape, dtype=target.dtype)
-                _disk.read_tensor_into(manifest, handle, i, _disk.tensor_bytes(checked))
-                copies.append((target, checked))
-                return value
-            if isinstance(existing, torch.Tensor):
-                return existing
+    def leaf(i: int, path: tuple[object, ...]) -> Any:
+        meta, existing = metas[i], find(template, path) if template is not None else None
+        if i not in dcp_tensors:  # inside a value DCP stores whole (a tuple): stead's own copy of it
             if meta.sharded:
-                raise StateMismatch(f"{where} was saved by {manifest.world} ranks and this job has {world}: its "
-                                    f"shard at {list(path)} can only be resharded into the current state dict "
-                                    "(with its DTensors); pass it to load()")
-            return torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype, where=where))
+                raise StateMismatch(f"{what}: the shard at {list(path)} sits inside a tuple, which "
+                                    "torch.distributed.checkpoint cannot reshard; restore it with the "
+                                    f"{saved} ranks that saved it")
+            value, target = destination(meta, existing, path)
+            if value is not existing and target.device.type == "cpu" and target.is_contiguous():
+                read(own, i, _disk.tensor_bytes(target))  # a new tensor, nobody's yet
+                return value
+            checked = torch.empty(meta.shape, dtype=target.dtype)
+            read(own, i, _disk.tensor_bytes(checked))
+            copies.append((target, checked))
+            return value
+        if isinstance(existing, torch.Tensor):
+            return existing
+        if meta.sharded:
+            raise StateMismatch(f"{what} was saved by {saved} ranks and this job has {world}: its "
+                                f"shard at {list(path)} can only be resharded into the current state dict "
+                                "(with its DTensors); pass it to load()")
+        return torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype, where=what))
 
-        with torch.no_grad():
-            target = decode(manifest.tree, leaf, where=where)
+    with torch.no_grad():
+        target = decode(own.tree, leaf, where=what)
     _disk.load_dcp()
     from stead.plugins.ckpt._dcp_reader import stage_chunks  # torch.distributed.checkpoint takes a while to import
 
     try:
-        copies += stage_chunks(target, index)
+        copies += stage_chunks(target, index, read)
     except CheckpointError:
         raise
     except Exception as exc:  # DCP's own errors (a missing key, a shape it cannot reshard) say what is wrong
-        raise StateMismatch(f"{where} (saved by {manifest.world} ranks) could not be resharded into this job's "
+        raise StateMismatch(f"{what} (saved by {saved} ranks) could not be resharded into this job's "
                             f"{world} ranks: {exc}; nothing was loaded") from exc
     return Staged(state=as_dict(target), copies=copies)
 

@@ -16,7 +16,8 @@ import dataclasses
 import functools
 import os
 import ssl
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +28,17 @@ from stead.core.rpc import MasterClient, RpcServer, client_tls, new_token, write
 from stead.core.rpc.tls import server_context, tls_files
 from stead.core.store import open_store
 from stead.plugin import AgentContext, Event, JobState, PluginContext, Record, RoundInfo, Settings
+from stead.plugins.ckpt._checksum import checksum
+from stead.plugins.ckpt._codec import encode
+from stead.plugins.ckpt._disk import tensor_bytes
+from stead.plugins.ckpt._layout import LayoutDoc, parse_document, plan
+from stead.plugins.ckpt._memreshard import SlotPart, slot_part
 from stead.plugins.ckpt.agent import CheckpointAgentExtension
 from stead.plugins.ckpt.plugin import CheckpointPlugin
 from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.worker import FlashCheckpointer
 
-__all__ = ["LocalCluster", "environ_set"]
+__all__ = ["LocalCluster", "SlotImage", "environ_set", "slot_image"]
 
 
 class LocalCluster:
@@ -162,3 +168,40 @@ def environ_set(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotImage:
+    """A state laid out as a worker saves it into a slot (tensors, their checksums, the layout document)."""
+
+    data: bytearray
+    doc: LayoutDoc
+    sums: tuple[int, ...]
+
+    def part(self, *, where: str, fetched: list[tuple[int, int]] | None = None) -> SlotPart:
+        """The slot as a reshard reads it, from this memory (``fetched``: each (rank, offset) read is noted)."""
+
+        def fetch(offset: int, nbytes: int) -> memoryview:
+            if fetched is not None:
+                fetched.append((self.doc.rank, offset))
+            return memoryview(self.data)[offset:offset + nbytes]
+
+        return slot_part(self.doc, self.sums, fetch, where=where)
+
+
+def slot_image(state: Mapping[str, Any], *, step: int, rank: int, world: int, round_: int = 1) -> SlotImage:
+    """``state`` (DTensors as their local shards) in a slot's bytes, as rank ``rank`` of ``world`` saves it in
+    round ``round_``: a node's memory for tests of the memory tiers without an agent."""
+    encoded = encode(state)
+    layout = plan([m.to_json() for m in encoded.metas])
+    document = layout.document(tree=encoded.tree, step=step, round_=round_, rank=rank, world=world)
+    data = bytearray(layout.needed(document))
+    sums = []
+    for tensor, offset, nbytes in zip(encoded.tensors, layout.offsets, layout.nbytes, strict=True):
+        local = tensor.detach().cpu().contiguous()
+        data[offset:offset + nbytes] = tensor_bytes(local) if nbytes else b""
+        sums.append(checksum(data[offset:offset + nbytes]))
+    data[layout.checks_off:layout.layout_off] = struct.pack(f"<{len(sums)}Q", *sums)
+    data[layout.layout_off:] = document
+    doc = parse_document(document, expected_sum=checksum(document), where=f"the slot of rank {rank}")
+    return SlotImage(data=data, doc=doc, sums=tuple(sums))

@@ -1,0 +1,206 @@
+"""Resharding a step from the old ranks' slots in memory (_memreshard): the same state as the reshard from disk,
+every chunk checked before any byte reaches the caller's tensors, and only one slot per old rank of one step taken.
+Real FSDP2 over gloo: saved by three ranks, resharded into two from their slots, equal to what DCP's own load of
+the same step gives, each new rank fetching only the shards it needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stead.plugins.ckpt import _disk, _fromdisk
+from stead.plugins.ckpt._memreshard import stage_from_memory
+from stead.plugins.ckpt.errors import CheckpointError
+from stead.plugins.ckpt.testing import SlotImage, slot_image
+from stead.testing.steps import free_port
+
+from .test_no_unpickle import COLS, ROWS, weight, write_step
+from .test_restore_faults import blank
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def slots(step: int, *, world: int = 2) -> list[SlotImage]:
+    """``step`` as write_step's ``world`` ranks hold it in their slots (model.w sharded by rows)."""
+    images = []
+    for rank in range(world):
+        rows = ROWS // world
+        state = {"model": {"w": weight(step)[rank * rows:(rank + 1) * rows].clone(), "b": torch.full((COLS,), 0.5)},
+                 "pair": (torch.full((2,), float(step)), "tag"), "epoch": step, "lrs": [0.1, 0.2]}
+        image = slot_image(state, step=step, rank=rank, world=world)
+        image.doc.tensors[0].update(global_shape=[ROWS, COLS], offsets=[rank * rows, 0])  # model.w: a shard
+        images.append(image)
+    return images
+
+
+def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}{key}.").items()}
+    if isinstance(value, (list, tuple)):
+        return {k: v for i, item in enumerate(value) for k, v in flat(item, f"{prefix}{i}.").items()}
+    return {prefix: value}
+
+
+def test_a_step_resharded_from_the_slots_equals_the_same_step_resharded_from_disk(tmp_path: Path) -> None:
+    write_step(tmp_path, 3)
+    from_disk = _fromdisk.stage_resharded(_disk.read_manifest(tmp_path, 3, 0), blank(), world=1).copy_in()
+    from_memory = stage_from_memory([s.part(where=f"slot of rank {s.doc.rank}") for s in slots(3)], blank(),
+                                    rank=0, world=1).copy_in()
+    assert torch.equal(from_memory["model"]["w"], weight(3))  # both shards, one under the other
+    got, expected = flat(from_memory), flat(from_disk)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert (torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value), key
+
+
+def test_a_corrupt_shard_in_memory_is_caught_before_any_byte_reaches_the_state() -> None:
+    images = slots(3)
+    offset = int(images[1].doc.tensors[0]["offset"])
+    images[1].data[offset] ^= 0xFF  # a flipped byte in the second rank's shard of model.w
+    state = blank()
+    with pytest.raises(CheckpointError, match="slot of rank 1: tensor 0 of step 3 fails its checksum"):
+        stage_from_memory([s.part(where=f"slot of rank {s.doc.rank}") for s in images], state, rank=0, world=1)
+    assert not state["model"]["w"].any() and not state["model"]["b"].any() and not state["pair"][0].any()
+
+
+@pytest.mark.parametrize("which", ["a-rank-missing", "another-step", "another-round"])
+def test_slots_that_are_not_one_step_of_every_old_rank_are_refused(which: str) -> None:
+    images = slots(3)
+    if which == "a-rank-missing":
+        images = images[:1]
+    elif which == "another-step":
+        images[1] = slots(4)[1]
+    else:
+        images[1] = slot_image({"x": torch.ones(1)}, step=3, rank=1, world=2, round_=2)
+    with pytest.raises(CheckpointError, match="not one slot of each of its 2 ranks from one round; the step is "
+                                              "read from disk"):
+        stage_from_memory([s.part(where=f"slot of rank {s.doc.rank}") for s in images], blank(), rank=0, world=1)
+
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from stead.plugins.ckpt._layout import parse_document
+    from stead.plugins.ckpt._memreshard import stage_from_memory
+    from stead.plugins.ckpt.testing import SlotImage, slot_image
+
+    phase, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+
+    def trained(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))  # 5 rows: uneven shards
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.full((3, 4), float(seed + 1))).sum().backward()
+        opt.step()  # Adam's state (DTensors) exists: the optimizer's shards are restored too
+        return model, opt
+
+    def full(model, opt):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        tensors = {"model." + k: v for k, v in model_sd.items()}
+        for param, values in optim_sd["state"].items():
+            tensors.update({f"optim.{param}.{k}": v for k, v in values.items()})
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in sorted(tensors.items())}
+
+    if phase == "save":
+        model, opt = trained(0)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd, "epoch": 4}
+        image = slot_image(state, step=2, rank=rank, world=world)
+        with open(f"{out}/slot_{rank}.bin", "wb") as f:
+            f.write(image.data)
+        with open(f"{out}/slot_{rank}.json", "w") as f:
+            json.dump({"sums": image.sums}, f)
+        dcp.save(state, checkpoint_id=f"{out}/dcp")
+        expected = full(model, opt)  # (a collective: every rank gathers)
+        if rank == 0:
+            torch.save(expected, f"{out}/expected.pt")
+    else:
+        saved = int(sys.argv[3])
+        images = []
+        for old in range(saved):
+            data = bytearray(open(f"{out}/slot_{old}.bin", "rb").read())
+            sums = tuple(json.load(open(f"{out}/slot_{old}.json"))["sums"])
+            layout_off = data.rindex(b'{"format"')
+            doc = parse_document(bytes(data[layout_off:]), expected_sum=None, where=f"slot of rank {old}")
+            images.append(SlotImage(data=data, doc=doc, sums=sums))
+        fetched = []
+        model, opt = trained(1)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        parts = [image.part(where=f"slot of rank {image.doc.rank}", fetched=fetched) for image in images]
+        state = stage_from_memory(parts, {"model": model_sd, "optim": optim_sd}, rank=rank, world=world).copy_in()
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        from_memory = full(model, opt)
+        model, opt = trained(2)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        target = {"model": model_sd, "optim": optim_sd, "epoch": 0}
+        dcp.load(target, checkpoint_id=f"{out}/dcp")  # torch's own reshard of the same step, from its files
+        set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        from_dcp = full(model, opt)
+        expected = torch.load(f"{out}/expected.pt", weights_only=True)
+        assert state["epoch"] == 4 and target["epoch"] == 4, (state["epoch"], target["epoch"])
+        assert from_memory.keys() == from_dcp.keys() == expected.keys(), (from_memory.keys(), expected.keys())
+        differ = [k for k in expected if not torch.equal(from_memory[k], from_dcp[k])]
+        assert not differ, differ
+        assert all(torch.equal(from_memory[k], expected[k]) for k in expected), "not the saved state"
+        sharded = sorted({(old, int(t["offset"])) for old, image in enumerate(images)
+                          for t in image.doc.tensors if "global_shape" in t and int(t["nbytes"]) > 0})
+        print("FETCHED", json.dumps({"rank": rank, "sharded": sorted({f for f in fetched if tuple(f) in
+                                     set(sharded)}), "all_sharded": sharded}), flush=True)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # as test_fsdp.py's workers do: fully_shard keeps the process group alive past destroy
+""")
+
+
+def _run(script: Path, phase: str, out: Path, world: int, *extra: str) -> list[str]:
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+               "PYTHONPATH": os.pathsep.join(sys.path)}
+        procs.append(subprocess.Popen([sys.executable, str(script), phase, str(out), *extra], env=env,
+                                      cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, output[-3000:]
+        outputs.append(output)
+    return outputs
+
+
+def test_fsdp2_saved_by_three_ranks_is_resharded_into_two_from_their_slots_as_dcp_reshards_it(tmp_path: Path) -> None:
+    script = tmp_path / "reshard_worker.py"
+    script.write_text(SCRIPT)
+    _run(script, "save", tmp_path, 3)
+    outputs = _run(script, "restore", tmp_path, 2, "3")
+    fetched = {}
+    for output in outputs:
+        [line] = [line for line in output.splitlines() if line.startswith("FETCHED ")]
+        report = json.loads(line.removeprefix("FETCHED "))
+        fetched[report["rank"]] = {tuple(f) for f in report["sharded"]}
+        every = {tuple(f) for f in report["all_sharded"]}
+    # the old shards: rows 0-1, 2-3 and 4 of the first layer (rows 0, 1 and none of the second); new rank 0 restores
+    # rows 0-2, rank 1 rows 3-4: neither fetches every shard, and together they fetch each one at least once
+    assert fetched[0] and fetched[1] and fetched[0] != every and fetched[1] != every, (fetched, every)
+    assert not any(old == 2 for old, _ in fetched[0]), fetched[0]  # new rank 0 needs nothing of old rank 2's rows
+    assert not any(old == 0 for old, _ in fetched[1]), fetched[1]  # nor new rank 1 of old rank 0's
+    assert fetched[0] | fetched[1] == every
