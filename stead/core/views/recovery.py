@@ -352,14 +352,18 @@ class RecoveryFold:
 
 
 def restored_from(event: CheckpointRestored) -> str:
-    """``step 41: memory 1, peer 1`` (ranks per tier: their own memory, a peer host's replica, disk), and how the
-    step stands to the newest replicated step R and the newest commit where the record says: ``(replicated)``,
+    """``step 41: memory 1, peer 1`` (ranks per tier: their own memory, a peer host's replica, disk; or resharded
+    from the old ranks' slots in memory when the world size changed), and how the step stands to the newest
+    replicated step R and the newest commit where the record says: ``(replicated)``,
     ``(newer than replicated step 40)``, ``(replicated; the newest commit, 42, was not)``, ``(older than replicated
     step 40: no copy of it was left)``."""
     if event.step < 0:
         return "nothing (a fresh start)"
     tiers = [f"{name} {count}" for name, count in (("memory", event.memory_ranks), ("peer", event.peer_ranks),
                                                     ("disk", event.disk_ranks)) if count]
+    if event.resharded_ranks:
+        tiers.insert(0, f"resharded from memory {event.resharded_ranks} (the old ranks' slots read: own memory "
+                        f"{event.reshard_own_parts}, peer replicas {event.reshard_peer_parts})")
     said = f"step {event.step}: {', '.join(tiers)}" if tiers else f"step {event.step}"
     replicated = event.replicated_step
     if replicated < 0:

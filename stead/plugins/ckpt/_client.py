@@ -120,9 +120,10 @@ class CheckpointClient:
                          persisted_step=reply.persisted_step, released={r.rank: r.step for r in reply.released},
                          sources=_peers(reply.replica_sources), replication=_replicated(reply.replication))
 
-    async def report_restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str) -> None:
+    async def report_restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str,
+                              parts: tuple[int, int] = (0, 0)) -> None:
         request = proto.ReportRestoredRequest(node_id=self.node_id, round=round_, world_size=world_size, rank=rank,
-                                        step=step, tier=tier)
+                                              step=step, tier=tier, reshard_own=parts[0], reshard_peer=parts[1])
         with self._conn.errors("CheckpointService.ReportRestored"):
             await self._stub.report_restored(request, timeout=self._conn.call_timeout_s)
 

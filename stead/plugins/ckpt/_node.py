@@ -37,6 +37,7 @@ from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._client import CheckpointClient, Committed, Replicated, Saved
 from stead.plugins.ckpt._diskwait import until_on_disk
 from stead.plugins.ckpt._link import SOCKET_ENV
+from stead.plugins.ckpt._memparts import node_parts
 from stead.plugins.ckpt._peers import PeerReplicas
 from stead.plugins.ckpt._rankmem import PersistJob, RankMemory
 from stead.plugins.ckpt._shm import (
@@ -176,7 +177,7 @@ class NodeCheckpoints:
         if info.restart_count > 0 or info.round > 1:
             self._persist_committed("restart")
         if (self.hint[0] >= 0 and self.ckpt.persist_on_failure and not self._restorable_from_memory(info)
-                and not from_peers):
+                and not from_peers and not self._reshardable_here(info)):
             await self._until_on_disk(self.hint[0])
         log.debug("ckpt_round", round=info.round, restore_step=self.hint[0], restore_round=self.hint[1])
 
@@ -208,7 +209,9 @@ class NodeCheckpoints:
                 continue
             if all(s.world != info.world_size for s in sources):
                 log.info("ckpt_replica_of_another_world", rank=rank, step=self.hint[0], saved_world=sources[0].world,
-                         world=info.world_size, effect="the step is resharded from disk (not yet from peers' memory)")
+                         world=info.world_size,
+                         effect="the step is resharded: from memory where every rank's node holds every old rank's "
+                                "slot, else from disk")
                 every = False
                 continue
             state = self._state(local_rank)
@@ -270,6 +273,19 @@ class NodeCheckpoints:
                                                           info.world_size):
                 return False
         return True
+
+    def _reshardable_here(self, info: RoundInfo) -> bool:
+        """Whether this node holds a copy of every old rank's slot of the step to restore, saved by another world
+        size: its workers reshard it from memory (:meth:`._recover.Restore.reshard_from_memory`) and read no file,
+        so they need not wait for it on disk (when another node's workers cannot, they read it from disk, and that
+        node waits for it)."""
+        parts = self._parts(*self.hint)
+        worlds = {int(p["meta"]["world"]) for p in parts}
+        return len(worlds) == 1 and len(parts) == min(worlds) != info.world_size and all(p["sharded"] for p in parts)
+
+    def _parts(self, step: int, round_: int) -> list[dict[str, Any]]:
+        return node_parts(self._ranks.values(), self.names, self.peers.copies(step, round_), self.peers.fetched,
+                          step=step, round_=round_)
 
     async def _until_on_disk(self, step: int) -> None:
         """:func:`._diskwait.until_on_disk` for this node (its own persists, the master's count of the parts)."""
@@ -349,10 +365,13 @@ class NodeCheckpoints:
                 state.passed = max(state.passed, int(message["step"]))
                 self._dirty.set()
             case "restored":
-                self._spawn(self._report_restored, state, int(message["step"]), str(message["tier"]))
+                self._spawn(self._report_restored, state, int(message["step"]), str(message["tier"]),
+                            (int(message.get("own", 0)), int(message.get("peer", 0))))
             case "corrupt":
                 self._spawn(self._report_corrupt, state, int(message["step"]), str(message["tier"]),
                             str(message.get("detail", "")))
+            case "parts":
+                return state, {"ok": True, "parts": self._parts(int(message["step"]), int(message["round"]))}
             case "persisted":
                 step = int(message["step"])
                 with anyio.move_on_after(max(0.0, float(message.get("wait_s", 0.0)))):
@@ -778,12 +797,14 @@ class NodeCheckpoints:
         except SteadError as exc:
             log.warning("ckpt_report_failed", what="disk", step=step, error=str(exc))
 
-    async def _report_restored(self, state: RankMemory, step: int, tier: str) -> None:
+    async def _report_restored(self, state: RankMemory, step: int, tier: str, parts: tuple[int, int]) -> None:
+        """Tell the master where the rank restored ``step`` from (``parts``: for a reshard from memory, how many of
+        the old ranks' slots were own slots and peers' replicas)."""
         if tier == "memory" and step in self.peers.fetched.get(state.local_rank, ()):
             tier = "peer"  # its slot was given the step from another host's replica
         try:
             await self._client.report_restored(round_=state.round, world_size=state.world, rank=state.rank,
-                                               step=step, tier=tier)
+                                               step=step, tier=tier, parts=parts)
         except SteadError as exc:
             log.warning("ckpt_report_failed", what="restored", error=str(exc))
 

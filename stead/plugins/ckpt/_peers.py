@@ -36,7 +36,7 @@ from stead.plugin import (
 )
 from stead.plugins.ckpt._client import PeerCopy, Replicated
 from stead.plugins.ckpt._rankmem import RankMemory
-from stead.plugins.ckpt._replicas import ReplicaError, ReplicaMeta, ReplicaServer, fetch, push
+from stead.plugins.ckpt._replicas import Held, ReplicaError, ReplicaMeta, ReplicaServer, fetch, push
 from stead.plugins.ckpt._shm import (
     SegmentNames,
     SlotInfo,
@@ -111,6 +111,10 @@ class PeerReplicas:
         if self._server is not None:
             self._server.close()
             self._server = None
+
+    def copies(self, step: int, round_: int) -> list[Held]:
+        """The replicas this node holds of ``step`` saved in ``round_`` (:meth:`ReplicaServer.copies`)."""
+        return self._server.copies(step, round_) if self._server is not None else []
 
     def held(self) -> list[tuple[int, int, int, int, int]]:
         """(rank, world, step, round, bytes) of each replica this node holds for others."""

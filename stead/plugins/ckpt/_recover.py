@@ -13,6 +13,10 @@ ranks agree on the newest step that every rank can take, each from the best tier
    the same state as every copy the other ranks restore; or, for a sharded state saved by
    another world size, the step resharded (:func:`._fromdisk.stage_resharded`).
 
+Before the tiers, when the world size changed and every rank's node holds a copy of every old rank's slot of the
+committed step (own slots, peers' replicas), the step is resharded from those (:meth:`Restore.reshard_from_memory`)
+and no file is read.
+
 So a node that replaces a lost one restores the step its surviving peers restore from memory.
 Every byte is verified before it reaches the caller's tensors (a copy on disk is checked whole,
 then read; a resharded step is read and checked into memory of its own, then copied), all ranks
@@ -42,6 +46,8 @@ from stead.plugins.ckpt._codec import TensorMeta, decode, find
 from stead.plugins.ckpt._group import Group
 from stead.plugins.ckpt._layout import LayoutDoc, parse_document
 from stead.plugins.ckpt._mapped import MappedSlot
+from stead.plugins.ckpt._memparts import MappedParts, is_sharded
+from stead.plugins.ckpt._memreshard import stage_from_memory
 from stead.plugins.ckpt._restore import Template, as_dict, check_template, destination
 from stead.plugins.ckpt._shm import Control, SlotInfo, VerifyState
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
@@ -464,30 +470,78 @@ class Restore:
         return state
 
     def _read_resharded(self, manifest: _disk.Manifest, given: Template) -> dict[Any, Any] | None:
-        """``manifest``'s step resharded into this world, on every rank at once: every chunk a rank restores read
-        and checked first (None on every rank when one fails or cannot be read: an older step is tried), then
-        copied into the caller's state.
+        """``manifest``'s step resharded into this world (:meth:`_resharded`), read from disk."""
+        log.info("ckpt_resharding", step=manifest.step, saved_world=manifest.world, world=self.world,
+                 rank=self.rank, tier="disk")
+        return self._resharded(manifest.step, lambda: _fromdisk.stage_resharded(manifest, given, world=self.world),
+                               tier="disk")
+
+    def reshard_from_memory(self, given: Template, hint: tuple[int, int],
+                            parts_of: Callable[[int, int], MappedParts | None]) -> tuple[Restored, int, int] | None:
+        """The committed step ``hint`` resharded into this world from the old ranks' slots in memory, when every
+        rank's node holds a copy of every old rank's slot of it (``parts_of``: this node's, mapped; None without an
+        agent) and the step, a sharded state, was saved by another world size: the step and state, and how many of
+        the parts this rank's node held were own slots and peers' replicas. None on every rank otherwise, or when a
+        part fails its checks (reported): the ranks then take the step from the other tiers (disk), as before.
+
+        ``hint`` is the same on every rank (the newest commit any rank's agent heard of)."""
+        step, round_ = hint
+        mapped: MappedParts | None = None
+        try:
+            if step >= 0 and not self.excluded(step, round_):
+                try:
+                    mapped = parts_of(step, round_)
+                except (CheckpointError, OSError) as exc:
+                    log.warning("ckpt_memory_parts_unusable", step=step, rank=self.rank, error=str(exc),
+                                effect="the step is resharded from disk")
+            saved = mapped.parts[0].doc.world if mapped is not None and mapped.parts else self.world
+            # a state without shards (DDP) is taken from one old rank's copy by the tiers, once the copies are
+            # shown to be the same (as before): only a sharded one is resharded
+            sharded = mapped is not None and any(is_sharded(p) for p in mapped.parts[:1])
+            here = mapped is not None and sharded and saved != self.world and len(mapped.parts) == saved
+            if not self.group.agree(here) or mapped is None:
+                if here or (sharded and saved != self.world):
+                    log.info("ckpt_reshard_not_from_memory", step=step, rank=self.rank, saved_world=saved,
+                             held=len(mapped.parts) if mapped is not None else 0,
+                             reason="some old rank's slot of the step is on no rank's node (or on another node)",
+                             effect="the step is resharded from disk")
+                return None
+            parts = mapped.parts
+            log.info("ckpt_resharding", step=step, saved_world=saved, world=self.world, rank=self.rank,
+                     tier="memory", own=mapped.own, peer=mapped.peer)
+            state = self._resharded(step, lambda: stage_from_memory(parts, given, rank=self.rank, world=self.world),
+                                    tier="memory")
+            return None if state is None else ((step, state), mapped.own, mapped.peer)
+        finally:
+            if mapped is not None:
+                mapped.close()
+
+    def _resharded(self, step: int, stage: Callable[[], _fromdisk.Staged], *, tier: str) -> dict[Any, Any] | None:
+        """``step`` resharded into this world, on every rank at once: every chunk a rank restores read and checked
+        first by ``stage`` (None on every rank when one fails or cannot be read: another tier or an older step is
+        tried), then copied into the caller's state.
 
         A state that cannot take the step on any rank stops every rank, with nothing loaded.
         """
-        log.info("ckpt_resharding", step=manifest.step, saved_world=manifest.world, world=self.world,
-                 rank=self.rank)
         staged: _fromdisk.Staged | None = None
         mismatch: StateMismatch | None = None
         try:
-            staged = _fromdisk.stage_resharded(manifest, given, world=self.world)
+            staged = stage()
         except FileNotFoundError:
             pass  # a file went away since the manifest was read: the ranks try an older step together
         except StateMismatch as exc:
             mismatch = exc
         except (CheckpointError, OSError) as exc:
-            self._unusable(manifest.step, exc)
+            if tier == "disk":
+                self._unusable(step, exc)
+            else:
+                self.report_corrupt(step, tier, str(exc))
         if not self.group.agree(mismatch is None):
-            raise mismatch or StateMismatch(f"another rank's state could not take step {manifest.step} resharded "
+            raise mismatch or StateMismatch(f"another rank's state could not take step {step} resharded "
                                             "(its log says why); nothing was loaded")
         if not self.group.agree(staged is not None) or staged is None:
             return None
-        return self._copy_in(manifest.step, staged.copy_in)
+        return self._copy_in(step, staged.copy_in)
 
 
 def _bounds(value: int | None) -> tuple[int, int]:

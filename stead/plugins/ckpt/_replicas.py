@@ -360,6 +360,13 @@ class ReplicaServer:
             self._spares.clear()
             self._changed_holdings()
 
+    def copies(self, step: int, round_: int) -> list[Held]:
+        """Each replica held of ``step`` saved in ``round_`` (the newest copy of a rank or the replicated step's
+        kept beside it): for a reshard from memory on this node."""
+        with self._lock:
+            return [h for h in [*self.held.values(), *self.kept.values()]
+                    if (h.meta.step, h.meta.round) == (step, round_)]
+
     def holdings(self) -> list[tuple[ReplicaMeta, int]]:
         """Each replica held and the memory it takes (its spare segment included), a kept one too."""
         return list(self._snapshot)

@@ -49,7 +49,7 @@ log = structlog.get_logger("stead.plugins.ckpt")
 
 TIERS = ("memory", "disk")
 #: where a rank's restore came from ("peer": a replica fetched from another host's memory)
-RESTORE_TIERS = ("memory", "peer", "disk", "none")
+RESTORE_TIERS = ("memory", "peer", "disk", "reshard", "none")
 #: ranks beyond this are refused as bad input (a typo, not a world)
 _MAX_WORLD = 1 << 20
 #: the commits the master remembers (step, round), so that a replica of a step the job never committed is never
@@ -75,6 +75,8 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         self._changed = asyncio.Condition()
         #: round -> rank -> (step, tier) of the restores reported so far
         self._restored: dict[int, dict[int, tuple[int, str]]] = {}
+        #: round -> rank -> (own, peer): the old ranks' slots a rank resharded from memory found, by kind
+        self._reshard_parts: dict[int, dict[int, tuple[int, int]]] = {}
         #: the nodes that take replicas (the newest incarnation's report of each), and what each holds
         self._peers: dict[str, _Peer] = {}
         #: holder node -> rank -> (step, round, world) of each replica it holds of it
@@ -280,18 +282,26 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
                     pass
         return self.book, released(self.book, ranks)
 
-    async def restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str) -> None:
+    async def restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str,
+                       parts: tuple[int, int] = (0, 0)) -> None:
         reports = self._restored.setdefault(round_, {})
         reports[rank] = (step, tier)
+        if tier == "reshard":
+            self._reshard_parts.setdefault(round_, {})[rank] = parts
         for old in [r for r in self._restored if r < round_ - 1]:
             del self._restored[old]
+            self._reshard_parts.pop(old, None)
         if len(reports) == world_size and all(r in reports for r in range(world_size)):
             del self._restored[round_]
+            slots = self._reshard_parts.pop(round_, {})
             steps = {s for s, _ in reports.values()}
             await self.ctx.emit(CheckpointRestored(
                 round=round_, step=min(steps), memory_ranks=sum(t == "memory" for _, t in reports.values()),
                 disk_ranks=sum(t == "disk" for _, t in reports.values()),
                 peer_ranks=sum(t == "peer" for _, t in reports.values()),
+                resharded_ranks=sum(t == "reshard" for _, t in reports.values()),
+                reshard_own_parts=sum(own for own, _ in slots.values()),
+                reshard_peer_parts=sum(peer for _, peer in slots.values()),
                 replicated_step=self.replication.replicated[0], committed_step=self.book.step))
             if len(steps) > 1:
                 log.error("ckpt_ranks_restored_different_steps", round=round_, steps=sorted(steps))
@@ -422,9 +432,14 @@ class CheckpointServicer(proto.CheckpointServiceBase):
             invalid(f"tier={message.tier!r} must be one of {RESTORE_TIERS}")
         at_least(f"{where}.round", message.round, 0, "rendezvous rounds count from 0")
         at_least(f"{where}.step", message.step, -1, "a training step, or -1 when nothing was restored")
+        for name in ("reshard_own", "reshard_peer"):
+            count = getattr(message, name)
+            if not 0 <= count <= _MAX_WORLD:
+                invalid(f"{where}.{name}={count} must be between 0 and {_MAX_WORLD} (a count of old ranks' slots)")
         with backend_errors("CheckpointService.ReportRestored"):
             await self._plugin.restored(round_=message.round, world_size=message.world_size, rank=message.rank,
-                                        step=message.step, tier=message.tier)
+                                        step=message.step, tier=message.tier,
+                                        parts=(message.reshard_own, message.reshard_peer))
         return proto.Ack()
 
     async def report_corrupt(self, message: proto.ReportCorruptRequest) -> proto.Ack:

@@ -1,27 +1,37 @@
 """Resharding a step from the old ranks' slots in memory (_memreshard): the same state as the reshard from disk,
 every chunk checked before any byte reaches the caller's tensors, and only one slot per old rank of one step taken.
 Real FSDP2 over gloo: saved by three ranks, resharded into two from their slots, equal to what DCP's own load of
-the same step gives, each new rank fetching only the shards it needs."""
+the same step gives, each new rank fetching only the shards it needs; and a job resized on its node (2 ranks, then
+1, then 3) restoring through load() from its agent's slots with nothing on disk, the record saying so."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from stead.core.config import Settings
+from stead.core.events import CheckpointRestored
+from stead.core.views.recovery import restored_from
 from stead.plugins.ckpt import _disk, _fromdisk
 from stead.plugins.ckpt._memreshard import stage_from_memory
 from stead.plugins.ckpt.errors import CheckpointError
+from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.testing import SlotImage, slot_image
 from stead.testing.steps import free_port
 
+from .conftest import Cluster
+from .test_fsdp import _run_ranks
 from .test_no_unpickle import COLS, ROWS, weight, write_step
 from .test_restore_faults import blank
 
@@ -204,3 +214,84 @@ def test_fsdp2_saved_by_three_ranks_is_resharded_into_two_from_their_slots_as_dc
     assert not any(old == 2 for old, _ in fetched[0]), fetched[0]  # new rank 0 needs nothing of old rank 2's rows
     assert not any(old == 0 for old, _ in fetched[1]), fetched[1]  # nor new rank 1 of old rank 0's
     assert fetched[0] | fetched[1] == every
+
+
+LOAD_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from stead.ckpt import FlashCheckpointer
+
+    phase, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0 if phase == "save" else 1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    ckpt = FlashCheckpointer()
+    if phase == "save":
+        model_sd, optim_sd = get_state_dict(model, opt)
+        assert ckpt.save(1, {"model": model_sd, "optim": optim_sd, "epoch": 3})
+        assert ckpt.save(2, {"model": model_sd, "optim": optim_sd, "epoch": 4})
+    else:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        step, state = ckpt.load({"model": model_sd, "optim": optim_sd})
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        assert step == 2 and state["epoch"] == 4, (step, state.get("epoch"))
+    full = {k: v.full_tensor() for k, v in get_state_dict(model, opt)[0].items()}
+    if phase == "save" and dist.get_rank() == 0:
+        torch.save(full, out)
+    elif phase != "save":
+        expected = torch.load(out, weights_only=True)
+        assert all(torch.equal(full[k], expected[k]) for k in expected), "restored weights differ"
+        print("restored", step, flush=True)
+    ckpt.close()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # as test_fsdp.py's workers do: fully_shard keeps the process group alive past destroy
+""")
+
+
+@pytest.fixture
+def memory_only(tmp_path: Path, settings: CheckpointSettings) -> Iterator[Cluster]:
+    """A job whose agents never write a step to disk: what a restore gets, it got from memory."""
+    no_disk = dataclasses.replace(settings, persist_on_failure=False)
+    with Cluster(tmp_path, no_disk, job="reshard", stead_settings=Settings(retry_deadline_s=5.0)) as running:
+        yield running
+
+
+def _restored(cluster: Cluster, round_: int) -> CheckpointRestored:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        found = [e for e in cluster.events if isinstance(e, CheckpointRestored) and e.round == round_]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no ckpt.restored for round {round_}: {cluster.event_types()}")
+
+
+def test_a_resized_job_reshards_fsdp2_state_from_the_slots_its_node_holds_and_says_so(memory_only: Cluster,
+                                                                                      tmp_path: Path) -> None:
+    script = tmp_path / "fsdp_worker.py"
+    script.write_text(LOAD_SCRIPT)
+    out = tmp_path / "expected.pt"
+    memory_only.agent(nproc=2)
+    memory_only.round(1, world=2, nproc=2)
+    _run_ranks(memory_only, script, "save", out, 1, 2)
+    memory_only.round(2, world=1, nproc=1)  # shrunk to one rank: both old ranks' slots are in this node's memory
+    [shrunk] = _run_ranks(memory_only, script, "restore", out, 2, 1)
+    assert "restored 2" in shrunk and "tier=reshard" in shrunk, shrunk
+    record = _restored(memory_only, 2)
+    assert (record.step, record.resharded_ranks, record.reshard_own_parts, record.reshard_peer_parts,
+            record.disk_ranks) == (2, 1, 2, 0, 0), record
+    assert "resharded from memory 1 (the old ranks' slots read: own memory 2, peer replicas 0)" in \
+        restored_from(record)
+    memory_only.round(3, world=3, nproc=3)  # grown to three: rank 1's rows come from both old ranks' slots
+    grown = _run_ranks(memory_only, script, "restore", out, 3, 3)
+    assert all("restored 2" in o and "tier=reshard" in o for o in grown), grown
+    assert _restored(memory_only, 3).resharded_ranks == 3
+    assert not list((tmp_path / "ckpt").glob("*/step_*")), "a step was written to disk: the test proves nothing"

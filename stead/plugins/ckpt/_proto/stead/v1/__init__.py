@@ -263,8 +263,17 @@ class ReportRestoredRequest(betterproto2.Message):
 
     tier: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
     """
-    "memory", "peer" (a replica fetched from another host's memory), "disk" or "none".
+    "memory", "peer" (a replica fetched from another host's memory), "disk", "reshard" (the step resharded from
+    the old ranks' slots in memory: the world size changed) or "none".
     """
+
+    reshard_own: "int" = betterproto2.field(7, betterproto2.TYPE_INT32)
+    """
+    tier "reshard": how many of the old ranks' slots the rank's node held as its own slots (a surviving rank's
+    memory) and as peers' replicas.
+    """
+
+    reshard_peer: "int" = betterproto2.field(8, betterproto2.TYPE_INT32)
 
 
 default_message_pool.register_message("stead.v1", "ReportRestoredRequest", ReportRestoredRequest)
