@@ -23,7 +23,7 @@ import torch
 from stead.core.config import Settings
 from stead.core.events import CheckpointRestored
 from stead.core.views.recovery import restored_from
-from stead.plugins.ckpt import _disk, _fromdisk
+from stead.plugins.ckpt import SHM_DIR, _disk, _fromdisk, segment_names
 from stead.plugins.ckpt._memreshard import stage_from_memory
 from stead.plugins.ckpt.errors import CheckpointError
 from stead.plugins.ckpt.settings import CheckpointSettings
@@ -226,26 +226,28 @@ LOAD_SCRIPT = textwrap.dedent("""
     phase, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0 if phase == "save" else 1)
+    saving, persist = phase.startswith("save"), phase == "save-persist"
+    torch.manual_seed(0 if saving else 1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
     fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.ones(3, 4)).sum().backward()
     opt.step()
     ckpt = FlashCheckpointer()
-    if phase == "save":
+    if saving:
         model_sd, optim_sd = get_state_dict(model, opt)
         assert ckpt.save(1, {"model": model_sd, "optim": optim_sd, "epoch": 3})
-        assert ckpt.save(2, {"model": model_sd, "optim": optim_sd, "epoch": 4})
+        assert ckpt.save(2, {"model": model_sd, "optim": optim_sd, "epoch": 4}, persist=persist)
+        assert not persist or ckpt.wait_persisted(60) == 2
     else:
         model_sd, optim_sd = get_state_dict(model, opt)
         step, state = ckpt.load({"model": model_sd, "optim": optim_sd})
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         assert step == 2 and state["epoch"] == 4, (step, state.get("epoch"))
     full = {k: v.full_tensor() for k, v in get_state_dict(model, opt)[0].items()}
-    if phase == "save" and dist.get_rank() == 0:
+    if saving and dist.get_rank() == 0:
         torch.save(full, out)
-    elif phase != "save":
+    elif not saving:
         expected = torch.load(out, weights_only=True)
         assert all(torch.equal(full[k], expected[k]) for k in expected), "restored weights differ"
         print("restored", step, flush=True)
@@ -264,6 +266,17 @@ def memory_only(tmp_path: Path, settings: CheckpointSettings) -> Iterator[Cluste
         yield running
 
 
+def _saved_by_two_ranks(cluster: Cluster, tmp_path: Path, phase: str) -> tuple[Path, Path]:
+    """Steps 1 and 2 of an FSDP2 job of two ranks on node-0 (``phase``: "save", or "save-persist" to write step 2
+    to disk too): the workers' script, and the file with the weights saved."""
+    script = tmp_path / "fsdp_worker.py"
+    script.write_text(LOAD_SCRIPT)
+    cluster.agent(nproc=2)
+    cluster.round(1, world=2, nproc=2)
+    _run_ranks(cluster, script, phase, tmp_path / "expected.pt", 1, 2)
+    return script, tmp_path / "expected.pt"
+
+
 def _restored(cluster: Cluster, round_: int) -> CheckpointRestored:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -276,12 +289,7 @@ def _restored(cluster: Cluster, round_: int) -> CheckpointRestored:
 
 def test_a_resized_job_reshards_fsdp2_state_from_the_slots_its_node_holds_and_says_so(memory_only: Cluster,
                                                                                       tmp_path: Path) -> None:
-    script = tmp_path / "fsdp_worker.py"
-    script.write_text(LOAD_SCRIPT)
-    out = tmp_path / "expected.pt"
-    memory_only.agent(nproc=2)
-    memory_only.round(1, world=2, nproc=2)
-    _run_ranks(memory_only, script, "save", out, 1, 2)
+    script, out = _saved_by_two_ranks(memory_only, tmp_path, "save")
     memory_only.round(2, world=1, nproc=1)  # shrunk to one rank: both old ranks' slots are in this node's memory
     [shrunk] = _run_ranks(memory_only, script, "restore", out, 2, 1)
     assert "restored 2" in shrunk and "tier=reshard" in shrunk, shrunk
@@ -295,3 +303,22 @@ def test_a_resized_job_reshards_fsdp2_state_from_the_slots_its_node_holds_and_sa
     assert all("restored 2" in o and "tier=reshard" in o for o in grown), grown
     assert _restored(memory_only, 3).resharded_ranks == 3
     assert not list((tmp_path / "ckpt").glob("*/step_*")), "a step was written to disk: the test proves nothing"
+
+
+def test_a_corrupt_slot_of_an_old_rank_is_caught_and_every_rank_reshards_from_disk_instead(cluster: Cluster,
+                                                                                          tmp_path: Path) -> None:
+    script, out = _saved_by_two_ranks(cluster, tmp_path, "save-persist")
+    names = segment_names(cluster.job, "node-0", 1, cluster.settings.shm_namespace)
+    slots = sorted(Path(SHM_DIR).glob(f"{names.prefix}i1-r1-s*"))  # old rank 1's two slots (steps 1 and 2)
+    assert len(slots) == 2, slots
+    for segment in slots:
+        with segment.open("r+b") as data:  # the first byte of its first tensor, a shard of the first layer
+            first = data.read(1)
+            data.seek(0)
+            data.write(bytes([first[0] ^ 0xFF]))
+    cluster.round(2, world=1, nproc=1)
+    [shrunk] = _run_ranks(cluster, script, "restore", out, 2, 1)
+    assert "restored 2" in shrunk and "tier=disk" in shrunk, shrunk
+    record = _restored(cluster, 2)
+    assert (record.step, record.resharded_ranks, record.disk_ranks) == (2, 0, 1), record
+    assert "ckpt.corrupt" in cluster.event_types(), cluster.event_types()
