@@ -75,7 +75,13 @@ async def test_steps_faster_than_a_replica_s_transfer_and_a_host_killed_resume_f
         joining = [await _stead_run(hosts[1], tmp_path / "h1", [*flags, *args], token)]
         await _until_step(timestamps, 15, world=2)
         joining.append(await _stead_run(hosts[2], tmp_path / "h2", [*flags, *args], token))  # the spare
-        await asyncio.sleep(3.0)
+        # a step replicated everywhere first (the first copies are the slowest: segments made, buffers mapped; on a
+        # loaded machine several seconds), then the steps run on ahead of the copies for a while
+        async with asyncio.timeout(120):
+            while not any(e["type"] == "ckpt.replicated"  # noqa: ASYNC110 (another process writes the log)
+                          for e in await _events(hosts[0], tmp_path / "h0", "replicated")):
+                await asyncio.sleep(0.5)
+        await asyncio.sleep(2.0)
         killed_at = time.time()
         await hosts.kill(1)
         (rc0, err0), (rc2, err2) = await _ended(serving), await _ended(joining[1])

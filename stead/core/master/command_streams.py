@@ -40,7 +40,7 @@ from stead.core.statemachine import (
     in_force,
 )
 
-__all__ = ["CommandStreams"]
+__all__ = ["CommandStreams", "agent_command"]
 
 log = structlog.get_logger("stead.command_streams")
 
@@ -94,7 +94,7 @@ class CommandStreams:
         the latest).
         """
         outbox = self._outbox(effect.node_id, effect.incarnation)
-        outbox.queue.put_nowait(_command(effect, store_addr or self._store_addr(), self._state()))
+        outbox.queue.put_nowait(agent_command(effect, store_addr or self._store_addr(), self._state()))
 
     async def stream(self, node_id: str, incarnation: int) -> AsyncGenerator[AgentCommand, None]:
         """The node's commands, starting with the one in force that its agent has not acknowledged (it may never
@@ -142,13 +142,13 @@ class CommandStreams:
         """The command ``order`` stands for, made again from the job state (a round's start with its round's
         rendezvous store)."""
         if not isinstance(order, StartWorkers):
-            return _command(order, self._store_addr(), self._state())
+            return agent_command(order, self._store_addr(), self._state())
         try:
             address = await self._round_store(order.round) if self._round_store else self._store_addr()
         except StoreError as exc:
             raise RpcUnavailable(f"the rendezvous store of round {order.round} of job {self.job!r} is not available "
                                  f"({exc}); try again in a moment") from exc
-        return _command(order, address, self._state())
+        return agent_command(order, address, self._state())
 
     def take_acks(self, node_id: str, incarnation: int, ids: Sequence[str]) -> None:
         """Take a heartbeat's acknowledgements in, to be recorded by :meth:`record_acks`; one of a command not in
@@ -202,7 +202,7 @@ def _one_off(command: AgentCommand) -> bool:
     return isinstance(command, DumpStacksCmd | CheckHealthCmd)
 
 
-def _command(effect: StartWorkers | StopWorkers | StopNode | DumpStacks | CheckHealth,
+def agent_command(effect: StartWorkers | StopWorkers | StopNode | DumpStacks | CheckHealth,
              store_addr: tuple[str, int], state: JobState | None = None) -> AgentCommand:
     """The command an effect stands for; ``store_addr``: the rendezvous store of a start's round or a check;
     ``state``: the job state when the command is given, whose steps to skip and restore bounds a start carries

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from stead.core.events import NodeJoined, NodeStarted, RecoveryAction, RestoreBound
-from stead.core.master.command_streams import _command
+from stead.core.master.command_streams import agent_command
 from stead.core.serde import from_json, to_json
 from stead.core.statemachine import JobState, StartWorkers
 from stead.core.statemachine.commands import in_force
@@ -42,6 +42,6 @@ def test_the_next_round_s_start_is_given_with_the_bounds() -> None:
     state = after(*REJOINED, start=after(MISMATCH, start=AWAITING))
     starts = [order for node in state.nodes if isinstance(order := in_force(state, node), StartWorkers)]
     assert starts, "the relaunched round starts workers"
-    command = _command(starts[0], ("127.0.0.1", 1), state)
+    command = agent_command(starts[0], ("127.0.0.1", 1), state)
     assert command.restore_bounds == (RestoreBound(step=4, round=1),)  # type: ignore[union-attr]
 
