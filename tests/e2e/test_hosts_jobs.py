@@ -182,8 +182,8 @@ async def _until_step(timestamps: Path, step: int, world: int) -> None:
             await asyncio.sleep(0.1)
 
 
-@pytest.mark.extended("a killed host's node on the spare: the replica test below; no spare, the job shrinking: "
-                      "tests/e2e/test_slurm.py's platform test, on the same hosts platform")
+@pytest.mark.extended("a killed host's node on the spare: tests/e2e/test_replicated_commit.py; no spare, the job "
+                      "shrinking: tests/e2e/test_slurm.py's platform test, on the same hosts platform")
 @pytest.mark.parametrize(("nnodes", "hosts_n", "killed", "why"), [
     ("2:2", 3, 1, "a spare host (it offered itself while the job was at MAX) takes the lost host's place"),
     ("2:3", 3, 2, "no spare: the job shrinks to the hosts it has and goes on"),
@@ -237,6 +237,8 @@ async def test_a_host_killed_costs_its_node_and_the_job_goes_on(tmp_path: Path, 
 
 
 @pytest.mark.long(45)
+@pytest.mark.extended("a lost host's node resuming on the spare from a peer host's memory, no disk read, the status "
+                      "line: tests/e2e/test_replicated_commit.py (steps faster than the copies)")
 async def test_a_lost_host_s_node_resumes_from_its_newest_committed_step_held_in_a_peer_host_s_memory(
         tmp_path: Path) -> None:
     """Each host keeps its checkpoints on a disk of its own (the default ckpt.dir, in each host's own folder): the

@@ -106,3 +106,9 @@ async def test_steps_faster_than_a_replica_s_transfer_and_a_host_killed_resume_f
     assert max(_steps(timestamps).values()) == 399
     assert "replicated: step" in status, status
     assert f"restored   last: step {after['step']}: memory 1, peer 1 (" in status, status
+    # the killed host's node ended once (its host hung up, or its heartbeats stopped) and came back on the spare
+    ended = [e["data"] for e in events if (e["type"] == "node.lost" and not e["data"]["reason"].startswith("retired"))
+             or (e["type"] == "node.exited" and "hung up" in e["data"]["reason"])]
+    assert len(ended) == 1, ended
+    started = [(e["data"]["node_id"], e["data"]["host"]) for e in events if e["type"] == "node.started"]
+    assert started[-1] == (ended[0]["node_id"], "h2"), started
