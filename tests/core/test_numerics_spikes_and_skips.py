@@ -128,12 +128,13 @@ def test_under_stead_skip_mode_raises_before_the_step_and_writes_a_note(
     monkeypatch.setenv(PROGRESS_ENV, str(progress))
     monkeypatch.setenv("STEAD_NUMERICS_LOSS_SPIKE", "skip")
     monkeypatch.setenv("STEAD_NUMERICS_LOSS_SPIKE_WARMUP", "4")
+    monkeypatch.setenv("STEAD_ROUND", "3")
     model = torch.nn.Linear(2, 1)
     with pytest.raises(LossSpikeError, match=r"at step 5: .*the step was not applied"):
         _steps([1.0, 1.1, 0.9, 1.0, 1.05, 1e6], model=model)
     (line,) = Path(notes.notes_path(str(progress))).read_bytes().splitlines()
     note = parse_note(line)
-    assert (note.kind, note.rank, note.step, note.loss, note.action) == ("loss_spike", 0, 5, 1e6, "skip")
+    assert (note.kind, note.rank, note.step, note.loss, note.action, note.round) == ("loss_spike", 0, 5, 1e6, "skip", 3)
 
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["guard", "report_loss only"])
@@ -185,6 +186,8 @@ def test_a_bad_skip_list_is_refused_saying_what_is_wrong(monkeypatch: pytest.Mon
     (b'{"kind": "loss_spike", "rank": 0, "step": 1, "loss": "big"}', "loss 'big' is not a finite number or null"),
     (b'{"kind": "loss_spike", "rank": 0, "step": 1, "loss": Infinity}', "loss 'inf' is not a finite number"),
     (b'{"kind": "loss_spike", "rank": 0, "step": 1, "action": "panic"}', "action 'panic' is not record or skip"),
+    (b'{"kind": "loss_spike", "rank": 0, "step": 1, "round": "2"}', "round '2' is not a count from 0"),
+    (b'{"kind": "loss_spike", "rank": 0, "step": 1, "round": 4294967296}', "round 4294967296 is past 2"),
     (b'{"kind": "loss_spike", "rank": 0, "step": 1, "shell": "rm"}', "unknown field(s) shell"),
     (b'{"kind": "step_skipped", "rank": 0, "step": 1, "pad": "' + b"x" * 2000 + b'"}', "over 1024"),
     (b"\xff\xfe", "not JSON"),

@@ -47,20 +47,30 @@ def parse_note(line: bytes) -> NumericsNote:
     kind = data.get("kind")
     if kind not in NOTE_KINDS:
         raise ValueError(f"kind {str(kind)[:40]!r} is not one of {', '.join(NOTE_KINDS)}")
-    unknown = sorted(set(data) - {"kind", "rank", "step", "loss", "median", "score", "action"})
+    unknown = sorted(set(data) - {"kind", "rank", "step", "loss", "median", "score", "action", "round"})
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(unknown)[:80]}")
     action = data.get("action", "")
     if action not in _ACTIONS:
         raise ValueError(f"action {str(action)[:40]!r} is not record or skip")
     return NumericsNote(kind=kind, rank=_count(data, "rank"), step=_count(data, "step"), loss=_figure(data, "loss"),
-                        median=_figure(data, "median"), score=_figure(data, "score"), action=action)
+                        median=_figure(data, "median"), score=_figure(data, "score"), action=action,
+                        round=_round(data))
 
 
 def _count(data: Mapping[str, Any], name: str) -> int:
     value = data.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
         raise ValueError(f"{name} {str(value)[:40]!r} is not a count from 0")
+    return value
+
+
+def _round(data: Mapping[str, Any]) -> int | None:
+    if data.get("round") is None:
+        return None
+    value = _count(data, "round")
+    if value >= 2**31:  # an int32 on the wire
+        raise ValueError(f"round {value} is past 2**31")
     return value
 
 

@@ -41,6 +41,8 @@ class NumericsNote:
     score: float | None = None
     #: what the worker did: ``record`` (a warning) or ``skip`` (it failed the step for a rollback)
     action: str = ""
+    #: the round the worker wrote it in (its report may come in a later round); None: not said
+    round: int | None = None
 
 
 @event_kind("numerics.reported", mark=EventMark.DIAGNOSIS)

@@ -52,7 +52,7 @@ def numerics_lines(records: Iterable[Record], *, shown: int | None = SHOWN) -> l
             lines.append(f"step {steps} skipped from round {event.round + 1} on: {cause} on rank {event.rank}"
                          f"{f' (host {host[1]})' if host else ''} ({event.rule})")
         elif isinstance(event, NumericsReported):
-            lines += [_note_line(note, event.round) for note in event.notes]
+            lines += [_note_line(note, event.round if note.round is None else note.round) for note in event.notes]
             dropped += event.dropped
     if shown is not None and len(lines) > shown:
         lines = [f"({len(lines) - shown} earlier: stead events --job JOB | grep -e numerics -e skip_steps)",

@@ -56,6 +56,9 @@ def write(kind: str, **fields: float | int | str | None) -> bool:
                           "master (raise numerics.loss_spike_threshold if spikes are that common)", stacklevel=2)
         return False
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in fields.items()}
+    round_ = os.environ.get("STEAD_ROUND", "")
+    if round_.isdigit():  # the agent reports the note later, maybe once the next round began
+        clean["round"] = int(round_)
     line = (json.dumps({"kind": kind, **clean}, separators=(",", ":")) + "\n").encode()
     if len(line) > MAX_LINE_BYTES:
         raise ValueError(f"a {kind} note of {len(line)} bytes is over {MAX_LINE_BYTES}: write shorter fields")

@@ -26,12 +26,12 @@ def test_status_shows_each_skip_and_spike_and_the_notes_dropped() -> None:
     plain = RecoveryDecided(round=2, action=RecoveryAction.RESTART, reason="", rank=0, rule="gloo-error")
     notes = NumericsReported(node_id="node-0", round=2, dropped=3, notes=(
         NumericsNote(kind="loss_spike", rank=0, step=4, loss=1200.0, median=1.1, score=512.25, action="record"),
-        NumericsNote(kind="loss_spike", rank=2, step=9, action="skip"),
+        NumericsNote(kind="loss_spike", rank=2, step=9, action="skip", round=1),  # written in round 1, sent in 2
         NumericsNote(kind="step_skipped", rank=0, step=6)))
     assert numerics_lines(_records(decided, plain, notes)) == [
         "step 6 skipped from round 2 on: a non-finite gradient on rank 1 (host h1) (non-finite-gradient)",
         "loss spike at step 4 on rank 0 (round 2): loss 1200, 512.2 robust std above the median 1.1; recorded",
-        "loss spike at step 9 on rank 2 (round 2): loss not finite; rolled back, its batch skipped",
+        "loss spike at step 9 on rank 2 (round 1): loss not finite; rolled back, its batch skipped",
         "step 6 skipped by the workers of round 2 (rank 0 says)",
         "3 note(s) of the workers dropped by their agents (malformed or over their bounds: the agents' logs say "
         "which)",

@@ -367,6 +367,11 @@ class NumericsNote(betterproto2.Message):
     What the worker did: "record" or "skip".
     """
 
+    round: "int | None" = betterproto2.field(8, betterproto2.TYPE_INT32, optional=True)
+    """
+    The round the worker wrote it in (a note may reach the master after the next round began); unset: unknown.
+    """
+
 
 default_message_pool.register_message("stead.v1", "NumericsNote", NumericsNote)
 
