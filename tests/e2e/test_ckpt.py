@@ -57,6 +57,8 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.extended("a crashed worker restored from memory, the weights bit-exact: tests/chaos/test_chaos.py's "
+                      "quick schedule and tests/e2e/test_recipes.py")
 def test_a_crashed_worker_resumes_from_memory_and_ends_with_the_weights_of_a_fault_free_run(
         run_job: RunJob, tmp_path: Path) -> None:
     flags = ("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2")

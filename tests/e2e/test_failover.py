@@ -44,6 +44,7 @@ async def _until(predicate: object, what: str) -> None:
         pytest.fail(f"the job never got to: {what}")
 
 
+@pytest.mark.extended("a master replaced, every node adopted, the workers stepping on: tests/e2e/test_master_crash.py")
 async def test_workers_keep_stepping_while_the_master_is_replaced_and_the_new_one_adopts_every_node(
         tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(TRAIN_LOGGING_STEPS)

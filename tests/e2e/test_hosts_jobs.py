@@ -315,6 +315,8 @@ async def test_a_lost_host_that_comes_back_grows_the_job_again_at_once(tmp_path:
 
 
 @pytest.mark.long(52)
+@pytest.mark.extended("a stalled round found from the job's pace and restarted: tests/e2e/test_hang.py; a partition "
+                      "across hosts healed: the chaos quick schedule across hosts")
 async def test_a_partition_between_workers_alone_ends_in_a_restarted_round_not_a_hang(tmp_path: Path) -> None:
     """h1 and h2 cannot reach each other, both still reach the master (on h0): their collective stops, the hang
     is found from the job's pace (diagnosis.hang_floor_s) and the round restarts; once the link heals, a new round
@@ -346,6 +348,8 @@ async def test_a_partition_between_workers_alone_ends_in_a_restarted_round_not_a
     assert max(last.values()) == 199, last
 
 
+@pytest.mark.extended("a host cut off past the heartbeat timeout, every sample read once: the chaos quick schedule "
+                      "across hosts (its partition fault)")
 async def test_a_host_partitioned_past_the_heartbeat_timeout_is_lost_and_every_sample_is_still_read_once(
         tmp_path: Path) -> None:
     # every host in one shared folder (a home directory on NFS, say): the script's own checkpoint and the data
@@ -416,6 +420,8 @@ async def _until_logged(logs: Path, *, steps: int, world: int) -> None:
             await asyncio.sleep(0.1)
 
 
+@pytest.mark.extended("a killed master restarted and its nodes adopted: tests/e2e/test_master_crash.py; the master's "
+                      "host lost across hosts: tests/e2e/test_hosts_elected.py")
 async def test_the_master_killed_on_its_host_is_restarted_there_and_the_other_host_s_node_is_adopted(
         tmp_path: Path) -> None:
     token = secrets.token_urlsafe(32)

@@ -70,6 +70,8 @@ def _saved(tmp_path: Path, round_: int) -> list[int]:
     return [json.loads(line)["saved"] for line in lines if "saved" in line]
 
 
+@pytest.mark.extended("a SIGTERM persisting the newest step and the job resuming under its name: "
+                      "tests/e2e/test_slurm.py's README test (scancel's SIGTERM, the script submitted again)")
 def test_sigterm_persists_the_step_in_memory_and_a_relaunch_under_the_same_name_resumes_from_it(
         tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(textwrap.dedent(TRAIN))
