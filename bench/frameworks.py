@@ -76,7 +76,8 @@ def _env(workdir: Path, mode: str) -> dict[str, str]:
     env.update(PYTHONPATH=os.pathsep.join([str(workdir / "hooks"), env.get("PYTHONPATH", "")]),
                BENCH_MODE=mode, BENCH_STEPS=str(STEPS), BENCH_SAVE_STEPS=str(SAVE_STEPS),
                BENCH_CRASH_AT=str(CRASH_AT), BENCH_STAMPS=str(workdir / "stamps.txt"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+               TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+               TMPDIR=str(workdir))  # torchrun never removes its torchelastic_* log folder: in the run's folder
     return env
 
 

@@ -91,7 +91,9 @@ def _run(workdir: Path, device: str, nproc: int, steps: int, guarded: bool, widt
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEAD_", "TORCHELASTIC_"))}
     env["STEAD_NUMERICS_FINGERPRINT_EVERY"] = str(every)
     env.update(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)),
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+               TMPDIR=str(workdir))  # torchrun never removes its torchelastic_* log folder: in the bench's folder
+
     if inject:
         env["STEAD_NUMERICS_INJECT"] = inject
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
