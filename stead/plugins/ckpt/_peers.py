@@ -4,12 +4,15 @@ and the replicas a node that replaces a lost one fetches into its own slots befo
 The master places the replicas (:mod:`._placement`) and answers each memory report with the nodes this node sends
 to and the committed step every node copies now (X, :mod:`._replicated`; the newest commit when the master does not
 say); a node's agent sends each local rank's slot of it there once its checksums are computed, in a thread of its
-own (never the training thread): the slot is first copied into a buffer of the agent's (a memory copy; a copy a
-newer save rewrote meanwhile is dropped), then sent from there. The holders keep the copy of the replicated step
-(R) while a newer one arrives, and serve either. A node new to the
-round (a spare, a relaunched node) whose ranks' committed step is not in its memory asks the master who holds
-replicas of it, fetches each into one of its own slots, verified by hash, and marks the slot as holding the step:
-its workers then restore it as they restore their own memory, with no disk read.
+own (never the training thread). While the worker keeps the slot (the master's X or R: no save goes into it) it is
+sent straight from the worker's memory; otherwise it is copied into a buffer of the agent's by a thread ahead of the
+send, piece by piece, the send following it (a memory copy, done long before the transfer is: a copy a newer save
+tore meanwhile is never sent whole). Either way the slot's sequence number, read again once it was read, tells the
+holder whether the bytes are the slot as saved. The holders check each tensor's hash as it arrives, keep the copy of
+the replicated step (R) while a newer one arrives, and serve either. A node new to the round (a spare, a relaunched
+node) whose ranks' committed step is not in its memory asks the master who holds replicas of it, fetches each into
+one of its own slots, verified by hash, and marks the slot as holding the step: its workers then restore it as they
+restore their own memory, with no disk read.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import dataclasses
 import os
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
+import numpy as np
 import structlog
 
 from stead.plugin import (
@@ -36,7 +41,7 @@ from stead.plugin import (
 )
 from stead.plugins.ckpt._client import PeerCopy, Replicated
 from stead.plugins.ckpt._rankmem import RankMemory
-from stead.plugins.ckpt._replicas import Held, ReplicaError, ReplicaMeta, ReplicaServer, fetch, push
+from stead.plugins.ckpt._replicas import Held, ReplicaError, ReplicaMeta, ReplicaServer, fetch, push, wire_order
 from stead.plugins.ckpt._shm import (
     SegmentNames,
     SlotInfo,
@@ -189,37 +194,36 @@ class PeerReplicas:
                           bytes=sent_bytes, sending_s=round(sending_s, 4), targets=[t.node_id for t in self.targets])
 
     def _push(self, state: RankMemory, slot: SlotInfo, target: PeerCopy) -> bool:
-        """Send ``slot`` (a copy of it, taken first: the worker may save into the slot again while it travels)."""
-        copy = self._copy(state, slot)
-        if copy is None:
-            log.debug("ckpt_replica_skipped", step=slot.step, rank=slot.rank,
-                      reason="a newer save rewrote the slot while it was copied; the next commit is sent")
-            return False
-        memory = memoryview(copy)
+        """Send ``slot``: straight from it while the worker keeps it, else from a copy taken as it is sent (the
+        worker may save into the slot again while it travels)."""
+        meta = ReplicaMeta.of_slot(slot)
+        kept = slot.round == state.round and any(slot.holds(*pair) for pair in state.control.kept)
+        copy = None if kept else _CopyAhead(state, slot, self.names, self._buffer(state.local_rank, meta.nbytes))
+        memory = memoryview(state.mapping(slot, self.names) if copy is None else copy.buffer)
         try:
-            push(target.address, token=self.token, job=self.job, tls=self._client_tls, meta=ReplicaMeta.of_slot(slot),
-                 source=memory, intact=lambda: True, timeout_s=self._timeout_s)
+            push(target.address, token=self.token, job=self.job, tls=self._client_tls, meta=meta, source=memory,
+                 intact=(lambda: state.control.slot(slot.index).seq == slot.seq) if copy is None else copy.intact,
+                 ready=None if copy is None else copy.ready, timeout_s=self._timeout_s)
         except ReplicaError as exc:
-            self._say(target.address, "ckpt_replica_not_sent", str(exc), step=slot.step, rank=slot.rank,
-                      node=target.node_id)
+            if state.control.slot(slot.index).seq != slot.seq:
+                log.debug("ckpt_replica_skipped", step=slot.step, rank=slot.rank,
+                          reason="a newer save rewrote the slot while it was read; the next commit is sent")
+            else:
+                self._say(target.address, "ckpt_replica_not_sent", str(exc), step=slot.step, rank=slot.rank,
+                          node=target.node_id)
             return False
         finally:
+            if copy is not None:
+                copy.close()
             memory.release()
         return True
 
-    def _copy(self, state: RankMemory, slot: SlotInfo) -> bytearray | None:
-        """The slot's bytes copied into this rank's send buffer (a memory copy, the GIL released), or None when the
-        worker rewrote the slot meanwhile. One buffer per local rank, kept for the next step's copy."""
-        import torch  # (the agent imported it when the job's first worker said hello)
-
-        nbytes = slot.layout_off + slot.layout_len
-        buffer = self._buffers.get(state.local_rank)
+    def _buffer(self, local_rank: int, nbytes: int) -> bytearray:
+        """This rank's send buffer, of ``nbytes`` at least (kept for the next step's copy)."""
+        buffer = self._buffers.get(local_rank)
         if buffer is None or len(buffer) < nbytes:
-            buffer = self._buffers[state.local_rank] = bytearray(round_capacity(nbytes))
-        source = torch.frombuffer(state.mapping(slot, self.names), dtype=torch.uint8, count=nbytes)
-        torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).copy_(source)
-        del source
-        return buffer if state.control.slot(slot.index).seq == slot.seq else None
+            buffer = self._buffers[local_rank] = bytearray(round_capacity(nbytes))
+        return buffer
 
     def _say(self, key: str, what: str, error: str, **fields: object) -> None:
         """Warn once per peer and kind of trouble, then only at debug level (a peer that stays away is not news)."""
@@ -294,3 +298,64 @@ class PeerReplicas:
         gen = self.new_gen()
         create_segment(self.names.data(state.local_rank, index, gen), capacity)
         state.use_segment(self.names, index, gen, capacity)
+
+
+class _Rewritten(ReplicaError):
+    """The slot was rewritten while it was copied: the copy is not sent whole."""
+
+
+class _CopyAhead:
+    """A slot copied into a send buffer by a thread of its own, piece by piece in :func:`wire_order`, ahead of the
+    send that follows it (:meth:`ready`): the copy runs at memory speed, so the transfer starts at once and a save
+    into the slot can tear the copy only while the copy runs, not while the slower transfer does."""
+
+    def __init__(self, state: RankMemory, slot: SlotInfo, names: SegmentNames, buffer: bytearray) -> None:
+        self.state, self.slot, self.names, self.buffer = state, slot, names, buffer
+        self._meta = ReplicaMeta.of_slot(slot)
+        self._cond = threading.Condition()
+        self._copied = 0
+        #: None while copying; then whether the slot was left unchanged while it was copied
+        self._intact: bool | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="stead-ckpt-replica-copy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        intact = False
+        try:
+            source = np.frombuffer(self.state.mapping(self.slot, self.names), dtype=np.uint8, count=self._meta.nbytes)
+            target = np.frombuffer(self.buffer, dtype=np.uint8, count=self._meta.nbytes)
+            for start, end in wire_order(self._meta):
+                if self._stop:
+                    return
+                np.copyto(target[start:end], source[start:end])  # (one thread, the GIL released)
+                with self._cond:
+                    self._copied += end - start
+                    self._cond.notify_all()
+            del source, target
+            intact = self.state.control.slot(self.slot.index).seq == self.slot.seq
+        finally:
+            with self._cond:
+                self._intact = intact
+                self._cond.notify_all()
+
+    def ready(self, upto: int) -> None:
+        """Return once the first ``upto`` bytes (in wire order) are copied, and the last of them only once the copy
+        is known intact; _Rewritten when it is not (nothing more of it is sent)."""
+        last = upto >= self._meta.nbytes
+        with self._cond:
+            self._cond.wait_for(lambda: self._intact is not None or (not last and self._copied >= upto))
+            if self._intact is not False and self._copied >= upto:
+                return
+        raise _Rewritten(f"rank {self.slot.rank}'s slot was rewritten while step {self.slot.step} was copied (a "
+                         "newer save): the copy is not sent")
+
+    def intact(self) -> bool:
+        with self._cond:
+            self._cond.wait_for(lambda: self._intact is not None)
+            return self._intact is True
+
+    def close(self) -> None:
+        """Stop copying (a send that failed) and wait for the thread: the buffer is free for the next copy."""
+        self._stop = True
+        self._thread.join()

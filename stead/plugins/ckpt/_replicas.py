@@ -9,16 +9,19 @@ took a dead agent's port learns nothing and is refused; one of another job (or t
 Then one request, a JSON line:
 
 - ``{"op": "put", "meta": {...}}``, answered ``{"ok": true}`` once the holder made room (or a refusal: too little
-  memory, ``ckpt.replica_max_bytes``), then the slot's bytes (tensors, checksums, layout document: ``meta["nbytes"]``),
-  and ``{"intact": bool}``: whether the slot was left unchanged while it was sent (the sender reads the worker's
-  memory without pinning it; a save into that slot meanwhile makes the copy torn, and it is dropped). The holder
-  writes the bytes into a new segment, checks the layout document against its checksum and every tensor against
-  the checksums the source's agent computed, and only then puts it in place of the rank's previous replica
+  memory, ``ckpt.replica_max_bytes``), then the slot's bytes (``meta["nbytes"]``, in :func:`wire_order`: the
+  checksums and the layout document first, then the tensors), and ``{"intact": bool}``: whether the slot was left
+  unchanged while it was read (a save into it meanwhile makes the copy torn, and it is dropped). The holder writes
+  the bytes into a segment of its own, checks the layout document against its checksum as soon as it arrived, and
+  each tensor against the checksum the source's agent computed as soon as the tensor's bytes are in (a thread
+  beside the receiving loop: the check ends moments after the last byte, not a pass over the whole later), and
+  only once every check passed and the sender said intact puts it in place of the rank's previous replica
   (double-buffered: a replica is never torn, and a failed transfer leaves the previous one; the replicated step's
   copy, :meth:`ReplicaServer.keep`, is kept beside the newer one until a newer step is replicated). Answer
   ``{"ok": true}`` or ``{"ok": false, "error": ...}``.
 - ``{"op": "get", "rank": R, "step": S, "round": r}``: the holder answers ``{"ok": true, "meta": {...}}`` and the
-  bytes, or ``{"ok": false, "error": ...}``; the fetcher verifies them the same way before it uses them.
+  bytes (in :func:`wire_order` too), or ``{"ok": false, "error": ...}``; the fetcher checks them the same way as
+  they arrive, and uses them only once every check passed.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 
 import structlog
 
-from stead.plugins.ckpt._checksum import checksum
+from stead.plugins.ckpt._checksum import hasher
 from stead.plugins.ckpt._layout import parse_document
 from stead.plugins.ckpt._shm import (
     SegmentNames,
@@ -51,18 +54,23 @@ from stead.plugins.ckpt._shm import (
 )
 from stead.plugins.ckpt.errors import CheckpointError
 
-__all__ = ["Held", "ReplicaError", "ReplicaMeta", "ReplicaServer", "fetch", "push", "verify"]
+__all__ = ["Held", "ReplicaError", "ReplicaMeta", "ReplicaServer", "fetch", "push", "wire_order"]
 
 log = structlog.get_logger("stead.plugins.ckpt")
 
-_GREETING = "stead-replica 1"
+#: the protocol's name and version (2: a slot's checksums and layout document travel before its tensors)
+_PROTOCOL = "stead-replica"
+_GREETING = f"{_PROTOCOL} 2"
 _REFUSED = "refused"
 _MAX_LINE = 64 << 10
 #: the largest replica taken (one rank's slot): bounds what a request may make the holder allocate
 _MAX_REPLICA_BYTES = 1 << 40
 #: the largest layout document (JSON) a replica may carry
 _MAX_LAYOUT_BYTES = 256 << 20
+#: the piece of a slot sent (and copied out of it, :mod:`._peers`) at a time
 _CHUNK = 8 << 20
+#: the bytes received before the thread that checks the tensors is told (fewer, shorter wake-ups; still in cache)
+_HASH_STEP = 2 << 20
 #: connections a replica port serves at once (each node sends one at a time; a flood of strangers is cut here)
 _MAX_CONNECTIONS = 64
 
@@ -119,9 +127,16 @@ class ReplicaMeta:
         return meta
 
 
-def verify(view: memoryview, meta: ReplicaMeta, *, capacity: int, where: str) -> None:
-    """Check a replica's bytes: its layout document against its checksum and every tensor against the checksums its
-    source's agent computed; ReplicaError naming what failed."""
+def wire_order(meta: ReplicaMeta) -> list[tuple[int, int]]:
+    """The (start, end) byte ranges of a replica in the order they travel: its checksums and layout document first
+    (what the receiver needs to check each tensor as it arrives), then its tensors, ``_CHUNK`` bytes at a time."""
+    return [(meta.checks_off, meta.nbytes), *((start, min(start + _CHUNK, meta.checks_off))
+                                              for start in range(0, meta.checks_off, _CHUNK))]
+
+
+def _check_layout(view: memoryview, meta: ReplicaMeta, *, capacity: int, where: str) -> list[tuple[int, int]]:
+    """A replica's layout document (arrived) checked against its checksum and its description: each tensor's
+    (offset, size), every one inside the replica's data; ReplicaError naming what failed."""
     try:
         doc = parse_document(bytes(view[meta.layout_off:meta.nbytes]), expected_sum=meta.layout_sum, where=where)
         doc.check_fits(capacity, where=where)
@@ -131,15 +146,62 @@ def verify(view: memoryview, meta: ReplicaMeta, *, capacity: int, where: str) ->
             or len(doc.tensors) != meta.n_tensors:
         raise ReplicaError(f"{where}: its layout names step {doc.step} of rank {doc.rank} (round {doc.round}, world "
                            f"{doc.world}, {len(doc.tensors)} tensors), not what it was sent as")
-    sums = view[meta.checks_off:meta.checks_off + 8 * meta.n_tensors].cast("Q")
-    try:
-        bad = [i for i, (offset, nbytes) in enumerate(doc.regions())
-               if checksum(view[offset:offset + nbytes]) != sums[i]]
-    finally:
-        sums.release()
-    if bad:
-        raise ReplicaError(f"{where}: {len(bad)} of {meta.n_tensors} tensors fail their checksums (first: tensor "
-                           f"{bad[0]}); the copy was damaged on its way and is not used")
+    regions = doc.regions()
+    if any(offset + nbytes > meta.data_bytes for offset, nbytes in regions):
+        raise ReplicaError(f"{where}: its layout places tensors beyond its {meta.data_bytes} bytes of tensor data; "
+                           "it is refused")
+    return regions
+
+
+class _Checks:
+    """Each tensor of a replica checked against its checksum by a thread of its own, as soon as the tensor's bytes
+    have arrived (:meth:`arrived` says how far they have), beside the loop that receives them."""
+
+    def __init__(self, view: memoryview, regions: list[tuple[int, int]], sums: list[int]) -> None:
+        self._view, self._regions, self._sums = view, regions, sums
+        self._cond = threading.Condition()
+        self._arrived = 0
+        self._ended = False
+        #: the tensors that failed their checksums (or could not be checked: the bytes never all arrived)
+        self._bad: list[int] = []
+        self._thread = threading.Thread(target=self._run, name="stead-ckpt-replica-check", daemon=True)
+        self._thread.start()
+
+    def arrived(self, upto: int) -> None:
+        """The replica's first ``upto`` bytes of tensor data are in."""
+        with self._cond:
+            self._arrived = upto
+            self._cond.notify()
+
+    def finish(self) -> list[int]:
+        """Once every byte arrived (or none will any more): the indexes of the tensors that failed their checks
+        (every one not wholly arrived among them)."""
+        with self._cond:
+            self._ended = True
+            self._cond.notify()
+        self._thread.join()
+        return sorted(self._bad)
+
+    def _run(self) -> None:
+        bad = list(range(len(self._regions)))  # (a failure of this thread's own: nothing is vouched for)
+        try:
+            bad = [i for i in sorted(range(len(self._regions)), key=lambda i: self._regions[i]) if not self._check(i)]
+        finally:
+            self._bad = bad
+
+    def _check(self, index: int) -> bool:
+        offset, nbytes = self._regions[index]
+        state, done, end = hasher(), offset, offset + nbytes
+        while done < end:
+            with self._cond:
+                while self._arrived <= done and not self._ended:
+                    self._cond.wait()
+                upto = min(self._arrived, end)
+            if upto <= done:
+                return False  # ended before this tensor's bytes all came
+            state.update(self._view[done:upto])
+            done = upto
+        return state.intdigest() == self._sums[index]
 
 
 # -- the wire ------------------------------------------------------------------------------------------------
@@ -186,19 +248,51 @@ class _Conn:
         text = value if isinstance(value, str) else json.dumps(value)
         self.sock.sendall(text.encode() + b"\n")
 
-    def read_into(self, target: memoryview) -> None:
+    def read_into(self, target: memoryview, *, progress: Callable[[int], None] | None = None, step: int = 0) -> None:
+        """Fill ``target``; ``progress(n)`` (if given) each time ``step`` more bytes are in, and at the end."""
         done = min(len(self._buf), len(target))
         target[:done] = self._buf[:done]
         del self._buf[:done]
+        told = 0
         while done < len(target):
             got = self.sock.recv_into(target[done:done + _CHUNK])
             if not got:
                 raise ReplicaError(f"the peer closed the connection after {done} of {len(target)} bytes")
             done += got
+            if progress is not None and done - told >= step:
+                progress(done)
+                told = done
+        if progress is not None and told < done:
+            progress(done)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def _receive(conn: _Conn, view: memoryview, meta: ReplicaMeta, *, capacity: int, where: str) -> ReplicaError | None:
+    """Read a replica (:func:`wire_order`) into ``view``, its layout checked once it arrived and each tensor as its
+    bytes come in; why it is not to be used (its layout or a tensor failed its checks), None when every check
+    passed. ReplicaError when the peer stops sending."""
+    conn.read_into(view[meta.checks_off:meta.nbytes])
+    try:
+        regions = _check_layout(view, meta, capacity=capacity, where=where)
+    except ReplicaError as exc:
+        conn.read_into(view[:meta.checks_off])  # read all the same: the sender hears why, not a reset connection
+        return exc
+    sums = view[meta.checks_off:meta.checks_off + 8 * meta.n_tensors].cast("Q")
+    try:
+        checks = _Checks(view, regions, sums.tolist())
+    finally:
+        sums.release()
+    try:
+        conn.read_into(view[:meta.checks_off], progress=checks.arrived, step=_HASH_STEP)
+    finally:
+        bad = checks.finish()
+    if bad:
+        return ReplicaError(f"{where}: {len(bad)} of {meta.n_tensors} tensors fail their checksums (first: tensor "
+                            f"{bad[0]}); the copy was damaged on its way and is not used")
+    return None
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -223,6 +317,9 @@ def _connect(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, 
             raise ReplicaError(f"the agent at {address} sent no greeting ({exc}): it may serve TLS and this node not "
                                "(give every host the same tls_* settings), or it is not a stead agent's replica "
                                "port") from None
+        if len(words) == 2 and words[0] != _GREETING and words[0].startswith(f"{_PROTOCOL} "):
+            raise ReplicaError(f"the agent at {address} speaks {words[0]!r}, this node {_GREETING!r}: run every node "
+                               "with the same stead")
         if len(words) != 2 or words[0] != _GREETING:
             raise ReplicaError(f"{address} is not a stead agent's replica port")
         server_nonce, client_nonce = words[1], secrets.token_hex(16)
@@ -242,8 +339,11 @@ def _connect(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, 
 
 
 def push(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, meta: ReplicaMeta, source: memoryview,
-         intact: Callable[[], bool], timeout_s: float) -> None:
-    """Send ``source`` (a slot's first ``meta.nbytes`` bytes) to the agent at ``address`` as a replica."""
+         intact: Callable[[], bool], timeout_s: float, ready: Callable[[int], None] | None = None) -> None:
+    """Send ``source`` (a slot's first ``meta.nbytes`` bytes) to the agent at ``address`` as a replica, in
+    :func:`wire_order`; ``ready(n)`` (if given) returns once the first ``n`` bytes in that order are in ``source``
+    (a copy being made as they are sent) and raises ReplicaError to stop before they are sent. ``intact()``, asked
+    once every byte is sent, says whether they are the slot as it was saved (False: the holder drops them)."""
     conn = _connect(address, token=token, job=job, tls=tls, timeout_s=timeout_s)
     try:
         conn.send_line({"op": "put", "meta": meta.to_json()})
@@ -251,7 +351,12 @@ def push(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, meta
         if not answer.get("ok"):
             raise ReplicaError(f"the agent at {address} refused the replica: "
                                f"{answer.get('error', '(no reason given)')}")
-        conn.sock.sendall(source[:meta.nbytes])
+        sent = 0
+        for start, end in wire_order(meta):
+            sent += end - start
+            if ready is not None:
+                ready(sent)
+            conn.sock.sendall(source[start:end])
         conn.send_line({"intact": bool(intact())})
         answer = conn.json()
     except OSError as exc:
@@ -278,12 +383,17 @@ def fetch(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, ran
             raise ReplicaError(f"the agent at {address} sent step {meta.step} of rank {meta.rank} for step {step} "
                                f"of rank {rank}")
         target = into(meta)
-        conn.read_into(target[:meta.nbytes])
+        if len(target) < meta.nbytes:
+            raise ReplicaError(f"no room for the replica of rank {rank} step {step}: {meta.nbytes} bytes, "
+                               f"{len(target)} given")
+        unusable = _receive(conn, target, meta, capacity=len(target),
+                            where=f"the replica of rank {rank} step {step} from {address}")
     except OSError as exc:
         raise ReplicaError(f"fetching a replica from {address} failed ({exc})") from None
     finally:
         conn.close()
-    verify(target, meta, capacity=len(target), where=f"the replica of rank {rank} step {step} from {address}")
+    if unusable is not None:
+        raise unusable
     return meta
 
 
@@ -482,12 +592,14 @@ class ReplicaServer:
             conn.send_line({"ok": True})  # room made: the sender may send the bytes
             memory = memoryview(held.view)
             try:
-                conn.read_into(memory[:meta.nbytes])
+                unusable = _receive(conn, memory, meta, capacity=capacity,
+                                    where=f"the replica of rank {meta.rank} step {meta.step}")
                 intact = conn.json().get("intact") is True
                 if not intact:
                     raise ReplicaError(f"rank {meta.rank}'s slot was rewritten while step {meta.step} was sent "
                                        "(a newer save): the copy is dropped, the previous replica kept")
-                verify(memory, meta, capacity=capacity, where=f"the replica of rank {meta.rank} step {meta.step}")
+                if unusable is not None:
+                    raise unusable
             finally:
                 memory.release()
         except ReplicaError as exc:
@@ -540,7 +652,8 @@ class ReplicaServer:
             conn.send_line({"ok": True, "meta": held.meta.to_json()})
             memory = memoryview(held.view)
             try:
-                conn.sock.sendall(memory[:held.meta.nbytes])  # under the lock: a newer put waits, never frees it
+                for start, end in wire_order(held.meta):  # under the lock: a newer put waits, never frees it
+                    conn.sock.sendall(memory[start:end])
             finally:
                 memory.release()
 

@@ -8,9 +8,10 @@ import dataclasses
 import re
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,8 +21,12 @@ from stead.core.platform import HOST_ENV
 from stead.plugin import CheckpointRestored, NodeExited, NodeLost, Record
 from stead.plugins.ckpt import _disk
 from stead.plugins.ckpt._book import Book
-from stead.plugins.ckpt._replicas import ReplicaError, ReplicaMeta, push
-from stead.plugins.ckpt._shm import unlink_quietly
+from stead.plugins.ckpt._checksum import checksum
+from stead.plugins.ckpt._client import PeerCopy
+from stead.plugins.ckpt._layout import plan
+from stead.plugins.ckpt._peers import PeerReplicas
+from stead.plugins.ckpt._replicas import _GREETING, ReplicaError, ReplicaMeta, ReplicaServer, fetch, push
+from stead.plugins.ckpt._shm import SegmentNames, SlotInfo, SlotState, VerifyState, unlink_quietly
 from stead.plugins.ckpt.agent import CheckpointAgentExtension
 from stead.plugins.ckpt.events import CheckpointCorrupt
 from stead.plugins.ckpt.plugin import CheckpointPlugin
@@ -280,7 +285,7 @@ def test_a_process_squatting_on_a_holder_s_port_is_sent_nothing() -> None:
         def squatter() -> None:
             conn, _ = server.accept()
             with conn:
-                conn.sendall(b"stead-replica 1 0123\n")
+                conn.sendall(f"{_GREETING} 0123\n".encode())
                 got.append(conn.recv(4096))  # the sender's nonce and proof
                 conn.sendall(b"0" * 64 + b"\n")  # a proof it cannot make
                 conn.settimeout(2.0)
@@ -339,3 +344,168 @@ def test_a_replacement_fetches_its_rank_s_newest_copy_and_the_replicated_one_tha
         got = _load(cluster, "node-1", 1)
         cluster.settle()
     assert got is not None and got[0] == 4 and torch.equal(got[1]["w"], torch.full((1000,), 41.0))  # type: ignore[arg-type]
+
+
+def test_a_holder_of_another_version_of_the_protocol_is_named_as_such() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def older() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.sendall(b"stead-replica 1 0123\n")
+                conn.settimeout(2.0)
+                with contextlib.suppress(OSError):
+                    conn.recv(4096)
+
+        thread = threading.Thread(target=older)
+        thread.start()
+        with pytest.raises(ReplicaError, match=r"speaks 'stead-replica 1'.*run every node with the same stead"):
+            _push_empty(f"127.0.0.1:{port}", token="t" * 43, job="j")
+        thread.join()
+
+
+# -- the transfer: the sender's copy ahead of its send, the holder's checks as the bytes arrive -----------------
+
+
+_TOKEN, _JOB = "t" * 43, "j"
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> Iterator[ReplicaServer]:
+    names = SegmentNames(prefix=f"stead-ckpt-test-{tmp_path.name[-12:]}-", incarnation=1)
+    server = ReplicaServer(names=names, token=_TOKEN, job=_JOB, tls=None, max_bytes=0, timeout_s=5.0,
+                           changed=lambda: None)
+    server.start("127.0.0.1")
+    try:
+        yield server
+    finally:
+        server.close()
+    assert not names.all_mine()  # every buffer freed
+
+
+def _slot(step: int, tensors: list[int], *, seed: int = 0) -> tuple[SlotInfo, bytearray]:
+    """A saved slot of rank 1 (world 2) holding tensors of these sizes in bytes, with its checksums and layout
+    document, as a worker and its agent leave it (large ones span several of the transfer's pieces)."""
+    layout = plan([{"dtype": "uint8", "shape": [n], "nbytes": n} for n in tensors])
+    document = layout.document(tree={"step": step}, step=step, round_=1, rank=1, world=2)
+    memory = bytearray(layout.needed(document))
+    rng = np.random.default_rng(seed)
+    for offset, nbytes in zip(layout.offsets, layout.nbytes, strict=True):
+        memory[offset:offset + nbytes] = rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    sums = [checksum(memoryview(memory)[o:o + n]) for o, n in zip(layout.offsets, layout.nbytes, strict=True)]
+    memory[layout.checks_off:layout.layout_off] = np.array(sums, dtype=np.uint64).tobytes()
+    memory[layout.layout_off:] = document
+    info = SlotInfo(index=0, seq=4, state=SlotState.COMPLETE, step=step, round=1, rank=1, world=2,
+                    data_bytes=layout.data_bytes, n_tensors=layout.n_tensors, checks_off=layout.checks_off,
+                    layout_off=layout.layout_off, layout_len=len(document), layout_sum=checksum(document), gen=1,
+                    capacity=len(memory), checks_seq=4, verify_seq=0, verify_state=VerifyState.NONE)
+    return info, memory
+
+
+def _send(server: ReplicaServer, slot: SlotInfo, memory: bytearray, **kw: object) -> None:
+    push(server.address, token=_TOKEN, job=_JOB, tls=None, meta=ReplicaMeta.of_slot(slot), source=memoryview(memory),
+         intact=lambda: True, timeout_s=5.0, **kw)  # type: ignore[arg-type]
+
+
+def _held_bytes(server: ReplicaServer, rank: int = 1) -> tuple[int, bytes]:
+    held = server.held[rank]
+    return held.meta.step, bytes(held.view[:held.meta.nbytes])
+
+
+_SIZES = [3 << 20, 40, 11 << 20, 0, 5 << 20]  # (the middle one spans two pieces and several checks)
+
+
+def test_a_tensor_damaged_in_the_middle_of_the_stream_is_refused_and_the_previous_replica_kept(
+        holder: ReplicaServer) -> None:
+    first, first_bytes = _slot(1, _SIZES)
+    _send(holder, first, first_bytes)
+    second, damaged = _slot(2, _SIZES, seed=1)
+    damaged[second.data_bytes // 2] ^= 0x10  # inside the third tensor, mid-stream
+    with pytest.raises(ReplicaError, match=r"1 of 5 tensors fail their checksums \(first: tensor 2\)"):
+        _send(holder, second, damaged)
+    assert _held_bytes(holder) == (1, bytes(first_bytes))
+
+
+def test_a_replica_and_its_fetch_arrive_checked_tensor_by_tensor_and_whole(holder: ReplicaServer) -> None:
+    slot, memory = _slot(3, _SIZES)
+    _send(holder, slot, memory)
+    assert _held_bytes(holder) == (3, bytes(memory))
+    got = bytearray(len(memory) + 4096)
+    meta = fetch(holder.address, token=_TOKEN, job=_JOB, tls=None, rank=1, step=3, round_=1,
+                 into=lambda _meta: memoryview(got), timeout_s=5.0)
+    assert meta == ReplicaMeta.of_slot(slot) and got[:len(memory)] == memory
+
+
+def test_a_sender_that_stops_mid_stream_leaves_the_previous_replica_and_the_holder_serving(
+        holder: ReplicaServer) -> None:
+    first, first_bytes = _slot(1, _SIZES)
+    _send(holder, first, first_bytes)
+    second, second_bytes = _slot(2, _SIZES, seed=1)
+
+    def vanish(upto: int) -> None:
+        if upto > len(second_bytes) // 2:
+            raise ReplicaError("the sender went away")
+
+    with pytest.raises(ReplicaError, match="the sender went away"):
+        _send(holder, second, second_bytes, ready=vanish)
+    assert _held_bytes(holder) == (1, bytes(first_bytes))
+    _send(holder, second, second_bytes)  # the holder took the next one in the half-written buffer
+    assert _held_bytes(holder) == (2, bytes(second_bytes))
+    assert len(holder.names.all_mine()) == 2  # double-buffered: no segment left by the broken transfer
+
+
+def test_a_layout_placing_tensors_outside_the_replica_s_data_is_refused_with_the_reason(
+        holder: ReplicaServer) -> None:
+    slot, memory = _slot(1, [1000])
+    lying = dataclasses.replace(slot, data_bytes=500)
+    with pytest.raises(ReplicaError, match="places tensors beyond its 500 bytes of tensor data"):
+        _send(holder, lying, memory)  # (told why: the holder read the rest before it answered)
+    assert holder.held == {}
+
+
+class _Rank:
+    """One local rank's memory as the sender sees it (its control block too): its slot, and whether the worker keeps
+    it or began to rewrite it."""
+
+    def __init__(self, info: SlotInfo, memory: bytearray, *, kept: bool) -> None:
+        self.local_rank, self.round, self.info, self.memory = 0, info.round, info, memory
+        self.rewritten = False
+        self.control = self
+        self.kept = ((-1, -1), (info.step, info.round) if kept else (-1, -1))
+
+    def mapping(self, info: SlotInfo, names: SegmentNames) -> bytearray:
+        return self.memory
+
+    def slot(self, index: int) -> SlotInfo:
+        return dataclasses.replace(self.info, seq=self.info.seq + (1 if self.rewritten else 0))
+
+
+def _sender(tmp_path: Path) -> PeerReplicas:
+    return PeerReplicas(ckpt=CheckpointSettings(dir=str(tmp_path)), settings=Settings.from_mapping({}),
+                        names=SegmentNames(prefix="stead-ckpt-test-sender-", incarnation=1), token=_TOKEN, job=_JOB,
+                        master_address="127.0.0.1:1", new_gen=lambda: 1)
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept-sent-from-the-slot", "copied-as-it-is-sent"])
+def test_a_node_sends_its_slot_whole_straight_from_it_while_kept_else_from_a_copy(
+        tmp_path: Path, holder: ReplicaServer, kept: bool) -> None:
+    slot, memory = _slot(4, _SIZES)
+    sender = _sender(tmp_path)
+    target = PeerCopy(node_id="node-0", address=holder.address)
+    assert sender._push(_Rank(slot, memory, kept=kept), slot, target)  # type: ignore[arg-type]
+    assert _held_bytes(holder) == (4, bytes(memory))
+    assert bool(sender._buffers) is not kept  # a kept slot needs no copy
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept-sent-from-the-slot", "copied-as-it-is-sent"])
+def test_a_slot_rewritten_while_it_was_read_is_never_put_in_place(
+        tmp_path: Path, holder: ReplicaServer, kept: bool) -> None:
+    first, first_bytes = _slot(1, _SIZES)
+    _send(holder, first, first_bytes)
+    slot, memory = _slot(2, _SIZES, seed=1)
+    rank = _Rank(slot, memory, kept=kept)
+    rank.rewritten = True  # a save began in the slot after the sender read its description
+    sender = _sender(tmp_path)
+    assert not sender._push(rank, slot, PeerCopy(node_id="node-0", address=holder.address))  # type: ignore[arg-type]
+    assert _held_bytes(holder) == (1, bytes(first_bytes))
