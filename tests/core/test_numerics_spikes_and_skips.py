@@ -19,7 +19,7 @@ import stead
 import stead.numerics
 from stead.core.agent.notes import MAX_PENDING_NOTES, NotesReader, parse_note
 from stead.core.errors import ConfigError
-from stead.core.events import MAX_NOTES_PER_REPORT, NumericsNote
+from stead.core.events import MAX_NOTES_PER_REPORT, MAX_SAMPLE_RANGES, MAX_SAMPLE_SETS, NumericsNote, StepSamples
 from stead.core.worker import loss_spike, notes, skipping
 from stead.core.worker.loss_spike import LossSpikeError, SpikeDetector
 from stead.core.worker.numerics_settings import SKIP_STEPS_ENV, NumericsSettings
@@ -85,12 +85,13 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[loss_spike._Reporter]:
     monkeypatch.setattr(loss_spike, "_reporter", reporter)
     monkeypatch.setattr(skipping, "_counter", skipping._StepCounter())
     monkeypatch.setattr(skipping, "_done", set())
+    monkeypatch.setattr(skipping, "_window", skipping._Window())  # no sample source of another test
     for name in (PROGRESS_ENV, SKIP_STEPS_ENV, "STEAD_NUMERICS_LOSS_SPIKE", "RANK"):
         monkeypatch.delenv(name, raising=False)
     try:
         yield reporter
     finally:
-        for handle in (reporter.handle, skipping._counter.handle):
+        for handle in (reporter.handle, skipping._counter.handle, skipping._window.handle):
             if handle is not None:
                 handle.remove()
 
@@ -165,7 +166,7 @@ def test_a_step_to_skip_applies_nothing_and_the_steps_go_on(fresh: loss_spike._R
     assert [str(w.message) for w in said if "skipped" in str(w.message)] == [
         "stead.numerics: step 1 skipped on rank 0 (" + ("its batch caused a numerical fault before the rollback"
                                                         if guarded else "the master's decision") +
-        "): its gradients were dropped before the optimizer step, its batch counts as consumed"]
+        "): its gradients were dropped before the optimizer step, its batch is recorded as skipped"]
 
 
 def test_a_bad_skip_list_is_refused_saying_what_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,6 +176,52 @@ def test_a_bad_skip_list_is_refused_saying_what_is_wrong(monkeypatch: pytest.Mon
 
 
 # -- notes: worker -> agent ---------------------------------------------------------------------------------------
+
+
+def test_every_rank_s_skipped_step_names_its_samples_in_its_note_or_says_they_are_unknown(
+        fresh: loss_spike._Reporter, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    progress = tmp_path / "rank1"
+    monkeypatch.setenv(PROGRESS_ENV, str(progress))
+    monkeypatch.setenv(SKIP_STEPS_ENV, "1,3")
+    monkeypatch.setenv("RANK", "1")  # not rank 0: every rank says what its own step held
+    skipping.install_skip_hook()
+    position = [0]
+
+    class Source:  # what stead's sampler gives: the samples received since its last call
+        taken = 0
+
+        def __call__(self) -> list[StepSamples]:
+            start, Source.taken = Source.taken, position[0]
+            return [StepSamples(dataset="d", count=position[0] - start, ranges=((0, start, position[0]),))]
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(4):
+            if step == 2:
+                skipping.watch_samples(Source())  # the script made its sampler: its steps are known from now on
+            position[0] += 4
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    skipped = [parse_note(line) for line in Path(notes.notes_path(str(progress))).read_bytes().splitlines()]
+    assert [(n.kind, n.rank, n.step, n.samples) for n in skipped] == [
+        ("step_skipped", 1, 1, None),  # no sampler of stead's: unknown
+        ("step_skipped", 1, 3, (StepSamples(dataset="d", count=4, ranges=((0, 12, 16),)),))]
+
+
+def test_a_step_s_samples_are_bounded_to_fit_one_note_keeping_their_count() -> None:
+    many = [StepSamples(dataset=f"{i}" * 200, count=1000, ranges=tuple((0, 10 * r, 10 * r + 5) for r in range(20)))
+            for i in range(6)]
+    fitted = skipping.fit_samples(many, lambda out: notes.line_bytes("step_skipped", step=7, rank=3,
+                                                                     samples=out) <= notes.MAX_LINE_BYTES)
+    line = json.dumps({"kind": "step_skipped", "step": 7, "rank": 3, "samples": fitted}, separators=(",", ":")).encode()
+    assert len(line) <= notes.MAX_LINE_BYTES
+    note = parse_note(line)
+    assert note.samples is not None and 1 <= len(note.samples) <= MAX_SAMPLE_SETS
+    assert all(s.count == 1000 and len(s.ranges) <= MAX_SAMPLE_RANGES for s in note.samples)
+    assert skipping.fit_samples(many[:1], lambda out: True)[0][2] == [[0, 10 * r, 10 * r + 5] for r in range(8)]
 
 
 @pytest.mark.parametrize(("line", "why"), [
@@ -190,6 +237,21 @@ def test_a_bad_skip_list_is_refused_saying_what_is_wrong(monkeypatch: pytest.Mon
     (b'{"kind": "loss_spike", "rank": 0, "step": 1, "round": 4294967296}', "round 4294967296 is past 2"),
     (b'{"kind": "loss_spike", "rank": 0, "step": 1, "shell": "rm"}', "unknown field(s) shell"),
     (b'{"kind": "step_skipped", "rank": 0, "step": 1, "pad": "' + b"x" * 2000 + b'"}', "over 1024"),
+    (b'{"kind": "loss_spike", "rank": 0, "step": 1, "samples": []}', "a loss_spike note names no samples"),
+    (b'{"kind": "step_skipped", "rank": 0, "step": 1, "samples": {"d": 1}}', "is not a list of at most 4 datasets"),
+    (b'{"kind": "step_skipped", "rank": 0, "step": 1, "samples": [' + b",".join([b'["d", 1, []]'] * 5) + b"]}",
+     "is not a list of at most 4 datasets"),
+    (b'{"kind": "step_skipped", "rank": 0, "step": 1, "samples": [["d", 4]]}', "is not .dataset, count, ranges."),
+    (b'{"kind": "step_skipped", "rank": 0, "step": 1, "samples": [["", 4, []]]}', "is not a name of 1 to 200"),
+    (b'{"kind": "step_skipped", "rank": 0, "step": 1, "samples": [["d", -1, []]]}', "count '-1' is not a count"),
+    (b'{"kind": "step_skipped", "rank": 0, "step": 1, "samples": [["d", 90, [' + b",".join([b"[0, 1, 2]"] * 9)
+     + b"]]]}", "are not a list of at most 8 ranges"),
+    (b'{"kind": "step_skipped", "rank": 0, "step": 1, "samples": [["d", 4, [[0, 5, 5]]]]}',
+     "is not part >= 0 and 0 <= start < end"),
+    (b'{"kind": "step_skipped", "rank": 0, "step": 1, "samples": [["d", 4, [[0, "a", 5]]]]}',
+     "is not .part, start, end."),
+    (b'{"kind": "step_skipped", "rank": 0, "step": 1, "samples": [["d", 1, [[0, 0, 4]]]]}',
+     "name 4 samples, more than its count 1"),
     (b"\xff\xfe", "not JSON"),
 ])
 def test_a_malformed_note_is_refused_saying_why(line: bytes, why: str) -> None:

@@ -20,7 +20,14 @@ from typing import Any
 
 import structlog
 
-from stead.core.events import MAX_NOTES_PER_REPORT, NOTE_KINDS, NumericsNote
+from stead.core.events import (
+    MAX_NOTES_PER_REPORT,
+    MAX_SAMPLE_RANGES,
+    MAX_SAMPLE_SETS,
+    NOTE_KINDS,
+    NumericsNote,
+    StepSamples,
+)
 from stead.core.worker.notes import MAX_LINE_BYTES, NOTES_SUFFIX
 
 __all__ = ["MAX_PENDING_NOTES", "MAX_READ_BYTES", "NotesReader", "parse_note"]
@@ -47,15 +54,55 @@ def parse_note(line: bytes) -> NumericsNote:
     kind = data.get("kind")
     if kind not in NOTE_KINDS:
         raise ValueError(f"kind {str(kind)[:40]!r} is not one of {', '.join(NOTE_KINDS)}")
-    unknown = sorted(set(data) - {"kind", "rank", "step", "loss", "median", "score", "action", "round"})
+    unknown = sorted(set(data) - {"kind", "rank", "step", "loss", "median", "score", "action", "round", "samples"})
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(unknown)[:80]}")
     action = data.get("action", "")
     if action not in _ACTIONS:
         raise ValueError(f"action {str(action)[:40]!r} is not record or skip")
+    samples = data.get("samples")
+    if samples is not None and kind != "step_skipped":
+        raise ValueError(f"a {kind} note names no samples (only step_skipped does)")
     return NumericsNote(kind=kind, rank=_count(data, "rank"), step=_count(data, "step"), loss=_figure(data, "loss"),
                         median=_figure(data, "median"), score=_figure(data, "score"), action=action,
-                        round=_round(data))
+                        round=_round(data), samples=None if samples is None else _samples(samples))
+
+
+#: the longest dataset name (the sharding plugin's bound)
+_MAX_DATASET_CHARS = 200
+
+
+def _samples(value: Any) -> tuple[StepSamples, ...]:
+    """A step_skipped note's ``samples``: ``[[dataset, count, [[part, start, end], ...]], ...]`` within the bounds."""
+    if not isinstance(value, list) or len(value) > MAX_SAMPLE_SETS:
+        raise ValueError(f"samples {str(value)[:40]!r} is not a list of at most {MAX_SAMPLE_SETS} datasets")
+    sets: list[StepSamples] = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 3):
+            raise ValueError(f"samples entry {str(item)[:40]!r} is not [dataset, count, ranges]")
+        name, count, ranges = item
+        if not isinstance(name, str) or not 0 < len(name) <= _MAX_DATASET_CHARS:
+            raise ValueError(f"samples dataset {str(name)[:40]!r} is not a name of 1 to {_MAX_DATASET_CHARS} "
+                             "characters")
+        if not isinstance(ranges, list) or len(ranges) > MAX_SAMPLE_RANGES:
+            raise ValueError(f"samples ranges of {name[:40]!r} are not a list of at most {MAX_SAMPLE_RANGES} ranges")
+        named = StepSamples(dataset=name, count=_count({"count": count}, "count"),
+                            ranges=tuple(_range(name, r) for r in ranges))
+        if named.named > named.count:
+            raise ValueError(f"samples ranges of {name[:40]!r} name {named.named} samples, more than its count "
+                             f"{named.count}")
+        sets.append(named)
+    return tuple(sets)
+
+
+def _range(name: str, value: Any) -> tuple[int, int, int]:
+    if not (isinstance(value, list) and len(value) == 3
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        raise ValueError(f"samples range {str(value)[:40]!r} of {name[:40]!r} is not [part, start, end]")
+    part, start, end = value
+    if not (0 <= part < 2**63 and 0 <= start < end < 2**63):
+        raise ValueError(f"samples range {value!r} of {name[:40]!r} is not part >= 0 and 0 <= start < end")
+    return part, start, end
 
 
 def _count(data: Mapping[str, Any], name: str) -> int:

@@ -16,8 +16,8 @@ import dataclasses
 
 from stead.core.events.base import Event, EventMark, event_kind
 
-__all__ = ["MAX_NOTES_PER_REPORT", "MAX_NUMERICS_RECORDS", "NOTE_KINDS", "NumericsNote", "NumericsReported",
-           "RestoreBound"]
+__all__ = ["MAX_NOTES_PER_REPORT", "MAX_NUMERICS_RECORDS", "MAX_SAMPLE_RANGES", "MAX_SAMPLE_SETS", "NOTE_KINDS",
+           "NumericsNote", "NumericsReported", "RestoreBound", "StepSamples"]
 
 #: the notes one report carries at most (the agent sends the rest with its next reports)
 MAX_NOTES_PER_REPORT = 32
@@ -25,6 +25,29 @@ MAX_NOTES_PER_REPORT = 32
 MAX_NUMERICS_RECORDS = 200
 #: ``loss_spike``: a rank's loss spiked (``action`` record or skip); ``step_skipped``: the workers skipped ``step``
 NOTE_KINDS = ("loss_spike", "step_skipped")
+#: the datasets a ``step_skipped`` note names at most, and the ranges it names of each (a note is one line of at most
+#: 1 KiB, see :mod:`stead.core.worker.notes`; a dataset's samples past the ranges named are counted, not named)
+MAX_SAMPLE_SETS = 4
+MAX_SAMPLE_RANGES = 8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepSamples:
+    """The samples of one dataset that one rank's step trained on (or skipped), as stead's sampler handed them out.
+
+    ``ranges`` are ``(part, start, end)`` slots of the sharding ledger: ``part`` an epoch and ``[start, end)``
+    positions of that epoch's shuffled order (a dataset), or a partition and its offsets (a streaming source).
+    ``count`` is every sample of the dataset the step held; the ranges name them all, or the first ones when they
+    were more than :data:`MAX_SAMPLE_RANGES` ranges."""
+
+    dataset: str
+    count: int
+    ranges: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def named(self) -> int:
+        """The samples the ranges name."""
+        return sum(end - start for _, start, end in self.ranges)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +66,9 @@ class NumericsNote:
     action: str = ""
     #: the round the worker wrote it in (its report may come in a later round); None: not said
     round: int | None = None
+    #: ``step_skipped``: the samples this rank's skipped step held, per dataset read with stead's sampler; None: not
+    #: known (the script reads its data otherwise, or the note is of another kind)
+    samples: tuple[StepSamples, ...] | None = None
 
 
 @event_kind("numerics.reported", mark=EventMark.DIAGNOSIS)

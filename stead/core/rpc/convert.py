@@ -25,6 +25,7 @@ from stead.core.events import (
     RestoreBound,
     StackSample,
     StacksDumped,
+    StepSamples,
     WorkerFailed,
     WorkersStarted,
     WorkersSucceeded,
@@ -53,6 +54,12 @@ from stead.core.rpc._proto.stead.v1 import (
 )
 from stead.core.rpc._proto.stead.v1 import (
     RestoreBound as ProtoRestoreBound,
+)
+from stead.core.rpc._proto.stead.v1 import (
+    SampleRange as ProtoSampleRange,
+)
+from stead.core.rpc._proto.stead.v1 import (
+    StepSamples as ProtoStepSamples,
 )
 from stead.core.rpc._proto.stead.v1 import (
     WorkersState as ProtoWorkersState,
@@ -225,12 +232,26 @@ def stacks_from_proto(message: StacksReport) -> AgentReport[StacksDumped]:
 
 def numerics_to_proto(report: AgentReport[NumericsReported]) -> NumericsReport:
     return to_proto(NumericsReport, report.event, incarnation=report.incarnation,
-                    notes=[to_proto(ProtoNumericsNote, n) for n in report.event.notes])
+                    notes=[_note_to_proto(n) for n in report.event.notes])
 
 
 def numerics_from_proto(message: NumericsReport) -> AgentReport[NumericsReported]:
-    notes = tuple(from_proto(NumericsNote, n) for n in message.notes)
+    notes = tuple(_note_from_proto(n) for n in message.notes)
     return AgentReport(incarnation=message.incarnation, event=from_proto(NumericsReported, message, notes=notes))
+
+
+def _note_to_proto(note: NumericsNote) -> ProtoNumericsNote:
+    samples = [ProtoStepSamples(dataset=s.dataset, count=s.count,
+                                ranges=[ProtoSampleRange(part=p, start=b, end=e) for p, b, e in s.ranges])
+               for s in note.samples or ()]
+    return to_proto(ProtoNumericsNote, note, samples=samples, samples_known=note.samples is not None)
+
+
+def _note_from_proto(message: ProtoNumericsNote) -> NumericsNote:
+    samples = tuple(StepSamples(dataset=s.dataset, count=s.count, ranges=tuple((r.part, r.start, r.end)
+                                                                                for r in s.ranges))
+                    for s in message.samples) if message.samples_known else None
+    return from_proto(NumericsNote, message, samples=samples)
 
 
 def health_to_proto(report: AgentReport[NodeHealthReported]) -> HealthReport:

@@ -35,6 +35,7 @@ def numerics_lines(records: Iterable[Record], *, shown: int | None = SHOWN) -> l
     """One line per step skipped, loss spike, restore bounded and batch of notes dropped, oldest first (the last
     ``shown``; None: all, as the HTML report shows them)."""
     lines: list[str] = []
+    skips: dict[tuple[int, int], _Skip] = {}
     dropped = 0
     bounded: RecoveryDecided | None = None  # the last bound decided, until a later round restores
     for record in records:
@@ -52,7 +53,17 @@ def numerics_lines(records: Iterable[Record], *, shown: int | None = SHOWN) -> l
             lines.append(f"step {steps} skipped from round {event.round + 1} on: {cause} on rank {event.rank}"
                          f"{f' (host {host[1]})' if host else ''} ({event.rule})")
         elif isinstance(event, NumericsReported):
-            lines += [_note_line(note, event.round if note.round is None else note.round) for note in event.notes]
+            for note in event.notes:
+                round_ = event.round if note.round is None else note.round
+                if note.kind != "step_skipped":
+                    lines.append(_note_line(note, round_))
+                    continue
+                skip = skips.get((round_, note.step))
+                if skip is None:  # every rank of the round says so: one line for them all, where the first said it
+                    skip = skips[round_, note.step] = _Skip(round_, note.step, len(lines))
+                    lines.append("")
+                skip.add(note)
+                lines[skip.line] = skip.text()
             dropped += event.dropped
     if shown is not None and len(lines) > shown:
         lines = [f"({len(lines) - shown} earlier: stead events --job JOB | grep -e numerics -e skip_steps)",
@@ -99,9 +110,61 @@ def numerics_counts(records: Iterable[Record]) -> NumericsCounts:
                           bounded_restores=bounded)
 
 
+#: the ranges of a dataset a skipped step's line names at most
+_RANGES_SHOWN = 4
+
+
+class _Skip:
+    """The ranks' notes of one step skipped in one round, and the samples they held, as one line."""
+
+    def __init__(self, round_: int, step: int, line: int) -> None:
+        self.round, self.step, self.line = round_, step, line
+        self.ranks: set[int] = set()
+        self.unknown: set[int] = set()  # ranks whose samples are not known (no stead sampler)
+        self.counts: Counter[str] = Counter()
+        self.ranges: dict[str, set[tuple[int, int, int]]] = {}
+
+    def add(self, note: NumericsNote) -> None:
+        if note.rank in self.ranks:
+            return  # the same rank again (a note forwarded twice)
+        self.ranks.add(note.rank)
+        if note.samples is None:
+            self.unknown.add(note.rank)
+            return
+        for part in note.samples:
+            self.counts[part.dataset] += part.count
+            self.ranges.setdefault(part.dataset, set()).update(part.ranges)
+
+    def text(self) -> str:
+        says = f"rank {next(iter(self.ranks))} says" if len(self.ranks) == 1 else f"{len(self.ranks)} ranks say"
+        held = [f"{count} samples (dataset {name}: {_slots(self.ranges[name], count)})"
+                for name, count in sorted(self.counts.items())]
+        if self.unknown == self.ranks:
+            held.append("samples unknown (not read with stead's sampler)")
+        elif self.unknown:
+            who = f"rank {next(iter(self.unknown))}" if len(self.unknown) == 1 else f"{len(self.unknown)} ranks"
+            held.append(f"samples of {who} unknown (not read with stead's sampler)")
+        return (f"step {self.step} skipped by the workers of round {self.round} ({says})"
+                f"{': ' + '; '.join(held) if held else ''}")
+
+
+def _slots(ranges: set[tuple[int, int, int]], count: int) -> str:
+    merged: list[tuple[int, int, int]] = []
+    for part, start, end in sorted(ranges):
+        if merged and merged[-1][0] == part and merged[-1][2] >= start:
+            merged[-1] = (part, merged[-1][1], max(end, merged[-1][2]))
+        else:
+            merged.append((part, start, end))
+    shown = ", ".join(f"{'' if i and merged[i - 1][0] == part else f'part {part} slots '}{start}-{end - 1}"
+                      for i, (part, start, end) in enumerate(merged[:_RANGES_SHOWN]))
+    more = [f"{len(merged) - _RANGES_SHOWN} more range(s)"] if len(merged) > _RANGES_SHOWN else []
+    unnamed = count - sum(end - start for _, start, end in merged)
+    if unnamed > 0:
+        more.append(f"{unnamed} not named")
+    return ", ".join([shown, *more]) if shown else ", ".join(more) or "none named"
+
+
 def _note_line(note: NumericsNote, round_: int) -> str:
-    if note.kind == "step_skipped":
-        return f"step {note.step} skipped by the workers of round {round_} (rank {note.rank} says)"
     loss = "not finite" if note.loss is None else f"{note.loss:.4g}"
     above = (f", {note.score:.1f} robust std above the median {note.median:.4g}"
              if note.score is not None and note.median is not None else "")

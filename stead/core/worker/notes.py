@@ -18,10 +18,11 @@ import json
 import math
 import os
 import warnings
+from typing import Any
 
 from stead.core.worker.progress import PROGRESS_ENV
 
-__all__ = ["KINDS", "MAX_LINE_BYTES", "MAX_NOTES", "NOTES_SUFFIX", "notes_path", "write"]
+__all__ = ["KINDS", "MAX_LINE_BYTES", "MAX_NOTES", "NOTES_SUFFIX", "line_bytes", "notes_path", "write"]
 
 #: the file beside a progress page that its worker's notes go to
 NOTES_SUFFIX = ".events"
@@ -42,7 +43,20 @@ def notes_path(progress_path: str) -> str:
     return progress_path + NOTES_SUFFIX
 
 
-def write(kind: str, **fields: float | int | str | None) -> bool:
+def line_bytes(kind: str, **fields: Any) -> int:
+    """The bytes :func:`write` would write for this note (to fit one under :data:`MAX_LINE_BYTES`)."""
+    return len(_line(kind, fields))
+
+
+def _line(kind: str, fields: dict[str, Any]) -> bytes:
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in fields.items()}
+    round_ = os.environ.get("STEAD_ROUND", "")
+    if round_.isdigit():  # the agent reports the note later, maybe once the next round began
+        clean["round"] = int(round_)
+    return (json.dumps({"kind": kind, **clean}, separators=(",", ":")) + "\n").encode()
+
+
+def write(kind: str, **fields: float | int | str | list[Any] | None) -> bool:
     """Append one note for the agent to forward; False when not under a stead agent or past :data:`MAX_NOTES`.
 
     A non-finite number is written as null (JSON has none)."""
@@ -55,11 +69,7 @@ def write(kind: str, **fields: float | int | str | None) -> bool:
             warnings.warn(f"stead: this worker wrote {MAX_NOTES} numerical notes; later ones are not sent to the "
                           "master (raise numerics.loss_spike_threshold if spikes are that common)", stacklevel=2)
         return False
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in fields.items()}
-    round_ = os.environ.get("STEAD_ROUND", "")
-    if round_.isdigit():  # the agent reports the note later, maybe once the next round began
-        clean["round"] = int(round_)
-    line = (json.dumps({"kind": kind, **clean}, separators=(",", ":")) + "\n").encode()
+    line = _line(kind, fields)
     if len(line) > MAX_LINE_BYTES:
         raise ValueError(f"a {kind} note of {len(line)} bytes is over {MAX_LINE_BYTES}: write shorter fields")
     try:

@@ -10,7 +10,16 @@ GradScaler skips a step whose gradients overflowed. The step number still advanc
 consumed (and skipped). Under DDP the step's all-reduce has run already (every rank took part); nothing of it is
 applied. A learning-rate scheduler the script steps still steps.
 
-Global rank 0 records the skip (a ``step_skipped`` note the agent forwards to the master); every rank warns.
+Every rank warns and records the skip: a ``step_skipped`` note (its agent forwards it to the master) with the
+samples its step held, per dataset read with stead's sampler, so that the sharding ledger records them as skipped,
+not consumed. Each rank sends its own part rather than rank 0 gathering them: a collective inside an optimizer hook
+could hang a rank whose hook is not installed, or a backend that needs its tensors on a device; a rank's part is
+small (a few ranges: a step's samples are contiguous in its stream, see :mod:`stead.plugins.sharding.steps`).
+
+What a step held comes from *sample sources* (:func:`watch_samples`; stead's sampler registers one): each says
+which samples the training loop received since its last call. Every optimizer step is a boundary
+(:func:`step_boundary`, from a pre-step hook installed with the first source): what came before it is that step's.
+A script without a source (its own data loading) has notes that say its samples are unknown (``samples`` null).
 """
 
 from __future__ import annotations
@@ -18,15 +27,104 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from stead.core.events import MAX_SAMPLE_RANGES, MAX_SAMPLE_SETS, StepSamples
 from stead.core.worker import notes, progress
 from stead.core.worker.numerics_settings import SKIP_STEPS_ENV
 
-__all__ = ["drop_gradients", "install_skip_hook", "skip_steps", "skipped"]
+__all__ = ["SampleSource", "drop_gradients", "fit_samples", "install_skip_hook", "skip_steps", "skipped",
+           "step_boundary", "step_samples", "watch_samples"]
 
 #: steps skipped so far in this process (one note and one warning each)
 _done: set[int] = set()
+#: what a sample source gives: the samples the training loop received since its last call, per dataset
+SampleSource = Callable[[], Sequence[StepSamples]]
+
+
+class _Window:
+    """The samples of the training step being taken: what the sources gave at its boundary."""
+
+    def __init__(self) -> None:
+        self.sources: list[SampleSource] = []
+        self.step: int | None = None
+        self.samples: list[StepSamples] = []
+        self.taken = 0  # optimizer steps seen, the step number where stead does not track them
+        self.handle: Any = None
+
+
+_window = _Window()
+
+
+def watch_samples(source: SampleSource) -> None:
+    """Take ``source``'s samples at every optimizer step from now on (once per source; installs the boundary hook)."""
+    if source not in _window.sources:
+        _window.sources.append(source)
+    if _window.handle is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            tracked = progress.training_step()
+            step = _window.taken if tracked is None else tracked
+            _window.taken += 1
+            step_boundary(step)
+
+        _window.handle = register_optimizer_step_pre_hook(before_step)
+
+
+def step_boundary(step: int) -> None:
+    """Optimizer step ``step`` is being taken: the samples the sources received since the last boundary are its.
+
+    Called again with the same step (a second hook, a second optimizer of the same training step), it adds what
+    came since to the same step, so the order of the hooks does not matter."""
+    if not _window.sources:
+        return
+    taken = [part for source in _window.sources for part in source()]
+    if step != _window.step:
+        _window.step, _window.samples = step, []
+    _window.samples = _merged([*_window.samples, *taken])
+
+
+def step_samples(step: int) -> tuple[StepSamples, ...] | None:
+    """The samples step ``step`` held, per dataset (None: unknown, no source watched)."""
+    if not _window.sources:
+        return None
+    step_boundary(step)
+    return tuple(_window.samples)
+
+
+def _merged(parts: Sequence[StepSamples]) -> list[StepSamples]:
+    by_name: dict[str, StepSamples] = {}
+    for part in parts:
+        if not part.count:
+            continue
+        known = by_name.get(part.dataset)
+        if known is None:
+            by_name[part.dataset] = part
+            continue
+        ranges = list(known.ranges)
+        for piece in part.ranges:
+            if ranges and ranges[-1][0] == piece[0] and ranges[-1][2] == piece[1]:
+                ranges[-1] = (piece[0], ranges[-1][1], piece[2])
+            else:
+                ranges.append(piece)
+        by_name[part.dataset] = StepSamples(dataset=part.dataset, count=known.count + part.count, ranges=tuple(ranges))
+    return list(by_name.values())
+
+
+def fit_samples(samples: Sequence[StepSamples], fits: Callable[[list[Any]], bool]) -> list[Any]:
+    """``samples`` as a note writes them (``[[dataset, count, [[part, start, end], ...]], ...]``), within
+    :data:`MAX_SAMPLE_SETS` datasets of :data:`MAX_SAMPLE_RANGES` ranges each, and shortened until ``fits`` (the
+    note's line is short enough): the last ranges named go first (their samples stay counted), then whole datasets."""
+    named = [(s.dataset, s.count, [list(r) for r in s.ranges[:MAX_SAMPLE_RANGES]]) for s in samples[:MAX_SAMPLE_SETS]]
+    while named and not fits([list(entry) for entry in named]):
+        ranges = max((entry[2] for entry in named), key=len)
+        if ranges:
+            ranges.pop()
+        else:
+            named.pop()
+    return [list(entry) for entry in named]
 
 
 def skip_steps() -> frozenset[int]:
@@ -54,14 +152,16 @@ def drop_gradients(optimizer: Any) -> None:
 
 
 def skipped(step: int, *, rank: int, cause: str = "the master's decision") -> None:
-    """Say once that ``step`` was skipped here (a warning; a note to the master from global rank 0)."""
+    """Say once that ``step`` was skipped here: a warning, and a note to the master naming the step's samples."""
     if step in _done:
         return
     _done.add(step)
+    samples = step_samples(step)
     warnings.warn(f"stead.numerics: step {step} skipped on rank {rank} ({cause}): its gradients were dropped "
-                  "before the optimizer step, its batch counts as consumed", stacklevel=3)
-    if rank == 0:
-        notes.write("step_skipped", step=step, rank=rank)
+                  "before the optimizer step, its batch is recorded as skipped", stacklevel=3)
+    named = None if samples is None else fit_samples(samples, lambda out: notes.line_bytes(
+        "step_skipped", step=step, rank=rank, samples=out) <= notes.MAX_LINE_BYTES)
+    notes.write("step_skipped", step=step, rank=rank, samples=named)
 
 
 class _StepCounter:

@@ -26,6 +26,7 @@ from stead.core.events import (
     RestoreBound,
     StackSample,
     StacksDumped,
+    StepSamples,
     WorkerFailed,
     WorkersStarted,
     WorkersSucceeded,
@@ -111,7 +112,9 @@ STACKS = AgentReport(incarnation=3, event=StacksDumped(
     workers=(StackSample(rank=5, local_rank=1, step=77, stack='Thread 0x1:\n  File "train.py", line 3'),)))
 NUMERICS = AgentReport(incarnation=3, event=NumericsReported(
     node_id="node-1", round=4, dropped=2, notes=(NumericsNote(kind="loss_spike", rank=5, step=77, loss=40.5,
-                                                              median=2.25, score=31.5, action="skip", round=3),)))
+                                                              median=2.25, score=31.5, action="skip", round=3,
+                                                              samples=(StepSamples(dataset="d", count=40, ranges=(
+                                                                  (1, 8, 40), (2, 3, 5))),)),)))
 HEALTH = AgentReport(incarnation=3, event=NodeHealthReported(
     node_id="node-1", incarnation=3, check=2, matmul_s=0.0125, device="cuda:0 NVIDIA H100", error="slow peer",
     seconds=4.5, collectives=(PeerCollective(peer="node-2", seconds=0.25, error="slow"),)))

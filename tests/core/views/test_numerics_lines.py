@@ -11,6 +11,7 @@ from stead.core.events import (
     Record,
     RecoveryAction,
     RecoveryDecided,
+    StepSamples,
 )
 from stead.core.views.numerics import SHOWN, numerics_lines
 
@@ -32,10 +33,33 @@ def test_status_shows_each_skip_and_spike_and_the_notes_dropped() -> None:
         "step 6 skipped from round 2 on: a non-finite gradient on rank 1 (host h1) (non-finite-gradient)",
         "loss spike at step 4 on rank 0 (round 2): loss 1200, 512.2 robust std above the median 1.1; recorded",
         "loss spike at step 9 on rank 2 (round 1): loss not finite; rolled back, its batch skipped",
-        "step 6 skipped by the workers of round 2 (rank 0 says)",
+        "step 6 skipped by the workers of round 2 (rank 0 says): samples unknown (not read with stead's sampler)",
         "3 note(s) of the workers dropped by their agents (malformed or over their bounds: the agents' logs say "
         "which)",
     ]
+
+
+def test_every_rank_s_note_of_a_skipped_step_makes_one_line_naming_the_samples_they_held() -> None:
+    def skip(rank: int, *samples: StepSamples, round_: int | None = None) -> NumericsNote:
+        return NumericsNote(kind="step_skipped", rank=rank, step=6, round=round_, samples=samples)
+
+    first = NumericsReported(node_id="node-0", round=2, notes=(
+        skip(0, StepSamples(dataset="d", count=32, ranges=((0, 0, 32),))),
+        skip(1, StepSamples(dataset="d", count=32, ranges=((0, 32, 64),)),
+             StepSamples(dataset="text", count=12, ranges=((1, 5, 9), (2, 0, 4))))))
+    second = NumericsReported(node_id="node-1", round=3, notes=(  # written in round 2, sent once round 3 began
+        skip(2, StepSamples(dataset="d", count=40, ranges=((0, 200, 204), (0, 300, 304), (0, 400, 404), (0, 500, 504),
+                                                           (0, 600, 604))), round_=2),
+        dataclasses.replace(skip(3), samples=None, round=2),
+        skip(1, StepSamples(dataset="d", count=32, ranges=((0, 32, 64),)), round_=2)))  # forwarded again
+    assert numerics_lines(_records(first)) == [
+        "step 6 skipped by the workers of round 2 (2 ranks say): 64 samples (dataset d: part 0 slots 0-63); "
+        "12 samples (dataset text: part 1 slots 5-8, part 2 slots 0-3, 4 not named)"]
+    assert numerics_lines(_records(first, second)) == [
+        "step 6 skipped by the workers of round 2 (4 ranks say): 104 samples (dataset d: part 0 slots 0-63, "
+        "200-203, 300-303, 400-403, 2 more range(s), 20 not named); "
+        "12 samples (dataset text: part 1 slots 5-8, part 2 slots 0-3, 4 not named); samples of rank 3 unknown "
+        "(not read with stead's sampler)"]
 
 
 def test_status_shows_the_newest_lines_and_counts_the_others() -> None:

@@ -216,7 +216,8 @@ def test_the_report_lists_the_numerical_faults_as_stead_status_does() -> None:
                       NumericsNote(kind="step_skipped", rank=0, step=4),))), (7.0, JobSucceeded()))
     tl = timeline(records)
     assert tl.numerics == ("step 4 skipped from round 2 on: a non-finite gradient on rank 1 (host h<1>) "
-                           "(non-finite-gradient)", "step 4 skipped by the workers of round 2 (rank 0 says)")
+                           "(non-finite-gradient)", "step 4 skipped by the workers of round 2 (rank 0 says): samples "
+                           "unknown (not read with stead's sampler)")
     parsed = _Page()
     parsed.feed(render_html("j", tl))
     text = " ".join(parsed.text)

@@ -23,8 +23,10 @@ __all__ = (
     "RegisterReply",
     "RegisterRequest",
     "RestoreBound",
+    "SampleRange",
     "StacksReport",
     "StartWorkers",
+    "StepSamples",
     "StopNode",
     "StopWorkers",
     "WorkerStack",
@@ -372,6 +374,16 @@ class NumericsNote(betterproto2.Message):
     The round the worker wrote it in (a note may reach the master after the next round began); unset: unknown.
     """
 
+    samples: "list[StepSamples]" = betterproto2.field(9, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    "step_skipped": the samples the rank's skipped step held, per dataset read with stead's sampler (at most 4).
+    """
+
+    samples_known: "bool" = betterproto2.field(10, betterproto2.TYPE_BOOL)
+    """
+    Whether the samples are known (false: the script reads its data otherwise, or another kind of note).
+    """
+
 
 default_message_pool.register_message("stead.v1", "NumericsNote", NumericsNote)
 
@@ -472,6 +484,22 @@ default_message_pool.register_message("stead.v1", "RestoreBound", RestoreBound)
 
 
 @dataclass(eq=False, repr=False)
+class SampleRange(betterproto2.Message):
+    """
+    Slots [start, end) of a part of the sharding ledger (an epoch of a dataset, a partition of a streaming source).
+    """
+
+    part: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+
+    start: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+
+    end: "int" = betterproto2.field(3, betterproto2.TYPE_INT64)
+
+
+default_message_pool.register_message("stead.v1", "SampleRange", SampleRange)
+
+
+@dataclass(eq=False, repr=False)
 class StacksReport(betterproto2.Message):
     node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -524,6 +552,28 @@ class StartWorkers(betterproto2.Message):
 
 
 default_message_pool.register_message("stead.v1", "StartWorkers", StartWorkers)
+
+
+@dataclass(eq=False, repr=False)
+class StepSamples(betterproto2.Message):
+    """
+    The samples of one dataset a rank's step held.
+    """
+
+    dataset: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    count: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+    """
+    Every sample of the dataset the step held; the ranges name them all, or the first ones.
+    """
+
+    ranges: "list[SampleRange]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    At most 8.
+    """
+
+
+default_message_pool.register_message("stead.v1", "StepSamples", StepSamples)
 
 
 @dataclass(eq=False, repr=False)
