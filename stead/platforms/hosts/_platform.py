@@ -131,7 +131,8 @@ class HostsPlatform:
     reported pending (NodePending: the scaler goes on without it while MIN hold). ``nodes_here``: False when this
     host runs no node of its own and names no host last (the Slurm platform, which starts a host on every node of
     its allocation, this one's included). A host named in a node's ``avoid_hosts`` (excluded as faulty) or barred
-    (:meth:`bar`) gets no node.
+    (:meth:`bar`) gets no node. Closing tells every connected host that the job ended (its `stead run` stops its node
+    and exits, reporting nothing more): each node still on one is reported exited then, and the events end.
     """
 
     name = "hosts"
@@ -165,7 +166,11 @@ class HostsPlatform:
         #: nodes killed (lost, stopped): a host that offers itself again still running one is told to kill it
         self._killed: set[_Key] = set()
         self._local_busy: _Key | None = None
-        self._events: asyncio.Queue[PlatformEvent] = asyncio.Queue()
+        #: None, last: the platform closed (the stream ends)
+        self._events: asyncio.Queue[PlatformEvent | None] = asyncio.Queue()
+        #: the nodes on other hosts reported exited (by their host, or as lost)
+        self._exited: set[_Key] = set()
+        self._detached = False
         self._ended: proto.Ended | None = None
         self._forward: asyncio.Task[None] | None = None
         self._look: asyncio.Task[None] | None = None
@@ -198,6 +203,13 @@ class HostsPlatform:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self.local.__aexit__(exc_type, exc, tb)  # type: ignore[attr-defined]
+        if not self._detached:  # the hosts told stop their nodes as their `stead run` ends (it reports no more)
+            for key, where in self._placed.items():
+                holder = self._hosts.get(where)
+                if where != LOCAL and key not in self._exited and holder is not None and holder in told:
+                    self._events.put_nowait(NodeExited(node_id=key[0], incarnation=key[1], reason=(
+                        f"the job's master stopped: host {holder.name} was told to stop its node")))
+        self._events.put_nowait(None)
 
     def end(self, *, exit_code: int, summary: str) -> None:
         """What the other hosts' `stead run` print and exit with when the job ends (told as the platform closes)."""
@@ -206,6 +218,7 @@ class HostsPlatform:
     def detach(self) -> None:
         """The master leaves its nodes to the next one (it failed, or was told to go): nothing is killed here."""
         self._leaving = True
+        self._detached = True
         detach = getattr(self.local, "detach", None)
         if callable(detach):
             detach()
@@ -245,8 +258,10 @@ class HostsPlatform:
         return not (self.static and static_rank(spec.node_id) == self.local_rank)
 
     async def events(self) -> AsyncIterator[PlatformEvent]:
-        while True:
-            yield await self._events.get()
+        """The nodes' events until the platform closed (its last ones: the nodes on hosts it told to stop)."""
+        while (event := await self._events.get()) is not None:
+            yield event
+        self._events.put_nowait(None)  # (for another reader)
 
     # -- hosts ----------------------------------------------------------------------------------------------
 
@@ -315,6 +330,7 @@ class HostsPlatform:
                 host.commands.put_nowait(proto.HostCommand(kill=proto.Kill(node_id=key[0], incarnation=key[1])))
             log.warning("host_lost", host=host.name, address=host.address, node=key[0], incarnation=key[1],
                         reason=reason)
+            self._exited.add(key)
             self._events.put_nowait(NodeExited(node_id=key[0], incarnation=key[1], reason=f"NodeLost: {reason}"))
 
     def connected(self, name: str) -> bool:
@@ -336,6 +352,7 @@ class HostsPlatform:
                       f"{self.hung_up_grace_s:g} s: its `stead run` is gone, most likely with the host")
             log.warning("host_lost", host=host.name, address=host.address, node=key[0], incarnation=key[1],
                         reason=reason)
+            self._exited.add(key)
             self._events.put_nowait(NodeExited(node_id=key[0], incarnation=key[1], reason=f"NodeLost: {reason}"))
 
     async def placed(self, host: _Host | None = None) -> None:
@@ -363,6 +380,7 @@ class HostsPlatform:
             self._events.put_nowait(NodeStarted(node_id=report.node_id, incarnation=report.incarnation,
                                                 host=host.name, pid=report.pid or None))
         if report.exited:
+            self._exited.add(key)
             self._events.put_nowait(NodeExited(node_id=report.node_id, incarnation=report.incarnation,
                                                exit_code=report.exit_code, signal=report.signal,
                                                reason=report.reason))
