@@ -20,6 +20,8 @@ route to the hosts' subnet leaves the machine::
             await cluster.restart_node(1)                              # h2 back (ReturnToService=2): idle again
             cluster.hosts                                              # the test hosts, h0 the controller's
             cluster.env                                                # SLURM_CONF, PATH: what a client needs
+            listener = cluster.listen()                                # a socket of this process on h0's address
+            sinfo = await cluster.spawn_client(cluster.tools["sinfo"], stdout=subprocess.PIPE)  # asyncio's signature
 
 Everything stops on exit, also when the body raises: the hosts are killed (slurmctld, every slurmd and job step
 with them) and their namespaces removed. The test is skipped, saying why, where namespaces cannot be made or the
@@ -30,11 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import textwrap
+import threading
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +48,7 @@ from typing import IO, Any
 import anyio
 import pytest
 
-from tests.support.hosts import DEFAULT_SHARED, Host, Hosts, test_hosts
+from tests.support.hosts import DEFAULT_SHARED, NETNS_DIR, Host, Hosts, test_hosts
 
 __all__ = ["SLURM_TOOLS", "Job", "SlurmCluster", "SlurmError", "slurm_cluster"]
 
@@ -63,6 +68,8 @@ SLURMD_TIMEOUT_S = 5
 #: seconds between a step's SIGTERM and SIGKILL when it is cancelled (its node failed, its job ended); a test that
 #: asserts what a job does on its SIGTERM gives it longer (``slurm_cluster(kill_wait_s=...)``)
 KILL_WAIT_S = 1
+#: setns(2)'s flag for a network namespace
+CLONE_NEWNET = 0x40000000
 #: a job's states once it has ended (``scontrol show job``'s JobState)
 ENDED = frozenset({"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "TIMEOUT"})
@@ -160,6 +167,48 @@ class SlurmCluster:
         a path every host shares, as the tasks run there); a long step, to wait for or to see end."""
         return await self.controller.spawn([self.tools["srun"], *args], env=self.client_env(env),
                                            cwd=cwd or self.workdir, stdout=stdout, stderr=stderr)
+
+    async def spawn_client(self, *command: str, env: Mapping[str, str] | None = None, cwd: Path | str | None = None,
+                           **kwargs: Any) -> asyncio.subprocess.Process:
+        """``command`` (a Slurm client and its arguments) started on the controller's host with the cluster's
+        :meth:`client_env` (and ``env``), as ``asyncio.create_subprocess_exec(*command, ...)`` starts it here: what
+        a program that runs Slurm's clients itself (the Slurm platform's ``spawn``) is given, so that they run
+        where they reach the cluster."""
+        return await self.controller.spawn(command, env=self.client_env(env), cwd=cwd or self.workdir, **kwargs)
+
+    def listen(self, port: int = 0) -> socket.socket:
+        """A TCP socket of this process listening at the controller's address (``port``: a free one by default):
+        made in the controller's network namespace, so that the cluster's hosts reach a server this process runs
+        on it (as they reach a Slurm job's master on the job's batch host). The caller closes it, before the cluster
+        stops (an open socket keeps the namespace, nameless, until then)."""
+        made: list[socket.socket] = []
+        failed: list[BaseException] = []
+
+        def make() -> None:  # a thread of its own enters the namespace (setns moves the calling thread only)
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                with (NETNS_DIR / self.controller.netns).open("rb") as netns:
+                    if libc.setns(netns.fileno(), CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), f"setns into {self.controller.netns}: "
+                                                          f"{os.strerror(ctypes.get_errno())}")
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    sock.bind((self.controller.address, port))
+                    sock.listen(socket.SOMAXCONN)
+                except BaseException:
+                    sock.close()
+                    raise
+                made.append(sock)
+            except BaseException as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=make, name="slurm-listen")
+        thread.start()
+        thread.join()  # (the thread ends with it: no thread of this process stays in the namespace)
+        if failed:
+            raise failed[0]
+        return made[0]
 
     async def srun(self, args: Sequence[str], *, env: Mapping[str, str] | None = None,
                    cwd: Path | str | None = None) -> tuple[int, str, str]:
