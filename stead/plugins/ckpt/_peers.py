@@ -49,6 +49,7 @@ from stead.plugins.ckpt._shm import (
     create_segment,
     round_capacity,
 )
+from stead.plugins.ckpt.errors import CheckpointError
 from stead.plugins.ckpt.settings import CheckpointSettings
 
 __all__ = ["PeerReplicas"]
@@ -316,6 +317,8 @@ class _CopyAhead:
         self._copied = 0
         #: None while copying; then whether the slot was left unchanged while it was copied
         self._intact: bool | None = None
+        #: why the copy could not be made (the slot's memory could not be read)
+        self._error = ""
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="stead-ckpt-replica-copy", daemon=True)
         self._thread.start()
@@ -334,6 +337,8 @@ class _CopyAhead:
                     self._cond.notify_all()
             del source, target
             intact = self.state.control.slot(self.slot.index).seq == self.slot.seq
+        except (CheckpointError, OSError, ValueError) as exc:
+            self._error = f"rank {self.slot.rank}'s slot could not be copied ({exc})"
         finally:
             with self._cond:
                 self._intact = intact
@@ -347,6 +352,8 @@ class _CopyAhead:
             self._cond.wait_for(lambda: self._intact is not None or (not last and self._copied >= upto))
             if self._intact is not False and self._copied >= upto:
                 return
+        if self._error:
+            raise ReplicaError(self._error)
         raise _Rewritten(f"rank {self.slot.rank}'s slot was rewritten while step {self.slot.step} was copied (a "
                          "newer save): the copy is not sent")
 

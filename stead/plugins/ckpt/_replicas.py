@@ -429,7 +429,8 @@ class ReplicaServer:
         self._gen = 0
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        self._conns: set[socket.socket] = set()
+        #: each connection served and its thread (closing waits for them: a put in flight may hold a segment)
+        self._conns: dict[socket.socket, threading.Thread] = {}
         #: what :meth:`holdings` returns, replaced whole under the lock (read without it: a fetch being served holds
         #: the lock for as long as it sends, and the agent's reports must not wait for it)
         self._snapshot: tuple[tuple[ReplicaMeta, int], ...] = ()
@@ -456,12 +457,15 @@ class ReplicaServer:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)
             listener.close()
-        with self._lock:
-            for sock in list(self._conns):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        with self._lock:
+            serving = list(self._conns.items())
+            for sock, _ in serving:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        for _, thread in serving:
+            thread.join(timeout=5.0)
         with self._lock:
             for held in [*self.held.values(), *self.kept.values(), *self._spares.values()]:
                 _free(held)
@@ -512,12 +516,13 @@ class ReplicaServer:
                             "already (no node sends more than a few at once)")
                 sock.close()
                 continue
-            threading.Thread(target=self._serve, args=(sock,), name="stead-ckpt-replica", daemon=True).start()
+            thread = threading.Thread(target=self._serve, args=(sock,), name="stead-ckpt-replica", daemon=True)
+            with self._lock:
+                self._conns[sock] = thread
+            thread.start()
 
     def _serve(self, raw: socket.socket) -> None:
         raw.settimeout(self.timeout_s)
-        with self._lock:
-            self._conns.add(raw)
         conn: _Conn | None = None
         try:
             sock = self.tls.wrap_socket(raw, server_side=True) if self.tls is not None else raw
@@ -536,7 +541,7 @@ class ReplicaServer:
             log.warning("ckpt_replica_connection_failed", error=str(exc))
         finally:
             with self._lock:
-                self._conns.discard(raw)
+                self._conns.pop(raw, None)
             if conn is not None:
                 conn.close()
             else:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from stead.cli.certs import make_certs
 from stead.core.config import Settings
@@ -28,6 +29,7 @@ from stead.plugins.ckpt._peers import PeerReplicas
 from stead.plugins.ckpt._replicas import _GREETING, ReplicaError, ReplicaMeta, ReplicaServer, fetch, push
 from stead.plugins.ckpt._shm import SegmentNames, SlotInfo, SlotState, VerifyState, unlink_quietly
 from stead.plugins.ckpt.agent import CheckpointAgentExtension
+from stead.plugins.ckpt.errors import CheckpointError
 from stead.plugins.ckpt.events import CheckpointCorrupt
 from stead.plugins.ckpt.plugin import CheckpointPlugin
 from stead.plugins.ckpt.settings import CheckpointSettings
@@ -470,11 +472,13 @@ class _Rank:
 
     def __init__(self, info: SlotInfo, memory: bytearray, *, kept: bool) -> None:
         self.local_rank, self.round, self.info, self.memory = 0, info.round, info, memory
-        self.rewritten = False
+        self.rewritten = self.gone = False
         self.control = self
         self.kept = ((-1, -1), (info.step, info.round) if kept else (-1, -1))
 
     def mapping(self, info: SlotInfo, names: SegmentNames) -> bytearray:
+        if self.gone:
+            raise CheckpointError("shared-memory segment x is gone; its agent has exited or restarted")
         return self.memory
 
     def slot(self, index: int) -> SlotInfo:
@@ -509,3 +513,16 @@ def test_a_slot_rewritten_while_it_was_read_is_never_put_in_place(
     sender = _sender(tmp_path)
     assert not sender._push(rank, slot, PeerCopy(node_id="node-0", address=holder.address))  # type: ignore[arg-type]
     assert _held_bytes(holder) == (1, bytes(first_bytes))
+
+
+def test_a_slot_whose_memory_cannot_be_copied_is_not_sent_and_the_sender_says_why(
+        tmp_path: Path, holder: ReplicaServer) -> None:
+    slot, memory = _slot(1, _SIZES)
+    rank = _Rank(slot, memory, kept=False)
+    rank.gone = True
+    sender = _sender(tmp_path)
+    with capture_logs() as logs:
+        assert not sender._push(rank, slot, PeerCopy(node_id="node-0", address=holder.address))  # type: ignore[arg-type]
+    assert holder.held == {}
+    assert [e["error"] for e in logs if e["event"] == "ckpt_replica_not_sent"] == [
+        "rank 1's slot could not be copied (shared-memory segment x is gone; its agent has exited or restarted)"]
