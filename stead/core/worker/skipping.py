@@ -18,7 +18,8 @@ small (a few ranges: a step's samples are contiguous in its stream, see :mod:`st
 
 What a step held comes from *sample sources* (:func:`watch_samples`; stead's sampler registers one): each says
 which samples the training loop received since its last call. Every optimizer step is a boundary
-(:func:`step_boundary`, from a pre-step hook installed with the first source): what came before it is that step's.
+(:func:`step_ended`, from a post-step hook installed with the first source): what came after the previous step is
+the next step's.
 A script without a source (its own data loading) has notes that say its samples are unknown (``samples`` null).
 """
 
@@ -35,7 +36,7 @@ from stead.core.worker import notes, progress
 from stead.core.worker.numerics_settings import SKIP_STEPS_ENV
 
 __all__ = ["SampleSource", "drop_gradients", "fit_samples", "install_skip_hook", "skip_steps", "skipped",
-           "step_boundary", "step_samples", "watch_samples"]
+           "step_ended", "step_samples", "watch_samples"]
 
 #: steps skipped so far in this process (one note and one warning each)
 _done: set[int] = set()
@@ -44,13 +45,11 @@ SampleSource = Callable[[], Sequence[StepSamples]]
 
 
 class _Window:
-    """The samples of the training step being taken: what the sources gave at its boundary."""
+    """The samples of the optimizer step being taken: what the sources received since the last step ended."""
 
     def __init__(self) -> None:
         self.sources: list[SampleSource] = []
-        self.step: int | None = None
         self.samples: list[StepSamples] = []
-        self.taken = 0  # optimizer steps seen, the step number where stead does not track them
         self.handle: Any = None
 
 
@@ -58,39 +57,34 @@ _window = _Window()
 
 
 def watch_samples(source: SampleSource) -> None:
-    """Take ``source``'s samples at every optimizer step from now on (once per source; installs the boundary hook)."""
+    """Name the samples of each step from ``source`` from now on (once per source; installs the boundary hook)."""
     if source not in _window.sources:
         _window.sources.append(source)
     if _window.handle is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-            tracked = progress.training_step()
-            step = _window.taken if tracked is None else tracked
-            _window.taken += 1
-            step_boundary(step)
+        def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            step_ended()
 
-        _window.handle = register_optimizer_step_pre_hook(before_step)
+        _window.handle = register_optimizer_step_post_hook(after_step)
 
 
-def step_boundary(step: int) -> None:
-    """Optimizer step ``step`` is being taken: the samples the sources received since the last boundary are its.
+def step_ended() -> None:
+    """An optimizer step is over: what the sources receive from now on is the next step's.
 
-    Called again with the same step (a second hook, a second optimizer of the same training step), it adds what
-    came since to the same step, so the order of the hooks does not matter."""
-    if not _window.sources:
-        return
-    taken = [part for source in _window.sources for part in source()]
-    if step != _window.step:
-        _window.step, _window.samples = step, []
-    _window.samples = _merged([*_window.samples, *taken])
+    A boundary after each step, not before: the hooks that run before a step (the skip hook, the guard's), in any
+    order and any number, all see the same samples, and no step number is needed to tell one step from the next."""
+    for source in _window.sources:
+        source()  # what the step that ended held, known to it: dropped
+    _window.samples = []
 
 
-def step_samples(step: int) -> tuple[StepSamples, ...] | None:
-    """The samples step ``step`` held, per dataset (None: unknown, no source watched)."""
+def step_samples() -> tuple[StepSamples, ...] | None:
+    """The samples of the optimizer step being taken (call it before the step: from a pre-step hook), per dataset;
+    None: unknown (no source watched)."""
     if not _window.sources:
         return None
-    step_boundary(step)
+    _window.samples = _merged([*_window.samples, *(part for source in _window.sources for part in source())])
     return tuple(_window.samples)
 
 
@@ -156,7 +150,7 @@ def skipped(step: int, *, rank: int, cause: str = "the master's decision") -> No
     if step in _done:
         return
     _done.add(step)
-    samples = step_samples(step)
+    samples = step_samples()
     warnings.warn(f"stead.numerics: step {step} skipped on rank {rank} ({cause}): its gradients were dropped "
                   "before the optimizer step, its batch is recorded as skipped", stacklevel=3)
     named = None if samples is None else fit_samples(samples, lambda out: notes.line_bytes(
