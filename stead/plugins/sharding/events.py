@@ -12,7 +12,7 @@ import dataclasses
 
 from stead.plugin import Event, event_kind
 
-__all__ = ["DatasetRegistered", "LeasesReleased", "ShardRoundRefused", "ShardRoundStarted"]
+__all__ = ["DatasetRegistered", "LeasesReleased", "SamplesSkipped", "ShardRoundRefused", "ShardRoundStarted"]
 
 
 @event_kind("shard.registered")
@@ -55,3 +55,17 @@ class LeasesReleased(Event):
     node_id: str
     samples: int
     reason: str
+
+
+@event_kind("shard.skipped")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplesSkipped(Event):
+    """A rank's skipped step (a numerical fault's batch) held ``samples`` of ``dataset``: the ledger records them as
+    skipped; ``skipped``: the dataset's samples skipped so far (the job's history, less what a rollback reads again)."""
+
+    dataset: str
+    round: int
+    rank: int
+    step: int
+    samples: int
+    skipped: int

@@ -44,6 +44,7 @@ from stead.plugins.sharding.ops import (
     PartitionsChanged,
     Released,
     RoundRefused,
+    Skipped,
     Started,
     Truncated,
     decode_op,
@@ -62,6 +63,7 @@ __all__ = [  # the ops' names are re-exported: callers import the whole vocabula
     "Ledger",
     "Op",
     "Stream",
+    "Tally",
     "decode_op",
     "encode_op",
 ]
@@ -184,6 +186,18 @@ class _Pending:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tally:
+    """Every sample of a dataset accounted for: ``done`` (read by the steps the job keeps) + ``skipped`` (read by a
+    step that was skipped, see :meth:`Ledger.decide_skipped`) + ``unread`` = ``total``. A streaming source's total
+    is the records that exist now."""
+
+    total: int
+    done: int
+    skipped: int
+    unread: int
+
+
+@dataclasses.dataclass(frozen=True)
 class LeaseAnswer:
     #: the stream's ranges from position ``have`` of its list (those not delivered yet, then new ones)
     ranges: tuple[Range, ...] = ()
@@ -205,6 +219,8 @@ class Ledger:
         self.gen: Generation | None = None
         self.pending: dict[int, _Pending] = {}
         self.refused: dict[int, str] = {}
+        #: slots read by a step that was skipped (a numerical fault's batch): read, but trained nothing
+        self.skipped = SlotMap()
 
     # -- the dataset -------------------------------------------------------------------------
 
@@ -479,6 +495,57 @@ class Ledger:
         return [Released(gen.round, s.rank, s.consumed, reason) for s in gen.streams.values()
                 if not s.dead and s.node_id == node_id and (rank is None or s.rank == rank)]
 
+    # -- skipped steps -----------------------------------------------------------------------------
+
+    def decide_skipped(self, *, round_: int, rank: int, step: int, ranges: Sequence[Range]) -> list[Op]:
+        """Rank ``rank`` of ``round_`` skipped step ``step``, which held ``ranges`` (its note says so).
+
+        Recorded as skipped, beside what the steps consumed. A round that starts from a cursor holding some of
+        them reads them again (the rollback went back before the skipped step): they are no longer skipped, and the
+        round that reads them says again whether it skips them. A note of an older round that comes after such a
+        round started is recorded without what that round reads again."""
+        if round_ < 0 or rank < 0 or step < 0:
+            raise InvalidRequest(f"a skipped step of dataset {self.name!r} needs round, rank and step >= 0, got "
+                                 f"round {round_}, rank {rank}, step {step}")
+        gen = self.gen
+        if gen is None or round_ > gen.round:
+            raise InvalidRequest(f"round {round_} of dataset {self.name!r} has not started: its ranks read nothing "
+                                 "that a step could skip")
+        for part, start, end in ranges:
+            problem = self._range_problem(part, start, end)
+            if problem:
+                raise InvalidRequest(f"the skipped step {step} of rank {rank} names {problem} of dataset "
+                                     f"{self.name!r}; a step names the slots its sampler handed out")
+        return [Skipped(round_, rank, step, tuple(ranges))] if ranges else []
+
+    def _range_problem(self, part: int, start: int, end: int) -> str:
+        if not 0 <= start < end:
+            return f"slots {start}-{end} (need 0 <= start < end)"
+        if self.spec.streaming:
+            known = self.partitions.get(part)
+            if known is None:
+                return f"partition {part}, unknown"
+            if start < known[0] or end > known[1]:
+                return f"offsets {start}-{end} of partition {part}, outside its records {known[0]}-{known[1]}"
+            return ""
+        if not 0 <= part < self.spec.epochs:
+            return f"epoch {part} (the dataset has {self.spec.epochs})"
+        if end > self.spec.size:
+            return f"slots {start}-{end} of epoch {part}, past its {self.spec.size} samples"
+        return ""
+
+    def tally(self) -> Tally:
+        """Where every sample stands: done + skipped + unread = total (see :class:`Tally`)."""
+        known = (SlotMap((p, s, e) for p, (s, e) in self.partitions.items()) if self.spec.streaming
+                 else self.full())
+        gen = self.gen
+        unread = known if gen is None else gen.start.difference(
+            self._heads(gen, [gen.streams[r].consumed if r in gen.streams else 0 for r in range(gen.world_size)]))
+        skipped = known.difference(known.difference(self.skipped))  # read (whatever the last reports said)
+        unread_known = known.difference(known.difference(unread)).difference(skipped)
+        return Tally(total=known.total, done=known.total - unread_known.total - skipped.total,
+                     skipped=skipped.total, unread=unread_known.total)
+
     # -- cursors ---------------------------------------------------------------------------------
 
     def decide_cut(self, *, round_: int, consumed: Sequence[int],
@@ -558,6 +625,7 @@ class Ledger:
                 self.gen = Generation(op.round, op.world_size, origin, first_epoch, op.digest, streams,
                                       origin=origin.copy(), lockstep=self.spec.lockstep and not self.spec.streaming)
                 self.remaining = origin.copy()
+                self.skipped = self.skipped.difference(origin)  # read again by this round: it says whether it skips
                 for old in [r for r in self.pending if r < op.round]:
                     del self.pending[old]
             case RoundRefused():
@@ -584,6 +652,11 @@ class Ledger:
                 if not stream.dead:
                     self.remaining.update(stream.slots_after(op.at))
                     stream.dead = op.reason or "released"
+            case Skipped():
+                skipped = SlotMap(op.ranges)
+                if self.gen is not None and op.round < self.gen.round:
+                    skipped = skipped.difference(self.gen.origin)
+                self.skipped.update(skipped)
 
     def _live(self, round_: int, rank: int) -> Stream:
         assert self.gen is not None and self.gen.round == round_, f"op for round {round_} outside its round"
@@ -609,6 +682,7 @@ class Ledger:
                          "cursors": [[c.fingerprint, c.epoch, c.remaining] for c in p.cursors.values()]}
                         for r, p in sorted(self.pending.items())],
             "refused": [[r, why] for r, why in sorted(self.refused.items())],
+            "skipped": self.skipped.to_json(),
         }
 
     @classmethod
@@ -639,4 +713,5 @@ class Ledger:
                 cursor = CursorState(fingerprint, epoch, decode_ranges(remaining))
                 pending.cursors[cursor.digest] = cursor
         ledger.refused = {int(r): str(why) for r, why in body["refused"]}
+        ledger.skipped = SlotMap(decode_ranges(body.get("skipped", ())))
         return ledger

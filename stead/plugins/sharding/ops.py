@@ -133,10 +133,20 @@ class Folded:
     positions: tuple[int, ...]
 
 
-Op = Folded | PartitionsChanged | Declared | Started | RoundRefused | Granted | Truncated | Released
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """Rank ``rank`` of ``round`` skipped its step ``step`` (a numerical fault's batch): these slots trained nothing."""
+
+    round: int
+    rank: int
+    step: int
+    ranges: tuple[Range, ...]
+
+
+Op = Folded | PartitionsChanged | Declared | Started | RoundRefused | Granted | Truncated | Released | Skipped
 _OPS: dict[str, type[Any]] = {
     "part": PartitionsChanged, "decl": Declared, "start": Started, "refuse": RoundRefused,
-    "grant": Granted, "trunc": Truncated, "release": Released, "fold": Folded,
+    "grant": Granted, "trunc": Truncated, "release": Released, "fold": Folded, "skip": Skipped,
 }
 _TAGS = {cls: tag for tag, cls in _OPS.items()}
 
@@ -163,6 +173,8 @@ def decode_op(raw: Any) -> Op:
         return Granted(fields[0], fields[1], decode_ranges(fields[2]))
     if tag == "fold":
         return Folded(int(fields[0]), tuple(int(p) for p in fields[1]))
+    if tag == "skip":
+        return Skipped(int(fields[0]), int(fields[1]), int(fields[2]), decode_ranges(fields[3]))
     cls = _OPS[tag]
     op: Op = cls(*fields)
     return op

@@ -1,10 +1,20 @@
-"""The master-side plugin: serves ShardService and returns failed workers' leases to the queue."""
+"""The master-side plugin: serves ShardService, returns failed workers' leases to the queue and records the samples
+of skipped steps (the ranks' ``step_skipped`` notes, in ``numerics.reported``) as skipped."""
 
 from __future__ import annotations
 
 import structlog
 
-from stead.plugin import NodeExited, NodeLost, Plugin, PluginContext, Record, WorkerFailed
+from stead.plugin import (
+    InvalidRequest,
+    NodeExited,
+    NodeLost,
+    NumericsReported,
+    Plugin,
+    PluginContext,
+    Record,
+    WorkerFailed,
+)
 from stead.plugins.sharding.service import ShardService
 from stead.plugins.sharding.servicer import ShardServicer
 from stead.plugins.sharding.settings import ShardingSettings
@@ -16,7 +26,7 @@ log = structlog.get_logger("stead.plugins.sharding")
 
 class ShardingPlugin(Plugin[ShardingSettings]):
     name = "sharding"
-    subscriptions = (WorkerFailed, NodeLost, NodeExited)
+    subscriptions = (WorkerFailed, NodeLost, NodeExited, NumericsReported)
     settings_class = ShardingSettings
 
     def __init__(self, *, settings: ShardingSettings | None = None) -> None:
@@ -51,6 +61,25 @@ class ShardingPlugin(Plugin[ShardingSettings]):
                 await service.failed(node_id=lost.node_id, reason=f"node {lost.node_id} lost ({lost.reason})")
             case NodeExited() as exited:
                 await service.failed(node_id=exited.node_id, reason=f"node {exited.node_id} exited")
+            case NumericsReported() as reported:
+                await _record_skipped(service, reported, ctx)
+
+
+async def _record_skipped(service: ShardService, reported: NumericsReported,
+                          ctx: PluginContext[ShardingSettings]) -> None:
+    """The samples the ranks' skipped steps held, into their datasets' ledgers; a note the ledger refuses (a dataset
+    it does not know, slots outside the dataset) is logged and left out."""
+    for note in reported.notes:
+        if note.kind != "step_skipped" or not note.samples:
+            continue
+        round_ = reported.round if note.round is None else note.round
+        for part in note.samples:
+            try:
+                await service.skipped(dataset=part.dataset, round_=round_, rank=note.rank, step=note.step,
+                                      ranges=part.ranges)
+            except InvalidRequest as exc:
+                ctx.log.warning("shard_skipped_refused", dataset=part.dataset, node=reported.node_id,
+                                round=round_, rank=note.rank, step=note.step, reason=str(exc))
 
 
 def _older(ended: NodeLost | NodeExited, ctx: PluginContext[ShardingSettings]) -> bool:

@@ -32,6 +32,7 @@ from stead.plugins.sharding.client import ShardBackend
 from stead.plugins.sharding.ledger import CursorState, DatasetSpec, Range
 from stead.plugins.sharding.service import StreamId
 from stead.plugins.sharding.settings import ShardingSettings
+from stead.plugins.sharding.steps import StepTracker, add_tracker, remove_tracker
 
 __all__ = ["Reader"]
 
@@ -61,6 +62,8 @@ class Reader:
         self.entry_pos = 0
         self.chunk: list[Any] = []
         self.chunk_index = 0
+        #: which positions of the stream the training loop received, step by step (for a step that is skipped)
+        self.steps = StepTracker(spec.name, lambda: self.consumed)
         # shared with the feeder thread, under _cond
         self._cond = threading.Condition()
         self._ranges: collections.deque[Range] = collections.deque()
@@ -94,6 +97,7 @@ class Reader:
         except BaseException:
             self.close()
             raise
+        add_tracker(self.steps)
 
     @property
     def low_water(self) -> int:
@@ -122,6 +126,7 @@ class Reader:
                     self._buffered -= entry[2] - entry[1]
                     self._handed += 1
                     self._last_start = self.consumed
+                    self.steps.handed(self.consumed, entry)
                     if self._buffered < self.low_water:
                         self._poke()
                     return entry
@@ -152,6 +157,7 @@ class Reader:
 
     def close(self) -> None:
         """Give back the unread leases (best effort) and stop the thread."""
+        remove_tracker(self.steps)
         if not self._thread.is_alive():
             return
         with self._cond:

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from torch.utils.data import Sampler
 
+from stead.core.worker.skipping import watch_samples
 from stead.plugin import ConfigError, InvalidRequest, Settings, client_tls, load_settings, read_token_file
 from stead.plugins.sharding.client import ShardBackend, ShardClient, StaticBackend
 from stead.plugins.sharding.intervals import SlotMap
@@ -36,6 +37,7 @@ from stead.plugins.sharding.order import SampleOrder
 from stead.plugins.sharding.reader import Connect, Reader, local_backend
 from stead.plugins.sharding.service import StreamId
 from stead.plugins.sharding.settings import ShardingSettings
+from stead.plugins.sharding.steps import step_samples, track_loaders
 
 __all__ = ["CURSOR_VERSION", "ShardedSampler", "StreamSampler"]
 
@@ -122,6 +124,9 @@ class _ShardedBase:
                     partitions=partitions, closed=closed,
                     connect=connect)
         self._reader = reader
+        # a skipped step names its samples (see .steps): what the training loop received from the DataLoader
+        track_loaders()
+        watch_samples(step_samples)
         if shared:  # a second sampler of this process's stream: the master checks that the definition matches
             reader.call(lambda b: b.register(spec, partitions or {}, closed), what="register")
 

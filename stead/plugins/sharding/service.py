@@ -19,11 +19,26 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 import structlog
 
 from stead.plugin import Event, InvalidRequest, Record, StateStore, name_problem
-from stead.plugins.sharding.events import DatasetRegistered, LeasesReleased, ShardRoundRefused, ShardRoundStarted
-from stead.plugins.sharding.intervals import SlotMap
+from stead.plugins.sharding.events import (
+    DatasetRegistered,
+    LeasesReleased,
+    SamplesSkipped,
+    ShardRoundRefused,
+    ShardRoundStarted,
+)
+from stead.plugins.sharding.intervals import Range, SlotMap
 from stead.plugins.sharding.journal import Journal, load_ledger
-from stead.plugins.sharding.ledger import LeaseAnswer, Ledger
-from stead.plugins.sharding.ops import UNBOUNDED, CursorState, DatasetSpec, Op, Released, RoundRefused, Started
+from stead.plugins.sharding.ledger import LeaseAnswer, Ledger, Tally
+from stead.plugins.sharding.ops import (
+    UNBOUNDED,
+    CursorState,
+    DatasetSpec,
+    Op,
+    Released,
+    RoundRefused,
+    Skipped,
+    Started,
+)
 from stead.plugins.sharding.settings import ShardingSettings
 
 __all__ = ["ShardService", "StreamId"]
@@ -222,6 +237,17 @@ class ShardService:
         found = self._datasets.get(who.dataset)
         return found.ledger.waiting_for(who.round) if found else ()
 
+    # -- skipped steps ---------------------------------------------------------------------------------------
+
+    async def skipped(self, *, dataset: str, round_: int, rank: int, step: int, ranges: Sequence[Range]) -> None:
+        """A rank's skipped step held ``ranges`` of ``dataset`` (its step_skipped note): recorded as skipped."""
+        ds = await self._dataset(dataset)
+        await self._commit(ds, ds.ledger.decide_skipped(round_=round_, rank=rank, step=step, ranges=ranges))
+
+    async def tally(self, dataset: str) -> Tally:
+        """Where every sample of ``dataset`` stands (done, skipped, unread)."""
+        return (await self._dataset(dataset)).ledger.tally()
+
     # -- failures -----------------------------------------------------------------------------------------
 
     async def failed(self, *, node_id: str, round_: int | None = None, rank: int | None = None,
@@ -278,6 +304,12 @@ class ShardService:
                             node=stream.node_id, samples=released, reason=op.reason)
                 return [LeasesReleased(dataset=ledger.name, round=op.round, rank=op.rank, node_id=stream.node_id,
                                        samples=released, reason=op.reason)]
+            case Skipped():
+                samples = sum(end - start for _, start, end in op.ranges)
+                log.info("shard_samples_skipped", dataset=ledger.name, round=op.round, rank=op.rank, step=op.step,
+                         samples=samples, skipped=ledger.skipped.total)
+                return [SamplesSkipped(dataset=ledger.name, round=op.round, rank=op.rank, step=op.step,
+                                       samples=samples, skipped=ledger.skipped.total)]
             case _:
                 return []
 

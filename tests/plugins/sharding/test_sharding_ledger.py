@@ -21,6 +21,7 @@ from stead.plugins.sharding.ledger import (
     Ledger,
     Op,
     Range,
+    Tally,
     decode_op,
     encode_op,
 )
@@ -297,6 +298,85 @@ def test_the_ledger_survives_a_snapshot_round_trip() -> None:
     assert copy.to_json() == ledger.to_json()
     _declare(copy, 2, 2, cursor, ranks=[0])
     assert copy.started(2) and copy.remaining == SlotMap(cursor.remaining)
+
+
+# -- skipped steps ---------------------------------------------------------------------------------------
+
+
+def _skip(ledger: Ledger, round_: int, rank: int, step: int, *ranges: Range) -> None:
+    _apply(ledger, ledger.decide_skipped(round_=round_, rank=rank, step=step, ranges=ranges))
+
+
+def _report(ledger: Ledger, round_: int, consumed: Sequence[int]) -> None:
+    for rank, at in enumerate(consumed):
+        ledger.note_progress(round_, rank, consumed=at, epoch=0, now=0.0)
+
+
+def test_a_skipped_step_s_samples_are_recorded_as_skipped_and_done_plus_skipped_is_every_sample() -> None:
+    ledger = Ledger(SPEC)  # 10 samples, 2 epochs: 20 in all
+    _declare(ledger, 1, 2)
+    assert ledger.tally() == Tally(total=20, done=0, skipped=0, unread=20)
+    _lease(ledger, 1, 0, have=0, count=1)
+    _lease(ledger, 1, 1, have=0, count=1)
+    _report(ledger, 1, [4, 4])
+    _skip(ledger, 1, 0, 6, (0, 2, 4))  # rank 0's step 6 held slots 2-3 of epoch 0
+    _skip(ledger, 1, 1, 6, (0, 6, 8))
+    _skip(ledger, 1, 1, 6, (0, 6, 8))  # the same note again (forwarded twice): recorded once
+    assert ledger.skipped == SlotMap([(0, 2, 4), (0, 6, 8)])
+    assert ledger.tally() == Tally(total=20, done=4, skipped=4, unread=12)
+    for rank in (0, 1):
+        _lease(ledger, 1, rank, have=1, count=4, epoch=0)
+        _lease(ledger, 1, rank, have=ledger.gen.streams[rank].delivered, count=4, epoch=1)  # type: ignore[union-attr]
+    _report(ledger, 1, [ledger.gen.streams[r].leased for r in (0, 1)])  # type: ignore[union-attr]
+    tally = ledger.tally()  # every sample read: each either trained on or skipped, never lost
+    assert (tally.unread, tally.done + tally.skipped, tally.skipped) == (0, 20, 4)
+
+
+def test_a_rollback_before_the_skipped_step_reads_its_samples_again_and_they_are_skipped_no_more() -> None:
+    ledger = Ledger(SPEC)
+    _declare(ledger, 1, 1)
+    _lease(ledger, 1, 0, have=0, count=1)  # slots 0-3
+    cursor = _cut(ledger, round_=1, consumed=[2], epochs=[0])  # a checkpoint after slots 0-1
+    _skip(ledger, 1, 0, 3, (0, 2, 4))
+    _declare(ledger, 2, 1, cursor)  # round 2 restores that checkpoint: it reads 2-3 again
+    assert not ledger.skipped
+    _skip(ledger, 1, 0, 3, (0, 2, 4))  # round 1's note, late: round 2 reads those slots, they are not skipped
+    assert not ledger.skipped
+    _lease(ledger, 2, 0, have=0, count=1)
+    _skip(ledger, 2, 0, 3, (0, 2, 4))  # round 2 skips them (its workers say so): skipped
+    later = _cut(ledger, round_=2, consumed=[2], epochs=[0])
+    _declare(ledger, 3, 1, later)  # a rollback after the skipped step: they stay skipped
+    assert ledger.skipped == SlotMap([(0, 2, 4)])
+    copy = Ledger.from_json(ledger.to_json(), now=0.0)
+    assert copy.skipped == ledger.skipped and copy.to_json() == ledger.to_json()
+
+
+@pytest.mark.parametrize(("ranges", "round_", "why"), [
+    (((2, 0, 4),), 1, "names epoch 2 \\(the dataset has 2\\)"),
+    (((0, 8, 12),), 1, "slots 8-12 of epoch 0, past its 10 samples"),
+    (((0, 4, 4),), 1, "slots 4-4 \\(need 0 <= start < end\\)"),
+    (((0, 0, 4),), 2, "round 2 of dataset 'ids' has not started"),
+])
+def test_a_skipped_step_naming_slots_outside_the_dataset_is_refused_and_changes_nothing(
+        ranges: tuple[Range, ...], round_: int, why: str) -> None:
+    ledger = Ledger(SPEC)
+    _declare(ledger, 1, 1)
+    before = ledger.to_json()
+    with pytest.raises(InvalidRequest, match=why):
+        ledger.decide_skipped(round_=round_, rank=0, step=1, ranges=ranges)
+    assert ledger.to_json() == before
+
+
+def test_a_streaming_source_s_skipped_offsets_must_exist() -> None:
+    ledger = Ledger(DatasetSpec(name="events", shard_size=2, streaming=True))
+    _apply(ledger, ledger.decide_register(ledger.spec, {0: (5, 9)}, False))
+    _declare(ledger, 1, 1)
+    with pytest.raises(InvalidRequest, match="offsets 7-11 of partition 0, outside its records 5-9"):
+        ledger.decide_skipped(round_=1, rank=0, step=0, ranges=[(0, 7, 11)])
+    with pytest.raises(InvalidRequest, match="partition 3, unknown"):
+        ledger.decide_skipped(round_=1, rank=0, step=0, ranges=[(3, 0, 1)])
+    _skip(ledger, 1, 0, 0, (0, 5, 7))
+    assert ledger.tally() == Tally(total=4, done=0, skipped=2, unread=2)  # 5-6 skipped (read), 7-8 not read yet
 
 
 # -- exactly once, whatever fails ------------------------------------------------------------------------

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import anyio
 import pytest
+import structlog
 
 from stead.core.config import Settings
 from stead.core.errors import InvalidRequest
-from stead.core.events import Event, NodeExited, NodeLost, Record
+from stead.core.events import Event, NodeExited, NodeLost, NumericsNote, NumericsReported, Record, StepSamples
 from stead.core.plugins import PluginContext
 from stead.core.statemachine import JobPhase, JobState, NodePhase, NodeState
 from stead.core.store import MIN_MAX_WRITE_BYTES, StateStore, open_store
-from stead.plugins.sharding.events import LeasesReleased, ShardRoundStarted
+from stead.plugins.sharding.events import LeasesReleased, SamplesSkipped, ShardRoundStarted
 from stead.plugins.sharding.ledger import DatasetSpec, Range
 from stead.plugins.sharding.plugin import ShardingPlugin
 from stead.plugins.sharding.service import ShardService, StreamId
@@ -237,6 +238,43 @@ async def test_the_plugin_returns_the_leases_of_lost_and_exited_nodes_but_not_af
     phase[0] = JobPhase.SUCCEEDED  # a finished job's nodes exit: nothing to give back
     await plugin.handle(record=Record(seq=5, at=0.0, event=NodeExited(node_id="node-3", incarnation=1)), ctx=ctx)
     assert not ledger.gen.streams[3].dead
+    await store.close()
+
+
+async def test_the_plugin_records_the_samples_of_the_ranks_skipped_steps_and_logs_a_note_it_refuses() -> None:
+    store = await open_store("memory://")
+    emitted: list[Event] = []
+
+    async def emit(event: Event) -> Record:
+        emitted.append(event)
+        return Record(seq=0, at=0.0, event=event)
+
+    ctx = PluginContext(plugin="sharding", job="t", settings=ShardingSettings(), stead_settings=Settings(),
+                        store=store, state=lambda: JobState(phase=JobPhase.RUNNING), emit=emit,
+                        add_rpc_handler=lambda handler: None)
+    plugin = ShardingPlugin(settings=ShardingSettings())
+    await plugin.start(ctx=ctx)
+    service = plugin.service
+    assert service is not None
+    await service.register(SPEC)
+    await asyncio.gather(*(service.lease(_who(r), epoch=0, have=0, count=1, consumed=0, wait_s=5) for r in (0, 1)))
+    notes = (NumericsNote(kind="step_skipped", rank=0, step=6, round=1, samples=(
+                 StepSamples(dataset="ids", count=3, ranges=((0, 1, 4),)),)),
+             NumericsNote(kind="step_skipped", rank=1, step=6, samples=(  # no round said: the report's
+                 StepSamples(dataset="ids", count=2, ranges=((0, 50, 52),)),
+                 StepSamples(dataset="other", count=2, ranges=((0, 0, 2),)))),  # a dataset never registered
+             NumericsNote(kind="step_skipped", rank=2, step=6),  # no stead sampler: nothing to record
+             NumericsNote(kind="step_skipped", rank=3, step=6, samples=(
+                 StepSamples(dataset="ids", count=4, ranges=((0, 98, 102),)),)))  # past the dataset's 100 samples
+    with structlog.testing.capture_logs() as logs:
+        await plugin.handle(record=Record(seq=1, at=0.0, event=NumericsReported(node_id="node-0", round=1,
+                                                                                notes=notes)), ctx=ctx)
+    assert service._datasets["ids"].ledger.skipped.to_json() == [[0, 1, 4], [0, 50, 52]]
+    assert [(e.rank, e.samples, e.skipped) for e in emitted if isinstance(e, SamplesSkipped)] == [(0, 3, 3), (1, 2, 5)]
+    refused = [(entry["dataset"], entry["rank"]) for entry in logs if entry["event"] == "shard_skipped_refused"]
+    assert refused == [("other", 1), ("ids", 3)]
+    tally = await service.tally("ids")
+    assert tally.skipped == 5 and tally.total == 200
     await store.close()
 
 
