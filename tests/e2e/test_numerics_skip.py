@@ -1,6 +1,8 @@
 """A NaN gradient with the default numerics.on_nan=skip: the job rolls back and every rank skips the step's batch,
 ending with the weights of a fault-free run that skips that step; a loss spike the script reports is recorded
-(numerics.loss_spike=record) through the workers' notes; both are events and lines of stead status."""
+(numerics.loss_spike=record) through the workers' notes; both are events and lines of stead status. Every rank's
+note of the skipped step says which samples it held (here: unknown, the script reads no data through stead's
+sampler; the samples named and recorded as skipped: tests/plugins/sharding)."""
 
 from __future__ import annotations
 
@@ -37,10 +39,15 @@ def test_a_nan_is_rolled_back_and_its_step_skipped_on_every_rank_and_a_loss_spik
     assert "at step 6" in decision["evidence"] and "before the all-reduce" in decision["evidence"]
     assert "step 6's batch is skipped on every rank" in decision["evidence"]
     assert _weights(job.stdout) == _weights(clean_out)  # step 6 applied nothing, on either rank
-    notes = [(n["kind"], n["rank"], n["step"], n["action"]) for r in of_type(events(job, "skip"), "numerics.reported")
-             for n in r["notes"]]
-    assert sorted(notes) == [("loss_spike", 0, 4, "record"), ("step_skipped", 0, 6, "")], notes
+    noted = [n for r in of_type(events(job, "skip"), "numerics.reported") for n in r["notes"]]
+    notes = [(n["kind"], n["rank"], n["step"], n["action"]) for n in noted]
+    # every rank says what its skipped step held: the README's script reads no data through stead's sampler, so
+    # its samples are unknown (null), and nothing is recorded in a sharding ledger
+    assert sorted(notes) == [("loss_spike", 0, 4, "record"), ("step_skipped", 0, 6, ""),
+                             ("step_skipped", 1, 6, "")], notes
+    assert [n["samples"] for n in noted] == [None] * 3, noted
     shown = status(job, "skip")
     assert "numerics   step 6 skipped from round 2 on: a non-finite gradient on rank 1 (host " in shown, shown
     assert "numerics   loss spike at step 4 on rank 0 (round 1)" in shown and "; recorded" in shown
-    assert "numerics   step 6 skipped by the workers of round 2" in shown
+    assert ("numerics   step 6 skipped by the workers of round 2 (2 ranks say): samples unknown (not read with "
+            "stead's sampler)") in shown, shown
