@@ -14,8 +14,9 @@ from _platform_helpers import alive
 
 
 @pytest.fixture
-def scratch() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="stead-platform-") as path:
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A folder the nodes' agents see at the same path wherever they run (pytest's, which the test hosts share)."""
+    with tempfile.TemporaryDirectory(prefix="stead-platform-", dir=tmp_path_factory.getbasetemp()) as path:
         yield Path(path)
 
 
