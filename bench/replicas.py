@@ -14,7 +14,9 @@ for each size:
 * **replica lag and bandwidth** (peer): from each commit to its replicas in place on the other host (the agents'
   ``ckpt_replicated`` lines), and the bytes sent over the seconds spent sending them (the copy out of the slot, the
   transfer and the holder's hash check), against a plain socket copy of as many bytes between the two job hosts
-  while they train (goal: >= 0.8x; against the same copy between idle hosts once the job ended, too);
+  while they train (goal: >= 0.8x; against the same copy between idle hosts once the job ended, too; and against
+  each of two such copies made at once, one each way, as the two hosts' replicas travel: both hosts commit a step
+  together and send their replicas together, over the same cores on this machine);
 * **host loss**: the second job host killed (every process, its memory and link gone) -> every rank of the new
   round (the spare in its place) has finished a step (goal with replicas: <= 1.5 s at 256 MiB, and faster than
   disk), and -> every rank has restored (its ``ckpt_restored`` line); the page cache is dropped at the kill (as
@@ -78,6 +80,7 @@ _SOCKET_SENDER = """
 import socket, sys, time
 n = int(sys.argv[3]); data = bytearray(n)
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+time.sleep(max(0.0, float(sys.argv[4]) - time.time()))
 began = time.perf_counter(); c.sendall(data); c.shutdown(socket.SHUT_WR); c.recv(4)
 print(n / (time.perf_counter() - began), flush=True)
 """
@@ -103,20 +106,31 @@ def _first_after(stamps: Path, after: float, rank: int) -> tuple[int, float] | N
 
 async def _socket_bandwidth(sender: Host, receiver: Host, nbytes: int) -> float:
     """Bytes per second of one plain TCP copy of ``nbytes`` from ``sender`` to ``receiver``."""
-    proc = await receiver.spawn([sys.executable, "-c", _SOCKET_RECEIVER, receiver.address],
-                                stdout=asyncio.subprocess.PIPE)
-    assert proc.stdout is not None
+    return (await _socket_copies([(sender, receiver)], nbytes))[0]
+
+
+async def _socket_copies(pairs: list[tuple[Host, Host]], nbytes: int) -> list[float]:
+    """Bytes per second of each of plain TCP copies of ``nbytes`` made at once, one per (sender, receiver) pair."""
+    procs = [await receiver.spawn([sys.executable, "-c", _SOCKET_RECEIVER, receiver.address],
+                                  stdout=asyncio.subprocess.PIPE) for _, receiver in pairs]
     try:
-        port = int((await asyncio.wait_for(proc.stdout.readline(), 30)).decode())
-        rc, out, err = await sender.run([sys.executable, "-c", _SOCKET_SENDER, receiver.address, str(port),
-                                         str(nbytes)])
-        if rc != 0:
-            raise Failed(f"the plain socket copy failed: {err[-500:]}")
-        return float(out.split()[-1])
+        ports = []
+        for proc in procs:
+            assert proc.stdout is not None
+            ports.append(int((await asyncio.wait_for(proc.stdout.readline(), 30)).decode()))
+        start = time.time() + 2.0  # (each sender's start and allocation done: they send together)
+        results = await asyncio.gather(*(sender.run([sys.executable, "-c", _SOCKET_SENDER, receiver.address,
+                                                     str(port), str(nbytes), str(start)])
+                                         for (sender, receiver), port in zip(pairs, ports, strict=True)))
+        for rc, _, err in results:
+            if rc != 0:
+                raise Failed(f"the plain socket copy failed: {err[-500:]}")
+        return [float(out.split()[-1]) for _, out, _ in results]
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
 
 
 class ReplicaBench(Bench):
@@ -142,11 +156,15 @@ class ReplicaBench(Bench):
                          "spare host accepted and warm", procs, RUN_TIMEOUT_S)
             now = max(int(s) for _, _, s, _ in _lines(stamps) if s.isdigit())
             await _until(lambda: past(now + AFTER_SPARE_STEPS), "steps after the spare joined", procs, RUN_TIMEOUT_S)
-            loaded = None
+            loaded = both_ways = None
             if replicas:  # a plain socket copy of one replica's bytes between the two job hosts, as they train
                 _, _, step_bytes = _replicated(run)
                 if step_bytes:
                     loaded = await _socket_bandwidth(hosts[0], hosts[1], step_bytes)
+                    # and two at once, one each way: both hosts commit a step together and send its replicas
+                    # together, over the same cores here
+                    both_ways = statistics.mean(await _socket_copies([(hosts[0], hosts[1]), (hosts[1], hosts[0])],
+                                                                     step_bytes))
             _drop_page_cache()  # the checkpoint files are not in the replacement host's page cache
             killed = time.time()
             done = min(max((int(s) for r, _, s, w in _lines(stamps) if r == rank and s.isdigit() and w <= killed),
@@ -179,7 +197,8 @@ class ReplicaBench(Bench):
                 "steps_rolled_back": max(0, done - restored), "save_stall_s": _median(before),
                 "memcpy_floor_s": floor, "replica_lag_s": _median(lags), "replica_bytes_per_s": rate,
                 "replica_step_bytes": step_bytes,
-                "socket_loaded_bytes_per_s": None if loaded is None else round(loaded)}
+                "socket_loaded_bytes_per_s": None if loaded is None else round(loaded),
+                "socket_loaded_both_ways_bytes_per_s": None if both_ways is None else round(both_ways)}
 
 
 def _drop_page_cache() -> None:
@@ -230,7 +249,10 @@ async def _measure(sizes: list[int], keep: bool = False) -> dict[str, object]:
                       f"{got['save_stall_s']} s (memcpy {got['memcpy_floor_s']} s)"
                       + (f"; the spare fetched its rank's replica in {got['replica_fetch_s']} s"
                          f"; replicas in place {got['replica_lag_s']} s after commit, "
-                         f"{(got['replica_bytes_per_s'] or 0) / 1e6:.0f} MB/s" if replicas else ""), flush=True)
+                         f"{(got['replica_bytes_per_s'] or 0) / 1e6:.0f} MB/s (a plain socket copy "
+                         f"{(got['socket_loaded_bytes_per_s'] or 0) / 1e6:.0f} MB/s, each of two at once both ways "
+                         f"{(got['socket_loaded_both_ways_bytes_per_s'] or 0) / 1e6:.0f} MB/s)" if replicas else ""),
+                      flush=True)
             by_size[str(mib)] = figures
     finally:
         if keep:
@@ -250,6 +272,8 @@ async def _measure(sizes: list[int], keep: bool = False) -> dict[str, object]:
         "replica_lag_s": main.get("peer_replica_lag_s"),
         "replica_bandwidth_ratio": ratio(main.get("peer_replica_bytes_per_s"),
                                          main.get("peer_socket_loaded_bytes_per_s")),
+        "replica_bandwidth_ratio_both_ways": ratio(main.get("peer_replica_bytes_per_s"),
+                                                   main.get("peer_socket_loaded_both_ways_bytes_per_s")),
         "replica_bandwidth_ratio_idle_link": ratio(main.get("peer_replica_bytes_per_s"),
                                                    main.get("socket_idle_bytes_per_s")),
         "host_loss_peer_s": main.get("peer_host_loss_s"),
