@@ -28,7 +28,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import NoReturn
 
-from stead.core.events import MAX_NOTES_PER_REPORT
+from stead.core.events import MAX_NOTES_PER_REPORT, MAX_SAMPLE_RANGES, MAX_SAMPLE_SETS
 from stead.core.rpc._protowire import FIXED32, FIXED64, LEN, MAX_VARINT_BYTES, VARINT, WIDTHS, read_varint
 from stead.core.rpc._refusals import over_limit
 from stead.core.rpc._status import invalid
@@ -91,6 +91,9 @@ COUNT_BOUNDS: Mapping[tuple[str, int], CountBound] = {
     ("StacksReport", 4): CountBound("workers", MAX_NODE_WORKERS, _NODE_WORKERS),
     ("NumericsReport", 4): CountBound("notes", MAX_NOTES_PER_REPORT,
                                       "MAX_NOTES_PER_REPORT a report: send the rest with the next ones"),
+    ("NumericsNote", 9): CountBound("samples", MAX_SAMPLE_SETS, "MAX_SAMPLE_SETS: name the first datasets only"),
+    ("StepSamples", 3): CountBound("ranges", MAX_SAMPLE_RANGES,
+                                   "MAX_SAMPLE_RANGES: name the first ranges, count the rest"),
     ("HealthReport", 5): CountBound("collectives", MAX_HEALTH_PEERS,
                                     "MAX_HEALTH_PEERS: one partner per stage of a check"),
     ("ReportSavedRequest", 6): CountBound("ranks", MAX_NODE_WORKERS, f"{_NODE_WORKERS}: report one node's ranks"),

@@ -36,6 +36,7 @@ from stead.core.rpc._proto.stead.v1 import (
     StacksReport,
     WorkersReport,
 )
+from stead.core.rpc._proto.stead.v1 import NumericsNote as ProtoNumericsNote
 from stead.core.rpc._status import at_least, backend_errors, finite_figure, invalid
 from stead.core.rpc.backend import HEARTBEAT_STREAM_ROUTE, MAX_ACKS_PER_BEAT, MAX_NODE_WORKERS, AgentBackend
 from stead.core.rpc.convert import (
@@ -74,6 +75,29 @@ def _at_least(where: str, field: str, value: int | None, minimum: int, meaning: 
 
 def _finite_figure(where: str, field: str, value: float | None, unit: str) -> None:
     finite_figure(f"{where}.{field}", value, unit)
+
+
+#: the longest dataset name a note's samples name (the sharding plugin's bound)
+_MAX_DATASET_CHARS = 200
+
+
+def _check_samples(where: str, note: ProtoNumericsNote) -> None:
+    """A note's samples (their counts bounded on the wire already): named datasets, ranges of slots."""
+    if note.samples and (note.kind != "step_skipped" or not note.samples_known):
+        invalid(f"{where}.samples: only a step_skipped note with samples_known names samples")
+    for j, part in enumerate(note.samples):
+        if not 0 < len(part.dataset) <= _MAX_DATASET_CHARS:
+            invalid(f"{where}.samples[{j}].dataset is {part.dataset[:40]!r}: a name of 1 to {_MAX_DATASET_CHARS} "
+                    "characters")
+        _at_least(where, f"samples[{j}].count", part.count, 0, "a count of samples")
+        named = 0
+        for k, piece in enumerate(part.ranges):
+            if piece.part < 0 or not 0 <= piece.start < piece.end:
+                invalid(f"{where}.samples[{j}].ranges[{k}] is part {piece.part} slots {piece.start}-{piece.end}: "
+                        "part >= 0 and 0 <= start < end")
+            named += piece.end - piece.start
+        if named > part.count:
+            invalid(f"{where}.samples[{j}] names {named} samples in its ranges, more than its count {part.count}")
 
 
 def _check_heartbeat(where: str, message: HeartbeatRequest) -> None:
@@ -209,6 +233,7 @@ class AgentServicer(AgentServiceBase):
                 _finite_figure(where, f"notes[{i}].{name}", getattr(note, name), "number (unset when not finite)")
             if note.action not in ("", "record", "skip"):
                 invalid(f"{where}.notes[{i}].action is {note.action[:40]!r}: record, skip, or empty")
+            _check_samples(f"{where}.notes[{i}]", note)
         with backend_errors("AgentService.ReportNumerics"):
             await self._backend.report_numerics(numerics_from_proto(message))
         return Ack()

@@ -217,6 +217,15 @@ OVER_BOUNDS: list[tuple[str, betterproto2.Message, str]] = [
     ("report_health", pb.HealthReport(node_id=_LIVE, incarnation=1, check=1, collectives=[pb.PeerCollective()] * 4),
      "HealthReport.collectives has 4 entries or more: send at most 3 "
      "(MAX_HEALTH_PEERS: one partner per stage of a check)"),
+    ("report_numerics", pb.NumericsReport(node_id=_LIVE, incarnation=1, notes=[pb.NumericsNote(
+        kind="step_skipped", samples_known=True, samples=[pb.StepSamples(dataset="d", count=1)] * 5)]),
+     "NumericsReport.notes[0].samples has 5 entries or more: send at most 4 "
+     "(MAX_SAMPLE_SETS: name the first datasets only)"),
+    ("report_numerics", pb.NumericsReport(node_id=_LIVE, incarnation=1, notes=[pb.NumericsNote(
+        kind="step_skipped", samples_known=True, samples=[pb.StepSamples(
+            dataset="d", count=90, ranges=[pb.SampleRange(part=0, start=1, end=2)] * 9)])]),
+     "NumericsReport.notes[0].samples[0].ranges has 9 entries or more: send at most 8 "
+     "(MAX_SAMPLE_RANGES: name the first ranges, count the rest)"),
 ]
 #: (the stub's method, the message, the exact refusal) for the rest: answered INVALID_ARGUMENT
 REFUSALS: list[tuple[str, betterproto2.Message, str]] = [
@@ -243,6 +252,20 @@ REFUSALS: list[tuple[str, betterproto2.Message, str]] = [
                                      collectives=[pb.PeerCollective(peer="n", error="e" * 4097)]),
      "HealthReport.collectives[0].error has 4097 characters: send at most 4096 (what went wrong, not a log)"),
     # what each field means, in the servicer
+    ("report_numerics", pb.NumericsReport(node_id=_LIVE, incarnation=1, notes=[pb.NumericsNote(
+        kind="loss_spike", samples_known=True, samples=[pb.StepSamples(dataset="d", count=1)])]),
+     "NumericsReport.notes[0].samples: only a step_skipped note with samples_known names samples"),
+    ("report_numerics", pb.NumericsReport(node_id=_LIVE, incarnation=1, notes=[pb.NumericsNote(
+        kind="step_skipped", samples_known=True, samples=[pb.StepSamples(dataset="", count=1)])]),
+     "NumericsReport.notes[0].samples[0].dataset is '': a name of 1 to 200 characters"),
+    ("report_numerics", pb.NumericsReport(node_id=_LIVE, incarnation=1, notes=[pb.NumericsNote(
+        kind="step_skipped", samples_known=True, samples=[pb.StepSamples(
+            dataset="d", count=2, ranges=[pb.SampleRange(part=0, start=4, end=4)])])]),
+     "NumericsReport.notes[0].samples[0].ranges[0] is part 0 slots 4-4: part >= 0 and 0 <= start < end"),
+    ("report_numerics", pb.NumericsReport(node_id=_LIVE, incarnation=1, notes=[pb.NumericsNote(
+        kind="step_skipped", samples_known=True, samples=[pb.StepSamples(
+            dataset="d", count=2, ranges=[pb.SampleRange(part=0, start=0, end=9)])])]),
+     "NumericsReport.notes[0].samples[0] names 9 samples in its ranges, more than its count 2"),
     ("report_failure", pb.FailureReport(node_id="a/b", incarnation=1),
      "FailureReport.node_id 'a/b' is not a valid name: pass the node's id (the one the agent was started with): "
      "1-253 letters, digits, '.', '_' or '-', starting with a letter or digit"),
