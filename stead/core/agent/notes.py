@@ -3,9 +3,10 @@
 Each worker appends JSON lines (:mod:`stead.core.worker.notes`); :class:`NotesReader` reads what is new since its
 last look (at most :data:`MAX_READ_BYTES` a file a look), keeps a line that has no newline yet for the next look,
 and turns each complete line into a :class:`~stead.core.events.NumericsNote`. A line that is not one (not JSON,
-an unknown kind, a field of the wrong type, longer than :data:`MAX_LINE_BYTES`) is refused with a log line saying
-why and counted; it never stops the agent. Notes wait in a bounded queue for the agent's next report; what
-overflows it is counted too, and the counts go to the master with the notes (``dropped``).
+an unknown kind, a field of the wrong type, longer than :data:`MAX_LINE_BYTES`, a step_skipped note's samples
+over their bounds or naming impossible slots) is refused with a log line saying why and counted; it never stops
+the agent. Notes wait in a bounded queue for the agent's next report; what overflows it is counted too, and the
+counts go to the master with the notes (``dropped``).
 """
 
 from __future__ import annotations

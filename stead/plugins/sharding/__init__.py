@@ -41,7 +41,10 @@ What that means in the cases that matter:
 * the world shrank or grew: the cursor names slots, not ranks; the new round's
   ranks lease them on demand, whatever their number;
 * restoring an older checkpoint (the newest is corrupt): every cursor stands alone;
-* a round without a checkpoint to restore: from the beginning.
+* a round without a checkpoint to restore: from the beginning;
+* a step skipped after a numerical fault (``numerics.on_nan=skip``): each rank's note names the slots its step held
+  (:mod:`.steps`: what the training loop received, not what a DataLoader prefetched) and the ledger records them
+  as skipped (read, trained on by no step), so that done + skipped is every sample (``Ledger.tally``).
 
 DataLoader workers prefetch from the sampler ahead of the training loop; the cursor
 counts every sample the sampler handed out unless ``state_dict(consumed=n)`` says

@@ -30,10 +30,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import structlog
+
 from stead.core.events import StepSamples
 from stead.plugins.sharding.intervals import Range
 
 __all__ = ["MAX_LOG_RANGES", "StepTracker", "live_trackers", "track_loaders"]
+
+log = structlog.get_logger("stead.data")
 
 #: the ranges of its stream a tracker keeps at most (the oldest go first; their positions are then counted, unnamed)
 MAX_LOG_RANGES = 4096
@@ -147,7 +151,12 @@ def track_loaders() -> None:
         _Installed.done = True
     from torch.utils.data import dataloader
 
-    base: Any = dataloader._BaseDataLoaderIter
+    base: Any = getattr(dataloader, "_BaseDataLoaderIter", None)
+    if not all(hasattr(base, name) for name in ("_next_index", "__next__", "_reset")):
+        # another torch than those this was written for (2.x): a step's samples are what the sampler handed out
+        log.warning("shard_steps_untracked", torch=getattr(dataloader, "__name__", "?"),
+                    hint="a skipped step names the samples the DataLoader pulled, prefetched ones included")
+        return
     next_index, next_batch, reset = base._next_index, base.__next__, base._reset
 
     def _next_index(self: Any) -> Any:
