@@ -40,9 +40,12 @@ from stead.core.plugins import NodeTelemetry
 from stead.core.rpc.backend import AgentCommand, AgentReport, HeartbeatInfo, RegisterInfo, RegisterResult
 from stead.core.statemachine import JobState, NodePhase
 
-__all__ = ["AgentGateway"]
+__all__ = ["SKIP_REPORTS_PER_NODE_STEP", "AgentGateway"]
 
 log = structlog.get_logger("stead.gateway")
+#: reports of step_skipped notes a job may record past MAX_NUMERICS_RECORDS, per step decided to skip and node: one in
+#: the round that skips the step, one in a round that rolls back before it and skips it again
+SKIP_REPORTS_PER_NODE_STEP = 2
 
 
 class AgentGateway:
@@ -211,11 +214,22 @@ class AgentGateway:
 
     async def report_numerics(self, report: AgentReport[NumericsReported]) -> None:
         """Record a node's numerical notes, up to :data:`MAX_NUMERICS_RECORDS` reports a job (a flood of loss spikes
-        must not flood the store): past that, the notes are counted in the log and dropped."""
+        must not flood the store): past that, the notes are counted in the log and dropped.
+
+        A report of nothing but step_skipped notes of steps the master decided to skip may go past that bound by
+        :data:`SKIP_REPORTS_PER_NODE_STEP` reports per decided step and node of the job's largest size: every rank
+        says what its skipped step held (one report a node), so a job of more nodes than the bound would otherwise
+        lose most of one skip's notes, and the samples they name would not be recorded as skipped."""
         self.liveness.require_live(report.node_id, report.incarnation)
         event = report.event
-        recorded = self._state().numerics_reports
-        if recorded >= MAX_NUMERICS_RECORDS:
+        state = self._state()
+        recorded = state.numerics_reports
+        bound = MAX_NUMERICS_RECORDS
+        if event.notes and not event.dropped and all(
+                note.kind == "step_skipped" and note.step in state.skip_steps for note in event.notes):
+            nodes = state.spec.max_nodes if state.spec is not None else 1
+            bound += len(state.skip_steps) * nodes * SKIP_REPORTS_PER_NODE_STEP
+        if recorded >= bound:
             self._numerics_dropped += len(event.notes) + event.dropped
             log.warning("numerics_notes_dropped", node=event.node_id, notes=len(event.notes),
                         dropped_so_far=self._numerics_dropped,

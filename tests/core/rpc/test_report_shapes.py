@@ -17,6 +17,7 @@ from grpclib.exceptions import GRPCError
 
 from stead.core.config import Settings
 from stead.core.events import (
+    MAX_NUMERICS_RECORDS,
     Event,
     NodeHealthReported,
     NumericsNote,
@@ -31,7 +32,7 @@ from stead.core.events import (
     WorkersStarted,
     WorkersSucceeded,
 )
-from stead.core.master.gateway import AgentGateway
+from stead.core.master.gateway import SKIP_REPORTS_PER_NODE_STEP, AgentGateway
 from stead.core.rpc import (
     AgentCommand,
     AgentReport,
@@ -358,3 +359,31 @@ async def test_a_live_nodes_reports_are_recorded_as_the_events_they_hold(
     finally:
         channel.close()
     assert recorded == [started, failure, stacks, health]
+
+
+async def test_past_the_job_s_bound_of_numerics_reports_only_the_ranks_notes_of_decided_skips_are_still_recorded(
+        ) -> None:
+    recorded: list[Event] = []
+
+    async def submit(event: Event) -> Record:
+        recorded.append(event)
+        return Record(seq=len(recorded), at=0.0, event=event)
+
+    # the bound reached (spec unknown: one node), step 6 decided to skip
+    state = JobState(nodes={_LIVE: NodeState(node_id=_LIVE, incarnation=1, phase=NodePhase.JOINED)},
+                     skip_steps=frozenset({6}), numerics_reports=MAX_NUMERICS_RECORDS)
+    gateway = AgentGateway(job="shapes", settings=Settings(), submit=submit, get_state=lambda: state,
+                           store_addr=lambda: ("127.0.0.1", 1))
+
+    def report(*notes: NumericsNote) -> AgentReport[NumericsReported]:
+        return AgentReport(incarnation=1, event=NumericsReported(node_id=_LIVE, round=2, notes=notes))
+
+    skip = NumericsNote(kind="step_skipped", rank=0, step=6, samples=())
+    for sent in (report(skip), report(dataclasses.replace(skip, step=7)),  # a step the master never decided
+                 report(NumericsNote(kind="loss_spike", rank=0, step=9)), report(skip, NumericsNote(
+                     kind="loss_spike", rank=0, step=9))):
+        await gateway.report_numerics(sent)
+    assert recorded == [report(skip).event]
+    state = dataclasses.replace(state, numerics_reports=MAX_NUMERICS_RECORDS + SKIP_REPORTS_PER_NODE_STEP)
+    await gateway.report_numerics(report(skip))  # its own bound reached too
+    assert len(recorded) == 1
