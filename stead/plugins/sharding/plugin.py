@@ -44,7 +44,12 @@ class ShardingPlugin(Plugin[ShardingSettings]):
 
     async def handle(self, *, record: Record, ctx: PluginContext[ShardingSettings]) -> None:
         service = self.service
-        if service is None or ctx.state.phase.terminal:
+        if service is None:
+            return
+        if isinstance(record.event, NumericsReported):  # a skipped step's notes may come as the job ends: recorded
+            await _record_skipped(service, record.event, ctx)
+            return
+        if ctx.state.phase.terminal:
             return  # a finished job's nodes exit: nothing is read any more
         match record.event:
             case WorkerFailed() as failure:
@@ -61,8 +66,6 @@ class ShardingPlugin(Plugin[ShardingSettings]):
                 await service.failed(node_id=lost.node_id, reason=f"node {lost.node_id} lost ({lost.reason})")
             case NodeExited() as exited:
                 await service.failed(node_id=exited.node_id, reason=f"node {exited.node_id} exited")
-            case NumericsReported() as reported:
-                await _record_skipped(service, reported, ctx)
 
 
 async def _record_skipped(service: ShardService, reported: NumericsReported,
