@@ -111,7 +111,7 @@ async def test_the_slurm_platform_keeps_a_faulty_node_out_and_a_killed_host_cost
     shutil.copy(TRAIN, tmp_path / "train.py")
     (tmp_path / "plat.sbatch").write_text(
         "#!/bin/bash\n#SBATCH --no-kill\nstead run --nnodes 2:3 --job-name plat --set health_check=all "
-        "train.py --steps 300 --step-time 0.05 --save-every 1\n")
+        "train.py --steps 200 --step-time 0.05 --save-every 1\n")
     env = {**_cluster_env(), "STEAD_FAULT_HEALTH": "node-1:1:slow"}  # node-1's first agent: 4x the work
 
     async def hosts_of(after: int = 0) -> dict[str, str]:

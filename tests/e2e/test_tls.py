@@ -61,6 +61,8 @@ def test_a_job_runs_with_mutual_tls_on_every_rpc(run_job: RunJob, tmp_path: Path
     assert "job.succeeded" in job.events("e2e")
 
 
+@pytest.mark.extended("every RPC over mutual TLS: the test above; a spare agent taking a killed node's place: "
+                      "tests/e2e/test_run.py's from-a-spare variant (the same RPCs, without TLS)")
 def test_a_spare_agent_replaces_a_killed_node_over_tls(run_job: RunJob, tmp_path: Path) -> None:
     flags = ("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3", "--set", "spare_agents=1",
              "--set", "spare_delay_s=1", *_tls_flags(tmp_path / "pki"))
