@@ -47,8 +47,8 @@ What that means in the cases that matter:
   as skipped (read, trained on by no step), so that done + skipped is every sample (``Ledger.tally``).
 
 DataLoader workers prefetch from the sampler ahead of the training loop; the cursor
-counts every sample the sampler handed out unless ``state_dict(consumed=n)`` says
-how many the loop really used (exact with ``num_workers=0``).
+counts the samples the DataLoader handed the loop (:mod:`.steps`), not those it pulled
+ahead, unless ``state_dict(consumed=n)`` says how many the loop really used.
 """
 
 from __future__ import annotations

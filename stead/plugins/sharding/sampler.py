@@ -153,14 +153,17 @@ class _ShardedBase:
         torch.distributed when world_size > 1, then asks the master); before the sampler
         has read or restored anything it is the whole dataset and needs nobody. The result is the
         same small JSON-able dict on every rank. ``consumed``: the samples the training
-        loop has really used in this round when a DataLoader with workers prefetched more
-        from the sampler than the loop took (default: every sample handed out).
+        loop has really used in this round (default: those a DataLoader handed the loop, not
+        those it prefetched, see :mod:`.steps`; without a DataLoader every sample handed out).
         """
         reader = self._reader
-        mine = reader.consumed if consumed is None else consumed
+        mine = reader.steps.received_to() if consumed is None else consumed
         if not 0 <= mine <= reader.consumed:
             raise InvalidRequest(f"consumed={mine} must be between 0 and the {reader.consumed} samples this "
                                  "sampler has handed out in this round")
+        # the epoch the loop is in: a DataLoader that pulled ahead past the epoch's end has moved the sampler's on
+        at = reader.steps.part_at(mine) if mine < reader.consumed and not self.spec.streaming else None
+        epoch = reader.epoch if at is None else min(reader.epoch, at)
         if not self.spec.streaming and not reader.started_reading and not reader.declared:
             # nothing read and nothing restored yet (a script that builds its checkpoint's state before restoring
             # it): the cursor is where the round would start. Asking the master would start the round from the
@@ -168,9 +171,9 @@ class _ShardedBase:
             cursor = CursorState(self.spec.fingerprint(), reader.epoch,
                                  tuple((e, 0, self.spec.size) for e in range(reader.epoch, self.spec.epochs)))
         elif self.static:
-            cursor = self._static_cut(mine)
+            cursor = self._static_cut(mine, epoch)
         else:
-            progress = _gather(self.rank, (mine, reader.epoch), self.world_size)
+            progress = _gather(self.rank, (mine, epoch), self.world_size)
             cursor = reader.save([c for c, _ in progress], [e for _, e in progress])
         return {
             "version": CURSOR_VERSION,
@@ -180,11 +183,11 @@ class _ShardedBase:
             "remaining": [[p, s, None if e >= UNBOUNDED else e] for p, s, e in cursor.remaining],
         }
 
-    def _static_cut(self, consumed: int) -> CursorState:
+    def _static_cut(self, consumed: int, epoch: int) -> CursorState:
         reader = self._reader
         who = reader.who
         mine = reader.call(lambda b: _static(b).heads(who, consumed), what="save")
-        everyone = _gather(self.rank, (reader.epoch, mine.to_json()), self.world_size)
+        everyone = _gather(self.rank, (epoch, mine.to_json()), self.world_size)
         read = SlotMap()
         for _, ranges in everyone:
             read.update(SlotMap(decode_ranges(ranges)))

@@ -55,8 +55,9 @@ class StepTracker:
         #: position intervals received since the last take, and samples received whose positions are unknown
         self._received: list[tuple[int, int]] = []
         self._unnamed = 0
-        #: a DataLoader says what the loop received; until then everything handed out is
-        self._loader = False
+        #: a DataLoader pulls from this stream and says what the loop received; else everything handed out is
+        self.loader = False
+        self._received_to = 0
         self._taken_to = 0
 
     def handed(self, at: int, piece: Range) -> None:
@@ -67,9 +68,10 @@ class StepTracker:
 
     def received(self, start: int, end: int, *, named: bool = True) -> None:
         """The loop received the samples at positions ``[start, end)`` (``named``: in stream order)."""
-        self._loader = True
+        self.loader = True
         if end <= start:
             return
+        self._received_to = max(self._received_to, end)
         if not named:
             self._unnamed += end - start
         elif self._received and self._received[-1][1] == start:
@@ -79,7 +81,7 @@ class StepTracker:
 
     def take(self) -> StepSamples:
         """The samples received since the last take (one step's), as slot ranges of the ledger."""
-        if self._loader:
+        if self.loader:
             spans, self._received = self._received, []
         else:
             now = self.position()
@@ -91,6 +93,23 @@ class StepTracker:
         if spans:
             self._forget_before(spans[-1][1])
         return StepSamples(dataset=self.dataset, count=count, ranges=tuple(ranges))
+
+    def received_to(self) -> int:
+        """The stream position up to which the training loop has received its samples: what a DataLoader handed it,
+        not what it pulled ahead (without a DataLoader: every sample handed out)."""
+        return self._received_to if self.loader else self.position()
+
+    def part_at(self, position: int) -> int | None:
+        """The part (a dataset's epoch) of the sample at stream ``position``; None: not known (not handed out yet,
+        or forgotten)."""
+        entries = list(self._log)
+        for index, (at, (part, first, last)) in enumerate(entries):
+            end = at + last - first
+            if index + 1 < len(entries):
+                end = min(end, entries[index + 1][0])
+            if at <= position < end:
+                return part
+        return None
 
     def _slots(self, start: int, end: int) -> list[Range]:
         out: list[Range] = []
@@ -164,6 +183,8 @@ def track_loaders() -> None:
         before = [t.position() for t in trackers]
         index = next_index(self)
         moved = [(t, was, t.position()) for t, was in zip(trackers, before, strict=True) if t.position() != was]
+        for tracker, _, _ in moved:
+            tracker.loader = True
         queue = self.__dict__.setdefault(_ITER_QUEUE, collections.deque())
         queue.append(moved)
         return index

@@ -126,3 +126,27 @@ def test_every_hook_before_a_step_sees_the_same_samples_and_the_next_step_starts
     assert skipping.step_samples() == (StepSamples(dataset="d", count=4, ranges=((0, 8, 12),)),)
     skipping.step_ended()
     assert skipping.step_samples() == ()  # nothing received: a step of no samples of stead's sampler
+
+
+@pytest.mark.parametrize("size", [N, 20], ids=["mid-epoch", "prefetched to the epoch's end"])
+def test_the_cursor_by_default_counts_what_the_dataloader_handed_the_loop_not_what_it_prefetched(
+        local: None, size: int) -> None:
+    sampler = ShardedSampler("cursor", size=size, shard_size=SHARD, seed=4, epochs=1)
+    order = SampleOrder(size=size, shard_size=SHARD, seed=4, shuffle=True)
+    loader: DataLoader[Any] = DataLoader(list(range(size)), batch_size=4, sampler=sampler,  # type: ignore[arg-type]
+                                         num_workers=2, prefetch_factor=2)
+    used: list[int] = []
+    try:
+        for batch in loader:
+            used += batch.tolist()
+            if len(used) == 12:
+                break
+        assert sampler.consumed > 12  # the workers pulled more than the loop took
+        assert sampler.epoch == (1 if size == 20 else 0)  # ... to the epoch's end: the sampler's epoch moved on
+        state = sampler.state_dict()
+    finally:
+        sampler.close()
+        del loader
+    left = [i for part, start, end in state["remaining"] for i in order.samples(part, start, end)]
+    assert sorted(left + used) == list(range(size))  # what the loop did not get stays in the cursor: read again
+    assert state["epoch"] == 0
