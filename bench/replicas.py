@@ -16,7 +16,9 @@ for each size:
   transfer and the holder's hash check), against a plain socket copy of as many bytes between the two job hosts
   while they train (goal: >= 0.8x; against the same copy between idle hosts once the job ended, too; and against
   each of two such copies made at once, one each way, as the two hosts' replicas travel: both hosts commit a step
-  together and send their replicas together, over the same cores on this machine);
+  together and send their replicas together, over the same cores on this machine); each ratio also with each
+  host's first two sends left out ("steady": they wait for the holder to allocate and fault its two buffers of
+  the rank's replicas, once per job);
 * **host loss**: the second job host killed (every process, its memory and link gone) -> every rank of the new
   round (the spare in its place) has finished a step (goal with replicas: <= 1.5 s at 256 MiB, and faster than
   disk), and -> every rank has restored (its ``ckpt_restored`` line); the page cache is dropped at the kill (as
@@ -42,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -184,6 +187,7 @@ class ReplicaBench(Bench):
         floor, saves = _stalls(stalls, 0)
         before = saves[2:] or saves  # the first saves allocate and fault their slots
         lags, rate, step_bytes = _replicated(run)
+        steady = _steady_rate(run)
         restored_at = [datetime.datetime.fromisoformat(m.group(1)).timestamp() for name in ("h0.log", "h2.log")
                        for m in _RESTORED.finditer((run / name).read_text(errors="replace"))]
         restored_at = [t for t in restored_at if t > killed]
@@ -196,6 +200,7 @@ class ReplicaBench(Bench):
                 "replica_fetch_s": fetched[0] if fetched else None,
                 "steps_rolled_back": max(0, done - restored), "save_stall_s": _median(before),
                 "memcpy_floor_s": floor, "replica_lag_s": _median(lags), "replica_bytes_per_s": rate,
+                "replica_steady_bytes_per_s": steady,
                 "replica_step_bytes": step_bytes,
                 "socket_loaded_bytes_per_s": None if loaded is None else round(loaded),
                 "socket_loaded_both_ways_bytes_per_s": None if both_ways is None else round(both_ways)}
@@ -209,13 +214,29 @@ def _drop_page_cache() -> None:
 def _replicated(run: Path) -> tuple[list[float], int | None, int]:
     """From the job hosts' ckpt_replicated lines: the lags, the bytes per second sent, and one step's bytes."""
     lags, sent, sending = [], 0, 0.0
+    for sizes, lag, seconds in _sends(run):
+        sent += sizes
+        lags.append(lag)
+        sending += seconds
+    return lags, round(sent / sending) if sending else None, sent // len(lags) if lags else 0
+
+
+def _steady_rate(run: Path) -> int | None:
+    """The bytes per second sent, each host's first two sends left out (they wait for the holder to allocate and
+    fault its two buffers of the rank's replicas: once per job, not per step)."""
+    sends = [s for host in _sends(run, per_host=True) for s in host[2:]]
+    sending = sum(seconds for _, _, seconds in sends)
+    return round(sum(sizes for sizes, _, _ in sends) / sending) if sending else None
+
+
+def _sends(run: Path, *, per_host: bool = False) -> list[Any]:
+    """(bytes, lag, sending seconds) of each send the job hosts' ckpt_replicated lines tell (a list per host)."""
+    hosts = []
     for name in ("h0.log", "h1.log"):
         log = run / name
-        for match in _REPLICATED.finditer(log.read_text(errors="replace") if log.exists() else ""):
-            sent += int(match.group(1))
-            lags.append(float(match.group(2)))
-            sending += float(match.group(3))
-    return lags, round(sent / sending) if sending else None, sent // len(lags) if lags else 0
+        hosts.append([(int(m.group(1)), float(m.group(2)), float(m.group(3)))
+                      for m in _REPLICATED.finditer(log.read_text(errors="replace") if log.exists() else "")])
+    return hosts if per_host else [s for host in hosts for s in host]
 
 
 def _median(values: list[float]) -> float | None:
@@ -249,7 +270,8 @@ async def _measure(sizes: list[int], keep: bool = False) -> dict[str, object]:
                       f"{got['save_stall_s']} s (memcpy {got['memcpy_floor_s']} s)"
                       + (f"; the spare fetched its rank's replica in {got['replica_fetch_s']} s"
                          f"; replicas in place {got['replica_lag_s']} s after commit, "
-                         f"{(got['replica_bytes_per_s'] or 0) / 1e6:.0f} MB/s (a plain socket copy "
+                         f"{(got['replica_bytes_per_s'] or 0) / 1e6:.0f} MB/s (each host's first two left "
+                         f"out: {(got['replica_steady_bytes_per_s'] or 0) / 1e6:.0f} MB/s; a plain socket copy "
                          f"{(got['socket_loaded_bytes_per_s'] or 0) / 1e6:.0f} MB/s, each of two at once both ways "
                          f"{(got['socket_loaded_both_ways_bytes_per_s'] or 0) / 1e6:.0f} MB/s)" if replicas else ""),
                       flush=True)
@@ -274,6 +296,10 @@ async def _measure(sizes: list[int], keep: bool = False) -> dict[str, object]:
                                          main.get("peer_socket_loaded_bytes_per_s")),
         "replica_bandwidth_ratio_both_ways": ratio(main.get("peer_replica_bytes_per_s"),
                                                    main.get("peer_socket_loaded_both_ways_bytes_per_s")),
+        "replica_bandwidth_ratio_steady": ratio(main.get("peer_replica_steady_bytes_per_s"),
+                                                main.get("peer_socket_loaded_bytes_per_s")),
+        "replica_bandwidth_ratio_steady_both_ways": ratio(main.get("peer_replica_steady_bytes_per_s"),
+                                                          main.get("peer_socket_loaded_both_ways_bytes_per_s")),
         "replica_bandwidth_ratio_idle_link": ratio(main.get("peer_replica_bytes_per_s"),
                                                    main.get("socket_idle_bytes_per_s")),
         "host_loss_peer_s": main.get("peer_host_loss_s"),
