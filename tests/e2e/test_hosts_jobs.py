@@ -71,8 +71,8 @@ async def _events(host: Host, folder: Path, job: str) -> list[dict[str, object]]
     rc, out, err = await host.run([sys.executable, "-m", "stead", "events", "--job", job, "--json"], cwd=folder)
     assert rc == 0, err
     return [json.loads(line) for line in out.splitlines() if line.strip()]
-
-
+@pytest.mark.extended("two hosts on a static command line (--master-addr, --node-rank) training one job: the "
+                      "mutual-TLS test below; a crash recovered across hosts: the chaos schedule across hosts")
 async def test_a_static_torchrun_command_line_on_two_hosts_trains_one_job_and_recovers_a_crash(
         tmp_path: Path) -> None:
     token = secrets.token_urlsafe(32)

@@ -62,8 +62,8 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.extended("a crashed worker restarted and its job completing: the chaos quick schedule's worker crashes, "
-                      "the README recipes (tests/e2e/test_recipes.py) and tests/e2e/test_own_checkpoint.py")
+@pytest.mark.extended("a crashed worker restarted and its job completing: the same crash decided by the default "
+                      "policy below, the chaos quick schedule's worker crashes, the README recipes (test_recipes.py)")
 def test_a_crashed_worker_is_restarted_and_the_job_completes(run_job: RunJob) -> None:
     job = run_job(TRAIN, "crash", flags=("--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "2"))
     assert job.returncode == 0, job.stderr[-3000:]

@@ -204,6 +204,9 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 
+@pytest.mark.extended("a running job grown: the stead scale test above (the ScalerService RPC the embedding API "
+                      "calls); a request outside MIN:MAX refused: tests/cli/test_commands.py; the embedding API "
+                      "running a job: tests/e2e/test_run.py's README embedding example")
 def test_the_embedding_api_scales_a_running_job(tmp_path: Path) -> None:
     (tmp_path / "embedded.py").write_text(EMBEDDED)
     train = Path(__file__).resolve().parents[2] / "examples" / "train.py"
