@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import re
 import socket
 import threading
@@ -26,7 +27,7 @@ from stead.plugins.ckpt._checksum import checksum
 from stead.plugins.ckpt._client import PeerCopy
 from stead.plugins.ckpt._layout import plan
 from stead.plugins.ckpt._peers import PeerReplicas
-from stead.plugins.ckpt._replicas import _GREETING, ReplicaError, ReplicaMeta, ReplicaServer, fetch, push
+from stead.plugins.ckpt._replicas import _GREETING, ReplicaError, ReplicaMeta, ReplicaServer, _proof, fetch, push
 from stead.plugins.ckpt._shm import SegmentNames, SlotInfo, SlotState, VerifyState, unlink_quietly
 from stead.plugins.ckpt.agent import CheckpointAgentExtension
 from stead.plugins.ckpt.errors import CheckpointError
@@ -526,3 +527,30 @@ def test_a_slot_whose_memory_cannot_be_copied_is_not_sent_and_the_sender_says_wh
     assert holder.held == {}
     assert [e["error"] for e in logs if e["event"] == "ckpt_replica_not_sent"] == [
         "rank 1's slot could not be copied (shared-memory segment x is gone; its agent has exited or restarted)"]
+
+
+def test_a_holder_that_goes_away_mid_fetch_is_an_error_naming_how_far_it_came() -> None:
+    slot, memory = _slot(1, _SIZES)
+    meta = ReplicaMeta.of_slot(slot)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def holder_that_dies() -> None:
+            conn, _ = server.accept()
+            with conn, conn.makefile("rb") as lines:
+                conn.sendall(f"{_GREETING} 0123\n".encode())
+                client_nonce = lines.readline().decode().split(" ")[0]
+                conn.sendall(f"{_proof(_TOKEN, 'server', _JOB, '0123', client_nonce)}\n".encode())
+                lines.readline()  # the request
+                conn.sendall((json.dumps({"ok": True, "meta": meta.to_json()}) + "\n").encode())
+                conn.sendall(memory[slot.checks_off:])  # the checksums and layout, then half the tensors
+                conn.sendall(memory[:slot.data_bytes // 2])
+
+        thread = threading.Thread(target=holder_that_dies)
+        thread.start()
+        got = bytearray(len(memory))
+        with pytest.raises(ReplicaError, match=rf"closed the connection after {slot.data_bytes // 2} of "
+                                               rf"{slot.checks_off} bytes"):
+            fetch(f"127.0.0.1:{port}", token=_TOKEN, job=_JOB, tls=None, rank=1, step=1, round_=1,
+                  into=lambda _meta: memoryview(got), timeout_s=5.0)
+        thread.join()
