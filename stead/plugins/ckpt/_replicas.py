@@ -370,7 +370,8 @@ def push(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, meta
 def fetch(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, rank: int, step: int, round_: int,
           into: Callable[[ReplicaMeta], memoryview], timeout_s: float) -> ReplicaMeta:
     """Fetch the replica of ``rank``'s ``step`` (of ``round_``) from ``address`` into the memory ``into(meta)``
-    gives, and verify it there; ReplicaError when it is not there, does not arrive whole or fails its checks."""
+    gives, its layout and each tensor checked as they arrive; ReplicaError when it is not there, does not arrive
+    whole or fails its checks (the memory then holds no replica to use)."""
     conn = _connect(address, token=token, job=job, tls=tls, timeout_s=timeout_s)
     try:
         conn.send_line({"op": "get", "rank": rank, "step": step, "round": round_})
