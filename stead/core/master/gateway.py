@@ -8,12 +8,14 @@ acknowledgements by :mod:`.command_streams`, its steps by :mod:`.step_progress`,
 what it says of the node's resources kept here for plugins); a command stream is
 :mod:`.command_streams`'s; a report arrives as the event it reports (WorkerFailed,
 ...) and is recorded once its node incarnation is known live, a worker failure only
-once however often its agent retries.
+once however often its agent retries, a node's report of a warning (``job.warned``)
+once per warning.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 
@@ -23,7 +25,9 @@ from stead.core.clock import WALL_CLOCK, Clock
 from stead.core.config import Settings
 from stead.core.events import (
     MAX_NUMERICS_RECORDS,
+    MAX_WARNED_RECORDS,
     Event,
+    JobWarned,
     NodeHealthReported,
     NodeJoined,
     NumericsReported,
@@ -32,6 +36,7 @@ from stead.core.events import (
     WorkerFailed,
     WorkersStarted,
     WorkersSucceeded,
+    same_warning,
 )
 from stead.core.master.command_streams import CommandStreams
 from stead.core.master.liveness import Liveness
@@ -86,6 +91,8 @@ class AgentGateway:
         self._failures: dict[tuple[str, int, int, int], asyncio.Future[bool]] = {}
         #: the rounds before this one are forgotten from ``_failures``
         self._failures_from = 0
+        #: the nodes' reports of warnings this master recorded or is recording (at most MAX_WARNED_RECORDS)
+        self._warned: list[JobWarned] = []
 
     async def register(self, info: RegisterInfo) -> RegisterResult:
         self.liveness.require_live(info.node_id, info.incarnation)
@@ -246,3 +253,31 @@ class AgentGateway:
         log.info("node_health", node=health.node_id, check=health.check, matmul_s=health.matmul_s,
                  collectives=[(c.peer, c.seconds, c.error) for c in health.collectives], error=health.error)
         await self._submit(health)
+
+    async def report_warned(self, report: AgentReport[JobWarned]) -> None:
+        """Record a node's report of a warning (Slurm's, before a time limit) once, with the newest committed step
+        (the one its agent persists), up to :data:`MAX_WARNED_RECORDS` reports: the same node's report of the same
+        warning again (its agent retried: the reply was lost or slow) is acknowledged and not recorded again, and
+        one past the bound is logged and dropped.
+
+        This master knows the reports it recorded; one that took over from another may record a retry of a report
+        its predecessor recorded, which the readers of the log count once (:func:`group_warnings` by node)."""
+        self.liveness.require_live(report.node_id, report.incarnation)
+        event = report.event
+        if any(seen.node_id == event.node_id and same_warning(seen, event) for seen in self._warned):
+            log.info("job_warned_repeated", node=event.node_id, source=event.source, warned_at=event.warned_at)
+            return
+        if len(self._warned) >= MAX_WARNED_RECORDS:
+            log.warning("job_warned_dropped", node=event.node_id, source=event.source, said=event.said,
+                        reason=f"this master recorded {len(self._warned)} nodes' warnings, its bound")
+            return
+        event = dataclasses.replace(event, committed_step=self._state().checkpoint_step)
+        self._warned.append(event)
+        log.warning("job_warned", node=event.node_id, source=event.source, signal=event.signal,
+                    time_left_s=event.time_left_s, deadline=event.deadline, committed_step=event.committed_step,
+                    said=event.said)
+        try:
+            await self._submit(event)
+        except BaseException:
+            self._warned.remove(event)  # not on record: the agent's retry records it
+            raise

@@ -22,6 +22,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from stead.core.events import MAX_WARNING_SAID_CHARS
 from stead.core.rpc._status import invalid
 from stead.core.rpc.backend import MAX_ERROR_TAIL_CHARS, MAX_EVIDENCE_CHARS, MAX_HOST_CHARS
 
@@ -65,6 +66,7 @@ FIELD_BOUNDS: Mapping[str, tuple[int, str]] = {
     "PeerCollective.error": (MAX_EVIDENCE_CHARS, "what went wrong, not a log"),
     "ReportSavedRequest.path": (MAX_PATH_CHARS, "the step's directory"),
     "ReportCorruptRequest.detail": (MAX_EVIDENCE_CHARS, "what failed, in a line or a few"),
+    "WarnedReport.said": (MAX_WARNING_SAID_CHARS, "the warning's source's words, in a line"),
     "ScaleRequest.by": (200, "who asks, in a few words"),
     "ScaleRequest.reason": (500, "why, in a sentence"),
 }

@@ -10,6 +10,7 @@ decoded (:mod:`._checks`); what each field means is checked here.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncGenerator
 
 import grpclib.const
@@ -17,7 +18,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
-from stead.core.events import MAX_NOTES_PER_REPORT, NOTE_KINDS
+from stead.core.events import MAX_NOTES_PER_REPORT, NOTE_KINDS, WARNING_SOURCES
 from stead.core.rpc._checks import MAX_NODE_ID_CHARS, check_name
 from stead.core.rpc._proto.stead.v1 import (
     Ack,
@@ -34,6 +35,7 @@ from stead.core.rpc._proto.stead.v1 import (
     RegisterReply,
     RegisterRequest,
     StacksReport,
+    WarnedReport,
     WorkersReport,
 )
 from stead.core.rpc._proto.stead.v1 import NumericsNote as ProtoNumericsNote
@@ -49,6 +51,7 @@ from stead.core.rpc.convert import (
     register_from_proto,
     register_reply_to_proto,
     stacks_from_proto,
+    warned_from_proto,
     workers_from_proto,
 )
 
@@ -77,6 +80,8 @@ def _finite_figure(where: str, field: str, value: float | None, unit: str) -> No
     finite_figure(f"{where}.{field}", value, unit)
 
 
+#: a signal's name, as a warned agent reports it
+_SIGNAL_NAME = re.compile(r"SIG[A-Z0-9+-]{1,12}")
 #: the longest dataset name a note's samples name (the sharding plugin's bound)
 _MAX_DATASET_CHARS = 200
 
@@ -236,6 +241,23 @@ class AgentServicer(AgentServiceBase):
             _check_samples(f"{where}.notes[{i}]", note)
         with backend_errors("AgentService.ReportNumerics"):
             await self._backend.report_numerics(numerics_from_proto(message))
+        return Ack()
+
+    async def report_warned(self, message: WarnedReport) -> Ack:
+        where = "WarnedReport"
+        _check_node(where, message.node_id, message.incarnation)
+        _at_least(where, "round", message.round, 0, "rendezvous rounds count from 0")
+        if not _SIGNAL_NAME.fullmatch(message.signal):
+            invalid(f"{where}.signal is {message.signal[:40]!r}: the signal's name, e.g. SIGUSR1")
+        if message.source not in WARNING_SOURCES:
+            invalid(f"{where}.source is {message.source[:40]!r}: who sent the warning, one of "
+                    f"{', '.join(WARNING_SOURCES)}")
+        if not message.warned_at > 0:
+            invalid(f"{where}.warned_at is {message.warned_at!r}: when the agent got the signal, in seconds since the "
+                    "epoch (> 0)")
+        _at_least(where, "time_left_s", message.time_left_s, 0, "a number of seconds; leave it unset when not said")
+        with backend_errors("AgentService.ReportWarned"):
+            await self._backend.report_warned(warned_from_proto(message))
         return Ack()
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:

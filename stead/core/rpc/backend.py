@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from stead.core.events import (
+    JobWarned,
     NodeHealthReported,
     NumericsReported,
     RestoreBound,
@@ -255,3 +256,7 @@ class AgentBackend(Protocol):
     async def report_health(self, report: AgentReport[NodeHealthReported]) -> None: ...
 
     async def report_numerics(self, report: AgentReport[NumericsReported]) -> None: ...
+
+    async def report_warned(self, report: AgentReport[JobWarned]) -> None:
+        """The node was warned that the job will be stopped soon (Slurm's warning before a time limit)."""
+        ...

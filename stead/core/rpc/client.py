@@ -34,6 +34,7 @@ from stead.core.errors import (
     Unauthenticated,
 )
 from stead.core.events import (
+    JobWarned,
     NodeHealthReported,
     NumericsReported,
     StacksDumped,
@@ -71,6 +72,7 @@ from stead.core.rpc.convert import (
     register_reply_from_proto,
     register_to_proto,
     stacks_to_proto,
+    warned_to_proto,
     workers_to_proto,
 )
 from stead.core.rpc.tls import TLS_HINT
@@ -290,6 +292,10 @@ class MasterClient:
     async def report_numerics(self, report: AgentReport[NumericsReported]) -> None:
         with self._conn.errors("AgentService.ReportNumerics"):
             await self._stub.report_numerics(numerics_to_proto(report), timeout=self._conn.call_timeout_s)
+
+    async def report_warned(self, report: AgentReport[JobWarned]) -> None:
+        with self._conn.errors("AgentService.ReportWarned"):
+            await self._stub.report_warned(warned_to_proto(report), timeout=self._conn.call_timeout_s)
 
     def __repr__(self) -> str:
         return f"MasterClient({self._conn.address})"

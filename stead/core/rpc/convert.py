@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, assert_never
 import betterproto2
 
 from stead.core.events import (
+    JobWarned,
     NodeHealthReported,
     NumericsNote,
     NumericsReported,
@@ -44,6 +45,7 @@ from stead.core.rpc._proto.stead.v1 import (
     StartWorkers,
     StopNode,
     StopWorkers,
+    WarnedReport,
     WorkersReport,
 )
 from stead.core.rpc._proto.stead.v1 import (
@@ -102,6 +104,8 @@ __all__ = [
     "register_to_proto",
     "stacks_from_proto",
     "stacks_to_proto",
+    "warned_from_proto",
+    "warned_to_proto",
     "to_proto",
     "workers_from_proto",
     "workers_to_proto",
@@ -287,3 +291,14 @@ def workers_from_proto(message: WorkersReport) -> AgentReport[WorkersStarted | W
     else:
         return None
     return AgentReport(incarnation=message.incarnation, event=from_proto(kind, message))
+
+
+def warned_to_proto(report: AgentReport[JobWarned]) -> WarnedReport:
+    """The master fills ``committed_step`` (its newest committed step when it records the report): not sent."""
+    values = dataclasses.asdict(report.event)
+    del values["committed_step"]
+    return WarnedReport(**values)
+
+
+def warned_from_proto(message: WarnedReport) -> AgentReport[JobWarned]:
+    return AgentReport(incarnation=message.incarnation, event=from_proto(JobWarned, message, committed_step=None))

@@ -18,7 +18,9 @@ from grpclib.exceptions import GRPCError
 from stead.core.config import Settings
 from stead.core.events import (
     MAX_NUMERICS_RECORDS,
+    MAX_WARNED_RECORDS,
     Event,
+    JobWarned,
     NodeHealthReported,
     NumericsNote,
     NumericsReported,
@@ -40,6 +42,7 @@ from stead.core.rpc import (
     CheckHealthCmd,
     DumpStacksCmd,
     HeartbeatInfo,
+    MasterClient,
     RegisterInfo,
     RegisterResult,
     RpcServer,
@@ -66,6 +69,8 @@ from stead.core.rpc.convert import (
     register_to_proto,
     stacks_from_proto,
     stacks_to_proto,
+    warned_from_proto,
+    warned_to_proto,
     workers_from_proto,
     workers_to_proto,
 )
@@ -300,6 +305,28 @@ REFUSALS: list[tuple[str, betterproto2.Message, str]] = [
     ("report_workers", pb.WorkersReport(node_id=_LIVE, incarnation=2, state=pb.WorkersState.SUCCEEDED), _STALE),
     ("report_stacks", pb.StacksReport(node_id=_LIVE, incarnation=2), _STALE),
     ("report_health", pb.HealthReport(node_id="node-9", incarnation=1, check=1), _UNKNOWN),
+    # a node's report of a warning (Slurm's, before a time limit)
+    ("report_warned", pb.WarnedReport(node_id=_LIVE, incarnation=1, signal="SIGUSR1", source="slurm",
+                                      warned_at=1.8e9, said="x" * 301),
+     "WarnedReport.said has 301 characters: send at most 300 (the warning's source's words, in a line)"),
+    ("report_warned", pb.WarnedReport(node_id=_LIVE, incarnation=1, signal="USR1; rm", source="slurm",
+                                      warned_at=1.8e9),
+     "WarnedReport.signal is 'USR1; rm': the signal's name, e.g. SIGUSR1"),
+    ("report_warned", pb.WarnedReport(node_id=_LIVE, incarnation=1, signal="SIGUSR1", source="pbs",
+                                      warned_at=1.8e9),
+     "WarnedReport.source is 'pbs': who sent the warning, one of slurm"),
+    ("report_warned", pb.WarnedReport(node_id=_LIVE, incarnation=1, signal="SIGUSR1", source="slurm"),
+     "WarnedReport.warned_at is 0.0: when the agent got the signal, in seconds since the epoch (> 0)"),
+    ("report_warned", pb.WarnedReport(node_id=_LIVE, incarnation=1, signal="SIGUSR1", source="slurm",
+                                      warned_at=1.8e9, time_left_s=-5),
+     "WarnedReport.time_left_s is -5: it must be at least 0 (a number of seconds; leave it unset when not said)"),
+    ("report_warned", pb.WarnedReport(node_id=_LIVE, incarnation=1, round=-1, signal="SIGUSR1", source="slurm",
+                                      warned_at=1.8e9),
+     "WarnedReport.round is -1: it must be at least 0 (rendezvous rounds count from 0)"),
+    ("report_warned", pb.WarnedReport(node_id=_LIVE, incarnation=2, signal="SIGUSR1", source="slurm",
+                                      warned_at=1.8e9), _STALE),
+    ("report_warned", pb.WarnedReport(node_id="node-9", incarnation=1, signal="SIGUSR1", source="slurm",
+                                      warned_at=1.8e9), _UNKNOWN),
 ]
 
 
@@ -387,3 +414,78 @@ async def test_past_the_job_s_bound_of_numerics_reports_only_the_ranks_notes_of_
     state = dataclasses.replace(state, numerics_reports=MAX_NUMERICS_RECORDS + SKIP_REPORTS_PER_NODE_STEP)
     await gateway.report_numerics(report(skip))  # its own bound reached too
     assert len(recorded) == 1
+
+
+# -- a node's report of a warning --------------------------------------------------------
+
+WARNED = JobWarned(node_id=_LIVE, incarnation=1, round=3, signal="SIGUSR1", source="slurm", warned_at=1.8e9,
+                   time_left_s=118, said="Slurm warned: time limit in ~118 s")
+
+
+def test_a_warning_crosses_the_wire_with_every_field_but_the_step_the_master_fills() -> None:
+    assert _unset_fields(WARNED) == ["committed_step"]
+    sent = AgentReport(incarnation=1, event=dataclasses.replace(WARNED, committed_step=7))
+    message = warned_to_proto(sent)
+    assert _unset_fields(message) == []
+    assert {f.name for f in dataclasses.fields(pb.WarnedReport)} == {
+        f.name for f in dataclasses.fields(JobWarned)} - {"committed_step"}
+    assert warned_from_proto(pb.WarnedReport().parse(bytes(message))) == AgentReport(incarnation=1, event=WARNED)
+
+
+async def test_each_node_s_report_of_a_warning_is_recorded_once_with_the_newest_committed_step() -> None:
+    recorded: list[Event] = []
+
+    async def submit(event: Event) -> Record:
+        recorded.append(event)
+        return Record(seq=len(recorded), at=0.0, event=event)
+
+    nodes = {n: NodeState(node_id=n, incarnation=1, phase=NodePhase.JOINED) for n in (_LIVE, "node-1")}
+    state = JobState(nodes=nodes, checkpoint_step=140)
+    gateway = AgentGateway(job="shapes", settings=Settings(), submit=submit, get_state=lambda: state,
+                           store_addr=lambda: ("127.0.0.1", 1))
+    token = new_token()
+    other = dataclasses.replace(WARNED, node_id="node-1", warned_at=WARNED.warned_at + 1.5, time_left_s=117)
+    async with RpcServer([AgentServicer(gateway)], token=token, token_file="/run/stead/shapes/token") as server, \
+            MasterClient(server.address, token, call_timeout_s=10) as client:
+        await client.report_warned(AgentReport(incarnation=1, event=WARNED))
+        await client.report_warned(AgentReport(incarnation=1, event=WARNED))  # a retry: the reply was lost
+        await client.report_warned(AgentReport(incarnation=1, event=other))
+        await client.report_warned(AgentReport(incarnation=1, event=dataclasses.replace(
+            other, warned_at=other.warned_at + 0.5)))  # the same node, the same warning, its clock read anew
+    assert recorded == [dataclasses.replace(WARNED, committed_step=140), dataclasses.replace(other, committed_step=140)]
+
+
+async def test_past_the_bound_of_warning_reports_a_master_records_no_more() -> None:
+    recorded: list[Event] = []
+
+    async def submit(event: Event) -> Record:
+        recorded.append(event)
+        return Record(seq=len(recorded), at=0.0, event=event)
+
+    state = JobState(nodes={_LIVE: NodeState(node_id=_LIVE, incarnation=1, phase=NodePhase.JOINED)})
+    gateway = AgentGateway(job="shapes", settings=Settings(), submit=submit, get_state=lambda: state,
+                           store_addr=lambda: ("127.0.0.1", 1))
+    for i in range(MAX_WARNED_RECORDS + 3):  # a warning every 100 s: each one anew
+        await gateway.report_warned(AgentReport(incarnation=1, event=dataclasses.replace(
+            WARNED, warned_at=WARNED.warned_at + 100 * i)))
+    assert len(recorded) == MAX_WARNED_RECORDS
+
+
+async def test_a_warning_report_that_could_not_be_recorded_is_recorded_by_its_retry() -> None:
+    recorded: list[Event] = []
+    failing = [True]
+
+    async def submit(event: Event) -> Record:
+        if failing.pop():
+            raise OSError("the store is down")
+        recorded.append(event)
+        return Record(seq=len(recorded), at=0.0, event=event)
+
+    state = JobState(nodes={_LIVE: NodeState(node_id=_LIVE, incarnation=1, phase=NodePhase.JOINED)})
+    gateway = AgentGateway(job="shapes", settings=Settings(), submit=submit, get_state=lambda: state,
+                           store_addr=lambda: ("127.0.0.1", 1))
+    with pytest.raises(OSError, match="the store is down"):
+        await gateway.report_warned(AgentReport(incarnation=1, event=WARNED))
+    failing.append(False)
+    await gateway.report_warned(AgentReport(incarnation=1, event=WARNED))
+    assert recorded == [WARNED]

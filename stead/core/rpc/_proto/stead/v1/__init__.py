@@ -29,6 +29,7 @@ __all__ = (
     "StepSamples",
     "StopNode",
     "StopWorkers",
+    "WarnedReport",
     "WorkerStack",
     "WorkersReport",
     "WorkersState",
@@ -595,6 +596,47 @@ default_message_pool.register_message("stead.v1", "StopWorkers", StopWorkers)
 
 
 @dataclass(eq=False, repr=False)
+class WarnedReport(betterproto2.Message):
+    """
+    A node's report of a warning that the job will be stopped soon; its agent persists the newest committed step.
+    """
+
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    incarnation: "int" = betterproto2.field(2, betterproto2.TYPE_INT32)
+
+    round: "int" = betterproto2.field(3, betterproto2.TYPE_INT32)
+
+    signal: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    The signal's name ("SIGUSR1").
+    """
+
+    source: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+    """
+    Who sent the warning: "slurm".
+    """
+
+    warned_at: "float" = betterproto2.field(6, betterproto2.TYPE_DOUBLE)
+    """
+    When the agent got the signal: its wall clock, seconds since the epoch.
+    """
+
+    time_left_s: "int | None" = betterproto2.field(7, betterproto2.TYPE_INT64, optional=True)
+    """
+    How long the source says the job has left; unset when it did not say.
+    """
+
+    said: "str" = betterproto2.field(8, betterproto2.TYPE_STRING)
+    """
+    The source's words, or what went wrong asking it (at most 300 characters).
+    """
+
+
+default_message_pool.register_message("stead.v1", "WarnedReport", WarnedReport)
+
+
+@dataclass(eq=False, repr=False)
 class WorkersReport(betterproto2.Message):
     node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -844,6 +886,27 @@ class AgentServiceStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         )
 
+    async def report_warned(
+        self,
+        message: "WarnedReport",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "Ack":
+        """
+        The node was warned that the job will be stopped soon (Slurm's --signal=USR1@SECONDS before a time limit).
+        """
+
+        return await self._unary_unary(
+            "/stead.v1.AgentService/ReportWarned",
+            message,
+            Ack,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
 
 class AgentServiceBase(betterproto2_grpclib.ServiceBase):
     async def register(self, message: "RegisterRequest") -> "RegisterReply":
@@ -920,6 +983,13 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
+    async def report_warned(self, message: "WarnedReport") -> "Ack":
+        """
+        The node was warned that the job will be stopped soon (Slurm's --signal=USR1@SECONDS before a time limit).
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_register(self, stream: "grpclib.server.Stream[RegisterRequest, RegisterReply]") -> None:
         request = await stream.recv_message()
         assert request is not None
@@ -985,6 +1055,12 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.report_numerics(request)
         await stream.send_message(response)
 
+    async def __rpc_report_warned(self, stream: "grpclib.server.Stream[WarnedReport, Ack]") -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.report_warned(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/stead.v1.AgentService/Register": grpclib.const.Handler(
@@ -1045,6 +1121,12 @@ class AgentServiceBase(betterproto2_grpclib.ServiceBase):
                 self.__rpc_report_numerics,
                 grpclib.const.Cardinality.UNARY_UNARY,
                 NumericsReport,
+                Ack,
+            ),
+            "/stead.v1.AgentService/ReportWarned": grpclib.const.Handler(
+                self.__rpc_report_warned,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                WarnedReport,
                 Ack,
             ),
         }
