@@ -242,18 +242,21 @@ async def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
     if args.command == "master":
         return await _master(args, settings)
     if args.command == "agent":
+        from stead.cli.slurm_signals import slurm_warning_source
         from stead.core.agent.main import clean_up_after, run_agent
 
+        warned_by = slurm_warning_source(os.environ)  # inside a Slurm job: its warning is reported to the master
         if args.spare:
             from stead.core.agent.spare import run_spare_agent
 
-            return await run_spare_agent(master=args.master, token_file=args.token_file, settings=settings)
+            return await run_spare_agent(master=args.master, token_file=args.token_file, settings=settings,
+                                         warning_source=warned_by)
         if not args.node_id:
             raise ConfigError("stead agent needs --node-id (the node the master requested), or --spare")
         if args.cleanup:
             return await clean_up_after(node_id=args.node_id, incarnation=args.incarnation)
         return await run_agent(master=args.master, token_file=args.token_file, node_id=args.node_id,
-                               incarnation=args.incarnation, settings=settings)
+                               incarnation=args.incarnation, settings=settings, warning_source=warned_by)
     if args.command == "events":
         return await _events(args, settings)
     if args.command == "top" or (args.command == "status" and args.follow):
@@ -411,6 +414,7 @@ async def _status(args: argparse.Namespace, settings: Settings) -> int:
     from stead.core.views.goodput import ledger
     from stead.core.views.numerics import numerics_lines
     from stead.core.views.top import published_lines
+    from stead.core.views.warnings import warning_lines
 
     store = await _open_existing(args, settings)
     try:
@@ -428,10 +432,11 @@ async def _status(args: argparse.Namespace, settings: Settings) -> int:
             about = {}
         print(json.dumps(status_json(args.job, fold_all(records), diagnoses=last_diagnoses(records),
                                      plugins=plugins, master=about if isinstance(about, dict) else {},
-                                     goodput=goodput, numerics=numerics_lines(records))))
+                                     goodput=goodput, numerics=numerics_lines(records),
+                                     warnings=warning_lines(records))))
         return 0
     print(format_status(args.job, fold_all(records), diagnoses=last_diagnoses(records), plugins=plugins,
-                        goodput=goodput, numerics=numerics_lines(records)))
+                        goodput=goodput, numerics=numerics_lines(records), warnings=warning_lines(records)))
     return 0
 
 

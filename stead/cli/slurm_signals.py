@@ -3,7 +3,9 @@
 Slurm's time limit, a preemption, an ``scancel`` and a node failure all arrive as SIGTERM; the job's master asks
 Slurm's controller which one it is (:mod:`stead.platforms.hosts.slurm_why`, bounded, never failing) and records it
 with the stop. The warning a job asks for with ``--signal=USR1@SECONDS`` reaches every host step's `stead run`,
-which logs how long Slurm says the job has left (``slurm_warned``) while its agent persists the newest checkpoint.
+which logs how long Slurm says the job has left (``slurm_warned``) while its agent persists the newest checkpoint
+and reports the warning to the job's master (:func:`slurm_warning_source`: the agent asks Slurm the same), which
+records it as a ``job.warned`` event per node (`stead status` shows it).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from collections.abc import AsyncIterator, Mapping
 
 import structlog
 
-__all__ = ["SLURM_JOB_ENV", "slurm_stop_cause", "slurm_warnings"]
+from stead.core.agent.warned import WarningSaid, WarningSource
+
+__all__ = ["SLURM_JOB_ENV", "slurm_stop_cause", "slurm_warning_source", "slurm_warnings"]
 
 log = structlog.get_logger("stead.slurm")
 
@@ -35,6 +39,23 @@ async def slurm_stop_cause(env: Mapping[str, str], signum: int) -> str | None:
     log.info("slurm_stop_cause", job_id=job_id, cause=cause, slurm_state=job.state if job else None,
              slurm_reason=job.reason if job else None)
     return cause
+
+
+def slurm_warning_source(env: Mapping[str, str]) -> WarningSource | None:
+    """Inside a Slurm job: Slurm, as the agent's source of the SIGUSR1 warning, asked how long the job has left
+    (``scontrol show job``, bounded, never failing); None outside one (the agent reports no warning)."""
+    job_id = env.get(SLURM_JOB_ENV, "").strip()
+    if not job_id:
+        return None
+
+    async def ask() -> WarningSaid:
+        from stead.platforms.hosts.slurm_why import ask_job, warning_text
+
+        job, trouble = await ask_job(job_id)
+        said = warning_text(job) + (f" ({trouble})" if trouble else "")
+        return WarningSaid(time_left_s=job.time_left_s if job else None, said=said)
+
+    return WarningSource(name="slurm", ask=ask)
 
 
 @contextlib.asynccontextmanager

@@ -46,12 +46,14 @@ from stead.core.agent.progress import (
 )
 from stead.core.agent.resources import WorkerResources
 from stead.core.agent.stacks import dump_stacks
+from stead.core.agent.warned import WarningSource, ask_source, warned_event
 from stead.core.agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 from stead.core.agent.zygote import Zygote
 from stead.core.agent.zygote_main import STARTUP_ENV
 from stead.core.config import Settings, settings_env
 from stead.core.errors import InvalidRequest, RetryableError, SteadError
 from stead.core.events import (
+    JobWarned,
     NodeHealthReported,
     NumericsReported,
     PeerCollective,
@@ -89,7 +91,7 @@ log = structlog.get_logger("stead.agent")
 
 #: an event an agent reports (see stead.core.rpc.backend)
 _Reported = TypeVar("_Reported", WorkerFailed, WorkersStarted, WorkersSucceeded, StacksDumped, NodeHealthReported,
-                    NumericsReported)
+                    NumericsReported, JobWarned)
 
 #: the agent's exit code when it gave up on a master gone for longer than master_gone_timeout_s
 EXIT_MASTER_GONE = 3
@@ -115,8 +117,11 @@ _APPLIED_IDS_KEPT = 64
 class Agent:
     def __init__(self, *, client: MasterClient, config: RunConfig, node_id: str, incarnation: int,
                  settings: Settings, token_file: str = "", extensions: Extensions | None = None,
-                 zygote: Zygote | None = None) -> None:
+                 zygote: Zygote | None = None, warning_source: WarningSource | None = None) -> None:
+        """``warning_source``: who sends the SIGUSR1 warning (Slurm, inside a Slurm job), asked what it announced
+        and reported to the master; None: a warning is persisted on, not reported."""
         self.client = client
+        self._warning_source = warning_source
         #: a zygote started before this agent knew its node (a spare's): used, not closed, by :meth:`run`
         self._warm = zygote
         self.token_file = token_file
@@ -215,9 +220,19 @@ class Agent:
         or a preemption notice): the extensions save what must survive (the newest checkpoint persisted) while the
         workers go on; the stop itself (SIGTERM) persists again what came since."""
         async for _ in signals:
+            warned_at = time.time()
             self._log.warning("agent_warned", reason="SIGUSR1", round=self.round,
                               action="persisting the newest checkpoint; the workers go on")
             await self.extensions.call("warned", reason="SIGUSR1 (a time limit's or preemption's warning)")
+            if self._warning_source is not None:
+                await self._report_warning(self._warning_source, warned_at)
+
+    async def _report_warning(self, source: WarningSource, warned_at: float) -> None:
+        """Tell the master what the warning ``source`` sent at ``warned_at`` announced (``job.warned``)."""
+        said = await ask_source(source, timeout_s=self.settings.rpc_timeout_s)
+        event = warned_event(source, said, node_id=self.node_id, incarnation=self.incarnation, round=self.round,
+                             signal="SIGUSR1", warned_at=warned_at)
+        await self._report(lambda: self.client.report_warned(self._reported(event)))
 
     async def _stop_on_sigterm(self, signals: AsyncIterator[int], scope: anyio.CancelScope) -> None:
         """SIGTERM takes the node away (its pod deleted, preempted or evicted; the local platform closing): the
@@ -660,8 +675,10 @@ def zygote_env(config: RunConfig) -> dict[str, str]:
 
 
 async def run_agent(*, master: str, token_file: str, node_id: str, incarnation: int, settings: Settings,
-                    config: RunConfig | None = None, zygote: Zygote | None = None) -> int:
-    """Run one node's agent until its job ends; ``zygote``: one already warm (a spare agent's)."""
+                    config: RunConfig | None = None, zygote: Zygote | None = None,
+                    warning_source: WarningSource | None = None) -> int:
+    """Run one node's agent until its job ends; ``zygote``: one already warm (a spare agent's);
+    ``warning_source``: who sends the SIGUSR1 warning (see :class:`Agent`)."""
     config = config or load_run_config()
     token = read_token_file(token_file)
     structlog.contextvars.bind_contextvars(node=node_id)
@@ -669,6 +686,7 @@ async def run_agent(*, master: str, token_file: str, node_id: str, incarnation: 
                             tls=client_tls(config.settings)) as client:
         agent = Agent(client=client, config=config, node_id=node_id, incarnation=incarnation,
                       settings=config.settings, token_file=token_file, zygote=zygote,
+                      warning_source=warning_source,
                       extensions=Extensions(load_extensions(config.settings, plugins=config.plugins,
                                                             disabled=config.disabled_plugins)))
         return await agent.run()

@@ -29,6 +29,7 @@ from stead.core.agent.main import (
     run_agent,
     zygote_env,
 )
+from stead.core.agent.warned import WarningSource
 from stead.core.agent.zygote import Zygote
 from stead.core.config import Settings
 from stead.core.errors import ConfigError
@@ -55,8 +56,10 @@ def parse_identity(line: str) -> tuple[str, int]:
     return node_id, incarnation
 
 
-async def run_spare_agent(*, master: str, token_file: str, settings: Settings) -> int:
-    """Start warm, wait for a node identity on stdin, then run as that node's agent (0 on EOF: not needed)."""
+async def run_spare_agent(*, master: str, token_file: str, settings: Settings,
+                          warning_source: WarningSource | None = None) -> int:
+    """Start warm, wait for a node identity on stdin, then run as that node's agent (0 on EOF: not needed);
+    ``warning_source``: who sends the SIGUSR1 warning (see :class:`~stead.core.agent.main.Agent`)."""
     config = load_run_config()
     read_token_file(token_file)  # a bad token file fails now, not when a node is waiting for this spare
     tls_files(config.settings)  # so do bad TLS settings
@@ -71,7 +74,7 @@ async def run_spare_agent(*, master: str, token_file: str, settings: Settings) -
         _take_identity(config.job_name, node_id, incarnation)
         log.info("spare_agent_assigned", node=node_id, incarnation=incarnation, zygote_ready=zygote.ready)
         return await run_agent(master=master, token_file=token_file, node_id=node_id, incarnation=incarnation,
-                               settings=settings, config=config, zygote=zygote)
+                               settings=settings, config=config, zygote=zygote, warning_source=warning_source)
 
 
 def _take_identity(job: str, node_id: str, incarnation: int) -> None:

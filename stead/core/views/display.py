@@ -87,7 +87,8 @@ def goodput_lines(ledger: Ledger) -> list[str]:
 
 def status_json(job: str, state: JobState, *, diagnoses: Mapping[str, str] | None = None,
                 plugins: Iterable[str] = (), master: Mapping[str, object] | None = None,
-                goodput: Ledger | None = None, numerics: Iterable[str] = ()) -> dict[str, object]:
+                goodput: Ledger | None = None, numerics: Iterable[str] = (),
+                warnings: Iterable[str] = ()) -> dict[str, object]:
     """What ``format_status`` shows, as one JSON object (``stead status --json``); the ledger's figures
     (``goodput`` 0..1, ``wall_s``, one ``<part>_s`` per part) at the top level."""
     spec = state.spec
@@ -105,6 +106,7 @@ def status_json(job: str, state: JobState, *, diagnoses: Mapping[str, str] | Non
                       "exit_code": s.exit_code,
                       "signal": s.signal, "last_failure": (diagnoses or {}).get(n)} for n, s in state.nodes.items()},
         "plugins": list(plugins), "skip_steps": sorted(state.skip_steps), "numerics": list(numerics),
+        "warnings": list(warnings),
         "master_pid": info.get("pid"), "master_host": info.get("host"), "master_address": info.get("address"),
         "master_started_at": info.get("started_at"), "master_metrics": info.get("metrics"),
         "error": state.message or None,
@@ -113,8 +115,10 @@ def status_json(job: str, state: JobState, *, diagnoses: Mapping[str, str] | Non
 
 
 def format_status(job: str, state: JobState, *, diagnoses: Mapping[str, str] | None = None,
-                  plugins: Iterable[str] = (), goodput: Ledger | None = None, numerics: Iterable[str] = ()) -> str:
-    """``numerics``: the lines of :func:`stead.core.views.numerics.numerics_lines` (steps skipped, loss spikes)."""
+                  plugins: Iterable[str] = (), goodput: Ledger | None = None, numerics: Iterable[str] = (),
+                  warnings: Iterable[str] = ()) -> str:
+    """``numerics``: the lines of :func:`stead.core.views.numerics.numerics_lines` (steps skipped, loss spikes);
+    ``warnings``: those of :func:`stead.core.views.warnings.warning_lines` (Slurm's warnings before a stop)."""
     spec = state.spec
     lines = [f"job        {job}", f"phase      {state.phase.value}" + (f"  ({state.reason})" if state.reason else "")]
     if spec is not None:
@@ -145,6 +149,7 @@ def format_status(job: str, state: JobState, *, diagnoses: Mapping[str, str] | N
         if diagnoses and node_id in diagnoses:
             lines.append(f"           last failure: {diagnoses[node_id]}")
     lines += [f"numerics   {line}" for line in numerics]
+    lines += [f"warned     {line}" for line in warnings]
     lines += [f"plugin     {line}" for line in plugins]
     if state.message:
         lines.append("error      " + state.message.strip().replace("\n", "\n           "))

@@ -34,6 +34,7 @@ from stead.core.events.log import BadRecord
 from stead.core.views.goodput import PARTS, Ledger, ledger, step_rates
 from stead.core.views.numerics import numerics_lines
 from stead.core.views.recovery import RecoveryOutcome, RecoveryPhase
+from stead.core.views.warnings import warning_lines
 
 __all__ = ["JOB_LANE", "Mark", "Span", "Timeline", "render_html", "timeline", "write_report"]
 
@@ -83,6 +84,8 @@ class Timeline:
     missing: tuple[str, ...]
     #: the numerical faults, a line each (steps skipped, loss spikes, restores bounded: :mod:`.numerics`)
     numerics: tuple[str, ...] = ()
+    #: the warnings that the job would be stopped soon (Slurm's), a line each (:mod:`.warnings`)
+    warnings: tuple[str, ...] = ()
 
 
 def _describe(record: Record) -> str:
@@ -155,7 +158,8 @@ def timeline(records: Iterable[Record | BadRecord], *, now: float | None = None)
         missing.append("no step rate: fewer than two step reports in one round")
     return Timeline(origin=origin, length=length, spans=tuple(spans), marks=tuple(marks), rates=tuple(rates),
                     ledger=book, ended=book.ended, missing=tuple(missing),
-                    numerics=tuple(numerics_lines(good, shown=None)))
+                    numerics=tuple(numerics_lines(good, shown=None)),
+                    warnings=tuple(warning_lines(good, shown=None)))
 
 
 def _label(phase: RecoveryPhase) -> str:
@@ -240,6 +244,8 @@ def render_html(job: str, tl: Timeline) -> str:
         + f"<th>total s</th></tr>{rows}</table>" if rows else "<p>No recoveries.</p>")
     numerics = ("<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in tl.numerics) + "</ul>"
                 if tl.numerics else "<p>No numerical faults.</p>")
+    warned = ("<h2>Warnings before a stop</h2><ul>" + "".join(f"<li>warned {html.escape(line)}</li>"
+                                                            for line in tl.warnings) + "</ul>" if tl.warnings else "")
     missing = ("<ul class='missing'>" + "".join(f"<li>{html.escape(m)}</li>" for m in tl.missing) + "</ul>"
                if tl.missing else "")
     timeline_div = pio.to_html(_timeline_figure(job, tl), full_html=False, include_plotlyjs=True,
@@ -260,6 +266,7 @@ goodput <b>{book.goodput:.1%}</b>; {len(book.recoveries)} recoveries; {book.usef
 {recoveries}
 <h2>Numerical faults</h2>
 {numerics}
+{warned}
 </body></html>
 """
 

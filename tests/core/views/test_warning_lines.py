@@ -1,0 +1,59 @@
+"""stead status's warned lines: when Slurm warned, the time it left, the nodes that heard it, the step persisted."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from stead.core.events import CheckpointPersisted, Event, JobWarned, Record, RoundStarted
+from stead.core.statemachine import JobState
+from stead.core.views.display import format_status, status_json
+from stead.core.views.warnings import SHOWN, warning_lines
+
+AT = 1.8e9
+WARNED = JobWarned(node_id="node-0", incarnation=1, round=1, signal="SIGUSR1", source="slurm", warned_at=AT,
+                   time_left_s=118, said="Slurm warned: time limit in ~118 s", committed_step=140)
+
+
+def _records(*events: Event) -> list[Record]:
+    return [Record(seq=i, at=AT, event=e) for i, e in enumerate(events, 1)]
+
+
+def _clock(at: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(at))
+
+
+def test_a_warning_heard_by_every_node_and_persisted_is_one_line() -> None:
+    records = _records(
+        RoundStarted(round=1, members=("node-0", "node-1", "node-2"), nproc_per_node=1),
+        CheckpointPersisted(step=140, path="/ckpt/140", world_size=3),  # before the warning: not its persist
+        WARNED, dataclasses.replace(WARNED, node_id="node-1", warned_at=AT + 1, time_left_s=117),
+        dataclasses.replace(WARNED, node_id="node-2"), dataclasses.replace(WARNED, node_id="node-2"),  # a retry
+        CheckpointPersisted(step=142, path="/ckpt/142", world_size=3))
+    assert warning_lines(records) == [
+        f"by Slurm at {_clock(AT)}: 118 s left (time limit at {_clock(AT + 118)}); warned on 3 of 3 nodes; "
+        "step 142 persisted"]
+
+
+def test_a_warning_says_what_is_not_known_and_what_did_not_happen() -> None:
+    records = _records(
+        RoundStarted(round=1, members=("node-0", "node-1"), nproc_per_node=1),
+        dataclasses.replace(WARNED, time_left_s=None, said="Slurm warned: time left unknown (no scontrol on PATH)"),
+        CheckpointPersisted(step=139, path="/ckpt/139", world_size=2),  # older than the step committed when warned
+        dataclasses.replace(WARNED, warned_at=AT + 600, committed_step=None))
+    assert warning_lines(records) == [
+        f"by Slurm at {_clock(AT)}: Slurm warned: time left unknown (no scontrol on PATH); warned on 1 of 2 nodes; "
+        "no persist of step 140 or later recorded",
+        f"by Slurm at {_clock(AT + 600)}: 118 s left (time limit at {_clock(AT + 718)}); warned on 1 of 2 nodes; "
+        "no step committed yet to persist"]
+
+
+def test_status_shows_the_newest_warnings_and_none_outside_slurm() -> None:
+    many = [dataclasses.replace(WARNED, warned_at=AT + 100 * i) for i in range(SHOWN + 2)]
+    lines = warning_lines(_records(*many))
+    assert len(lines) == SHOWN and lines[-1].startswith(f"by Slurm at {_clock(AT + 100 * (SHOWN + 1))}: ")
+    shown = format_status("j", JobState(), warnings=lines[-1:])
+    assert f"\nwarned     {lines[-1]}" in shown
+    assert status_json("j", JobState(), warnings=lines)["warnings"] == lines
+    assert warning_lines(_records(RoundStarted(round=1, members=("node-0",), nproc_per_node=1))) == []
+    assert "warned" not in format_status("j", JobState())
