@@ -18,6 +18,8 @@ from pathlib import Path
 import anyio
 import pytest
 
+from stead.core.events import decode_record
+from stead.core.views.warnings import warning_lines
 from tests.support.readme import readme_files
 from tests.support.slurm import slurm_cluster
 
@@ -53,9 +55,10 @@ async def test_the_readme_sbatch_script_trains_one_job_is_warned_cancelled_and_r
     """The README's batch script: no srun, no multi-node flag, the Slurm platform's job of three nodes, each a step of
     its own, served by the batch host. Slurm's warning before a time limit (``--signal=USR1@SECONDS``; here sent at
     once with ``scancel --signal=USR1``) reaches every process of the steps: the agents persist the newest committed
-    step and training goes on, nothing restarted, and each host step logs the time Slurm leaves the job (submitted
-    with a time limit of 10 minutes). ``scancel`` then stops the job with its newest step persisted, its master
-    recording why (Slurm's controller asked), and the script submitted again (the same job name) resumes from it.
+    step and training goes on, nothing restarted, each host step logs the time Slurm leaves the job (submitted
+    with a time limit of 10 minutes) and the master records each node's report of the warning (``job.warned``).
+    ``scancel`` then stops the job with its newest step persisted, its master recording why (Slurm's controller
+    asked), and the script submitted again (the same job name) resumes from it.
     (A crash's recovery across hosts is tests/e2e/test_hosts_jobs.py's.)"""
     (tmp_path / "train.sbatch").write_text(readme_files()["train.sbatch"])
     shutil.copy(TRAIN, tmp_path / "train.py")
@@ -74,7 +77,11 @@ async def test_the_readme_sbatch_script_trains_one_job_is_warned_cancelled_and_r
         out = tmp_path / f"slurm-{first}.out"
         await _until("every agent's warned persist", lambda: _async(len(_warned_persists(out)) == 3))
         warned = max(_warned_persists(out))
-        await _until("steps after the warning", lambda: stepped(warned + 5))
+
+        async def went_on_and_recorded() -> bool:  # (the nodes' reports come while the job steps on)
+            return await stepped(warned + 5) and len(await _recorded(tmp_path, "job.warned")) == 3
+
+        await _until("steps after the warning, every node's warning recorded", went_on_and_recorded)
         await cluster.scancel(first)
         assert await cluster.wait_job(first, timeout_s=60) == "CANCELLED"
         again = await cluster.sbatch(tmp_path / "train.sbatch", env=env, cwd=tmp_path)
@@ -97,6 +104,14 @@ async def test_the_readme_sbatch_script_trains_one_job_is_warned_cancelled_and_r
     assert "rank 0 done: 100 steps" in resumed, resumed[-4000:]
     assert "job train succeeded" in resumed, resumed[-4000:]
     assert {e["data"]["host"] for e in events if e["type"] == "node.started"} == {"h1", "h2", "h3"}
+    # the master recorded the warning, a report of each node, with the time Slurm left and the step committed then
+    reports = [e["data"] for e in events if e["type"] == "job.warned"]
+    assert sorted(r["node_id"] for r in reports) == ["node-0", "node-1", "node-2"], reports
+    assert all(r["source"] == "slurm" and r["signal"] == "SIGUSR1" and 0 < r["time_left_s"] <= 600
+               and r["committed_step"] is not None for r in reports), reports
+    [line] = warning_lines([decode_record(json.dumps(e).encode(), where="stead events") for e in events])
+    assert re.fullmatch(r"by Slurm at \S+: \d+ s left \(time limit at \S+\); warned on 3 of 3 nodes; "
+                        r"step \d+ persisted at \S+( as the job ended .*)?", line), line  # what stead status shows
     # one round each: the warning restarted nothing (the workers ignored it)
     assert [len(e["data"]["members"]) for e in events if e["type"] == "round.started"] == [3, 3]
 

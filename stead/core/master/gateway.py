@@ -274,8 +274,7 @@ class AgentGateway:
         event = dataclasses.replace(event, committed_step=self._state().checkpoint_step)
         self._warned.append(event)
         log.warning("job_warned", node=event.node_id, source=event.source, signal=event.signal,
-                    time_left_s=event.time_left_s, deadline=event.deadline, committed_step=event.committed_step,
-                    said=event.said)
+                    time_left_s=event.time_left_s, deadline=event.deadline, committed_step=event.committed_step)
         try:
             await self._submit(event)
         except BaseException:

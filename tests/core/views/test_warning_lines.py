@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from stead.core.events import CheckpointPersisted, Event, JobWarned, Record, RoundStarted
+from stead.core.events import CheckpointPersisted, Event, JobStopped, JobWarned, Record, RoundStarted
 from stead.core.statemachine import JobState
 from stead.core.views.display import format_status, status_json
 from stead.core.views.warnings import SHOWN, warning_lines
@@ -16,7 +16,8 @@ WARNED = JobWarned(node_id="node-0", incarnation=1, round=1, signal="SIGUSR1", s
 
 
 def _records(*events: Event) -> list[Record]:
-    return [Record(seq=i, at=AT, event=e) for i, e in enumerate(events, 1)]
+    """The events recorded a second apart from AT on."""
+    return [Record(seq=i, at=AT + i, event=e) for i, e in enumerate(events, 1)]
 
 
 def _clock(at: float) -> str:
@@ -32,7 +33,15 @@ def test_a_warning_heard_by_every_node_and_persisted_is_one_line() -> None:
         CheckpointPersisted(step=142, path="/ckpt/142", world_size=3))
     assert warning_lines(records) == [
         f"by Slurm at {_clock(AT)}: 118 s left (time limit at {_clock(AT + 118)}); warned on 3 of 3 nodes; "
-        "step 142 persisted"]
+        f"step 142 persisted at {_clock(AT + 7)}"]
+
+
+def test_a_step_persisted_only_as_the_job_ended_is_told_apart_from_the_warning_s_persist() -> None:
+    records = _records(WARNED, JobStopped(reason="stopped by SIGTERM: cancelled by scancel (CANCELLED)"),
+                       CheckpointPersisted(step=160, path="/ckpt/160", world_size=1))
+    assert warning_lines(records) == [
+        f"by Slurm at {_clock(AT)}: 118 s left (time limit at {_clock(AT + 118)}); warned on 1 node; "
+        f"step 160 persisted at {_clock(AT + 3)} as the job ended (no whole step persisted on the warning)"]
 
 
 def test_a_warning_says_what_is_not_known_and_what_did_not_happen() -> None:
