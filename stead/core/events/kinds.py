@@ -542,10 +542,12 @@ class CheckpointRestored(Event):
     #: ranks that restored a replica fetched from another host's memory (their own memory was lost with a host)
     peer_ranks: int = 0
     #: ranks that resharded the step from the old ranks' slots in memory (the world size changed), and how many
-    #: slots they read it from, summed over them: surviving ranks' own slots and peers' replicas
+    #: slots they read it from, summed over them: surviving ranks' own slots and peers' replicas on their nodes, and
+    #: slots read from other nodes' memory over their replica ports
     resharded_ranks: int = 0
     reshard_own_parts: int = 0
     reshard_peer_parts: int = 0
+    reshard_remote_parts: int = 0
     #: the newest step replicated everywhere ("R": every rank's copy in another host's memory) and the newest
     #: committed step when the workers restored (-1: none, or not said)
     replicated_step: int = -1

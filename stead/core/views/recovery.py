@@ -363,7 +363,8 @@ def restored_from(event: CheckpointRestored) -> str:
                                                     ("disk", event.disk_ranks)) if count]
     if event.resharded_ranks:
         tiers.insert(0, f"resharded from memory {event.resharded_ranks} (the old ranks' slots read: own memory "
-                        f"{event.reshard_own_parts}, peer replicas {event.reshard_peer_parts})")
+                        f"{event.reshard_own_parts}, peer replicas {event.reshard_peer_parts}, other nodes "
+                        f"{event.reshard_remote_parts})")
     said = f"step {event.step}: {', '.join(tiers)}" if tiers else f"step {event.step}"
     replicated = event.replicated_step
     if replicated < 0:

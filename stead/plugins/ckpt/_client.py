@@ -121,9 +121,12 @@ class CheckpointClient:
                          sources=_peers(reply.replica_sources), replication=_replicated(reply.replication))
 
     async def report_restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str,
-                              parts: tuple[int, int] = (0, 0)) -> None:
+                              parts: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """``parts``: for a reshard from memory, the old ranks' slots read from the node's own slots, from replicas it
+        holds, and from other nodes."""
         request = proto.ReportRestoredRequest(node_id=self.node_id, round=round_, world_size=world_size, rank=rank,
-                                              step=step, tier=tier, reshard_own=parts[0], reshard_peer=parts[1])
+                                              step=step, tier=tier, reshard_own=parts[0], reshard_peer=parts[1],
+                                              reshard_remote=parts[2])
         with self._conn.errors("CheckpointService.ReportRestored"):
             await self._stub.report_restored(request, timeout=self._conn.call_timeout_s)
 

@@ -4,8 +4,9 @@ The agent answers a worker's ``parts`` request with :func:`node_parts`: for each
 node holds (a local rank's own slot, a slot given a peer's replica, or a replica its replica port holds for another
 host), as the segment's name and the slot's description. The worker maps them (:func:`map_parts`), checks each
 layout document against its checksum and takes the checksums its agent (or the replica's arrival) computed, so the
-reshard (:mod:`._memreshard`) reads only the tensors it needs, each checked as it is read. A part on another node is
-not read from here: when this node lacks one, its ranks say so and every rank reshards from disk.
+reshard (:mod:`._memreshard`) reads only the tensors it needs, each checked as it is read. A part this node lacks is
+read from another node of the round that holds it, over its replica port (:mod:`._remoteparts`): the agent's answer
+says how to reach the ports (:func:`peer_access`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from stead.plugins.ckpt.errors import CheckpointError
 if TYPE_CHECKING:  # (the agent imports this module, and torch only when a job's worker needs it)
     from stead.plugins.ckpt._mapped import MappedSlot
     from stead.plugins.ckpt._memreshard import SlotPart
+    from stead.plugins.ckpt._remoteparts import PeerAccess
 
-__all__ = ["MappedParts", "is_sharded", "map_parts", "node_parts"]
+__all__ = ["MappedParts", "is_sharded", "map_parts", "node_parts", "peer_access"]
 
 #: a part in a local rank's own slot (a surviving rank's memory), or a peer host's replica
 OWN, PEER = "own", "peer"
@@ -79,6 +81,8 @@ class MappedParts:
     own: int
     peer: int
     _maps: list[MappedSlot]
+    #: how to reach other nodes' replica ports for the slots this node lacks (None: not said)
+    access: PeerAccess | None = None
 
     def close(self) -> None:
         for mapped in self._maps:
@@ -86,16 +90,41 @@ class MappedParts:
         self._maps.clear()
 
 
-def map_parts(entries: Any, *, step: int, round_: int, prefix: str) -> MappedParts:
+def peer_access(value: Any) -> PeerAccess | None:
+    """How the agent said its workers reach other nodes' replica ports (its ``parts`` answer's ``port``): its own
+    port's address, the job's token and name, the TLS files when the job has certificates; None when not said."""
+    from stead.plugin import Settings, client_tls
+    from stead.plugins.ckpt._remoteparts import PeerAccess
+
+    if value is None:
+        return None
+    try:
+        tls = {str(k): str(v) for k, v in dict(value.get("tls") or {}).items()}
+        access = PeerAccess(address=str(value["address"]), token=str(value["token"]), job=str(value["job"]),
+                            tls=None, timeout_s=float(value["timeout_s"]))
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"the agent described its replica port badly ({exc}); run the workers and the agent "
+                              "with the same stead") from exc
+    if not tls:
+        return access
+    try:
+        return dataclasses.replace(access, tls=client_tls(Settings.from_mapping(tls)))
+    except Exception as exc:  # (a file this worker cannot read: ConfigError) every rank must reach the agreement
+        raise CheckpointError(f"the job's TLS files cannot be used to reach other nodes' replica ports ({exc})") \
+            from exc
+
+
+def map_parts(entries: Any, *, step: int, round_: int, prefix: str, access: PeerAccess | None = None) -> MappedParts:
     """Map the parts the agent named (``prefix``: what its segments' names start with) and check their layout
-    documents; CheckpointError says what is wrong with one (the ranks then reshard from disk)."""
+    documents; CheckpointError says what is wrong with one (the ranks then reshard from disk). ``access``: how to
+    reach other nodes' replica ports for the parts this node lacks."""
     from stead.plugins.ckpt._mapped import MappedSlot
     from stead.plugins.ckpt._memreshard import slot_part
 
     if not isinstance(entries, list):
         raise CheckpointError(f"the agent's list of parts is a {type(entries).__name__}; run the workers and the "
                               "agent with the same stead")
-    mapped = MappedParts(parts=[], own=0, peer=0, _maps=[])
+    mapped = MappedParts(parts=[], own=0, peer=0, _maps=[], access=access)
     try:
         for entry in entries:
             try:

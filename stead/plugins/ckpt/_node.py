@@ -40,6 +40,7 @@ from stead.plugins.ckpt._link import SOCKET_ENV
 from stead.plugins.ckpt._memparts import node_parts
 from stead.plugins.ckpt._peers import PeerReplicas
 from stead.plugins.ckpt._rankmem import PersistJob, RankMemory
+from stead.plugins.ckpt._replicas import OwnSlot, ReplicaMeta
 from stead.plugins.ckpt._shm import (
     Control,
     SegmentNames,
@@ -113,7 +114,8 @@ class NodeCheckpoints:
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._conn.open()
         try:
-            await self.peers.start(lambda: self._dirty.set())  # a replica taken is reported with the next report
+            # (a replica taken is reported with the next report)
+            await self.peers.start(lambda: self._dirty.set(), own=self._own_slot)
             async with await anyio.create_unix_listener(self.socket_path) as listener, \
                     anyio.create_task_group() as tg:
                 self._tg = tg
@@ -210,8 +212,8 @@ class NodeCheckpoints:
             if all(s.world != info.world_size for s in sources):
                 log.info("ckpt_replica_of_another_world", rank=rank, step=self.hint[0], saved_world=sources[0].world,
                          world=info.world_size,
-                         effect="the step is resharded: from memory where every rank's node holds every old rank's "
-                                "slot, else from disk")
+                         effect="the step is resharded: from memory where every old rank's slot is on a node of the "
+                                "round (read over its replica port when not on this one), else from disk")
                 every = False
                 continue
             state = self._state(local_rank)
@@ -282,6 +284,18 @@ class NodeCheckpoints:
         parts = self._parts(*self.hint)
         worlds = {int(p["meta"]["world"]) for p in parts}
         return len(worlds) == 1 and len(parts) == min(worlds) != info.world_size and all(p["sharded"] for p in parts)
+
+    def _own_slot(self, rank: int, step: int, round_: int) -> OwnSlot | None:
+        """The slot of a local rank holding old rank ``rank``'s ``step`` (of ``round_``), its checksums computed and
+        not found corrupt: what the replica port serves to a reshard on another node (called in its threads)."""
+        for state in list(self._ranks.values()):
+            slot = state.slot_holding(step, round_)
+            if slot is None or slot.rank != rank or slot.checks_seq != slot.seq or (
+                    slot.verify_seq == slot.seq and slot.verify_state is VerifyState.CORRUPT):
+                continue
+            return OwnSlot(meta=ReplicaMeta.of_slot(slot), view=state.mapping(slot, self.names),
+                           unchanged=functools.partial(_unchanged, state.control, slot.index, slot.seq))
+        return None
 
     def _parts(self, step: int, round_: int) -> list[dict[str, Any]]:
         return node_parts(self._ranks.values(), self.names, self.peers.copies(step, round_), self.peers.fetched,
@@ -366,12 +380,13 @@ class NodeCheckpoints:
                 self._dirty.set()
             case "restored":
                 self._spawn(self._report_restored, state, int(message["step"]), str(message["tier"]),
-                            (int(message.get("own", 0)), int(message.get("peer", 0))))
+                            (int(message.get("own", 0)), int(message.get("peer", 0)), int(message.get("remote", 0))))
             case "corrupt":
                 self._spawn(self._report_corrupt, state, int(message["step"]), str(message["tier"]),
                             str(message.get("detail", "")))
             case "parts":
-                return state, {"ok": True, "parts": self._parts(int(message["step"]), int(message["round"]))}
+                return state, {"ok": True, "parts": self._parts(int(message["step"]), int(message["round"])),
+                               "port": self.peers.access()}
             case "persisted":
                 step = int(message["step"])
                 with anyio.move_on_after(max(0.0, float(message.get("wait_s", 0.0)))):
@@ -797,9 +812,9 @@ class NodeCheckpoints:
         except SteadError as exc:
             log.warning("ckpt_report_failed", what="disk", step=step, error=str(exc))
 
-    async def _report_restored(self, state: RankMemory, step: int, tier: str, parts: tuple[int, int]) -> None:
+    async def _report_restored(self, state: RankMemory, step: int, tier: str, parts: tuple[int, int, int]) -> None:
         """Tell the master where the rank restored ``step`` from (``parts``: for a reshard from memory, how many of
-        the old ranks' slots were own slots and peers' replicas)."""
+        the old ranks' slots were own slots, peers' replicas held here, and slots read from other nodes)."""
         if tier == "memory" and step in self.peers.fetched.get(state.local_rank, ()):
             tier = "peer"  # its slot was given the step from another host's replica
         try:
@@ -815,6 +830,11 @@ class NodeCheckpoints:
                 detail=detail))
         except SteadError as exc:
             log.warning("ckpt_report_failed", what="corrupt", error=str(exc))
+
+
+def _unchanged(control: Control, index: int, seq: int) -> bool:
+    """Whether slot ``index`` still holds what it held at ``seq`` (no save went into it since)."""
+    return control.slot(index).seq == seq
 
 
 def _seconds(value: object) -> float | None:

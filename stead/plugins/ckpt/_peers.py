@@ -24,6 +24,7 @@ import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import anyio
 import anyio.from_thread
@@ -41,7 +42,16 @@ from stead.plugin import (
 )
 from stead.plugins.ckpt._client import PeerCopy, Replicated
 from stead.plugins.ckpt._rankmem import RankMemory
-from stead.plugins.ckpt._replicas import Held, ReplicaError, ReplicaMeta, ReplicaServer, fetch, push, wire_order
+from stead.plugins.ckpt._replicas import (
+    Held,
+    OwnSlots,
+    ReplicaError,
+    ReplicaMeta,
+    ReplicaServer,
+    fetch,
+    push,
+    wire_order,
+)
 from stead.plugins.ckpt._shm import (
     SegmentNames,
     SlotInfo,
@@ -89,8 +99,9 @@ class PeerReplicas:
         #: local rank -> the buffer its slot is copied into before it is sent
         self._buffers: dict[int, bytearray] = {}
 
-    async def start(self, changed: Callable[[], None]) -> None:
-        """Open the replica port on the address that reaches the master (``changed``: a replica was taken)."""
+    async def start(self, changed: Callable[[], None], own: OwnSlots | None = None) -> None:
+        """Open the replica port on the address that reaches the master (``changed``: a replica was taken; ``own``:
+        the node's own slots, served to reshards on other nodes)."""
         if not self.enabled:
             return
         files = tls_files(self.settings)
@@ -105,9 +116,18 @@ class PeerReplicas:
             anyio.from_thread.run_sync(changed, token=loop)
 
         self._server = ReplicaServer(names=self.names, token=self.token, job=self.job, tls=server_tls,
-                                     max_bytes=self.ckpt.replica_max_bytes, timeout_s=self._timeout_s, changed=taken)
+                                     max_bytes=self.ckpt.replica_max_bytes, timeout_s=self._timeout_s, changed=taken,
+                                     own=own)
         self.address = await anyio.to_thread.run_sync(self._server.start, bind)
         log.debug("ckpt_replica_port", address=self.address, host=self.host)
+
+    def access(self) -> dict[str, Any]:
+        """What this node's workers need to read other nodes' slots over their replica ports (:mod:`._remoteparts`),
+        sent to them over the agent's local socket: this port's address, the job's token and name, the TLS files."""
+        tls = {name: str(getattr(self.settings, name)) for name in ("tls_ca_file", "tls_cert_file", "tls_key_file")
+               if getattr(self.settings, name)}
+        return {"address": self.address, "token": self.token, "job": self.job, "tls": tls or None,
+                "timeout_s": self._timeout_s}
 
     @property
     def _timeout_s(self) -> float:

@@ -13,9 +13,9 @@ ranks agree on the newest step that every rank can take, each from the best tier
    the same state as every copy the other ranks restore; or, for a sharded state saved by
    another world size, the step resharded (:func:`._fromdisk.stage_resharded`).
 
-Before the tiers, when the world size changed and every rank's node holds a copy of every old rank's slot of the
-committed step (own slots, peers' replicas), the step is resharded from those (:meth:`Restore.reshard_from_memory`)
-and no file is read.
+Before the tiers, when the world size changed and every old rank's slot of the committed step is in the memory of
+a node of the round (own slots, peers' replicas; read over another node's replica port when this rank's node lacks
+it), the step is resharded from those (:meth:`Restore.reshard_from_memory`) and no file is read.
 
 So a node that replaces a lost one restores the step its surviving peers restore from memory.
 Every byte is verified before it reaches the caller's tensors (a copy on disk is checked whole,
@@ -34,7 +34,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 import torch
@@ -47,13 +47,14 @@ from stead.plugins.ckpt._group import Group
 from stead.plugins.ckpt._layout import LayoutDoc, parse_document
 from stead.plugins.ckpt._mapped import MappedSlot
 from stead.plugins.ckpt._memparts import MappedParts, is_sharded
-from stead.plugins.ckpt._memreshard import stage_from_memory
+from stead.plugins.ckpt._memreshard import SlotPart, stage_from_memory
+from stead.plugins.ckpt._remoteparts import RemoteSlot, locate
 from stead.plugins.ckpt._restore import Template, as_dict, check_template, destination
 from stead.plugins.ckpt._shm import Control, SlotInfo, VerifyState
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
 from stead.plugins.ckpt.settings import CheckpointSettings
 
-__all__ = ["Copy", "Restore"]
+__all__ = ["Copy", "Resharded", "Restore"]
 
 log = structlog.get_logger("stead.ckpt")
 
@@ -65,6 +66,16 @@ _NONE = 1 << 62
 _NO_BOUND = 1 << 62
 
 Restored = tuple[int, dict[Any, Any]]
+
+
+class Resharded(NamedTuple):
+    """A step resharded from memory, and how many of the old ranks' slots read were this node's own slots, its
+    peers' replicas it holds, and slots read from other nodes of the round."""
+
+    restored: Restored
+    own: int
+    peer: int
+    other_nodes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,16 +488,19 @@ class Restore:
                                tier="disk")
 
     def reshard_from_memory(self, given: Template, hint: tuple[int, int],
-                            parts_of: Callable[[int, int], MappedParts | None]) -> tuple[Restored, int, int] | None:
-        """The committed step ``hint`` resharded into this world from the old ranks' slots in memory, when every
-        rank's node holds a copy of every old rank's slot of it (``parts_of``: this node's, mapped; None without an
-        agent) and the step, a sharded state, was saved by another world size: the step and state, and how many of
-        the parts this rank's node held were own slots and peers' replicas. None on every rank otherwise, or when a
-        part fails its checks (reported): the ranks then take the step from the other tiers (disk), as before.
+                            parts_of: Callable[[int, int], MappedParts | None]) -> Resharded | None:
+        """The committed step ``hint`` resharded into this world from the old ranks' slots in memory, when the step,
+        a sharded state, was saved by another world size and every old rank's slot of it is held by this rank's
+        node (``parts_of``: its copies, mapped; None without an agent) or by another node of this round, read over
+        its replica port (:mod:`._remoteparts`): the step and state, and how many of the slots read were this
+        node's own slots, its peers' replicas and other nodes' slots. None on every rank otherwise, or when a part
+        cannot be read or fails its checks (reported): the ranks then take the step from the other tiers (disk),
+        as before.
 
         ``hint`` is the same on every rank (the newest commit any rank's agent heard of)."""
         step, round_ = hint
         mapped: MappedParts | None = None
+        remote: list[RemoteSlot] = []
         try:
             if step >= 0 and not self.excluded(step, round_):
                 try:
@@ -499,22 +513,71 @@ class Restore:
             # shown to be the same (as before): only a sharded one is resharded
             sharded = mapped is not None and any(is_sharded(p) for p in mapped.parts[:1])
             here = mapped is not None and sharded and saved != self.world and len(mapped.parts) == saved
-            if not self.group.agree(here) or mapped is None:
-                if here or (sharded and saved != self.world):
-                    log.info("ckpt_reshard_not_from_memory", step=step, rank=self.rank, saved_world=saved,
-                             held=len(mapped.parts) if mapped is not None else 0,
-                             reason="some old rank's slot of the step is on no rank's node (or on another node)",
-                             effect="the step is resharded from disk")
-                return None
-            parts = mapped.parts
-            log.info("ckpt_resharding", step=step, saved_world=saved, world=self.world, rank=self.rank,
-                     tier="memory", own=mapped.own, peer=mapped.peer)
+            if self.group.agree(here) and mapped is not None:
+                parts = mapped.parts
+            else:
+                found = self._with_other_nodes(mapped, step, round_, remote)
+                if found is None:
+                    if here or (sharded and saved != self.world):
+                        log.info("ckpt_reshard_not_from_memory", step=step, rank=self.rank, saved_world=saved,
+                                 held=len(mapped.parts) if mapped is not None else 0,
+                                 reason="some old rank's slot of the step is on no node of this round, or could "
+                                        "not be read from the node holding it",
+                                 effect="the step is resharded from disk")
+                    return None
+                parts = found
+            assert mapped is not None
+            log.info("ckpt_resharding", step=step, saved_world=parts[0].doc.world, world=self.world, rank=self.rank,
+                     tier="memory", own=mapped.own, peer=mapped.peer, other_nodes=len(remote))
             state = self._resharded(step, lambda: stage_from_memory(parts, given, rank=self.rank, world=self.world),
                                     tier="memory")
-            return None if state is None else ((step, state), mapped.own, mapped.peer)
+            if remote:
+                log.debug("ckpt_reshard_remote_reads", step=step, rank=self.rank,
+                          bytes=sum(r.read_bytes for r in remote))
+            return None if state is None else Resharded((step, state), mapped.own, mapped.peer, len(remote))
         finally:
+            for slot in remote:
+                slot.close()
             if mapped is not None:
                 mapped.close()
+
+    def _with_other_nodes(self, mapped: MappedParts | None, step: int, round_: int,
+                          remote: list[RemoteSlot]) -> list[SlotPart] | None:
+        """Every old rank's slot of ``step``: this node's (``mapped``), and each it lacks read from a node of this
+        round that holds it (opened into ``remote``, head checked); None on every rank when the step was not saved
+        by another world size as a sharded state, or some rank lacks a slot no node holds or cannot read it. Every
+        rank calls it, once not every rank's node holds every slot."""
+        parts = mapped.parts if mapped is not None else []
+        worlds = {p.doc.world for p in parts}
+        bad = mapped is None or len(worlds) > 1 or not all(is_sharded(p) for p in parts)
+        saved = next(iter(worlds)) if len(worlds) == 1 else _NONE
+        lowest, negated_highest, fine = self.group.min([saved, -saved if saved != _NONE else _NONE, 0 if bad else 1])
+        if not fine or lowest == _NONE or lowest != -negated_highest or lowest == self.world:
+            return None  # a state to reshard from disk, or one the ranks restore as before
+        assert mapped is not None
+        access = mapped.access
+        try:
+            where = locate(self.group, [p.rank for p in parts], lowest, rank=self.rank,
+                           address=access.address if access is not None else "")
+        except CheckpointError as exc:
+            log.info("ckpt_reshard_not_from_memory", step=step, rank=self.rank, reason=str(exc))
+            return None
+        if where is None:
+            return None
+        failure = ""
+        found = list(parts)
+        for old, address in sorted(where.items()):
+            try:
+                if access is None:
+                    raise CheckpointError("the agent gave no way to reach other nodes' replica ports")
+                remote.append(RemoteSlot(address, access, rank=old, step=step, round_=round_))
+                found.append(remote[-1].part())
+            except Exception as exc:  # whatever stopped it, every rank must reach the agreement below
+                failure = str(exc) if isinstance(exc, (CheckpointError, OSError)) else repr(exc)
+                break
+        if failure:
+            self.report_corrupt(step, "memory", failure)
+        return found if self.group.agree(not failure) else None
 
     def _resharded(self, step: int, stage: Callable[[], _fromdisk.Staged], *, tier: str) -> dict[Any, Any] | None:
         """``step`` resharded into this world, on every rank at once: every chunk a rank restores read and checked

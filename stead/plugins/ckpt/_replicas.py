@@ -22,6 +22,15 @@ Then one request, a JSON line:
 - ``{"op": "get", "rank": R, "step": S, "round": r}``: the holder answers ``{"ok": true, "meta": {...}}`` and the
   bytes (in :func:`wire_order` too), or ``{"ok": false, "error": ...}``; the fetcher checks them the same way as
   they arrive, and uses them only once every check passed.
+- ``{"op": "head", "rank": R, "step": S, "round": r}`` and ``{"op": "read", ..., "ranges": [[offset, length],
+  ...]}``, any number of them on one connection (up to ``_MAX_REQUESTS``): parts of a slot for a reshard from
+  memory on another node (:mod:`._remoteparts`), from a replica held here (read under the lock that guards its
+  replacement) or from one of this node's own slots (its sequence number read again after the bytes went). A head
+  is answered ``{"ok": true, "meta": {...}}``, the slot's checksums and layout document (its bytes from
+  ``checks_off`` on), then ``{"intact": bool}``; a read ``{"ok": true, "bytes": n}``, the ranges' bytes one after
+  the other, then ``{"intact": bool}``. A read of more than ``_MAX_RANGES`` ranges or ``_MAX_READ_BYTES`` bytes, or
+  of bytes outside the slot's tensor data, is refused with the reason (``{"ok": false, "error": ...}``): the
+  reader checks every tensor against the checksums of the head it checked, and uses nothing unchecked.
 """
 
 from __future__ import annotations
@@ -54,7 +63,8 @@ from stead.plugins.ckpt._shm import (
 )
 from stead.plugins.ckpt.errors import CheckpointError
 
-__all__ = ["Held", "ReplicaError", "ReplicaMeta", "ReplicaServer", "fetch", "push", "wire_order"]
+__all__ = ["Held", "OwnSlot", "ReplicaError", "ReplicaMeta", "ReplicaServer", "check_layout", "connect", "fetch",
+           "push", "wire_order"]
 
 log = structlog.get_logger("stead.plugins.ckpt")
 
@@ -71,12 +81,21 @@ _MAX_LAYOUT_BYTES = 256 << 20
 _CHUNK = 8 << 20
 #: the bytes received before the thread that checks the tensors is told (fewer, shorter wake-ups; still in cache)
 _HASH_STEP = 2 << 20
+#: the ranges one read may ask for, the bytes it may ask for, and the requests one connection may make: a peer asks
+#: for one tensor at a time (DCP's chunks), so these only stop a request that would make the holder send without end
+_MAX_RANGES = 1024
+_MAX_READ_BYTES = 4 << 30
+_MAX_REQUESTS = 1 << 20
 #: connections a replica port serves at once (each node sends one at a time; a flood of strangers is cut here)
 _MAX_CONNECTIONS = 64
 
 
 class ReplicaError(CheckpointError):
     """A replica could not be sent, fetched or taken (the message says what and why)."""
+
+
+class _Closed(ReplicaError):
+    """The peer closed the connection between two requests (a reader done with its reads)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +153,13 @@ def wire_order(meta: ReplicaMeta) -> list[tuple[int, int]]:
                                               for start in range(0, meta.checks_off, _CHUNK))]
 
 
-def _check_layout(view: memoryview, meta: ReplicaMeta, *, capacity: int, where: str) -> list[tuple[int, int]]:
-    """A replica's layout document (arrived) checked against its checksum and its description: each tensor's
-    (offset, size), every one inside the replica's data; ReplicaError naming what failed."""
+def check_layout(layout: bytes | memoryview, meta: ReplicaMeta, *, capacity: int, where: str
+                 ) -> list[tuple[int, int]]:
+    """A replica's layout document (arrived: ``layout``, its bytes) checked against its checksum and its
+    description: each tensor's (offset, size), every one inside the replica's data; ReplicaError naming what
+    failed."""
     try:
-        doc = parse_document(bytes(view[meta.layout_off:meta.nbytes]), expected_sum=meta.layout_sum, where=where)
+        doc = parse_document(bytes(layout), expected_sum=meta.layout_sum, where=where)
         doc.check_fits(capacity, where=where)
     except CheckpointError as exc:
         raise ReplicaError(str(exc)) from None
@@ -230,7 +251,7 @@ class _Conn:
                 raise ReplicaError("a peer sent a line longer than any of the replica protocol's")
             chunk = self.sock.recv(_MAX_LINE)
             if not chunk:
-                raise ReplicaError("the peer closed the connection")
+                raise (_Closed if not self._buf else ReplicaError)("the peer closed the connection")
             self._buf += chunk
 
     def json(self) -> dict[str, Any]:
@@ -276,7 +297,7 @@ def _receive(conn: _Conn, view: memoryview, meta: ReplicaMeta, *, capacity: int,
     passed. ReplicaError when the peer stops sending."""
     conn.read_into(view[meta.checks_off:meta.nbytes])
     try:
-        regions = _check_layout(view, meta, capacity=capacity, where=where)
+        regions = check_layout(view[meta.layout_off:meta.nbytes], meta, capacity=capacity, where=where)
     except ReplicaError as exc:
         conn.read_into(view[:meta.checks_off])  # read all the same: the sender hears why, not a reset connection
         return exc
@@ -300,7 +321,7 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _connect(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, timeout_s: float) -> _Conn:
+def connect(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, timeout_s: float) -> _Conn:
     host, port = _split(address)
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -344,7 +365,7 @@ def push(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, meta
     :func:`wire_order`; ``ready(n)`` (if given) returns once the first ``n`` bytes in that order are in ``source``
     (a copy being made as they are sent) and raises ReplicaError to stop before they are sent. ``intact()``, asked
     once every byte is sent, says whether they are the slot as it was saved (False: the holder drops them)."""
-    conn = _connect(address, token=token, job=job, tls=tls, timeout_s=timeout_s)
+    conn = connect(address, token=token, job=job, tls=tls, timeout_s=timeout_s)
     try:
         conn.send_line({"op": "put", "meta": meta.to_json()})
         answer = conn.json()
@@ -372,7 +393,7 @@ def fetch(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, ran
     """Fetch the replica of ``rank``'s ``step`` (of ``round_``) from ``address`` into the memory ``into(meta)``
     gives, its layout and each tensor checked as they arrive; ReplicaError when it is not there, does not arrive
     whole or fails its checks (the memory then holds no replica to use)."""
-    conn = _connect(address, token=token, job=job, tls=tls, timeout_s=timeout_s)
+    conn = connect(address, token=token, job=job, tls=tls, timeout_s=timeout_s)
     try:
         conn.send_line({"op": "get", "rank": rank, "step": step, "round": round_})
         answer = conn.json()
@@ -411,13 +432,29 @@ class Held:
     view: mmap.mmap
 
 
+@dataclasses.dataclass(frozen=True)
+class OwnSlot:
+    """One of this node's own slots, served to a reshard on another node: its description, its memory, and whether
+    it still holds what it held when it was found (a save into it meanwhile: what was sent is not to be used)."""
+
+    meta: ReplicaMeta
+    view: mmap.mmap
+    unchanged: Callable[[], bool]
+
+
+#: (rank, step, round) -> the node's own slot holding that rank's step (None: none)
+OwnSlots = Callable[[int, int, int], "OwnSlot | None"]
+
+
 class ReplicaServer:
-    """The replica port of one agent: takes replicas of other nodes' ranks and serves them back (threads)."""
+    """The replica port of one agent: takes replicas of other nodes' ranks and serves them back (threads), and
+    serves parts of them and of the node's own slots (``own``) to reshards on other nodes."""
 
     def __init__(self, *, names: SegmentNames, token: str, job: str, tls: ssl.SSLContext | None, max_bytes: int,
-                 timeout_s: float, changed: Callable[[], None]) -> None:
+                 timeout_s: float, changed: Callable[[], None], own: OwnSlots | None = None) -> None:
         self.names, self.token, self.job, self.tls = names, token, job, tls
         self.max_bytes, self.timeout_s, self.changed = max_bytes, timeout_s, changed
+        self.own = own
         self.held: dict[int, Held] = {}
         #: rank -> the replicated step's copy, kept beside a newer one in ``held`` until a newer step is replicated
         self.kept: dict[int, Held] = {}
@@ -535,6 +572,8 @@ class ReplicaServer:
                 self._put(conn, request)
             elif request.get("op") == "get":
                 self._get(conn, request)
+            elif request.get("op") in ("head", "read"):
+                self._reads(conn, request)
             else:
                 conn.send_line({"ok": False, "error": f"unknown request {request.get('op')!r}; run every node with "
                                                       "the same stead"})
@@ -662,6 +701,90 @@ class ReplicaServer:
                     conn.sock.sendall(memory[start:end])
             finally:
                 memory.release()
+
+    # -- parts of a slot, for a reshard on another node -------------------------------------------------------
+
+    def _reads(self, conn: _Conn, request: dict[str, Any]) -> None:
+        """Answer ``head`` and ``read`` requests until the reader hangs up (or asks for something else)."""
+        for _ in range(_MAX_REQUESTS):
+            if request.get("op") not in ("head", "read"):
+                conn.send_line({"ok": False, "error": f"{request.get('op')!r} after a read: one put or get per "
+                                                      "connection; run every node with the same stead"})
+                return
+            self._read(conn, request)
+            try:
+                request = conn.json()
+            except _Closed:
+                return
+        conn.send_line({"ok": False, "error": f"more than {_MAX_REQUESTS} reads on one connection; open another"})
+
+    def _read(self, conn: _Conn, request: dict[str, Any]) -> None:
+        named = [request.get(k) for k in ("rank", "step", "round")]
+        rank, step, round_ = (v if isinstance(v, int) and not isinstance(v, bool) else -1 for v in named)
+        if min(rank, step, round_) < 0:
+            conn.send_line({"ok": False, "error": "a read names no valid rank, step and round"})
+            return
+        ranges = _ranges(request.get("ranges")) if request["op"] == "read" else []
+        if isinstance(ranges, str):
+            conn.send_line({"ok": False, "error": ranges})
+            return
+        with self._lock:  # a held replica is not replaced (nor its segment reused) while its bytes are sent
+            held = next((h for h in (self.held.get(rank), self.kept.get(rank))
+                         if h is not None and (h.meta.step, h.meta.round) == (step, round_)), None)
+            if held is not None:
+                self._send_parts(conn, held.meta, held.view, ranges, lambda: True)
+                return
+        own = self.own(rank, step, round_) if self.own is not None else None
+        if own is None:
+            conn.send_line({"ok": False, "error": f"this node holds no slot of rank {rank} step {step} round "
+                                                  f"{round_} (it was saved over, or the node restarted)"})
+            return
+        self._send_parts(conn, own.meta, own.view, ranges, own.unchanged)
+
+    @staticmethod
+    def _send_parts(conn: _Conn, meta: ReplicaMeta, view: mmap.mmap, ranges: list[tuple[int, int]] | None,
+                    unchanged: Callable[[], bool]) -> None:
+        """A head (``ranges`` empty: the checksums and layout document) or the bytes of ``ranges``, each inside the
+        slot's tensor data, then whether the slot was left unchanged meanwhile."""
+        if ranges:
+            outside = next(((o, n) for o, n in ranges if o + n > meta.checks_off), None)
+            if outside is not None:
+                conn.send_line({"ok": False, "error": f"bytes {outside[0]}..{sum(outside)} are outside the "
+                                                      f"{meta.checks_off} bytes of tensor data of rank {meta.rank}'s "
+                                                      f"step {meta.step}: refused"})
+                return
+            conn.send_line({"ok": True, "bytes": sum(n for _, n in ranges)})
+        else:
+            conn.send_line({"ok": True, "meta": meta.to_json()})
+            ranges = [(meta.checks_off, meta.nbytes - meta.checks_off)]
+        memory = memoryview(view)
+        try:
+            for offset, nbytes in ranges:
+                for start in range(offset, offset + nbytes, _CHUNK):
+                    conn.sock.sendall(memory[start:min(start + _CHUNK, offset + nbytes)])
+        finally:
+            memory.release()
+        conn.send_line({"intact": bool(unchanged())})
+
+
+def _ranges(value: Any) -> list[tuple[int, int]] | str:
+    """A read's ranges, bounded; why they are refused (a str) otherwise."""
+    if not isinstance(value, list) or not value:
+        return "a read names no ranges ([[offset, length], ...])"
+    if len(value) > _MAX_RANGES:
+        return (f"a read of {len(value)} ranges is refused: at most {_MAX_RANGES} in one request (ask for the rest "
+                "in another)")
+    ranges = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                  and v >= 0 for v in item)):
+            return f"a read's range {str(item)[:40]} is not [offset, length] (two non-negative integers)"
+        ranges.append((int(item[0]), int(item[1])))
+    total = sum(n for _, n in ranges)
+    if total > _MAX_READ_BYTES:
+        return (f"a read of {total} bytes is refused: at most {_MAX_READ_BYTES} in one request (ask for the rest in "
+                "another)")
+    return ranges
 
 
 def _free(held: Held) -> None:

@@ -75,8 +75,8 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         self._changed = asyncio.Condition()
         #: round -> rank -> (step, tier) of the restores reported so far
         self._restored: dict[int, dict[int, tuple[int, str]]] = {}
-        #: round -> rank -> (own, peer): the old ranks' slots a rank resharded from memory found, by kind
-        self._reshard_parts: dict[int, dict[int, tuple[int, int]]] = {}
+        #: round -> rank -> (own, peer, other nodes): the old ranks' slots a rank resharded from memory read, by kind
+        self._reshard_parts: dict[int, dict[int, tuple[int, int, int]]] = {}
         #: the nodes that take replicas (the newest incarnation's report of each), and what each holds
         self._peers: dict[str, _Peer] = {}
         #: holder node -> rank -> (step, round, world) of each replica it holds of it
@@ -283,7 +283,7 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         return self.book, released(self.book, ranks)
 
     async def restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str,
-                       parts: tuple[int, int] = (0, 0)) -> None:
+                       parts: tuple[int, int, int] = (0, 0, 0)) -> None:
         reports = self._restored.setdefault(round_, {})
         reports[rank] = (step, tier)
         if tier == "reshard":
@@ -300,8 +300,9 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
                 disk_ranks=sum(t == "disk" for _, t in reports.values()),
                 peer_ranks=sum(t == "peer" for _, t in reports.values()),
                 resharded_ranks=sum(t == "reshard" for _, t in reports.values()),
-                reshard_own_parts=sum(own for own, _ in slots.values()),
-                reshard_peer_parts=sum(peer for _, peer in slots.values()),
+                reshard_own_parts=sum(p[0] for p in slots.values()),
+                reshard_peer_parts=sum(p[1] for p in slots.values()),
+                reshard_remote_parts=sum(p[2] for p in slots.values()),
                 replicated_step=self.replication.replicated[0], committed_step=self.book.step))
             if len(steps) > 1:
                 log.error("ckpt_ranks_restored_different_steps", round=round_, steps=sorted(steps))
@@ -432,14 +433,14 @@ class CheckpointServicer(proto.CheckpointServiceBase):
             invalid(f"tier={message.tier!r} must be one of {RESTORE_TIERS}")
         at_least(f"{where}.round", message.round, 0, "rendezvous rounds count from 0")
         at_least(f"{where}.step", message.step, -1, "a training step, or -1 when nothing was restored")
-        for name in ("reshard_own", "reshard_peer"):
+        for name in ("reshard_own", "reshard_peer", "reshard_remote"):
             count = getattr(message, name)
             if not 0 <= count <= _MAX_WORLD:
                 invalid(f"{where}.{name}={count} must be between 0 and {_MAX_WORLD} (a count of old ranks' slots)")
         with backend_errors("CheckpointService.ReportRestored"):
             await self._plugin.restored(round_=message.round, world_size=message.world_size, rank=message.rank,
                                         step=message.step, tier=message.tier,
-                                        parts=(message.reshard_own, message.reshard_peer))
+                                        parts=(message.reshard_own, message.reshard_peer, message.reshard_remote))
         return proto.Ack()
 
     async def report_corrupt(self, message: proto.ReportCorruptRequest) -> proto.Ack:

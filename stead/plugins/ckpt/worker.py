@@ -52,7 +52,7 @@ from stead.plugins.ckpt._group import Group
 from stead.plugins.ckpt._layout import SlotLayout, plan
 from stead.plugins.ckpt._link import SOCKET_ENV, AgentLink
 from stead.plugins.ckpt._mapped import MappedSlot
-from stead.plugins.ckpt._memparts import MappedParts, map_parts
+from stead.plugins.ckpt._memparts import MappedParts, map_parts, peer_access
 from stead.plugins.ckpt._recover import Restore
 from stead.plugins.ckpt._restore import Template
 from stead.plugins.ckpt._shm import Control, SlotInfo
@@ -248,7 +248,7 @@ class FlashCheckpointer:
                           bounds=restore_bounds(os.environ.get(RESTORE_BOUNDS_ENV, "")))
         candidate = restore.memory_candidate(self._hint)
         result: tuple[int, dict[Any, Any]] | None = None
-        tier, own, peer = "none", 0, 0
+        tier, own, peer, other_nodes = "none", 0, 0, 0
         if self._group.agree(candidate is not None) and candidate is not None:
             slot, doc = candidate
             template = restore.agreed_template(state_dict, doc.tree, doc.tensors, strict, doc.step)
@@ -256,7 +256,7 @@ class FlashCheckpointer:
             self._restored = (doc.step, doc.round)
             tier = "memory"
         elif (resharded := restore.reshard_from_memory(state_dict, self._hint, self._memory_parts)) is not None:
-            result, own, peer = resharded
+            result, own, peer, other_nodes = resharded
             tier = "reshard"
         else:
             result, source = restore.from_tiers(state_dict, candidate, strict)
@@ -266,15 +266,15 @@ class FlashCheckpointer:
                     self._restored = (source.step, source.round)
         if self._link is not None:
             self._link.notify({"op": "restored", "step": result[0] if result else -1, "tier": tier,
-                               **({"own": own, "peer": peer} if tier == "reshard" else {})})
+                               **({"own": own, "peer": peer, "remote": other_nodes} if tier == "reshard" else {})})
         if result is not None:
             log.info("ckpt_restored", step=result[0], tier=tier, rank=self.rank)
             resume_steps_at(result[0] + 1)  # automatic step detection goes on from the restored step
         return result
 
     def _memory_parts(self, step: int, round_: int) -> MappedParts | None:
-        """Every copy this node holds of the old ranks' slots of ``step`` (saved in ``round_``), mapped; None
-        without an agent."""
+        """Every copy this node holds of the old ranks' slots of ``step`` (saved in ``round_``), mapped, and how to
+        reach other nodes' replica ports for those it lacks; None without an agent."""
         if self._link is None:
             return None
         reply = self._link.request({"op": "parts", "step": step, "round": round_})
@@ -282,7 +282,8 @@ class FlashCheckpointer:
             raise CheckpointError(f"the agent could not list the slots of step {step} it holds: "
                                   f"{reply.get('error')}")
         node_prefix = self._data_prefix.rpartition("-r")[0] + "-"  # this node's segments, whichever local rank's
-        return map_parts(reply.get("parts"), step=step, round_=round_, prefix=node_prefix)
+        return map_parts(reply.get("parts"), step=step, round_=round_, prefix=node_prefix,
+                         access=peer_access(reply.get("port")))
 
     def wait_persisted(self, timeout: float | None = None) -> int | None:
         """Wait until the newest ``persist=True`` save is on disk; its step, or None (none, failed or timed out)."""

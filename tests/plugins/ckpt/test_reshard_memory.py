@@ -1,8 +1,9 @@
 """Resharding a step from the old ranks' slots in memory (_memreshard): the same state as the reshard from disk,
 every chunk checked before any byte reaches the caller's tensors, and only one slot per old rank of one step taken.
 Real FSDP2 over gloo: saved by three ranks, resharded into two from their slots, equal to what DCP's own load of
-the same step gives, each new rank fetching only the shards it needs; and a job resized on its node (2 ranks, then
-1, then 3) restoring through load() from its agent's slots with nothing on disk, the record saying so."""
+the same step gives, each new rank fetching only the shards it needs, also when each node lacks a slot the other holds
+(read over that node's replica port); and a job resized on its node (2 ranks, then 1, then 3) restoring through
+load() from its agent's slots with nothing on disk, the record saying so."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from stead.core.config import Settings
 from stead.core.events import CheckpointRestored
 from stead.core.views.recovery import restored_from
 from stead.plugins.ckpt import SHM_DIR, _disk, _fromdisk, segment_names
+from stead.plugins.ckpt._layout import parse_document
 from stead.plugins.ckpt._memreshard import stage_from_memory
 from stead.plugins.ckpt.errors import CheckpointError
 from stead.plugins.ckpt.settings import CheckpointSettings
@@ -197,11 +199,20 @@ def _run(script: Path, phase: str, out: Path, world: int, *extra: str) -> list[s
     return outputs
 
 
-def test_fsdp2_saved_by_three_ranks_is_resharded_into_two_from_their_slots_as_dcp_reshards_it(tmp_path: Path) -> None:
-    script = tmp_path / "reshard_worker.py"
+@pytest.fixture(scope="module")
+def saved_by_three(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An FSDP2 state saved by three ranks (once for the tests below): each rank's slot (slot_R.bin and its
+    checksums), the same step through torch.distributed.checkpoint (dcp/), and the whole weights (expected.pt)."""
+    out = tmp_path_factory.mktemp("saved_by_three")
+    script = out / "reshard_worker.py"
     script.write_text(SCRIPT)
-    _run(script, "save", tmp_path, 3)
-    outputs = _run(script, "restore", tmp_path, 2, "3")
+    _run(script, "save", out, 3)
+    return out
+
+
+def test_fsdp2_saved_by_three_ranks_is_resharded_into_two_from_their_slots_as_dcp_reshards_it(
+        saved_by_three: Path) -> None:
+    outputs = _run(saved_by_three / "reshard_worker.py", "restore", saved_by_three, 2, "3")
     fetched = {}
     for output in outputs:
         [line] = [line for line in output.splitlines() if line.startswith("FETCHED ")]
@@ -214,6 +225,135 @@ def test_fsdp2_saved_by_three_ranks_is_resharded_into_two_from_their_slots_as_dc
     assert not any(old == 2 for old, _ in fetched[0]), fetched[0]  # new rank 0 needs nothing of old rank 2's rows
     assert not any(old == 0 for old, _ in fetched[1]), fetched[1]  # nor new rank 1 of old rank 0's
     assert fetched[0] | fetched[1] == every
+
+
+RESTORE = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from pathlib import Path
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from stead.plugins.ckpt._group import Group
+    from stead.plugins.ckpt._layout import parse_document
+    from stead.plugins.ckpt._memparts import MappedParts
+    from stead.plugins.ckpt._recover import Restore
+    from stead.plugins.ckpt._remoteparts import PeerAccess
+    from stead.plugins.ckpt.settings import CheckpointSettings
+    from stead.plugins.ckpt.testing import SlotImage
+
+    out, node = Path(sys.argv[1]), json.loads(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+
+    def trained(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.full((3, 4), float(seed + 1))).sum().backward()
+        opt.step()
+        return model, opt
+
+    def full(model, opt):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        tensors = {"model." + k: v for k, v in model_sd.items()}
+        for param, values in optim_sd["state"].items():
+            tensors.update({f"optim.{param}.{k}": v for k, v in values.items()})
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in sorted(tensors.items())}
+
+    def image(old):
+        data = bytearray((out / f"slot_{old}.bin").read_bytes())
+        sums = tuple(json.loads((out / f"slot_{old}.json").read_text())["sums"])
+        doc = parse_document(bytes(data[data.rindex(b'{"format"'):]), expected_sum=None, where=f"slot {old}")
+        return SlotImage(data=data, doc=doc, sums=sums)
+
+    def parts_of(step, round_):  # what this rank's agent holds: its node's own slots and replicas
+        held = sorted(node["own"] + node["replicas"])
+        return MappedParts(parts=[image(old).part(where=f"rank {old} here") for old in held], own=len(node["own"]),
+                           peer=len(node["replicas"]), _maps=[],
+                           access=PeerAccess(address=node["address"], token=node["token"], job=node["job"],
+                                             tls=None, timeout_s=10.0))
+
+    reports = []
+    restore = Restore(rank=rank, world=world, root=out / "no-disk-tier", settings=CheckpointSettings(),
+                      group=Group(rank=rank, world=world), control=None, mapped=lambda _i: None,
+                      report_corrupt=lambda *args: reports.append(args))
+    model, opt = trained(1)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    resharded = restore.reshard_from_memory({"model": model_sd, "optim": optim_sd}, (2, 1), parts_of)
+    assert resharded is not None and not reports, reports
+    (step, state), own, peer, other_nodes = resharded
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    from_memory = full(model, opt)
+    model, opt = trained(2)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    target = {"model": model_sd, "optim": optim_sd, "epoch": 0}
+    dcp.load(target, checkpoint_id=str(out / "dcp"))  # torch's own reshard of the same step, from its files
+    set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    from_dcp = full(model, opt)
+    assert step == 2 and state["epoch"] == 4 == target["epoch"], (step, state["epoch"])
+    differ = [k for k in from_dcp if not torch.equal(from_memory[k], from_dcp[k])]
+    assert from_memory.keys() == from_dcp.keys() and not differ, differ
+    print("RESHARDED", json.dumps([own, peer, other_nodes]), flush=True)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # as test_fsdp.py's workers do: fully_shard keeps the process group alive past destroy
+""")
+
+
+def test_fsdp2_of_three_nodes_is_resharded_into_two_with_each_node_reading_the_slot_it_lacks_from_the_other(
+        saved_by_three: Path, tmp_path: Path) -> None:
+    """Three ranks on three hosts saved step 2, each node's replica on the next (0 -> 1 -> 2 -> 0); host 2 is lost and
+    the job goes on with two ranks. Node 0 holds old rank 0 and old rank 2's replica, node 1 old rank 1 and old rank
+    0's replica: node 0's rank reads old rank 1's shards from node 1's own slot, node 1's rank old rank 2's from the
+    replica node 0 holds. The result equals torch.distributed.checkpoint's own reshard of the same step."""
+    from .test_reshard_remote import Node  # (that module imports this one)
+
+    images = []
+    for old in range(3):
+        data = bytearray((saved_by_three / f"slot_{old}.bin").read_bytes())
+        doc = parse_document(bytes(data[data.rindex(b'{"format"'):]), expected_sum=None, where=f"slot {old}")
+        images.append(SlotImage(data=data, doc=doc,
+                                sums=tuple(json.loads((saved_by_three / f"slot_{old}.json").read_text())["sums"])))
+    node_0, node_1 = Node(tmp_path, "n0", {0: images[0]}), Node(tmp_path, "n1", {1: images[1]})
+    try:
+        node_0.hold(images[2])
+        node_1.hold(images[0])
+        outputs = _restore_with_ports(tmp_path, saved_by_three, [(node_0, [0], [2]), (node_1, [1], [0])])
+    finally:
+        node_0.close()
+        node_1.close()
+    counts = [json.loads(next(line for line in o.splitlines() if line.startswith("RESHARDED ")).split(" ", 1)[1])
+              for o in outputs]
+    assert counts == [[1, 1, 1], [1, 1, 1]], counts  # each: its own slot, the replica it holds, one from the other
+
+
+def _restore_with_ports(tmp_path: Path, saved: Path, nodes: list[tuple[Any, list[int], list[int]]]) -> list[str]:
+    """RESTORE's ranks, one per node (node, its own old slots, the replicas it holds), over gloo: their outputs."""
+    from .test_reshard_remote import JOB, TOKEN
+
+    restore = tmp_path / "restore_worker.py"
+    restore.write_text(RESTORE)
+    port = free_port()
+    procs = []
+    for rank, (node, own, replicas) in enumerate(nodes):
+        said = json.dumps({"own": own, "replicas": replicas, "address": node.address, "token": TOKEN, "job": JOB})
+        env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+               "PYTHONPATH": os.pathsep.join(sys.path)}
+        procs.append(subprocess.Popen([sys.executable, str(restore), str(saved), said], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, output[-3000:]
+        outputs.append(output)
+    return outputs
 
 
 LOAD_SCRIPT = textwrap.dedent("""
@@ -296,7 +436,7 @@ def test_a_resized_job_reshards_fsdp2_state_from_the_slots_its_node_holds_and_sa
     record = _restored(memory_only, 2)
     assert (record.step, record.resharded_ranks, record.reshard_own_parts, record.reshard_peer_parts,
             record.disk_ranks) == (2, 1, 2, 0, 0), record
-    assert "resharded from memory 1 (the old ranks' slots read: own memory 2, peer replicas 0)" in \
+    assert "resharded from memory 1 (the old ranks' slots read: own memory 2, peer replicas 0, other nodes 0)" in \
         restored_from(record)
     memory_only.round(3, world=3, nproc=3)  # grown to three: rank 1's rows come from both old ranks' slots
     grown = _run_ranks(memory_only, script, "restore", out, 3, 3)

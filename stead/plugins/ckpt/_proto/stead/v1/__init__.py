@@ -270,10 +270,12 @@ class ReportRestoredRequest(betterproto2.Message):
     reshard_own: "int" = betterproto2.field(7, betterproto2.TYPE_INT32)
     """
     tier "reshard": how many of the old ranks' slots the rank's node held as its own slots (a surviving rank's
-    memory) and as peers' replicas.
+    memory) and as peers' replicas, and how many it read from other nodes' memory over their replica ports.
     """
 
     reshard_peer: "int" = betterproto2.field(8, betterproto2.TYPE_INT32)
+
+    reshard_remote: "int" = betterproto2.field(9, betterproto2.TYPE_INT32)
 
 
 default_message_pool.register_message("stead.v1", "ReportRestoredRequest", ReportRestoredRequest)
