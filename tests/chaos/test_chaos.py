@@ -106,6 +106,7 @@ def test_the_quick_schedule_across_hosts_with_a_host_killed_and_one_cut_off_lose
     assert len(lost) >= 2, lost  # the killed host's node and the cut-off host's
 
 
+@pytest.mark.long(30)
 def test_the_quick_schedule_loses_nothing(tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 'chaos.db'}"
     result = run_chaos(tmp_path, QUICK_N, QUICK, store=store, timeout_s=400)

@@ -127,6 +127,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.long(20)
 def test_a_slowed_node_is_reported_as_a_straggler_with_its_figures(run_job: RunJob) -> None:
     job = run_job(SLOW, flags=("--nnodes", "2", "--nproc-per-node", "1", "--set", "diagnosis.straggler_window_s=2",
                                "--set", "heartbeat_interval_s=0.3"))

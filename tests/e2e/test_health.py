@@ -24,6 +24,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.long(21)
 def test_a_node_slower_than_twice_the_median_is_excluded_before_training_and_relaunched(
         run_job: RunJob, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STEAD_FAULT_HEALTH", "node-1:1:slow")  # node-1's first agent: 4x the work per matmul

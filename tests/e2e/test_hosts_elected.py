@@ -54,6 +54,7 @@ async def _until_said(folder: Path, text: str) -> None:
 @pytest.mark.parametrize("how", ["killed", pytest.param("SIGTERM", marks=pytest.mark.extended(
     "a standby taking the job over with no worker restarted: the killed variant; a candidate whose master is "
     "killed and its lease ended, the next one taking the job over: tests/cli/test_elected.py"))])
+@pytest.mark.long(40)
 async def test_the_elected_master_s_host_lost_a_standby_takes_the_job_over_and_no_worker_restarts(
         tmp_path: Path, how: str) -> None:
     token = secrets.token_urlsafe(32)

@@ -102,6 +102,7 @@ async def test_a_static_torchrun_command_line_on_two_hosts_trains_one_job_and_re
     assert not (tmp_path / "h1" / ".stead" / "mh.db").exists()  # one event log: on the master's host only
 
 
+@pytest.mark.long(21)
 async def test_a_c10d_endpoint_makes_its_host_the_master_and_a_host_that_disagrees_is_refused(
         tmp_path: Path) -> None:
     token = secrets.token_urlsafe(32)
@@ -148,6 +149,7 @@ async def test_a_master_address_that_does_not_resolve_is_said_at_once(tmp_path: 
     assert "the job's master address no-such-host.invalid:29500 does not resolve on this host" in err, err
 
 
+@pytest.mark.long(18)
 async def test_hosts_with_mutual_tls_train_one_job_and_a_host_without_the_certificates_is_refused(
         tmp_path: Path) -> None:
     token = secrets.token_urlsafe(32)

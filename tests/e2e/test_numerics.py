@@ -88,6 +88,7 @@ def test_a_nan_that_comes_back_at_the_same_step_after_the_restore_fails_the_job_
     assert "NonFiniteGradientError" in decisions[1]["evidence"] and "rank 1" in decisions[1]["evidence"]
 
 
+@pytest.mark.long(30)
 def test_a_flipped_bit_in_one_replica_is_pinned_on_its_rank_its_node_relaunched_and_the_job_ends_fault_free(
         run_job: RunJob, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # 3 ranks, for a majority; fingerprints every step, in the fault-free run too (no false alarm in 8 steps). The

@@ -65,6 +65,7 @@ def useful_by_the_log(lines: list[str]) -> float:
     return sum(last.values())
 
 
+@pytest.mark.long(35)
 def test_a_script_that_checkpoints_itself_keeps_its_steps_and_goodput_through_a_crash_and_a_node_loss(
         run_job: RunJob) -> None:
     job = run_job(SELF_CHECKPOINTING, flags=("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3",

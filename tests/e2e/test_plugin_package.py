@@ -41,6 +41,7 @@ def _env(*paths: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in paths)}
 
 
+@pytest.mark.long(30)
 def test_the_readme_plugin_installs_type_checks_runs_with_its_settings_and_records_its_events(
         tmp_path: Path) -> None:
     files = readme_files()

@@ -25,12 +25,14 @@ pytestmark = pytest.mark.e2e
 FAULT_AT_STEP = 11  # optimizer steps of a process (2 epochs of 256 samples, 2 ranks, batches of 8: 32 steps)
 
 
+@pytest.mark.long(20)
 def test_the_readme_ddp_recipe_recovers_to_the_uninterrupted_optimizer_state(tmp_path: Path) -> None:
     recipe = "recipes/train_ddp.py"
     crashed_against_reference(tmp_path, recipe, readme_files()[recipe], "recipe",
                               lambda cwd, fault: recipe_env(cwd, fault, FAULT_AT_STEP))
 
 
+@pytest.mark.long(45)
 def test_the_readme_fsdp_recipe_recovers_to_the_uninterrupted_optimizer_state(tmp_path: Path) -> None:
     recipe = "recipes/train_fsdp.py"
     runs = run_three_ways(tmp_path, recipe, readme_files()[recipe], FAULT_AT_STEP, "recipe")

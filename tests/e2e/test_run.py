@@ -106,6 +106,7 @@ def test_a_user_code_error_fails_fast_without_restarting(run_job: RunJob) -> Non
     pytest.param(False, id="cold", marks=pytest.mark.extended(
         "a killed agent relaunched cold: the chaos quick schedule's kill-agent fault (its jobs keep no spare)")),
     pytest.param(True, id="from-a-spare")])
+@pytest.mark.long(22)
 def test_a_sigkilled_agent_is_replaced_and_the_job_completes(run_job: RunJob, spare: bool) -> None:
     settings = ("--set", "spare_agents=1", "--set", "spare_delay_s=1") if spare else ("--set", "spare_agents=0")
     job = run_job(TRAIN, "kill-agent-spare" if spare else "kill-agent",

@@ -117,6 +117,7 @@ dist.destroy_process_group()
 """.replace("{FAULT}", FAULT_FUNCTION)
 
 
+@pytest.mark.long(30)
 def test_a_job_grows_with_stead_scale_shrinks_on_a_lost_node_and_keeps_its_weights_and_samples_exact(
         run_job: Any, tmp_path: Path) -> None:
     (tmp_path / "faults.json").write_text("[]")

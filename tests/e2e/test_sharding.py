@@ -47,6 +47,7 @@ def _faults(seed: int) -> list[dict[str, Any]]:
     return [{"step": s, "rank": r, "kind": k} for s, r, k in zip(steps, ranks, kinds, strict=True)]
 
 
+@pytest.mark.long(28)
 def test_every_id_is_consumed_exactly_once_per_epoch_across_crashes_a_node_loss_and_a_growing_world(
         run_job: RunJob, tmp_path: Path) -> None:
     faults = _faults(seed=2024)

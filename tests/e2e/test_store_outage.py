@@ -177,6 +177,7 @@ def test_an_etcd_frozen_past_the_hang_floor_costs_no_step_and_no_restart(tmp_pat
     assert '"hang_not_confirmed"' in (tmp_path / "stderr.log").read_text()
 
 
+@pytest.mark.long(30)
 def test_an_outage_past_retry_deadline_s_ends_the_job_clearly_and_the_job_resumes_once_the_store_is_back(
         tmp_path: Path, etcd: EtcdServer) -> None:
     run = _start(tmp_path, etcd.url, "--set", "retry_deadline_s=3", "--set", "master_max_restarts=1")

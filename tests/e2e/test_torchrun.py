@@ -84,6 +84,7 @@ def _last_step(log: Path) -> int:
     return json.loads(lines[-1])[0] if len(lines) > 1 else 0
 
 
+@pytest.mark.long(24)
 def test_under_torchrun_a_killed_and_relaunched_job_reads_every_id_once_with_ranks_in_lockstep(
         tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(textwrap.dedent(TRAIN))

@@ -255,6 +255,7 @@ def test_a_plain_accelerator_script_runs_under_stead_as_under_torchrun(tmp_path:
 
 
 @pytest.mark.e2e
+@pytest.mark.long(25)
 def test_the_readme_recipe_recovers_to_the_uninterrupted_state(tmp_path: Path) -> None:
     """Under `stead run` rank 1 crashes in epoch 1 and resumes from memory; the disk path (what torchrun resumes
     from) is the unit tests' round trip."""

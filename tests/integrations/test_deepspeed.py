@@ -245,6 +245,7 @@ def test_an_engine_whose_files_deepspeed_reads_itself_is_refused() -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.long(40)
 def test_the_readme_recipe_recovers_to_the_uninterrupted_state(tmp_path: Path) -> None:
     """Under `stead run` rank 1 crashes mid-run and resumes from memory; the disk path (what torchrun resumes from) is
     the unit tests' round trip."""

@@ -244,6 +244,7 @@ def test_lightning_sees_a_stead_worker_as_launched_by_torchelastic(tmp_path: Pat
 # -- the README recipe, under stead with a crash, against torchrun uninterrupted --------------------------
 
 @pytest.mark.e2e
+@pytest.mark.long(50)
 def test_the_readme_recipe_resumes_a_crashed_worker_to_the_uninterrupted_state(tmp_path: Path) -> None:
     crashed = crashed_against_reference(tmp_path, RECIPE, _recipe(), "lightning",
                                         lambda cwd, fault: recipe_env(cwd, fault, FAULT_AT_STEP))

@@ -165,6 +165,7 @@ def _final(cwd: Path) -> dict[str, Any]:
 
 
 @pytest.mark.e2e
+@pytest.mark.long(50)
 def test_the_readme_trainer_recipe_resumes_from_memory_to_the_uninterrupted_result(tmp_path: Path) -> None:
     reference, crashed = (workdir(tmp_path, name, RECIPE, _recipe()) for name in ("torchrun", "stead"))
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
