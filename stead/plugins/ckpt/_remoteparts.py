@@ -22,7 +22,8 @@ from typing import Any
 from stead.plugins.ckpt._group import Group
 from stead.plugins.ckpt._layout import parse_document
 from stead.plugins.ckpt._memreshard import SlotPart, slot_part
-from stead.plugins.ckpt._replicas import ReplicaError, ReplicaMeta, _Conn, check_layout, connect
+from stead.plugins.ckpt._replicas import ReplicaMeta, check_layout
+from stead.plugins.ckpt._replicawire import ReplicaError, _Conn, connect
 from stead.plugins.ckpt.errors import CheckpointError
 
 __all__ = ["PeerAccess", "RemoteSlot", "locate"]

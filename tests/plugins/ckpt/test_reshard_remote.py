@@ -23,6 +23,7 @@ from stead.cli.certs import make_certs
 from stead.core.config import Settings
 from stead.core.events import CheckpointRestored
 from stead.core.views.recovery import restored_from
+from stead.plugins.ckpt import _replicas
 from stead.plugins.ckpt._checksum import checksum
 from stead.plugins.ckpt._codec import encode
 from stead.plugins.ckpt._disk import tensor_bytes
@@ -32,7 +33,8 @@ from stead.plugins.ckpt._memparts import MappedParts
 from stead.plugins.ckpt._memreshard import read_tensor
 from stead.plugins.ckpt._recover import Resharded, Restore
 from stead.plugins.ckpt._remoteparts import PeerAccess, RemoteSlot
-from stead.plugins.ckpt._replicas import OwnSlot, ReplicaError, ReplicaMeta, ReplicaServer, _Conn, connect, push
+from stead.plugins.ckpt._replicas import OwnSlot, ReplicaError, ReplicaMeta, ReplicaServer, push
+from stead.plugins.ckpt._replicawire import _Conn, connect, send_parts
 from stead.plugins.ckpt._shm import SegmentNames
 from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.testing import LocalCluster, SlotImage
@@ -98,13 +100,12 @@ def _meta(image: SlotImage) -> ReplicaMeta:
 class Node:
     """One node of the test: the slots it holds as its own, the replicas its port holds, and that port."""
 
-    def __init__(self, tmp: Path, name: str, own: dict[int, SlotImage], server: type[ReplicaServer] = ReplicaServer
-                 ) -> None:
+    def __init__(self, tmp: Path, name: str, own: dict[int, SlotImage]) -> None:
         self.own, self.name = own, name
         self.views: dict[int, Any] = {}
         self.names = SegmentNames(prefix=f"stead-ckpt-test-{tmp.name[-12:]}-{name}-", incarnation=1)
-        self.server = server(names=self.names, token=TOKEN, job=JOB, tls=None, max_bytes=0, timeout_s=5.0,
-                             changed=lambda: None, own=self._own)
+        self.server = ReplicaServer(names=self.names, token=TOKEN, job=JOB, tls=None, max_bytes=0, timeout_s=5.0,
+                                    changed=lambda: None, own=self._own)
         self.address = self.server.start("127.0.0.1")
         self.replicas: dict[int, SlotImage] = {}
 
@@ -195,13 +196,13 @@ def _reshard(nodes: Sequence[Node], tmp: Path) -> tuple[list[Resharded | None], 
     return results, reports, restores
 
 
-def _two_nodes(tmp: Path, closing: list[Node], server: type[ReplicaServer] = ReplicaServer) -> list[Node]:
+def _two_nodes(tmp: Path, closing: list[Node]) -> list[Node]:
     """Step 3 saved by four ranks: node x holds old ranks 0 and 1 as its own slots and rank 3's replica, node y old
     rank 2's slot only (rank 3's node is gone). Each node lacks what the other holds."""
     images = sharded_slots(3, world=4)
     x = Node(tmp, "x", {0: images[0], 1: images[1]})
     closing.append(x)
-    y = Node(tmp, "y", {2: images[2]}, server)
+    y = Node(tmp, "y", {2: images[2]})
     closing.append(y)
     x.hold(images[3])
     return [x, y]
@@ -239,24 +240,23 @@ def test_a_part_damaged_on_the_node_holding_it_is_caught_and_every_rank_reshards
         assert step == 3 and source.tier == "disk" and torch.equal(state["model"]["w"], weight(3))
 
 
-class _GoneMidRead(ReplicaServer):
-    """A holder whose host goes away while it sends a tensor: half the bytes, then nothing."""
-
-    @staticmethod
-    def _send_parts(conn: _Conn, meta: ReplicaMeta, view: Any, ranges: list[tuple[int, int]],
-                    unchanged: Callable[[], bool]) -> None:
-        if not ranges:
-            return ReplicaServer._send_parts(conn, meta, view, ranges, unchanged)
-        offset, nbytes = ranges[0]
-        conn.send_line({"ok": True, "bytes": nbytes})
-        conn.sock.sendall(bytes(view[offset:offset + nbytes // 2]))
-        conn.sock.shutdown(socket.SHUT_RDWR)
-        raise OSError("the host went away")
+def _gone_mid_read(conn: _Conn, meta: Any, view: Any, ranges: list[tuple[int, int]],
+                   unchanged: Callable[[], bool]) -> None:
+    """How a holder of old rank 2's slot answers when its host goes away while it sends a tensor: half the bytes,
+    then nothing (its head is sent whole)."""
+    if not ranges or meta.rank != 2:
+        return send_parts(conn, meta, view, ranges, unchanged)
+    offset, nbytes = ranges[0]
+    conn.send_line({"ok": True, "bytes": nbytes})
+    conn.sock.sendall(bytes(view[offset:offset + nbytes // 2]))
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    raise OSError("the host went away")
 
 
 def test_a_holder_gone_mid_fetch_makes_every_rank_reshard_from_disk_saying_why(
-        tmp_path: Path, closing: list[Node]) -> None:
-    x, y = _two_nodes(tmp_path, closing, server=_GoneMidRead)  # node y serves its head, then fails mid-tensor
+        tmp_path: Path, closing: list[Node], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_replicas, "send_parts", _gone_mid_read)  # node y, holding old rank 2, fails mid-tensor
+    x, y = _two_nodes(tmp_path, closing)
     results, reports, _ = _reshard([x, y], tmp_path)
     assert results == [None, None]
     assert reports[1] == [] and len(reports[0]) == 1, reports
