@@ -70,7 +70,7 @@ def _holds_shards(view: mmap.mmap, meta: ReplicaMeta) -> bool:
 def is_sharded(part: SlotPart) -> bool:
     """Whether the slot holds shards (FSDP2, DTensor): only such a state is resharded from memory; a replicated
     one (DDP) is taken from an old rank's copy once the copies are shown to be the same, as before."""
-    return any("global_shape" in t for t in part.tensors)
+    return part.sharded
 
 
 @dataclasses.dataclass

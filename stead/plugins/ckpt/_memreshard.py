@@ -63,6 +63,11 @@ class SlotPart:
     def label(self) -> str:
         return self.where
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the slot holds shards (FSDP2, DTensor)."""
+        return any("global_shape" in t for t in self.doc.tensors)
+
 
 def slot_part(doc: LayoutDoc, sums: Sequence[int], fetch: Fetch, *, where: str) -> SlotPart:
     """The part of the slot ``doc`` describes (``sums``: its tensors' checksums, ``fetch``: its bytes)."""

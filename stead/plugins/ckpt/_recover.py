@@ -47,8 +47,8 @@ from stead.plugins.ckpt._group import Group
 from stead.plugins.ckpt._layout import LayoutDoc, parse_document
 from stead.plugins.ckpt._mapped import MappedSlot
 from stead.plugins.ckpt._memparts import MappedParts, is_sharded
-from stead.plugins.ckpt._memreshard import SlotPart, stage_from_memory
-from stead.plugins.ckpt._remoteparts import RemoteSlot, locate
+from stead.plugins.ckpt._memreshard import stage_from_memory
+from stead.plugins.ckpt._remoteparts import RemoteSlot, with_other_nodes
 from stead.plugins.ckpt._restore import Template, as_dict, check_template, destination
 from stead.plugins.ckpt._shm import Control, SlotInfo, VerifyState
 from stead.plugins.ckpt.errors import CheckpointError, StateMismatch
@@ -516,7 +516,10 @@ class Restore:
             if self.group.agree(here) and mapped is not None:
                 parts = mapped.parts
             else:
-                found = self._with_other_nodes(mapped, step, round_, remote)
+                found = with_other_nodes(self.group, mapped.parts if mapped is not None else None,
+                                         mapped.access if mapped is not None else None, rank=self.rank,
+                                         world=self.world, step=step, round_=round_, remote=remote,
+                                         report=self.report_corrupt)
                 if found is None:
                     if here or (sharded and saved != self.world):
                         log.info("ckpt_reshard_not_from_memory", step=step, rank=self.rank, saved_world=saved,
@@ -540,44 +543,6 @@ class Restore:
                 slot.close()
             if mapped is not None:
                 mapped.close()
-
-    def _with_other_nodes(self, mapped: MappedParts | None, step: int, round_: int,
-                          remote: list[RemoteSlot]) -> list[SlotPart] | None:
-        """Every old rank's slot of ``step``: this node's (``mapped``), and each it lacks read from a node of this
-        round that holds it (opened into ``remote``, head checked); None on every rank when the step was not saved
-        by another world size as a sharded state, or some rank lacks a slot no node holds or cannot read it. Every
-        rank calls it, once not every rank's node holds every slot."""
-        parts = mapped.parts if mapped is not None else []
-        worlds = {p.doc.world for p in parts}
-        bad = mapped is None or len(worlds) > 1 or not all(is_sharded(p) for p in parts)
-        saved = next(iter(worlds)) if len(worlds) == 1 else _NONE
-        lowest, negated_highest, fine = self.group.min([saved, -saved if saved != _NONE else _NONE, 0 if bad else 1])
-        if not fine or lowest == _NONE or lowest != -negated_highest or lowest == self.world:
-            return None  # a state to reshard from disk, or one the ranks restore as before
-        assert mapped is not None
-        access = mapped.access
-        try:
-            where = locate(self.group, [p.rank for p in parts], lowest, rank=self.rank,
-                           address=access.address if access is not None else "")
-        except CheckpointError as exc:
-            log.info("ckpt_reshard_not_from_memory", step=step, rank=self.rank, reason=str(exc))
-            return None
-        if where is None:
-            return None
-        failure = ""
-        found = list(parts)
-        for old, address in sorted(where.items()):
-            try:
-                if access is None:
-                    raise CheckpointError("the agent gave no way to reach other nodes' replica ports")
-                remote.append(RemoteSlot(address, access, rank=old, step=step, round_=round_))
-                found.append(remote[-1].part())
-            except Exception as exc:  # whatever stopped it, every rank must reach the agreement below
-                failure = str(exc) if isinstance(exc, (CheckpointError, OSError)) else repr(exc)
-                break
-        if failure:
-            self.report_corrupt(step, "memory", failure)
-        return found if self.group.agree(not failure) else None
 
     def _resharded(self, step: int, stage: Callable[[], _fromdisk.Staged], *, tier: str) -> dict[Any, Any] | None:
         """``step`` resharded into this world, on every rank at once: every chunk a rank restores read and checked

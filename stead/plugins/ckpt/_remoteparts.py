@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import structlog
 
 from stead.plugins.ckpt._group import Group
 from stead.plugins.ckpt._layout import parse_document
@@ -26,7 +28,9 @@ from stead.plugins.ckpt._replicas import ReplicaMeta, check_layout
 from stead.plugins.ckpt._replicawire import ReplicaError, _Conn, connect
 from stead.plugins.ckpt.errors import CheckpointError
 
-__all__ = ["PeerAccess", "RemoteSlot", "locate"]
+__all__ = ["PeerAccess", "RemoteSlot", "locate", "with_other_nodes"]
+
+log = structlog.get_logger("stead.ckpt")
 
 #: what a rank without the value puts in a MIN all-reduce (above any rank, world size or byte)
 _NONE = 1 << 62
@@ -143,3 +147,42 @@ def locate(group: Group, held: Sequence[int] | None, saved: int, *, rank: int, a
     addresses = {h: bytes(b for b in reduced[i * _ADDRESS_BYTES:(i + 1) * _ADDRESS_BYTES] if b).decode()
                  for i, h in enumerate(ports)}
     return {old: addresses[holders[old]] for old in range(saved) if old not in mine}
+
+
+def with_other_nodes(group: Group, held: Sequence[SlotPart] | None, access: PeerAccess | None, *, rank: int,
+                     world: int, step: int, round_: int, remote: list[RemoteSlot],
+                     report: Callable[[int, str, str], None]) -> list[SlotPart] | None:
+    """Every old rank's slot of ``step`` (saved in ``round_``): those this rank's node holds (``held``: None without
+    an agent), and each it lacks read from a node of the round that holds it (opened into ``remote``, its head
+    checked); None on every rank when the step was not saved by another world size as a sharded state, or some rank
+    lacks a slot no node holds or cannot read it (``report(step, tier, detail)`` says why). Every rank calls it,
+    once the ranks found that not every rank's node holds every slot."""
+    parts = list(held or ())
+    worlds = {p.doc.world for p in parts}
+    bad = held is None or len(worlds) > 1 or not all(p.sharded for p in parts)
+    saved = next(iter(worlds)) if len(worlds) == 1 else _NONE
+    lowest, negated_highest, fine = group.min([saved, -saved if saved != _NONE else _NONE, 0 if bad else 1])
+    if not fine or lowest in (_NONE, world) or lowest != -negated_highest:
+        return None  # a state to reshard from disk, or one the ranks restore as before
+    try:
+        where = locate(group, [p.rank for p in parts], lowest, rank=rank,
+                       address=access.address if access is not None else "")
+    except CheckpointError as exc:
+        log.info("ckpt_reshard_not_from_memory", step=step, rank=rank, reason=str(exc))
+        return None
+    if where is None:
+        return None
+    failure = ""
+    found = list(parts)
+    for old, address in sorted(where.items()):
+        try:
+            if access is None:
+                raise CheckpointError("the agent gave no way to reach other nodes' replica ports")
+            remote.append(RemoteSlot(address, access, rank=old, step=step, round_=round_))
+            found.append(remote[-1].part())
+        except Exception as exc:  # whatever stopped it, every rank must reach the agreement below
+            failure = str(exc) if isinstance(exc, (CheckpointError, OSError)) else repr(exc)
+            break
+    if failure:
+        report(step, "memory", failure)
+    return found if group.agree(not failure) else None

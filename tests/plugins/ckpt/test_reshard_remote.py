@@ -300,7 +300,7 @@ def test_the_status_line_of_a_reshard_counts_the_slots_read_from_other_nodes() -
 
 
 @pytest.mark.parametrize("tls", [False, True])
-def test_an_agent_serves_its_own_slots_to_a_reshard_on_another_node_and_tells_its_workers_how_to_reach_ports(
+def test_an_agent_serves_its_own_slots_to_a_reshard_elsewhere_tells_its_workers_how_to_reach_ports_and_counts_them(
         tmp_path: Path, settings: CheckpointSettings, tls: bool) -> None:
     files = {name: str(path) for name, path in make_certs(job="own", directory=tmp_path / "pki",
                                                           hosts=["127.0.0.1"]).items()} if tls else {}
@@ -340,3 +340,15 @@ def test_an_agent_serves_its_own_slots_to_a_reshard_on_another_node_and_tells_it
             finally:
                 other.close()
 
+            # what load() tells the agent after such a reshard reaches the master's record, and stead status
+            assert ckpt._link is not None
+            ckpt._link.notify({"op": "restored", "step": 2, "tier": "reshard", "own": 1, "peer": 0, "remote": 2})
+            for _ in range(200):
+                records = [e for e in cluster.events if isinstance(e, CheckpointRestored)]
+                if records:
+                    break
+                cluster.settle(0.05)
+    assert [(r.step, r.resharded_ranks, r.reshard_own_parts, r.reshard_peer_parts, r.reshard_remote_parts)
+            for r in records] == [(2, 1, 1, 0, 2)]
+    assert "resharded from memory 1 (the old ranks' slots read: own memory 1, peer replicas 0, other nodes 2)" in \
+        restored_from(records[0])
