@@ -53,13 +53,15 @@ class PeerAccess:
 
 
 class RemoteSlot:
-    """One old rank's slot on another node, read over that node's replica port (one connection, many reads)."""
+    """One old rank's slot on another node, read over that node's replica port (one connection, many reads; the
+    slots of one node share one: ``via``, another slot on the same port)."""
 
-    def __init__(self, address: str, access: PeerAccess, *, rank: int, step: int, round_: int) -> None:
+    def __init__(self, address: str, access: PeerAccess, *, rank: int, step: int, round_: int,
+                 via: RemoteSlot | None = None) -> None:
         self.address, self.rank, self.step, self.round = address, rank, step, round_
         self.where = f"the slot of rank {rank} on the node at {address}"
-        self._conn: _Conn | None = connect(address, token=access.token, job=access.job, tls=access.tls,
-                                           timeout_s=access.timeout_s)
+        self._conn: _Conn | None = via._conn if via is not None and via.address == address else \
+            connect(address, token=access.token, job=access.job, tls=access.tls, timeout_s=access.timeout_s)
         #: bytes of tensors read (for the logs and tests)
         self.read_bytes = 0
 
@@ -174,11 +176,13 @@ def with_other_nodes(group: Group, held: Sequence[SlotPart] | None, access: Peer
         return None
     failure = ""
     found = list(parts)
+    ports: dict[str, RemoteSlot] = {}  # one connection per port this rank reads from
     for old, address in sorted(where.items()):
         try:
             if access is None:
                 raise CheckpointError("the agent gave no way to reach other nodes' replica ports")
-            remote.append(RemoteSlot(address, access, rank=old, step=step, round_=round_))
+            remote.append(RemoteSlot(address, access, rank=old, step=step, round_=round_, via=ports.get(address)))
+            ports.setdefault(address, remote[-1])
             found.append(remote[-1].part())
         except Exception as exc:  # whatever stopped it, every rank must reach the agreement below
             failure = str(exc) if isinstance(exc, (CheckpointError, OSError)) else repr(exc)

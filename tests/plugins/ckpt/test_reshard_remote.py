@@ -209,10 +209,19 @@ def _two_nodes(tmp: Path, closing: list[Node]) -> list[Node]:
 
 
 def test_slots_held_only_on_other_nodes_are_read_from_their_ports_and_the_step_equals_the_saved_one(
-        tmp_path: Path, closing: list[Node]) -> None:
+        tmp_path: Path, closing: list[Node], monkeypatch: pytest.MonkeyPatch) -> None:
+    connections: list[int] = []
+    serve = ReplicaServer._reads
+
+    def counted(server: ReplicaServer, conn: _Conn, request: dict[str, Any]) -> None:
+        connections.append(request["rank"])
+        serve(server, conn, request)
+
+    monkeypatch.setattr(ReplicaServer, "_reads", counted)
     nodes = _two_nodes(tmp_path, closing)
     results, reports, _ = _reshard(nodes, tmp_path)
     assert reports == [[], []]
+    assert sorted(connections) == [0, 2], connections  # one connection per port read from: y's rank reads 0, 1, 3
     for rank, result in enumerate(results):
         assert result is not None, rank
         (step, state), own, peer, other_nodes = result
