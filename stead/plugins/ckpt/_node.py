@@ -293,7 +293,11 @@ class NodeCheckpoints:
             if slot is None or slot.rank != rank or slot.checks_seq != slot.seq or (
                     slot.verify_seq == slot.seq and slot.verify_state is VerifyState.CORRUPT):
                 continue
-            return OwnSlot(meta=ReplicaMeta.of_slot(slot), view=state.mapping(slot, self.names),
+            try:
+                view = state.mapping(slot, self.names)
+            except (CheckpointError, OSError):
+                return None  # (its segment was replaced meanwhile: the slot no longer holds the step)
+            return OwnSlot(meta=ReplicaMeta.of_slot(slot), view=view,
                            unchanged=functools.partial(_unchanged, state.control, slot.index, slot.seq))
         return None
 

@@ -164,6 +164,10 @@ def send_parts(conn: _Conn, meta: Described, view: mmap.mmap, ranges: list[tuple
                 unchanged: Callable[[], bool]) -> None:
     """A head (``ranges`` empty: the checksums and layout document) or the bytes of ``ranges``, each inside the
     slot's tensor data, then whether the slot was left unchanged meanwhile."""
+    if len(view) < meta.nbytes:
+        conn.send_line({"ok": False, "error": f"rank {meta.rank}'s slot of step {meta.step} is smaller than it says "
+                                              "(its segment was replaced): refused"})
+        return
     if ranges:
         outside = next(((o, n) for o, n in ranges if o + n > meta.checks_off), None)
         if outside is not None:
