@@ -62,6 +62,8 @@ class Committed:
     sources: tuple[PeerCopy, ...] = ()
     #: None: the master did not say (one of before "commit means replicated")
     replication: Replicated | None = None
+    #: asked with ``warning``: the step (and its round) every warned node of the round persists; -1: none
+    warning: tuple[int, int] = (-1, -1)
 
 
 def _replicated(value: proto.Replication | None) -> Replicated | None:
@@ -107,18 +109,20 @@ class CheckpointClient:
 
     async def get_committed(self, *, round_: int, after_step: int = -1, wait_s: float = 0.0,
                             ranks: Sequence[int] = (), replica_ranks: Sequence[int] = (),
-                            replicated: Replicated | None = None) -> Committed:
-        """``replicated``: what the caller knows of replication; a wait also ends when R or the keeping changes."""
+                            replicated: Replicated | None = None, warning: bool = False) -> Committed:
+        """``replicated``: what the caller knows of replication; a wait also ends when R or the keeping changes.
+        ``warning``: the caller was warned of the job's stop (the reply's ``warning`` is the step to persist)."""
         request = proto.GetCommittedRequest(node_id=self.node_id, round=round_, after_step=after_step, wait_s=wait_s,
                                             ranks=list(ranks), replica_ranks=list(replica_ranks),
                                             replicated_step=replicated.replicated[0] if replicated else None,
                                             replicated_round=replicated.replicated[1] if replicated else None,
-                                            keep=replicated.keep if replicated else False)
+                                            keep=replicated.keep if replicated else False, warning=warning)
         with self._conn.errors("CheckpointService.GetCommitted"):
             reply = await self._stub.get_committed(request, timeout=wait_s + self._conn.call_timeout_s)
         return Committed(step=reply.step, round=reply.round, round_step=reply.round_step,
                          persisted_step=reply.persisted_step, released={r.rank: r.step for r in reply.released},
-                         sources=_peers(reply.replica_sources), replication=_replicated(reply.replication))
+                         sources=_peers(reply.replica_sources), replication=_replicated(reply.replication),
+                         warning=(reply.warning_step, reply.warning_round) if warning else (-1, -1))
 
     async def report_restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str,
                               parts: tuple[int, int, int] = (0, 0, 0)) -> None:

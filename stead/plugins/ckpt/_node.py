@@ -325,13 +325,29 @@ class NodeCheckpoints:
         """A worker failed: persist the newest committed step, if it is not on disk yet."""
         self._persist_committed("worker failure")
 
-    async def warned(self, reason: str) -> None:
-        """The node will be stopped soon: persist the newest committed step now (what the workers saved last
-        first), whatever ckpt.persist_on_failure says; the workers go on saving."""
+    async def warned(self, reason: str) -> int | None:
+        """The node will be stopped soon: persist now, whatever ckpt.persist_on_failure says, the step the master
+        names for the warning (the newest committed when the round's first warned node asked: the same on every
+        node, so that one step ends up whole on disk), else the newest committed step this node knows of; the
+        workers go on saving."""
+        step: tuple[int, int] | None = None
         with anyio.move_on_after(self.settings.rpc_timeout_s):
-            await self._report_now()
-        self._persist_committed(reason, enabled=True)
-        log.info("ckpt_persisting_on_warning", reason=reason, step=self._committed[0])
+            await self._report_now()  # what the workers saved last may commit a newer step
+            try:
+                reply = await self._client.get_committed(round_=self._round, warning=True)
+            except SteadError as exc:
+                log.warning("ckpt_warning_step_unknown", error=str(exc),
+                            effect="this node persists the newest committed step it knows of")
+            else:
+                step = reply.warning if reply.warning[0] >= 0 else None
+        if step is not None and not any(s.slot_holding(*step) for s in self._ranks.values()):
+            log.warning("ckpt_warning_step_missed", step=step[0], round=step[1],
+                        reason="no slot here holds it any more", effect="the newest committed step is persisted")
+            step = None
+        self._persist_committed(reason, enabled=True, at=step)
+        persisted = (step or self._committed)[0]
+        log.info("ckpt_persisting_on_warning", reason=reason, step=persisted)
+        return persisted if persisted >= 0 else None
 
     # -- the workers' socket -------------------------------------------------------------------------
 
@@ -655,8 +671,10 @@ class NodeCheckpoints:
 
     # -- persistence ---------------------------------------------------------------------------------
 
-    def _persist_committed(self, reason: str, *, enabled: bool | None = None) -> None:
-        step, round_ = self._committed if self._committed[0] >= 0 else self.hint
+    def _persist_committed(self, reason: str, *, enabled: bool | None = None,
+                           at: tuple[int, int] | None = None) -> None:
+        """Write the newest committed step to disk (``at``: that step instead), unless it is there already."""
+        step, round_ = at or (self._committed if self._committed[0] >= 0 else self.hint)
         if step < 0 or not (self.ckpt.persist_on_failure if enabled is None else enabled):
             return
         for state in self._ranks.values():

@@ -86,9 +86,11 @@ class CheckpointAgentExtension(AgentExtension[CheckpointSettings]):
         if self._node is not None and self._portal is not None:
             await self._portal.call_async(self._node.after_failure)
 
-    async def warned(self, *, reason: str) -> None:
+    async def warned(self, *, reason: str) -> int | None:
+        """Persist on a warning of the job's stop; the step persisted (None: none)."""
         if self._node is not None and self._portal is not None:
-            await self._portal.call_async(self._node.warned, reason)
+            return await self._portal.call_async(self._node.warned, reason)
+        return None
 
     async def stop(self, *, job_ended: bool) -> None:
         """Finish the persists in flight (up to ckpt_persist_grace_s), then free every segment."""

@@ -57,6 +57,9 @@ _MAX_WORLD = 1 << 20
 _COMMITS_KEPT = 16
 #: the replicas one node may say it holds of one rank: the newest and R's, kept while the newest arrived
 _MAX_HELD_PER_RANK = 2
+#: how long the step the first warned node of a round persists is the one every warned node persists: Slurm signals
+#: every step of the job at once, and a warning that comes later is another (a preemption after a time limit's)
+WARNING_WINDOW_S = 60.0
 
 
 class CheckpointPlugin(Plugin[CheckpointSettings]):
@@ -88,6 +91,8 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
         self._single_host_said = False
         #: what ``stead status`` was last told of the replicas
         self._status: list[str] = []
+        #: (round, step, step's round, when) of the step warned nodes persist (:meth:`warning_step`)
+        self._warning: tuple[int, int, int, float] | None = None
 
     async def start(self, *, ctx: PluginContext[CheckpointSettings]) -> None:
         self._ctx = ctx
@@ -282,6 +287,18 @@ class CheckpointPlugin(Plugin[CheckpointSettings]):
                     pass
         return self.book, released(self.book, ranks)
 
+    def warning_step(self, round_: int) -> tuple[int, int]:
+        """The step (and its round) a node of ``round_`` warned of the job's stop persists: the newest committed step
+        when the round's first warned node asked, for every node that asks within :data:`WARNING_WINDOW_S`. Each node
+        persisting the newest commit it knows of would write different steps when a commit lands between their
+        asks (seen on the Slurm test cluster: steps 16, 16 and 17, none of them whole on disk); this one is in
+        every rank's memory (committed) and the nodes ask within moments of each other, before it is overwritten."""
+        now = time.monotonic()
+        if self._warning is None or self._warning[0] != round_ or now - self._warning[3] > WARNING_WINDOW_S:
+            self._warning = (round_, self.book.step, self.book.step_round, now)
+            log.info("ckpt_warning_step", round=round_, step=self.book.step, step_round=self.book.step_round)
+        return self._warning[1], self._warning[2]
+
     async def restored(self, *, round_: int, world_size: int, rank: int, step: int, tier: str,
                        parts: tuple[int, int, int] = (0, 0, 0)) -> None:
         reports = self._restored.setdefault(round_, {})
@@ -419,11 +436,13 @@ class CheckpointServicer(proto.CheckpointServiceBase):
                                                        replicated=known)
         sources = [proto.ReplicaPeer(node_id=n, address=a, rank=r, step=s, round=o, world=w)
                    for n, a, r, s, o, w in self._plugin.replica_sources(message.node_id, list(message.replica_ranks))]
+        warning = self._plugin.warning_step(message.round) if message.warning else (-1, -1)
         return proto.GetCommittedReply(step=book.step, round=book.step_round,
                                        round_step=book.round_step if book.round == message.round else -1,
                                        persisted_step=book.persisted,
                                        released=[proto.RankStep(rank=r, step=s) for r, s in freed.items()],
-                                       replica_sources=sources, replication=_replication(self._plugin.replication))
+                                       replica_sources=sources, replication=_replication(self._plugin.replication),
+                                       warning_step=warning[0], warning_round=warning[1])
 
     async def report_restored(self, message: proto.ReportRestoredRequest) -> proto.Ack:
         where = "ReportRestoredRequest"

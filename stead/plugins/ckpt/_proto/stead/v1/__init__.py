@@ -79,6 +79,14 @@ class GetCommittedReply(betterproto2.Message):
 
     replication: "Replication | None" = betterproto2.field(7, betterproto2.TYPE_MESSAGE, optional=True)
 
+    warning_step: "int" = betterproto2.field(8, betterproto2.TYPE_INT64)
+    """
+    Asked with warning: the step every warned node of the round persists (the newest committed step when the first
+    node asked, for every node that asks within the warning's window), and its round; -1 when none or not asked.
+    """
+
+    warning_round: "int" = betterproto2.field(9, betterproto2.TYPE_INT32)
+
 
 default_message_pool.register_message("stead.v1", "GetCommittedReply", GetCommittedReply)
 
@@ -117,6 +125,12 @@ class GetCommittedRequest(betterproto2.Message):
     keep: "bool" = betterproto2.field(9, betterproto2.TYPE_BOOL)
     """
     Whether the caller keeps slots for replicas (a change ends the wait too).
+    """
+
+    warning: "bool" = betterproto2.field(10, betterproto2.TYPE_BOOL)
+    """
+    The caller was warned that the job stops soon (Slurm's time limit or a preemption: SIGUSR1) and persists a
+    step now: the reply's warning_step says which, the same for every node of the round (see the reply).
     """
 
 
