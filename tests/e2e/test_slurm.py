@@ -77,6 +77,9 @@ async def test_the_readme_sbatch_script_trains_one_job_is_warned_cancelled_and_r
         out = tmp_path / f"slurm-{first}.out"
         await _until("every agent's warned persist", lambda: _async(len(_warned_persists(out)) == 3))
         warned = max(_warned_persists(out))
+        # one step, the one the master named to the first warned node: whole on disk (each node its newest commit
+        # wrote different steps when a commit came between the nodes' signals, none of them whole)
+        assert len(set(_warned_persists(out))) == 1, _warned_persists(out)
 
         async def went_on_and_recorded() -> bool:  # (the nodes' reports come while the job steps on)
             return await stepped(warned + 5) and len(await _recorded(tmp_path, "job.warned")) == 3
@@ -108,10 +111,10 @@ async def test_the_readme_sbatch_script_trains_one_job_is_warned_cancelled_and_r
     reports = [e["data"] for e in events if e["type"] == "job.warned"]
     assert sorted(r["node_id"] for r in reports) == ["node-0", "node-1", "node-2"], reports
     assert all(r["source"] == "slurm" and r["signal"] == "SIGUSR1" and 0 < r["time_left_s"] <= 600
-               and r["committed_step"] is not None for r in reports), reports
+               and r["committed_step"] is not None and r["persisted_step"] == warned for r in reports), reports
     [line] = warning_lines([decode_record(json.dumps(e).encode(), where="stead events") for e in events])
     assert re.fullmatch(r"by Slurm at \S+: \d+ s left \(time limit at \S+\); warned on 3 of 3 nodes; "
-                        r"step \d+ persisted at \S+( as the job ended .*)?", line), line  # what stead status shows
+                        rf"step {warned} persisted at \S+", line), line  # what stead status shows
     # one round each: the warning restarted nothing (the workers ignored it)
     assert [len(e["data"]["members"]) for e in events if e["type"] == "round.started"] == [3, 3]
 

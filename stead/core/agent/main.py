@@ -223,15 +223,17 @@ class Agent:
             warned_at = time.time()
             self._log.warning("agent_warned", reason="SIGUSR1", round=self.round,
                               action="persisting the newest checkpoint; the workers go on")
-            await self.extensions.call("warned", reason="SIGUSR1 (a time limit's or preemption's warning)")
+            answers = await self.extensions.call("warned", reason="SIGUSR1 (a time limit's or preemption's warning)")
+            # (an extension that persists answers with the step it persists: the checkpoint's)
+            persisted = next((a for a in answers if isinstance(a, int) and not isinstance(a, bool)), None)
             if self._warning_source is not None:
-                await self._report_warning(self._warning_source, warned_at)
+                await self._report_warning(self._warning_source, warned_at, persisted)
 
-    async def _report_warning(self, source: WarningSource, warned_at: float) -> None:
+    async def _report_warning(self, source: WarningSource, warned_at: float, persisted: int | None) -> None:
         """Tell the master what the warning ``source`` sent at ``warned_at`` announced (``job.warned``)."""
         said = await ask_source(source, timeout_s=self.settings.rpc_timeout_s)
         event = warned_event(source, said, node_id=self.node_id, incarnation=self.incarnation, round=self.round,
-                             signal="SIGUSR1", warned_at=warned_at)
+                             signal="SIGUSR1", warned_at=warned_at, persisted_step=persisted)
         await self._report(lambda: self.client.report_warned(self._reported(event)))
 
     async def _stop_on_sigterm(self, signals: AsyncIterator[int], scope: anyio.CancelScope) -> None:

@@ -54,7 +54,9 @@ async def ask_source(source: WarningSource, *, timeout_s: float) -> WarningSaid:
 
 
 def warned_event(source: WarningSource, said: WarningSaid, *, node_id: str, incarnation: int, round: int,
-                 signal: str, warned_at: float) -> JobWarned:
-    """The node's report of the warning it got at ``warned_at`` (its wall clock), as the master records it."""
+                 signal: str, warned_at: float, persisted_step: int | None = None) -> JobWarned:
+    """The node's report of the warning it got at ``warned_at`` (its wall clock), as the master records it
+    (``persisted_step``: the step its agent persists on it, None: none)."""
     return JobWarned(node_id=node_id, incarnation=incarnation, round=round, signal=signal, source=source.name,
-                     warned_at=warned_at, time_left_s=said.time_left_s, said=said.said[:MAX_WARNING_SAID_CHARS])
+                     warned_at=warned_at, time_left_s=said.time_left_s, said=said.said[:MAX_WARNING_SAID_CHARS],
+                     persisted_step=persisted_step)

@@ -38,8 +38,9 @@ WARNING_SPREAD_S = 60.0
 class JobWarned(Event):
     """Node ``node_id`` (``incarnation``, in ``round``) got ``signal`` from ``source`` at ``warned_at`` (its wall
     clock, seconds since the epoch): the job will be stopped soon, in ``time_left_s`` as the source said (None:
-    not said), and the node's agent persists the newest committed step. ``committed_step`` is the master's newest
-    committed step when it recorded the report (None: none yet), the step the nodes persist."""
+    not said), and the node's agent persists a committed step: ``persisted_step``, the one the checkpoint plugin's
+    master names to every warned node of the round (None: none, or an agent without the plugin).
+    ``committed_step`` is the master's newest committed step when it recorded the report (None: none yet)."""
 
     node_id: str
     incarnation: int
@@ -51,6 +52,7 @@ class JobWarned(Event):
     #: the source's words ("Slurm warned: time limit in ~118 s"), or what went wrong asking it
     said: str = ""
     committed_step: int | None = None
+    persisted_step: int | None = None
 
     @property
     def deadline(self) -> float | None:

@@ -256,6 +256,7 @@ class AgentServicer(AgentServiceBase):
             invalid(f"{where}.warned_at is {message.warned_at!r}: when the agent got the signal, in seconds since the "
                     "epoch (> 0)")
         _at_least(where, "time_left_s", message.time_left_s, 0, "a number of seconds; leave it unset when not said")
+        _at_least(where, "persisted_step", message.persisted_step, 0, "a training step; leave it unset when none")
         with backend_errors("AgentService.ReportWarned"):
             await self._backend.report_warned(warned_from_proto(message))
         return Ack()

@@ -41,8 +41,9 @@ class _Persisting:
     def __init__(self, calls: list[str]) -> None:
         self.calls = calls
 
-    async def warned(self, *, reason: str) -> None:
+    async def warned(self, *, reason: str) -> int:
         self.calls.append("persist")
+        return 141  # the step it persists (the checkpoint extension's answer)
 
 
 async def _one_warning() -> AsyncIterator[int]:
@@ -72,7 +73,8 @@ async def test_a_warned_agent_persists_then_reports_what_slurm_said(tmp_path: Pa
     event = report.event
     assert report.incarnation == 2 and event.warned_at > 0
     assert event == JobWarned(node_id="node-0", incarnation=2, round=3, signal="SIGUSR1", source="slurm",
-                              warned_at=event.warned_at, time_left_s=118, said="Slurm warned: time limit in ~118 s")
+                              warned_at=event.warned_at, time_left_s=118, said="Slurm warned: time limit in ~118 s",
+                              persisted_step=141)
 
 
 async def test_a_source_that_fails_still_leaves_the_warning_reported_with_its_time_left_unknown(

@@ -320,6 +320,9 @@ REFUSALS: list[tuple[str, betterproto2.Message, str]] = [
     ("report_warned", pb.WarnedReport(node_id=_LIVE, incarnation=1, signal="SIGUSR1", source="slurm",
                                       warned_at=1.8e9, time_left_s=-5),
      "WarnedReport.time_left_s is -5: it must be at least 0 (a number of seconds; leave it unset when not said)"),
+    ("report_warned", pb.WarnedReport(node_id=_LIVE, incarnation=1, signal="SIGUSR1", source="slurm",
+                                      warned_at=1.8e9, persisted_step=-1),
+     "WarnedReport.persisted_step is -1: it must be at least 0 (a training step; leave it unset when none)"),
     ("report_warned", pb.WarnedReport(node_id=_LIVE, incarnation=1, round=-1, signal="SIGUSR1", source="slurm",
                                       warned_at=1.8e9),
      "WarnedReport.round is -1: it must be at least 0 (rendezvous rounds count from 0)"),
@@ -419,7 +422,7 @@ async def test_past_the_job_s_bound_of_numerics_reports_only_the_ranks_notes_of_
 # -- a node's report of a warning --------------------------------------------------------
 
 WARNED = JobWarned(node_id=_LIVE, incarnation=1, round=3, signal="SIGUSR1", source="slurm", warned_at=1.8e9,
-                   time_left_s=118, said="Slurm warned: time limit in ~118 s")
+                   time_left_s=118, said="Slurm warned: time limit in ~118 s", persisted_step=139)
 
 
 def test_a_warning_crosses_the_wire_with_every_field_but_the_step_the_master_fills() -> None:

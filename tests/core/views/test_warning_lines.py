@@ -25,15 +25,34 @@ def _clock(at: float) -> str:
 
 
 def test_a_warning_heard_by_every_node_and_persisted_is_one_line() -> None:
+    warned = dataclasses.replace(WARNED, warned_at=AT + 2.5, persisted_step=142)  # (each node its report's step)
     records = _records(
         RoundStarted(round=1, members=("node-0", "node-1", "node-2"), nproc_per_node=1),
         CheckpointPersisted(step=140, path="/ckpt/140", world_size=3),  # before the warning: not its persist
-        WARNED, dataclasses.replace(WARNED, node_id="node-1", warned_at=AT + 1, time_left_s=117),
-        dataclasses.replace(WARNED, node_id="node-2"), dataclasses.replace(WARNED, node_id="node-2"),  # a retry
+        warned, dataclasses.replace(warned, node_id="node-1", warned_at=AT + 3, time_left_s=117),
+        dataclasses.replace(warned, node_id="node-2"), dataclasses.replace(warned, node_id="node-2"),  # a retry
         CheckpointPersisted(step=142, path="/ckpt/142", world_size=3))
     assert warning_lines(records) == [
-        f"by Slurm at {_clock(AT)}: 118 s left (time limit at {_clock(AT + 118)}); warned on 3 of 3 nodes; "
+        f"by Slurm at {_clock(AT + 2.5)}: 118 s left (time limit at {_clock(AT + 120.5)}); warned on 3 of 3 nodes; "
         f"step 142 persisted at {_clock(AT + 7)}"]
+
+
+def test_the_warning_s_persist_may_be_recorded_before_its_reports_and_nodes_that_disagree_are_named() -> None:
+    # the step every node persisted is whole on disk before the first node's report of the warning is recorded
+    # (a small state, a slow scontrol): still the warning's persist
+    records = _records(
+        RoundStarted(round=1, members=("node-0", "node-1"), nproc_per_node=1),
+        CheckpointPersisted(step=140, path="p", world_size=2),
+        dataclasses.replace(WARNED, persisted_step=140), dataclasses.replace(WARNED, node_id="node-1",
+                                                                            persisted_step=141))
+    records[1] = dataclasses.replace(records[1], at=AT + 0.5)
+    assert warning_lines(records) == [
+        f"by Slurm at {_clock(AT)}: 118 s left (time limit at {_clock(AT + 118)}); warned on 2 of 2 nodes; "
+        f"step 140 persisted at {_clock(AT + 0.5)} (the nodes persisted steps 140, 141)"]
+    already = _records(RoundStarted(round=1, members=("node-0",), nproc_per_node=1),
+                       CheckpointPersisted(step=150, path="p", world_size=1),
+                       dataclasses.replace(WARNED, warned_at=AT + 9))
+    assert warning_lines(already)[0].endswith("; step 150 was on disk already")
 
 
 def test_a_step_persisted_only_as_the_job_ended_is_told_apart_from_the_warning_s_persist() -> None:

@@ -632,6 +632,11 @@ class WarnedReport(betterproto2.Message):
     The source's words, or what went wrong asking it (at most 300 characters).
     """
 
+    persisted_step: "int | None" = betterproto2.field(9, betterproto2.TYPE_INT64, optional=True)
+    """
+    The committed step the node's agent persists on the warning; unset when none.
+    """
+
 
 default_message_pool.register_message("stead.v1", "WarnedReport", WarnedReport)
 
