@@ -264,18 +264,26 @@ async def test_a_job_survives_a_deleted_pod_its_master_pod_deleted_and_an_oom_ki
 
 
 def _committed_at_faults(events: Sequence[dict[str, Any]]) -> dict[int, int]:
-    """Round -> the newest step committed when the first fault of the round before it was recorded, for each round
-    that a fault started (a node that exited, was lost or whose worker failed) after some step was committed.
+    """Round -> the newest step the job promised to keep when the first fault of the round before it was recorded,
+    for each round that a fault started (a node that exited, was lost or whose worker failed) after some step was
+    committed: the newest committed step, except for a pod killed at once (OOM: its memory gone with it, nothing
+    persisted on its way out), where it is the newest replicated one (``ckpt.replicated``: its copy in another
+    host's memory; the commits may run ahead of the copies on a loaded machine).
 
     The first fault, not the last: a step committed later in that round (a late report) is not asked for."""
     floors: dict[int, int] = {}
     committed: int | None = None
+    replicated: int | None = None
     at_fault: int | None = None
     started = False
     for event in sorted(events, key=lambda e: e["seq"]):
         match event["type"]:
             case "checkpoint.committed":
                 committed = event["data"]["step"]  # the latest, as the job has it: after a rollback, that step
+            case "ckpt.replicated":
+                replicated = event["data"]["step"]
+            case "node.exited" if started and at_fault is None and event["data"].get("oom"):
+                at_fault = replicated
             case "node.exited" | "node.lost" | "worker.failed" if started and at_fault is None:
                 at_fault = committed
             case "round.started":

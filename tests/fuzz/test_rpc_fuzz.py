@@ -426,5 +426,5 @@ def test_the_fuzz_strategies_fill_nested_messages() -> None:
 def test_every_served_route_is_fuzzed() -> None:
     assert {r.rsplit("/", 1)[0] for r in ROUTES} == {"/stead.v1.AgentService", "/stead.v1.CheckpointService",
                                                      "/stead.v1.ShardService", "/stead.v1.ScalerService"}
-    assert len(ROUTES) == 21  # AgentService.ReportNumerics: the workers' numerical notes
+    assert len(ROUTES) == 22  # AgentService.ReportWarned: a warning of the job's stop (Slurm's time limit)
 
