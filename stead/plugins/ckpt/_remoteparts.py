@@ -25,7 +25,7 @@ from stead.plugins.ckpt._group import Group
 from stead.plugins.ckpt._layout import parse_document
 from stead.plugins.ckpt._memreshard import SlotPart, slot_part
 from stead.plugins.ckpt._replicas import ReplicaMeta, check_layout
-from stead.plugins.ckpt._replicawire import ReplicaError, _Conn, connect
+from stead.plugins.ckpt._replicawire import Conn, ReplicaError, connect
 from stead.plugins.ckpt.errors import CheckpointError
 
 __all__ = ["PeerAccess", "RemoteSlot", "locate", "with_other_nodes"]
@@ -60,7 +60,7 @@ class RemoteSlot:
                  via: RemoteSlot | None = None) -> None:
         self.address, self.rank, self.step, self.round = address, rank, step, round_
         self.where = f"the slot of rank {rank} on the node at {address}"
-        self._conn: _Conn | None = via._conn if via is not None and via.address == address else \
+        self._conn: Conn | None = via._conn if via is not None and via.address == address else \
             connect(address, token=access.token, job=access.job, tls=access.tls, timeout_s=access.timeout_s)
         #: bytes of tensors read (for the logs and tests)
         self.read_bytes = 0

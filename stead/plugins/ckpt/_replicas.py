@@ -56,9 +56,9 @@ from stead.plugins.ckpt._replicawire import (
     _CHUNK,
     _GREETING,
     _REFUSED,
+    Conn,
     ReplicaError,
     _Closed,
-    _Conn,
     _proof,
     connect,
     read_ranges,
@@ -218,7 +218,7 @@ class _Checks:
         return state.intdigest() == self._sums[index]
 
 
-def _receive(conn: _Conn, view: memoryview, meta: ReplicaMeta, *, capacity: int, where: str) -> ReplicaError | None:
+def _receive(conn: Conn, view: memoryview, meta: ReplicaMeta, *, capacity: int, where: str) -> ReplicaError | None:
     """Read a replica (:func:`wire_order`) into ``view``, its layout checked once it arrived and each tensor as its
     bytes come in; why it is not to be used (its layout or a tensor failed its checks), None when every check
     passed. ReplicaError when the peer stops sending."""
@@ -445,10 +445,10 @@ class ReplicaServer:
 
     def _serve(self, raw: socket.socket) -> None:
         raw.settimeout(self.timeout_s)
-        conn: _Conn | None = None
+        conn: Conn | None = None
         try:
             sock = self.tls.wrap_socket(raw, server_side=True) if self.tls is not None else raw
-            conn = _Conn(sock)
+            conn = Conn(sock)
             if not self._handshake(conn):
                 return
             request = conn.json()
@@ -471,7 +471,7 @@ class ReplicaServer:
             else:
                 raw.close()
 
-    def _handshake(self, conn: _Conn) -> bool:
+    def _handshake(self, conn: Conn) -> bool:
         nonce = secrets.token_hex(16)
         conn.send_line(f"{_GREETING} {nonce}")
         words = conn.line().split(" ")
@@ -484,7 +484,7 @@ class ReplicaServer:
         conn.send_line(_proof(self.token, "server", self.job, nonce, words[0]))
         return True
 
-    def _put(self, conn: _Conn, request: dict[str, Any]) -> None:
+    def _put(self, conn: Conn, request: dict[str, Any]) -> None:
         meta = ReplicaMeta.from_json(request.get("meta"))
         capacity = round_capacity(meta.nbytes)
         with self._lock:
@@ -567,7 +567,7 @@ class ReplicaServer:
         if other is not None:
             _free(other)
 
-    def _get(self, conn: _Conn, request: dict[str, Any]) -> None:
+    def _get(self, conn: Conn, request: dict[str, Any]) -> None:
         rank, step, round_ = (request.get(k) for k in ("rank", "step", "round"))
         with self._lock:
             copies = [self.held.get(rank), self.kept.get(rank)] if isinstance(rank, int) else []
@@ -588,7 +588,7 @@ class ReplicaServer:
 
     # -- parts of a slot, for a reshard on another node -------------------------------------------------------
 
-    def _reads(self, conn: _Conn, request: dict[str, Any]) -> None:
+    def _reads(self, conn: Conn, request: dict[str, Any]) -> None:
         """Answer ``head`` and ``read`` requests until the reader hangs up (or asks for something else)."""
         for _ in range(_MAX_REQUESTS):
             if request.get("op") not in ("head", "read"):
@@ -602,7 +602,7 @@ class ReplicaServer:
                 return
         conn.send_line({"ok": False, "error": f"more than {_MAX_REQUESTS} reads on one connection; open another"})
 
-    def _read(self, conn: _Conn, request: dict[str, Any]) -> None:
+    def _read(self, conn: Conn, request: dict[str, Any]) -> None:
         named = [request.get(k) for k in ("rank", "step", "round")]
         rank, step, round_ = (v if isinstance(v, int) and not isinstance(v, bool) else -1 for v in named)
         if min(rank, step, round_) < 0:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from stead.plugins.ckpt.errors import CheckpointError
 
-__all__ = ["ReplicaError", "connect", "read_ranges", "send_parts"]
+__all__ = ["Conn", "ReplicaError", "connect", "read_ranges", "send_parts"]
 
 #: the protocol's name and version (2: a slot's checksums and layout document travel before its tensors)
 _PROTOCOL = "stead-replica"
@@ -59,7 +59,7 @@ def _proof(token: str, side: str, job: str, server_nonce: str, client_nonce: str
     return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 
-class _Conn:
+class Conn:
     """Lines and raw bytes over one (TLS) socket, with a buffer of what came after the last line."""
 
     def __init__(self, sock: socket.socket) -> None:
@@ -122,7 +122,7 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def connect(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, timeout_s: float) -> _Conn:
+def connect(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, timeout_s: float) -> Conn:
     host, port = _split(address)
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -131,7 +131,7 @@ def connect(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, t
             sock = tls.wrap_socket(sock, server_hostname=host)
     except (OSError, ssl.SSLError) as exc:
         raise ReplicaError(f"cannot reach the agent at {address} ({exc})") from None
-    conn = _Conn(sock)
+    conn = Conn(sock)
     try:
         try:
             words = conn.line().rsplit(" ", 1)
@@ -160,7 +160,7 @@ def connect(address: str, *, token: str, job: str, tls: ssl.SSLContext | None, t
     return conn
 
 
-def send_parts(conn: _Conn, meta: Described, view: mmap.mmap, ranges: list[tuple[int, int]],
+def send_parts(conn: Conn, meta: Described, view: mmap.mmap, ranges: list[tuple[int, int]],
                 unchanged: Callable[[], bool]) -> None:
     """A head (``ranges`` empty: the checksums and layout document) or the bytes of ``ranges``, each inside the
     slot's tensor data, then whether the slot was left unchanged meanwhile."""

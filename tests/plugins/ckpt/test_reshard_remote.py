@@ -34,7 +34,7 @@ from stead.plugins.ckpt._memreshard import read_tensor
 from stead.plugins.ckpt._recover import Resharded, Restore
 from stead.plugins.ckpt._remoteparts import PeerAccess, RemoteSlot
 from stead.plugins.ckpt._replicas import OwnSlot, ReplicaError, ReplicaMeta, ReplicaServer, push
-from stead.plugins.ckpt._replicawire import _Conn, connect, send_parts
+from stead.plugins.ckpt._replicawire import Conn, connect, send_parts
 from stead.plugins.ckpt._shm import SegmentNames
 from stead.plugins.ckpt.settings import CheckpointSettings
 from stead.plugins.ckpt.testing import LocalCluster, SlotImage
@@ -213,7 +213,7 @@ def test_slots_held_only_on_other_nodes_are_read_from_their_ports_and_the_step_e
     connections: list[int] = []
     serve = ReplicaServer._reads
 
-    def counted(server: ReplicaServer, conn: _Conn, request: dict[str, Any]) -> None:
+    def counted(server: ReplicaServer, conn: Conn, request: dict[str, Any]) -> None:
         connections.append(request["rank"])
         serve(server, conn, request)
 
@@ -249,7 +249,7 @@ def test_a_part_damaged_on_the_node_holding_it_is_caught_and_every_rank_reshards
         assert step == 3 and source.tier == "disk" and torch.equal(state["model"]["w"], weight(3))
 
 
-def _gone_mid_read(conn: _Conn, meta: Any, view: Any, ranges: list[tuple[int, int]],
+def _gone_mid_read(conn: Conn, meta: Any, view: Any, ranges: list[tuple[int, int]],
                    unchanged: Callable[[], bool]) -> None:
     """How a holder of old rank 2's slot answers when its host goes away while it sends a tensor: half the bytes,
     then nothing (its head is sent whole)."""
