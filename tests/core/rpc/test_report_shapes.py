@@ -333,18 +333,27 @@ REFUSALS: list[tuple[str, betterproto2.Message, str]] = [
 ]
 
 
-@pytest.fixture
-async def hub_server() -> AsyncIterator[tuple[RpcServer, str, list[Event]]]:
-    """A real gateway, whose job has node-0 (incarnation 1) joined, behind a real server; and what it recorded."""
+#: the job's one node, joined
+_JOINED = {_LIVE: NodeState(node_id=_LIVE, incarnation=1, phase=NodePhase.JOINED)}
+
+
+def _recording_gateway(state: JobState | Callable[[], JobState]) -> tuple[AgentGateway, list[Event]]:
+    """A real gateway of a job in ``state`` (or as a callable says it is now), and the events it records."""
     recorded: list[Event] = []
 
     async def submit(event: Event) -> Record:
         recorded.append(event)
         return Record(seq=len(recorded), at=0.0, event=event)
 
-    state = JobState(nodes={_LIVE: NodeState(node_id=_LIVE, incarnation=1, phase=NodePhase.JOINED)})
-    gateway = AgentGateway(job="shapes", settings=Settings(), submit=submit, get_state=lambda: state,
-                   store_addr=lambda: ("127.0.0.1", 1))
+    get_state = state if callable(state) else lambda: state
+    return AgentGateway(job="shapes", settings=Settings(), submit=submit, get_state=get_state,
+                        store_addr=lambda: ("127.0.0.1", 1)), recorded
+
+
+@pytest.fixture
+async def hub_server() -> AsyncIterator[tuple[RpcServer, str, list[Event]]]:
+    """A real gateway, whose job has node-0 (incarnation 1) joined, behind a real server; and what it recorded."""
+    gateway, recorded = _recording_gateway(JobState(nodes=_JOINED))
     token = new_token()
     async with RpcServer([AgentServicer(gateway)], token=token, token_file="/run/stead/shapes/token") as server:
         yield server, token, recorded
@@ -393,17 +402,9 @@ async def test_a_live_nodes_reports_are_recorded_as_the_events_they_hold(
 
 async def test_past_the_job_s_bound_of_numerics_reports_only_the_ranks_notes_of_decided_skips_are_still_recorded(
         ) -> None:
-    recorded: list[Event] = []
-
-    async def submit(event: Event) -> Record:
-        recorded.append(event)
-        return Record(seq=len(recorded), at=0.0, event=event)
-
     # the bound reached (spec unknown: one node), step 6 decided to skip
-    state = JobState(nodes={_LIVE: NodeState(node_id=_LIVE, incarnation=1, phase=NodePhase.JOINED)},
-                     skip_steps=frozenset({6}), numerics_reports=MAX_NUMERICS_RECORDS)
-    gateway = AgentGateway(job="shapes", settings=Settings(), submit=submit, get_state=lambda: state,
-                           store_addr=lambda: ("127.0.0.1", 1))
+    state = JobState(nodes=_JOINED, skip_steps=frozenset({6}), numerics_reports=MAX_NUMERICS_RECORDS)
+    gateway, recorded = _recording_gateway(lambda: state)
 
     def report(*notes: NumericsNote) -> AgentReport[NumericsReported]:
         return AgentReport(incarnation=1, event=NumericsReported(node_id=_LIVE, round=2, notes=notes))
@@ -436,16 +437,8 @@ def test_a_warning_crosses_the_wire_with_every_field_but_the_step_the_master_fil
 
 
 async def test_each_node_s_report_of_a_warning_is_recorded_once_with_the_newest_committed_step() -> None:
-    recorded: list[Event] = []
-
-    async def submit(event: Event) -> Record:
-        recorded.append(event)
-        return Record(seq=len(recorded), at=0.0, event=event)
-
     nodes = {n: NodeState(node_id=n, incarnation=1, phase=NodePhase.JOINED) for n in (_LIVE, "node-1")}
-    state = JobState(nodes=nodes, checkpoint_step=140)
-    gateway = AgentGateway(job="shapes", settings=Settings(), submit=submit, get_state=lambda: state,
-                           store_addr=lambda: ("127.0.0.1", 1))
+    gateway, recorded = _recording_gateway(JobState(nodes=nodes, checkpoint_step=140))
     token = new_token()
     other = dataclasses.replace(WARNED, node_id="node-1", warned_at=WARNED.warned_at + 1.5, time_left_s=117)
     async with RpcServer([AgentServicer(gateway)], token=token, token_file="/run/stead/shapes/token") as server, \
@@ -459,15 +452,7 @@ async def test_each_node_s_report_of_a_warning_is_recorded_once_with_the_newest_
 
 
 async def test_past_the_bound_of_warning_reports_a_master_records_no_more() -> None:
-    recorded: list[Event] = []
-
-    async def submit(event: Event) -> Record:
-        recorded.append(event)
-        return Record(seq=len(recorded), at=0.0, event=event)
-
-    state = JobState(nodes={_LIVE: NodeState(node_id=_LIVE, incarnation=1, phase=NodePhase.JOINED)})
-    gateway = AgentGateway(job="shapes", settings=Settings(), submit=submit, get_state=lambda: state,
-                           store_addr=lambda: ("127.0.0.1", 1))
+    gateway, recorded = _recording_gateway(JobState(nodes=_JOINED))
     for i in range(MAX_WARNED_RECORDS + 3):  # a warning every 100 s: each one anew
         await gateway.report_warned(AgentReport(incarnation=1, event=dataclasses.replace(
             WARNED, warned_at=WARNED.warned_at + 100 * i)))

@@ -180,14 +180,20 @@ SCRIPT = textwrap.dedent("""
 
 
 def _run(script: Path, phase: str, out: Path, world: int, *extra: str) -> list[str]:
+    return _ranks([[str(script), phase, str(out), *extra]] * world, cwd=script.parent, local_ranks=True)
+
+
+def _ranks(argvs: list[list[str]], *, cwd: Path, local_ranks: bool) -> list[str]:
+    """One Python process a rank (``argvs[rank]``), joined over gloo on a free port; their outputs once all ended
+    well (``local_ranks``: each rank is its own local rank, else every one is local rank 0: one a node)."""
     port = free_port()
     procs = []
-    for rank in range(world):
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+    for rank, argv in enumerate(argvs):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank if local_ranks else 0), "WORLD_SIZE": str(len(argvs)),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
                "PYTHONPATH": os.pathsep.join(sys.path)}
-        procs.append(subprocess.Popen([sys.executable, str(script), phase, str(out), *extra], env=env,
-                                      cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
     outputs = []
     for proc in procs:
         try:
@@ -336,24 +342,9 @@ def _restore_with_ports(tmp_path: Path, saved: Path, nodes: list[tuple[Any, list
 
     restore = tmp_path / "restore_worker.py"
     restore.write_text(RESTORE)
-    port = free_port()
-    procs = []
-    for rank, (node, own, replicas) in enumerate(nodes):
-        said = json.dumps({"own": own, "replicas": replicas, "address": node.address, "token": TOKEN, "job": JOB})
-        env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
-               "PYTHONPATH": os.pathsep.join(sys.path)}
-        procs.append(subprocess.Popen([sys.executable, str(restore), str(saved), said], env=env, cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    for proc in procs:
-        try:
-            output, _ = proc.communicate(timeout=120)
-        finally:
-            proc.kill()
-        assert proc.returncode == 0, output[-3000:]
-        outputs.append(output)
-    return outputs
+    said = [json.dumps({"own": own, "replicas": replicas, "address": node.address, "token": TOKEN, "job": JOB})
+            for node, own, replicas in nodes]
+    return _ranks([[str(restore), str(saved), one] for one in said], cwd=tmp_path, local_ranks=False)
 
 
 LOAD_SCRIPT = textwrap.dedent("""
