@@ -59,7 +59,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                             workers=_xdist_workers(config))
 
 
-
 def _xdist_workers(config: pytest.Config) -> int:
     """How many xdist workers share the run (asked in a worker, where the collection that counts is made)."""
     workerinput = getattr(config, "workerinput", None)
