@@ -24,6 +24,9 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.extended("a node slower than the others caught by its health check before training, its host excluded "
+                      "and the node relaunched elsewhere: tests/e2e/test_slurm.py's platform test (the same slow "
+                      "fault, the node on the spare); the check's verdicts: test_health_machine.py")
 @pytest.mark.long(21)
 def test_a_node_slower_than_twice_the_median_is_excluded_before_training_and_relaunched(
         run_job: RunJob, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -315,6 +315,10 @@ async def _delete(api: FakeKubeApi, pod: str) -> None:
 
 
 
+@pytest.mark.extended("a failed health check's host kept out: tests/e2e/test_slurm.py's platform test (the node on the "
+                      "spare), k8s's node anti-affinity: test_k8s_objects and test_fake_kubelet; a pod with no room "
+                      "reported pending once: test_k8s_platform; given up while MIN holds and asked for again when "
+                      "room comes: test_scaler_membership; the k8s job itself: the deleted-pod and OOM test above")
 @pytest.mark.long(50)
 async def test_a_failing_host_is_kept_out_and_a_node_with_no_room_is_given_up_then_asked_for_again(
         tmp_path: Path, etcd_url: str) -> None:
