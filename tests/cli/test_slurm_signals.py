@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from stead.cli.slurm_signals import slurm_warning_source
 from stead.core.agent.warned import WarningSaid
+from tests.support.slurm import scontrol_on_path
 
 pytestmark = pytest.mark.anyio
 
@@ -16,16 +16,9 @@ _JOB = ("JobId=42 JobName=train UserId=u(1000) JobState=RUNNING Reason=None Depe
         "TimeLimit=00:02:00 PreemptTime=None NodeList=h[1-3]")
 
 
-def _scontrol_on_path(folder: Path, script: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = folder / "scontrol"
-    path.write_text(f"#!/bin/sh\n{script}\n")
-    path.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
-
-
 async def test_inside_a_slurm_job_the_warning_s_source_is_slurm_saying_the_time_left(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _scontrol_on_path(tmp_path, f"echo \"$*\" > {tmp_path}/asked; echo '{_JOB}'", monkeypatch)
+    scontrol_on_path(tmp_path, f"echo \"$*\" > {tmp_path}/asked; echo '{_JOB}'", monkeypatch)
     source = slurm_warning_source({"SLURM_JOB_ID": "42"})
     assert source is not None and source.name == "slurm"
     assert await source.ask() == WarningSaid(time_left_s=90, said="Slurm warned: time limit in ~90 s")
@@ -34,7 +27,7 @@ async def test_inside_a_slurm_job_the_warning_s_source_is_slurm_saying_the_time_
 
 async def test_a_controller_that_fails_leaves_the_time_left_unknown_saying_why(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _scontrol_on_path(tmp_path, "echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1",
+    scontrol_on_path(tmp_path, "echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1",
                       monkeypatch)
     source = slurm_warning_source({"SLURM_JOB_ID": "42"})
     assert source is not None

@@ -50,7 +50,15 @@ import pytest
 
 from tests.support.hosts import DEFAULT_SHARED, NETNS_DIR, Host, Hosts, test_hosts
 
-__all__ = ["SLURM_TOOLS", "Job", "SlurmCluster", "SlurmError", "slurm_cluster"]
+__all__ = ["SLURM_TOOLS", "Job", "SlurmCluster", "SlurmError", "scontrol_on_path", "slurm_cluster"]
+
+
+def scontrol_on_path(folder: Path, line: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``scontrol`` that runs the shell ``line`` (standing in for Slurm's controller), first on PATH."""
+    script = folder / "scontrol"
+    script.write_text(f"#!/bin/sh\n{line}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
 
 #: the daemons and clients the cluster needs, looked up on PATH (and in /usr/sbin, where Debian puts the daemons)
 SLURM_TOOLS = ("slurmctld", "slurmd", "srun", "sbatch", "scancel", "scontrol", "squeue", "sinfo")

@@ -21,6 +21,7 @@ from stead.core.events import JobStopped, JobSubmitted, Record, decode_record, e
 from stead.core.statemachine.fold import fold_all
 from stead.core.views.display import format_status
 from stead.platforms.hosts.slurm_why import SlurmJob, ask_job, parse_duration_s, parse_job, stop_cause, warning_text
+from tests.support.slurm import scontrol_on_path
 
 pytestmark = pytest.mark.anyio
 
@@ -142,16 +143,9 @@ async def test_no_scontrol_is_cause_unknown(tmp_path: Path, monkeypatch: pytest.
     assert job is None and trouble.startswith(f"{tmp_path / 'missing'} did not start: ")
 
 
-def _scontrol_on_path(folder: Path, line: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    script = folder / "scontrol"
-    script.write_text(f"#!/bin/sh\n{line}\n")
-    script.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
-
-
-async def test_a_sigterm_in_a_slurm_job_is_explained_by_scontrol_on_path(
+async def test_a_sigterm_in_a_slurm_job_is_explained_byscontrol_on_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _scontrol_on_path(tmp_path, f"echo \"$*\" > {tmp_path}/asked; echo {shlex.quote(scontrol_line('PREEMPTED'))}",
+    scontrol_on_path(tmp_path, f"echo \"$*\" > {tmp_path}/asked; echo {shlex.quote(scontrol_line('PREEMPTED'))}",
                       monkeypatch)
     assert await slurm_stop_cause({"SLURM_JOB_ID": "42"}, signal.SIGTERM) == "preempted (PREEMPTED)"
     assert (tmp_path / "asked").read_text() == "show job 42 -o\n"
@@ -159,7 +153,7 @@ async def test_a_sigterm_in_a_slurm_job_is_explained_by_scontrol_on_path(
 
 async def test_outside_a_slurm_job_or_for_ctrl_c_nobody_is_asked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _scontrol_on_path(tmp_path, f"touch {tmp_path}/asked", monkeypatch)
+    scontrol_on_path(tmp_path, f"touch {tmp_path}/asked", monkeypatch)
     assert await slurm_stop_cause({}, signal.SIGTERM) is None
     assert await slurm_stop_cause({"SLURM_JOB_ID": "42"}, signal.SIGINT) is None
     assert not (tmp_path / "asked").exists()
@@ -168,7 +162,7 @@ async def test_outside_a_slurm_job_or_for_ctrl_c_nobody_is_asked(
 async def test_slurms_warning_is_answered_with_the_time_left_and_ignored_again_after(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     line = scontrol_line("RUNNING", run="00:00:30", limit="00:02:00")
-    _scontrol_on_path(tmp_path, f"echo {shlex.quote(line)}", monkeypatch)
+    scontrol_on_path(tmp_path, f"echo {shlex.quote(line)}", monkeypatch)
     previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         with capture_logs() as logs:

@@ -97,21 +97,8 @@ def test_slots_that_are_not_one_step_of_every_old_rank_are_refused(which: str) -
         stage_from_memory([s.part(where=f"slot of rank {s.doc.rank}") for s in images], blank(), rank=0, world=1)
 
 
-SCRIPT = textwrap.dedent("""
-    import json, os, sys, torch, torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from stead.plugins.ckpt._layout import parse_document
-    from stead.plugins.ckpt._memreshard import stage_from_memory
-    from stead.plugins.ckpt.testing import SlotImage, slot_image
-
-    phase, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-
+#: the model both scripts train and how they read it whole (the same seed: the same state)
+MODEL = textwrap.dedent("""
     def trained(seed):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))  # 5 rows: uneven shards
@@ -127,6 +114,24 @@ SCRIPT = textwrap.dedent("""
         for param, values in optim_sd["state"].items():
             tensors.update({f"optim.{param}.{k}": v for k, v in values.items()})
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in sorted(tensors.items())}
+""")
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from stead.plugins.ckpt._layout import parse_document
+    from stead.plugins.ckpt._memreshard import stage_from_memory
+    from stead.plugins.ckpt.testing import SlotImage, slot_image
+
+    phase, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+
+    MODEL
 
     if phase == "save":
         model, opt = trained(0)
@@ -176,7 +181,7 @@ SCRIPT = textwrap.dedent("""
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # as test_fsdp.py's workers do: fully_shard keeps the process group alive past destroy
-""")
+""").replace("MODEL\n", MODEL)
 
 
 def _run(script: Path, phase: str, out: Path, world: int, *extra: str) -> list[str]:
@@ -253,21 +258,7 @@ RESTORE = textwrap.dedent("""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
 
-    def trained(seed):
-        torch.manual_seed(seed)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.Adam(model.parameters(), lr=0.1)
-        model(torch.full((3, 4), float(seed + 1))).sum().backward()
-        opt.step()
-        return model, opt
-
-    def full(model, opt):
-        model_sd, optim_sd = get_state_dict(model, opt)
-        tensors = {"model." + k: v for k, v in model_sd.items()}
-        for param, values in optim_sd["state"].items():
-            tensors.update({f"optim.{param}.{k}": v for k, v in values.items()})
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in sorted(tensors.items())}
+    MODEL
 
     def image(old):
         data = bytearray((out / f"slot_{old}.bin").read_bytes())
@@ -306,7 +297,7 @@ RESTORE = textwrap.dedent("""
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # as test_fsdp.py's workers do: fully_shard keeps the process group alive past destroy
-""")
+""").replace("MODEL\n", MODEL)
 
 
 def test_fsdp2_of_three_nodes_is_resharded_into_two_with_each_node_reading_the_slot_it_lacks_from_the_other(
