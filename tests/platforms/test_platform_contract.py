@@ -10,6 +10,7 @@ run one after the other, each row's tests together, so that it is started once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -272,9 +273,28 @@ class OnSlurmJob(_OnHosts):
     async def _platform(self, stack: contextlib.AsyncExitStack, hosts: HostsPlatform, argv: list[str],
                         env: dict[str, str], folder: Path) -> Any:
         cluster = self.job.cluster
+        clients: list[asyncio.subprocess.Process] = []
+
+        async def spawn(*command: str, **kwargs: Any) -> asyncio.subprocess.Process:
+            process = await cluster.spawn_client(*command, **kwargs)
+            clients.append(process)
+            return process
+
+        stack.push_async_callback(_clients_ended, clients)  # (after the platform closed)
         platform = SlurmPlatform(hosts, job_id=self.job.job_id, nodes=self.nodes, argv=argv, env=env, cwd=str(folder),
-                                 srun=cluster.tools["srun"], sinfo=cluster.tools["sinfo"], spawn=cluster.spawn_client)
+                                 srun=cluster.tools["srun"], sinfo=cluster.tools["sinfo"], spawn=spawn)
         return await stack.enter_async_context(platform)
+
+
+async def _clients_ended(clients: list[asyncio.subprocess.Process]) -> None:
+    """The Slurm clients the platform started, gone. Each runs under a wrapper that enters the controller's
+    namespaces (:meth:`SlurmCluster.spawn_client`): the platform stops the wrapper it was handed (where a batch
+    script's platform stops ``srun`` itself), and an ``srun`` still finishing its step with a slow controller may
+    outlive it (seen once: 10 s after the platform closed). Its process group (the wrapper's session) is killed."""
+    for process in clients:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
 
 
 BACKENDS = [
